@@ -1,0 +1,1 @@
+"""BPF C sources, shipped as package data and loaded through importlib.resources."""

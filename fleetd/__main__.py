@@ -1,0 +1,3 @@
+from fleetd.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""The catalogue of sources and operations: one numeric code per traced op.
+
+Codes are stored in ``event_data.op`` (an integer keeps rows small and inserts fast);
+the ``ops`` table written from this catalogue lets a user write
+``WHERE op = 'cudaLaunchKernel'`` against the ``events`` view. The same codes reach
+the BPF programs as ``-DOP_<NAME>=<code>`` cflags, so C and Python cannot drift.
+
+Codes are stable forever: add new ones, never renumber. Each source owns a block of 100.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    code: int
+    name: str
+    source: str
+    kind: str  # call | interval | instant | aggregate
+    a0: str | None = None  # what the generic a0/a1 columns mean for this op
+    a1: str | None = None
+
+
+SOURCES: dict[str, str] = {
+    "cuda": "CUDA runtime API (libcudart)",
+    "graph": "CUDA graph capture and launch (libcudart)",
+    "driver": "CUDA driver API (libcuda)",
+    "nccl": "NCCL collectives and point-to-point (libnccl)",
+    "sched": "scheduler: off-CPU intervals, run-queue waits, wakeups",
+    "mem": "page allocation, aggregated in the kernel",
+    "block": "block I/O requests",
+    "proc": "process lifecycle",
+    "irq": "hard and soft interrupts that preempted a traced thread",
+    "syscall": "system calls slower than the threshold",
+}
+
+_CUDA = [
+    ("cudaLaunchKernel", "grid_threads", "block_threads"),
+    ("cudaMemcpy", "kind", None),
+    ("cudaMemcpyAsync", "kind", None),
+    ("cudaMalloc", None, None),
+    ("cudaFree", None, None),
+    ("cudaMallocManaged", None, None),
+    ("cudaStreamSynchronize", None, None),
+    ("cudaDeviceSynchronize", None, None),
+    ("cudaEventSynchronize", None, None),
+    ("cudaStreamWaitEvent", None, None),
+    ("cudaMallocAsync", None, None),
+    ("cudaFreeAsync", None, None),
+]
+_GRAPH = [
+    "cudaStreamBeginCapture",
+    "cudaStreamEndCapture",
+    "cudaGraphInstantiate",
+    "cudaGraphLaunch",
+    "cudaGraphExecUpdate",
+    "cudaGraphExecDestroy",
+]
+_DRIVER = [
+    ("cuLaunchKernel", "grid_threads", "block_threads"),
+    ("cuLaunchKernelEx", None, None),
+    ("cuMemAlloc_v2", None, None),
+    ("cuMemcpyHtoD_v2", None, None),
+    ("cuMemcpyDtoH_v2", None, None),
+    ("cuMemcpyHtoDAsync_v2", None, None),
+    ("cuMemcpyDtoHAsync_v2", None, None),
+    ("cuCtxSynchronize", None, None),
+    ("cuStreamSynchronize", None, None),
+    ("cuGraphLaunch", None, None),
+]
+_NCCL = [
+    "ncclAllReduce",
+    "ncclBroadcast",
+    "ncclReduce",
+    "ncclAllGather",
+    "ncclReduceScatter",
+    "ncclSend",
+    "ncclRecv",
+]
+
+
+def _build() -> list[Op]:
+    ops: list[Op] = []
+    for i, (name, a0, a1) in enumerate(_CUDA):
+        ops.append(Op(100 + i, name, "cuda", "call", a0, a1))
+    for i, name in enumerate(_GRAPH):
+        ops.append(Op(200 + i, name, "graph", "call"))
+    for i, (name, a0, a1) in enumerate(_DRIVER):
+        ops.append(Op(300 + i, name, "driver", "call", a0, a1))
+    for i, name in enumerate(_NCCL):
+        ops.append(Op(400 + i, name, "nccl", "call", "count", "peer"))
+    ops += [
+        Op(500, "off_cpu", "sched", "interval", "prev_state", None),
+        Op(501, "runq_wait", "sched", "interval", None, None),
+        Op(502, "wakeup", "sched", "instant", None, None),
+        Op(600, "page_alloc", "mem", "aggregate", "order", None),
+        Op(700, "block_io", "block", "interval", "dev", "sector"),
+        Op(800, "fork", "proc", "instant", None, None),
+        Op(801, "exec", "proc", "instant", None, None),
+        Op(802, "exit", "proc", "instant", "exit_code", None),
+        Op(900, "hardirq", "irq", "interval", "irq", None),
+        Op(901, "softirq", "irq", "interval", "vec", None),
+        Op(1000, "syscall", "syscall", "interval", "nr", None),
+    ]
+    return ops
+
+
+OPS: tuple[Op, ...] = tuple(_build())
+BY_NAME: dict[str, Op] = {op.name: op for op in OPS}
+BY_CODE: dict[int, Op] = {op.code: op for op in OPS}
+
+
+def op_code(name: str) -> int:
+    """The code of an op by name; KeyError for an unknown one."""
+    return BY_NAME[name].code
+
+
+def cflag_name(op: Op) -> str:
+    """The C macro name for an op, e.g. ``OP_CUDALAUNCHKERNEL``."""
+    return "OP_" + op.name.upper()

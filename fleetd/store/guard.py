@@ -1,0 +1,269 @@
+"""Safe SQL for untrusted queries: the local CLI, the node API and the MCP server share it.
+
+Layers, each of which alone would stop a write, so that one mistake is not enough:
+1. the file is opened read-only (``mode=ro``) with ``PRAGMA query_only``;
+2. an authorizer admits only reads, read-only pragmas and harmless functions;
+3. SQLite's own limits cap string/blob sizes (``randomblob(1e9)`` fails early),
+   SQL length and attached databases (none);
+4. a progress handler stops any statement past its deadline (runaway recursive CTEs,
+   cartesian products);
+5. rows and bytes returned are capped, with a ``truncated`` flag instead of an error.
+
+Python's sqlite3 refuses more than one statement per ``execute``; parameters are
+always bound, never formatted into the SQL.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from fleetd.errors import QueryError, UsageError
+from fleetd.store.db import open_reader
+
+Params = Sequence[Any] | Mapping[str, Any]
+
+# Introspection pragmas whose argument names what to describe: read-only with any argument.
+NAMED_PRAGMAS = frozenset({
+    "table_info", "table_xinfo", "table_list", "index_list", "index_info", "index_xinfo",
+    "foreign_key_list",
+})
+# Pragmas that read a setting without a value, but would change it with one.
+READ_PRAGMAS = frozenset({
+    "database_list", "function_list", "pragma_list", "collation_list", "compile_options",
+    "user_version", "application_id", "schema_version", "page_count", "page_size",
+    "freelist_count", "encoding", "journal_mode",
+})
+# Functions that reach outside the database or change SQLite's state.
+DENIED_FUNCTIONS = frozenset({
+    "load_extension", "readfile", "writefile", "edit", "fts3_tokenizer", "zipfile",
+    "sqlite_dbpage",
+})
+_ALLOWED_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE})
+_PROGRESS_EVERY = 2_000  # VM instructions between deadline checks: ~tens of microseconds
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Ceilings for one query. A request may lower any of them, never raise one."""
+
+    timeout_s: float = 5.0
+    max_rows: int = 10_000
+    max_bytes: int = 16 * 1024 * 1024
+    max_sql_chars: int = 64 * 1024
+    max_value_bytes: int = 4 * 1024 * 1024  # SQLite's own cap on any one string or blob
+
+    def lowered(
+        self,
+        *,
+        timeout_s: float | None = None,
+        max_rows: int | None = None,
+        max_bytes: int | None = None,
+    ) -> Limits:
+        """These limits, lowered by a request's wishes; a wish above a ceiling is ignored."""
+        out = self
+        if timeout_s is not None:
+            _check_positive("timeout", timeout_s)
+            out = replace(out, timeout_s=min(out.timeout_s, float(timeout_s)))
+        if max_rows is not None:
+            _check_positive("row limit", max_rows)
+            out = replace(out, max_rows=min(out.max_rows, int(max_rows)))
+        if max_bytes is not None:
+            _check_positive("byte limit", max_bytes)
+            out = replace(out, max_bytes=min(out.max_bytes, int(max_bytes)))
+        return out
+
+
+def _check_positive(what: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise UsageError(f"{what} must be a positive number, got {value!r}")
+
+
+@dataclass(slots=True)
+class QueryResult:
+    columns: list[str]
+    rows: list[tuple[Any, ...]]
+    truncated: bool = False
+    truncated_reason: str | None = None  # "rows" | "bytes"
+    elapsed_ms: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+
+class _Authorizer:
+    """Admits reads only, and remembers why it denied, for the error message."""
+
+    def __init__(self) -> None:
+        self.denied: str | None = None
+
+    def __call__(
+        self, action: int, arg1: str | None, arg2: str | None, db: str | None, source: str | None
+    ) -> int:
+        if action in _ALLOWED_ACTIONS:
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_FUNCTION:
+            if arg2 and arg2.lower() in DENIED_FUNCTIONS:
+                return self._deny(f"function {arg2}()")
+            return sqlite3.SQLITE_OK
+        if action == sqlite3.SQLITE_PRAGMA:
+            name = (arg1 or "").lower()
+            if name in NAMED_PRAGMAS or (name in READ_PRAGMAS and arg2 is None):
+                return sqlite3.SQLITE_OK
+            shown = f"PRAGMA {arg1}" + (f" = {arg2}" if arg2 is not None else "")
+            return self._deny(shown)
+        return self._deny(_ACTION_NAMES.get(action, f"action {action}"))
+
+    def _deny(self, what: str) -> int:
+        if self.denied is None:
+            self.denied = what
+        return sqlite3.SQLITE_DENY
+
+
+_ACTION_NAMES = {
+    getattr(sqlite3, n): n.removeprefix("SQLITE_").replace("_", " ")
+    for n in dir(sqlite3)
+    if n.startswith("SQLITE_")
+    and n not in {"SQLITE_OK", "SQLITE_DENY", "SQLITE_IGNORE"}
+    and not n.startswith("SQLITE_LIMIT")
+    and isinstance(getattr(sqlite3, n), int)
+    and getattr(sqlite3, n) < 40
+}
+
+
+class SafeDB:
+    """A read-only view of one database for untrusted SQL. Use from one thread at a time."""
+
+    def __init__(self, path: Path, limits: Limits | None = None) -> None:
+        self.path = path
+        self.limits = limits or Limits()
+        self.conn = open_reader(path)
+        self._auth = _Authorizer()
+        self.conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+        self.conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, self.limits.max_value_bytes)
+        self.conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, self.limits.max_sql_chars)
+        self.conn.set_authorizer(self._auth)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> SafeDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def query(self, sql: str, params: Params = (), limits: Limits | None = None) -> QueryResult:
+        """Run one untrusted read-only statement under ``limits`` (default: the ceilings)."""
+        lim = limits or self.limits
+        _check_sql_text(sql, lim)
+        self._auth.denied = None
+        deadline = time.monotonic() + lim.timeout_s
+        timed_out = False
+
+        def progress() -> int:
+            nonlocal timed_out
+            if time.monotonic() > deadline:
+                timed_out = True
+                return 1
+            return 0
+
+        self.conn.set_progress_handler(progress, _PROGRESS_EVERY)
+        started = time.perf_counter()
+        try:
+            cur = self.conn.execute(sql, params)
+            result = _collect(cur, lim)
+        except sqlite3.Error as exc:
+            raise self._explain(exc, sql, lim, timed_out) from exc
+        finally:
+            self.conn.set_progress_handler(None, 0)
+        result.elapsed_ms = (time.perf_counter() - started) * 1000
+        return result
+
+    def _explain(self, exc: sqlite3.Error, sql: str, lim: Limits, timed_out: bool) -> QueryError:
+        text = str(exc)
+        if timed_out or "interrupted" in text:
+            return QueryError(
+                f"query stopped after its {lim.timeout_s:g} s time limit",
+                "narrow it with WHERE ts_ns > ... or LIMIT, or raise --timeout (up to the "
+                "server's ceiling)",
+                code="timeout",
+            )
+        if self._auth.denied or "not authorized" in text:
+            return QueryError(
+                f"refused: {self._auth.denied or 'statement'} is not allowed; only read-only "
+                "SELECT queries are accepted",
+                "use SELECT (WITH ... SELECT, read-only PRAGMAs such as table_info are fine)",
+                code="forbidden",
+            )
+        if "one statement at a time" in text:
+            return QueryError(
+                "refused: more than one statement in the query",
+                "send one SELECT per request, without a second statement after ';'",
+                code="forbidden",
+            )
+        if "too big" in text:
+            return QueryError(
+                f"refused: a value would exceed {lim.max_value_bytes} bytes ({text})",
+                "select smaller values (substr(), length()) instead of huge blobs or strings",
+                code="too_large",
+            )
+        if "readonly" in text or "read-only" in text or "cannot modify" in text:
+            return QueryError(f"refused: the database is read-only here ({text})",
+                              "only SELECT queries are accepted", code="forbidden")
+        return QueryError(f"SQL error: {text}", _sql_hint(text), code="bad_query")
+
+
+def _check_sql_text(sql: str, lim: Limits) -> None:
+    if not isinstance(sql, str) or not sql.strip():
+        raise QueryError("empty query", "pass one SELECT statement", code="bad_query")
+    if len(sql) > lim.max_sql_chars:
+        raise QueryError(
+            f"query is {len(sql)} characters, over the limit of {lim.max_sql_chars}",
+            "shorten it; pass values as parameters", code="too_large",
+        )
+    if "\x00" in sql:
+        raise QueryError("query contains a NUL character", "remove it", code="bad_query")
+
+
+def _sql_hint(text: str) -> str:
+    if "no such table" in text:
+        return "list tables with: SELECT name, type FROM sqlite_master; events is the main view"
+    if "no such column" in text:
+        return "list columns with: PRAGMA table_info(events)"
+    if "syntax error" in text or "incomplete input" in text:
+        return "check the SQL near the quoted token; quote strings with single quotes"
+    return "check the query"
+
+
+def _collect(cur: sqlite3.Cursor, lim: Limits) -> QueryResult:
+    if cur.description is None:
+        # Only comments, or a statement that returns nothing: not a query.
+        raise QueryError("the query holds no SELECT statement",
+                         "pass one SELECT statement", code="bad_query")
+    columns = [d[0] for d in cur.description]
+    rows: list[tuple[Any, ...]] = []
+    size = 0
+    while True:
+        chunk = cur.fetchmany(256)
+        if not chunk:
+            break
+        for row in chunk:
+            if len(rows) >= lim.max_rows:
+                cur.close()
+                return QueryResult(columns, rows, True, "rows")
+            size += _row_bytes(row)
+            if size > lim.max_bytes:
+                cur.close()
+                return QueryResult(columns, rows, True, "bytes")
+            rows.append(row)
+    return QueryResult(columns, rows)
+
+
+def _row_bytes(row: tuple[Any, ...]) -> int:
+    n = 0
+    for v in row:
+        n += len(v) if isinstance(v, str | bytes) else 8
+    return n

@@ -1,0 +1,256 @@
+"""The node store's SQLite schema, its versions and forward migrations.
+
+Raw tables (``*_data``) are shaped for fast inserts: integer op codes, integer node
+keys, one 64-bit row id per event. Users query the views (``events``, ``sessions``,
+``chains``...) that join names in, so ``WHERE op = 'cudaLaunchKernel' AND node =
+'gpu-01'`` works without knowing any code.
+
+Event ids are ``node_key << 40 | seq``: unique inside one file, stable across
+restarts (seq continues from the largest stored one), and merge-safe, because a
+merged file gives every node its own key. The views print them as ``node:seq``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+
+from fleetd.store.catalog import OPS, SOURCES
+
+APPLICATION_ID = 0x666C7464  # "fltd": tells our files from any other SQLite file
+SCHEMA_VERSION = 1
+SEQ_BITS = 40
+SEQ_MASK = (1 << SEQ_BITS) - 1
+
+# The order of values in an event row handed to the writer (the writer adds id, node).
+EVENT_FIELDS: tuple[str, ...] = (
+    "ts_ns", "dur_ns", "pid", "tid", "op", "ret", "bytes", "peer", "a0", "a1", "stack",
+)
+EventRow = tuple[int, int, int, int, int, int, int, int, int, int, int]
+
+_V1 = """
+CREATE TABLE meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE nodes (
+    id         INTEGER PRIMARY KEY,          -- the node key inside this file
+    name       TEXT NOT NULL UNIQUE,
+    uid        TEXT NOT NULL,                -- random, made with the node's first database
+    machine_id TEXT,
+    host       TEXT,
+    created_ns INTEGER NOT NULL
+);
+CREATE TABLE sources (
+    name        TEXT PRIMARY KEY,
+    description TEXT NOT NULL
+);
+CREATE TABLE ops (
+    code   INTEGER PRIMARY KEY,
+    name   TEXT NOT NULL UNIQUE,
+    source TEXT NOT NULL REFERENCES sources(name),
+    kind   TEXT NOT NULL,
+    a0     TEXT,                             -- meaning of event a0 for this op
+    a1     TEXT
+);
+CREATE TABLE session_data (
+    node            INTEGER NOT NULL REFERENCES nodes(id),
+    seq             INTEGER NOT NULL,
+    host            TEXT,
+    kernel          TEXT,
+    boot_id         TEXT,
+    started_ns      INTEGER NOT NULL,        -- wall clock, UTC
+    ended_ns        INTEGER,
+    mono_offset_ns  INTEGER NOT NULL,        -- wall = monotonic + offset
+    clock_error_ns  INTEGER,                 -- sampling window + adjtimex max error
+    clock_samples   TEXT,                    -- JSON [[mono_ns, offset_ns, error_ns], ...]
+    rank            INTEGER,
+    local_rank      INTEGER,
+    world_size      INTEGER,
+    tool_version    TEXT NOT NULL,
+    schema_version  INTEGER NOT NULL,
+    lost_events     INTEGER NOT NULL DEFAULT 0,
+    dropped_stacks  INTEGER NOT NULL DEFAULT 0,
+    sampled_out     INTEGER NOT NULL DEFAULT 0,  -- events kept only in histograms, by design
+    drops           TEXT,                    -- JSON {layer: lost}
+    targets         TEXT,                    -- JSON: pids, cgroups, libraries attached
+    headers_route   TEXT,
+    command         TEXT,
+    PRIMARY KEY (node, seq)
+) WITHOUT ROWID;
+CREATE TABLE process_data (
+    node       INTEGER NOT NULL REFERENCES nodes(id),
+    pid        INTEGER NOT NULL,
+    ppid       INTEGER,
+    comm       TEXT,
+    exe        TEXT,
+    cmdline    TEXT,
+    rank       INTEGER,
+    local_rank INTEGER,
+    world_size INTEGER,
+    start_ns   INTEGER,
+    exit_ns    INTEGER,
+    exit_code  INTEGER,
+    PRIMARY KEY (node, pid)
+) WITHOUT ROWID;
+CREATE TABLE task_data (
+    node INTEGER NOT NULL REFERENCES nodes(id),
+    tid  INTEGER NOT NULL,
+    pid  INTEGER,
+    comm TEXT,
+    PRIMARY KEY (node, tid)
+) WITHOUT ROWID;
+CREATE TABLE stacks (
+    hash   INTEGER PRIMARY KEY,              -- 64-bit content hash, shared across nodes
+    frames TEXT NOT NULL                     -- JSON list of symbolized frames, innermost first
+);
+-- Only integers, no NULLs: binding None costs Python's sqlite3 an adaptation lookup per
+-- value, which halves insert speed. 0 means "none" in every column but ts_ns/dur_ns.
+CREATE TABLE event_data (
+    id     INTEGER PRIMARY KEY,              -- node_key << 40 | seq
+    ts_ns  INTEGER NOT NULL,                 -- wall clock UTC of the start
+    dur_ns INTEGER NOT NULL,                 -- 0 for instants
+    pid    INTEGER NOT NULL,
+    tid    INTEGER NOT NULL,
+    op     INTEGER NOT NULL,
+    ret    INTEGER NOT NULL,                 -- return code (0 = success)
+    bytes  INTEGER NOT NULL,
+    peer   INTEGER NOT NULL,                 -- the other task (tid): who ran instead, who woke us
+    a0     INTEGER NOT NULL,                 -- op-specific, see ops.a0 / ops.a1
+    a1     INTEGER NOT NULL,
+    stack  INTEGER NOT NULL                  -- stacks.hash, 0 = none
+);
+-- The few events with extras (grid/block dims, stream, ...) keep them here.
+CREATE TABLE event_args (
+    id   INTEGER PRIMARY KEY,                -- event_data.id
+    args TEXT NOT NULL                       -- JSON object
+);
+CREATE INDEX event_ts ON event_data(ts_ns);
+CREATE TABLE aggregate_data (
+    node    INTEGER NOT NULL,
+    session INTEGER,
+    ts_ns   INTEGER NOT NULL,                -- window start
+    dur_ns  INTEGER NOT NULL,                -- window length
+    pid     INTEGER,
+    op      INTEGER NOT NULL,
+    bucket  INTEGER NOT NULL,                -- log2(latency ns) bucket, or -1 for totals
+    count   INTEGER NOT NULL,
+    sum     INTEGER NOT NULL                 -- ns for latencies, pages for page_alloc
+);
+CREATE INDEX aggregate_op ON aggregate_data(node, op, ts_ns);
+CREATE TABLE chain_data (
+    node         INTEGER NOT NULL,
+    seq          INTEGER NOT NULL,
+    key          TEXT NOT NULL,              -- the same problem keeps its key across versions
+    version      INTEGER NOT NULL,
+    created_ns   INTEGER NOT NULL,
+    ts_ns        INTEGER NOT NULL,
+    dur_ns       INTEGER NOT NULL,
+    severity     TEXT NOT NULL CHECK (severity IN ('HIGH', 'MEDIUM', 'LOW')),
+    root_cause   TEXT NOT NULL,
+    summary      TEXT NOT NULL,
+    op           TEXT,
+    victim_pid   INTEGER,
+    victim_tid   INTEGER,
+    victim_comm  TEXT,
+    culprit_pid  INTEGER,
+    culprit_comm TEXT,
+    explained    REAL,                       -- share of the spike the evidence covers
+    impact       REAL,                       -- share of total time affected
+    evidence     TEXT NOT NULL,              -- JSON list
+    fixes        TEXT NOT NULL,              -- JSON list of strings
+    PRIMARY KEY (node, seq),
+    UNIQUE (node, key, version)
+) WITHOUT ROWID;
+
+CREATE VIEW events AS
+SELECT n.name || ':' || (e.id & 1099511627775) AS id,
+       n.name AS node, e.ts_ns, e.dur_ns, e.pid, e.tid,
+       p.comm AS comm, t.comm AS thread, o.source AS source, o.name AS op,
+       e.ret, e.bytes, e.peer, pt.pid AS peer_pid, pt.comm AS peer_comm, e.a0, e.a1,
+       e.stack, x.args, p.rank AS rank, e.op AS op_code, e.id AS rowkey
+FROM event_data e
+JOIN nodes n ON n.id = (e.id >> 40)
+JOIN ops o ON o.code = e.op
+LEFT JOIN process_data p ON p.node = n.id AND p.pid = e.pid
+LEFT JOIN task_data t ON t.node = n.id AND t.tid = e.tid
+LEFT JOIN task_data pt ON pt.node = n.id AND pt.tid = e.peer AND e.peer != 0
+LEFT JOIN event_args x ON x.id = e.id;
+
+CREATE VIEW sessions AS
+SELECT n.name || ':' || s.seq AS id, n.name AS node, s.*
+FROM session_data s JOIN nodes n ON n.id = s.node;
+
+CREATE VIEW processes AS
+SELECT n.name AS node, p.pid, p.ppid, p.comm, p.exe, p.cmdline, p.rank, p.local_rank,
+       p.world_size, p.start_ns, p.exit_ns, p.exit_code
+FROM process_data p JOIN nodes n ON n.id = p.node;
+
+CREATE VIEW threads AS
+SELECT n.name AS node, t.tid, t.pid, t.comm
+FROM task_data t JOIN nodes n ON n.id = t.node;
+
+CREATE VIEW aggregates AS
+SELECT n.name AS node, a.session, a.ts_ns, a.dur_ns, a.pid, o.source, o.name AS op,
+       a.bucket, a.count, a.sum
+FROM aggregate_data a JOIN nodes n ON n.id = a.node JOIN ops o ON o.code = a.op;
+
+CREATE VIEW chain_history AS
+SELECT n.name || ':' || c.seq AS id, n.name AS node, c.key, c.version, c.created_ns,
+       c.ts_ns, c.dur_ns, c.severity, c.root_cause, c.summary, c.op, c.victim_pid,
+       c.victim_tid, c.victim_comm, c.culprit_pid, c.culprit_comm, c.explained, c.impact,
+       c.evidence, c.fixes
+FROM chain_data c JOIN nodes n ON n.id = c.node;
+
+CREATE VIEW chains AS
+SELECT h.* FROM chain_history h
+WHERE h.version = (SELECT max(c2.version) FROM chain_data c2
+                   JOIN nodes n2 ON n2.id = c2.node
+                   WHERE n2.name = h.node AND c2.key = h.key);
+"""
+
+# Index i holds the SQL that takes a database from version i to i + 1.
+MIGRATIONS: tuple[str, ...] = (_V1,)
+assert len(MIGRATIONS) == SCHEMA_VERSION
+
+
+def seed_catalog(conn: sqlite3.Connection) -> None:
+    """(Re)write the sources and ops lookups; new ops appear in old files this way."""
+    conn.executemany(
+        "INSERT OR REPLACE INTO sources(name, description) VALUES (?, ?)", SOURCES.items()
+    )
+    conn.executemany(
+        "INSERT OR REPLACE INTO ops(code, name, source, kind, a0, a1) VALUES (?,?,?,?,?,?)",
+        [(o.code, o.name, o.source, o.kind, o.a0, o.a1) for o in OPS],
+    )
+
+
+def migrate(conn: sqlite3.Connection, from_version: int) -> None:
+    """Apply every migration after ``from_version`` in one transaction."""
+    steps: Sequence[str] = MIGRATIONS[from_version:]
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for sql in steps:
+            for stmt in _statements(sql):
+                conn.execute(stmt)
+        seed_catalog(conn)
+        conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _statements(script: str) -> list[str]:
+    """Split a migration script into statements (executescript would commit for us)."""
+    out: list[str] = []
+    buf = ""
+    for line in script.splitlines(keepends=True):
+        buf += line
+        if sqlite3.complete_statement(buf):
+            out.append(buf.strip())
+            buf = ""
+    if buf.strip():
+        out.append(buf.strip())
+    return out

@@ -1,0 +1,73 @@
+"""Durations (``30s``, ``5m``, ``2h``, ``1d``) and timestamps given on the command line."""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import UTC, datetime
+
+from fleetd.errors import UsageError
+
+_UNITS_NS = {
+    "ns": 1,
+    "us": 1_000,
+    "ms": 1_000_000,
+    "s": 1_000_000_000,
+    "m": 60 * 1_000_000_000,
+    "h": 3600 * 1_000_000_000,
+    "d": 86400 * 1_000_000_000,
+}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ns|us|ms|s|m|h|d)\s*$")
+
+
+def parse_duration(text: str) -> int:
+    """``"5m"`` -> nanoseconds. A unit is required: a bare ``300`` is ambiguous."""
+    m = _DURATION.match(text or "")
+    if not m:
+        raise UsageError(
+            f"invalid duration {text!r}",
+            "use a number with a unit: 30s, 5m, 2h, 1d (also ms, us, ns)",
+        )
+    value = float(m.group(1)) * _UNITS_NS[m.group(2)]
+    if value <= 0:
+        raise UsageError(f"invalid duration {text!r}: must be more than zero", "e.g. 30s or 5m")
+    return int(value)
+
+
+def parse_timestamp(text: str) -> int:
+    """An absolute time -> wall-clock ns (UTC).
+
+    Accepts ISO 8601 (``2026-11-22T10:00:00Z``, ``2026-11-22 10:00:00+01:00``; no zone
+    means UTC), epoch seconds (``1763800000``, ``1763800000.5``) or epoch ns (19 digits),
+    and ``now`` / ``now-5m``.
+    """
+    s = (text or "").strip()
+    if s.startswith("now"):
+        rest = s[3:].strip()
+        if not rest:
+            return time.time_ns()
+        if rest.startswith("-"):
+            return time.time_ns() - parse_duration(rest[1:])
+    elif re.fullmatch(r"\d{19}", s):
+        return int(s)
+    elif re.fullmatch(r"\d{9,11}(\.\d+)?", s):
+        return int(float(s) * 1e9)
+    else:
+        try:
+            dt = datetime.fromisoformat(s.replace("Z", "+00:00"))
+        except ValueError:
+            pass
+        else:
+            if dt.tzinfo is None:
+                dt = dt.replace(tzinfo=UTC)
+            return int(dt.timestamp()) * 1_000_000_000 + dt.microsecond * 1000
+    raise UsageError(
+        f"invalid time {text!r}",
+        "use ISO 8601 (2026-11-22T10:00:00Z), epoch seconds, or now-5m",
+    )
+
+
+def format_ns(ts_ns: int) -> str:
+    """Wall-clock ns -> ``2026-11-22T10:00:00.123456Z``."""
+    dt = datetime.fromtimestamp(ts_ns / 1e9, tz=UTC)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S.%fZ")

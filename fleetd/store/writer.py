@@ -1,0 +1,413 @@
+"""The batch writer: the only thread that writes a node database.
+
+Producers (the tracer's decoder, the analyzer) hand over lists of rows; the writer
+thread drains its queue and commits many rows per transaction, which is what makes
+hundreds of thousands of inserts per second possible on one core. It assigns
+node-namespaced ids that continue after a restart, prunes the oldest events when the
+file outgrows its limit, and flushes everything on close.
+
+Nothing is lost silently: rows refused because the queue stayed full, or because a
+write failed (disk full), are counted in :class:`WriterStats`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from fleetd.store.db import ensure_node, open_writer
+from fleetd.store.schema import EVENT_FIELDS, SEQ_BITS, SEQ_MASK, EventRow
+
+log = logging.getLogger("fleetd.store.writer")
+
+_EVENT_SQL = (
+    f"INSERT INTO event_data(id, {', '.join(EVENT_FIELDS)}) "
+    f"VALUES ({', '.join('?' * (len(EVENT_FIELDS) + 1))})"
+)
+_ARGS_SQL = "INSERT INTO event_args(id, args) VALUES (?, ?)"
+_PROCESS_COLS = (
+    "pid", "ppid", "comm", "exe", "cmdline", "rank", "local_rank", "world_size",
+    "start_ns", "exit_ns", "exit_code",
+)
+# Later facts fill in what earlier ones lacked, never blank out what is known.
+_PROCESS_SQL = (
+    f"INSERT INTO process_data(node, {', '.join(_PROCESS_COLS)}) "
+    f"VALUES (?, {', '.join('?' * len(_PROCESS_COLS))}) "
+    "ON CONFLICT(node, pid) DO UPDATE SET "
+    + ", ".join(f"{c} = coalesce(excluded.{c}, {c})" for c in _PROCESS_COLS[1:])
+)
+_TASK_SQL = (
+    "INSERT INTO task_data(node, tid, pid, comm) VALUES (?, ?, ?, ?) "
+    "ON CONFLICT(node, tid) DO UPDATE SET pid = coalesce(excluded.pid, pid), "
+    "comm = coalesce(excluded.comm, comm)"
+)
+_STACK_SQL = "INSERT OR IGNORE INTO stacks(hash, frames) VALUES (?, ?)"
+_AGG_SQL = (
+    "INSERT INTO aggregate_data(node, session, ts_ns, dur_ns, pid, op, bucket, count, sum) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_SESSION_COLS = (
+    "host", "kernel", "boot_id", "started_ns", "ended_ns", "mono_offset_ns", "clock_error_ns",
+    "clock_samples", "rank", "local_rank", "world_size", "tool_version", "schema_version",
+    "lost_events", "dropped_stacks", "sampled_out", "drops", "targets", "headers_route",
+    "command",
+)
+_CHAIN_COLS = (
+    "ts_ns", "dur_ns", "severity", "root_cause", "summary", "op", "victim_pid", "victim_tid",
+    "victim_comm", "culprit_pid", "culprit_comm", "explained", "impact", "evidence", "fixes",
+)
+
+
+@dataclass
+class WriterStats:
+    events_written: int = 0
+    batches: int = 0
+    queue_dropped: int = 0  # rows refused because the queue stayed full
+    failed_rows: int = 0  # rows lost to a failed write (disk full, I/O error)
+    pruned_events: int = 0
+    last_error: str | None = None
+    queue_rows: int = 0  # rows waiting right now
+
+
+@dataclass
+class _Item:
+    kind: str
+    rows: Any
+    done: threading.Event | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class BatchWriter:
+    """One writer thread per database file.
+
+    ``max_bytes`` bounds the used size of the main database file; when a commit takes
+    it past the bound, the oldest events of this node are deleted (their space is
+    reused, so the file stops growing).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        node: str,
+        *,
+        host: str | None = None,
+        max_bytes: int | None = None,
+        batch_rows: int = 50_000,
+        queue_rows: int = 2_000_000,
+        put_timeout_s: float = 2.0,
+    ) -> None:
+        self.path = path
+        self.node = node
+        self.max_bytes = max_bytes
+        self.batch_rows = batch_rows
+        self.queue_limit = queue_rows
+        self.put_timeout_s = put_timeout_s
+        self.stats = WriterStats()
+        self._conn = open_writer(path)
+        self.node_key = ensure_node(self._conn, node, host)
+        self._lo = self.node_key << SEQ_BITS
+        self._hi = self._lo + SEQ_MASK
+        self._next_seq = self._max_seq("event_data", "id") + 1
+        self._next_session = self._scalar(
+            "SELECT coalesce(max(seq), 0) FROM session_data WHERE node = ?", self.node_key
+        ) + 1
+        self._next_chain = self._scalar(
+            "SELECT coalesce(max(seq), 0) FROM chain_data WHERE node = ?", self.node_key
+        ) + 1
+        self._queue: queue.Queue[_Item | None] = queue.Queue()
+        self._space = threading.Condition()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="fleetd-writer", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    # ---- producer side (any thread) -------------------------------------------------
+
+    def add_events(
+        self, rows: Sequence[EventRow], args: Sequence[tuple[int, Mapping[str, Any]]] = ()
+    ) -> bool:
+        """Queue event rows (fields in EVENT_FIELDS order). False if they were dropped.
+
+        ``args`` holds extras for a few of the rows, as (index into rows, dict) pairs.
+        """
+        extra = {"args": [(i, orjson.dumps(a).decode()) for i, a in args]} if args else {}
+        return self._put(_Item("events", rows, extra=extra), len(rows))
+
+    def add_processes(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        tuples = [tuple(r.get(c) for c in _PROCESS_COLS) for r in rows]
+        self._put(_Item("processes", tuples), len(tuples))
+
+    def add_tasks(self, rows: Iterable[tuple[int, int | None, str | None]]) -> None:
+        """(tid, pid, comm) triples."""
+        tuples = list(rows)
+        self._put(_Item("tasks", tuples), len(tuples))
+
+    def add_stacks(self, rows: Iterable[tuple[int, list[str]]]) -> None:
+        """(hash, frames) pairs; a hash already stored is kept as it is."""
+        tuples = [(h, orjson.dumps(frames).decode()) for h, frames in rows]
+        self._put(_Item("stacks", tuples), len(tuples))
+
+    def add_aggregates(
+        self, rows: Iterable[tuple[int | None, int, int, int | None, int, int, int, int]]
+    ) -> None:
+        """(session, ts_ns, dur_ns, pid, op, bucket, count, sum) rows."""
+        tuples = list(rows)
+        self._put(_Item("aggregates", tuples), len(tuples))
+
+    def begin_session(self, fields: Mapping[str, Any]) -> int:
+        """Record a trace session now and return its seq (events carry it)."""
+        _check_session_fields(fields)
+        with self._lock:
+            seq = self._next_session
+            self._next_session += 1
+        self._put(_Item("session", dict(fields), extra={"seq": seq, "new": True}), 1)
+        return seq
+
+    def update_session(self, seq: int, fields: Mapping[str, Any]) -> None:
+        _check_session_fields(fields)
+        self._put(_Item("session", dict(fields), extra={"seq": seq, "new": False}), 1)
+
+    def add_chains(self, chains: Iterable[Mapping[str, Any]]) -> None:
+        """New chain versions; a chain whose ``key`` exists gets the next version."""
+        items = [dict(c) for c in chains]
+        self._put(_Item("chains", items), len(items))
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Wait until everything queued before this call is committed."""
+        done = threading.Event()
+        self._queue.put(_Item("flush", None, done))
+        return done.wait(timeout)
+
+    def close(self) -> WriterStats:
+        """Drain the queue, commit, close the file. Safe to call twice."""
+        if self._closed:
+            return self.stats
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        self._conn.close()
+        return self.stats
+
+    def __enter__(self) -> BatchWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _put(self, item: _Item, n: int) -> bool:
+        if self._closed:
+            raise RuntimeError("writer is closed")
+        with self._space:
+            if self.stats.queue_rows + n > self.queue_limit and not self._space.wait_for(
+                lambda: self.stats.queue_rows + n <= self.queue_limit, self.put_timeout_s
+            ):
+                self.stats.queue_dropped += n
+                return False
+            self.stats.queue_rows += n
+        self._queue.put(item)
+        return True
+
+    # ---- writer thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            item = self._queue.get()
+            batch: list[_Item] = []
+            waiters: list[threading.Event] = []
+            rows = 0
+            while True:
+                if item is None:
+                    stop = True
+                elif item.kind == "flush":
+                    assert item.done is not None
+                    waiters.append(item.done)
+                else:
+                    batch.append(item)
+                    rows += _rows_of(item)
+                if stop or rows >= self.batch_rows:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                self._commit(batch, rows)
+            for w in waiters:
+                w.set()
+
+    def _commit(self, batch: list[_Item], rows: int) -> None:
+        conn = self._conn
+        events = 0
+        try:
+            conn.execute("BEGIN")
+            for item in batch:
+                events += self._write(item)
+            conn.execute("COMMIT")
+            self.stats.events_written += events
+            self.stats.batches += 1
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            self.stats.failed_rows += rows
+            self.stats.last_error = str(exc)
+            log.error("write of %d rows to %s failed: %s", rows, self.path, exc)
+        finally:
+            with self._space:
+                self.stats.queue_rows -= rows
+                self._space.notify_all()
+        if self.max_bytes is not None:
+            self._prune_if_needed()
+
+    def _write(self, item: _Item) -> int:
+        conn, node = self._conn, self.node_key
+        if item.kind == "events":
+            base = self._lo + self._next_seq
+            self._next_seq += len(item.rows)
+            conn.executemany(_EVENT_SQL, _with_ids(base, item.rows))
+            if item.extra:
+                conn.executemany(_ARGS_SQL, ((base + i, a) for i, a in item.extra["args"]))
+            return len(item.rows)
+        if item.kind == "processes":
+            conn.executemany(_PROCESS_SQL, ((node, *r) for r in item.rows))
+        elif item.kind == "tasks":
+            conn.executemany(_TASK_SQL, ((node, *r) for r in item.rows))
+        elif item.kind == "stacks":
+            conn.executemany(_STACK_SQL, item.rows)
+        elif item.kind == "aggregates":
+            conn.executemany(_AGG_SQL, ((node, *r) for r in item.rows))
+        elif item.kind == "session":
+            self._write_session(item.rows, item.extra["seq"], item.extra["new"])
+        elif item.kind == "chains":
+            for chain in item.rows:
+                self._write_chain(chain)
+        return 0
+
+    def _write_session(self, fields: dict[str, Any], seq: int, new: bool) -> None:
+        values = {k: _jsonish(v) for k, v in fields.items()}
+        if new:
+            cols = ["node", "seq", *values]
+            marks = ", ".join("?" * len(cols))
+            self._conn.execute(
+                f"INSERT INTO session_data({', '.join(cols)}) VALUES ({marks})",
+                (self.node_key, seq, *values.values()),
+            )
+        elif values:
+            sets = ", ".join(f"{k} = ?" for k in values)
+            self._conn.execute(
+                f"UPDATE session_data SET {sets} WHERE node = ? AND seq = ?",
+                (*values.values(), self.node_key, seq),
+            )
+
+    def _write_chain(self, chain: dict[str, Any]) -> None:
+        key = str(chain["key"])
+        version = self._scalar(
+            "SELECT coalesce(max(version), 0) FROM chain_data WHERE node = ? AND key = ?",
+            self.node_key, key,
+        ) + 1
+        seq = self._next_chain
+        self._next_chain += 1
+        values = [_jsonish(chain.get(c)) for c in _CHAIN_COLS]
+        cols = ("node", "seq", "key", "version", "created_ns", *_CHAIN_COLS)
+        self._conn.execute(
+            f"INSERT INTO chain_data({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+            (self.node_key, seq, key, version, time.time_ns(), *values),
+        )
+
+    def _prune_if_needed(self) -> None:
+        assert self.max_bytes is not None
+        used = self.used_bytes()
+        if used <= self.max_bytes:
+            return
+        total = self._scalar(
+            "SELECT count(*) FROM event_data WHERE id BETWEEN ? AND ?", self._lo, self._hi
+        )
+        if total == 0:
+            return
+        # Free a tenth more than the excess, so pruning does not run after every commit.
+        share = min(1.0, (used - self.max_bytes * 0.9) / used)
+        n = max(1, int(total * share))
+        cutoff = self._conn.execute(
+            "SELECT id FROM event_data WHERE id BETWEEN ? AND ? ORDER BY id LIMIT 1 OFFSET ?",
+            (self._lo, self._hi, min(n, total - 1)),
+        ).fetchone()
+        if cutoff is None:
+            return
+        try:
+            conn = self._conn
+            conn.execute("BEGIN")
+            cur = conn.execute(
+                "DELETE FROM event_data WHERE id >= ? AND id < ?", (self._lo, cutoff[0])
+            )
+            conn.execute("DELETE FROM event_args WHERE id >= ? AND id < ?", (self._lo, cutoff[0]))
+            oldest = conn.execute(
+                "SELECT min(ts_ns) FROM event_data WHERE id BETWEEN ? AND ?", (self._lo, self._hi)
+            ).fetchone()[0]
+            if oldest is not None:
+                conn.execute(
+                    "DELETE FROM aggregate_data WHERE node = ? AND ts_ns < ?",
+                    (self.node_key, oldest),
+                )
+            conn.execute("COMMIT")
+            self.stats.pruned_events += cur.rowcount
+            log.info("pruned %d oldest events from %s (used %d > %d bytes)",
+                     cur.rowcount, self.path, used, self.max_bytes)
+        except sqlite3.Error as exc:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            self.stats.last_error = str(exc)
+            log.error("pruning %s failed: %s", self.path, exc)
+
+    def used_bytes(self) -> int:
+        """Bytes of the main file holding data (free pages left by pruning excluded)."""
+        c = self._conn
+        pages = c.execute("PRAGMA page_count").fetchone()[0]
+        free = c.execute("PRAGMA freelist_count").fetchone()[0]
+        size = c.execute("PRAGMA page_size").fetchone()[0]
+        return int((pages - free) * size)
+
+    def _max_seq(self, table: str, col: str) -> int:
+        top = self._scalar(
+            f"SELECT max({col}) FROM {table} WHERE {col} BETWEEN ? AND ?", self._lo, self._hi
+        )
+        return (top & SEQ_MASK) if top else 0
+
+    def _scalar(self, sql: str, *params: Any) -> int:
+        row = self._conn.execute(sql, params).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
+
+def _check_session_fields(fields: Mapping[str, Any]) -> None:
+    # Checked on the caller's thread: a bad field must not cost the batch it lands in.
+    unknown = set(fields) - set(_SESSION_COLS)
+    if unknown:
+        raise ValueError(f"unknown session fields {sorted(unknown)}")
+
+
+def _with_ids(base: int, rows: Sequence[EventRow]) -> Iterator[tuple[int, ...]]:
+    for i, row in enumerate(rows):
+        yield (base + i, *row)
+
+
+def _rows_of(item: _Item) -> int:
+    return len(item.rows) if isinstance(item.rows, list | tuple) else 1
+
+
+def _jsonish(value: Any) -> Any:
+    """Lists and dicts go in as JSON text; everything else as it is."""
+    if isinstance(value, list | dict | tuple):
+        return orjson.dumps(value).decode()
+    return value

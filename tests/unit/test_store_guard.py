@@ -1,0 +1,135 @@
+"""Untrusted SQL: every hostile statement is refused or cut off, and the file is unchanged."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetd.errors import QueryError, UsageError
+from fleetd.store.guard import Limits, SafeDB
+
+RUNAWAY_CTE = (
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c"
+)
+
+# (statement, the error code it must get). Each is refused or stopped with a message.
+HOSTILE: list[tuple[str, str]] = [
+    ("DELETE FROM event_data", "forbidden"),
+    ("DELETE FROM events", "forbidden"),
+    ("INSERT INTO nodes(name, uid, created_ns) VALUES ('x', 'y', 1)", "forbidden"),
+    ("REPLACE INTO meta VALUES ('a', 'b')", "forbidden"),
+    ("UPDATE nodes SET name = 'evil'", "forbidden"),
+    ("DROP TABLE event_data", "forbidden"),
+    ("DROP VIEW events", "forbidden"),
+    ("CREATE TABLE evil(x)", "forbidden"),
+    ("CREATE TEMP TABLE evil(x)", "forbidden"),
+    ("CREATE TEMP VIEW v AS SELECT 1", "forbidden"),
+    ("CREATE INDEX evil ON event_data(pid)", "forbidden"),
+    ("CREATE TRIGGER t AFTER INSERT ON meta BEGIN DELETE FROM meta; END", "forbidden"),
+    ("CREATE VIRTUAL TABLE v USING fts5(a)", "forbidden"),
+    ("ALTER TABLE nodes ADD COLUMN evil TEXT", "forbidden"),
+    ("ATTACH DATABASE '/tmp/fleetd-evil.db' AS evil", "forbidden"),
+    ("DETACH DATABASE main", "forbidden"),
+    ("PRAGMA journal_mode = DELETE", "forbidden"),
+    ("PRAGMA user_version = 99", "forbidden"),
+    ("PRAGMA writable_schema = ON", "forbidden"),
+    ("PRAGMA query_only = 0", "forbidden"),
+    ("PRAGMA wal_checkpoint(TRUNCATE)", "forbidden"),
+    ("SELECT load_extension('/tmp/evil.so')", "forbidden"),
+    ("SELECT fts3_tokenizer('simple')", "forbidden"),
+    ("SELECT 1; DELETE FROM event_data", "forbidden"),
+    ("SELECT 1; SELECT 2", "forbidden"),
+    ("WITH x AS (SELECT 1) DELETE FROM meta", "forbidden"),
+    ("BEGIN IMMEDIATE", "forbidden"),
+    ("COMMIT", "forbidden"),
+    ("SAVEPOINT s1", "forbidden"),
+    ("VACUUM", "forbidden"),
+    ("VACUUM INTO '/tmp/fleetd-evil-copy.db'", "forbidden"),
+    ("REINDEX", "forbidden"),
+    ("ANALYZE", "forbidden"),
+    (RUNAWAY_CTE, "timeout"),
+    ("SELECT count(*) FROM event_data a, event_data b, event_data c, event_data d", "timeout"),
+    ("SELECT randomblob(1000000000)", "too_large"),
+    ("SELECT zeroblob(2000000000)", "too_large"),
+    ("SELECT replace(hex(zeroblob(3000000)), '0', '00')", "too_large"),
+    ("SELECT group_concat(hex(randomblob(1000))) FROM event_data a, event_data b", "too_large"),
+    ("SELECT writefile('/tmp/fleetd-evil.txt', 'x')", "bad_query"),
+    ("SELEC * FROM events", "bad_query"),
+    ("", "bad_query"),
+    ("-- only a comment", "bad_query"),
+    ("SELECT 1" + " " * 70_000, "too_large"),
+]
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def guarded(small_db: Path) -> SafeDB:
+    return SafeDB(small_db, Limits(timeout_s=0.5))
+
+
+def test_the_hostile_table_is_large_enough() -> None:
+    assert len(HOSTILE) >= 25
+
+
+@pytest.mark.parametrize(("sql", "code"), HOSTILE, ids=[h[0][:40] for h in HOSTILE])
+def test_hostile_sql_is_refused_and_changes_nothing(
+    guarded: SafeDB, small_db: Path, sql: str, code: str
+) -> None:
+    before = _digest(small_db)
+    started = time.monotonic()
+    with pytest.raises(QueryError) as info:
+        guarded.query(sql)
+    assert info.value.code == code, info.value.message
+    assert info.value.message and info.value.hint
+    assert time.monotonic() - started < 3.0  # stopped near its 0.5 s deadline, not hung
+    # The connection is still usable and the data untouched.
+    assert guarded.query("SELECT count(*) FROM event_data").rows == [(400,)]
+    guarded.close()
+    assert _digest(small_db) == before
+    assert not Path("/tmp/fleetd-evil.db").exists()
+    assert not Path("/tmp/fleetd-evil-copy.db").exists()
+    assert not Path("/tmp/fleetd-evil.txt").exists()
+
+
+def test_reads_and_read_only_pragmas_work(guarded: SafeDB) -> None:
+    res = guarded.query("SELECT op, count(*) FROM events GROUP BY op ORDER BY op")
+    assert res.columns == ["op", "count(*)"]
+    assert dict(res.rows) == {"cudaLaunchKernel": 100, "cudaMemcpyAsync": 100,
+                              "cudaStreamSynchronize": 100, "off_cpu": 100}
+    assert any(r[1] == "ts_ns" for r in guarded.query("PRAGMA table_info(events)").rows)
+    assert not res.truncated
+
+
+def test_parameters_are_bound_not_formatted(guarded: SafeDB) -> None:
+    evil = "x'; DROP TABLE event_data; --"
+    assert guarded.query("SELECT count(*) FROM events WHERE op = ?", [evil]).rows == [(0,)]
+    assert guarded.query("SELECT ? AS v", [evil]).rows == [(evil,)]
+
+
+def test_row_limit_truncates(guarded: SafeDB) -> None:
+    res = guarded.query("SELECT * FROM events", limits=guarded.limits.lowered(max_rows=7))
+    assert len(res.rows) == 7 and res.truncated and res.truncated_reason == "rows"
+
+
+def test_byte_limit_truncates(guarded: SafeDB) -> None:
+    res = guarded.query("SELECT hex(randomblob(1000)) FROM event_data",
+                        limits=guarded.limits.lowered(max_bytes=10_000))
+    assert res.truncated and res.truncated_reason == "bytes"
+    assert 4 <= len(res.rows) <= 5
+
+
+def test_a_request_may_lower_limits_but_never_raise_them() -> None:
+    ceiling = Limits(timeout_s=2.0, max_rows=100, max_bytes=1000)
+    raised = ceiling.lowered(timeout_s=60, max_rows=10**9, max_bytes=10**12)
+    assert raised == ceiling
+    lowered = ceiling.lowered(timeout_s=0.1, max_rows=5, max_bytes=10)
+    assert (lowered.timeout_s, lowered.max_rows, lowered.max_bytes) == (0.1, 5, 10)
+    for bad in (0, -1, "5", True):
+        with pytest.raises(UsageError):
+            ceiling.lowered(max_rows=bad)  # type: ignore[arg-type]
