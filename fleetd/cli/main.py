@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "fleetd.cli.query_cmd",
     "fleetd.cli.trace_cmd",
     "fleetd.cli.check_cmd",
+    "fleetd.cli.agent_cmd",
     "fleetd.cli.certs_cmd",
 )
 

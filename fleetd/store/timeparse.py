@@ -30,7 +30,8 @@ def parse_duration(text: str) -> int:
         )
     value = float(m.group(1)) * _UNITS_NS[m.group(2)]
     if value <= 0:
-        raise UsageError(f"invalid duration {text!r}: must be more than zero", "e.g. 30s or 5m")
+        raise UsageError(f"invalid duration {text!r}: must be more than zero",
+                         "use a positive number with a unit: 30s, 5m, 2h, 1d")
     return int(value)
 
 

@@ -118,7 +118,7 @@ def test_locked_database(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("since", ["5", "five minutes", "-5m", "0s", "5w"])
 def test_bad_since(small_db: Path, since: str) -> None:
-    assert_user_error(fleetd("query", "--db", str(small_db), "--since", since),
+    assert_user_error(fleetd("query", "--db", str(small_db), f"--since={since}"),
                       f"invalid duration {since!r}", "30s, 5m, 2h, 1d")
 
 

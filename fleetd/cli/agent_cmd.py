@@ -1,0 +1,92 @@
+"""``fleetd agent``: trace into the local store and serve the node API over TLS."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fleetd.errors import UsageError
+from fleetd.node.config import Config, load_config
+
+if TYPE_CHECKING:
+    from fleetd.node.agent import AgentSettings, TracerFactory
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "agent",
+        help="run the node agent: trace and serve the TLS query API",
+        description="Run the node daemon: trace CUDA and host events into the local database "
+        "and serve the query API (TLS 1.3; mTLS beyond loopback). Flags override the config.",
+    )
+    p.add_argument("--config", type=Path, help="fleetd.yaml (see configs/fleetd.yaml)")
+    p.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:7600)")
+    p.add_argument("--db", type=Path, help="database file (default: $FLEETD_DB or per-user)")
+    p.add_argument("--node", help="node name (default: config, then hostname)")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--pid", type=int, action="append", help="trace this process (repeatable)")
+    target.add_argument("--all", action="store_true", help="trace every CUDA process")
+    p.add_argument("--no-trace", action="store_true", help="serve the database only, no tracing")
+    p.add_argument("--tls-cert", type=Path, help="node certificate (PEM)")
+    p.add_argument("--tls-key", type=Path, help="node private key (PEM)")
+    p.add_argument("--client-ca", type=Path, help="CA that client certificates must chain to")
+    p.add_argument("--plain-http", action="store_true",
+                   help="serve plain HTTP (loopback only; for debugging)")
+    p.add_argument("--token-file", type=Path, help="require this bearer token too")
+    p.add_argument("--cuda-lib", type=Path, help="CUDA library to attach to (overrides discovery)")
+    p.add_argument("--sample", type=int, help="keep 1 in N ordinary CUDA calls as events")
+    p.add_argument("--no-host", action="store_true", help="no host tracepoints")
+    p.add_argument("--max-db-bytes", type=int, help="prune the oldest events beyond this size")
+    p.set_defaults(func=run)
+
+
+def _settings(args: argparse.Namespace, cfg: Config) -> AgentSettings:
+    from fleetd.node.agent import AgentSettings, default_node_name
+    from fleetd.node.tls import load_token
+    from fleetd.store.db import default_db_path
+    from fleetd.store.guard import Limits
+
+    lim = cfg.limits
+    token_file = args.token_file or cfg.token_file
+    tracing = not args.no_trace and cfg.trace.enabled
+    settings = AgentSettings(
+        node=args.node or cfg.node or default_node_name(),
+        db=args.db or cfg.store.db or default_db_path(),
+        listen=args.listen or cfg.listen,
+        tls_cert=args.tls_cert or cfg.tls.cert,
+        tls_key=args.tls_key or cfg.tls.key,
+        client_ca=args.client_ca or cfg.tls.client_ca,
+        plain_http=args.plain_http or cfg.tls.plain_http,
+        token=load_token(token_file) if token_file else None,
+        limits=Limits(timeout_s=lim.query_timeout_s, max_rows=lim.max_rows,
+                      max_bytes=lim.max_bytes),
+        max_body_bytes=lim.max_body_bytes,
+        max_concurrent_queries=lim.max_concurrent_queries,
+        store_max_bytes=args.max_db_bytes or cfg.store.max_bytes,
+    )
+    if tracing:
+        settings.tracer = _tracer_factory(args, cfg, settings)
+    return settings
+
+
+def _tracer_factory(args: argparse.Namespace, cfg: Config, s: AgentSettings) -> TracerFactory:
+    from fleetd.node.tracing import tracer_factory
+
+    pids = args.pid or cfg.trace.pids
+    if not pids and not (args.all or cfg.trace.all):
+        raise UsageError("nothing to trace: no --pid and no --all",
+                         "pass --pid PID (repeatable) or --all, or --no-trace to only serve")
+    # No pids with --all: the tracer then follows every process that maps a CUDA library.
+    return tracer_factory(
+        node=s.node, db=s.db, pids=list(pids or []), cuda_lib=args.cuda_lib or cfg.trace.cuda_lib,
+        host=not args.no_host and cfg.trace.host, sample=args.sample or cfg.trace.sample,
+        max_db_bytes=s.store_max_bytes,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from fleetd.node.agent import run as run_agent
+
+    cfg = load_config(args.config) if args.config else Config()
+    return run_agent(_settings(args, cfg))

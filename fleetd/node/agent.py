@@ -1,0 +1,234 @@
+"""``fleetd agent``: one asyncio process (uvloop) that traces into the store and serves the API.
+
+Each resource has one aiohttp cleanup context, entered in order and left in reverse:
+the writer (flushes on exit), the tracer (stops, writes its session record), the reader
+pool. The first SIGTERM/SIGINT drains and flushes, then exits 0; a second one exits at
+once (SQLite in WAL mode stays consistent when a process dies mid-write).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import ssl
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from fleetd.errors import ConfigError
+from fleetd.node import tls
+from fleetd.node.api import NodeState, make_app
+from fleetd.node.config import parse_hostport
+from fleetd.node.metrics import SOURCES, Sources, metrics
+from fleetd.node.readers import ReaderPool
+from fleetd.store.db import ensure_node, open_writer, validate_node_name
+from fleetd.store.guard import Limits
+from fleetd.store.writer import BatchWriter
+
+log = logging.getLogger("fleetd.node.agent")
+
+
+class TracerHandle(Protocol):
+    """What the agent needs of a tracer: started into a writer, stopped, observed."""
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+
+
+TracerFactory = Callable[[BatchWriter], TracerHandle]
+
+
+@dataclass
+class AgentSettings:
+    node: str
+    db: Path
+    listen: str = "127.0.0.1:7600"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    client_ca: Path | None = None
+    plain_http: bool = False
+    token: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    max_body_bytes: int = 64 * 1024
+    max_concurrent_queries: int = 8
+    store_max_bytes: int | None = None
+    tracer: TracerFactory | None = None  # None: serve the database only
+    self_signed_dir: Path | None = None
+    extra_routes: list[web.RouteDef] = field(default_factory=list)
+    ready: Callable[[dict[str, Any]], None] | None = None  # told where it listens
+
+
+WRITER = web.AppKey("writer", BatchWriter)
+
+
+def build_ssl(s: AgentSettings, host: str) -> tuple[ssl.SSLContext | None, str | None]:
+    """The server context by the security policy, and the fingerprint to print if self-signed."""
+    tls.check_listen_policy(
+        host, have_cert=bool(s.tls_cert and s.tls_key), have_client_ca=s.client_ca is not None,
+        plain_http=s.plain_http,
+    )
+    if s.plain_http:
+        return None, None
+    if s.tls_cert and s.tls_key:
+        return tls.server_context(s.tls_cert, s.tls_key, s.client_ca), None
+    if bool(s.tls_cert) != bool(s.tls_key):
+        raise ConfigError("--tls-cert and --tls-key go together",
+                          "pass both, from fleetd certs issue-node NAME")
+    cert_dir = s.self_signed_dir or s.db.parent / "fleetd-tls"
+    cert, key, fp = tls.self_signed(cert_dir, host)
+    return tls.server_context(cert, key, None), fp
+
+
+def _prepare_db(s: AgentSettings) -> None:
+    """Create (or migrate) the database before readers open it; register the node."""
+    if s.tracer is None and not s.db.exists():
+        raise ConfigError(f"database {str(s.db)!r} does not exist and tracing is off",
+                          "pass --db to an existing database, or drop --no-trace")
+    if s.tracer is None:
+        return  # serve as is: a copied database is never modified
+    conn = open_writer(s.db)
+    try:
+        ensure_node(conn, s.node)
+    finally:
+        conn.close()
+
+
+def build_app(s: AgentSettings, state: NodeState) -> web.Application:
+    readers = ReaderPool(s.db, s.limits, s.max_concurrent_queries)
+    app = make_app(state, readers, max_body_bytes=s.max_body_bytes,
+                   extra_routes=[web.get("/metrics", metrics), *s.extra_routes])
+    sources = Sources()
+    app[SOURCES] = sources
+
+    async def readers_ctx(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, readers.close)
+
+    async def writer_ctx(app: web.Application) -> AsyncIterator[None]:
+        if s.tracer is None:
+            yield
+            return
+        writer = BatchWriter(s.db, s.node, max_bytes=s.store_max_bytes)
+        app[WRITER] = writer
+        sources.writer = lambda: vars(writer.stats)
+        sources.db_bytes = writer.used_bytes
+        yield
+        stats = await asyncio.get_running_loop().run_in_executor(None, writer.close)
+        log.info("writer closed: %d events written, %d lost", stats.events_written,
+                 stats.queue_dropped + stats.failed_rows)
+
+    async def tracer_ctx(app: web.Application) -> AsyncIterator[None]:
+        if s.tracer is None:
+            yield
+            return
+        tracer = s.tracer(app[WRITER])
+        await asyncio.get_running_loop().run_in_executor(None, tracer.start)
+        state.tracing = True
+        sources.tracer = tracer.stats
+        state.status = lambda: {"trace": tracer.stats()}
+        yield
+        state.tracing = False
+        await asyncio.get_running_loop().run_in_executor(None, tracer.stop)
+
+    # Order matters: the writer outlives the tracer that feeds it.
+    app.cleanup_ctx.extend([readers_ctx, writer_ctx, tracer_ctx])
+    return app
+
+
+class _TLSFailures:
+    """Counts failed handshakes, which asyncio reports only to the loop's exception handler."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        msg = str(context.get("message", ""))
+        if isinstance(exc, ssl.SSLError | ConnectionResetError) or "SSL" in msg:
+            self.count += 1
+            log.debug("TLS handshake failed: %s %s", msg, exc)
+            return
+        loop.default_exception_handler(context)
+
+
+async def serve(s: AgentSettings) -> int:
+    validate_node_name(s.node)
+    host, port = parse_hostport(s.listen, "listen address")
+    ssl_ctx, fp = build_ssl(s, host)
+    _prepare_db(s)
+    state = NodeState(node=s.node, token=s.token)
+    app = build_app(s, state)
+    loop = asyncio.get_running_loop()
+    failures = _TLSFailures()
+    loop.set_exception_handler(failures)
+    app[SOURCES].tls_failures = lambda: failures.count
+
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            # The operator insists: leave now. WAL keeps the file consistent.
+            os._exit(128 + signum)
+        log.warning("%s: draining and flushing (send again to exit at once)",
+                    signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()  # enters the cleanup contexts: writer, tracer, readers
+    try:
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {s.listen}: {exc.strerror}",
+                              "pick a free port with --listen HOST:PORT") from None
+        bound = _bound_port(runner) or port
+        info = {"node": s.node, "listen": f"{host}:{bound}", "scheme": "http" if ssl_ctx is None
+                else "https", "fingerprint": fp, "pid": os.getpid(), "db": str(s.db)}
+        _announce(info)
+        if s.ready:
+            s.ready(info)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0
+
+
+def _bound_port(runner: web.AppRunner) -> int | None:
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            return int(addr[1])
+    return None
+
+
+def _announce(info: dict[str, Any]) -> None:
+    line = f"fleetd agent {info['node']} listening on {info['scheme']}://{info['listen']}"
+    if info["fingerprint"]:
+        line += f" (self-signed, SHA-256 {info['fingerprint']})"
+    print(line, file=sys.stderr, flush=True)
+
+
+def run(s: AgentSettings) -> int:
+    """Run the agent to completion on uvloop."""
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(serve(s))
+
+
+def default_node_name() -> str:
+    return socket.gethostname().split(".")[0] or "node"

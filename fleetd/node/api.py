@@ -1,0 +1,288 @@
+"""The node API under /api/v1: JSON in, JSON out (orjson), errors as JSON, never tracebacks.
+
+Every database touch goes through the :class:`ReaderPool` (threads), never the loop.
+Analysis endpoints (ops, chains, overview, profile) are plugged in by the agent as
+``extra_routes`` so that this module stays independent of the analyzer.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from fleetd import __version__
+from fleetd.errors import FleetdError, QueryError
+from fleetd.node.readers import ReaderPool
+from fleetd.node.tls import token_ok
+from fleetd.store.guard import Limits, QueryResult, SafeDB
+from fleetd.store.schema import SCHEMA_VERSION
+
+log = logging.getLogger("fleetd.node.api")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_STATUS = {
+    "bad_request": 400, "bad_query": 400, "forbidden": 403, "unauthorized": 401,
+    "not_found": 404, "method_not_allowed": 405, "timeout": 408, "too_large": 413,
+    "busy": 429, "unavailable": 503, "internal": 500,
+}
+EVENT_COLUMNS = (
+    "id, node, ts_ns, dur_ns, pid, tid, comm, thread, source, op, ret, bytes, peer, "
+    "peer_comm, a0, a1, stack, args, rank, rowkey"
+)
+EVENTS_PAGE = 2_000
+QUERY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class NodeState:
+    """What the handlers need to know about the running node."""
+
+    node: str
+    started: float = field(default_factory=time.time)
+    tracing: bool = False
+    token: str | None = None
+    queries: int = 0
+    query_errors: int = 0
+    query_seconds: float = 0.0
+    query_hist: list[int] = field(default_factory=lambda: [0] * len(QUERY_BUCKETS_S))
+    status: Callable[[], dict[str, Any]] = field(default=lambda: {})
+
+
+READERS = web.AppKey("readers", ReaderPool)
+STATE = web.AppKey("state", NodeState)
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(obj, default=_plain), status=status, content_type="application/json"
+    )
+
+
+def error_response(code: str, message: str, hint: str | None = None) -> web.Response:
+    err: dict[str, Any] = {"code": code, "message": message}
+    if hint:
+        err["hint"] = hint
+    return json_response({"error": err}, _STATUS.get(code, 400))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).hex()
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves as a JSON error with a fitting status; nothing leaks a traceback."""
+    try:
+        return await handler(request)
+    except QueryError as exc:
+        return error_response(exc.code, exc.message, exc.hint)
+    except FleetdError as exc:
+        return error_response("bad_request", exc.message, exc.hint)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response("too_large", f"request body too large ({exc.text})",
+                              "send a smaller body; the SQL text limit is in the error above")
+    except web.HTTPNotFound:
+        return error_response("not_found", f"no such endpoint: {request.path}",
+                              "see /api/v1/health; endpoints are documented in docs/api.md")
+    except web.HTTPMethodNotAllowed as exc:
+        return error_response("method_not_allowed",
+                              f"{request.method} is not allowed on {request.path}",
+                              f"use {', '.join(sorted(exc.allowed_methods))}")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response("bad_request" if exc.status < 500 else "internal", exc.reason)
+    except (ConnectionResetError, web.HTTPClientError):
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response("internal", "internal error; see the agent's log")
+
+
+def token_middleware(token: str | None) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if token is None or request.path == "/api/v1/health":
+            return await handler(request)
+        auth = request.headers.get("Authorization", "")
+        presented = auth[7:] if auth.startswith("Bearer ") else None
+        if not token_ok(presented, token):  # constant-time comparison
+            return error_response("unauthorized", "missing or wrong bearer token",
+                                  "send Authorization: Bearer <token from the agent's token file>")
+        return await handler(request)
+
+    return check
+
+
+# ---- handlers -------------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    return json_response({
+        "status": "ok", "node": st.node, "version": __version__,
+        "schema_version": SCHEMA_VERSION, "tracing": st.tracing,
+        "uptime_s": round(time.time() - st.started, 3), **st.status(),
+    })
+
+
+async def clock(request: web.Request) -> web.StreamResponse:
+    # t1: when the request reached us; t2: just before the answer leaves (NTP's t1, t2).
+    t1 = time.time_ns()
+    body = {"node": request.app[STATE].node, "t1_ns": t1}
+    body["t2_ns"] = time.time_ns()
+    return json_response(body)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise QueryError(f"request body is not valid JSON ({exc})",
+                         'send {"sql": "SELECT ..."}', code="bad_request") from None
+    if not isinstance(body, dict):
+        raise QueryError("request body must be a JSON object", 'send {"sql": "SELECT ..."}',
+                         code="bad_request")
+    return body
+
+
+def _limits_from(body: dict[str, Any], ceiling: Limits) -> Limits:
+    try:
+        return ceiling.lowered(
+            timeout_s=body.get("timeout_s"), max_rows=body.get("max_rows"),
+            max_bytes=body.get("max_bytes"),
+        )
+    except FleetdError as exc:
+        raise QueryError(exc.message, "limits may only be lowered, with positive numbers",
+                         code="bad_request") from None
+
+
+async def query(request: web.Request) -> web.StreamResponse:
+    st, readers = request.app[STATE], request.app[READERS]
+    body = await _json_body(request)
+    unknown = set(body) - {"sql", "params", "timeout_s", "max_rows", "max_bytes"}
+    if unknown:
+        raise QueryError(f"unknown field(s) {sorted(unknown)} in the query request",
+                         "fields: sql, params, timeout_s, max_rows, max_bytes", code="bad_request")
+    sql, params = body.get("sql"), body.get("params", [])
+    if not isinstance(sql, str):
+        raise QueryError('field "sql" must be a string', 'send {"sql": "SELECT ..."}',
+                         code="bad_request")
+    if not isinstance(params, list | dict):
+        raise QueryError('field "params" must be a list or an object', None, code="bad_request")
+    limits = _limits_from(body, readers.limits)
+    started = time.perf_counter()
+    try:
+        result: QueryResult = await readers.run(lambda db: db.query(sql, params, limits))
+    except QueryError:
+        st.query_errors += 1
+        raise
+    finally:
+        _observe(st, time.perf_counter() - started)
+    return json_response({
+        "node": st.node, "columns": result.columns, "rows": result.rows,
+        "truncated": result.truncated, "truncated_reason": result.truncated_reason,
+        "elapsed_ms": round(result.elapsed_ms, 3),
+    })
+
+
+def _observe(st: NodeState, seconds: float) -> None:
+    st.queries += 1
+    st.query_seconds += seconds
+    for i, edge in enumerate(QUERY_BUCKETS_S):
+        if seconds <= edge:
+            st.query_hist[i] += 1
+
+
+def _int_arg(request: web.Request, name: str, default: int | None) -> int | None:
+    text = request.query.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise QueryError(f"query parameter {name}={text!r} is not an integer",
+                         f"pass {name} as an integer (nanoseconds for times)",
+                         code="bad_request") from None
+
+
+async def events(request: web.Request) -> web.StreamResponse:
+    """All events in [since, until) as NDJSON, streamed page by page in time order."""
+    readers = request.app[READERS]
+    since = _int_arg(request, "since", 0) or 0
+    until = _int_arg(request, "until", 2**62) or 2**62
+    limit = _int_arg(request, "limit", None)
+    pid = _int_arg(request, "pid", None)
+    if limit is not None and limit <= 0:
+        raise QueryError(f"limit={limit} must be positive", None, code="bad_request")
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    cursor: tuple[int, int] = (since, -1)
+    sent = 0
+    while limit is None or sent < limit:
+        page = EVENTS_PAGE if limit is None else min(EVENTS_PAGE, limit - sent)
+        fetch = functools.partial(_events_page, cursor=cursor, until=until, page=page, pid=pid)
+        rows, cols = await readers.run(fetch)
+        if not rows:
+            break
+        await resp.write(b"".join(orjson.dumps(dict(zip(cols, r, strict=True))) + b"\n"
+                                  for r in rows))
+        sent += len(rows)
+        last = rows[-1]
+        cursor = (last[2], last[-1])  # (ts_ns, rowkey) of the last row sent
+        if len(rows) < page:
+            break
+    await resp.write_eof()
+    return resp
+
+
+def _events_page(
+    db: SafeDB, cursor: tuple[int, int], until: int, page: int, pid: int | None
+) -> tuple[list[tuple[Any, ...]], list[str]]:
+    # Keyset paging on (ts_ns, rowkey); the range on ts_ns keeps it on the index.
+    where = "ts_ns >= ? AND ts_ns < ? AND (ts_ns > ? OR rowkey > ?)"
+    params: list[Any] = [cursor[0], until, cursor[0], cursor[1]]
+    if pid is not None:
+        where += " AND pid = ?"
+        params.append(pid)
+    sql = f"SELECT {EVENT_COLUMNS} FROM events WHERE {where} ORDER BY ts_ns, rowkey LIMIT ?"
+    params.append(page)
+    res = db.query(sql, params, db.limits.lowered(max_rows=page))
+    return res.rows, res.columns
+
+
+async def not_found(request: web.Request) -> web.StreamResponse:
+    raise web.HTTPNotFound()
+
+
+def make_app(
+    state: NodeState,
+    readers: ReaderPool,
+    *,
+    max_body_bytes: int = 64 * 1024,
+    extra_routes: list[web.RouteDef] | None = None,
+) -> web.Application:
+    app = web.Application(
+        client_max_size=max_body_bytes,
+        middlewares=[errors_middleware, token_middleware(state.token)],
+    )
+    app[STATE] = state
+    app[READERS] = readers
+    app.add_routes([
+        web.get("/api/v1/health", health),
+        web.get("/api/v1/time", clock),
+        web.post("/api/v1/query", query),
+        web.get("/api/v1/events", events),
+        *(extra_routes or []),
+    ])
+    return app
