@@ -20,6 +20,8 @@ from fleetd.errors import FleetdError
 COMMAND_MODULES: tuple[str, ...] = (
     "fleetd.cli.query_cmd",
     "fleetd.cli.trace_cmd",
+    "fleetd.cli.explain_cmd",
+    "fleetd.cli.ops_cmd",
     "fleetd.cli.check_cmd",
     "fleetd.cli.agent_cmd",
     "fleetd.cli.certs_cmd",

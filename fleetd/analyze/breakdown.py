@@ -1,0 +1,162 @@
+"""Where each traced thread's wall time went (the latency view, after Btune 2.0).
+
+Per thread, over the window: running, run-queue wait (scheduler latency), preempted by
+hard/soft IRQs, blocked in D state, sleeping, and, overlapping those, inside CUDA calls.
+Off-CPU intervals are stored from 50 us up, so the split is a lower bound on waiting;
+the per-process totals of the in-kernel histograms (every switch) come with it.
+
+The off-CPU interval of a task that slept runs from switch-out to switch-in; its tail
+after the wakeup is run-queue wait, stored as a ``runq_wait`` event carrying the same
+state, which is how the two are told apart without double counting.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections import defaultdict
+from typing import Any
+
+from fleetd.analyze.chains import task_state
+from fleetd.analyze.data import CALL_CODES, Node, code, histograms, in_list
+from fleetd.analyze.window import Window
+
+OFF_CPU, RUNQ, SYSCALL = code("off_cpu"), code("runq_wait"), code("syscall")
+HARDIRQ, SOFTIRQ = code("hardirq"), code("softirq")
+SYSCALL_OUTLIERS = 5
+# x86_64 numbers of the syscalls that usually show up slow; others print as their number.
+SYSCALL_NAMES = {
+    0: "read", 1: "write", 3: "close", 7: "poll", 9: "mmap", 11: "munmap", 16: "ioctl",
+    17: "pread64", 18: "pwrite64", 19: "readv", 20: "writev", 23: "select", 35: "nanosleep",
+    44: "sendto", 45: "recvfrom", 46: "sendmsg", 47: "recvmsg", 74: "fsync",
+    75: "fdatasync", 202: "futex", 232: "epoll_wait",
+    257: "openat", 270: "pselect6", 271: "ppoll", 281: "epoll_pwait", 230: "clock_nanosleep",
+}
+
+
+def thread_breakdown(
+    conn: sqlite3.Connection, node: Node, win: Window, span: tuple[int, int],
+    tasks: dict[int, tuple[int | None, str | None]], names: dict[int, str],
+    pid: int | None = None,
+) -> list[dict[str, Any]]:
+    """One row per thread that has host or CUDA events in the window."""
+    acc: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    pids: dict[int, int] = {}
+    where = "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
+    params: list[int] = [win.start_ns, win.end_ns, node.lo, node.hi]
+    if pid is not None:
+        where += " AND pid = ?"
+        params.append(pid)
+    sched = in_list((OFF_CPU, RUNQ, HARDIRQ, SOFTIRQ))
+    for tid, p, op, a0, n, total in conn.execute(
+        f"SELECT tid, pid, op, a0 & 255, count(*), sum(dur_ns) FROM event_data WHERE {where} "
+        f"AND op IN {sched} GROUP BY tid, pid, op, a0 & 255", params,
+    ):
+        pids[tid] = p
+        _add_sched(acc[tid], op, a0, n, total)
+    for tid, p, n, total in conn.execute(
+        f"SELECT tid, pid, count(*), sum(dur_ns) FROM event_data WHERE {where} "
+        f"AND op IN {in_list(CALL_CODES)} GROUP BY tid, pid", params,
+    ):
+        pids[tid] = p
+        acc[tid]["cuda_calls"] += n
+        acc[tid]["in_cuda_stored"] += total
+    wall = max(0, span[1] - span[0])
+    _scale_cuda(conn, node, win, acc, pids, pid)
+    outliers = _syscall_outliers(conn, node, where, params)
+    rows = [_row(tid, pids[tid], a, wall, tasks, names, outliers.get(tid, []))
+            for tid, a in acc.items()]
+    rows.sort(key=lambda r: (-int(r["in_cuda_ns"]), -int(r["off_cpu_ns"])))
+    return rows
+
+
+def _add_sched(a: dict[str, int], op: int, a0: int, n: int, total: int) -> None:
+    state = task_state(a0)
+    if op == OFF_CPU:
+        a["off_cpu"] += total
+        a[f"off_{state}"] += total
+        a["switches"] += n
+    elif op == RUNQ:
+        a["runq"] += total
+        a[f"runq_after_{state}"] += total
+    else:
+        a["irq"] += total
+
+
+def _scale_cuda(conn: sqlite3.Connection, node: Node, win: Window,
+                acc: dict[int, dict[str, int]], pids: dict[int, int], pid: int | None) -> None:
+    """Stored CUDA calls are a sample; the histograms hold every call's time per
+    process. Share that out to the threads in proportion to their stored time."""
+    hists = histograms(conn, node, win, CALL_CODES, pid)
+    exact: dict[int, int] = defaultdict(int)
+    for (p, _), h in hists.items():
+        exact[p] += h.total
+    stored: dict[int, int] = defaultdict(int)
+    for tid, a in acc.items():
+        stored[pids[tid]] += a["in_cuda_stored"]
+    for tid, a in acc.items():
+        p = pids[tid]
+        factor = exact[p] / stored[p] if stored[p] and exact[p] > stored[p] else 1.0
+        a["in_cuda"] = int(a["in_cuda_stored"] * factor)
+        a["in_cuda_estimated"] = int(factor > 1.0)
+
+
+def _syscall_outliers(conn: sqlite3.Connection, node: Node, where: str, params: list[int]
+                      ) -> dict[int, list[dict[str, Any]]]:
+    out: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    rows = conn.execute(
+        f"SELECT tid, id, ts_ns, dur_ns, a0, ret FROM event_data WHERE {where} AND op = ? "
+        "ORDER BY dur_ns DESC LIMIT 500", [*params, SYSCALL],
+    ).fetchall()
+    for tid, rowkey, ts, dur, nr, ret in rows:
+        if len(out[tid]) < SYSCALL_OUTLIERS:
+            out[tid].append({"id": node.event_id(rowkey), "ts_ns": ts, "dur_ns": dur, "nr": nr,
+                             "name": SYSCALL_NAMES.get(nr, f"syscall {nr}"), "ret": ret})
+    return out
+
+
+def _row(tid: int, pid: int, a: dict[str, int], wall: int,
+         tasks: dict[int, tuple[int | None, str | None]], names: dict[int, str],
+         outliers: list[dict[str, Any]]) -> dict[str, Any]:
+    runq = min(a["runq"], a["off_cpu"]) if a["off_cpu"] else a["runq"]
+    d_state = max(0, a["off_D"] - a["runq_after_D"])
+    sleeping = max(0, a["off_S"] - a["runq_after_S"])
+    # Preempted intervals are run-queue wait from the switch-out on; when the runq
+    # event of one fell under the threshold, the off-CPU interval still counts it.
+    runq = max(runq, a["off_R"])
+    off = max(a["off_cpu"], runq + d_state + sleeping)
+    running = max(0, wall - off - a["irq"])
+    return {
+        "pid": pid, "tid": tid, "comm": names.get(pid), "thread": tasks.get(tid, (None, None))[1],
+        "wall_ns": wall, "running_ns": running, "runq_ns": runq, "irq_ns": a["irq"],
+        "d_state_ns": d_state, "sleeping_ns": sleeping, "off_cpu_ns": off,
+        "in_cuda_ns": a["in_cuda"], "in_cuda_estimated": bool(a["in_cuda_estimated"]),
+        "cuda_calls_stored": a["cuda_calls"], "switches": a["switches"],
+        "syscall_outliers": outliers,
+    }
+
+
+def process_rows(threads: list[dict[str, Any]], conn: sqlite3.Connection, node: Node,
+                 win: Window) -> list[dict[str, Any]]:
+    """Threads summed per process, with the exact histogram totals beside them."""
+    hists = histograms(conn, node, win, (OFF_CPU, RUNQ, code("page_alloc"), code("block_io")))
+    keys = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "sleeping_ns", "off_cpu_ns",
+            "in_cuda_ns", "switches")
+    procs: dict[int, dict[str, Any]] = {}
+    for t in threads:
+        p = procs.setdefault(t["pid"], {"node": node.name, "pid": t["pid"], "comm": t["comm"],
+                                        "threads": [], **{k: 0 for k in keys}})
+        for k in keys:
+            p[k] += t[k]
+        p["threads"].append(t)
+    for pid, p in procs.items():
+        def h(op: str, pid: int = pid) -> tuple[int, int]:
+            x = hists.get((pid, code(op)))
+            return (x.count, x.total) if x else (0, 0)
+        p["hist_off_cpu"] = dict(zip(("count", "total_ns"), h("off_cpu"), strict=True))
+        p["hist_runq"] = dict(zip(("count", "total_ns"), h("runq_wait"), strict=True))
+        p["page_allocs"] = dict(zip(("count", "pages"), h("page_alloc"), strict=True))
+        p["block_io"] = dict(zip(("count", "total_ns"), h("block_io"), strict=True))
+        p["top_ops"] = []
+    out = sorted(procs.values(), key=lambda p: (-int(p["in_cuda_ns"]), -int(p["off_cpu_ns"])))
+    return out
+

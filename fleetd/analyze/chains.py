@@ -1,0 +1,509 @@
+"""Causal chains aligned in time: this slow call, on this thread, and what overlapped it.
+
+A *spike* is one CUDA call slower than its op's normal (per process): above its p99 or
+K x its median, whichever is lower (a host problem that hits a quarter of the calls moves
+p99 into the slow calls), and at least 1.5 x the median and ``MIN_EXCESS_NS`` over it. Each
+spike is tied only to the host events of the same thread that overlap that very call
+(off-CPU intervals split into preempted / sleeping / D-state / run-queue parts, IRQ
+preemption) and to block I/O overlapping its D-state waits, never to whole-window counts.
+A *stall* is the same analysis for a long off-CPU interval of a GPU-feeding thread
+between two calls (a checkpoint fsync in the loop delays the next launch, not a call).
+
+Spikes of one thread and op with the same cause form one chain; its culprit is the task
+that took the CPU (sched_switch next task) or that woke the victim from a D-state wait
+(sched_wakeup waker), ranked by the time it accounts for.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import logging
+import sqlite3
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetd.analyze.data import (
+    CALL_CODES,
+    SYNC_OPS,
+    Node,
+    code,
+    in_list,
+    name_of,
+)
+from fleetd.analyze.window import Window
+from fleetd.store.timeparse import format_ns
+
+log = logging.getLogger("fleetd.analyze.chains")
+
+K_MEDIAN = 2.0  # "k x p50": a call this much slower than usual is a spike even below p99
+MIN_CALLS = 20  # fewer calls than this and a p99 says nothing
+MIN_EXCESS_NS = 50_000  # the tracer's own off-CPU threshold: less cannot be explained
+MAX_SPIKES = 500  # per (process, op): the slowest are analyzed, the impact is scaled
+STALL_MIN_NS = 2_000_000  # a between-call wait shorter than this is ordinary scheduling
+MAX_STALLS = 500
+EVIDENCE_SPIKES = 3  # spikes shown per chain, slowest first
+EVIDENCE_PER_SPIKE = 6
+
+OFF_CPU, RUNQ, WAKEUP = code("off_cpu"), code("runq_wait"), code("wakeup")
+HARDIRQ, SOFTIRQ, BLOCK_IO = code("hardirq"), code("softirq"), code("block_io")
+HOST_CODES = (OFF_CPU, WAKEUP, HARDIRQ, SOFTIRQ)
+_STATE_MASK = 0xFF  # above it the kernel reports TASK_REPORT_MAX for a preempted task
+
+
+def task_state(prev_state: int) -> str:
+    """R (preempted while runnable), D (uninterruptible) or S (any other sleep)."""
+    s = prev_state & _STATE_MASK
+    if s == 0:
+        return "R"
+    return "D" if s & 2 else "S"
+
+
+@dataclass(slots=True)
+class Ev:
+    rowkey: int
+    ts: int
+    dur: int
+    pid: int
+    tid: int
+    op: int
+    peer: int = 0
+    a0: int = 0
+    nbytes: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.ts + self.dur
+
+
+def overlap(a0: int, a1: int, b0: int, b1: int) -> int:
+    return max(0, min(a1, b1) - max(a0, b0))
+
+
+@dataclass(slots=True)
+class Spike:
+    call: Ev
+    kind: str  # "call" or "stall"
+    op: str | None
+    baseline_ns: int
+    cause_ns: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # (role, tid) -> ns; role "cpu" = ran instead, "wake" = woke us, "io" = issued the I/O
+    culprit_ns: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
+    evidence: list[dict[str, Any]] = field(default_factory=list)
+    root_cause: str = "unexplained"
+    explained_ns: int = 0
+
+    @property
+    def excess_ns(self) -> int:
+        return max(1, self.call.dur - self.baseline_ns)
+
+
+@dataclass(slots=True)
+class Baseline:
+    pid: int
+    op: int
+    count: int
+    p50: int
+    p99: int
+
+    @property
+    def threshold(self) -> int:
+        return max(min(self.p99, int(K_MEDIAN * self.p50)), self.p50 * 3 // 2,
+                   self.p50 + MIN_EXCESS_NS)
+
+
+class NodeView:
+    """Everything chains need from one node's window, read with bounded queries."""
+
+    def __init__(self, conn: sqlite3.Connection, node: Node, win: Window,
+                 tasks: dict[int, tuple[int | None, str | None]], names: dict[int, str]) -> None:
+        self.conn, self.node, self.win = conn, node, win
+        self.tasks, self.names = tasks, names
+        self.blocks = self._load_blocks()
+        self.block_starts = [b.ts for b in self.blocks]
+        self.max_block = max((b.dur for b in self.blocks), default=0)
+
+    def _load_blocks(self) -> list[Ev]:
+        # Block requests: of the traced processes, plus any slow one of the system (a
+        # neighbour saturating the disk). Few by construction; kept in memory.
+        rows = self.conn.execute(
+            "SELECT id, ts_ns, dur_ns, pid, tid, bytes FROM event_data WHERE ts_ns >= ? "
+            "AND ts_ns < ? AND id BETWEEN ? AND ? AND op = ? ORDER BY ts_ns",
+            (self.win.start_ns - 10**10, self.win.end_ns, self.node.lo, self.node.hi, BLOCK_IO),
+        )
+        return [Ev(r[0], r[1], r[2], r[3], r[4], BLOCK_IO, nbytes=r[5]) for r in rows]
+
+    def blocks_overlapping(self, t0: int, t1: int) -> list[Ev]:
+        i = bisect.bisect_left(self.block_starts, t0 - self.max_block)
+        j = bisect.bisect_left(self.block_starts, t1)
+        return [b for b in self.blocks[i:j] if b.end > t0]
+
+    def host_events(self, tid: int, t0: int, t1: int) -> list[Ev]:
+        """Off-CPU, wakeup and IRQ events of one thread starting in [t0, t1)."""
+        rows = self.conn.execute(
+            "SELECT id, ts_ns, dur_ns, pid, tid, op, peer, a0 FROM event_data "
+            "WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND tid = ? "
+            f"AND op IN {in_list(HOST_CODES)} ORDER BY ts_ns",
+            (t0, t1, self.node.lo, self.node.hi, tid),
+        )
+        return [Ev(*r) for r in rows]
+
+    def who(self, tid: int) -> dict[str, Any]:
+        """A task as the output shows it: pid, tid and the process name."""
+        pid, thread = self.tasks.get(tid, (None, None))
+        comm = self.names.get(pid) if pid is not None else None
+        return {"pid": pid if pid is not None else tid, "tid": tid,
+                "comm": comm or thread or f"tid {tid}", "thread": thread}
+
+    def event_id(self, ev: Ev) -> str:
+        return self.node.event_id(ev.rowkey)
+
+
+# ---- spikes -----------------------------------------------------------------------
+
+
+def find_spikes(view: NodeView, baselines: list[Baseline]) -> tuple[list[Spike], dict[
+        tuple[int, int], float]]:
+    """Spikes of every (pid, op) with enough calls; and the impact scale per group
+    (all spike excess over the analyzed spikes' excess, for the capped groups)."""
+    spikes: list[Spike] = []
+    scale: dict[tuple[int, int], float] = {}
+    node, win = view.node, view.win
+    for b in baselines:
+        if b.count < MIN_CALLS or b.p50 <= 0:
+            continue
+        thr = b.threshold
+        where = ("WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND op = ? AND pid = ? "
+                 "AND dur_ns >= ?")
+        params = (win.start_ns, win.end_ns, node.lo, node.hi, b.op, b.pid, thr)
+        n, total = view.conn.execute(
+            f"SELECT count(*), coalesce(sum(dur_ns), 0) FROM event_data {where}", params
+        ).fetchone()
+        if not n:
+            continue
+        rows = view.conn.execute(
+            f"SELECT id, ts_ns, dur_ns, pid, tid, op FROM event_data {where} "
+            f"ORDER BY dur_ns DESC LIMIT {MAX_SPIKES}", params,
+        ).fetchall()
+        group = [Spike(Ev(*r), "call", name_of(b.op), b.p50) for r in rows]
+        analyzed = sum(s.excess_ns for s in group)
+        scale[(b.pid, b.op)] = max(1.0, (int(total) - int(n) * b.p50) / max(1, analyzed))
+        spikes += group
+    return spikes, scale
+
+
+def find_stalls(view: NodeView, feeding: dict[int, int]) -> list[Spike]:
+    """Long D-state or preempted waits of GPU-feeding threads outside any stored call.
+
+    ``feeding`` maps tid -> pid of threads that made CUDA calls. A wait inside a call
+    would make that call slow, and slow calls are always stored, so a wait not covered
+    by a stored call really lies between calls.
+    """
+    if not feeding:
+        return []
+    node, win = view.node, view.win
+    long_calls: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    span: dict[int, tuple[int, int]] = {}
+    for tid, ts, dur in view.conn.execute(
+        "SELECT tid, ts_ns, dur_ns FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND "
+        f"id BETWEEN ? AND ? AND op IN {in_list(CALL_CODES)} AND tid IN {in_list(feeding)}",
+        (win.start_ns, win.end_ns, node.lo, node.hi),
+    ):
+        lo, hi = span.get(tid, (ts, ts + dur))
+        span[tid] = (min(lo, ts), max(hi, ts + dur))
+        if dur >= STALL_MIN_NS:
+            long_calls[tid].append((ts, ts + dur))
+    for v in long_calls.values():
+        v.sort()
+    rows = view.conn.execute(
+        "SELECT id, ts_ns, dur_ns, pid, tid, op, peer, a0 FROM event_data WHERE ts_ns >= ? "
+        f"AND ts_ns < ? AND id BETWEEN ? AND ? AND op = ? AND tid IN {in_list(feeding)} "
+        f"AND dur_ns >= ? ORDER BY dur_ns DESC LIMIT {MAX_STALLS * 4}",
+        (win.start_ns, win.end_ns, node.lo, node.hi, OFF_CPU, STALL_MIN_NS),
+    ).fetchall()
+    stalls: list[Spike] = []
+    for r in rows:
+        ev = Ev(*r)
+        lo_hi = span.get(ev.tid)
+        # Before the first or after the last call is start-up or shutdown, not the loop.
+        if task_state(ev.a0) == "S" or lo_hi is None or not lo_hi[0] < ev.ts < lo_hi[1]:
+            continue
+        if _inside(long_calls.get(ev.tid, []), ev.ts, ev.end):
+            continue
+        stalls.append(Spike(ev, "stall", _next_call(view, ev), 0))
+        if len(stalls) >= MAX_STALLS:
+            break
+    return stalls
+
+
+def _inside(calls: list[tuple[int, int]], t0: int, t1: int) -> bool:
+    i = bisect.bisect_right(calls, (t0, 1 << 62))
+    return any(c0 <= t0 and t1 <= c1 + 1 for c0, c1 in calls[max(0, i - 8):i])
+
+
+def _next_call(view: NodeView, ev: Ev) -> str | None:
+    """The CUDA call the stall delayed: the thread's next one (within a second)."""
+    row = view.conn.execute(
+        "SELECT op FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? "
+        f"AND tid = ? AND op IN {in_list(CALL_CODES)} ORDER BY ts_ns LIMIT 1",
+        (ev.end, ev.end + 10**9, view.node.lo, view.node.hi, ev.tid),
+    ).fetchone()
+    return name_of(int(row[0])) if row else None
+
+
+# ---- attribution ------------------------------------------------------------------
+
+
+def attribute(view: NodeView, spike: Spike) -> None:
+    """Split the spike's time by what its thread was doing, and classify it."""
+    c = spike.call
+    t0, t1 = c.ts, c.end
+    evs = view.host_events(c.tid, t0 - 1, t1) if spike.kind == "call" else [
+        c, *[e for e in view.host_events(c.tid, t0, t1) if e.op == WAKEUP]]
+    wakes = sorted((e.ts, e.peer) for e in evs if e.op == WAKEUP)
+    spike.evidence.append(_spike_item(view, spike))
+    for e in evs:
+        if e.op == OFF_CPU:
+            _off_cpu(view, spike, e, wakes)
+        elif e.op in (HARDIRQ, SOFTIRQ):
+            ov = overlap(t0, t1, e.ts, e.end)
+            if ov:
+                spike.cause_ns["irq"] += ov
+                spike.evidence.append(_item(view, e, "softirq" if e.op == SOFTIRQ else "hardirq",
+                                            ov, f"{'soft' if e.op == SOFTIRQ else 'hard'}irq "
+                                            f"{e.a0} preempted the thread", irq=e.a0))
+    _classify(view, spike)
+
+
+def _off_cpu(view: NodeView, spike: Spike, e: Ev, wakes: list[tuple[int, int]]) -> None:
+    c = spike.call
+    state = task_state(e.a0)
+    if state == "R":
+        ov = overlap(c.ts, c.end, e.ts, e.end)
+        if ov:
+            spike.cause_ns["preempted"] += ov
+            spike.culprit_ns[("cpu", e.peer)] += ov
+            ran = view.who(e.peer)
+            spike.evidence.append(_item(view, e, "off_cpu", ov,
+                                        f"preempted; {ran['comm']} (pid {ran['pid']}) ran instead",
+                                        state="R", culprit=ran))
+        return
+    i = bisect.bisect_left(wakes, (e.ts, -1))
+    wake, waker = wakes[i] if i < len(wakes) and wakes[i][0] <= e.end else (e.end, 0)
+    slept = overlap(c.ts, c.end, e.ts, wake)
+    queued = overlap(c.ts, c.end, wake, e.end)
+    if queued:
+        spike.cause_ns["runq"] += queued
+    if not slept:
+        return
+    by = view.who(waker) if waker else None
+    if state == "D":
+        ios = view.blocks_overlapping(e.ts, wake)
+        if ios:
+            spike.cause_ns["block_io"] += slept
+            top = max(ios, key=lambda b: overlap(e.ts, wake, b.ts, b.end))
+            spike.culprit_ns[("io", top.tid)] += slept
+            who = view.who(top.tid)
+            spike.evidence.append(_item(view, e, "off_cpu", slept,
+                                        f"D-state wait during {len(ios)} block I/O request(s) "
+                                        f"({sum(b.nbytes for b in ios)} bytes)", state="D",
+                                        culprit=who))
+            spike.evidence += [_item(view, b, "block_io", overlap(e.ts, wake, b.ts, b.end),
+                                     f"block I/O by {view.who(b.tid)['comm']}: {b.nbytes} bytes",
+                                     culprit=view.who(b.tid)) for b in ios[:3]]
+            return
+        spike.cause_ns["d_state"] += slept
+    else:
+        spike.cause_ns["sleep"] += slept
+    if waker:
+        spike.culprit_ns[("wake", waker)] += slept
+    text = ("D-state (uninterruptible) wait" if state == "D" else "sleep") + (
+        f", woken by {by['comm']} (pid {by['pid']})" if by else "")
+    spike.evidence.append(_item(view, e, "off_cpu", slept, text, state=state, culprit=by))
+
+
+def _classify(view: NodeView, spike: Spike) -> None:
+    c = spike.cause_ns
+    victim_pid = spike.call.pid
+    # Sleeping inside a sync call is waiting for the GPU: not a host cause. Elsewhere a
+    # sleep ended by another process is a lock (futex, pipe) held by that process.
+    foreign_wake = sum(ns for (role, tid), ns in spike.culprit_ns.items()
+                       if role == "wake" and _real_pid(view, tid) not in (None, victim_pid))
+    lockish_sleep = 0 if spike.op in SYNC_OPS else min(c.get("sleep", 0), foreign_wake)
+    classes = {
+        "cpu_contention": c.get("preempted", 0) + c.get("runq", 0),
+        "block_io": c.get("block_io", 0),
+        "lock_wait": c.get("d_state", 0) + lockish_sleep,
+        "irq_preemption": c.get("irq", 0),
+    }
+    root, ns = max(classes.items(), key=lambda kv: kv[1])
+    if ns <= 0:
+        return
+    spike.root_cause, spike.explained_ns = root, min(ns, spike.excess_ns)
+
+
+def _real_pid(view: NodeView, tid: int) -> int | None:
+    pid = view.who(tid)["pid"]
+    return None if tid == 0 or pid == 0 else int(pid)
+
+
+def _spike_item(view: NodeView, spike: Spike) -> dict[str, Any]:
+    c = spike.call
+    if spike.kind == "call":
+        text = (f"{spike.op} took {_ms(c.dur)} (usual {_ms(spike.baseline_ns)}) "
+                f"on thread {c.tid}")
+        kind = "spike"
+    else:
+        text = (f"thread {c.tid} off CPU for {_ms(c.dur)} between CUDA calls"
+                + (f" (delaying {spike.op})" if spike.op else ""))
+        kind = "stall"
+    return {"ts_ns": c.ts, "time": format_ns(c.ts), "dur_ns": c.dur, "kind": kind,
+            "id": view.event_id(c), "tid": c.tid, "op": spike.op, "text": text}
+
+
+def _item(view: NodeView, e: Ev, kind: str, ov: int, text: str, **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"ts_ns": e.ts, "time": format_ns(e.ts), "dur_ns": e.dur,
+                           "overlap_ns": ov, "kind": kind, "id": view.event_id(e),
+                           "tid": e.tid, "text": text}
+    out.update({k: v for k, v in extra.items() if v is not None})
+    return out
+
+
+def _ms(ns: int) -> str:
+    if ns >= 1_000_000:
+        return f"{ns / 1e6:.1f} ms"
+    return f"{ns / 1e3:.0f} us"
+
+
+# ---- chains -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Chain:
+    node: str
+    root_cause: str
+    victim: dict[str, Any]
+    op: str | None
+    spikes: list[Spike]
+    span_ns: int
+    scale: float = 1.0
+    culprits: list[dict[str, Any]] = field(default_factory=list)
+    extra_evidence: list[dict[str, Any]] = field(default_factory=list)
+    summary: str = ""
+    fixes: list[str] = field(default_factory=list)
+    severity: str = "LOW"
+    explained: float = 0.0
+    impact: float = 0.0
+    detail: dict[str, Any] = field(default_factory=dict)
+    start_ns: int = 0  # for rule chains, which have no spikes
+    end_ns: int = 0
+
+    @property
+    def key(self) -> str:
+        culprit = self.culprits[0]["comm"] if self.culprits else "-"
+        kind = self.detail.get("kind", "rule")
+        return (f"{self.root_cause}|{kind}|{self.victim.get('comm')}|{self.victim.get('tid')}|"
+                f"{self.op}|{culprit}")
+
+    @property
+    def chain_id(self) -> str:
+        return f"{self.node}:{hashlib.sha1(self.key.encode()).hexdigest()[:12]}"
+
+    @property
+    def ts_ns(self) -> int:
+        return min((s.call.ts for s in self.spikes), default=self.start_ns)
+
+    @property
+    def dur_ns(self) -> int:
+        end = max((s.call.end for s in self.spikes), default=self.end_ns)
+        return max(0, end - self.ts_ns)
+
+
+def severity(explained: float, impact: float) -> str:
+    """HIGH: the host explains most of the spikes and they cost >= 5 % of the time;
+    MEDIUM: a quarter explained and >= 1 % of the time; LOW: everything else."""
+    if explained >= 0.5 and impact >= 0.05:
+        return "HIGH"
+    if explained >= 0.25 and impact >= 0.01:
+        return "MEDIUM"
+    return "LOW"
+
+
+def build_chains(view: NodeView, spikes: list[Spike], scale: dict[tuple[int, int], float],
+                 span_ns: int) -> list[Chain]:
+    """Group classified spikes per (thread, op, cause) and measure each group."""
+    groups: dict[tuple[int, int, str | None, str, str], list[Spike]] = defaultdict(list)
+    for s in spikes:
+        groups[(s.call.pid, s.call.tid, s.op, s.root_cause, s.kind)].append(s)
+    chains: list[Chain] = []
+    for (pid, tid, op, root, kind), group in groups.items():
+        victim = {"pid": pid, "tid": tid, "comm": view.names.get(pid) or view.who(tid)["comm"],
+                  "thread": view.tasks.get(tid, (None, None))[1]}
+        factor = scale.get((pid, code(op)), 1.0) if op and kind == "call" else 1.0
+        ch = Chain(view.node.name, root, victim, op, group, span_ns, factor)
+        excess = sum(s.excess_ns for s in group)
+        ch.explained = round(sum(s.explained_ns for s in group) / max(1, excess), 3)
+        ch.impact = round(min(1.0, excess * factor / max(1, span_ns)), 4)
+        ch.culprits = _rank_culprits(view, group, root, pid)
+        ch.severity = "LOW" if root == "unexplained" else severity(ch.explained, ch.impact)
+        ch.detail = _detail(group, factor)
+        chains.append(ch)
+    return chains
+
+
+_ROLES = {"cpu_contention": ("cpu",), "lock_wait": ("wake",), "block_io": ("io",),
+          "irq_preemption": ()}
+
+
+def _rank_culprits(view: NodeView, group: list[Spike], root: str, victim_pid: int
+                   ) -> list[dict[str, Any]]:
+    roles = _ROLES.get(root, ())
+    by_pid: dict[int, dict[str, Any]] = {}
+    total = 0
+    for s in group:
+        for (role, tid), ns in s.culprit_ns.items():
+            if role not in roles or tid == 0:
+                continue
+            who = view.who(tid)
+            pid = int(who["pid"])
+            if pid == 0 or (root == "lock_wait" and pid == victim_pid and role == "wake"
+                            and s.op in SYNC_OPS):
+                continue
+            entry = by_pid.setdefault(pid, {"pid": pid, "comm": who["comm"], "tids": set(),
+                                            "ns": 0})
+            entry["tids"].add(tid)
+            entry["ns"] += ns
+            total += ns
+    ranked = sorted(by_pid.values(), key=lambda d: -int(d["ns"]))
+    for d in ranked:
+        d["tids"] = sorted(d["tids"])
+        d["share"] = round(d["ns"] / max(1, total), 3)
+        d["self"] = d["pid"] == victim_pid
+    return ranked
+
+
+def _detail(group: list[Spike], factor: float) -> dict[str, Any]:
+    causes: dict[str, int] = defaultdict(int)
+    for s in group:
+        for k, v in s.cause_ns.items():
+            causes[k] += v
+    durs = sorted(s.call.dur for s in group)
+    return {"spikes": len(group), "spikes_scaled": round(len(group) * factor),
+            "worst_ns": durs[-1], "median_spike_ns": durs[len(durs) // 2],
+            "baseline_ns": group[0].baseline_ns, "kind": group[0].kind,
+            "excess_ns": sum(s.excess_ns for s in group),
+            "host_ns": dict(sorted(causes.items()))}
+
+
+def evidence_timeline(chain: Chain) -> list[dict[str, Any]]:
+    """The slowest spikes, each followed by the host events that overlapped it."""
+    out: list[dict[str, Any]] = []
+    worst = sorted(chain.spikes, key=lambda s: -s.call.dur)[:EVIDENCE_SPIKES]
+    for s in sorted(worst, key=lambda s: s.call.ts):
+        head, rest = s.evidence[0], s.evidence[1:]
+        rest = sorted(rest, key=lambda e: -int(e.get("overlap_ns", 0)))[:EVIDENCE_PER_SPIKE]
+        out.append(head)
+        for e in sorted(rest, key=lambda e: int(e["ts_ns"])):
+            out.append({**e, "spike": head["id"]})
+    return out + chain.extra_evidence

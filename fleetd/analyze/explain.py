@@ -1,0 +1,269 @@
+"""``explain``: what is slow, why, who caused it and what to do, node by node.
+
+The report is a JSON-able dict (documented in docs/explain.md). A merged file holds
+several nodes; each is analyzed on its own (a culprit on one node cannot delay a thread
+on another), so the fleet client can call :func:`explain_node` and :func:`profile` per
+node and compare.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from fleetd.analyze import rules
+from fleetd.analyze.breakdown import process_rows, thread_breakdown
+from fleetd.analyze.chains import (
+    MIN_CALLS,
+    Baseline,
+    Chain,
+    NodeView,
+    attribute,
+    build_chains,
+    evidence_timeline,
+    find_spikes,
+    find_stalls,
+)
+from fleetd.analyze.data import (
+    CALL_SOURCES,
+    LAUNCH_OPS,
+    SYNC_OPS,
+    Node,
+    code,
+    comms,
+    effective_span,
+    nodes,
+    tasks,
+)
+from fleetd.analyze.opstats import node_op_stats
+from fleetd.analyze.window import Window, resolve_window
+from fleetd.store.db import open_reader
+from fleetd.store.timeparse import format_ns
+
+log = logging.getLogger("fleetd.analyze.explain")
+
+Report = dict[str, Any]
+SEVERITY_RANK = {"HIGH": 0, "MEDIUM": 1, "LOW": 2}
+MIN_UNEXPLAINED_IMPACT = 0.01  # unexplained spikes below this share of time are noise
+
+
+@contextmanager
+def _connection(db: str | Path | sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    if isinstance(db, sqlite3.Connection):
+        yield db
+        return
+    conn = open_reader(Path(db))
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def explain(
+    db: str | Path | sqlite3.Connection,
+    window: Window | None = None,
+    pid: int | None = None,
+    per_process: bool = False,
+    node: str | None = None,
+) -> Report:
+    """Chains (most severe first), per-process breakdown and op stats for every node."""
+    with _connection(db) as conn:
+        win = window or resolve_window(conn)
+        chains: list[dict[str, Any]] = []
+        procs: list[dict[str, Any]] = []
+        ops: list[dict[str, Any]] = []
+        names: list[str] = []
+        for n in nodes(conn, node):
+            part = explain_node(conn, n, win, pid, per_process)
+            chains += part["chains"]
+            procs += part["processes"]
+            ops += part["ops"]
+            names.append(n.name)
+    chains.sort(key=lambda c: (SEVERITY_RANK[c["severity"]], -float(c["impact"]), c["id"]))
+    return {
+        "window": win.to_json(),
+        "nodes": names,
+        "quiet": not any(c["severity"] in ("HIGH", "MEDIUM") for c in chains),
+        "verdict": _verdict(chains, win),
+        "chains": chains,
+        "processes": procs,
+        "ops": ops,
+        "warnings": list(win.warnings),
+    }
+
+
+def _verdict(chains: list[dict[str, Any]], win: Window) -> str:
+    if win.warnings:
+        return "no data in the window: " + win.warnings[0]
+    counts = {s: sum(1 for c in chains if c["severity"] == s) for s in SEVERITY_RANK}
+    if not counts["HIGH"] and not counts["MEDIUM"]:
+        minor = f" ({counts['LOW']} minor chain(s) below the MEDIUM bar)" if counts["LOW"] else ""
+        return "quiet: no host-side cause of GPU latency found" + minor
+    top = chains[0]
+    return (f"{counts['HIGH']} HIGH, {counts['MEDIUM']} MEDIUM, {counts['LOW']} LOW; "
+            f"worst: {top['root_cause']} on {top['node']}: {top['summary']}")
+
+
+def explain_node(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
+                 per_process: bool = False) -> Report:
+    """One node's chains, processes and op stats (the unit the fleet client reuses)."""
+    task_map = tasks(conn, node)
+    names, parents = comms(conn, node)
+    span = effective_span(conn, node, win)
+    ops = node_op_stats(conn, node, win, None, True, names)
+    threads = thread_breakdown(conn, node, win, span, task_map, names)
+    view = NodeView(conn, node, win, task_map, names)
+    ctx = rules.Context(view, span, ops, threads, parents, rules.page_hists(conn, view))
+    chains = _spike_chains(ctx, ops, threads)
+    rules.refine_dataloader(ctx, chains)
+    chains += rules.dataloader_rule(ctx, chains)
+    chains += rules.host_sync_rule(ctx, chains) + rules.alloc_churn_rule(ctx)
+    chains += rules.graph_recapture_rule(ctx)
+    if pid is not None:
+        chains = [c for c in chains if int(c.victim["pid"]) == pid]
+        threads = [t for t in threads if t["pid"] == pid]
+    out_ops = ops if per_process else node_op_stats(conn, node, win, pid, False, names)
+    if per_process and pid is not None:
+        out_ops = [r for r in ops if r["pid"] == pid]
+    procs = process_rows(threads, conn, node, win)
+    for p in procs:
+        p["top_ops"] = [_brief(r) for r in ops if r["pid"] == p["pid"]][:5]
+    return {"chains": [chain_json(c) for c in chains], "processes": procs, "ops": out_ops}
+
+
+def _spike_chains(ctx: rules.Context, ops: list[dict[str, Any]],
+                  threads: list[dict[str, Any]]) -> list[Chain]:
+    baselines = [
+        Baseline(int(r["pid"]), code(str(r["op"])), int(r["count"]), int(r["p50_ns"] or 0),
+                 int(r["p99_ns"] or 0))
+        for r in ops
+        if r["source"] in CALL_SOURCES and int(r["count"]) >= MIN_CALLS and r["p50_ns"]
+    ]
+    spikes, scale = find_spikes(ctx.view, baselines)
+    feeding = {int(t["tid"]): int(t["pid"]) for t in threads if t["cuda_calls_stored"]}
+    spikes += find_stalls(ctx.view, feeding)
+    for s in spikes:
+        attribute(ctx.view, s)
+    chains = build_chains(ctx.view, spikes, scale, ctx.span_ns)
+    return [c for c in chains
+            if c.root_cause != "unexplained" or c.impact >= MIN_UNEXPLAINED_IMPACT]
+
+
+def _brief(r: dict[str, Any]) -> dict[str, Any]:
+    keys = ("op", "count", "total_ns", "p50_ns", "p99_ns", "stats_from")
+    return {k: r[k] for k in keys}
+
+
+def chain_json(ch: Chain) -> dict[str, Any]:
+    if not ch.summary:
+        ch.summary = rules.summarize(ch)
+    if not ch.fixes:
+        ch.fixes = rules.fixes(ch)
+    top = ch.culprits[0] if ch.culprits else None
+    return {
+        "id": ch.chain_id,
+        "key": ch.key,
+        "node": ch.node,
+        "severity": ch.severity,
+        "root_cause": ch.root_cause,
+        "summary": ch.summary,
+        "op": ch.op,
+        "victim": ch.victim,
+        "culprit": {"pid": top["pid"], "comm": top["comm"], "self": top["self"]} if top else None,
+        "culprits": ch.culprits[:5],
+        "explained": ch.explained,
+        "impact": ch.impact,
+        "ts_ns": ch.ts_ns,
+        "dur_ns": ch.dur_ns,
+        "time": format_ns(ch.ts_ns) if ch.ts_ns else None,
+        "detail": ch.detail,
+        "evidence": evidence_timeline(ch),
+        "fixes": ch.fixes,
+    }
+
+
+def store_chains(path: Path, report: Report) -> int:
+    """Write the report's chains with history (same key: next version). Returns count."""
+    from fleetd.store.writer import BatchWriter
+
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for c in report["chains"]:
+        by_node.setdefault(c["node"], []).append(c)
+    for node, chains in by_node.items():
+        with BatchWriter(path, node) as w:
+            w.add_chains([_chain_row(c) for c in chains])
+    return sum(len(v) for v in by_node.values())
+
+
+def _chain_row(c: dict[str, Any]) -> dict[str, Any]:
+    culprit = c["culprit"] or {}
+    return {
+        "key": c["key"], "ts_ns": c["ts_ns"], "dur_ns": c["dur_ns"], "severity": c["severity"],
+        "root_cause": c["root_cause"], "summary": c["summary"], "op": c["op"],
+        "victim_pid": c["victim"]["pid"], "victim_tid": c["victim"]["tid"],
+        "victim_comm": c["victim"]["comm"], "culprit_pid": culprit.get("pid"),
+        "culprit_comm": culprit.get("comm"), "explained": c["explained"],
+        "impact": c["impact"], "evidence": c["evidence"], "fixes": c["fixes"],
+    }
+
+
+# ---- straggler features --------------------------------------------------------------
+
+
+def profile(conn: sqlite3.Connection, window: Window, node: str) -> dict[str, Any]:
+    """Per-node features the fleet client compares across nodes to find stragglers."""
+    found = nodes(conn, node)
+    if not found:
+        return {"node": node, "error": "no such node in this database"}
+    n = found[0]
+    names, _ = comms(conn, n)
+    span = effective_span(conn, n, window)
+    span_s = max(1e-9, (span[1] - span[0]) / 1e9)
+    ops = node_op_stats(conn, n, window, None, True, names)
+    threads = thread_breakdown(conn, n, window, span, tasks(conn, n), names)
+    cuda_time: dict[int, int] = {}
+    for r in ops:
+        if r["source"] in CALL_SOURCES:
+            cuda_time[int(r["pid"])] = cuda_time.get(int(r["pid"]), 0) + int(r["total_ns"])
+    if not cuda_time:
+        return {"node": node, "window": window.to_json(), "main_pid": None, "features": {}}
+    main = max(cuda_time, key=lambda p: cuda_time[p])
+    mine = [r for r in ops if r["pid"] == main]
+    feeding = [t for t in threads if t["pid"] == main and t["cuda_calls_stored"]]
+    return {
+        "node": node, "window": window.to_json(), "span_s": round(span_s, 3),
+        "main_pid": main, "main_comm": names.get(main),
+        "features": {
+            "cuda_calls_per_s": round(sum(int(r["count"]) for r in mine
+                                          if r["source"] in CALL_SOURCES) / span_s, 3),
+            "launches_per_s": round(sum(int(r["count"]) for r in mine
+                                        if r["op"] in LAUNCH_OPS) / span_s, 3),
+            **_pct(mine, LAUNCH_OPS, "launch"),
+            **_pct(mine, SYNC_OPS, "sync"),
+            "feeding_threads": len(feeding),
+            "off_cpu_share": _share(feeding, "off_cpu_ns"),
+            "runq_share": _share(feeding, "runq_ns"),
+            "d_state_share": _share(feeding, "d_state_ns"),
+            "block_io_ns": sum(int(r["total_ns"]) for r in ops if r["op"] == "block_io"
+                               and r["pid"] == main),
+        },
+    }
+
+
+def _pct(rows: list[dict[str, Any]], names: frozenset[str], prefix: str) -> dict[str, Any]:
+    """p50/p99 of the busiest op of a family (percentiles do not add across ops)."""
+    fam = [r for r in rows if r["op"] in names]
+    if not fam:
+        return {f"{prefix}_op": None, f"{prefix}_p50_ns": None, f"{prefix}_p99_ns": None}
+    top = max(fam, key=lambda r: int(r["count"]))
+    return {f"{prefix}_op": top["op"], f"{prefix}_p50_ns": top["p50_ns"],
+            f"{prefix}_p99_ns": top["p99_ns"]}
+
+
+def _share(threads: list[dict[str, Any]], key: str) -> float | None:
+    wall = sum(int(t["wall_ns"]) for t in threads)
+    return round(sum(int(t[key]) for t in threads) / wall, 4) if wall else None

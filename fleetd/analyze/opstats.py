@@ -1,0 +1,162 @@
+"""Per-op (and per-process) latency statistics: count, percentiles, total, errors, rate.
+
+CUDA calls are sampled in the kernel (1 in N ordinary calls become events; slow, sync,
+graph, alloc and failing calls always do), while the in-kernel histograms count every
+call. So each row says where its numbers come from:
+
+- ``events``: every call is stored; percentiles are exact.
+- ``histogram``: some calls exist only in the histograms (or, for host ops, only
+  intervals above a threshold are stored); count and total are exact, percentiles are
+  interpolated inside log2 buckets (within a factor of two, usually much closer).
+  Percentiles over the stored events would be wrong here: the always-emitted slow calls
+  would dominate them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from array import array
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from fleetd.analyze.data import Hist, Node, effective_span, histograms, in_list, name_of, nodes
+from fleetd.analyze.data import comms as load_comms
+from fleetd.analyze.window import Window
+from fleetd.store.catalog import BY_CODE, OPS
+
+log = logging.getLogger("fleetd.analyze.opstats")
+
+# Ops with a duration worth a percentile: calls and host intervals.
+TIMED_CODES: tuple[int, ...] = tuple(o.code for o in OPS if o.kind in ("call", "interval"))
+COLUMNS: tuple[str, ...] = (
+    "node", "pid", "comm", "op", "source", "count", "errors", "total_ns", "mean_ns",
+    "p50_ns", "p95_ns", "p99_ns", "max_ns", "calls_per_s", "stats_from", "events",
+)
+
+
+@dataclass(slots=True)
+class _Group:
+    durs: array[int]
+    errors: int = 0
+
+
+def _load_events(
+    conn: sqlite3.Connection, node: Node, win: Window, pid: int | None
+) -> dict[tuple[int, int], _Group]:
+    """(pid, op) -> stored durations. Bounded by the window; 8 bytes per event."""
+    sql = (
+        "SELECT pid, op, dur_ns, ret FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
+        f"AND id BETWEEN ? AND ? AND op IN {in_list(TIMED_CODES)}"
+    )
+    params: list[int] = [win.start_ns, win.end_ns, node.lo, node.hi]
+    if pid is not None:
+        sql += " AND pid = ?"
+        params.append(pid)
+    groups: dict[tuple[int, int], _Group] = {}
+    for p, op, dur, ret in conn.execute(sql, params):
+        g = groups.get((p, op))
+        if g is None:
+            g = groups[(p, op)] = _Group(array("q"))
+        g.durs.append(dur)
+        # block_io keeps the request's error in ret; CUDA calls their cudaError.
+        if ret != 0 and BY_CODE[op].source != "sched":
+            g.errors += 1
+    return groups
+
+
+def _exact_quantile(sorted_durs: array[int], q: float) -> int:
+    # Nearest rank: the smallest value with at least q of the calls at or below it.
+    idx = max(0, min(len(sorted_durs) - 1, int(q * len(sorted_durs) + 0.999999) - 1))
+    return int(sorted_durs[idx])
+
+
+def _row(
+    node: Node, pid: int | None, op: int, g: _Group | None, h: Hist | None, span_s: float,
+    comm: str | None,
+) -> dict[str, Any]:
+    durs = array("q", sorted(g.durs)) if g else array("q")
+    sampled = h is not None and h.count > len(durs)
+    if sampled and h is not None:
+        count, total = h.count, h.total
+        qs = [h.quantile(q) for q in (0.5, 0.95, 0.99)]
+        top = h.top()
+        mx = max(int(durs[-1]) if durs else 0, top or 0) or None
+        if qs[0] is None and durs:  # totals without buckets: the best we have
+            qs = [_exact_quantile(durs, q) for q in (0.5, 0.95, 0.99)]
+        source = "histogram"
+    else:
+        count, total = len(durs), int(sum(durs))
+        qs = [_exact_quantile(durs, q) if durs else None for q in (0.5, 0.95, 0.99)]
+        mx = int(durs[-1]) if durs else None
+        source = "events"
+    return {
+        "node": node.name,
+        "pid": pid,
+        "comm": comm,
+        "op": name_of(op),
+        "source": BY_CODE[op].source,
+        "count": count,
+        "errors": g.errors if g else 0,
+        "total_ns": total,
+        "mean_ns": total // count if count else None,
+        "p50_ns": qs[0],
+        "p95_ns": qs[1],
+        "p99_ns": qs[2],
+        "max_ns": mx,
+        "calls_per_s": round(count / span_s, 3) if span_s > 0 else None,
+        "stats_from": source,
+        "events": len(durs),
+    }
+
+
+def node_op_stats(
+    conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
+    per_process: bool = True, comms: dict[int, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Stats rows for one node, sorted by total time, largest first."""
+    groups = _load_events(conn, node, win, pid)
+    hists = histograms(conn, node, win, TIMED_CODES, pid)
+    start, end = effective_span(conn, node, win)
+    span_s = (end - start) / 1e9
+    if not per_process:
+        groups, hists = _merge_pids(groups), _merge_pid_hists(hists)
+    names = comms or {}
+    rows = [
+        _row(node, p if per_process else None, op, groups.get((p, op)), hists.get((p, op)),
+             span_s, names.get(p) if per_process else None)
+        for p, op in sorted(set(groups) | set(hists))
+    ]
+    rows = [r for r in rows if r["count"]]
+    rows.sort(key=lambda r: (-int(r["total_ns"]), str(r["op"])))
+    return rows
+
+
+def _merge_pids(groups: dict[tuple[int, int], _Group]) -> dict[tuple[int, int], _Group]:
+    out: dict[tuple[int, int], _Group] = defaultdict(lambda: _Group(array("q")))
+    for (_, op), g in groups.items():
+        m = out[(0, op)]
+        m.durs.extend(g.durs)
+        m.errors += g.errors
+    return dict(out)
+
+
+def _merge_pid_hists(hists: dict[tuple[int, int], Hist]) -> dict[tuple[int, int], Hist]:
+    out: dict[tuple[int, int], Hist] = {}
+    for (_, op), h in hists.items():
+        out.setdefault((0, op), Hist()).merge(h)
+    return out
+
+
+def op_stats(
+    conn: sqlite3.Connection, win: Window, pid: int | None = None, per_process: bool = False,
+    node: str | None = None,
+) -> list[dict[str, Any]]:
+    """Stats rows for every node in the file (or one), node by node."""
+    rows: list[dict[str, Any]] = []
+    for n in nodes(conn, node):
+        names, _ = load_comms(conn, n)
+        rows += node_op_stats(conn, n, win, pid, per_process, names)
+    log.debug("op stats: %d rows", len(rows))
+    return rows

@@ -1,0 +1,483 @@
+"""Pattern rules: the problems users hit, as stable ``root_cause`` classes with fixes.
+
+Time-aligned spikes (chains.py) name cpu_contention, lock_wait, block_io and
+irq_preemption with their culprits. The rules here add what no single call shows:
+
+- ``dataloader_oversubscription``: the tasks preempting the GPU thread are its own
+  worker processes (children, or three or more siblings of one name), with their
+  page-allocation rate as pressure evidence;
+- ``host_sync``: one thread spends a large share of its time in sync calls issued every
+  few launches (``.item()``/``.cpu()`` per step): the CPU cannot run ahead of the GPU;
+- ``alloc_churn``: cudaMalloc/cudaFree keep happening after warm-up;
+- ``graph_recapture``: repeated capture/instantiate with the launch rate dropping
+  while it happens.
+
+Each rule chain gets ``explained`` and ``impact`` in the same sense as a spike chain,
+so one severity function (chains.severity) ranks them all.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import sqlite3
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetd.analyze.chains import OFF_CPU, Chain, NodeView, severity, task_state
+from fleetd.analyze.data import (
+    ALLOC_OPS,
+    CAPTURE_OPS,
+    LAUNCH_OPS,
+    SYNC_OPS,
+    Hist,
+    code,
+    histograms,
+    in_list,
+    name_of,
+)
+from fleetd.store.timeparse import format_ns
+
+log = logging.getLogger("fleetd.analyze.rules")
+
+MIN_WORKERS = 3
+MIN_SYNCS = 20
+MAX_LAUNCHES_PER_SYNC = 100  # more launches per sync: a sync per many steps, not per step
+MIN_SYNC_SHARE = 0.2
+MIN_ALLOCS = 20
+MIN_LATE_ALLOC_SHARE = 0.3  # share of allocations in the second half: not just warm-up
+MIN_CAPTURES = 3
+MIN_RATE_DROP = 0.5
+PAGE_ALLOC = code("page_alloc")
+
+
+@dataclass(slots=True)
+class Context:
+    """What the rules read about one node, computed once by explain."""
+
+    view: NodeView
+    span: tuple[int, int]
+    ops: list[dict[str, Any]]  # per-process op stats
+    threads: list[dict[str, Any]]
+    parents: dict[int, int]
+    pages: dict[tuple[int, int], Hist] = field(default_factory=dict)
+
+    @property
+    def span_ns(self) -> int:
+        return max(1, self.span[1] - self.span[0])
+
+    def main_thread(self, pid: int) -> dict[str, Any] | None:
+        """The process's GPU-feeding thread: the one with the most time in CUDA."""
+        ts = [t for t in self.threads if t["pid"] == pid and t["in_cuda_ns"] > 0]
+        return max(ts, key=lambda t: int(t["in_cuda_ns"]), default=None)
+
+    def gpu_pids(self) -> list[int]:
+        seen: dict[int, int] = defaultdict(int)
+        for r in self.ops:
+            if r["source"] in ("cuda", "graph", "driver", "nccl") and r["pid"] is not None:
+                seen[int(r["pid"])] += int(r["total_ns"])
+        return sorted(seen, key=lambda p: -seen[p])
+
+    def op_rows(self, pid: int, names: frozenset[str]) -> list[dict[str, Any]]:
+        return [r for r in self.ops if r["pid"] == pid and r["op"] in names]
+
+
+def _victim(ctx: Context, pid: int) -> dict[str, Any]:
+    t = ctx.main_thread(pid)
+    tid = int(t["tid"]) if t else pid
+    return {"pid": pid, "tid": tid, "comm": ctx.view.names.get(pid) or ctx.view.who(tid)["comm"],
+            "thread": t["thread"] if t else None}
+
+
+def _rule_chain(ctx: Context, root: str, pid: int, op: str | None, explained: float,
+                impact: float, evidence: list[dict[str, Any]], detail: dict[str, Any]) -> Chain:
+    ch = Chain(ctx.view.node.name, root, _victim(ctx, pid), op, [], ctx.span_ns,
+               start_ns=ctx.span[0], end_ns=ctx.span[1])
+    ch.explained, ch.impact = round(min(1.0, explained), 3), round(min(1.0, impact), 4)
+    ch.severity = severity(ch.explained, ch.impact)
+    ch.extra_evidence = evidence
+    ch.detail = detail
+    return ch
+
+
+def _stat_item(r: dict[str, Any], text: str) -> dict[str, Any]:
+    return {"kind": "op_stats", "op": r["op"], "pid": r["pid"], "count": r["count"],
+            "total_ns": r["total_ns"], "p50_ns": r["p50_ns"], "p99_ns": r["p99_ns"],
+            "calls_per_s": r["calls_per_s"], "stats_from": r["stats_from"], "text": text}
+
+
+def _examples(ctx: Context, pid: int, ops: frozenset[str], n: int = 3) -> list[dict[str, Any]]:
+    """The slowest stored calls of these ops: concrete, clickable evidence."""
+    v = ctx.view
+    rows = v.conn.execute(
+        "SELECT id, ts_ns, dur_ns, tid, op FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
+        f"AND id BETWEEN ? AND ? AND pid = ? AND op IN {in_list(code(o) for o in ops)} "
+        f"ORDER BY dur_ns DESC LIMIT {n}",
+        (ctx.span[0], ctx.span[1] + 1, v.node.lo, v.node.hi, pid),
+    ).fetchall()
+    return sorted(({"ts_ns": ts, "time": format_ns(ts), "dur_ns": dur, "kind": "call",
+                    "id": v.node.event_id(k), "tid": tid, "op": name_of(op),
+                    "text": f"{name_of(op)} took {dur / 1e6:.2f} ms"}
+                   for k, ts, dur, tid, op in rows), key=lambda e: int(e["ts_ns"]))
+
+
+# ---- dataloader oversubscription ---------------------------------------------------
+
+
+def workers_of(ctx: Context, pid: int) -> set[int]:
+    """Worker processes of ``pid``: its children, else a group of >= 3 same-name
+    siblings (workers started by a launcher, or a parent we did not see)."""
+    kids = {p for p, pp in ctx.parents.items() if pp == pid and p != pid}
+    if len(kids) >= MIN_WORKERS:
+        return kids
+    parent = ctx.parents.get(pid)
+    by_name: dict[str, set[int]] = defaultdict(set)
+    for p, name in ctx.view.names.items():
+        if p != pid and (parent is None or ctx.parents.get(p) in (parent, pid)):
+            by_name[name].add(p)
+    own = ctx.view.names.get(pid)
+    groups = [g for n, g in by_name.items() if n != own and len(g) >= MIN_WORKERS]
+    return max(groups, key=len, default=kids)
+
+
+def _page_evidence(ctx: Context, pids: set[int]) -> tuple[float, dict[str, Any]]:
+    pages = sum(h.total for (p, op), h in ctx.pages.items() if p in pids and op == PAGE_ALLOC)
+    allocs = sum(h.count for (p, op), h in ctx.pages.items() if p in pids and op == PAGE_ALLOC)
+    rate = pages / (ctx.span_ns / 1e9)
+    return rate, {"kind": "page_alloc", "pids": sorted(pids), "allocations": allocs,
+                  "pages": pages, "pages_per_s": round(rate, 1),
+                  "text": f"{len(pids)} workers allocated {pages} pages "
+                          f"({rate * 4096 / 2**20:.1f} MiB/s) in {allocs} allocations"}
+
+
+def refine_dataloader(ctx: Context, chains: list[Chain]) -> None:
+    """A cpu_contention chain whose culprit is one of the victim's workers."""
+    for ch in chains:
+        if ch.root_cause != "cpu_contention" or not ch.culprits:
+            continue
+        workers = workers_of(ctx, int(ch.victim["pid"]))
+        if len(workers) < MIN_WORKERS or int(ch.culprits[0]["pid"]) not in workers:
+            continue
+        ch.root_cause = "dataloader_oversubscription"
+        _, item = _page_evidence(ctx, workers)
+        ch.extra_evidence.append(item)
+        ch.detail["workers"] = len(workers)
+
+
+def dataloader_rule(ctx: Context, chains: list[Chain]) -> list[Chain]:
+    """Workers preempting the GPU thread between calls too (no single slow call needed)."""
+    done = {int(c.victim["pid"]) for c in chains if c.root_cause == "dataloader_oversubscription"}
+    out: list[Chain] = []
+    for pid in ctx.gpu_pids():
+        workers = workers_of(ctx, pid)
+        main = ctx.main_thread(pid)
+        if pid in done or len(workers) < MIN_WORKERS or main is None:
+            continue
+        stolen, total, top = _stolen_by(ctx, int(main["tid"]), workers)
+        if total == 0 or stolen == 0:
+            continue
+        rate, pages = _page_evidence(ctx, workers)
+        impact = stolen / ctx.span_ns
+        explained = stolen / total
+        if impact < 0.01:
+            continue
+        ch = _rule_chain(ctx, "dataloader_oversubscription", pid, None, explained, impact,
+                         [{"kind": "preemption", "ns": stolen, "text":
+                           f"{len(workers)} worker processes took the CPU from the GPU thread "
+                           f"for {stolen / 1e6:.1f} ms ({explained:.0%} of its preemptions)"},
+                          pages], {"workers": len(workers), "pages_per_s": round(rate, 1)})
+        ch.culprits = top
+        out.append(ch)
+    return out
+
+
+def _stolen_by(ctx: Context, tid: int, workers: set[int]
+               ) -> tuple[int, int, list[dict[str, Any]]]:
+    """Preempted time of ``tid`` in all, and with a worker running instead."""
+    v = ctx.view
+    per: dict[int, int] = defaultdict(int)
+    total = 0
+    for peer, a0, dur in v.conn.execute(
+        "SELECT peer, a0, dur_ns FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND "
+        "id BETWEEN ? AND ? AND tid = ? AND op = ?",
+        (ctx.span[0], ctx.span[1] + 1, v.node.lo, v.node.hi, tid, OFF_CPU),
+    ):
+        if task_state(a0) != "R":
+            continue
+        total += dur
+        who = v.who(peer)
+        if int(who["pid"]) in workers:
+            per[int(who["pid"])] += dur
+    stolen = sum(per.values())
+    top = [{"pid": p, "comm": v.names.get(p) or v.who(p)["comm"], "ns": ns,
+            "share": round(ns / max(1, stolen), 3), "self": False}
+           for p, ns in sorted(per.items(), key=lambda kv: -kv[1])]
+    return stolen, total, top
+
+
+# ---- host sync, alloc churn, graph re-capture ---------------------------------------
+
+
+def host_sync_rule(ctx: Context, chains: list[Chain]) -> list[Chain]:
+    """``chains``: the spike chains; sync time they already explain (a hog inflating
+    the syncs) is not counted again as synchronization."""
+    out: list[Chain] = []
+    for pid in ctx.gpu_pids():
+        known = sum(s.excess_ns * c.scale for c in chains for s in c.spikes
+                    if int(c.victim["pid"]) == pid and c.op in SYNC_OPS
+                    and c.root_cause != "unexplained")
+        syncs = ctx.op_rows(pid, SYNC_OPS)
+        n = sum(int(r["count"]) for r in syncs)
+        if n < MIN_SYNCS:
+            continue
+        launches = sum(int(r["count"]) for r in ctx.op_rows(pid, LAUNCH_OPS))
+        per_sync = launches / n
+        share = max(0.0, sum(int(r["total_ns"]) for r in syncs) - known) / ctx.span_ns
+        rate = n / (ctx.span_ns / 1e9)
+        if per_sync > MAX_LAUNCHES_PER_SYNC or share < MIN_SYNC_SHARE or rate < 1.0:
+            continue
+        top = max(syncs, key=lambda r: int(r["total_ns"]))
+        ev = [_stat_item(r, f"{r['op']}: {r['count']} calls, {int(r['total_ns']) / 1e6:.0f} ms "
+                            f"in all ({r['calls_per_s']}/s)") for r in syncs]
+        ev.append({"kind": "ratio", "launches": launches, "syncs": n,
+                   "launches_per_sync": round(per_sync, 1),
+                   "text": f"a sync every {per_sync:.0f} launches; the thread spent "
+                           f"{share:.0%} of its time waiting in syncs"})
+        ev += _examples(ctx, pid, frozenset(r["op"] for r in syncs))
+        out.append(_rule_chain(ctx, "host_sync", pid, str(top["op"]), share, share, ev,
+                               {"syncs": n, "launches": launches, "sync_share": round(share, 3),
+                                "syncs_per_s": round(rate, 2)}))
+    return out
+
+
+def alloc_churn_rule(ctx: Context) -> list[Chain]:
+    out: list[Chain] = []
+    v = ctx.view
+    mid = (ctx.span[0] + ctx.span[1]) // 2
+    for pid in ctx.gpu_pids():
+        rows = ctx.op_rows(pid, ALLOC_OPS)
+        allocs = sum(int(r["count"]) for r in rows if "Free" not in str(r["op"]))
+        frees = sum(int(r["count"]) for r in rows if "Free" in str(r["op"]))
+        if allocs < MIN_ALLOCS or frees < MIN_ALLOCS // 2:
+            continue
+        # Alloc calls are always stored: the second half shows whether it is warm-up.
+        late = v.conn.execute(
+            "SELECT count(*) FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? "
+            f"AND ? AND pid = ? AND op IN {in_list(code(o) for o in ALLOC_OPS)}",
+            (mid, ctx.span[1] + 1, v.node.lo, v.node.hi, pid),
+        ).fetchone()[0]
+        late_share = late / max(1, allocs + frees)
+        if late_share < MIN_LATE_ALLOC_SHARE:
+            continue
+        total = sum(int(r["total_ns"]) for r in rows)
+        share = total / ctx.span_ns
+        rate = allocs / (ctx.span_ns / 1e9)
+        ev = [_stat_item(r, f"{r['op']}: {r['count']} calls ({r['calls_per_s']}/s), "
+                            f"{int(r['total_ns']) / 1e6:.1f} ms in all") for r in rows]
+        ev.append({"kind": "ratio", "late_share": round(late_share, 3),
+                   "text": f"{late_share:.0%} of allocation calls came in the second half of "
+                           "the window: allocation continues after warm-up"})
+        ev += _examples(ctx, pid, ALLOC_OPS)
+        top = max(rows, key=lambda r: int(r["total_ns"]))
+        out.append(_rule_chain(ctx, "alloc_churn", pid, str(top["op"]), 2 * late_share, share,
+                               ev, {"allocs": allocs, "frees": frees,
+                                    "allocs_per_s": round(rate, 2),
+                                    "alloc_share": round(share, 4)}))
+    return out
+
+
+def graph_recapture_rule(ctx: Context) -> list[Chain]:
+    out: list[Chain] = []
+    v = ctx.view
+    for pid in ctx.gpu_pids():
+        caps = v.conn.execute(
+            "SELECT ts_ns, dur_ns, op FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id "
+            f"BETWEEN ? AND ? AND pid = ? AND op IN {in_list(code(o) for o in CAPTURE_OPS)} "
+            "ORDER BY ts_ns", (ctx.span[0], ctx.span[1] + 1, v.node.lo, v.node.hi, pid),
+        ).fetchall()
+        begins = sum(1 for _, _, op in caps if op in (code("cudaStreamBeginCapture"),
+                                                      code("cudaGraphInstantiate")))
+        if begins < MIN_CAPTURES:
+            continue
+        drop, affected, rates = _launch_rate_drop(ctx, pid, caps)
+        cap_ns = sum(d for _, d, _ in caps)
+        share = cap_ns / ctx.span_ns
+        if drop < MIN_RATE_DROP and share < 0.05:
+            continue
+        impact = max(share, affected * drop)
+        ev: list[dict[str, Any]] = [{
+            "kind": "launch_rate", "text": f"launch rate {rates[0]:.0f}/s outside capture, "
+            f"{rates[1]:.0f}/s while capturing ({drop:.0%} drop); {begins} captures/"
+            f"instantiations took {cap_ns / 1e6:.1f} ms", "rate_outside": round(rates[0], 1),
+            "rate_during": round(rates[1], 1), "drop": round(drop, 3)}]
+        ev += _examples(ctx, pid, CAPTURE_OPS)
+        out.append(_rule_chain(ctx, "graph_recapture", pid, "cudaGraphInstantiate",
+                               max(drop, share), impact, ev,
+                               {"captures": begins, "launch_rate_drop": round(drop, 3),
+                                "capture_share": round(share, 4)}))
+    return out
+
+
+def _launch_rate_drop(ctx: Context, pid: int, caps: list[tuple[int, int, int]]
+                      ) -> tuple[float, float, tuple[float, float]]:
+    """Launch rate in time bins with capture activity vs bins without: (drop, share of
+    bins affected, (rate outside, rate during))."""
+    v = ctx.view
+    nbins = 100
+    width = max(1, ctx.span_ns // nbins)
+    busy = set()
+    for ts, dur, _ in caps:
+        for b in range((ts - ctx.span[0]) // width, (ts + dur - ctx.span[0]) // width + 1):
+            busy.add(b)
+    counts = [0] * (nbins + 1)
+    capturing = _capture_intervals(caps)
+    for (t,) in v.conn.execute(
+        "SELECT ts_ns FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? "
+        f"AND pid = ? AND op IN {in_list(code(o) for o in LAUNCH_OPS)}",
+        (ctx.span[0], ctx.span[1] + 1, v.node.lo, v.node.hi, pid),
+    ):
+        # A kernel "launched" into a capturing stream is recorded, not run.
+        i = bisect.bisect_right(capturing, (t, 1 << 62)) - 1
+        if i < 0 or not capturing[i][0] <= t <= capturing[i][1]:
+            counts[min(nbins, (t - ctx.span[0]) // width)] += 1
+    inside = [counts[b] for b in range(nbins) if b in busy]
+    outside = [counts[b] for b in range(nbins) if b not in busy]
+    if not inside or not outside:
+        return 0.0, 0.0, (0.0, 0.0)
+    sec = width / 1e9
+    r_out = sum(outside) / len(outside) / sec
+    r_in = sum(inside) / len(inside) / sec
+    drop = max(0.0, 1 - r_in / r_out) if r_out > 0 else 0.0
+    return drop, len(inside) / nbins, (r_out, r_in)
+
+
+def _capture_intervals(caps: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """[BeginCapture start, EndCapture end] spans, in time order."""
+    begin, end = code("cudaStreamBeginCapture"), code("cudaStreamEndCapture")
+    out: list[tuple[int, int]] = []
+    open_at: int | None = None
+    for ts, dur, op in caps:
+        if op == begin:
+            open_at = ts
+        elif op == end and open_at is not None:
+            out.append((open_at, ts + dur))
+            open_at = None
+    return out
+
+
+def page_hists(conn: sqlite3.Connection, ctx_view: NodeView) -> dict[tuple[int, int], Hist]:
+    return histograms(conn, ctx_view.node, ctx_view.win, (PAGE_ALLOC,))
+
+
+# ---- fixes and summaries ------------------------------------------------------------
+
+
+def fixes(ch: Chain) -> list[str]:
+    v, c = ch.victim, (ch.culprits[0] if ch.culprits else None)
+    vp = v["pid"]
+    cp, cn = (c["pid"], c["comm"]) if c else (None, None)
+    if ch.root_cause == "cpu_contention":
+        if c and c.get("self"):
+            return [f"threads of {v['comm']} itself compete for the CPU: cap them "
+                    f"(OMP_NUM_THREADS, torch.set_num_threads) below the cores given to pid {vp}",
+                    f"give the GPU-feeding thread {v['tid']} a core of its own: "
+                    f"taskset -cp <core> {v['tid']}"]
+        out = [f"pin {v['comm']} to dedicated cores and keep other work off them: "
+               f"taskset -cp <cores> {vp}, or a cgroup cpuset (systemd-run --scope -p "
+               "AllowedCPUs=<cores> ...) for the workload and another for the rest"]
+        if cp is not None:
+            out += [f"lower the priority of {cn} (pid {cp}): renice -n 19 -p {cp}, or run it "
+                    f"with chrt --idle 0",
+                    f"move {cn} (pid {cp}) off the workload's cores: taskset -acp "
+                    "<other cores> " + str(cp)]
+        return out
+    if ch.root_cause == "dataloader_oversubscription":
+        n = ch.detail.get("workers", "many")
+        return [f"reduce DataLoader workers ({n} now): num_workers at most the free cores "
+                "minus one for the training thread",
+                "set persistent_workers=True and pin_memory=True; move heavy decoding/"
+                "augmentation to the GPU or precompute it",
+                f"keep workers off the training thread's core: os.sched_setaffinity in "
+                f"worker_init_fn, and taskset -cp <core> {v['tid']} for the main thread"]
+    if ch.root_cause == "host_sync":
+        return ["remove per-step host syncs: no .item(), .cpu(), .numpy(), print(tensor) or "
+                "torch.cuda.synchronize() inside the training loop",
+                "accumulate losses/metrics on the GPU and read them every N steps; use "
+                "non_blocking=True copies from pinned memory and CUDA events to poll"]
+    if ch.root_cause == "block_io":
+        out = ["move checkpoint and log I/O off the training thread (async checkpointing, "
+               "e.g. torch.distributed.checkpoint.async_save, or a background writer)",
+               "write checkpoints less often, to fast local storage, without an fsync per "
+               "write"]
+        if cp is not None and not (c or {}).get("self"):
+            out.append(f"lower the I/O priority of {cn} (pid {cp}): ionice -c3 -p {cp}, or "
+                       "cap it with a cgroup io.max")
+        return out
+    if ch.root_cause == "lock_wait":
+        who = f"{cn} (pid {cp})" if cp is not None else "the waking task"
+        return [f"{who} held what {v['comm']} waited for: see what it does (cat "
+                f"/proc/{cp if cp is not None else '<pid>'}/stack, perf trace -p ...) and stop "
+                "or slow its polling of the driver on GPU nodes",
+                f"if it must run, renice -n 19 -p {cp if cp is not None else '<pid>'} and "
+                "schedule it outside training"]
+    if ch.root_cause == "graph_recapture":
+        return ["capture each graph once: pre-warm every batch size at start-up and pad "
+                "inputs to a fixed set of shapes (torch.compile mode='reduce-overhead' with "
+                "bucketed shapes)",
+                "update an instantiated graph with cudaGraphExecUpdate instead of capturing "
+                "and instantiating again"]
+    if ch.root_cause == "alloc_churn":
+        return ["use a caching allocator: keep PyTorch's (do not set "
+                "PYTORCH_NO_CUDA_MEMORY_CACHING, no torch.cuda.empty_cache() in the loop)",
+                "allocate buffers once before the loop; use cudaMallocAsync with a memory "
+                "pool for per-step temporaries"]
+    if ch.root_cause == "irq_preemption":
+        return ["steer interrupts away from the GPU-feeding cores: /proc/irq/<n>/smp_affinity "
+                "or irqbalance --banirq", f"pin {v['comm']} to cores that take no interrupts: "
+                f"taskset -cp <cores> {vp}"]
+    return ["the host shows no cause during these calls: the time is on the GPU side "
+            "(kernel duration, queueing); profile the kernels with nsys or ncu"]
+
+
+def summarize(ch: Chain) -> str:
+    v, c, d = ch.victim, (ch.culprits[0] if ch.culprits else None), ch.detail
+    who = f"{v['comm']} (pid {v['pid']}, tid {v['tid']})"
+    by = f"{c['comm']} (pid {c['pid']})" if c else None
+    if ch.spikes:
+        n = d.get("spikes_scaled", len(ch.spikes))
+        if d.get("kind") == "stall":
+            head = f"{who} stalled {n} time(s) between CUDA calls, worst {_ms(d['worst_ns'])}"
+        else:
+            head = (f"{ch.op} in {who} spiked {n} time(s) to {_ms(d['worst_ns'])} "
+                    f"(usual {_ms(d['baseline_ns'])})")
+        ran = f" while {by} ran" if by else ""
+        woke = f" until {by} woke it" if by else ""
+        why = {
+            "cpu_contention": f"preempted or queued for the CPU{ran}",
+            "dataloader_oversubscription": "preempted by its own DataLoader workers"
+                                           + (f" (mostly {by})" if by else ""),
+            "lock_wait": f"blocked in a D-state/lock wait{woke}",
+            "block_io": "blocked on block I/O" + (f" issued by {by}" if by else ""),
+            "irq_preemption": "preempted by interrupts",
+            "unexplained": "with no host cause on its thread (GPU-side time)",
+        }.get(ch.root_cause, ch.root_cause)
+        return f"{head}: {why} for {ch.explained:.0%} of the extra time ({ch.impact:.1%} of wall)"
+    if ch.root_cause == "host_sync":
+        return (f"{who} spends {d['sync_share']:.0%} of its time in {ch.op} "
+                f"({d['syncs_per_s']}/s, a sync every {d['launches'] / max(1, d['syncs']):.0f} "
+                "launches): per-step host synchronization")
+    if ch.root_cause == "alloc_churn":
+        return (f"{who} calls cudaMalloc/cudaFree {d['allocs_per_s']}/s after warm-up "
+                f"({d['alloc_share']:.1%} of its time): allocation churn")
+    if ch.root_cause == "graph_recapture":
+        return (f"{who} captured/instantiated graphs {d['captures']} times; the launch rate "
+                f"fell {d['launch_rate_drop']:.0%} while it did")
+    if ch.root_cause == "dataloader_oversubscription":
+        return (f"{d['workers']} DataLoader workers took the CPU from {who} for "
+                f"{ch.impact:.1%} of wall time{'; most: ' + by if by else ''}")
+    return f"{ch.root_cause} in {who}"
+
+
+def _ms(ns: int) -> str:
+    return f"{ns / 1e6:.1f} ms" if ns >= 1_000_000 else f"{ns / 1e3:.0f} us"

@@ -1,0 +1,158 @@
+"""``fleetd explain``: causal chains (most severe first), their evidence and fixes, then
+where each traced thread's time went.
+
+Reading is read-only; ``--store`` writes the chains into the database afterwards (a
+chain whose key exists gets the next version, so history is kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from fleetd.analyze.window import Window, resolve_window
+from fleetd.cli.output import dumps, table
+from fleetd.errors import UsageError
+from fleetd.store.db import default_db_path, open_reader
+from fleetd.store.timeparse import format_ns
+
+EXPLAIN_FORMATS = ("table", "json")
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """The options explain and ops share."""
+    p.add_argument(
+        "--db", type=Path, help="database file (default: $FLEETD_DB, else a per-user path)"
+    )
+    p.add_argument("--since", help="the last 30s, 5m, 2h, 1d (counted back from now)")
+    p.add_argument("--from", dest="from_", metavar="TIME", help="from TIME (ISO 8601, epoch)")
+    p.add_argument("--to", metavar="TIME", help="up to TIME")
+    p.add_argument("--pid", type=_pid, help="only this process (as the victim)")
+    p.add_argument("--per-process", action="store_true", help="op statistics per process")
+
+
+def _pid(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value <= 0:
+        # argparse would print usage and a generic message; ours says what is wrong.
+        raise argparse.ArgumentTypeError(f"invalid pid {text!r}: use a positive integer")
+    return value
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="explain GPU latency: causal chains, culprits, fixes",
+        description="Find CUDA calls slower than usual, tie each to the host events that "
+        "overlapped it on its thread (preemption, run-queue and D-state waits, IRQs, block "
+        "I/O), name the culprit process and a fix; then show where each traced thread's "
+        "time went. Without --since/--from/--to the whole recording is analyzed.",
+    )
+    add_common(p)
+    p.add_argument("--format", default="table", help="output format: table|json")
+    p.add_argument("--store", action="store_true",
+                   help="also store the chains in the database (kept with history)")
+    p.set_defaults(func=run)
+
+
+def open_window(args: argparse.Namespace) -> tuple[Path, Window]:
+    path: Path = args.db or default_db_path()
+    conn = open_reader(path)
+    try:
+        return path, resolve_window(conn, args.since, args.from_, args.to)
+    finally:
+        conn.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from fleetd.analyze.explain import explain, store_chains
+
+    if args.format not in EXPLAIN_FORMATS:
+        raise UsageError(f"unknown format {args.format!r}",
+                         f"use one of: {', '.join(EXPLAIN_FORMATS)}")
+    path, win = open_window(args)
+    report = explain(path, win, args.pid, args.per_process)
+    if args.store and report["chains"]:
+        report["stored"] = store_chains(path, report)
+    if args.format == "json":
+        sys.stdout.write(dumps(report).decode() + "\n")
+    else:
+        render(report, sys.stdout)
+        for w in report["warnings"]:
+            print(f"fleetd: warning: {w}", file=sys.stderr)
+    return 0
+
+
+# ---- table rendering ------------------------------------------------------------------
+
+
+def _dur(ns: int | None) -> str:
+    if ns is None:
+        return "-"
+    if ns >= 1_000_000_000:
+        return f"{ns / 1e9:.2f} s"
+    if ns >= 1_000_000:
+        return f"{ns / 1e6:.1f} ms"
+    return f"{ns / 1e3:.0f} us"
+
+
+def render(report: dict[str, Any], out: TextIO) -> None:
+    w = report["window"]
+    out.write(f"fleetd explain: {', '.join(report['nodes']) or '(no nodes)'}; {w['label']} "
+              f"({w['start']} .. {w['end']})\n")
+    out.write(f"verdict: {report['verdict']}\n")
+    shown = [c for c in report["chains"] if c["severity"] != "LOW"] or report["chains"][:3]
+    for c in shown:
+        _chain(c, out)
+    hidden = len(report["chains"]) - len(shown)
+    if hidden:
+        out.write(f"\n({hidden} LOW chain(s) not shown; --format json lists them all)\n")
+    _processes(report["processes"], out)
+
+
+def _chain(c: dict[str, Any], out: TextIO) -> None:
+    out.write(f"\n[{c['severity']}] {c['root_cause']}  {c['id']}\n  {c['summary']}\n")
+    v = c["victim"]
+    out.write(f"  victim:  {v['comm']} pid {v['pid']} tid {v['tid']}\n")
+    if c["culprit"]:
+        cu = c["culprit"]
+        share = c["culprits"][0].get("share") if c.get("culprits") else None
+        out.write(f"  culprit: {cu['comm']} pid {cu['pid']}"
+                  f"{' (the victim process itself)' if cu.get('self') else ''}"
+                  f"{f', {share:.0%} of the attributed time' if share is not None else ''}\n")
+    out.write(f"  explained {c['explained']:.0%} of the extra time; "
+              f"impact {c['impact']:.1%} of wall time\n  evidence:\n")
+    for e in c["evidence"]:
+        when = format_ns(e["ts_ns"])[11:] if "ts_ns" in e else ""
+        indent = "      " if "spike" in e else "    "
+        extra = f" [overlap {_dur(e['overlap_ns'])}]" if "overlap_ns" in e else ""
+        out.write(f"{indent}{when:<16} {e['kind']:<10} {e['text']}{extra}\n")
+    out.write("  fix:\n")
+    for f in c["fixes"]:
+        out.write(f"    - {f}\n")
+
+
+def _processes(procs: list[dict[str, Any]], out: TextIO) -> None:
+    rows = []
+    for p in procs:
+        for t in p["threads"]:
+            wall = max(1, int(t["wall_ns"]))
+            rows.append([
+                p["node"], t["pid"], t["comm"] or "", t["tid"], t["thread"] or "",
+                *(f"{int(t[k]) / wall:.1%}" for k in ("running_ns", "runq_ns", "irq_ns",
+                                                      "d_state_ns", "sleeping_ns")),
+                _dur(int(t["in_cuda_ns"])) + ("*" if t["in_cuda_estimated"] else ""),
+            ])
+    if not rows:
+        out.write("\nno traced threads in the window\n")
+        return
+    out.write("\nper-process breakdown (share of wall time; in_cuda overlaps the rest; "
+              "* = scaled from histograms):\n")
+    cols = ["node", "pid", "comm", "tid", "thread", "running", "runq", "irq", "d_state",
+            "sleeping", "in_cuda"]
+    out.write(table(cols, rows[:40]))

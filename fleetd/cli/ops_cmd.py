@@ -1,0 +1,56 @@
+"""``fleetd ops``: per-op (and per-process) latency statistics over a window."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fleetd.cli.explain_cmd import add_common, open_window
+from fleetd.cli.output import FORMATS, check_format, write_rows
+from fleetd.store.db import open_reader
+
+_NS_COLUMNS = ("total_ns", "mean_ns", "p50_ns", "p95_ns", "p99_ns", "max_ns")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "ops",
+        help="per-op latency statistics (count, p50/p95/p99/max, total, errors, calls/s)",
+        description="Latency statistics per op (and per process with --per-process). "
+        "stats_from says whether they come from stored events (exact) or from the "
+        "in-kernel histograms (every call counted; percentiles within a log2 bucket).",
+    )
+    add_common(p)
+    p.add_argument("--format", default="table", help=f"output format: {'|'.join(FORMATS)}")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fleetd.analyze.opstats import COLUMNS, op_stats
+
+    fmt = check_format(args.format)
+    path, win = open_window(args)
+    conn = open_reader(path)
+    try:
+        rows = op_stats(conn, win, args.pid, args.per_process)
+    finally:
+        conn.close()
+    cols = [c for c in COLUMNS if args.per_process or c not in ("pid", "comm")]
+    values = [[_show(c, r[c], fmt) for c in cols] for r in rows]
+    write_rows(cols, values, fmt, sys.stdout,
+               {"window": win.to_json(), "warnings": list(win.warnings)})
+    if fmt != "json":
+        if not rows and not win.warnings:
+            print("fleetd: warning: no ops in the window", file=sys.stderr)
+        for w in win.warnings:
+            print(f"fleetd: warning: {w}", file=sys.stderr)
+    return 0
+
+
+def _show(col: str, value: object, fmt: str) -> object:
+    """Tables show durations for reading; every other format keeps integers (ns)."""
+    if fmt != "table" or col not in _NS_COLUMNS or not isinstance(value, int):
+        return value
+    if value >= 1_000_000:
+        return f"{value / 1e6:.2f} ms"
+    return f"{value / 1e3:.1f} us"
