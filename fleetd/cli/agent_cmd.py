@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _settings(args: argparse.Namespace, cfg: Config) -> AgentSettings:
-    from fleetd.node.agent import AgentSettings, default_node_name
+    from fleetd.node.agent import AgentSettings, default_node_name, served_node
     from fleetd.node.tls import load_token
     from fleetd.store.db import default_db_path
     from fleetd.store.guard import Limits
@@ -50,9 +50,13 @@ def _settings(args: argparse.Namespace, cfg: Config) -> AgentSettings:
     lim = cfg.limits
     token_file = args.token_file or cfg.token_file
     tracing = not args.no_trace and cfg.trace.enabled
+    db = args.db or cfg.store.db or default_db_path()
+    node = args.node or cfg.node
+    if node is None and not tracing and db.exists():
+        node = served_node(db)  # a copied database names its own node
     settings = AgentSettings(
-        node=args.node or cfg.node or default_node_name(),
-        db=args.db or cfg.store.db or default_db_path(),
+        node=node or default_node_name(),
+        db=db,
         listen=args.listen or cfg.listen,
         tls_cert=args.tls_cert or cfg.tls.cert,
         tls_key=args.tls_key or cfg.tls.key,

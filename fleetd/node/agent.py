@@ -24,11 +24,12 @@ from aiohttp import web
 
 from fleetd.errors import ConfigError
 from fleetd.node import tls
+from fleetd.node.analysis import ROUTES as ANALYSIS_ROUTES
 from fleetd.node.api import NodeState, make_app
 from fleetd.node.config import parse_hostport
 from fleetd.node.metrics import SOURCES, Sources, metrics
 from fleetd.node.readers import ReaderPool
-from fleetd.store.db import ensure_node, open_writer, validate_node_name
+from fleetd.store.db import ensure_node, open_reader, open_writer, validate_node_name
 from fleetd.store.guard import Limits
 from fleetd.store.writer import BatchWriter
 
@@ -93,6 +94,7 @@ def _prepare_db(s: AgentSettings) -> None:
         raise ConfigError(f"database {str(s.db)!r} does not exist and tracing is off",
                           "pass --db to an existing database, or drop --no-trace")
     if s.tracer is None:
+        _check_served_node(s)
         return  # serve as is: a copied database is never modified
     conn = open_writer(s.db)
     try:
@@ -101,10 +103,35 @@ def _prepare_db(s: AgentSettings) -> None:
         conn.close()
 
 
+def _check_served_node(s: AgentSettings) -> None:
+    conn = open_reader(s.db)
+    try:
+        names = [r[0] for r in conn.execute("SELECT name FROM nodes ORDER BY name")]
+    finally:
+        conn.close()
+    if s.node not in names:
+        raise ConfigError(
+            f"database {str(s.db)!r} holds no node named {s.node!r} (it has: "
+            f"{', '.join(names) or 'none'})",
+            "pass --node with one of those names (or leave --node out to take the only one)",
+        )
+
+
+def served_node(db: Path) -> str | None:
+    """The node a copied database belongs to, when it holds exactly one."""
+    conn = open_reader(db)
+    try:
+        names = [r[0] for r in conn.execute("SELECT name FROM nodes")]
+    finally:
+        conn.close()
+    return names[0] if len(names) == 1 else None
+
+
 def build_app(s: AgentSettings, state: NodeState) -> web.Application:
     readers = ReaderPool(s.db, s.limits, s.max_concurrent_queries)
     app = make_app(state, readers, max_body_bytes=s.max_body_bytes,
-                   extra_routes=[web.get("/metrics", metrics), *s.extra_routes])
+                   extra_routes=[web.get("/metrics", metrics), *ANALYSIS_ROUTES,
+                                 *s.extra_routes])
     sources = Sources()
     app[SOURCES] = sources
 

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fleetd.errors import QueryError, UsageError
 from fleetd.store.db import open_reader
 
 Params = Sequence[Any] | Mapping[str, Any]
+T = TypeVar("T")
 
 # Introspection pragmas whose argument names what to describe: read-only with any argument.
 NAMED_PRAGMAS = frozenset({
@@ -181,6 +182,26 @@ class SafeDB:
             self.conn.set_progress_handler(None, 0)
         result.elapsed_ms = (time.perf_counter() - started) * 1000
         return result
+
+    def analyze(self, fn: Callable[[sqlite3.Connection], T], timeout_s: float) -> T:
+        """Run the project's own read-only analysis under a deadline, on this connection.
+
+        The authorizer stays in place, so even analysis code cannot write.
+        """
+        deadline = time.monotonic() + timeout_s
+        self.conn.set_progress_handler(lambda: int(time.monotonic() > deadline), _PROGRESS_EVERY)
+        try:
+            return fn(self.conn)
+        except sqlite3.OperationalError as exc:
+            if "interrupted" in str(exc):
+                raise QueryError(
+                    f"analysis stopped after its {timeout_s:g} s time limit",
+                    "narrow the window (since/from/to) or analyze a copy offline",
+                    code="timeout",
+                ) from None
+            raise
+        finally:
+            self.conn.set_progress_handler(None, 0)
 
     def _explain(self, exc: sqlite3.Error, sql: str, lim: Limits, timed_out: bool) -> QueryError:
         text = str(exc)

@@ -158,3 +158,38 @@ def test_non_loopback_listen_without_client_ca_is_refused(tmp_path: Path, pki: P
                            str(key)], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "requires client certificates" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_analysis_endpoints(tmp_path: Path, pki: Pki) -> None:
+    from synth import STRESS, build
+
+    db = build("cpu_hog", tmp_path)  # a database of node gpu-01, served as a copy
+    with agent(db, "gpu-01", pki, "--no-trace") as a:
+        ctx = client_ssl(pki)
+        status, res, _ = request(a.url, ctx, path="/api/v1/chains?top_n=2")
+        assert status == 200 and res["node"] == "gpu-01" and 1 <= len(res["chains"]) <= 2
+        top = res["chains"][0]
+        assert top["root_cause"] == "cpu_contention" and top["culprit"]["pid"] == STRESS
+        status, res, _ = request(a.url, ctx, path="/api/v1/ops")
+        assert status == 200 and any(r["op"] == "cudaStreamSynchronize" for r in res["ops"])
+        status, res, _ = request(a.url, ctx, path="/api/v1/overview")
+        assert status == 200 and res["events"] > 0 and res["chains"]["HIGH"] >= 1
+        status, res, _ = request(a.url, ctx, path="/api/v1/profile")
+        assert status == 200 and res["features"]["cuda_calls_per_s"] > 0
+        status, res, _ = request(a.url, ctx, path="/api/v1/chains?since=forever")
+        assert status == 400 and "invalid duration" in res["error"]["message"]
+        status, res, _ = request(a.url, ctx, path="/api/v1/chains?top_n=-1")
+        assert status == 400
+
+
+def test_served_copy_takes_its_node_name_and_refuses_a_wrong_one(tmp_path: Path) -> None:
+    import subprocess
+
+    from conftest import FLEETD
+
+    db = build_db(tmp_path / "copy.db", "gpu-09", 10)
+    proc = subprocess.run([FLEETD, "agent", "--no-trace", "--db", str(db), "--node", "gpu-01",
+                           "--listen", "127.0.0.1:0"], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 2 and "holds no node named 'gpu-01'" in proc.stderr
+    assert "gpu-09" in proc.stderr

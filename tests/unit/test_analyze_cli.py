@@ -9,7 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from test_analyze_scenarios import MAIN, STRESS, build
+from synth import MAIN, STRESS, build
 
 from fleetd.store.db import open_reader
 

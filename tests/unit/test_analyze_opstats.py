@@ -6,7 +6,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from test_analyze_scenarios import MAIN, MS, T0, US, Timeline, quiet
+from synth import MAIN, MS, T0, US, Timeline, quiet
 
 from fleetd.analyze.data import Hist
 from fleetd.analyze.opstats import op_stats
