@@ -62,4 +62,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q -e ".[test]"
   echo "$want" > "$STAMP"
 fi
+# The CUDA driver library (Debian non-free libcuda1), unpacked into .venv/libcuda only,
+# so driver-layer uprobes can be tested on machines without a GPU driver.
+bash scripts/fetch-libcuda.sh
 say "ready: .venv/bin/fleetd"

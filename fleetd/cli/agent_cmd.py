@@ -75,17 +75,17 @@ def _settings(args: argparse.Namespace, cfg: Config) -> AgentSettings:
 
 
 def _tracer_factory(args: argparse.Namespace, cfg: Config, s: AgentSettings) -> TracerFactory:
-    from fleetd.node.tracing import tracer_factory
+    from fleetd.trace.agent_hook import tracer_factory
 
     pids = args.pid or cfg.trace.pids
-    if not pids and not (args.all or cfg.trace.all):
+    all_processes = bool(args.all or cfg.trace.all)
+    if not pids and not all_processes:
         raise UsageError("nothing to trace: no --pid and no --all",
                          "pass --pid PID (repeatable) or --all, or --no-trace to only serve")
-    # No pids with --all: the tracer then follows every process that maps a CUDA library.
     return tracer_factory(
-        node=s.node, db=s.db, pids=list(pids or []), cuda_lib=args.cuda_lib or cfg.trace.cuda_lib,
-        host=not args.no_host and cfg.trace.host, sample=args.sample or cfg.trace.sample,
-        max_db_bytes=s.store_max_bytes,
+        node=s.node, pids=list(pids or []), all_processes=all_processes,
+        cuda_lib=args.cuda_lib or cfg.trace.cuda_lib, host=not args.no_host and cfg.trace.host,
+        sample=args.sample or cfg.trace.sample,
     )
 
 

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from fleetd.analyze.explain import explain, profile
 from fleetd.analyze.opstats import op_stats
+from fleetd.analyze.overview import overview
 from fleetd.analyze.window import Window, resolve_window
 from fleetd.errors import FleetdError, QueryError
 from fleetd.node.api import READERS, STATE, json_response
@@ -86,30 +87,11 @@ async def node_profile(request: web.Request) -> web.StreamResponse:
     return await _run(request, go)
 
 
-async def overview(request: web.Request) -> web.StreamResponse:
+async def node_overview(request: web.Request) -> web.StreamResponse:
     q = request.query
 
     def go(conn: sqlite3.Connection, node: str) -> dict[str, Any]:
-        win = _window(conn, q)
-        by_source = dict(conn.execute(
-            "SELECT o.source, count(*) FROM event_data e JOIN ops o ON o.code = e.op "
-            "WHERE e.ts_ns >= ? AND e.ts_ns < ? GROUP BY o.source",
-            (win.start_ns, win.end_ns)).fetchall())
-        sessions = [dict(zip(("id", "started_ns", "ended_ns", "lost_events", "rank",
-                              "world_size", "headers_route"), r, strict=True))
-                    for r in conn.execute(
-                        "SELECT id, started_ns, ended_ns, lost_events, rank, world_size, "
-                        "headers_route FROM sessions WHERE node = ? ORDER BY started_ns",
-                        (node,))]
-        report = explain(conn, win, node=node)
-        severities = {s: sum(1 for c in report["chains"] if c["severity"] == s)
-                      for s in ("HIGH", "MEDIUM", "LOW")}
-        top = sorted(report["ops"], key=lambda r: -int(r.get("total_ns") or 0))[:10]
-        return {"node": node, "window": report["window"], "events": sum(by_source.values()),
-                "by_source": by_source, "sessions": sessions,
-                "lost_events": sum(int(s["lost_events"] or 0) for s in sessions),
-                "chains": severities, "verdict": report["verdict"], "top_ops": top,
-                "warnings": report["warnings"]}
+        return overview(conn, _window(conn, q), node)
 
     return await _run(request, go)
 
@@ -117,6 +99,6 @@ async def overview(request: web.Request) -> web.StreamResponse:
 ROUTES = [
     web.get("/api/v1/chains", chains),
     web.get("/api/v1/ops", ops),
-    web.get("/api/v1/overview", overview),
+    web.get("/api/v1/overview", node_overview),
     web.get("/api/v1/profile", node_profile),
 ]

@@ -1,0 +1,425 @@
+/* fleetd: maps and helpers every layer shares. Compiled as one unit with the
+ * layers (see fleetd/trace/bpfsrc.py), so the target set and histograms are shared.
+ *
+ * Parameters (all -D, with defaults here):
+ *   FL_TRACER_PID      our own tgid, never traced
+ *   FL_SYSTEM_WIDE     1: any process calling CUDA becomes a target
+ *   FL_CGROUPS         1: a task in a cgroup listed in fl_cgroups becomes a target
+ *   FL_SAMPLE_N        emit 1 in N ordinary calls (1 = all, 0 = none)
+ *   FL_SLOW_K          a call slower than K x its running median is an anomaly
+ *   FL_SLOW_MIN_NS     ... if it also took at least this long
+ *   FL_ERR_BURST       errors emitted per (pid, op) per second before rate limiting
+ *   FL_STACKS          1: user stack ids on emitted CUDA records
+ */
+#ifndef FL_COMMON_BPF_C
+#define FL_COMMON_BPF_C
+#include <uapi/linux/ptrace.h>
+#include "fleetd.h"
+
+#ifndef FL_TRACER_PID
+#define FL_TRACER_PID 0
+#endif
+#ifndef FL_SYSTEM_WIDE
+#define FL_SYSTEM_WIDE 0
+#endif
+#ifndef FL_CGROUPS
+#define FL_CGROUPS 0
+#endif
+#ifndef FL_SAMPLE_N
+#define FL_SAMPLE_N 1
+#endif
+#ifndef FL_SLOW_K
+#define FL_SLOW_K 8
+#endif
+#ifndef FL_SLOW_MIN_NS
+#define FL_SLOW_MIN_NS 20000
+#endif
+#ifndef FL_ERR_BURST
+#define FL_ERR_BURST 10
+#endif
+#ifndef FL_STACKS
+#define FL_STACKS 0
+#endif
+#ifndef FL_RB_PAGES
+#define FL_RB_PAGES 256
+#endif
+#define FL_MEDIAN_WARMUP 32
+
+/* tgid -> how it became a target (1 = named, 2 = cgroup, 3 = CUDA user, 4 = child). */
+BPF_HASH(fl_targets, u32, u32, 4096);
+BPF_HASH(fl_cgroups, u64, u32, 64);
+BPF_HASH(fl_hist, u64, struct fl_hist, 8192);
+BPF_PERCPU_ARRAY(fl_hist_zero, struct fl_hist, 1);
+BPF_PERCPU_ARRAY(fl_counters, u64, FL_NCOUNTERS);
+/* [0] != 0: the tracer is stopping. Nothing changes after that, so the final drain,
+ * histogram read and counters agree with each other. */
+BPF_ARRAY(fl_ctl, u64, 1);
+/* One ring buffer per layer; proc, block, irq and syscall share fl_rb_sys. All are
+ * declared here because BCC does not allow map calls inside macros: fl_reserve()
+ * picks one by a constant that the compiler folds at each call site. */
+BPF_RINGBUF_OUTPUT(fl_rb_cuda, FL_RB_PAGES);
+BPF_RINGBUF_OUTPUT(fl_rb_driver, FL_RB_PAGES);
+BPF_RINGBUF_OUTPUT(fl_rb_nccl, FL_RB_PAGES);
+BPF_RINGBUF_OUTPUT(fl_rb_sched, FL_RB_PAGES);
+BPF_RINGBUF_OUTPUT(fl_rb_sys, FL_RB_PAGES);
+#if FL_STACKS
+BPF_STACK_TRACE(fl_stacks, 4096);
+#endif
+
+static __always_inline void fl_count(u32 idx)
+{
+    u64 *v = fl_counters.lookup(&idx);
+    if (v)
+        *v += 1; /* per-CPU slot: no atomics needed */
+}
+
+/* A task the host layer follows: a named/discovered tgid, or one in a traced cgroup. */
+static __always_inline int fl_is_target(u32 tgid)
+{
+    if (tgid == FL_TRACER_PID || tgid == 0)
+        return 0;
+    if (fl_targets.lookup(&tgid))
+        return 1;
+#if FL_CGROUPS
+    u64 cg = bpf_get_current_cgroup_id();
+    if (fl_cgroups.lookup(&cg)) {
+        u32 origin = 2;
+        if (fl_targets.update(&tgid, &origin))
+            fl_count(FL_C_STATE_FULL);
+        return 1;
+    }
+#endif
+    return 0;
+}
+
+/* For CUDA probes: system-wide mode makes every caller a target, so that the host
+ * layer follows the GPU-feeding processes from their first CUDA call on. */
+static __always_inline int fl_is_cuda_target(u32 tgid)
+{
+    if (fl_is_target(tgid))
+        return 1;
+#if FL_SYSTEM_WIDE
+    if (tgid == FL_TRACER_PID || tgid == 0)
+        return 0;
+    u32 origin = 3;
+    if (fl_targets.update(&tgid, &origin))
+        fl_count(FL_C_STATE_FULL);
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* floor(log2(v)) for v >= 1, clamped to the last bucket. */
+static __always_inline u32 fl_bucket(u64 v)
+{
+    u32 b = 0;
+    if (v == 0)
+        return 0;
+    b = bpf_log2l(v) - 1; /* bcc's bpf_log2l counts bits */
+    if (b >= FL_NBUCKETS)
+        b = FL_NBUCKETS - 1;
+    return b;
+}
+
+static __always_inline int fl_stopped(void)
+{
+    int k = 0;
+    u64 *v = fl_ctl.lookup(&k);
+    return v && *v;
+}
+
+static __always_inline struct fl_hist *fl_hist_get(u32 tgid, u32 op)
+{
+    if (fl_stopped())
+        return 0;
+    u64 key = ((u64)tgid << 32) | op;
+    struct fl_hist *h = fl_hist.lookup(&key);
+    if (h)
+        return h;
+    int zero = 0;
+    /* The zero value lives in a map: at 680 bytes it does not fit the BPF stack. */
+    struct fl_hist *z = fl_hist_zero.lookup(&zero);
+    if (!z)
+        return 0;
+    fl_hist.insert(&key, z);
+    h = fl_hist.lookup(&key);
+    if (!h)
+        fl_count(FL_C_HIST_FULL);
+    return h;
+}
+
+/* Add one sample to a histogram; bucket < 0 means log2 of the value. */
+static __always_inline struct fl_hist *fl_hist_add(u32 tgid, u32 op, u64 value, int bucket)
+{
+    struct fl_hist *h = fl_hist_get(tgid, op);
+    if (!h)
+        return 0;
+    u32 b = bucket < 0 ? fl_bucket(value) : (u32)bucket;
+    if (b >= FL_NBUCKETS)
+        b = FL_NBUCKETS - 1;
+    __sync_fetch_and_add(&h->count, 1);
+    __sync_fetch_and_add(&h->sum, value);
+    __sync_fetch_and_add(&h->b_count[b], 1);
+    __sync_fetch_and_add(&h->b_sum[b], value);
+    return h;
+}
+
+/* Running median by a multiplicative step (frugal streaming): constant memory, one
+ * read-modify-write per call. Races between threads of one process only blur it.
+ * Returns FL_WHY_SLOW when this call is an outlier against the estimate before it. */
+static __always_inline u32 fl_median_check(struct fl_hist *h, u64 dur)
+{
+    u64 m = h->median;
+    u32 why = 0;
+    if (h->count > FL_MEDIAN_WARMUP && dur >= FL_SLOW_MIN_NS && m > 0 && dur > m * FL_SLOW_K)
+        why = FL_WHY_SLOW;
+    if (m == 0)
+        m = dur;
+    else if (dur > m)
+        m += (m >> 4) + 1;
+    else if (dur < m)
+        m -= (m >> 4) + 1 > m ? m : (m >> 4) + 1;
+    h->median = m;
+    return why;
+}
+
+/* Errors are anomalies, but a call failing 20k times a second would flood the ring:
+ * emit a new error code at once and at most FL_ERR_BURST per second per (pid, op). */
+static __always_inline u32 fl_error_check(struct fl_hist *h, s32 ret, u64 now)
+{
+    if (ret == 0)
+        return 0;
+    __sync_fetch_and_add(&h->errors, 1);
+    if (h->last_err != ret) {
+        h->last_err = ret;
+        h->err_window = now;
+        h->err_in_window = 1;
+        return FL_WHY_ERROR;
+    }
+    if (now - h->err_window > 1000000000ull) {
+        h->err_window = now;
+        h->err_in_window = 0;
+    }
+    if (h->err_in_window < FL_ERR_BURST) {
+        h->err_in_window += 1;
+        return FL_WHY_ERROR;
+    }
+    return 0;
+}
+
+static __always_inline u32 fl_sample_pick(void)
+{
+#if FL_SAMPLE_N == 0
+    return 0;
+#elif FL_SAMPLE_N == 1
+    return FL_WHY_SAMPLE;
+#else
+    u32 idx = FL_C_SAMPLE_TICK;
+    u64 *tick = fl_counters.lookup(&idx);
+    if (!tick)
+        return FL_WHY_SAMPLE;
+    *tick += 1;
+    return (*tick % FL_SAMPLE_N) == 0 ? FL_WHY_SAMPLE : 0;
+#endif
+}
+
+/* Reserve a record in a ring (FL_C_LOST_* doubles as the ring number) or count
+ * the loss under that ring's counter. */
+static __always_inline struct fl_rec *fl_reserve(u32 ring)
+{
+    struct fl_rec *r = 0;
+    if (fl_stopped())
+        return 0;
+    switch (ring) {
+    case FL_C_LOST_CUDA:
+        r = fl_rb_cuda.ringbuf_reserve(sizeof(struct fl_rec));
+        break;
+    case FL_C_LOST_DRIVER:
+        r = fl_rb_driver.ringbuf_reserve(sizeof(struct fl_rec));
+        break;
+    case FL_C_LOST_NCCL:
+        r = fl_rb_nccl.ringbuf_reserve(sizeof(struct fl_rec));
+        break;
+    case FL_C_LOST_SCHED:
+        r = fl_rb_sched.ringbuf_reserve(sizeof(struct fl_rec));
+        break;
+    default:
+        r = fl_rb_sys.ringbuf_reserve(sizeof(struct fl_rec));
+        break;
+    }
+    if (!r)
+        fl_count(ring);
+    return r;
+}
+
+#ifndef FL_WAKE_EVERY
+#define FL_WAKE_EVERY 256
+#endif
+
+/* Wake the consumer only every FL_WAKE_EVERY records per CPU; it also polls on a
+ * short timer. Waking it for each record costs the traced process CPU time on small
+ * machines (the tracer's threads compete with it), for no gain in what is recorded. */
+static __always_inline void fl_submit(struct fl_rec *r)
+{
+    u32 idx = FL_C_WAKE_TICK;
+    u64 *tick = fl_counters.lookup(&idx);
+    u64 flags = BPF_RB_NO_WAKEUP;
+    if (!tick || ((*tick += 1) % FL_WAKE_EVERY) == 0)
+        flags = 0;
+    bpf_ringbuf_submit(r, flags);
+    fl_count(FL_C_EMITTED);
+}
+
+static __always_inline void fl_fill(struct fl_rec *r, u64 ts, u64 dur, u32 pid, u32 tid,
+                                    u32 op, s32 ret)
+{
+    r->ts = ts;
+    r->dur = dur;
+    r->pid = pid;
+    r->tid = tid;
+    r->op = op;
+    r->ret = ret;
+    r->bytes = 0;
+    r->peer = 0;
+    r->peer_pid = 0;
+    r->a0 = 0;
+    r->a1 = 0;
+    r->stack = -1;
+    r->flags = 0;
+    r->x[0] = 0;
+    r->x[1] = 0;
+    r->x[2] = 0;
+    r->x[3] = 0;
+    r->median = 0;
+    __builtin_memset(r->comm, 0, FL_COMM_LEN);
+}
+
+/* ---- calls (CUDA runtime, driver, NCCL): entry stores the start, return decides ---- */
+
+/* Keyed by tid << 32 | op, so a library call that internally calls another probed
+ * symbol does not clobber the outer one. Entries are reused in place (a hash update
+ * allocates and frees an element every time; a lookup does not), marked done with
+ * ts = 0 instead of deleted; LRU recycles the entries of threads that are gone. */
+BPF_TABLE("lru_hash", u64, struct fl_call, fl_calls, 16384);
+
+/* Entry: keep the start time and arguments of a target's call. */
+static __always_inline int fl_call_enter(struct pt_regs *ctx, u32 op, u64 bytes, s64 a0,
+                                         s64 a1, u64 x0, u64 x1, u64 x2, u64 x3)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!fl_is_cuda_target(id >> 32))
+        return 0;
+    u64 key = (id << 32) | op;
+    struct fl_call *p = fl_calls.lookup(&key);
+    if (p) {
+        p->sp = PT_REGS_SP(ctx);
+        p->bytes = bytes;
+        p->a0 = a0;
+        p->a1 = a1;
+        p->x[0] = x0;
+        p->x[1] = x1;
+        p->x[2] = x2;
+        p->x[3] = x3;
+        p->ts = bpf_ktime_get_ns(); /* last, so map work is not billed to the call */
+        return 0;
+    }
+    struct fl_call c = {};
+    c.sp = PT_REGS_SP(ctx);
+    c.bytes = bytes;
+    c.a0 = a0;
+    c.a1 = a1;
+    c.x[0] = x0;
+    c.x[1] = x1;
+    c.x[2] = x2;
+    c.x[3] = x3;
+    c.ts = bpf_ktime_get_ns();
+    if (fl_calls.update(&key, &c))
+        fl_count(FL_C_CALLS_FULL);
+    return 0;
+}
+
+/* Launch arguments passed on the stack, read only for records that are emitted: one
+ * bpf_probe_read_user costs ~150 ns here, half of what a whole entry probe does.
+ * They are read after the call, from the caller's outgoing-argument area (entry sp
+ * + 8); a callee may in principle reuse those slots, the launch wrappers do not.
+ *   cudaLaunchKernel(func, grid, block, args, sharedMem, stream)
+ *   cuLaunchKernel(f, gx, gy, gz, bx, by, bz, sharedMem, stream, params, extra) */
+struct fl_stack3 {
+    u64 s[3];
+};
+
+static __always_inline void fl_stack_args(u32 op, struct fl_call *c, struct fl_rec *r)
+{
+    struct fl_stack3 st = {};
+    if (op == OP_CUDALAUNCHKERNEL) {
+        bpf_probe_read_user(&st, 16, (void *)(c->sp + 8));
+        r->x[1] |= st.s[0] << 32;
+        r->x[3] = st.s[1];
+    } else if (op == OP_CULAUNCHKERNEL) {
+        bpf_probe_read_user(&st, 24, (void *)(c->sp + 8));
+        u64 bz = st.s[0] & 0xffff;
+        r->a1 = r->a1 * bz;
+        r->x[1] |= (bz << 16) | ((st.s[1] & 0xffffffff) << 32);
+        r->x[3] = st.s[2];
+    }
+}
+
+static __always_inline void fl_stack(struct pt_regs *ctx, struct fl_rec *r)
+{
+#if FL_STACKS
+    int sid = fl_stacks.get_stackid(ctx, BPF_F_USER_STACK);
+    if (sid < 0)
+        fl_count(FL_C_STACK_LOST);
+    r->stack = sid;
+#endif
+}
+
+/* Return: histogram always; a record when the call is an anomaly, belongs to an
+ * always-emitted class, or is in the sample. */
+static __always_inline int fl_call_exit(struct pt_regs *ctx, u32 op, u32 always, u32 ring)
+{
+    u64 now = bpf_ktime_get_ns();
+    u64 id = bpf_get_current_pid_tgid();
+    u64 key = (id << 32) | op;
+    struct fl_call *c = fl_calls.lookup(&key);
+    if (!c || c->ts == 0)
+        return 0; /* not a target, or its start was lost (counted at entry) */
+    u32 tgid = id >> 32;
+    u64 start = c->ts;
+    u64 dur = now - start;
+    c->ts = 0; /* done: a return without a fresh entry is ignored */
+    s32 ret = (s32)PT_REGS_RC(ctx);
+    u32 why = always ? FL_WHY_ALWAYS : 0;
+    struct fl_hist *h = fl_hist_add(tgid, op, dur, -1);
+    if (h) {
+        why |= fl_median_check(h, dur);
+        why |= fl_error_check(h, ret, now);
+    }
+    if (!why)
+        why = fl_sample_pick();
+    if (!why) {
+        fl_count(FL_C_SAMPLED_OUT);
+        return 0;
+    }
+    struct fl_rec *r = fl_reserve(ring);
+    if (!r)
+        return 0;
+    fl_fill(r, start, dur, tgid, (u32)id, op, ret);
+    r->bytes = c->bytes;
+    r->a0 = c->a0;
+    r->a1 = c->a1;
+    r->x[0] = c->x[0];
+    r->x[1] = c->x[1];
+    r->x[2] = c->x[2];
+    r->x[3] = c->x[3];
+    r->flags = why;
+    fl_stack_args(op, c, r);
+    if (h)
+        r->median = h->median;
+    fl_stack(ctx, r);
+    fl_submit(r);
+    return 0;
+}
+
+#endif /* FL_COMMON_BPF_C */

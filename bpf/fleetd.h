@@ -1,0 +1,86 @@
+/* fleetd: record layouts and constants shared by every BPF layer.
+ *
+ * The Python side (fleetd/trace/decoder.py) reads these records with a struct
+ * format of the same layout; it passes the size it expects as -DFL_REC_SIZE and
+ * the asserts below refuse to compile if C and Python ever drift apart.
+ * Op codes arrive as -DOP_<NAME>=<code> generated from fleetd/store/catalog.py.
+ */
+#ifndef FLEETD_H
+#define FLEETD_H
+
+#define FL_COMM_LEN 16
+#define FL_NBUCKETS 40 /* log2(ns) buckets 0..39: the last one holds everything >= 9 min */
+
+/* Why a record reached user space (fl_rec.flags). */
+#define FL_WHY_SAMPLE 1u /* the 1-in-N sample of ordinary calls */
+#define FL_WHY_SLOW 2u   /* latency above k x the running median */
+#define FL_WHY_ERROR 4u  /* a call that returned an error (rate-limited per pid+op) */
+#define FL_WHY_ALWAYS 8u /* sync, graph, allocation, NCCL and lifecycle events */
+
+/* Indices into the per-CPU fl_counters array; names in fleetd/trace/bpfsrc.py. */
+#define FL_C_LOST_CUDA 0     /* ring buffer full: runtime + graph records lost */
+#define FL_C_LOST_DRIVER 1
+#define FL_C_LOST_NCCL 2
+#define FL_C_LOST_SCHED 3
+#define FL_C_LOST_SYS 4      /* proc, block, irq, syscall */
+#define FL_C_CALLS_FULL 5    /* call start not kept: in-flight map full */
+#define FL_C_HIST_FULL 6     /* histogram map full: the call is missing from aggregates */
+#define FL_C_SAMPLED_OUT 7   /* kept only in histograms, by design */
+#define FL_C_STACK_LOST 8
+#define FL_C_EMITTED 9
+#define FL_C_SAMPLE_TICK 10  /* the sampling counter itself */
+#define FL_C_STATE_FULL 11   /* host state maps full (off-CPU, syscall, block, targets) */
+#define FL_C_WAKE_TICK 12    /* records since the consumer was last woken, per CPU */
+#define FL_NCOUNTERS 16
+
+/* One record per emitted event, for every layer: fixed size keeps decoding cheap. */
+struct fl_rec {
+    u64 ts;        /* CLOCK_MONOTONIC ns of the start */
+    u64 dur;       /* ns; 0 for instants */
+    u32 pid;       /* tgid */
+    u32 tid;
+    u32 op;        /* catalog code */
+    s32 ret;       /* return code / error */
+    u64 bytes;
+    u32 peer;      /* the other task's tid */
+    u32 peer_pid;  /* its tgid when known in the kernel, else 0 */
+    s64 a0;
+    s64 a1;
+    s32 stack;     /* stack map id, -1 = none */
+    u32 flags;     /* FL_WHY_* */
+    u64 x[4];      /* op-specific extras (dims, stream, handles) */
+    u64 median;    /* the op's running median (ns) at emit time, 0 = unknown */
+    char comm[FL_COMM_LEN]; /* the peer's comm (sched), or our own (exec) */
+};
+
+/* A call in flight, keyed by tid << 32 | op. */
+struct fl_call {
+    u64 ts;
+    u64 sp;     /* stack pointer at entry: stack arguments are read only if emitted */
+    u64 bytes;
+    s64 a0;
+    s64 a1;
+    u64 x[4];
+};
+
+/* Per (tgid, op): latency histogram plus the state behind emit decisions. */
+struct fl_hist {
+    u64 count;
+    u64 sum;
+    u64 errors;
+    u64 median;      /* running median estimate, ns */
+    u64 err_window;  /* start of the current error-budget window, ns */
+    u32 err_in_window;
+    s32 last_err;
+    u64 b_count[FL_NBUCKETS];
+    u64 b_sum[FL_NBUCKETS];
+};
+
+#ifdef FL_REC_SIZE
+_Static_assert(sizeof(struct fl_rec) == FL_REC_SIZE, "fl_rec layout differs from decoder.py");
+#endif
+#ifdef FL_HIST_SIZE
+_Static_assert(sizeof(struct fl_hist) == FL_HIST_SIZE, "fl_hist layout differs from bpfsrc.py");
+#endif
+
+#endif /* FLEETD_H */

@@ -1,0 +1,356 @@
+/* fleetd: host tracepoints for the traced processes and their threads.
+ *
+ * Sub-layers, each on unless its -D flag is 0: FL_SCHED (off-CPU intervals with the
+ * state the task left in, wakeups with the waker, run-queue waits), FL_MEM (page
+ * allocations, aggregated in the kernel), FL_BLOCK (block requests with latency and
+ * bytes), FL_IRQ (hard/soft interrupts that preempted a traced thread), FL_SYSCALL
+ * (system calls slower than a threshold). Everything goes into the in-kernel
+ * histograms; individual records only above the thresholds below.
+ * Must be included before proc.bpf.c (it provides FL_FORGET_THREAD).
+ */
+#include "common.bpf.c"
+
+#ifndef FL_SCHED
+#define FL_SCHED 1
+#endif
+#ifndef FL_MEM
+#define FL_MEM 1
+#endif
+#ifndef FL_BLOCK
+#define FL_BLOCK 1
+#endif
+#ifndef FL_IRQ
+#define FL_IRQ 1
+#endif
+#ifndef FL_SYSCALL
+#define FL_SYSCALL 1
+#endif
+#ifndef FL_OFFCPU_MIN_NS
+#define FL_OFFCPU_MIN_NS 50000
+#endif
+#ifndef FL_RUNQ_MIN_NS
+#define FL_RUNQ_MIN_NS 50000
+#endif
+#ifndef FL_IRQ_MIN_NS
+#define FL_IRQ_MIN_NS 20000
+#endif
+#ifndef FL_SYSCALL_MIN_NS
+#define FL_SYSCALL_MIN_NS 1000000
+#endif
+#ifndef FL_BLOCK_MIN_NS
+#define FL_BLOCK_MIN_NS 10000000
+#endif
+
+#define FL_STATE_MASK 0xffll /* above it: TASK_REPORT_MAX, set when preempted */
+
+
+/* A traced thread that is off CPU, keyed by tid. LRU: a lost switch-in cannot leak. */
+struct fl_off {
+    u64 ts;     /* switched out */
+    u64 wake;   /* became runnable: woken, or at once when preempted */
+    s64 state;  /* prev_state as the tracepoint reports it */
+    u32 pid;
+    u32 peer;   /* who ran instead */
+    u32 waker;
+    u32 waker_pid;
+    char peer_comm[FL_COMM_LEN];
+    char waker_comm[FL_COMM_LEN];
+};
+BPF_TABLE("lru_hash", u32, struct fl_off, fl_off, 16384);
+
+struct fl_sysc {
+    u64 ts;
+    s64 nr;
+};
+BPF_TABLE("lru_hash", u32, struct fl_sysc, fl_sysc, 16384);
+
+static __always_inline void fl_forget_thread(u32 tid)
+{
+    fl_off.delete(&tid);
+    fl_sysc.delete(&tid);
+}
+#define FL_FORGET_THREAD(tid) fl_forget_thread(tid)
+
+#if FL_SCHED
+static __always_inline void fl_switch_in(u32 tid, u64 now)
+{
+    struct fl_off *o = fl_off.lookup(&tid);
+    if (!o)
+        return;
+    u64 dur = now - o->ts;
+    u32 pid = o->pid;
+    fl_hist_add(pid, OP_OFF_CPU, dur, -1);
+    int emitted = 0;
+    if (dur >= FL_OFFCPU_MIN_NS) {
+        struct fl_rec *r = fl_reserve(FL_C_LOST_SCHED);
+        if (r) {
+            fl_fill(r, o->ts, dur, pid, tid, OP_OFF_CPU, 0);
+            r->a0 = o->state;
+            r->peer = o->peer;
+            __builtin_memcpy(r->comm, o->peer_comm, FL_COMM_LEN);
+            r->flags = FL_WHY_SLOW;
+            fl_submit(r);
+            emitted = 1;
+        }
+        if (o->waker) {
+            r = fl_reserve(FL_C_LOST_SCHED);
+            if (r) {
+                fl_fill(r, o->wake, 0, pid, tid, OP_WAKEUP, 0);
+                r->peer = o->waker;
+                r->peer_pid = o->waker_pid;
+                __builtin_memcpy(r->comm, o->waker_comm, FL_COMM_LEN);
+                r->flags = FL_WHY_SLOW;
+                fl_submit(r);
+            }
+        }
+    }
+    if (o->wake && now >= o->wake) {
+        u64 rq = now - o->wake;
+        fl_hist_add(pid, OP_RUNQ_WAIT, rq, -1);
+        if (rq >= FL_RUNQ_MIN_NS) {
+            struct fl_rec *r = fl_reserve(FL_C_LOST_SCHED);
+            if (r) {
+                fl_fill(r, o->wake, rq, pid, tid, OP_RUNQ_WAIT, 0);
+                /* Woken: the waker; preempted: the task that took the CPU. */
+                r->peer = o->waker ? o->waker : o->peer;
+                r->peer_pid = o->waker ? o->waker_pid : 0;
+                __builtin_memcpy(r->comm, o->waker ? o->waker_comm : o->peer_comm,
+                                 FL_COMM_LEN);
+                r->a0 = o->state;
+                r->flags = FL_WHY_SLOW;
+                fl_submit(r);
+            }
+        }
+    }
+    (void)emitted;
+    fl_off.delete(&tid);
+}
+
+TRACEPOINT_PROBE(sched, sched_switch)
+{
+    u64 now = bpf_ktime_get_ns();
+    u64 id = bpf_get_current_pid_tgid(); /* current is still prev here */
+    u32 tgid = id >> 32, prev = args->prev_pid;
+    if (prev != 0 && fl_is_target(tgid)) {
+        struct fl_off o = {};
+        o.ts = now;
+        o.state = args->prev_state;
+        o.pid = tgid;
+        o.peer = args->next_pid;
+        bpf_probe_read_kernel(o.peer_comm, FL_COMM_LEN, args->next_comm);
+        /* Left runnable (preempted or yielded): it waits in the run queue from now. */
+        if ((o.state & FL_STATE_MASK) == 0)
+            o.wake = now;
+        if (fl_off.update(&prev, &o))
+            fl_count(FL_C_STATE_FULL);
+    }
+    fl_switch_in(args->next_pid, now);
+    return 0;
+}
+
+static __always_inline int fl_wakeup(u32 tid)
+{
+    struct fl_off *o = fl_off.lookup(&tid);
+    if (!o || o->wake)
+        return 0;
+    u64 id = bpf_get_current_pid_tgid(); /* current is the waker */
+    o->wake = bpf_ktime_get_ns();
+    o->waker = (u32)id;
+    o->waker_pid = id >> 32;
+    bpf_get_current_comm(o->waker_comm, FL_COMM_LEN);
+    return 0;
+}
+
+TRACEPOINT_PROBE(sched, sched_wakeup)
+{
+    return fl_wakeup(args->pid);
+}
+#endif /* FL_SCHED */
+
+#if FL_MEM
+TRACEPOINT_PROBE(kmem, mm_page_alloc)
+{
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!fl_is_target(tgid))
+        return 0;
+    u32 order = args->order;
+    /* Aggregated only: bucket = order, count = allocations, sum = pages. */
+    fl_hist_add(tgid, OP_PAGE_ALLOC, 1ull << (order & 31), order & 31);
+    return 0;
+}
+#endif
+
+#if FL_BLOCK
+struct fl_bkey {
+    u64 dev;
+    u64 sector;
+};
+struct fl_bio {
+    u64 ts;
+    u32 pid;
+    u32 tid;
+    u64 bytes;
+    char comm[FL_COMM_LEN];
+    char rwbs[8];
+};
+BPF_TABLE("lru_hash", struct fl_bkey, struct fl_bio, fl_bio, 8192);
+
+TRACEPOINT_PROBE(block, block_rq_issue)
+{
+    struct fl_bkey k = {};
+    k.dev = args->dev;
+    k.sector = args->sector;
+    u64 id = bpf_get_current_pid_tgid();
+    struct fl_bio b = {};
+    b.ts = bpf_ktime_get_ns();
+    b.pid = id >> 32;
+    b.tid = (u32)id;
+    b.bytes = args->bytes;
+    bpf_probe_read_kernel(b.comm, FL_COMM_LEN, args->comm);
+    bpf_probe_read_kernel(b.rwbs, sizeof(b.rwbs), args->rwbs);
+    if (fl_bio.update(&k, &b))
+        fl_count(FL_C_STATE_FULL);
+    return 0;
+}
+
+TRACEPOINT_PROBE(block, block_rq_complete)
+{
+    struct fl_bkey k = {};
+    k.dev = args->dev;
+    k.sector = args->sector;
+    struct fl_bio *b = fl_bio.lookup(&k);
+    if (!b)
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+    u64 dur = now - b->ts;
+    int target = b->pid != FL_TRACER_PID && fl_targets.lookup(&b->pid) != 0;
+    /* Requests of other processes count too (pid 0 = the rest of the system): a
+     * checkpoint writer or a noisy neighbour saturating the disk is a cause. */
+    fl_hist_add(target ? b->pid : 0, OP_BLOCK_IO, dur, -1);
+    if (target || dur >= FL_BLOCK_MIN_NS) {
+        struct fl_rec *r = fl_reserve(FL_C_LOST_SYS);
+        if (r) {
+            fl_fill(r, b->ts, dur, b->pid, b->tid, OP_BLOCK_IO, args->error);
+            r->bytes = b->bytes ? b->bytes : (u64)args->nr_sector * 512;
+            r->a0 = k.dev;
+            r->a1 = k.sector;
+            __builtin_memcpy(&r->x[0], b->rwbs, 8);
+            __builtin_memcpy(r->comm, b->comm, FL_COMM_LEN);
+            r->flags = target ? FL_WHY_ALWAYS : FL_WHY_SLOW;
+            fl_submit(r);
+        }
+    }
+    fl_bio.delete(&k);
+    return 0;
+}
+#endif
+
+#if FL_IRQ
+struct fl_irq {
+    u64 ts;
+    u32 pid;
+    u32 tid;
+    s64 num;
+};
+BPF_PERCPU_ARRAY(fl_irq_start, struct fl_irq, 2); /* 0: hard, 1: soft */
+
+static __always_inline void fl_irq_enter(u32 slot, s64 num)
+{
+    struct fl_irq *s = fl_irq_start.lookup(&slot);
+    if (!s)
+        return;
+    u64 id = bpf_get_current_pid_tgid(); /* the interrupted task */
+    u32 tgid = id >> 32;
+    if (!fl_is_target(tgid)) {
+        s->ts = 0;
+        return;
+    }
+    s->ts = bpf_ktime_get_ns();
+    s->pid = tgid;
+    s->tid = (u32)id;
+    s->num = num;
+}
+
+static __always_inline void fl_irq_exit(u32 slot, u32 op)
+{
+    struct fl_irq *s = fl_irq_start.lookup(&slot);
+    if (!s || s->ts == 0)
+        return;
+    u64 dur = bpf_ktime_get_ns() - s->ts;
+    fl_hist_add(s->pid, op, dur, -1);
+    if (dur >= FL_IRQ_MIN_NS) {
+        struct fl_rec *r = fl_reserve(FL_C_LOST_SYS);
+        if (r) {
+            fl_fill(r, s->ts, dur, s->pid, s->tid, op, 0);
+            r->a0 = s->num;
+            r->flags = FL_WHY_SLOW;
+            fl_submit(r);
+        }
+    }
+    s->ts = 0;
+}
+
+TRACEPOINT_PROBE(irq, irq_handler_entry)
+{
+    fl_irq_enter(0, args->irq);
+    return 0;
+}
+
+TRACEPOINT_PROBE(irq, irq_handler_exit)
+{
+    fl_irq_exit(0, OP_HARDIRQ);
+    return 0;
+}
+
+TRACEPOINT_PROBE(irq, softirq_entry)
+{
+    fl_irq_enter(1, args->vec);
+    return 0;
+}
+
+TRACEPOINT_PROBE(irq, softirq_exit)
+{
+    fl_irq_exit(1, OP_SOFTIRQ);
+    return 0;
+}
+#endif
+
+#if FL_SYSCALL
+TRACEPOINT_PROBE(raw_syscalls, sys_enter)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!fl_is_target(id >> 32))
+        return 0;
+    u32 tid = (u32)id;
+    struct fl_sysc s = {};
+    s.nr = args->id;
+    s.ts = bpf_ktime_get_ns();
+    if (fl_sysc.update(&tid, &s))
+        fl_count(FL_C_STATE_FULL);
+    return 0;
+}
+
+TRACEPOINT_PROBE(raw_syscalls, sys_exit)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    struct fl_sysc *s = fl_sysc.lookup(&tid);
+    if (!s)
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+    u64 dur = now - s->ts;
+    u32 tgid = id >> 32;
+    fl_hist_add(tgid, OP_SYSCALL, dur, -1);
+    if (dur >= FL_SYSCALL_MIN_NS) {
+        struct fl_rec *r = fl_reserve(FL_C_LOST_SYS);
+        if (r) {
+            fl_fill(r, s->ts, dur, tgid, tid, OP_SYSCALL, (s32)args->ret);
+            r->a0 = s->nr;
+            r->flags = FL_WHY_SLOW;
+            fl_submit(r);
+        }
+    }
+    fl_sysc.delete(&tid);
+    return 0;
+}
+#endif

@@ -1,0 +1,79 @@
+"""The tracer as the node agent runs it: started into the agent's writer, polled by a
+background thread, observed through ``stats()``, stopped (flushed) on shutdown."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fleetd.store.writer import BatchWriter
+from fleetd.trace.tracer import GPU_LAYERS, TraceConfig, Tracer, TraceSummary
+
+log = logging.getLogger("fleetd.trace.agent")
+
+
+class AgentTracer:
+    """TracerHandle for fleetd.node.agent: start(), stop(), stats()."""
+
+    def __init__(self, cfg: TraceConfig, writer: BatchWriter) -> None:
+        self.tracer = Tracer(cfg, writer=writer)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._rate = 0.0
+        self._last = (0.0, 0)
+        self.summary: TraceSummary | None = None
+        self.error: str | None = None
+
+    def start(self) -> None:
+        self.tracer.start()
+        self._last = (time.monotonic(), 0)
+        self._thread = threading.Thread(target=self._run, name="fleetd-trace", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.tracer.poll(100)
+        except Exception as exc:  # keep serving the database; say why tracing ended
+            self.error = str(exc)
+            log.exception("tracing stopped: %s", exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.tracer.bpf is not None:
+            self.summary = self.tracer.stop()
+
+    def stats(self) -> dict[str, Any]:
+        if self.tracer.bpf is None:
+            return {"events_per_s": 0.0, "lost": 0, "running": False, "error": self.error}
+        st = self.tracer.status()
+        now = time.monotonic()
+        t0, n0 = self._last
+        if now - t0 >= 1.0:
+            self._rate = (st["records"] - n0) / (now - t0)
+            self._last = (now, st["records"])
+        return {**st, "events_per_s": self._rate, "running": self._thread is not None
+                and self._thread.is_alive(), "error": self.error}
+
+
+def tracer_factory(*, node: str, pids: list[int], all_processes: bool,
+                   cuda_lib: Path | str | None, host: bool,
+                   sample: int | None) -> Callable[[BatchWriter], AgentTracer]:
+    """What ``fleetd agent`` calls: a factory that builds the tracer on its writer."""
+    layers = frozenset((*GPU_LAYERS, "host") if host else GPU_LAYERS)
+
+    def make(writer: BatchWriter) -> AgentTracer:
+        cfg = TraceConfig(
+            db=writer.path, node=node, pids=[] if all_processes else list(pids),
+            cuda_libs=[str(cuda_lib)] if cuda_lib else [], layers=layers,
+            sample=100 if sample is None else sample, command="fleetd agent",
+        )
+        return AgentTracer(cfg, writer)
+
+    return make

@@ -1,0 +1,282 @@
+"""Environment checks for ``fleetd check``: can this machine trace, and how?
+
+Each check says ok / warn / fail, what it found, and for anything short of ok, the
+fix. The probe check is real: it compiles the programs and attaches every probe to
+every CUDA library found, then detaches, so "can attach" means it did attach.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fleetd.trace import clock
+from fleetd.trace.headers import ROUTES, HeaderRoute, prepare_route
+from fleetd.trace.libs import (
+    Library,
+    all_mapped_libraries,
+    exported_functions,
+    search_usual_places,
+)
+from fleetd.trace.probes import SPECS_BY_KIND, planned_symbols
+
+log = logging.getLogger("fleetd.trace.check")
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+TRACEPOINTS = (
+    "sched/sched_switch", "sched/sched_wakeup", "sched/sched_process_fork",
+    "sched/sched_process_exec", "sched/sched_process_exit", "kmem/mm_page_alloc",
+    "block/block_rq_issue", "block/block_rq_complete", "irq/irq_handler_entry",
+    "irq/softirq_entry", "raw_syscalls/sys_enter", "syscalls/sys_enter_clone3",
+)
+_BPF_MAP_CREATE = 0
+_SYS_BPF = {"x86_64": 321, "aarch64": 280}
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_checks(cuda_libs: list[str] | None = None, *, attach: bool = True) -> list[Check]:
+    checks = [
+        Check("kernel", OK, f"{platform.release()} ({platform.machine()})"),
+        _root(),
+        _bpf_syscall(),
+        _btf(),
+        _tracefs(),
+        _kprobes(),
+        _bcc(),
+    ]
+    route_check, route = _headers()
+    checks.append(route_check)
+    checks += _tracepoints()
+    libs = _libraries(cuda_libs or [])
+    checks.append(_libs_check(libs))
+    checks += [_symbols_check(lib) for lib in libs]
+    usable = all(c.status != FAIL for c in checks if c.name in ("root", "bpf", "tracefs", "bcc"))
+    if attach and usable and route is not None:
+        checks += _attach_check(libs)
+    checks.append(_clock())
+    return checks
+
+
+def _root() -> Check:
+    if os.geteuid() == 0:
+        return Check("root", OK, "running as root")
+    return Check("root", FAIL, f"running as uid {os.geteuid()}",
+                 "run fleetd trace/check with sudo (BPF and uprobes need root)")
+
+
+def _bpf_syscall() -> Check:
+    """Create and close a one-entry array map: proves the bpf() syscall works here."""
+    nr = _SYS_BPF.get(platform.machine())
+    if nr is None:
+        return Check("bpf", WARN, f"unknown bpf syscall number on {platform.machine()}")
+    attr = (ctypes.c_uint32 * 32)()
+    attr[0], attr[1], attr[2], attr[3] = 2, 4, 8, 1  # ARRAY, key 4, value 8, 1 entry
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(nr, _BPF_MAP_CREATE, ctypes.byref(attr), ctypes.sizeof(attr))
+    if fd >= 0:
+        os.close(fd)
+        return Check("bpf", OK, "bpf() syscall works (map created)")
+    err = os.strerror(ctypes.get_errno())
+    return Check("bpf", FAIL, f"bpf() failed: {err}",
+                 "run as root on a kernel with CONFIG_BPF_SYSCALL; in a container add "
+                 "CAP_BPF/CAP_PERFMON (or --privileged)")
+
+
+def _btf() -> Check:
+    if Path("/sys/kernel/btf/vmlinux").exists():
+        return Check("btf", OK, "/sys/kernel/btf/vmlinux present (not required by BCC)")
+    return Check("btf", WARN, "no /sys/kernel/btf/vmlinux",
+                 "not needed for fleetd's BCC programs; needed only by the libbpf fallback")
+
+
+def _tracefs() -> Check:
+    for p in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
+        if Path(p, "events").is_dir():
+            return Check("tracefs", OK, f"mounted at {p}")
+    status = FAIL if os.geteuid() != 0 else WARN
+    return Check("tracefs", status, "tracefs not mounted",
+                 "mount -t tracefs tracefs /sys/kernel/tracing (fleetd trace mounts it "
+                 "itself when run as root)")
+
+
+def _kprobes() -> Check:
+    if Path("/sys/kernel/tracing/kprobe_events").exists():
+        return Check("kprobes", OK, "available (fleetd does not need them)")
+    return Check("kprobes", OK, "not available; fleetd uses only tracepoints and uprobes")
+
+
+def _bcc() -> Check:
+    try:
+        import bcc
+    except ImportError as exc:
+        return Check("bcc", FAIL, f"python module not importable: {exc}",
+                     "apt-get install python3-bpfcc libbpfcc, then re-run scripts/setup.sh "
+                     "(not `pip install bcc`: an unrelated package)")
+    version = getattr(bcc, "__version__", None) or _bcc_version_from_dpkg()
+    return Check("bcc", OK, f"bcc {version or '(version unknown)'} at {Path(bcc.__file__).parent}")
+
+
+def _bcc_version_from_dpkg() -> str | None:
+    status = Path("/var/lib/dpkg/status")
+    try:
+        text = status.read_text(errors="replace")
+    except OSError:
+        return None
+    for block in text.split("\n\n"):
+        if block.startswith("Package: python3-bpfcc\n") or "\nPackage: python3-bpfcc\n" in block:
+            for line in block.splitlines():
+                if line.startswith("Version:"):
+                    return line.split(":", 1)[1].strip()
+    return None
+
+
+def _headers() -> tuple[Check, HeaderRoute | None]:
+    """The first route that prepares and compiles a tiny program."""
+    tried = []
+    forced = os.environ.get("FLEETD_HEADERS")
+    for name in (forced,) if forced else ROUTES:
+        route = prepare_route(name)
+        if route is None:
+            tried.append(f"{name}: not available")
+            continue
+        err = _compile_probe(route)
+        if err is None:
+            return Check("headers", OK, f"route {route.describe()}"
+                         + (f" (tried: {'; '.join(tried)})" if tried else "")), route
+        tried.append(f"{name}: {err}")
+    return Check("headers", FAIL, "; ".join(tried) or "no route",
+                 "apt-get install linux-headers-$(uname -r) (or Debian's linux-headers-amd64 "
+                 "as a fallback), or set BCC_KERNEL_SOURCE to a kernel header tree"), None
+
+
+def _compile_probe(route: HeaderRoute) -> str | None:
+    try:
+        from bcc import BPF
+    except ImportError as exc:
+        return f"bcc missing ({exc})"
+    from fleetd.trace.headers import applied
+
+    with applied(route):
+        try:
+            b = BPF(text=b"int fl_probe(void *ctx) { return 0; }")
+            b.cleanup()
+        except Exception as exc:  # bcc raises bare Exception
+            return str(exc).splitlines()[0] if str(exc) else "compile failed"
+    return None
+
+
+def _tracepoints() -> list[Check]:
+    base = next((Path(p) for p in ("/sys/kernel/tracing/events",
+                                   "/sys/kernel/debug/tracing/events") if Path(p).is_dir()),
+                None)
+    if base is None:
+        return [Check("tracepoints", FAIL, "tracefs not mounted, cannot list tracepoints",
+                      "mount tracefs (see above)")]
+    missing = [tp for tp in TRACEPOINTS if not (base / tp / "format").exists()]
+    if not missing:
+        return [Check("tracepoints", OK, f"all {len(TRACEPOINTS)} host tracepoints present")]
+    return [Check("tracepoints", WARN, f"missing: {', '.join(missing)}",
+                  "those host event groups will not be traced (kernel built without them)")]
+
+
+def _libraries(overrides: list[str]) -> list[Library]:
+    from fleetd.trace.libs import override_libraries
+
+    if overrides:
+        return override_libraries(overrides)
+    found: dict[tuple[int, int], Library] = {}
+    for lib in [*all_mapped_libraries(), *search_usual_places()]:
+        found.setdefault(lib.key, lib)
+    return list(found.values())
+
+
+def _libs_check(libs: list[Library]) -> Check:
+    kinds = sorted({lib.kind for lib in libs})
+    if not libs:
+        return Check("cuda-libraries", WARN, "no libcudart/libcuda/libnccl found",
+                     "fleetd trace --pid PID finds what the process maps; or pass "
+                     "--cuda-lib PATH; or pip install nvidia-cuda-runtime-cu12 for tests")
+    status = OK if "cudart" in kinds else WARN
+    fix = "" if status == OK else "no CUDA runtime found: runtime probes will not attach"
+    return Check("cuda-libraries", status,
+                 f"{len(libs)} found ({', '.join(kinds)}): "
+                 + ", ".join(f"{lib.path} [{lib.found_by}]" for lib in libs), fix)
+
+
+def _symbols_check(lib: Library) -> Check:
+    try:
+        exports = exported_functions(lib.path)
+    except (OSError, ValueError) as exc:
+        return Check(f"symbols {Path(lib.path).name}", FAIL, f"cannot read: {exc}",
+                     "is the file a complete shared library?")
+    specs = SPECS_BY_KIND[lib.kind]
+    absent = [s.op for s in specs if not planned_symbols(s, exports.offsets)]
+    detail = f"{len(specs) - len(absent)}/{len(specs)} ops exported by {lib.path}"
+    if absent:
+        return Check(f"symbols {Path(lib.path).name}", WARN,
+                     detail + f"; absent: {', '.join(absent)}",
+                     "an older library version: those ops cannot be traced")
+    return Check(f"symbols {Path(lib.path).name}", OK, detail)
+
+
+def _attach_check(libs: list[Library]) -> list[Check]:
+    """Compile the real programs and attach every probe; report per library."""
+    from fleetd.errors import TraceError
+    from fleetd.trace.bpfsrc import ProgramOptions, compile_program, detach_all
+    from fleetd.trace.probes import Attacher
+
+    try:
+        bpf, route = compile_program(ProgramOptions(tracer_pid=os.getpid()))
+    except TraceError as exc:
+        return [Check("programs", FAIL, exc.message, exc.hint or "")]
+    out = [Check("programs", OK, f"all layers compiled, loaded; tracepoints attached "
+                 f"(headers: {route.name})")]
+    attacher = Attacher(bpf)
+    try:
+        for lib in libs:
+            rep = attacher.attach(lib, ("cuda", "driver", "nccl"))
+            ok = len(rep.attached.get(lib.path, []))
+            failed = rep.failed.get(lib.path, [])
+            name = f"probes {Path(lib.path).name}"
+            if failed:
+                out.append(Check(name, WARN if ok else FAIL,
+                                 f"{ok} attached, {len(failed)} failed: {'; '.join(failed[:3])}",
+                                 "check that tracefs is mounted and the file is not on a "
+                                 "filesystem that forbids uprobes (e.g. overlay upper layer)"))
+            else:
+                via = rep.mechanism.get(lib.path, "-")
+                out.append(Check(name, OK, f"{ok} entry points attached, with returns "
+                                 f"(via {via})"))
+    finally:
+        attacher.close()
+        detach_all(bpf)
+    return out
+
+
+def _clock() -> Check:
+    s = clock.sample()
+    if s.synced is None:
+        return Check("clock", WARN, f"offset sampled (window {s.window_ns} ns); adjtimex "
+                     "unavailable, clock error unknown")
+    detail = (f"offset window {s.window_ns} ns, kernel max error "
+              f"{(s.error_ns - s.window_ns // 2) / 1e6:.3f} ms")
+    if not s.synced:
+        return Check("clock", WARN, detail + "; system clock NOT synchronized",
+                     "run an NTP/PTP client (chrony, systemd-timesyncd) so cross-node "
+                     "timelines line up")
+    return Check("clock", OK, detail + "; synchronized")

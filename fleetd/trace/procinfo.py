@@ -1,0 +1,150 @@
+"""Facts about traced processes, read from /proc while they are alive.
+
+Rank, local rank and world size come from torchrun's environment variables (RANK,
+LOCAL_RANK, WORLD_SIZE) in /proc/PID/environ. Every read tolerates the process
+having exited in the meantime: a missing fact is None, never an exception.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return None
+
+
+def comm(pid: int, tid: int | None = None) -> str | None:
+    path = f"/proc/{pid}/task/{tid}/comm" if tid else f"/proc/{pid}/comm"
+    text = _read(path)
+    if text is None and tid:
+        text = _read(f"/proc/{tid}/comm")
+    return text.strip() if text else None
+
+
+def tgid_of(tid: int) -> int | None:
+    text = _read(f"/proc/{tid}/status")
+    if not text:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Tgid:"):
+            return int(line.split()[1])
+    return None
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat fields after the command name (which may hold spaces)."""
+    text = _read(f"/proc/{pid}/stat")
+    if not text or ")" not in text:
+        return None
+    return text.rsplit(")", 1)[1].split()
+
+
+def ppid_of(pid: int) -> int | None:
+    f = stat_fields(pid)
+    return int(f[1]) if f else None
+
+
+def _boot_wall_ns() -> int:
+    return time.time_ns() - time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+def start_wall_ns(pid: int) -> int | None:
+    f = stat_fields(pid)
+    if not f:
+        return None
+    ticks = int(f[19])  # field 22 (starttime), counted from after the comm
+    return _boot_wall_ns() + ticks * 1_000_000_000 // _CLK_TCK
+
+
+def environ(pid: int) -> dict[str, str]:
+    text = _read(f"/proc/{pid}/environ")
+    out: dict[str, str] = {}
+    for item in (text or "").split("\0"):
+        key, sep, value = item.partition("=")
+        if sep:
+            out[key] = value
+    return out
+
+
+def _int(v: str | None) -> int | None:
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None
+
+
+def rank_info(pid: int) -> dict[str, int | None]:
+    env = environ(pid)
+    return {
+        "rank": _int(env.get("RANK")),
+        "local_rank": _int(env.get("LOCAL_RANK")),
+        "world_size": _int(env.get("WORLD_SIZE")),
+    }
+
+
+def process_row(pid: int) -> dict[str, Any]:
+    """A processes row for the writer; absent facts are None (the writer keeps old ones)."""
+    exe: str | None
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        exe = None
+    raw = _read(f"/proc/{pid}/cmdline")
+    cmdline = " ".join(a for a in raw.split("\0") if a) if raw else None
+    return {
+        "pid": pid, "ppid": ppid_of(pid), "comm": comm(pid), "exe": exe,
+        "cmdline": cmdline, "start_ns": start_wall_ns(pid), **rank_info(pid),
+    }
+
+
+def children_map() -> dict[int, list[int]]:
+    """ppid -> pids, for every process visible now."""
+    out: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        pp = ppid_of(int(entry.name))
+        if pp is not None:
+            out.setdefault(pp, []).append(int(entry.name))
+    return out
+
+
+def descendants(pids: list[int]) -> list[int]:
+    """Every live descendant of ``pids`` (not including them)."""
+    kids = children_map()
+    out: list[int] = []
+    todo = list(pids)
+    seen = set(pids)
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            if c not in seen:
+                seen.add(c)
+                out.append(c)
+                todo.append(c)
+    return out
+
+
+def threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def cgroup_id(path: str) -> int:
+    """The id BPF's bpf_get_current_cgroup_id() returns: the cgroup v2 dir's inode."""
+    return os.stat(path).st_ino

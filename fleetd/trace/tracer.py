@@ -1,0 +1,604 @@
+"""The Tracer: load the BPF programs, attach, stream records into the node store.
+
+Life cycle: ``start()`` checks the environment, compiles (header ladder), fills the
+in-kernel target set, attaches uprobes to every CUDA library the targets map and
+opens one ring buffer per layer; ``poll()`` drains the rings into the batch writer
+and, about once a second, does the bookkeeping (new targets from fork/cgroup/
+system-wide discovery, newly mapped libraries, clock re-sampling, in-kernel
+histograms into aggregate rows, session counters); ``stop()`` freezes the BPF side,
+drains what is left, writes the final aggregates and session record, and closes.
+
+Every loss is counted: ring-buffer reserve failures and full maps (kernel counters),
+rows the writer refused or failed to write. The session row carries them all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetd import __version__
+from fleetd.errors import TraceError, UsageError
+from fleetd.store.schema import SCHEMA_VERSION
+from fleetd.store.writer import BatchWriter, WriterStats
+from fleetd.trace import procinfo
+from fleetd.trace.bpfsrc import (
+    COUNTERS,
+    HOST_PARTS,
+    NBUCKETS,
+    RINGS,
+    ProgramOptions,
+    compile_program,
+    detach_all,
+)
+from fleetd.trace.clock import ClockMap
+from fleetd.trace.decoder import OP_EXEC, OP_EXIT, OP_FORK, Batch, Decoder, Lifecycle
+from fleetd.trace.headers import HeaderRoute
+from fleetd.trace.libs import (
+    LAYER_OF_KIND,
+    Library,
+    all_mapped_libraries,
+    mapped_libraries,
+    override_libraries,
+    search_usual_places,
+)
+from fleetd.trace.probes import Attacher, AttachReport
+from fleetd.trace.stacks import StackResolver
+
+log = logging.getLogger("fleetd.trace.tracer")
+
+GPU_LAYERS = ("cuda", "driver", "nccl")
+_ORIGIN = {1: "named", 2: "cgroup", 3: "cuda-user", 4: "child"}
+_MAX_TARGETS_JSON = 1000
+
+
+@dataclass
+class TraceConfig:
+    db: Path
+    node: str
+    pids: list[int] = field(default_factory=list)
+    cgroups: list[str] = field(default_factory=list)
+    cuda_libs: list[str] = field(default_factory=list)
+    layers: frozenset[str] = frozenset((*GPU_LAYERS, "host"))
+    host_parts: frozenset[str] = frozenset(HOST_PARTS)
+    sample: int = 100
+    slow_k: int = 8
+    slow_min_ns: int = 20_000
+    err_burst: int = 10
+    stacks: bool = False
+    ring_pages: int = 256
+    thresholds_ns: dict[str, int] = field(default_factory=lambda: {
+        "offcpu": 50_000, "runq": 50_000, "irq": 20_000, "syscall": 1_000_000,
+        "block": 10_000_000,
+    })
+    agg_interval_ns: int = 10_000_000_000
+    max_db_bytes: int | None = None
+    command: str | None = None
+    follow_children: bool = True
+
+    @property
+    def system_wide(self) -> bool:
+        return not self.pids and not self.cgroups
+
+
+@dataclass
+class TraceSummary:
+    session: int
+    records: int
+    events_written: int
+    lost: dict[str, int]
+    lost_total: int
+    sampled_out: int
+    emitted_by_kernel: int
+    unreported_loss: int
+    duration_s: float
+    targets: list[int]
+    libraries: list[str]
+    probes: int
+    headers_route: str
+    writer: WriterStats
+
+
+class Tracer:
+    def __init__(self, cfg: TraceConfig, *, writer: BatchWriter | None = None) -> None:
+        self.cfg = cfg
+        self._writer_given = writer
+        self.writer: BatchWriter | None = writer
+        self.bpf: Any = None
+        self.attacher: Attacher | None = None
+        self.route: HeaderRoute | None = None
+        self.clock = ClockMap()
+        self.decoder = Decoder(self.clock.to_wall)
+        self.session = 0
+        self.report = AttachReport()
+        self.libs: dict[tuple[int, int], Library] = {}
+        self.targets: dict[int, str] = {}  # pid -> origin
+        self.exited: dict[int, int | None] = {}  # pid -> exit code
+        self._pending: list[bytes] = []
+        self.ring_counts: dict[str, int] = {}
+        self._hist_prev: dict[tuple[int, int], tuple[list[int], list[int], int, int, int]] = {}
+        self._agg_window_start = 0
+        self._last_maint = 0.0
+        self._last_maps_scan = 0.0
+        self._started_mono = 0
+        self._stopped = False
+        self._stacks: StackResolver | None = None
+        self.warnings: list[str] = []
+
+    # ---- start ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        _preflight()
+        named = self._check_pids()
+        libs = self._initial_libraries()
+        opts = ProgramOptions(
+            tracer_pid=os.getpid(), layers=self.cfg.layers, host_parts=self.cfg.host_parts,
+            system_wide=self.cfg.system_wide, cgroups=bool(self.cfg.cgroups),
+            sample_n=self.cfg.sample, slow_k=self.cfg.slow_k,
+            slow_min_ns=self.cfg.slow_min_ns, err_burst=self.cfg.err_burst,
+            stacks=self.cfg.stacks, ring_pages=self.cfg.ring_pages,
+            thresholds_ns=dict(self.cfg.thresholds_ns),
+        )
+        self.bpf, self.route = compile_program(opts)
+        self.attacher = Attacher(self.bpf)
+        try:
+            self._fill_targets(named)
+            for lib in libs:
+                self._attach(lib)
+            self._require_something_attached()
+            self._open_rings(opts)
+            if self.cfg.stacks:
+                self._stacks = StackResolver(self.bpf)
+            if self.writer is None:
+                self.writer = BatchWriter(self.cfg.db, self.cfg.node,
+                                          host=socket.gethostname(),
+                                          max_bytes=self.cfg.max_db_bytes)
+            self._begin_session()
+        except BaseException:
+            self._cleanup_bpf()
+            raise
+        self._started_mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        self._agg_window_start = self._started_mono
+        self._last_maint = time.monotonic()
+
+    def _check_pids(self) -> list[int]:
+        for pid in self.cfg.pids:
+            if pid <= 0:
+                raise UsageError(f"--pid {pid} is not a process id", "pass a positive pid")
+            if pid == os.getpid():
+                raise UsageError(f"--pid {pid} is fleetd itself", "pass the workload's pid")
+        gone = [p for p in self.cfg.pids if not procinfo.alive(p)]
+        if gone:
+            raise TraceError(
+                f"no such process: {', '.join(map(str, gone))}",
+                "check the pid (ps -ef); it may have exited already",
+            )
+        return list(self.cfg.pids)
+
+    def _initial_libraries(self) -> list[Library]:
+        libs = override_libraries(self.cfg.cuda_libs)
+        if self.cfg.cuda_libs:
+            return libs
+        for pid in [*self.cfg.pids, *procinfo.descendants(self.cfg.pids)]:
+            libs += mapped_libraries(pid)
+        if self.cfg.system_wide or not libs:
+            # System-wide, or named targets that have not loaded CUDA yet (torch loads
+            # it lazily): the usual copies, so a later dlopen of one is already covered.
+            libs += search_usual_places()
+            if self.cfg.system_wide:
+                libs += all_mapped_libraries()
+        return libs
+
+    def _fill_targets(self, named: list[int]) -> None:
+        t = self.bpf[b"fl_targets"]
+        pids = {p: 1 for p in named}
+        if self.cfg.follow_children:
+            for child in procinfo.descendants(named):
+                pids.setdefault(child, 4)
+        for pid, origin in pids.items():
+            t[ctypes.c_uint32(pid)] = ctypes.c_uint32(origin)
+            self.targets[pid] = _ORIGIN[origin]
+        if self.cfg.cgroups:
+            cg = self.bpf[b"fl_cgroups"]
+            for path in self.cfg.cgroups:
+                try:
+                    cid = procinfo.cgroup_id(path)
+                except OSError as exc:
+                    raise UsageError(
+                        f"--cgroup {path!r}: {exc.strerror}",
+                        "pass a cgroup v2 directory, e.g. /sys/fs/cgroup/system.slice/x.service",
+                    ) from exc
+                cg[ctypes.c_uint64(cid)] = ctypes.c_uint32(1)
+
+    def _attach(self, lib: Library) -> None:
+        if lib.key in self.libs:
+            return
+        layer = LAYER_OF_KIND[lib.kind]
+        if layer not in self.cfg.layers:
+            return
+        self.libs[lib.key] = lib
+        assert self.attacher is not None
+        rep = self.attacher.attach(lib, self.cfg.layers)
+        self.report.merge(rep)
+        n = len(rep.attached.get(lib.path, []))
+        log.info("attached %d probes to %s (%s, found by %s, via %s)", n, lib.path, lib.kind,
+                 lib.found_by, rep.mechanism.get(lib.path, "-"))
+        for err in rep.failed.get(lib.path, []):
+            self._warn(f"probe on {lib.path} failed: {err}")
+
+    def _require_something_attached(self) -> None:
+        host_on = "host" in self.cfg.layers
+        if self.report.uprobes == 0:
+            where = ", ".join(sorted({lib.path for lib in self.libs.values()})) or "none found"
+            if not host_on:
+                raise TraceError(
+                    f"no CUDA probe could be attached (libraries: {where})",
+                    "start the workload first and pass --pid, or point --cuda-lib at the "
+                    "libcudart.so the workload loads (see /proc/PID/maps)",
+                )
+            self._warn("no CUDA library attached yet; tracing host events only "
+                       "(libraries mapped later by the targets are picked up)")
+        elif self.report.failed:
+            failed = sum(map(len, self.report.failed.values()))
+            self._warn(f"{failed} probes failed to attach; the rest are active")
+
+    def _open_rings(self, opts: ProgramOptions) -> None:
+        for ring in opts.rings():
+            name = RINGS[ring]
+            self.ring_counts[ring] = 0
+            self.bpf[name.encode()].open_ring_buffer(self._make_callback(ring))
+
+    def _make_callback(self, ring: str) -> Callable[[Any, int, int], int]:
+        pending, counts, string_at = self._pending, self.ring_counts, ctypes.string_at
+
+        def callback(_ctx: Any, data: int, size: int) -> int:
+            pending.append(string_at(data, size))
+            counts[ring] += 1
+            return 0
+
+        return callback
+
+    def _begin_session(self) -> None:
+        assert self.writer is not None
+        first = self.clock.first
+        rank = self._rank()
+        self.session = self.writer.begin_session({
+            "host": socket.gethostname(),
+            "kernel": platform.release(),
+            "boot_id": _boot_id(),
+            "started_ns": time.time_ns(),
+            "mono_offset_ns": first.offset_ns,
+            "clock_error_ns": first.error_ns,
+            "clock_samples": self.clock.as_json(),
+            **rank,
+            "tool_version": __version__,
+            "schema_version": SCHEMA_VERSION,
+            "targets": self._targets_json(),
+            "headers_route": self.route.describe() if self.route else None,
+            "command": self.cfg.command,
+            "drops": {},
+        })
+        self.writer.add_processes(procinfo.process_row(p) for p in self.targets)
+
+    def _rank(self) -> dict[str, int | None]:
+        for pid in self.targets:
+            info = procinfo.rank_info(pid)
+            if info["rank"] is not None:
+                return info
+        return {"rank": None, "local_rank": None, "world_size": None}
+
+    # ---- poll -------------------------------------------------------------------------
+
+    def poll(self, timeout_ms: int = 100) -> int:
+        """Wait up to ``timeout_ms`` for records, store them; returns how many."""
+        self.bpf.ring_buffer_poll(timeout_ms)
+        # The BPF side wakes us only every few hundred records (fl_submit): drain
+        # whatever arrived without a wakeup too.
+        self.bpf.ring_buffer_consume()
+        n = self._flush_pending()
+        if time.monotonic() - self._last_maint >= 1.0:
+            self._maintain()
+        return n
+
+    def _flush_pending(self) -> int:
+        if not self._pending:
+            return 0
+        blobs = self._pending[:]
+        del self._pending[:]
+        batch = self.decoder.decode(blobs)
+        self._store(batch)
+        return len(blobs)
+
+    def _store(self, batch: Batch) -> None:
+        w = self.writer
+        assert w is not None
+        if batch.stack_ids and self._stacks is not None:
+            self._stacks.resolve(batch, w)
+        w.add_events(batch.rows, batch.args)
+        if batch.tasks:
+            w.add_tasks(batch.tasks)
+        if batch.new_tids:
+            w.add_tasks([(tid, pid, procinfo.comm(pid, tid)) for tid, pid in batch.new_tids])
+        for ev in batch.lifecycle:
+            self._lifecycle(ev)
+
+    def _lifecycle(self, ev: Lifecycle) -> None:
+        w = self.writer
+        assert w is not None
+        if ev.op == OP_FORK and ev.child:
+            self.targets.setdefault(ev.child, "child")
+            row = procinfo.process_row(ev.child)
+            row.update(ppid=ev.pid, start_ns=row.get("start_ns") or ev.ts_ns)
+            row["comm"] = row["comm"] or ev.comm  # a child's comm is its parent's at fork
+            w.add_processes([row])
+        elif ev.op == OP_EXEC:
+            row = procinfo.process_row(ev.pid)
+            row["comm"] = row["comm"] or ev.comm  # short-lived: /proc may be gone already
+            w.add_processes([row])
+            self._last_maps_scan = 0.0  # libraries appear right after exec
+        elif ev.op == OP_EXIT:
+            self.exited[ev.pid] = ev.exit_code
+            w.add_processes([{"pid": ev.pid, "exit_ns": ev.ts_ns, "exit_code": ev.exit_code}])
+
+    # ---- bookkeeping ------------------------------------------------------------------
+
+    def _maintain(self) -> None:
+        self._last_maint = time.monotonic()
+        self.clock.maybe_resample()
+        self._discover_targets()
+        if time.monotonic() - self._last_maps_scan >= 2.0:
+            self._last_maps_scan = time.monotonic()
+            self._scan_libraries()
+        now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        if now - self._agg_window_start >= self.cfg.agg_interval_ns:
+            self._write_aggregates(now)
+            self._update_session(final=False)
+
+    def _discover_targets(self) -> None:
+        """Targets the kernel added (children, cgroup members, CUDA callers)."""
+        assert self.writer is not None
+        new: list[int] = []
+        for k, v in self.bpf[b"fl_targets"].items():
+            pid = int(k.value)
+            if pid not in self.targets:
+                if procinfo.tgid_of(pid) not in (None, pid):
+                    continue  # a thread id; its process is a target already
+                self.targets[pid] = _ORIGIN.get(int(v.value), "?")
+                new.append(pid)
+        if new:
+            log.info("new targets: %s", ", ".join(map(str, new)))
+            self.writer.add_processes(procinfo.process_row(p) for p in new)
+
+    def _scan_libraries(self) -> None:
+        if self.cfg.cuda_libs:
+            return
+        pids = [p for p in self.targets if p not in self.exited]
+        for pid in pids:
+            for lib in mapped_libraries(pid):
+                self._attach(lib)
+        if self.cfg.system_wide:
+            for lib in all_mapped_libraries():
+                self._attach(lib)
+
+    def live_targets(self) -> list[int]:
+        return [p for p in self.targets if p not in self.exited and procinfo.alive(p)]
+
+    def targets_gone(self) -> bool:
+        """True when every named target (and every child it started) has exited."""
+        if self.cfg.system_wide or self.cfg.cgroups:
+            return False
+        return not self.live_targets()
+
+    # ---- aggregates and counters --------------------------------------------------------
+
+    def _write_aggregates(self, now_mono: int) -> None:
+        """Per (pid, op) histogram deltas since the last window, as aggregate rows.
+
+        bucket = floor(log2(ns)) (page_alloc: the order); -1 = totals (count, sum);
+        -2 = calls that returned an error (count).
+        """
+        assert self.writer is not None
+        start, dur = self._agg_window_start, max(0, now_mono - self._agg_window_start)
+        ts = self.clock.to_wall(start)
+        rows: list[tuple[int | None, int, int, int | None, int, int, int, int]] = []
+        for k, v in self.bpf[b"fl_hist"].items():
+            key = int(k.value)
+            pid, op = key >> 32, key & 0xFFFFFFFF
+            counts = [int(v.b_count[i]) for i in range(NBUCKETS)]
+            sums = [int(v.b_sum[i]) for i in range(NBUCKETS)]
+            total, total_sum, errors = int(v.count), int(v.sum), int(v.errors)
+            prev = self._hist_prev.get((pid, op))
+            self._hist_prev[(pid, op)] = (counts, sums, total, total_sum, errors)
+            if prev is not None:
+                counts = [a - b for a, b in zip(counts, prev[0], strict=True)]
+                sums = [a - b for a, b in zip(sums, prev[1], strict=True)]
+                total, total_sum, errors = total - prev[2], total_sum - prev[3], errors - prev[4]
+            if total <= 0:
+                continue
+            for b in range(NBUCKETS):
+                if counts[b]:
+                    rows.append((self.session, ts, dur, pid, op, b, counts[b], sums[b]))
+            rows.append((self.session, ts, dur, pid, op, -1, total, total_sum))
+            if errors:
+                rows.append((self.session, ts, dur, pid, op, -2, errors, 0))
+        if rows:
+            self.writer.add_aggregates(rows)
+        self._agg_window_start = now_mono
+
+    def counters(self) -> dict[str, int]:
+        table = self.bpf[b"fl_counters"]
+        out: dict[str, int] = {}
+        for i, name in enumerate(COUNTERS):
+            out[name] = int(sum(table[ctypes.c_int(i)]))
+        return out
+
+    def drops(self) -> dict[str, int]:
+        c = self.counters()
+        d = {k.removeprefix("lost_"): c[k] for k in COUNTERS if k.startswith("lost_")}
+        d["calls_full"] = c["calls_full"]
+        d["hist_full"] = c["hist_full"]
+        d["state_full"] = c["state_full"]
+        if self.writer is not None:
+            d["writer_queue"] = self.writer.stats.queue_dropped
+            d["writer_failed"] = self.writer.stats.failed_rows
+        return d
+
+    @staticmethod
+    def lost_total(drops: dict[str, int]) -> int:
+        keys = ("cuda", "driver", "nccl", "sched", "sys", "calls_full", "writer_queue",
+                "writer_failed")
+        return sum(drops.get(k, 0) for k in keys)
+
+    def status(self) -> dict[str, Any]:
+        d = self.drops()
+        return {
+            "records": self.decoder.records,
+            "lost": self.lost_total(d),
+            "targets": len(self.live_targets()),
+            "probes": self.report.uprobes,
+            "libraries": len(self.libs),
+        }
+
+    def _targets_json(self) -> dict[str, Any]:
+        # Named targets first; a fork-heavy workload must not make the row huge.
+        pids = sorted(self.targets.items(), key=lambda kv: (kv[1] != "named", kv[0]))
+        return {
+            "pids": {str(p): o for p, o in pids[:_MAX_TARGETS_JSON]},
+            "pids_total": len(pids),
+            "cgroups": self.cfg.cgroups,
+            "system_wide": self.cfg.system_wide,
+            "libraries": [
+                {"path": lib.path, "kind": lib.kind, "found_by": lib.found_by,
+                 "probes": len(self.report.attached.get(lib.path, [])),
+                 "via": self.report.mechanism.get(lib.path)}
+                for lib in self.libs.values()
+            ],
+            "layers": sorted(self.cfg.layers),
+            "sample": self.cfg.sample,
+        }
+
+    def _update_session(self, *, final: bool) -> None:
+        assert self.writer is not None
+        d = self.drops()
+        c = self.counters()
+        fields: dict[str, Any] = {
+            "lost_events": self.lost_total(d),
+            "dropped_stacks": c["stack_lost"],
+            "sampled_out": c["sampled_out"],
+            "drops": d,
+            "clock_samples": self.clock.as_json(),
+            "clock_error_ns": self.clock.error_ns,
+            "targets": self._targets_json(),
+        }
+        if final:
+            fields["ended_ns"] = time.time_ns()
+        self.writer.update_session(self.session, fields)
+
+    def _warn(self, msg: str) -> None:
+        self.warnings.append(msg)
+        log.warning("%s", msg)
+
+    # ---- stop ---------------------------------------------------------------------------
+
+    def stop(self) -> TraceSummary:
+        if self._stopped:
+            raise RuntimeError("tracer already stopped")
+        self._stopped = True
+        assert self.writer is not None and self.bpf is not None
+        # Freeze the BPF side, then drain: counters and histograms stop moving, so
+        # what the kernel says it emitted matches what we drained.
+        self.bpf[b"fl_ctl"][ctypes.c_int(0)] = ctypes.c_uint64(1)
+        time.sleep(0.02)
+        self.bpf.ring_buffer_consume()
+        self._flush_pending()
+        now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        self._write_aggregates(now)
+        counters = self.counters()
+        self._update_session(final=True)
+        drops = self.drops()
+        self._cleanup_bpf()
+        if self._writer_given is None:
+            stats = self.writer.close()
+        else:
+            self.writer.flush()
+            stats = self.writer.stats
+        drops["writer_queue"] = stats.queue_dropped
+        drops["writer_failed"] = stats.failed_rows
+        lost = self.lost_total(drops)
+        records = self.decoder.records
+        emitted = counters["emitted"]
+        return TraceSummary(
+            session=self.session, records=records, events_written=stats.events_written,
+            lost=drops, lost_total=lost, sampled_out=counters["sampled_out"],
+            emitted_by_kernel=emitted,
+            # Records the kernel emitted that neither reached the store nor were
+            # counted as lost by the writer: must be 0.
+            unreported_loss=emitted - stats.events_written - stats.queue_dropped
+            - stats.failed_rows,
+            duration_s=(now - self._started_mono) / 1e9,
+            targets=sorted(self.targets), libraries=[lib.path for lib in self.libs.values()],
+            probes=self.report.uprobes,
+            headers_route=self.route.describe() if self.route else "",
+            writer=stats,
+        )
+
+    def _cleanup_bpf(self) -> None:
+        if self.bpf is None:
+            return
+        try:
+            if self.attacher is not None:
+                self.attacher.close()
+            detach_all(self.bpf)
+        except Exception as exc:  # detaching must not hide the real outcome
+            log.warning("detaching probes failed: %s", exc)
+        self.bpf = None
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+def _preflight() -> None:
+    """Root, tracefs (mounted if missing), and the BPF syscall: fail with a fix."""
+    if os.geteuid() != 0:
+        raise TraceError(
+            "fleetd trace needs root (BPF programs and uprobes are privileged)",
+            "run it with sudo, or as root in a privileged container",
+        )
+    ensure_tracefs()
+    if not Path("/sys/kernel/btf/vmlinux").exists() and not Path("/proc/config.gz").exists():
+        log.info("no BTF and no /proc/config.gz; relying on installed kernel headers")
+
+
+def ensure_tracefs() -> str:
+    """Mount tracefs at /sys/kernel/tracing if missing; the path, or TraceError."""
+    path = Path("/sys/kernel/tracing")
+    if (path / "events").is_dir():
+        return str(path)
+    legacy = Path("/sys/kernel/debug/tracing")
+    if (legacy / "events").is_dir():
+        return str(legacy)
+    libc = ctypes.CDLL(None, use_errno=True)
+    rc = libc.mount(b"tracefs", str(path).encode(), b"tracefs", 0, None)
+    if rc != 0 or not (path / "events").is_dir():
+        err = os.strerror(ctypes.get_errno())
+        raise TraceError(
+            f"tracefs is not mounted at {path} and mounting it failed ({err})",
+            "mount -t tracefs tracefs /sys/kernel/tracing (in a container: run privileged "
+            "or bind-mount the host's /sys/kernel/tracing)",
+        )
+    log.info("mounted tracefs at %s", path)
+    return str(path)
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None

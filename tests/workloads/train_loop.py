@@ -1,0 +1,364 @@
+"""The reference workload: a training-like loop over the REAL CUDA runtime, via ctypes.
+
+Per step: ``--launches`` cudaLaunchKernel calls (grid/block dims given) with
+``--cpu-us`` of Python-side CPU work before each, ``--memcpy`` cudaMemcpyAsync
+host-to-device copies, optional alloc churn (cudaMalloc/cudaFree), optional host
+syncs (a 4-byte cudaMemcpy device-to-host, like ``loss.item()``), optional CUDA
+graph calls, then one cudaStreamSynchronize (or cudaDeviceSynchronize). Without a
+GPU every call fails fast (35: no driver, 100: no device) and uprobes still fire;
+``--gpu-ms`` stands in for device time by waiting until that long after the step's
+first launch before the sync returns, as a GPU-bound step would.
+
+Injections: ``--dstate fsync:MB`` writes MB and fsyncs each step (the thread sleeps
+in D state waiting for the disk), ``--dstate vfork:N`` spawns /bin/true N times per
+step through posix_spawn (the parent waits in D state for the child's exec),
+``--sleep-ms`` sleeps voluntarily, ``--driver`` also calls libcuda (cuInit,
+cuMemAlloc_v2, cuLaunchKernel, cuMemcpyHtoD_v2, cuCtxSynchronize...).
+
+Prints one JSON summary (calls and return codes per op, pid, tids, steps/s) so
+tests can compare recorded counts with calls made. Usable as a library:
+``Workload(Config(...)).run()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import json
+import os
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+CUDA_MEMCPY_HOST_TO_DEVICE = 1
+CUDA_MEMCPY_DEVICE_TO_HOST = 2
+
+
+def find_cudart() -> str:
+    """libcudart.so.12 from the nvidia-cuda-runtime-cu12 wheel of this interpreter."""
+    roots = {sysconfig.get_paths()["purelib"], *[p for p in sys.path if "site-packages" in p]}
+    for root in sorted(roots):
+        hits = sorted(glob.glob(os.path.join(root, "nvidia/cuda_runtime/lib/libcudart.so*")))
+        if hits:
+            return os.path.realpath(hits[0])
+    raise FileNotFoundError("libcudart.so not found; pip install nvidia-cuda-runtime-cu12")
+
+
+def find_libcuda(repo: Path | None = None) -> str | None:
+    """libcuda.so.1 unpacked by scripts/fetch-libcuda.sh, if present."""
+    base = repo or Path(__file__).resolve().parents[2]
+    hits = sorted(glob.glob(str(base / ".venv/libcuda/usr/lib/*/libcuda.so.1")))
+    hits += sorted(glob.glob(str(base / ".venv/libcuda/usr/lib/*/nvidia/current/libcuda.so.1")))
+    return os.path.realpath(hits[0]) if hits else None
+
+
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+
+
+@dataclass
+class Config:
+    steps: int = 100
+    duration_s: float = 0.0  # > 0: run until then instead of a step count
+    launches: int = 20
+    grid: tuple[int, int, int] = (64, 2, 1)
+    block: tuple[int, int, int] = (128, 1, 1)
+    shared_mem: int = 0
+    memcpy: int = 2
+    memcpy_bytes: int = 1 << 20
+    host_syncs: int = 0
+    alloc_churn: int = 0
+    graph: bool = False
+    device_sync: bool = False
+    cpu_us: float = 0.0
+    gpu_ms: float = 0.0
+    rate: float = 0.0  # target CUDA calls per second (0 = as fast as possible)
+    sleep_ms: float = 0.0
+    dstate: str = ""  # "fsync:MB" or "vfork:N"
+    driver: bool = False
+    cudart: str = ""
+    libcuda: str = ""
+    go_file: str = ""  # wait for this file to exist before the first call
+    tmpdir: str = ""
+
+
+@dataclass
+class Summary:
+    pid: int
+    tid: int
+    lib: str
+    libcuda: str | None
+    steps: int = 0
+    elapsed_s: float = 0.0
+    steps_per_s: float = 0.0
+    calls_per_s: float = 0.0
+    calls: dict[str, int] = field(default_factory=dict)
+    returns: dict[str, dict[str, int]] = field(default_factory=dict)
+    blocked_s: float = 0.0  # time spent in the D-state injection
+    launch_dims: dict[str, list[int]] = field(default_factory=dict)
+
+
+class Workload:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.lib_path = cfg.cudart or find_cudart()
+        self.rt = ctypes.CDLL(self.lib_path)
+        self._declare_runtime()
+        self.cu: ctypes.CDLL | None = None
+        self.cu_path: str | None = None
+        if cfg.driver:
+            self.cu_path = cfg.libcuda or find_libcuda()
+            if not self.cu_path:
+                raise FileNotFoundError("--driver needs libcuda: run scripts/fetch-libcuda.sh")
+            self.cu = ctypes.CDLL(self.cu_path)
+            self._declare_driver()
+        self.calls: Counter[str] = Counter()
+        self.returns: defaultdict[str, Counter[int]] = defaultdict(Counter)
+        self.blocked_ns = 0
+        self._host = (ctypes.c_char * max(cfg.memcpy_bytes, 4))()
+        self._func = ctypes.c_void_p(ctypes.addressof(self._host))  # any non-null "kernel"
+
+    # ---- ctypes declarations ---------------------------------------------------------
+
+    def _declare_runtime(self) -> None:
+        rt, P, S = self.rt, ctypes.c_void_p, ctypes.c_size_t
+        sig: dict[str, list[Any]] = {
+            "cudaLaunchKernel": [P, Dim3, Dim3, P, S, P],
+            "cudaMemcpyAsync": [P, P, S, ctypes.c_int, P],
+            "cudaMemcpy": [P, P, S, ctypes.c_int],
+            "cudaMalloc": [ctypes.POINTER(P), S],
+            "cudaFree": [P],
+            "cudaStreamSynchronize": [P],
+            "cudaDeviceSynchronize": [],
+            "cudaStreamBeginCapture": [P, ctypes.c_int],
+            "cudaStreamEndCapture": [P, ctypes.POINTER(P)],
+            "cudaGraphInstantiate": [ctypes.POINTER(P), P, ctypes.c_ulonglong],
+            "cudaGraphLaunch": [P, P],
+            "cudaGraphExecDestroy": [P],
+            "cudaEventSynchronize": [P],
+        }
+        for name, args in sig.items():
+            fn = getattr(rt, name)
+            fn.argtypes = args
+            fn.restype = ctypes.c_int
+
+    def _declare_driver(self) -> None:
+        assert self.cu is not None
+        cu, P, S, U = self.cu, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint
+        sig: dict[str, list[Any]] = {
+            "cuInit": [U],
+            "cuMemAlloc_v2": [ctypes.POINTER(ctypes.c_uint64), S],
+            "cuLaunchKernel": [P, U, U, U, U, U, U, U, P, P, P],
+            "cuMemcpyHtoD_v2": [ctypes.c_uint64, P, S],
+            "cuMemcpyDtoH_v2": [P, ctypes.c_uint64, S],
+            "cuCtxSynchronize": [],
+            "cuStreamSynchronize": [P],
+        }
+        for name, args in sig.items():
+            fn = getattr(cu, name)
+            fn.argtypes = args
+            fn.restype = ctypes.c_int
+
+    # ---- calls ---------------------------------------------------------------------
+
+    def _rec(self, name: str, ret: int) -> None:
+        self.calls[name] += 1
+        self.returns[name][ret] += 1
+
+    def launch(self) -> int:
+        c = self.cfg
+        ret: int = self.rt.cudaLaunchKernel(self._func, Dim3(*c.grid), Dim3(*c.block), None,
+                                            c.shared_mem, None)
+        self._rec("cudaLaunchKernel", ret)
+        return ret
+
+    def tight_loop(self, n: int) -> int:
+        """``n`` back-to-back launches; returns elapsed ns (for overhead benchmarks)."""
+        fn, func, g, b = self.rt.cudaLaunchKernel, self._func, Dim3(1, 1, 1), Dim3(1, 1, 1)
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn(func, g, b, None, 0, None)
+        dt = time.perf_counter_ns() - t0
+        self.calls["cudaLaunchKernel"] += n
+        return dt
+
+    def _cpu(self, us: float) -> None:
+        if us <= 0:
+            return
+        end = time.perf_counter_ns() + int(us * 1000)
+        x = 0
+        while time.perf_counter_ns() < end:
+            x += 1
+
+    def _dstate(self) -> None:
+        spec = self.cfg.dstate
+        if not spec:
+            return
+        kind, _, arg = spec.partition(":")
+        t0 = time.perf_counter_ns()
+        if kind == "fsync":
+            mb = int(arg or "4")
+            fd, path = tempfile.mkstemp(prefix="fleetd-dstate-", dir=self.cfg.tmpdir or None)
+            try:
+                chunk = os.urandom(1 << 20)
+                for _ in range(mb):
+                    os.write(fd, chunk)
+                os.fsync(fd)  # waits for the disk, uninterruptibly
+            finally:
+                os.close(fd)
+                os.unlink(path)
+        elif kind == "vfork":
+            for _ in range(int(arg or "1")):
+                pid = os.posix_spawn("/bin/true", ["/bin/true"], os.environ)
+                os.waitpid(pid, 0)
+        else:
+            raise ValueError(f"unknown --dstate {spec!r}: use fsync:MB or vfork:N")
+        self.blocked_ns += time.perf_counter_ns() - t0
+
+    def _driver_step(self) -> None:
+        cu = self.cu
+        assert cu is not None
+        ptr = ctypes.c_uint64(0)
+        self._rec_cu("cuMemAlloc_v2", cu.cuMemAlloc_v2(ctypes.byref(ptr), 4096))
+        for _ in range(max(1, self.cfg.launches // 4)):
+            self._rec_cu("cuLaunchKernel", cu.cuLaunchKernel(
+                self._func, 8, 1, 1, 32, 1, 1, 0, None, None, None))
+        self._rec_cu("cuMemcpyHtoD_v2", cu.cuMemcpyHtoD_v2(ptr.value, self._host, 4096))
+        self._rec_cu("cuMemcpyDtoH_v2", cu.cuMemcpyDtoH_v2(self._host, ptr.value, 4))
+        self._rec_cu("cuCtxSynchronize", cu.cuCtxSynchronize())
+
+    def _rec_cu(self, name: str, ret: int) -> None:
+        self._rec(name, ret)
+
+    def step(self) -> None:
+        c, rt = self.cfg, self.rt
+        t_first = time.perf_counter_ns()
+        for _ in range(c.alloc_churn):
+            p = ctypes.c_void_p()
+            self._rec("cudaMalloc", rt.cudaMalloc(ctypes.byref(p), 1 << 20))
+            self._rec("cudaFree", rt.cudaFree(p))
+        for _ in range(c.launches):
+            self._cpu(c.cpu_us)
+            self.launch()
+        for _ in range(c.memcpy):
+            self._rec("cudaMemcpyAsync", rt.cudaMemcpyAsync(
+                None, self._host, c.memcpy_bytes, CUDA_MEMCPY_HOST_TO_DEVICE, None))
+        if c.graph:
+            g, e = ctypes.c_void_p(), ctypes.c_void_p()
+            self._rec("cudaStreamBeginCapture", rt.cudaStreamBeginCapture(None, 0))
+            self._rec("cudaStreamEndCapture", rt.cudaStreamEndCapture(None, ctypes.byref(g)))
+            self._rec("cudaGraphInstantiate", rt.cudaGraphInstantiate(ctypes.byref(e), g, 0))
+            self._rec("cudaGraphLaunch", rt.cudaGraphLaunch(e, None))
+            self._rec("cudaGraphExecDestroy", rt.cudaGraphExecDestroy(e))
+        for _ in range(c.host_syncs):
+            self._rec("cudaMemcpy", rt.cudaMemcpy(self._host, None, 4,
+                                                  CUDA_MEMCPY_DEVICE_TO_HOST))
+        if self.cu is not None:
+            self._driver_step()
+        self._dstate()
+        if c.sleep_ms > 0:
+            time.sleep(c.sleep_ms / 1000)
+        if c.gpu_ms > 0:  # the device would still be busy: wait as a sync would
+            left = t_first + int(c.gpu_ms * 1e6) - time.perf_counter_ns()
+            if left > 0:
+                time.sleep(left / 1e9)
+        if c.device_sync:
+            self._rec("cudaDeviceSynchronize", rt.cudaDeviceSynchronize())
+        else:
+            self._rec("cudaStreamSynchronize", rt.cudaStreamSynchronize(None))
+
+    def calls_per_step(self) -> int:
+        c = self.cfg
+        n = c.launches + c.memcpy + c.host_syncs + 2 * c.alloc_churn + 1
+        return n + (5 if c.graph else 0)
+
+    def run(self) -> Summary:
+        c = self.cfg
+        if self.cu is not None:
+            self._rec("cuInit", self.cu.cuInit(0))
+        if c.go_file:
+            while not os.path.exists(c.go_file):
+                time.sleep(0.005)
+        t0 = time.perf_counter_ns()
+        deadline = t0 + int(c.duration_s * 1e9) if c.duration_s > 0 else 0
+        step_ns = int(self.calls_per_step() / c.rate * 1e9) if c.rate > 0 else 0
+        steps = 0
+        while (steps < c.steps) if not deadline else (time.perf_counter_ns() < deadline):
+            self.step()
+            steps += 1
+            if step_ns:  # open-loop pacing toward the target call rate
+                left = t0 + steps * step_ns - time.perf_counter_ns()
+                if left > 0:
+                    time.sleep(left / 1e9)
+        elapsed = (time.perf_counter_ns() - t0) / 1e9
+        total = sum(self.calls.values())
+        return Summary(
+            pid=os.getpid(), tid=threading.get_native_id(), lib=self.lib_path,
+            libcuda=self.cu_path, steps=steps, elapsed_s=elapsed,
+            steps_per_s=steps / elapsed if elapsed else 0.0,
+            calls_per_s=total / elapsed if elapsed else 0.0,
+            calls=dict(self.calls),
+            returns={k: {str(r): n for r, n in v.items()} for k, v in self.returns.items()},
+            blocked_s=self.blocked_ns / 1e9,
+            launch_dims={"grid": list(c.grid), "block": list(c.block)},
+        )
+
+
+def _dims(text: str) -> tuple[int, int, int]:
+    parts = [int(p) for p in text.split(",")]
+    while len(parts) < 3:
+        parts.append(1)
+    return (parts[0], parts[1], parts[2])
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--duration", type=float, default=0.0, help="seconds (overrides --steps)")
+    p.add_argument("--launches", type=int, default=20, help="kernel launches per step")
+    p.add_argument("--grid", type=_dims, default=(64, 2, 1), help="x,y,z")
+    p.add_argument("--block", type=_dims, default=(128, 1, 1), help="x,y,z")
+    p.add_argument("--shared-mem", type=int, default=0)
+    p.add_argument("--memcpy", type=int, default=2, help="cudaMemcpyAsync per step")
+    p.add_argument("--memcpy-bytes", type=int, default=1 << 20)
+    p.add_argument("--host-syncs", type=int, default=0, help="cudaMemcpy DtoH per step")
+    p.add_argument("--alloc-churn", type=int, default=0, help="cudaMalloc+cudaFree per step")
+    p.add_argument("--graph", action="store_true", help="CUDA graph calls each step")
+    p.add_argument("--device-sync", action="store_true",
+                   help="cudaDeviceSynchronize instead of cudaStreamSynchronize")
+    p.add_argument("--cpu-us", type=float, default=0.0, help="CPU work before each launch")
+    p.add_argument("--gpu-ms", type=float, default=0.0, help="simulated device time per step")
+    p.add_argument("--rate", type=float, default=0.0, help="target CUDA calls per second")
+    p.add_argument("--sleep-ms", type=float, default=0.0, help="voluntary sleep per step")
+    p.add_argument("--dstate", default="", help="fsync:MB or vfork:N per step")
+    p.add_argument("--driver", action="store_true", help="also call libcuda")
+    p.add_argument("--cudart", default="", help="libcudart path (default: the venv wheel's)")
+    p.add_argument("--libcuda", default="", help="libcuda path for --driver")
+    p.add_argument("--go-file", default="", help="wait for this file before the first call")
+    p.add_argument("--tmpdir", default="", help="directory for --dstate fsync files")
+    a = p.parse_args(argv)
+    return Config(
+        steps=a.steps, duration_s=a.duration, launches=a.launches, grid=a.grid,
+        block=a.block, shared_mem=a.shared_mem, memcpy=a.memcpy,
+        memcpy_bytes=a.memcpy_bytes, host_syncs=a.host_syncs, alloc_churn=a.alloc_churn,
+        graph=a.graph, device_sync=a.device_sync, cpu_us=a.cpu_us, gpu_ms=a.gpu_ms,
+        rate=a.rate, sleep_ms=a.sleep_ms, dstate=a.dstate, driver=a.driver,
+        cudart=a.cudart, libcuda=a.libcuda, go_file=a.go_file, tmpdir=a.tmpdir,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    summary = Workload(parse_args(argv)).run()
+    print(json.dumps(asdict(summary), sort_keys=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
