@@ -1,0 +1,39 @@
+"""One node's overview: event counts by source, trace sessions, chain counts, top ops.
+
+Shared by the agent's ``GET /api/v1/overview`` and ``fleetd overview --db``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from fleetd.analyze.data import nodes
+from fleetd.analyze.explain import SEVERITY_RANK, explain
+from fleetd.analyze.window import Window
+
+SESSION_COLUMNS = ("id", "started_ns", "ended_ns", "lost_events", "rank", "world_size",
+                   "headers_route")
+
+
+def overview(conn: sqlite3.Connection, win: Window, node: str) -> dict[str, Any]:
+    """The overview of ``node`` (a database may hold several, after a merge)."""
+    found = nodes(conn, node)
+    lo, hi = (found[0].lo, found[0].hi) if found else (0, -1)
+    # The node's events are one range of row ids, so this stays on the primary key.
+    by_source = dict(conn.execute(
+        "SELECT o.source, count(*) FROM event_data e JOIN ops o ON o.code = e.op "
+        "WHERE e.id BETWEEN ? AND ? AND e.ts_ns >= ? AND e.ts_ns < ? GROUP BY o.source",
+        (lo, hi, win.start_ns, win.end_ns)).fetchall())
+    sessions = [dict(zip(SESSION_COLUMNS, r, strict=True)) for r in conn.execute(
+        f"SELECT {', '.join(SESSION_COLUMNS)} FROM sessions WHERE node = ? "
+        "ORDER BY started_ns", (node,))]
+    report = explain(conn, win, node=node)
+    severities = {s: sum(1 for c in report["chains"] if c["severity"] == s)
+                  for s in SEVERITY_RANK}
+    top = sorted(report["ops"], key=lambda r: -int(r.get("total_ns") or 0))[:10]
+    return {"node": node, "window": report["window"], "events": sum(by_source.values()),
+            "by_source": by_source, "sessions": sessions,
+            "lost_events": sum(int(s["lost_events"] or 0) for s in sessions),
+            "chains": severities, "verdict": report["verdict"], "top_ops": top,
+            "warnings": report["warnings"]}
