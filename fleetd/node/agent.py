@@ -132,7 +132,7 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
     app = make_app(state, readers, max_body_bytes=s.max_body_bytes,
                    extra_routes=[web.get("/metrics", metrics), *ANALYSIS_ROUTES,
                                  *s.extra_routes])
-    sources = Sources()
+    sources = Sources(db_bytes=lambda: s.db.stat().st_size)
     app[SOURCES] = sources
 
     async def readers_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -170,22 +170,6 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
     return app
 
 
-class _TLSFailures:
-    """Counts failed handshakes, which asyncio reports only to the loop's exception handler."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        exc = context.get("exception")
-        msg = str(context.get("message", ""))
-        if isinstance(exc, ssl.SSLError | ConnectionResetError) or "SSL" in msg:
-            self.count += 1
-            log.debug("TLS handshake failed: %s %s", msg, exc)
-            return
-        loop.default_exception_handler(context)
-
-
 async def serve(s: AgentSettings) -> int:
     validate_node_name(s.node)
     host, port = parse_hostport(s.listen, "listen address")
@@ -193,10 +177,10 @@ async def serve(s: AgentSettings) -> int:
     _prepare_db(s)
     state = NodeState(node=s.node, token=s.token)
     app = build_app(s, state)
+    if ssl_ctx is not None:
+        alerts = tls.AlertCounter(ssl_ctx)
+        app[SOURCES].tls_failures = lambda: alerts.count
     loop = asyncio.get_running_loop()
-    failures = _TLSFailures()
-    loop.set_exception_handler(failures)
-    app[SOURCES].tls_failures = lambda: failures.count
 
     stop = asyncio.Event()
     signals = 0

@@ -337,6 +337,33 @@ def self_signed(dir: Path, host: str = "127.0.0.1") -> tuple[Path, Path, str]:
 # --- listening policy -----------------------------------------------------------------
 
 
+_ALERT = 21  # TLS record content type "alert" (RFC 8446, 5.1)
+
+
+class AlertCounter:
+    """Counts fatal TLS alerts a server context sends: each is a refused handshake
+    (no client certificate, unknown CA, expired certificate, TLS 1.2 offered...).
+
+    asyncio reports failed handshakes only as debug log lines (ssl.SSLError is an
+    OSError), so the count comes from OpenSSL's message callback instead. That hook
+    (``SSLContext._msg_callback``) is CPython's debugging API; where it is missing the
+    count stays 0 and a warning says so.
+    """
+
+    def __init__(self, context: ssl.SSLContext) -> None:
+        self.count = 0
+        if not hasattr(context, "_msg_callback"):
+            log.warning("this Python cannot count TLS handshake failures")
+            return
+        context._msg_callback = self._seen
+
+    def _seen(self, conn: object, direction: str, version: object, content_type: object,
+              msg_type: object, data: bytes) -> None:
+        # An alert record is two bytes: level (2 = fatal) and description.
+        if direction == "write" and content_type == _ALERT and data[:1] == b"\x02":
+            self.count += 1
+
+
 def is_loopback(host: str) -> bool:
     """127.0.0.0/8, ::1 (also bracketed or IPv4-mapped) and ``localhost``; nothing resolved."""
     text = host.strip().strip("[]")

@@ -47,7 +47,12 @@ class AgentTracer:
         if self._thread is not None:
             self._thread.join()
         if self.tracer.bpf is not None:
-            self.summary = self.tracer.stop()
+            self.summary = sm = self.tracer.stop()
+            # One line an operator (and bench/agent_load.py) can read: loss is either
+            # counted in the session record, or it is a bug shown here.
+            log.warning("trace session %d ended: %d events written, %d lost (counted), "
+                        "%d unreported", sm.session, sm.events_written, sm.lost_total,
+                        sm.unreported_loss)
 
     def stats(self) -> dict[str, Any]:
         if self.tracer.bpf is None:
