@@ -16,8 +16,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 from agents import Agent, Pki, agent, client_ssl, make_pki, request
-from conftest import REPO
 from hostile import HOSTILE_OVER_HTTP
+
+from conftest import REPO
 
 WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
 pytestmark = [pytest.mark.bpf,
@@ -137,9 +138,9 @@ def test_kill_9_keeps_everything_flushed_and_a_sound_file(
 
 
 def test_tls_handshake_failures_are_counted(tmp_path: Path, pki: Pki) -> None:
-    from conftest import build_db
-
     from fleetd.node import tls
+
+    from conftest import build_db
 
     db = build_db(tmp_path / "gpu-01.db", "gpu-01", 10)
     with agent(db, "gpu-01", pki, "--no-trace") as a:
