@@ -178,7 +178,10 @@ LEFT JOIN task_data pt ON pt.node = n.id AND pt.tid = e.peer AND e.peer != 0
 LEFT JOIN event_args x ON x.id = e.id;
 
 CREATE VIEW sessions AS
-SELECT n.name || ':' || s.seq AS id, n.name AS node, s.*
+SELECT n.name || ':' || s.seq AS id, n.name AS node, s.seq, s.host, s.kernel, s.boot_id,
+       s.started_ns, s.ended_ns, s.mono_offset_ns, s.clock_error_ns, s.clock_samples, s.rank,
+       s.local_rank, s.world_size, s.tool_version, s.schema_version, s.lost_events,
+       s.dropped_stacks, s.sampled_out, s.drops, s.targets, s.headers_route, s.command
 FROM session_data s JOIN nodes n ON n.id = s.node;
 
 CREATE VIEW processes AS
