@@ -115,7 +115,10 @@ class _Authorizer:
                 return sqlite3.SQLITE_OK
             shown = f"PRAGMA {arg1}" + (f" = {arg2}" if arg2 is not None else "")
             return self._deny(shown)
-        return self._deny(_ACTION_NAMES.get(action, f"action {action}"))
+        what = _ACTION_NAMES.get(action, f"action {action}")
+        if action in _TABLE_ACTIONS and arg1:
+            what += f" on {arg1}" if not arg1.startswith("sqlite_") else " (a schema change)"
+        return self._deny(what)
 
     def _deny(self, what: str) -> int:
         if self.denied is None:
@@ -123,15 +126,22 @@ class _Authorizer:
         return sqlite3.SQLITE_DENY
 
 
+# Authorizer action codes only: the sqlite3 module also exports result codes (TOOBIG,
+# INTERRUPT...) whose numbers overlap these, so the names are listed, not discovered.
 _ACTION_NAMES = {
-    getattr(sqlite3, n): n.removeprefix("SQLITE_").replace("_", " ")
-    for n in dir(sqlite3)
-    if n.startswith("SQLITE_")
-    and n not in {"SQLITE_OK", "SQLITE_DENY", "SQLITE_IGNORE"}
-    and not n.startswith("SQLITE_LIMIT")
-    and isinstance(getattr(sqlite3, n), int)
-    and getattr(sqlite3, n) < 40
+    getattr(sqlite3, f"SQLITE_{n}"): n.replace("_", " ")
+    for n in (
+        "CREATE_INDEX", "CREATE_TABLE", "CREATE_TEMP_INDEX", "CREATE_TEMP_TABLE",
+        "CREATE_TEMP_TRIGGER", "CREATE_TEMP_VIEW", "CREATE_TRIGGER", "CREATE_VIEW", "DELETE",
+        "DROP_INDEX", "DROP_TABLE", "DROP_TEMP_INDEX", "DROP_TEMP_TABLE", "DROP_TEMP_TRIGGER",
+        "DROP_TEMP_VIEW", "DROP_TRIGGER", "DROP_VIEW", "INSERT", "TRANSACTION", "UPDATE",
+        "ATTACH", "DETACH", "ALTER_TABLE", "REINDEX", "ANALYZE", "CREATE_VTABLE",
+        "DROP_VTABLE", "SAVEPOINT",
+    )
 }
+
+
+_TABLE_ACTIONS = frozenset({sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_DELETE})
 
 
 class SafeDB:

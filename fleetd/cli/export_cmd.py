@@ -1,0 +1,112 @@
+"""``fleetd export``: a Perfetto / chrome://tracing timeline of one node or many."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fleetd.errors import UsageError
+from fleetd.store.db import default_db_path, open_reader
+from fleetd.store.timeparse import parse_duration
+
+if TYPE_CHECKING:
+    from fleetd.export.perfetto import NodeStats
+
+EXPORT_FORMATS = ("perfetto",)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from fleetd.export.local import CHAIN_MODES
+
+    p = sub.add_parser(
+        "export",
+        help="export a timeline for ui.perfetto.dev / chrome://tracing",
+        description="Write a Chrome Trace Event JSON timeline: one process per node, a "
+        "track per traced thread with its CUDA calls and off-CPU time, block I/O and IRQ "
+        "tracks, causal chains as markers with arrows from culprit to victim, calls/s "
+        "counters. Open the file in ui.perfetto.dev. Works on a node database or a merged "
+        "one (fleetd merge).",
+    )
+    p.add_argument("--format", default="perfetto", help="output format: perfetto")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--db", type=Path,
+                     help="database file (default: $FLEETD_DB, else a per-user path)")
+    src.add_argument("--nodes", help="live nodes (needs the fleet client)")
+    p.add_argument("-o", "--output", required=True, metavar="trace.json[.gz]",
+                   help="output file (gzip when it ends in .gz; '-' for stdout)")
+    p.add_argument("--since", help="the last 30s, 5m, 2h, 1d (counted back from now)")
+    p.add_argument("--from", dest="from_", metavar="TIME", help="from TIME (ISO 8601, epoch)")
+    p.add_argument("--to", metavar="TIME", help="up to TIME")
+    p.add_argument("--pid", type=int, help="only this process")
+    p.add_argument("--limit-per-node", type=int, metavar="N",
+                   help="at most N events per node (the first N of the window)")
+    p.add_argument("--chains", default="auto", choices=CHAIN_MODES,
+                   help="causal chains: stored ones, else computed (auto, default); only "
+                   "stored; always computed; or none")
+    p.add_argument("--offset", action="append", default=[], metavar="NODE=DURATION",
+                   help="shift a node's times by hand, e.g. gpu-02=-3.5ms (repeatable)")
+    p.add_argument("--no-clock-correction", action="store_true",
+                   help="export times as recorded (no interpolation between clock samples)")
+    p.set_defaults(func=run)
+
+
+def parse_offsets(specs: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for spec in specs:
+        node, eq, text = spec.rpartition("=")
+        if not eq or not node:
+            raise UsageError(f"invalid --offset {spec!r}", "write NODE=DURATION, e.g. gpu-02=-3ms")
+        sign = -1 if text.startswith("-") else 1
+        out[node] = sign * parse_duration(text.lstrip("+-"))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.format not in EXPORT_FORMATS:
+        raise UsageError(f"unknown export format {args.format!r}",
+                         f"use one of: {', '.join(EXPORT_FORMATS)}")
+    if args.pid is not None and args.pid <= 0:
+        raise UsageError(f"invalid --pid {args.pid}", "use a positive process id")
+    if args.limit_per_node is not None and args.limit_per_node <= 0:
+        raise UsageError(f"invalid --limit-per-node {args.limit_per_node}",
+                         "use a positive number of events")
+    if args.nodes:
+        raise UsageError(
+            "export --nodes needs the fleet client, which this build does not have yet",
+            "copy the node databases, fleetd merge them, then fleetd export --db cluster.db",
+        )
+    out = None if args.output == "-" else Path(args.output)
+    stats, warnings = export_db(args, out)
+    events = sum(s.events for s in stats)
+    where = "stdout" if out is None else str(out)
+    size = f" ({out.stat().st_size / 1e6:.1f} MB)" if out is not None else ""
+    print(f"wrote {where}{size}: {len(stats)} node(s), {events} events, "
+          f"{sum(s.chains for s in stats)} chain(s), {sum(s.flows for s in stats)} arrow(s); "
+          "open it in https://ui.perfetto.dev", file=sys.stderr if out is None else sys.stdout)
+    for w in warnings:
+        print(f"fleetd: warning: {w}", file=sys.stderr)
+    return 0
+
+
+def export_db(args: argparse.Namespace, out: Path | None) -> tuple[list[NodeStats], list[str]]:
+    """Export the database named by ``--db`` (or the default one)."""
+    from fleetd.analyze.window import resolve_window
+    from fleetd.export.local import LocalOptions, local_traces
+    from fleetd.export.output import open_output
+    from fleetd.export.perfetto import write_trace
+
+    path: Path = args.db or default_db_path()
+    conn = open_reader(path)
+    try:
+        window = resolve_window(conn, args.since, args.from_, args.to)
+        opts = LocalOptions(window, args.pid, args.limit_per_node, args.chains,
+                            not args.no_clock_correction, parse_offsets(args.offset))
+        traces, origin, warnings = local_traces(conn, opts)
+        meta = {"source": str(path.name), "window": window.to_json()}
+        with open_output(out) as stream:
+            stats = write_trace(traces, stream, origin_ns=origin, meta=meta)
+    finally:
+        conn.close()
+    return stats, warnings

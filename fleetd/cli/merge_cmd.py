@@ -1,0 +1,113 @@
+"""``fleetd merge``: node databases copied off air-gapped machines, merged into one file."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import TextIO
+
+from fleetd.cli.output import table
+from fleetd.store.clockinfo import fmt_ns
+from fleetd.store.merge import DEFAULT_CLOCK_THRESHOLD_NS, MergeReport, Progress, merge
+from fleetd.store.timeparse import parse_duration
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "merge",
+        help="merge node databases into one file (offline, for air-gapped clusters)",
+        description="Merge fleetd databases copied off several nodes into one file that "
+        "every local command (query, explain, ops, export) reads node by node. Inputs are "
+        "only read. An existing output is extended; merging a file again adds nothing. The "
+        "output appears only when the merge is complete (Ctrl-C leaves it as it was).",
+    )
+    p.add_argument("inputs", nargs="+", type=Path, metavar="IN.db", help="node databases")
+    p.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.db",
+                   help="merged database (created, or extended when it exists)")
+    p.add_argument("--force-node", action="append", default=[], metavar="NAME|IN.db=NAME",
+                   help="name the node of an input that has no node identity (one NAME per "
+                   "such input, in order), or rename an input's node with IN.db=NAME")
+    p.add_argument("--progress", action="store_true", help="report progress on stderr")
+    p.add_argument("--clock-threshold", default=f"{DEFAULT_CLOCK_THRESHOLD_NS // 1_000_000}ms",
+                   metavar="DURATION", help="warn when node clocks cannot be aligned "
+                   "within this (default 10ms)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    threshold = parse_duration(args.clock_threshold)
+    reporter = _ProgressPrinter(sys.stderr) if args.progress else None
+    with _sigterm_as_interrupt():
+        report = merge(args.inputs, args.output, args.force_node, progress=reporter,
+                       clock_threshold_ns=threshold)
+    if reporter is not None:
+        reporter.finish()
+    _summary(report, sys.stdout)
+    for w in report.warnings:
+        print(f"fleetd: warning: {w}", file=sys.stderr)
+    return 0
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """``kill`` (SIGTERM) cleans up like Ctrl-C: no temporary file is left behind."""
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _ProgressPrinter:
+    """Progress on stderr: rewritten in place on a terminal, else a line at most every
+    half second; the end of each input is always shown."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self.last = 0.0
+        self.current: Path | None = None
+
+    def __call__(self, p: Progress) -> None:
+        now = time.monotonic()
+        fresh = p.path != self.current
+        if not fresh and p.stage != "done" and now - self.last < 0.5:
+            return
+        if fresh:
+            self.finish()
+            self.current = p.path
+        self.last = now
+        pct = 100 * p.done // max(1, p.total)
+        line = f"merge [{p.index}/{p.inputs}] {p.path.name}: {p.stage} {pct}% ({p.done}/{p.total})"
+        self.out.write("\r\x1b[K" + line if self.tty else line + "\n")
+        self.out.flush()
+
+    def finish(self) -> None:
+        if self.tty and self.current is not None:
+            self.out.write("\n")
+            self.out.flush()
+            self.current = None
+
+
+def _summary(report: MergeReport, out: TextIO) -> None:
+    size = report.output.stat().st_size / 1e6
+    out.write(f"merged {len(report.inputs)} input(s) into {report.output} in "
+              f"{report.seconds:.1f} s ({size:.1f} MB)\n")
+    cols = ["input", "nodes", "new events", "new stacks", "sessions", "chains", "aggregates"]
+    rows = [[str(r.path), ", ".join(r.nodes) + (" (named)" if r.forced else ""),
+             r.added.get("events", 0), r.added.get("stacks", 0), r.added.get("sessions", 0),
+             r.added.get("chains", 0), r.added.get("aggregates", 0)] for r in report.inputs]
+    out.write(table(cols, rows))
+    clocks = [[c.name, c.first_ns, c.last_ns, "unknown" if c.error_ns is None
+               else f"±{fmt_ns(c.error_ns)}", len(c.sessions)] for c in report.nodes]
+    out.write("\n" + table(["node", "first_ts_ns", "last_ts_ns", "clock error", "sessions"],
+                           clocks))

@@ -1,0 +1,188 @@
+"""A local database (one node, or a merged file of many) as exporter input.
+
+Each node's events are read lazily in time order with one query on the timestamp index;
+nodes are read one after another, so a merged file of any size streams in constant
+memory. Clock correction comes from each node's recorded sessions (see
+:mod:`fleetd.export.clockfix`), plus any offset given by hand.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from fleetd.analyze.data import CALL_CODES, Node, in_list, nodes
+from fleetd.analyze.window import Window
+from fleetd.export.clockfix import recorded_fix
+from fleetd.export.model import ChainMark, ClockFix, EventRow, NodeTrace
+from fleetd.store.clockinfo import SessionClock
+
+log = logging.getLogger("fleetd.export.local")
+
+CHAIN_MODES = ("auto", "stored", "computed", "none")
+_EVENTS_SQL = (
+    "SELECT e.id, e.ts_ns, e.dur_ns, e.pid, e.tid, e.op, e.ret, e.bytes, e.peer, e.a0, e.a1, "
+    "e.stack, x.args FROM event_data e LEFT JOIN event_args x ON x.id = e.id "
+    "WHERE e.ts_ns >= ? AND e.ts_ns < ? AND e.id BETWEEN ? AND ?"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LocalOptions:
+    window: Window
+    pid: int | None = None
+    limit_per_node: int | None = None
+    chains: str = "auto"  # stored chains, else computed by explain; or only one of them
+    correct_clock: bool = True
+    offsets: Mapping[str, int] = field(default_factory=dict)  # node -> ns, given by hand
+
+
+def local_traces(conn: sqlite3.Connection,
+                 opts: LocalOptions) -> tuple[list[NodeTrace], int, list[str]]:
+    """Exporter input for every node of the file, the trace origin, and warnings."""
+    warnings = list(opts.window.warnings)
+    unknown = set(opts.offsets) - {n.name for n in nodes(conn)}
+    if unknown:
+        warnings.append(f"--offset names node(s) not in the file: {', '.join(sorted(unknown))}")
+    traces: list[NodeTrace] = []
+    starts: list[int] = []
+    for node in nodes(conn):
+        fix, notes = _clock(conn, node, opts)
+        warnings += [f"node {node.name!r}: {n}" for n in notes]
+        first = _first_ts(conn, node, opts)
+        if first is None:
+            continue
+        starts.append(fix.apply(first))
+        traces.append(NodeTrace(
+            name=node.name, events=_events(conn, node, opts), ranks=_ranks(conn, node),
+            processes=_processes(conn, node), threads=_threads(conn, node),
+            chains=_chains(conn, node, opts), rates=_rates(conn, node, opts), clock=fix))
+    if not traces and not warnings:
+        warnings.append("no events to export in the window")
+    return traces, min(starts, default=opts.window.start_ns), warnings
+
+
+def _clock(conn: sqlite3.Connection, node: Node,
+           opts: LocalOptions) -> tuple[ClockFix, list[str]]:
+    offset = opts.offsets.get(node.name, 0)
+    manual = "manual" if node.name in opts.offsets else ""
+    if not opts.correct_clock:
+        return ClockFix(offset, manual or "none"), []
+    sessions = [
+        SessionClock(int(seq), boot, int(start), end, int(off), err, _samples(samples))
+        for seq, boot, start, end, off, err, samples in conn.execute(
+            "SELECT seq, boot_id, started_ns, ended_ns, mono_offset_ns, clock_error_ns, "
+            "clock_samples FROM session_data WHERE node = ? ORDER BY seq", (node.key,))
+    ]
+    return recorded_fix(sessions, offset, manual)
+
+
+def _samples(text: str | None) -> list[tuple[int, int, int]]:
+    try:
+        return [(int(m), int(o), int(e)) for m, o, e in orjson.loads(text or "[]")]
+    except (orjson.JSONDecodeError, TypeError, ValueError):
+        return []
+
+
+def _where(node: Node, opts: LocalOptions) -> tuple[str, list[int]]:
+    sql = _EVENTS_SQL
+    params = [opts.window.start_ns, opts.window.end_ns, node.lo, node.hi]
+    if opts.pid is not None:
+        sql += " AND e.pid = ?"
+        params.append(opts.pid)
+    return sql, params
+
+
+def _first_ts(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> int | None:
+    sql, params = _where(node, opts)
+    row = conn.execute(sql + " ORDER BY e.ts_ns LIMIT 1", params).fetchone()
+    return None if row is None else int(row[1])
+
+
+def _events(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> Iterator[EventRow]:
+    sql, params = _where(node, opts)
+    sql += " ORDER BY e.ts_ns, e.id"
+    if opts.limit_per_node is not None:
+        sql += " LIMIT ?"
+        params.append(opts.limit_per_node)
+    # A cursor of its own, read as the exporter writes: nothing is held in memory.
+    yield from conn.execute(sql, params)
+
+
+def _ranks(conn: sqlite3.Connection, node: Node) -> tuple[int, ...]:
+    rows = conn.execute(
+        "SELECT rank FROM process_data WHERE node = ? AND rank IS NOT NULL UNION "
+        "SELECT rank FROM session_data WHERE node = ? AND rank IS NOT NULL",
+        (node.key, node.key)).fetchall()
+    return tuple(sorted(int(r) for (r,) in rows))
+
+
+def _processes(conn: sqlite3.Connection, node: Node) -> dict[int, str]:
+    return {int(pid): str(comm) for pid, comm in conn.execute(
+        "SELECT pid, comm FROM process_data WHERE node = ? AND comm IS NOT NULL", (node.key,))}
+
+
+def _threads(conn: sqlite3.Connection, node: Node) -> dict[int, tuple[int | None, str | None]]:
+    return {int(tid): (None if pid is None else int(pid), comm) for tid, pid, comm in
+            conn.execute("SELECT tid, pid, comm FROM task_data WHERE node = ?", (node.key,))}
+
+
+def _rates(conn: sqlite3.Connection, node: Node,
+           opts: LocalOptions) -> Iterator[tuple[int, int, int]]:
+    """Calls per histogram window: totals where the tracer wrote them, else the buckets."""
+    sql = (
+        "SELECT ts_ns, dur_ns, coalesce(sum(count) FILTER (WHERE bucket = -1), sum(count)) "
+        f"FROM aggregate_data WHERE node = ? AND op IN {in_list(CALL_CODES)} "
+        "AND ts_ns >= ? AND ts_ns < ?"
+    )
+    params: list[int] = [node.key, opts.window.start_ns, opts.window.end_ns]
+    if opts.pid is not None:
+        sql += " AND pid = ?"
+        params.append(opts.pid)
+    for ts, dur, calls in conn.execute(sql + " GROUP BY ts_ns, dur_ns ORDER BY ts_ns", params):
+        yield int(ts), int(dur), int(calls or 0)
+
+
+def _chains(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> list[ChainMark]:
+    if opts.chains == "none":
+        return []
+    stored = [] if opts.chains == "computed" else _stored_chains(conn, node, opts)
+    if stored or opts.chains == "stored":
+        return stored
+    from fleetd.analyze.explain import explain_node
+
+    report = explain_node(conn, node, opts.window, opts.pid)
+    return [ChainMark.from_report(c) for c in report["chains"]]
+
+
+def _stored_chains(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> list[ChainMark]:
+    sql = (
+        "SELECT id, severity, root_cause, summary, ts_ns, dur_ns, op, victim_pid, victim_tid, "
+        "victim_comm, culprit_pid, culprit_comm, explained, impact, evidence, fixes "
+        "FROM chains WHERE node = ? AND ts_ns < ? AND ts_ns + dur_ns >= ?"
+    )
+    params: list[Any] = [node.name, opts.window.end_ns, opts.window.start_ns]
+    if opts.pid is not None:
+        sql += " AND victim_pid = ?"
+        params.append(opts.pid)
+    out = []
+    for (cid, sev, root, summary, ts, dur, op, vpid, vtid, vcomm, cpid, ccomm, expl, impact,
+         evidence, fixes) in conn.execute(sql + " ORDER BY ts_ns, id", params):
+        culprit = {"pid": cpid, "comm": ccomm} if cpid is not None else None
+        out.append(ChainMark(str(cid), str(sev), str(root), str(summary), int(ts), int(dur), op,
+                             {"pid": vpid, "tid": vtid, "comm": vcomm}, culprit,
+                             _json_list(fixes), _json_list(evidence), expl, impact))
+    return out
+
+
+def _json_list(text: str | None) -> list[Any]:
+    try:
+        value = orjson.loads(text or "[]")
+    except orjson.JSONDecodeError:
+        return []
+    return value if isinstance(value, list) else []

@@ -1,0 +1,537 @@
+"""Chrome Trace Event JSON for ui.perfetto.dev and chrome://tracing, streamed.
+
+Layout (docs/merge-export.md has the full description):
+
+- one process per node, named ``node (rank N)``, ordered by rank then name;
+- per traced thread a track with its CUDA calls (``X``; args op, ret, bytes, grid,
+  block...), its off-CPU / run-queue / D-state intervals and syscalls nested under the
+  calls they delay; wakeups and process lifecycle as thread instants;
+- per node a *block I/O* and an *IRQ* track;
+- slices of a track always nest (see :mod:`fleetd.export.lanes`): what cannot nest goes
+  to an *overlap* lane just below;
+- causal chains as global instants colored by severity, with root cause and fixes in
+  args, and flow arrows from the culprit (its block I/O, or a marker on its thread where
+  it ran or woke the victim) to the victim's wait;
+- counters: CUDA calls per second from stored events, and from the in-kernel
+  histograms when there are any (those count the calls that were sampled out too).
+
+Timestamps are microseconds since ``origin_ns`` with exact nanosecond decimals (absolute
+epoch microseconds would lose nanoseconds in a double and break nesting). Everything is
+written as it is read: memory holds open slices and names, never the events.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+from fleetd.export.clockfix import corrected
+from fleetd.export.lanes import Group
+from fleetd.export.model import ByteSink, ChainMark, EventRow, NodeTrace
+from fleetd.store.catalog import BY_NAME, OPS
+from fleetd.store.schema import SEQ_MASK
+from fleetd.store.timeparse import format_ns
+
+log = logging.getLogger("fleetd.export.perfetto")
+
+LAYOUT_VERSION = 1
+SEVERITY_COLOR = {"HIGH": "terrible", "MEDIUM": "bad", "LOW": "yellow"}  # catapult names
+SYNTHETIC_TID = 1 << 22  # above Linux's largest pid_max: never a real tid
+# Track order, kept within 32 bits for every viewer: a thread by its tid, its overlap
+# lanes right below it, node-wide tracks (block I/O, IRQ) after every thread.
+LANES_SORT = 64
+NODE_TRACKS_SORT = SYNTHETIC_TID * LANES_SORT
+COUNTER_NS = 1_000_000_000
+CHUNK = 2048  # lines per write
+ANCHOR_WAKE_NS = 1_000  # a wakeup is an instant; its marker gets 1 us to carry an arrow
+SOFTIRQS = ("HI", "TIMER", "NET_TX", "NET_RX", "BLOCK", "IRQ_POLL", "TASKLET", "SCHED",
+            "HRTIMER", "RCU")
+
+# What each op becomes: (kind, name as JSON, category, a0 key, a1 key). The keys are
+# pre-formatted (',"grid_threads":') because they are written for most rows.
+K_CALL, K_SCHED, K_RUNQ, K_INSTANT, K_BLOCK, K_IRQ = range(6)
+_KINDS: dict[int, tuple[int, str, str, str, str]] = {}
+for _op in OPS:
+    _kind = {"cuda": K_CALL, "graph": K_CALL, "driver": K_CALL, "nccl": K_CALL,
+             "syscall": K_CALL, "block": K_BLOCK, "irq": K_IRQ}.get(_op.source)
+    if _op.name == "off_cpu":
+        _kind = K_SCHED
+    elif _op.name == "runq_wait":
+        _kind = K_RUNQ
+    elif _op.kind == "instant":
+        _kind = K_INSTANT
+    if _kind is not None:
+        _KINDS[_op.code] = (_kind, orjson.dumps(_op.name).decode(), _op.source,
+                            f',"{_op.a0}":' if _op.a0 else "", f',"{_op.a1}":' if _op.a1 else "")
+SOFTIRQ = BY_NAME["softirq"].code
+_CALL_CODES = frozenset(o.code for o in OPS if o.source in ("cuda", "graph", "driver", "nccl"))
+
+
+def _us(ns: int) -> str:
+    """Nanoseconds as exact decimal microseconds."""
+    if ns >= 0:
+        return f"{ns // 1000}.{ns % 1000:03d}"
+    return "-" + _us(-ns)
+
+
+def _j(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+@dataclass(slots=True)
+class NodeStats:
+    name: str
+    pid: int
+    label: str
+    events: int = 0
+    slices: int = 0
+    instants: int = 0
+    skipped: int = 0  # rows of ops without a timeline shape (histogram-only ops, unknown)
+    overlap_lanes: int = 0
+    chains: int = 0
+    flows: int = 0
+    first_ns: int | None = None
+    last_ns: int | None = None
+    clock: dict[str, Any] = field(default_factory=dict)
+
+
+class _Sink:
+    """Comma-separated JSON lines, written in chunks."""
+
+    def __init__(self, out: ByteSink) -> None:
+        self.out = out
+        self.buf: list[str] = []
+        self.first = True
+
+    def flush(self) -> None:
+        if self.buf:
+            text = ",\n".join(self.buf)
+            self.out.write(text.encode() if self.first else (",\n" + text).encode())
+            self.first = False
+            self.buf.clear()
+
+
+def node_label(name: str, ranks: Sequence[int]) -> str:
+    r = sorted(set(ranks))
+    if not r:
+        return name
+    if len(r) == 1:
+        return f"{name} (rank {r[0]})"
+    if r == list(range(r[0], r[-1] + 1)):
+        return f"{name} (ranks {r[0]}-{r[-1]})"
+    return f"{name} (ranks {','.join(map(str, r))})"
+
+
+def sort_nodes(nodes: Iterable[NodeTrace]) -> list[NodeTrace]:
+    """By lowest rank (nodes without one last), then name: the same order every time."""
+    return sorted(nodes, key=lambda n: (min(n.ranks) if n.ranks else math.inf, n.name))
+
+
+def write_trace(nodes: Sequence[NodeTrace], out: ByteSink, *, origin_ns: int,
+                meta: Mapping[str, Any] | None = None) -> list[NodeStats]:
+    """Write one timeline of ``nodes`` to ``out``; per-node statistics come back."""
+    sink = _Sink(out)
+    out.write(b'{"displayTimeUnit":"ns","traceEvents":[\n')
+    flows = _FlowIds()
+    stats = [_NodeExporter(sink, node, pid, origin_ns, flows).run()
+             for pid, node in enumerate(sort_nodes(nodes), 1)]
+    sink.flush()
+    other = {
+        "exporter": "fleetd", "layout_version": LAYOUT_VERSION, "origin_ns": origin_ns,
+        "origin": format_ns(origin_ns), "ts_unit": "microseconds since origin",
+        **(meta or {}), "nodes": [asdict(s) for s in stats],
+    }
+    out.write(b'\n],"otherData":' + orjson.dumps(other) + b"}\n")
+    return stats
+
+
+class _FlowIds:
+    """Arrow ids, unique in the whole trace (nodes share one id space)."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+
+    def take(self) -> int:
+        return next(self._ids)
+
+
+@dataclass(slots=True)
+class _Anchor:
+    """A marker slice on a culprit's thread, where it ran instead of (or woke) the victim."""
+
+    ts: int
+    end: int
+    pid: int
+    tid: int
+    name: str
+    args: str
+    flow: int
+
+
+class _NodeExporter:
+    def __init__(self, sink: _Sink, node: NodeTrace, pid: int, origin: int,
+                 flows: _FlowIds) -> None:
+        self.sink, self.node, self.pid, self.origin = sink, node, pid, origin
+        self.emit = sink.buf.append
+        self.stats = NodeStats(node.name, pid, node_label(node.name, node.ranks),
+                               clock=node.clock.to_json())
+        self.groups: dict[int, Group] = {}  # tid -> its thread group
+        self.node_groups: dict[str, Group] = {}
+        self.next_tid = SYNTHETIC_TID
+        self.labels: dict[int, str] = {}
+        self.event_prefix = _j(node.name)[:-1] + ":"
+        self.flow_ids = flows
+        self.flow_ends: dict[int, list[tuple[int, str]]] = {}  # seq -> [(flow, 's'|'f')]
+        self.half_flows: dict[int, str] = {}
+        self.anchors: list[_Anchor] = []
+        self.args_cache: dict[str, str] = {}
+
+    # ---- tracks --------------------------------------------------------------------
+
+    def _meta(self, name: str, tid: int | None, args: Mapping[str, Any]) -> None:
+        tid_part = "" if tid is None else f',"tid":{tid}'
+        self.emit(f'{{"ph":"M","name":"{name}","pid":{self.pid}{tid_part},"args":{_j(args)}}}')
+
+    def _track(self, tid: int, name: str, sort_index: int) -> None:
+        self._meta("thread_name", tid, {"name": name})
+        self._meta("thread_sort_index", tid, {"sort_index": sort_index})
+
+    def _new_lane(self, g: Group) -> int:
+        tid = self.next_tid
+        self.next_tid += 1
+        self.stats.overlap_lanes += 1
+        self._track(tid, f"{g.name} (overlap {len(g.tids)})",
+                    g.sort_base + min(len(g.tids), LANES_SORT - 1))
+        return tid
+
+    def thread(self, pid: int, tid: int) -> Group:
+        g = self.groups.get(tid)
+        if g is None:
+            tpid, tname = self.node.threads.get(tid, (None, None))
+            tpid = tpid if tpid is not None else pid
+            comm = self.node.processes.get(tpid)
+            name = f"{comm or tname or 'tid'}[{tpid}]"
+            if tname and tname != comm:
+                name += f" {tname}"
+            g = Group(name, tid * LANES_SORT, tid, self._new_lane)
+            self._track(tid, name, g.sort_base)
+            self.groups[tid] = g
+        return g
+
+    def node_group(self, name: str) -> Group:
+        g = self.node_groups.get(name)
+        if g is None:
+            tid = self.next_tid
+            self.next_tid += 1
+            g = Group(name, NODE_TRACKS_SORT + len(self.node_groups) * LANES_SORT, tid,
+                      self._new_lane)
+            self._track(tid, name, g.sort_base)
+            self.node_groups[name] = g
+        return g
+
+    def label(self, tid: int) -> str:
+        """A task as args show it, as JSON: ``"stress[2000] tid 2000"``."""
+        text = self.labels.get(tid)
+        if text is None:
+            if tid == 0:
+                text = _j("idle/kernel (tid 0)")
+            else:
+                tpid, tname = self.node.threads.get(tid, (None, None))
+                comm = self.node.processes.get(tpid) if tpid is not None else None
+                who = comm or tname or "?"
+                text = _j(f"{who}[{tpid if tpid is not None else '?'}] tid {tid}")
+            self.labels[tid] = text
+        return text
+
+    # ---- the stream ----------------------------------------------------------------
+
+    def run(self) -> NodeStats:
+        node = self.node
+        label = self.stats.label
+        self._meta("process_name", None, {"name": label})
+        self._meta("process_sort_index", None, {"sort_index": self.pid})
+        clock = node.clock
+        self._meta("process_labels", None, {"labels": f"clock: {clock.source}" + (
+            f" ±{clock.error_ns / 1e6:.3f} ms" if clock.error_ns is not None else "")})
+        self._chains(node.chains)
+        self._stream(corrected(node.events, clock))
+        self._rates(node.rates)
+        self.sink.flush()
+        return self.stats
+
+    def _stream(self, events: Iterable[EventRow]) -> None:
+        # One long loop on purpose: it runs once per event, and the common case (a CUDA
+        # call nesting on its thread's own lane) stays inline, without calls.
+        st = self.stats
+        origin, pid_, emit = self.origin, self.pid, self.emit
+        kinds, groups, thread = _KINDS, self.groups, self.thread
+        buf, sink = self.sink.buf, self.sink
+        evp = self.event_prefix
+        anchors = self.anchors
+        ai, next_anchor = 0, anchors[0].ts if anchors else math.inf
+        flow_ends = self.flow_ends
+        call_codes = _CALL_CODES
+        bucket, count = None, 0
+        n = skipped = slices = 0
+        first = last = None
+        for ev in events:
+            rowkey, ts, dur, pid, tid, op, ret, nbytes, peer, a0, a1, stack, args = ev
+            n += 1
+            if ts >= next_anchor:
+                ai = self._anchors_until(ts, ai)
+                next_anchor = anchors[ai].ts if ai < len(anchors) else math.inf
+            k = kinds.get(op)
+            if k is None:
+                skipped += 1
+                continue
+            if dur < 0:
+                dur = 0  # a corrupt row must not break the nesting of its track
+            if first is None:
+                first = ts
+            last = ts + dur
+            kind, nm, cat, n0, n1 = k
+            rel = ts - origin
+            seq = rowkey & SEQ_MASK
+            # Exact decimals, inline: this loop runs once per event.
+            tsx = f"{rel // 1000}.{rel % 1000:03d}" if rel >= 0 else _us(rel)
+            extra = f"{n0}{a0}" if a0 and n0 else ""
+            if a1 and n1:
+                extra += f"{n1}{a1}"
+            if stack or args:
+                extra += self._more(stack, args)
+            if kind == K_CALL:
+                g = groups.get(tid) or thread(pid, tid)
+                end = ts + dur
+                # The common case inline: the slice nests on the thread's own lane.
+                open_ = g.stacks[0]
+                while open_ and open_[-1] <= ts:
+                    open_.pop()
+                if not open_ or open_[-1] >= end:
+                    open_.append(end)
+                    lane = tid
+                else:
+                    lane = g.place(ts, end)
+                emit(f'{{"ph":"X","pid":{pid_},"tid":{lane},"ts":{tsx},'
+                     f'"dur":{dur // 1000}.{dur % 1000:03d},"name":{nm},"cat":"{cat}",'
+                     f'"args":{{"op":{nm},"ret":{ret},"bytes":{nbytes}{extra},'
+                     f'"event":{evp}{seq}"}}}}')
+                if op in call_codes:
+                    b = rel // COUNTER_NS
+                    if b != bucket:
+                        self._count(bucket, count, b)
+                        bucket, count = b, 0
+                    count += 1
+            elif kind == K_INSTANT:
+                lane = (groups.get(tid) or thread(pid, tid)).tids[0]
+                who = f'"peer":{self.label(peer)},' if peer else ""
+                emit(f'{{"ph":"i","s":"t","pid":{pid_},"tid":{lane},"ts":{tsx},'
+                     f'"name":{nm},"cat":"{cat}","args":{{{who}"event":{evp}{seq}"{extra}}}}}')
+                st.instants += 1
+                continue
+            else:
+                lane = self._host(kind, op, ts, dur, pid, tid, a0, peer, tsx, extra, evp, seq)
+            slices += 1
+            if flow_ends and seq in flow_ends:
+                self._flow_end(seq, lane, ts, dur)
+            if len(buf) >= CHUNK:
+                sink.flush()
+        if anchors:
+            self._anchors_until(math.inf, ai)
+        self._count(bucket, count, None)
+        st.events, st.skipped, st.slices = n, skipped, st.slices + slices
+        if first is not None and last is not None:
+            st.first_ns, st.last_ns = first, last
+
+    def _host(self, kind: int, op: int, ts: int, dur: int, pid: int, tid: int, a0: int,
+              peer: int, tsx: str, extra: str, evp: str, seq: int) -> int:
+        """Scheduler, block I/O and IRQ intervals: less frequent than calls."""
+        if kind == K_SCHED:
+            state = a0 & 0xFF
+            name = "preempted" if state == 0 else "D-state" if state & 2 else "sleeping"
+            args = f'"state":"{"R" if state == 0 else "D" if state & 2 else "S"}",' \
+                   f'"next":{self.label(peer)}'
+            group, cat = self.thread(pid, tid), "sched"
+        elif kind == K_RUNQ:
+            name, cat = "run queue", "sched"
+            args = f'"woken_by":{self.label(peer)}'
+            group = self.thread(pid, tid)
+        elif kind == K_BLOCK:
+            name, cat = "block I/O", "block"
+            args = f'"by":{self.label(tid)}{extra}'
+            group = self.node_group("block I/O")
+        else:
+            name = (f"softirq {SOFTIRQS[a0] if 0 <= a0 < len(SOFTIRQS) else a0}"
+                    if op == SOFTIRQ else f"hardirq {a0}")
+            cat = "irq"
+            args = f'"preempted":{self.label(tid)}{extra}'
+            group = self.node_group("IRQ")
+        lane = group.place(ts, ts + dur)
+        self.emit(f'{{"ph":"X","pid":{self.pid},"tid":{lane},"ts":{tsx},"dur":{_us(dur)},'
+                  f'"name":"{name}","cat":"{cat}","args":{{{args},"event":{evp}{seq}"}}}}')
+        return lane
+
+    def _more(self, stack: int, args: str | None) -> str:
+        """The stack hash and stored args of a row, as extra args."""
+        text = f',"stack":"{stack & 0xFFFFFFFFFFFFFFFF:016x}"' if stack else ""
+        return text + self._args(args) if args else text
+
+    def _args(self, text: str) -> str:
+        """A stored args object spliced in: parsed once per distinct text (launches of
+        one kernel share theirs), so a corrupt row cannot break the JSON."""
+        frag = self.args_cache.get(text)
+        if frag is None:
+            try:
+                obj = orjson.loads(text)
+            except orjson.JSONDecodeError:
+                obj = {"args": text}
+            if not isinstance(obj, dict):
+                obj = {"args": obj}
+            obj = {k: v for k, v in obj.items() if k not in ("op", "ret", "bytes", "event")}
+            frag = "," + orjson.dumps(obj).decode()[1:-1] if obj else ""
+            if len(self.args_cache) < 4096:
+                self.args_cache[text] = frag
+        return frag
+
+    def _count(self, bucket: int | None, count: int, nxt: int | None) -> None:
+        """Close a one-second bucket of CUDA calls; a gap drops the counter to zero."""
+        if bucket is None:
+            return
+        name = '"CUDA calls/s (stored events)"'
+        self.emit(f'{{"ph":"C","pid":{self.pid},"ts":{_us(bucket * COUNTER_NS)},'
+                  f'"name":{name},"args":{{"calls":{count}}}}}')
+        if nxt is None or nxt > bucket + 1:
+            self.emit(f'{{"ph":"C","pid":{self.pid},"ts":{_us((bucket + 1) * COUNTER_NS)},'
+                      f'"name":{name},"args":{{"calls":0}}}}')
+
+    def _rates(self, rates: Iterable[tuple[int, int, int]]) -> None:
+        name = '"CUDA calls/s (all, from histograms)"'
+        prev_end: int | None = None
+        last_ts: int | None = None
+        fix = self.node.clock
+        for ts, dur, calls in rates:
+            t = fix.apply(ts) - self.origin
+            if prev_end is not None and prev_end < t:
+                self._rate_point(name, prev_end, 0)
+            if last_ts is not None and t <= last_ts:
+                continue  # overlapping windows: keep the counter's times increasing
+            self._rate_point(name, t, round(calls * 1e9 / max(1, dur), 3))
+            last_ts, prev_end = t, t + dur
+        if prev_end is not None:
+            self._rate_point(name, prev_end, 0)
+
+    def _rate_point(self, name: str, rel: int, value: float) -> None:
+        self.emit(f'{{"ph":"C","pid":{self.pid},"ts":{_us(rel)},"name":{name},'
+                  f'"args":{{"calls":{value}}}}}')
+
+    # ---- chains and their arrows ---------------------------------------------------
+
+    def _chains(self, chains: Sequence[ChainMark]) -> None:
+        fix = self.node.clock
+        for c in chains:
+            self.stats.chains += 1
+            args = {
+                "id": c.id, "node": self.node.name, "severity": c.severity,
+                "root_cause": c.root_cause, "summary": c.summary, "op": c.op,
+                "victim": dict(c.victim), "culprit": dict(c.culprit) if c.culprit else None,
+                "explained": c.explained, "impact": c.impact, "fixes": list(c.fixes),
+                "time": format_ns(c.ts_ns) if c.ts_ns else None,
+            }
+            name = f"{c.severity} {c.root_cause} ({self.node.name})"
+            self.emit(f'{{"ph":"i","s":"g","pid":{self.pid},"tid":0,'
+                      f'"ts":{_us(fix.apply(c.ts_ns) - self.origin)},"name":{_j(name)},'
+                      f'"cat":"chain","cname":"{SEVERITY_COLOR.get(c.severity, "grey")}",'
+                      f'"args":{_j(args)}}}')
+            self._plan_flows(c)
+        self.anchors.sort(key=lambda a: (a.ts, a.flow))
+
+    def _plan_flows(self, c: ChainMark) -> None:
+        """Arrows from culprit to victim: from the culprit's own block I/O to the wait it
+        caused, else from a marker on the culprit's thread to the victim's wait."""
+        victim_tid = int(c.victim.get("tid") or 0)
+        with_io = {str(e.get("spike")) for e in c.evidence if e.get("kind") == "block_io"}
+        waits: dict[str, int] = {}  # spike id -> seq of its D-state wait
+        for e in c.evidence:
+            kind, who, seq = e.get("kind"), e.get("culprit"), _seq(e.get("id"))
+            spike = str(e.get("spike"))
+            if seq is None or not who:
+                continue
+            if kind == "off_cpu" and spike in with_io:
+                if e.get("state") == "D":
+                    waits.setdefault(spike, seq)
+            elif kind == "block_io" and spike in waits:
+                self._link(seq, waits[spike])
+            elif kind == "off_cpu":
+                self._anchor(c, e, who, seq, victim_tid)
+
+    def _anchor(self, c: ChainMark, e: Mapping[str, Any], who: Mapping[str, Any], seq: int,
+                victim_tid: int) -> None:
+        tid = int(who.get("tid") or 0)
+        if tid in (0, victim_tid):
+            return  # the CPU's idle task, or the victim itself: no arrow to draw
+        fix = self.node.clock
+        ts, dur = fix.apply(int(e["ts_ns"])), int(e.get("dur_ns") or 0)
+        victim = f"{c.victim.get('comm')}[{c.victim.get('pid')}] tid {victim_tid}"
+        if e.get("state") == "R":
+            # The switch-out names who ran next; the marker spans the preemption.
+            start, end, name = ts, ts + dur, f"ran while {victim} was preempted"
+        else:
+            # A waker acts at the wakeup, the end of the wait (less any queueing).
+            end = ts + dur
+            start, name = end - min(dur, ANCHOR_WAKE_NS), f"woke {victim}"
+        flow = self.flow_ids.take()
+        args = _j({"chain": c.id, "root_cause": c.root_cause, "victim_wait": e.get("id"),
+                   "text": e.get("text")})
+        self.anchors.append(_Anchor(start, end, int(who.get("pid") or tid), tid, _j(name),
+                                    args, flow))
+        self.flow_ends.setdefault(seq, []).append((flow, "f"))
+
+    def _link(self, from_seq: int, to_seq: int) -> None:
+        flow = self.flow_ids.take()
+        self.flow_ends.setdefault(from_seq, []).append((flow, "s"))
+        self.flow_ends.setdefault(to_seq, []).append((flow, "f"))
+
+    def _anchors_until(self, ts: float, i: int) -> int:
+        anchors = self.anchors
+        while i < len(anchors) and anchors[i].ts <= ts:
+            a = anchors[i]
+            lane = self.thread(a.pid, a.tid).place(a.ts, a.end)
+            self.emit(f'{{"ph":"X","pid":{self.pid},"tid":{lane},"ts":{_us(a.ts - self.origin)},'
+                      f'"dur":{_us(a.end - a.ts)},"name":{a.name},"cat":"chain",'
+                      f'"args":{a.args}}}')
+            self.stats.slices += 1
+            self._endpoint(a.flow, "s", lane, a.ts, a.end - a.ts)
+            i += 1
+        return i
+
+    def _flow_end(self, seq: int, lane: int, ts: int, dur: int) -> None:
+        for flow, role in self.flow_ends.pop(seq):
+            self._endpoint(flow, role, lane, ts, dur)
+
+    def _endpoint(self, flow: int, role: str, lane: int, ts: int, dur: int) -> None:
+        """Both ends of an arrow are written once both slices exist: an arrow whose other
+        end was filtered out (--pid, --limit-per-node) is dropped, never left dangling."""
+        mid = ts + dur // 2 - self.origin  # inside the slice, so the arrow binds to it
+        bp = ',"bp":"e"' if role == "f" else ""
+        line = (f'{{"ph":"{role}","id":{flow},"pid":{self.pid},"tid":{lane},"ts":{_us(mid)},'
+                f'"name":"culprit","cat":"chain"{bp}}}')
+        other = self.half_flows.pop(flow, None)
+        if other is None:
+            self.half_flows[flow] = line
+            return
+        self.emit(other)
+        self.emit(line)
+        self.stats.flows += 1
+
+
+def _seq(event_id: Any) -> int | None:
+    """The seq of an event id ``node:seq`` (chain ids are not event ids: None)."""
+    if not isinstance(event_id, str):
+        return None
+    _, _, tail = event_id.rpartition(":")
+    return int(tail) if tail.isdigit() else None
