@@ -16,17 +16,20 @@ def pytest_runtest_makereport(
 ) -> Generator[None, pytest.TestReport, None]:
     outcome = yield
     report = outcome.get_result()
-    # CI runs as root on a kernel with BPF: a skipped BPF test there hides a broken
-    # tracer, so it counts as a failure.
-    if IN_CI and report.skipped and item.get_closest_marker("bpf") is not None:
+    # CI runs as root on a kernel with BPF: a skipped BPF or network-namespace test
+    # there hides a broken tracer or test bed, so it counts as a failure.
+    needs_root = any(item.get_closest_marker(m) is not None for m in ("bpf", "netns"))
+    if IN_CI and report.skipped and needs_root:
         report.outcome = "failed"
-        report.longrepr = f"BPF test skipped in CI (CI={os.environ['CI']!r}): {report.longrepr}"
+        report.longrepr = (f"root-only test skipped in CI (CI={os.environ['CI']!r}): "
+                           f"{report.longrepr}")
 
 
 # ---- fixture databases built by code ------------------------------------------------
 
 import time as _time  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 from fleetd.store.catalog import op_code  # noqa: E402
 from fleetd.store.writer import BatchWriter  # noqa: E402
@@ -59,3 +62,25 @@ def build_db(path: Path, node: str = "node-a", n: int = 400) -> Path:
 @pytest.fixture
 def small_db(tmp_path: Path) -> Path:
     return build_db(tmp_path / "node-a.db")
+
+
+# ---- the multi-host test bed (tests/netbed.py) -------------------------------------
+
+
+@pytest.fixture
+def netbed_factory(tmp_path: Path) -> Generator[Any, None, None]:
+    """``make(hosts, **kw)`` starts a NetBed; every bed is torn down, pass or fail."""
+    from netbed import NetBed
+
+    beds: list[NetBed] = []
+
+    def make(hosts: int, **kw: Any) -> NetBed:
+        bed = NetBed(tmp_path / f"bed{len(beds)}", hosts, **kw)
+        beds.append(bed)
+        return bed.start()
+
+    try:
+        yield make
+    finally:
+        for bed in beds:
+            bed.close()

@@ -149,6 +149,20 @@ class NodeView:
         )
         return [Ev(*r) for r in rows]
 
+    def switch_peers(self, tid: int) -> dict[int, int]:
+        """How often each task was the next to run when ``tid`` left the CPU, any reason.
+
+        A task that is always runnable beside the victim (a busy loop on its CPU, or in
+        its CPU-quota slice) takes over at nearly every switch, voluntary ones included;
+        the task that happens to run first after a throttled or long wait does not.
+        """
+        rows = self.conn.execute(
+            "SELECT peer, count(*) FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
+            "AND id BETWEEN ? AND ? AND tid = ? AND op = ? AND peer != 0 GROUP BY peer",
+            (self.win.start_ns, self.win.end_ns, self.node.lo, self.node.hi, tid, OFF_CPU),
+        )
+        return {int(peer): int(n) for peer, n in rows}
+
     def who(self, tid: int) -> dict[str, Any]:
         """A task as the output shows it: pid, tid and the process name."""
         pid, thread = self.tasks.get(tid, (None, None))
@@ -475,12 +489,28 @@ def _rank_culprits(view: NodeView, group: list[Spike], root: str, victim_pid: in
             entry["tids"].add(tid)
             entry["ns"] += ns
             total += ns
-    ranked = sorted(by_pid.values(), key=lambda d: -int(d["ns"]))
-    for d in ranked:
-        d["tids"] = sorted(d["tids"])
+    for d in by_pid.values():
         d["share"] = round(d["ns"] / max(1, total), 3)
         d["self"] = d["pid"] == victim_pid
+    if root == "cpu_contention" and group:
+        # Who ran first after each preemption is only part of the story: under a CPU
+        # quota the victim is throttled and whatever is runnable elsewhere goes first.
+        # Rank by that time share plus how often each one took over from the victim.
+        _add_presence(view, group[0].call.tid, by_pid)
+    ranked = sorted(by_pid.values(), key=lambda d: -(d["share"] + d.get("presence", 0.0)))
+    for d in ranked:
+        d["tids"] = sorted(d["tids"])
     return ranked
+
+
+def _add_presence(view: NodeView, victim_tid: int, by_pid: dict[int, dict[str, Any]]) -> None:
+    peers = view.switch_peers(victim_tid)
+    counts: dict[int, int] = defaultdict(int)
+    for tid, n in peers.items():
+        counts[int(view.who(tid)["pid"])] += n
+    total = sum(counts.values())
+    for pid, d in by_pid.items():
+        d["presence"] = round(counts.get(pid, 0) / max(1, total), 3)
 
 
 def _detail(group: list[Spike], factor: float) -> dict[str, Any]:

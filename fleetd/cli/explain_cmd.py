@@ -3,6 +3,11 @@ where each traced thread's time went.
 
 Reading is read-only; ``--store`` writes the chains into the database afterwards (a
 chain whose key exists gets the next version, so history is kept).
+
+With ``--nodes``/``--config`` every agent analyzes its own data over the same window,
+in parallel; chains come back tagged with their node, and each node's profile is
+scored against the fleet's to rank stragglers (fleetd/fleet/stragglers.py). A database
+holding several nodes (``fleetd merge``) gets the same ranking offline.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fleetd.analyze.window import Window, resolve_window
+from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
 from fleetd.cli.output import dumps, table
 from fleetd.errors import UsageError
 from fleetd.store.db import default_db_path, open_reader
@@ -31,6 +37,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--to", metavar="TIME", help="up to TIME")
     p.add_argument("--pid", type=_pid, help="only this process (as the victim)")
     p.add_argument("--per-process", action="store_true", help="op statistics per process")
+    add_fleet_args(p)
 
 
 def _pid(text: str) -> int:
@@ -51,7 +58,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Find CUDA calls slower than usual, tie each to the host events that "
         "overlapped it on its thread (preemption, run-queue and D-state waits, IRQs, block "
         "I/O), name the culprit process and a fix; then show where each traced thread's "
-        "time went. Without --since/--from/--to the whole recording is analyzed.",
+        "time went. Without --since/--from/--to the whole recording is analyzed. With "
+        "--nodes, every agent analyzes its own data and the nodes are ranked as stragglers "
+        "(slowest first, each with its own chains as the why); a database holding several "
+        "nodes is ranked the same way.",
     )
     add_common(p)
     p.add_argument("--format", default="table", help="output format: table|json")
@@ -75,17 +85,56 @@ def run(args: argparse.Namespace) -> int:
     if args.format not in EXPLAIN_FORMATS:
         raise UsageError(f"unknown format {args.format!r}",
                          f"use one of: {', '.join(EXPLAIN_FORMATS)}")
+    if fleet_mode(args):
+        return run_fleet(args)
     path, win = open_window(args)
-    report = explain(path, win, args.pid, args.per_process)
-    if args.store and report["chains"]:
-        report["stored"] = store_chains(path, report)
+    found = explain(path, win, args.pid, args.per_process)
+    if len(found["nodes"]) > 1:
+        found["stragglers"] = offline_stragglers(path, win, found)
+        found["skew"] = {}  # one file, one clock per node as recorded
+    if args.store and found["chains"]:
+        found["stored"] = store_chains(path, found)
     if args.format == "json":
-        sys.stdout.write(dumps(report).decode() + "\n")
+        sys.stdout.write(dumps(found).decode() + "\n")
     else:
-        render(report, sys.stdout)
-        for w in report["warnings"]:
+        if "stragglers" in found:
+            render_fleet(found, sys.stdout)
+        else:
+            render(found, sys.stdout)
+        for w in found["warnings"]:
             print(f"fleetd: warning: {w}", file=sys.stderr)
     return 0
+
+
+def offline_stragglers(path: Path, win: Window, found: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rank the nodes of a merged database the way the fleet client ranks live ones."""
+    from fleetd.analyze.explain import profile
+    from fleetd.fleet.stragglers import rank
+
+    conn = open_reader(path)
+    try:
+        profiles = {n: profile(conn, win, n) for n in found["nodes"]}
+    finally:
+        conn.close()
+    return rank(profiles, {}, found["chains"])
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    from fleetd.fleet.queries import WindowArgs, explain
+
+    if args.store:
+        raise UsageError("--store writes into a local database",
+                         "drop --store, or run explain --store --db on the node")
+    result = explain(fleet_options(args), WindowArgs(args.since, args.from_, args.to),
+                     args.pid)
+    if args.format == "json":
+        sys.stdout.write(dumps(result.obj).decode() + "\n")
+        if args.show_skew:
+            report(result.answer, True)
+    else:
+        render_fleet(result.obj, sys.stdout)
+        report(result.answer, args.show_skew)
+    return result.exit_code
 
 
 # ---- table rendering ------------------------------------------------------------------
@@ -115,8 +164,60 @@ def render(report: dict[str, Any], out: TextIO) -> None:
     _processes(report["processes"], out)
 
 
-def _chain(c: dict[str, Any], out: TextIO) -> None:
-    out.write(f"\n[{c['severity']}] {c['root_cause']}  {c['id']}\n  {c['summary']}\n")
+def render_fleet(report: dict[str, Any], out: TextIO) -> None:
+    """Stragglers first, each with its own top chains as the why; then every node's
+    chains, most severe first, each tagged with its node."""
+    label = report["window"].get("label", "")
+    names = report.get("nodes") or []
+    out.write(f"fleetd explain: {len(names)} node(s) ({', '.join(names) or 'none'}); "
+              f"{label}\n")
+    ranked = report.get("stragglers") or []
+    _stragglers(ranked, out)
+    verdicts = report.get("verdicts")
+    if verdicts:
+        for node, verdict in verdicts.items():
+            out.write(f"  {node}: {verdict}\n")
+    shown: set[str] = set()
+    for s in (s for s in ranked if s["flagged"]):
+        out.write(f"\nSTRAGGLER {s['node']}: score {s['score']:.2f} on {s['metric']}\n"
+                  f"  {s['reason']}\n  why (its top chains):\n")
+        theirs = [c for c in report["chains"] if c["node"] == s["node"]]
+        mine = [c for c in theirs if c["severity"] != "LOW"][:TOP_CHAINS] or theirs[:1]
+        for c in mine:
+            _chain(c, out, tag=True)
+            shown.add(c["id"])
+        if not mine:
+            out.write("  (no chain: no host-side cause found on it)\n")
+        _processes([p for p in report.get("processes", []) if p["node"] == s["node"]], out)
+    rest = [c for c in report["chains"] if c["id"] not in shown]
+    worth = [c for c in rest if c["severity"] != "LOW"]
+    other = "other " if shown else ""
+    out.write(f"\n{other}chains from every node, most severe first:\n" if worth
+              else f"\nno HIGH or MEDIUM chain on any {other}node\n")
+    for c in worth:
+        _chain(c, out, tag=True)
+    hidden = len(rest) - len(worth)
+    if hidden:
+        out.write(f"\n({hidden} LOW chain(s) not shown; --format json lists them all)\n")
+
+
+TOP_CHAINS = 3
+
+
+def _stragglers(ranked: list[dict[str, Any]], out: TextIO) -> None:
+    if not ranked:
+        return
+    rows = [[s["node"], "" if s["score"] is None else f"{s['score']:.2f}",
+             {True: "YES", False: "no", None: "-"}[s["flagged"]], s["metric"] or "",
+             s["reason"]] for s in ranked]
+    out.write("\nstragglers (score: speed relative to the best node on the metric; flagged "
+              "when far outside the fleet's spread, see docs/fleet.md):\n")
+    out.write(table(["node", "score", "flagged", "metric", "reason"], rows))
+
+
+def _chain(c: dict[str, Any], out: TextIO, tag: bool = False) -> None:
+    where = f" on {c['node']}" if tag else ""
+    out.write(f"\n[{c['severity']}] {c['root_cause']}{where}  {c['id']}\n  {c['summary']}\n")
     v = c["victim"]
     out.write(f"  victim:  {v['comm']} pid {v['pid']} tid {v['tid']}\n")
     if c["culprit"]:

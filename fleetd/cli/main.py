@@ -22,9 +22,14 @@ COMMAND_MODULES: tuple[str, ...] = (
     "fleetd.cli.trace_cmd",
     "fleetd.cli.explain_cmd",
     "fleetd.cli.ops_cmd",
+    "fleetd.cli.overview_cmd",
+    "fleetd.cli.merge_cmd",
+    "fleetd.cli.export_cmd",
     "fleetd.cli.check_cmd",
     "fleetd.cli.agent_cmd",
     "fleetd.cli.certs_cmd",
+    "fleetd.cli.mcp_cmd",
+    "fleetd.cli.demo_cmd",
 )
 
 

@@ -1,4 +1,5 @@
-"""``fleetd ops``: per-op (and per-process) latency statistics over a window."""
+"""``fleetd ops``: per-op (and per-process) latency statistics over a window, of one
+database or (``--nodes``) of every node, merged with a leading ``node`` column."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import sys
 
 from fleetd.cli.explain_cmd import add_common, open_window
+from fleetd.cli.fleet_args import fleet_mode, fleet_options, report
 from fleetd.cli.output import FORMATS, check_format, write_rows
 from fleetd.store.db import open_reader
 
@@ -18,7 +20,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="per-op latency statistics (count, p50/p95/p99/max, total, errors, calls/s)",
         description="Latency statistics per op (and per process with --per-process). "
         "stats_from says whether they come from stored events (exact) or from the "
-        "in-kernel histograms (every call counted; percentiles within a log2 bucket).",
+        "in-kernel histograms (every call counted; percentiles within a log2 bucket). "
+        "With --nodes, every agent's statistics, led by a node column.",
     )
     add_common(p)
     p.add_argument("--format", default="table", help=f"output format: {'|'.join(FORMATS)}")
@@ -29,13 +32,15 @@ def run(args: argparse.Namespace) -> int:
     from fleetd.analyze.opstats import COLUMNS, op_stats
 
     fmt = check_format(args.format)
+    cols = [c for c in COLUMNS if args.per_process or c not in ("pid", "comm")]
+    if fleet_mode(args):
+        return run_fleet(args, fmt, cols)
     path, win = open_window(args)
     conn = open_reader(path)
     try:
         rows = op_stats(conn, win, args.pid, args.per_process)
     finally:
         conn.close()
-    cols = [c for c in COLUMNS if args.per_process or c not in ("pid", "comm")]
     values = [[_show(c, r[c], fmt) for c in cols] for r in rows]
     write_rows(cols, values, fmt, sys.stdout,
                {"window": win.to_json(), "warnings": list(win.warnings)})
@@ -45,6 +50,20 @@ def run(args: argparse.Namespace) -> int:
         for w in win.warnings:
             print(f"fleetd: warning: {w}", file=sys.stderr)
     return 0
+
+
+def run_fleet(args: argparse.Namespace, fmt: str, cols: list[str]) -> int:
+    from fleetd.fleet.queries import WindowArgs, ops
+
+    result = ops(fleet_options(args), WindowArgs(args.since, args.from_, args.to), args.pid,
+                 args.per_process, cols)
+    values = [[_show(c, v, fmt) for c, v in zip(result.columns, r, strict=True)]
+              for r in result.rows]
+    extra = {k: v for k, v in result.obj.items() if k not in ("columns", "rows")}
+    write_rows(result.columns, values, fmt, sys.stdout, extra)
+    if fmt != "json" or args.show_skew:
+        report(result.answer, args.show_skew)
+    return result.exit_code
 
 
 def _show(col: str, value: object, fmt: str) -> object:

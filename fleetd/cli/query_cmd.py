@@ -1,4 +1,10 @@
-"""``fleetd query``: read-only SQL over a node database (and, later, a whole fleet)."""
+"""``fleetd query``: read-only SQL over a node database, or over every node of a fleet.
+
+With ``--nodes``/``--config`` the statement runs on every agent in parallel; rows come
+back merged with a leading ``node`` column, node timestamps (``*ts_ns`` columns)
+corrected into this machine's clock, and ``--reduce`` runs a second statement over the
+merged rows (table ``merged``) so that fleet-wide aggregates are computed correctly.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report, seconds
 from fleetd.cli.output import FORMATS, check_format, write_rows
 from fleetd.errors import UsageError
 from fleetd.store.catalog import BY_NAME
@@ -22,10 +29,11 @@ SHORTCUT_COLUMNS = "id, node, ts_ns, dur_ns, pid, tid, comm, op, ret, bytes"
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "query",
-        help="run read-only SQL over a node database",
+        help="run read-only SQL over a node database, or every node of a fleet",
         description="Run one read-only SQL statement over a fleetd database, or use the "
         "--op/--since shortcuts. Main view: events (node, ts_ns, dur_ns, pid, tid, comm, "
-        "source, op, ret, bytes, ...).",
+        "source, op, ret, bytes, ...). With --nodes/--config, on every agent at once: rows "
+        "merged with a leading node column, timestamps corrected for clock skew.",
     )
     p.add_argument("sql", nargs="?", help="one SELECT statement (omit to use the shortcuts)")
     p.add_argument(
@@ -39,21 +47,27 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--from", dest="from_", metavar="TIME", help="shortcut: events from TIME")
     p.add_argument("--to", metavar="TIME", help="shortcut: events up to TIME")
     p.add_argument("--format", default="table", help=f"output format: {'|'.join(FORMATS)}")
-    p.add_argument("--limit", type=int, help="at most this many rows (default 10000)")
-    p.add_argument("--timeout", default="5s", help="time limit for the query, e.g. 5s (default)")
+    p.add_argument("--limit", type=int,
+                   help="at most this many rows (default 10000; per node in a fleet query)")
+    p.add_argument("--timeout", help="time limit: for the query, e.g. 5s (default); for a "
+                   "fleet query, for the whole fan-out (default: the config's, else 10s)")
+    p.add_argument("--reduce", metavar="SQL",
+                   help="fleet: run this SELECT over the merged rows (table merged, with a "
+                   "node column), e.g. \"SELECT op, sum(n) FROM merged GROUP BY op\"")
+    add_fleet_args(p, timeout=False)
     p.set_defaults(func=run)
 
 
 def _timeout_s(text: str) -> float:
-    try:
-        return float(text)  # a bare number means seconds
-    except ValueError:
-        return parse_duration(text) / 1e9
+    return seconds(text, "--timeout")  # a bare number means seconds
 
 
-def _shortcut(args: argparse.Namespace) -> tuple[str, list[Any]]:
+def _shortcut(args: argparse.Namespace) -> tuple[str, list[Any], set[int]]:
+    """SQL for the shortcuts; also the indexes of the params that are wall-clock times
+    of this machine (a fleet query moves them into each node's clock)."""
     where: list[str] = []
     params: list[Any] = []
+    times: set[int] = set()
     if args.op:
         if args.op not in BY_NAME:
             close = difflib.get_close_matches(args.op, BY_NAME, n=3)
@@ -67,22 +81,28 @@ def _shortcut(args: argparse.Namespace) -> tuple[str, list[Any]]:
     if args.pid is not None:
         where.append("pid = ?")
         params.append(args.pid)
-    if args.since:
-        where.append("ts_ns >= ?")
-        params.append(time.time_ns() - parse_duration(args.since))
-    if args.from_:
-        where.append("ts_ns >= ?")
-        params.append(parse_timestamp(args.from_))
+    for value in (time.time_ns() - parse_duration(args.since) if args.since else None,
+                  parse_timestamp(args.from_) if args.from_ else None):
+        if value is not None:
+            where.append("ts_ns >= ?")
+            times.add(len(params))
+            params.append(value)
     if args.to:
         where.append("ts_ns <= ?")
+        times.add(len(params))
         params.append(parse_timestamp(args.to))
     sql = f"SELECT {SHORTCUT_COLUMNS} FROM events"
     if where:
         sql += " WHERE " + " AND ".join(where)
-    return sql + " ORDER BY ts_ns", params
+    return sql + " ORDER BY ts_ns", params, times
 
 
 def build_sql(args: argparse.Namespace) -> tuple[str, list[Any]]:
+    sql, params, _ = build_sql_times(args)
+    return sql, params
+
+
+def build_sql_times(args: argparse.Namespace) -> tuple[str, list[Any], set[int]]:
     uses_shortcut = any(x is not None for x in (args.op, args.pid, args.since, args.from_, args.to))
     if args.sql and uses_shortcut:
         raise UsageError(
@@ -90,7 +110,7 @@ def build_sql(args: argparse.Namespace) -> tuple[str, list[Any]]:
             "put the condition in your SQL's WHERE clause",
         )
     if args.sql:
-        return args.sql, list(args.param)
+        return args.sql, list(args.param), set()
     if not uses_shortcut:
         raise UsageError(
             "nothing to query",
@@ -102,14 +122,38 @@ def build_sql(args: argparse.Namespace) -> tuple[str, list[Any]]:
 
 def run(args: argparse.Namespace) -> int:
     fmt = check_format(args.format)
+    if fleet_mode(args):
+        return run_fleet(args, fmt)
+    if args.reduce:
+        raise UsageError("--reduce runs over the merged rows of a fleet query",
+                         "add --nodes HOST:PORT,... (or --config), or put it in your SQL")
     sql, params = build_sql(args)
-    limits = Limits().lowered(timeout_s=_timeout_s(args.timeout), max_rows=args.limit)
+    limits = Limits().lowered(timeout_s=_timeout_s(args.timeout or "5s"), max_rows=args.limit)
     path: Path = args.db or default_db_path()
     with SafeDB(path) as db:
         result = db.query(sql, params, limits)
         hint = _empty_hint(db, args) if not result.rows and args.since else None
     _print(result, fmt, hint)
     return 0
+
+
+def run_fleet(args: argparse.Namespace, fmt: str) -> int:
+    from fleetd.fleet.queries import QuerySpec, query
+
+    sql, params, times = build_sql_times(args)
+    if args.limit is not None and args.limit <= 0:
+        raise UsageError(f"--limit {args.limit} must be positive", "e.g. --limit 1000")
+    opts = fleet_options(args)
+    # The node stops the SQL a little before our deadline, so a slow query comes back
+    # as the node's own timeout error rather than as a hung-up connection.
+    node_limit = max(0.05, opts.client.timeout_s * 0.9)
+    spec = QuerySpec(sql, params, frozenset(times), args.limit, node_limit, args.reduce)
+    result = query(opts, spec)
+    extra = {k: v for k, v in result.obj.items() if k not in ("columns", "rows")}
+    write_rows(result.columns, result.rows, fmt, sys.stdout, extra)
+    if fmt != "json" or args.show_skew:
+        report(result.answer, args.show_skew)
+    return result.exit_code
 
 
 def _print(result: QueryResult, fmt: str, hint: str | None) -> None:

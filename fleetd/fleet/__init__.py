@@ -1,1 +1,14 @@
-"""fleetd.fleet"""
+"""The fleet client: ask every node's agent at once, over mTLS, and merge the answers.
+
+* :mod:`~fleetd.fleet.targets`: which agents (``--nodes``, the config's fleet list);
+* :mod:`~fleetd.fleet.client`: one aiohttp session, the concurrency cap, the deadline,
+  retries of idempotent reads, and every node failure as a reason with a fix;
+* :mod:`~fleetd.fleet.skew`: NTP-style clock offsets per node, and timestamp correction;
+* :mod:`~fleetd.fleet.fanout`: one task per node (request + clock samples) under the
+  deadline, naming, warnings, the answer's status and exit code;
+* :mod:`~fleetd.fleet.merge`: rows led by ``node``, column mismatches, ``--reduce``;
+* :mod:`~fleetd.fleet.stragglers`: relative scores and robust z-scores per metric;
+* :mod:`~fleetd.fleet.queries`: query, explain (with stragglers), ops and overview.
+
+docs/fleet.md explains the methods; docs/json.md the output shapes and exit codes.
+"""

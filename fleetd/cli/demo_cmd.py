@@ -1,0 +1,250 @@
+"""``fleetd demo``: a three-node fleet on loopback, one node slowed by a CPU hog.
+
+Everything is real: a fresh CA and certificates from ``fleetd certs``, three
+``fleetd agent`` daemons tracing three copies of the reference workload with eBPF,
+mTLS fan-out with ``fleetd query --nodes`` and ``fleetd explain --nodes``, then
+``fleetd merge`` and ``fleetd export``. The demo drives fleetd's own commands as a user
+would type them, and prints each one before it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fleetd.errors import FleetdError, TraceError, UsageError
+from fleetd.store.timeparse import parse_duration
+
+NODES = ("node-1", "node-2", "node-3")
+SLOW = "node-3"  # the node whose workload shares its CPU with a hog
+HOG_NAME = "cpu-hog"
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run a local 3-node fleet on loopback and find the straggler",
+        description="Start three fleetd agents on loopback with fresh certificates, trace "
+        "the reference workload on each (one node's CPU shared with a hog), then show the "
+        "fleet query, the straggler and why, and write a merged database and a Perfetto "
+        "timeline. Needs root (eBPF).",
+    )
+    p.add_argument("--dir", type=Path, default=Path("fleet-demo"),
+                   help="working directory for certificates, node databases and logs "
+                   "(default: ./fleet-demo)")
+    p.add_argument("--out", type=Path, default=Path("."),
+                   help="where fleet-demo.db and fleet-demo.json go (default: .)")
+    p.add_argument("--duration", default="20s", help="how long to trace (default 20s)")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Fleet:
+    dir: Path
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    addresses: dict[str, str] = field(default_factory=dict)
+
+    def stop(self) -> None:
+        for a in self.agents.values():
+            if a.poll() is None:
+                a.send_signal(signal.SIGTERM)
+        for a in self.agents.values():
+            try:
+                a.wait(30)
+            except subprocess.TimeoutExpired:
+                a.kill()
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            with suppress(subprocess.TimeoutExpired):
+                p.wait(10)
+
+
+def _fleetd() -> list[str]:
+    exe = Path(sys.argv[0])
+    if exe.name == "fleetd" and exe.exists():
+        return [str(exe)]
+    return [sys.executable, "-m", "fleetd"]
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _show(cmd: list[str], *, check: bool = True, quiet: bool = False) -> int:
+    """Run one of fleetd's own commands, echoing it the way a user would type it."""
+    shown = ["fleetd", *cmd[len(_fleetd()):]] if cmd[: len(_fleetd())] == _fleetd() else cmd
+    if not quiet:
+        _say(f"\n$ {shlex.join(shown)}")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else None,
+                          stderr=subprocess.STDOUT if quiet else None)
+    if check and proc.returncode not in (0,):
+        raise FleetdError(f"{shlex.join(shown)} exited with {proc.returncode}",
+                          "see the output above; the node logs are in the demo directory")
+    return proc.returncode
+
+
+def _workload() -> Path:
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        candidate = parent / "tests" / "workloads" / "train_loop.py"
+        if candidate.exists():
+            return candidate
+    raise UsageError("the reference workload tests/workloads/train_loop.py was not found",
+                     "run fleetd demo from a fleetd source checkout (make demo)")
+
+
+def _preflight() -> None:
+    if os.geteuid() != 0:
+        raise TraceError("fleetd demo traces with eBPF and must run as root",
+                         "run: sudo make demo (or sudo .venv/bin/fleetd demo)")
+    try:
+        import bcc  # noqa: F401
+    except ImportError:
+        raise TraceError("the bcc Python package (Debian's python3-bpfcc) is not importable",
+                         "run bash scripts/setup.sh, which installs it and links it into "
+                         ".venv") from None
+    if not Path("/sys/kernel/tracing/events").exists():
+        raise TraceError("tracefs is not mounted at /sys/kernel/tracing",
+                         "mount -t tracefs tracefs /sys/kernel/tracing (setup.sh does this)")
+
+
+def _certs(d: Path) -> None:
+    base = [*_fleetd(), "certs", "--dir", str(d)]
+    _show([*base, "init-ca", "--force"], quiet=True)
+    for n in NODES:
+        _show([*base, "issue-node", n, "--san", "127.0.0.1", "--force"], quiet=True)
+    _show([*base, "issue-client", "demo-client", "--force"], quiet=True)
+
+
+def _pin(cpu: int) -> None:
+    # Runs in the child before exec: the workload (and the hog) stay on one CPU.
+    with suppress(OSError):
+        os.sched_setaffinity(0, {cpu})
+
+
+def _start_workloads(fleet: Fleet, seconds: float) -> dict[str, subprocess.Popen[bytes]]:
+    """One workload per node; the slow node's shares the last CPU with a busy loop."""
+    cpus = sorted(os.sched_getaffinity(0))
+    last = cpus[-1]
+    others = [c for c in cpus if c != last] or [last]
+    wl: dict[str, subprocess.Popen[bytes]] = {}
+    for i, n in enumerate(NODES):
+        cpu = last if n == SLOW else others[i % len(others)]
+        log = (fleet.dir / f"{n}.workload.log").open("wb")
+        p = subprocess.Popen(
+            [sys.executable, str(_workload()), "--duration", str(seconds + 30),
+             "--launches", "8", "--memcpy", "1", "--cpu-us", "200", "--gpu-ms", "3",
+             "--go-file", str(fleet.dir / f"{n}.go")],
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=functools.partial(_pin, cpu))
+        fleet.procs.append(p)
+        wl[n] = p
+    hog = subprocess.Popen(
+        [sys.executable, "-c",
+         # prctl(PR_SET_NAME) names the hog, so the culprit reads well in explain
+         "import ctypes; ctypes.CDLL(None).prctl(15, b'" + HOG_NAME + "', 0, 0, 0)\n"
+         "while True: pass"], preexec_fn=lambda: _pin(last))
+    fleet.procs.append(hog)
+    return wl
+
+
+def _start_agents(fleet: Fleet, wl: dict[str, subprocess.Popen[bytes]]) -> None:
+    d = fleet.dir
+    for n in NODES:
+        db = d / f"{n}.db"
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        log = (d / f"{n}.agent.log").open("wb")
+        fleet.agents[n] = subprocess.Popen(
+            [*_fleetd(), "agent", "--node", n, "--db", str(db), "--listen", "127.0.0.1:0",
+             "--pid", str(wl[n].pid), "--sample", "10", "--tls-cert", str(d / f"{n}.pem"),
+             "--tls-key", str(d / f"{n}.key"), "--client-ca", str(d / "ca.pem")],
+            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 90
+    pattern = re.compile(r"listening on https://([\d.]+:\d+)")
+    while len(fleet.addresses) < len(NODES):
+        for n, a in fleet.agents.items():
+            text = (d / f"{n}.agent.log").read_text(errors="replace")
+            if a.poll() is not None:
+                raise TraceError(f"the agent of {n} exited ({a.returncode}):\n{text.strip()}",
+                                 "run fleetd check for what this machine lacks")
+            # The agent announces its address only once its tracer is attached.
+            if m := pattern.search(text):
+                fleet.addresses[n] = m.group(1)
+        if time.monotonic() > deadline:
+            raise TraceError("the agents did not start tracing within 90 s",
+                             f"see the logs in {d}")
+        time.sleep(0.2)
+
+
+def _progress(seconds: float) -> None:
+    start = time.monotonic()
+    width = 30
+    while (left := seconds - (time.monotonic() - start)) > 0:
+        done = int(width * (1 - left / seconds))
+        sys.stdout.write(f"\r  tracing [{'#' * done}{'.' * (width - done)}] {left:4.0f} s left ")
+        sys.stdout.flush()
+        time.sleep(min(0.5, left))
+    sys.stdout.write(f"\r  tracing [{'#' * width}] done{' ' * 14}\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    seconds = parse_duration(args.duration) / 1e9
+    _preflight()
+    d: Path = args.dir.resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    out: Path = args.out.resolve()
+    fleet = Fleet(d)
+    _say(f"fleetd demo: 3 agents on loopback, {SLOW}'s CPU shared with a busy loop "
+         f"({HOG_NAME}); files in {d}")
+    _say("[1/6] fleet CA and certificates (fleetd certs)")
+    _certs(d)
+    try:
+        _say("[2/6] reference workload on each node, agents tracing it with eBPF")
+        wl = _start_workloads(fleet, seconds)
+        _start_agents(fleet, wl)
+        for n in NODES:
+            (d / f"{n}.go").touch()
+        for n, addr in fleet.addresses.items():
+            _say(f"  {n}: agent on https://{addr} (mTLS), tracing pid {wl[n].pid}")
+        _say(f"[3/6] tracing for {seconds:g} s")
+        _progress(seconds)
+        nodes = ",".join(f"{n}={a}" for n, a in fleet.addresses.items())
+        tls = ["--ca-cert", str(d / "ca.pem"), "--client-cert", str(d / "demo-client.pem"),
+               "--client-key", str(d / "demo-client.key")]
+        _say("[4/6] one query, every node (fan-out over mTLS, clock skew corrected)")
+        _show([*_fleetd(), "query", "--nodes", nodes, *tls, "--show-skew",
+               "SELECT op, count(*) AS calls, round(avg(dur_ns) / 1000.0, 1) AS avg_us "
+               "FROM events WHERE source = 'cuda' GROUP BY op ORDER BY calls DESC"])
+        _say("\n[5/6] which node is the straggler, and why")
+        _show([*_fleetd(), "explain", "--nodes", nodes, *tls], check=False)
+    finally:
+        fleet.stop()
+    _say("\n[6/6] merged database and Perfetto timeline")
+    merged, trace = out / "fleet-demo.db", out / "fleet-demo.json"
+    for f in (merged, Path(f"{merged}-wal"), Path(f"{merged}-shm"), trace):
+        f.unlink(missing_ok=True)
+    _show([*_fleetd(), "merge", *(str(d / f"{n}.db") for n in NODES), "-o", str(merged)])
+    _show([*_fleetd(), "export", "--format", "perfetto", "--db", str(merged), "-o", str(trace)])
+    _say(f"""
+Done. Written:
+  {merged}   all three nodes in one database
+  {trace}   open it at https://ui.perfetto.dev (or chrome://tracing)
+
+Next:
+  .venv/bin/fleetd explain --db {merged}
+  .venv/bin/fleetd query --db {merged} "SELECT node, op, count(*) FROM events GROUP BY 1, 2"
+  .venv/bin/fleetd ops --db {merged} --per-process
+  README.md: deploy agents to real nodes with certificates (fleetd certs).""")
+    return 0

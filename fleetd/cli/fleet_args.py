@@ -1,0 +1,152 @@
+"""The options every fleet command shares, and how their answers are reported.
+
+A command runs against the fleet when ``--nodes`` or ``--config`` is given, else on a
+local database (``--db``). Flags override the config's ``fleet:`` section.
+
+Exit codes of a fleet command (docs/cli.md): 0 every node answered; 3 partial (some
+nodes answered, a warning names each one that did not); 4 no node answered; 2 a usage
+error, including a request every node refused as malformed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from fleetd.errors import UsageError
+from fleetd.store.timeparse import parse_duration
+
+if TYPE_CHECKING:
+    from fleetd.fleet.fanout import FleetAnswer, FleetOptions
+    from fleetd.fleet.merge import NodeWarning
+
+FLEET_FLAGS = ("nodes", "config", "ca_cert", "client_cert", "client_key", "token_file",
+               "show_skew", "clock_skew_threshold", "no_skew_correct")
+
+
+def add_fleet_args(p: argparse.ArgumentParser, *, timeout: bool = True) -> None:
+    g = p.add_argument_group(
+        "fleet", "ask every node's agent (in parallel, over mTLS) instead of a local --db")
+    g.add_argument("--nodes", metavar="HOST:PORT,...",
+                   help="the agents to ask; an entry may be NAME=HOST:PORT")
+    g.add_argument("--config", type=Path, metavar="YAML",
+                   help="fleetd.yaml whose fleet: section lists nodes and certificates")
+    g.add_argument("--ca-cert", type=Path, metavar="PEM",
+                   help="fleet CA that the agents' certificates chain to")
+    g.add_argument("--client-cert", type=Path, metavar="PEM",
+                   help="this client's certificate (mTLS)")
+    g.add_argument("--client-key", type=Path, metavar="PEM", help="its private key")
+    g.add_argument("--token-file", type=Path, metavar="FILE",
+                   help="bearer token, if the agents require one")
+    if timeout:
+        g.add_argument("--timeout", metavar="DURATION",
+                       help="time for the whole fan-out; slower nodes become warnings "
+                       "(default: the config's timeout_s, else 10s)")
+    g.add_argument("--show-skew", action="store_true",
+                   help="print each node's clock offset and its error bound")
+    g.add_argument("--clock-skew-threshold", metavar="DURATION",
+                   help="warn when a node's clock is further off than this (default 10ms)")
+    g.add_argument("--no-skew-correct", action="store_true",
+                   help="leave node timestamps in each node's own clock")
+
+
+def fleet_mode(args: argparse.Namespace) -> bool:
+    """True when the command should ask the fleet; refuses --db together with it."""
+    wanted = bool(getattr(args, "nodes", None) or getattr(args, "config", None))
+    if wanted and getattr(args, "db", None):
+        raise UsageError("--db reads a local database; --nodes/--config ask the fleet",
+                         "use one of them (merge copied databases with fleetd merge)")
+    if not wanted:
+        given = [f"--{f.replace('_', '-')}" for f in FLEET_FLAGS
+                 if getattr(args, f, None) not in (None, False)]
+        if given:
+            raise UsageError(f"{', '.join(given)} only apply to a fleet query",
+                             "add --nodes HOST:PORT,... or --config fleetd.yaml")
+    return wanted
+
+
+def seconds(text: str, what: str) -> float:
+    """``10s``, ``500ms`` or a bare number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        return parse_duration(text) / 1e9
+    if value <= 0:
+        raise UsageError(f"{what} {text!r} must be more than zero", "e.g. 10s or 500ms")
+    return value
+
+
+def milliseconds(text: str, what: str) -> float:
+    """``10ms``, ``0.5s`` or a bare number of milliseconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        return parse_duration(text) / 1e6
+    if value < 0:
+        raise UsageError(f"{what} {text!r} must not be negative", "e.g. 10ms")
+    return value
+
+
+def fleet_options(args: argparse.Namespace) -> FleetOptions:
+    """Targets, TLS material and limits from the flags, then the config, then defaults."""
+    from fleetd.fleet.client import ClientOptions
+    from fleetd.fleet.fanout import FleetOptions
+    from fleetd.fleet.targets import from_config, parse_nodes
+    from fleetd.node import tls
+    from fleetd.node.config import FleetConfig, load_config
+
+    fleet = load_config(args.config).fleet if args.config else FleetConfig()
+    targets = parse_nodes(args.nodes) if args.nodes else from_config(fleet, str(args.config))
+    # Values first, certificates after: a typo is reported before any file is read.
+    timeout_text = getattr(args, "timeout", None)
+    timeout = seconds(timeout_text, "--timeout") if timeout_text else fleet.timeout_s
+    threshold = (milliseconds(args.clock_skew_threshold, "--clock-skew-threshold")
+                 if args.clock_skew_threshold else fleet.clock_skew_threshold_ms)
+    ca = args.ca_cert or fleet.ca
+    if ca is None:
+        raise UsageError(
+            "asking the fleet needs the fleet CA, to verify each agent",
+            "pass --ca-cert certs/ca.pem --client-cert certs/NAME.pem --client-key "
+            "certs/NAME.key, or --config with fleet.ca, fleet.client_cert, fleet.client_key")
+    cert = args.client_cert or fleet.client_cert
+    context = tls.client_context(ca, cert, args.client_key or fleet.client_key)
+    token_file = args.token_file or fleet.token_file
+    client = ClientOptions(
+        ssl=context, token=tls.load_token(token_file) if token_file else None,
+        timeout_s=timeout, connect_timeout_s=min(fleet.connect_timeout_s, timeout),
+        concurrency=max(1, fleet.concurrency), has_client_cert=cert is not None)
+    return FleetOptions(tuple(targets), client, correct=not args.no_skew_correct,
+                        skew_threshold_ms=threshold)
+
+
+def report(answer: FleetAnswer, show_skew: bool, out: TextIO = sys.stderr) -> None:
+    """Warnings, one line per node, and the skew table when asked; on stderr so that
+    piped rows stay clean."""
+    print_warnings(answer.warnings, out)
+    if show_skew:
+        print_skew(answer, out)
+    if answer.status != "complete":
+        n, total = len(answer.answered), len(answer.outcomes)
+        what = "partial answer" if n else "no answer"
+        print(f"fleetd: {what}: {n} of {total} node(s) answered", file=out)
+
+
+def print_warnings(warnings: list[NodeWarning], out: TextIO = sys.stderr) -> None:
+    for w in warnings:
+        print(f"fleetd: warning: node {w.node}: {w.error}", file=out)
+
+
+def print_skew(answer: FleetAnswer, out: TextIO = sys.stderr) -> None:
+    from fleetd.cli.output import table
+
+    rows = []
+    for o in answer.outcomes:
+        if o.skew is not None:
+            rows.append([o.name, round(o.skew.offset_ms, 3), round(o.skew.error_ms, 3),
+                         o.skew.used, "yes" if answer.correct and o.skew.offset_ns else "no"])
+        else:
+            rows.append([o.name, None, None, 0, "no"])
+    out.write("clock skew (node clock minus this machine's):\n")
+    out.write(table(["node", "offset_ms", "error_ms", "samples", "corrected"], rows))

@@ -1,0 +1,333 @@
+"""The HTTP side of the fleet client: one aiohttp session, a cap on requests in flight,
+a deadline for the whole fan-out, retries for idempotent reads, and every way a node
+can fail turned into a :class:`Failure` with a reason and a fix.
+
+Failures are values, not exceptions, because a failed node is an expected outcome of a
+fan-out: the answer is still made of the nodes that did answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+import ssl
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from fleetd.fleet.targets import Target
+
+log = logging.getLogger("fleetd.fleet.client")
+
+# Backoff before each retry of an idempotent GET; a retry is only made when the
+# deadline leaves room for it, so retries never delay the answer past the timeout.
+RETRY_BACKOFF_S = (0.1, 0.3)
+RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
+MAX_BODY_BYTES = 256 * 1024 * 1024  # a node's answer beyond this is refused, not buffered
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Why one node gave no usable answer."""
+
+    kind: str  # refused | unreachable | tls | timeout | disconnected | http | bad_json
+    message: str
+    hint: str | None = None
+    status: int | None = None  # HTTP status, for kind == "http"
+    code: str | None = None  # the node's error code, for kind == "http"
+
+    @property
+    def retryable(self) -> bool:
+        # Refused and disconnected cover an agent that is restarting; TLS, 4xx and bad
+        # JSON will not change on a second try.
+        if self.kind in ("refused", "disconnected"):
+            return True
+        return self.kind == "http" and self.status in RETRYABLE_STATUS
+
+    def text(self) -> str:
+        out = f"{self.kind}: {self.message}"
+        return f"{out} (hint: {self.hint})" if self.hint else out
+
+
+class NodeFailed(Exception):
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.text())
+        self.failure = failure
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    ssl: ssl.SSLContext
+    token: str | None = None
+    timeout_s: float = 10.0  # the whole fan-out, for every node
+    connect_timeout_s: float = 3.0  # TCP connect plus the TLS handshake
+    concurrency: int = 64  # requests in flight at once, over all nodes
+    retries: int = len(RETRY_BACKOFF_S)
+    has_client_cert: bool = False  # for hints: is an mTLS rejection about a missing cert?
+
+
+class FleetClient:
+    """``async with FleetClient(opts) as c:`` then :meth:`get` / :meth:`post` per node."""
+
+    def __init__(self, opts: ClientOptions) -> None:
+        self.opts = opts
+        self._session: aiohttp.ClientSession | None = None
+        self._sem = asyncio.Semaphore(max(1, opts.concurrency))
+        self.deadline = 0.0  # loop time; set on entry
+
+    async def __aenter__(self) -> FleetClient:
+        headers = {"Accept": "application/json", "User-Agent": "fleetd-fleet-client"}
+        if self.opts.token:
+            headers["Authorization"] = f"Bearer {self.opts.token}"
+        # limit=0: the semaphore is the only cap, so a request never waits in aiohttp's
+        # pool, where the wait would be charged to its connect timeout.
+        connector = aiohttp.TCPConnector(ssl=self.opts.ssl, limit=0, enable_cleanup_closed=False)
+        self._session = aiohttp.ClientSession(connector=connector, headers=headers,
+                                              timeout=aiohttp.ClientTimeout(total=None))
+        self.restart_deadline()
+        return self
+
+    def restart_deadline(self) -> None:
+        """Give the next fan-out the whole timeout (a reused client makes several)."""
+        self.deadline = asyncio.get_running_loop().time() + self.opts.timeout_s
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def remaining(self) -> float:
+        return self.deadline - asyncio.get_running_loop().time()
+
+    async def get(self, target: Target, path: str, params: dict[str, str] | None = None
+                  ) -> dict[str, Any]:
+        return await self._request("GET", target, path, params=params, retry=True)
+
+    async def post(self, target: Target, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        # Never retried: a POST is not idempotent by contract, even when it only reads.
+        return await self._request("POST", target, path, body=orjson.dumps(body), retry=False)
+
+    async def get_raw(self, target: Target, path: str) -> tuple[int, int, bytes]:
+        """One GET without retries: (t0_ns, t3_ns, body), for clock samples."""
+        session = self._need_session()
+        async with self._sem:
+            timeout = self._timeout()
+            t0 = time.time_ns()
+            try:
+                async with session.get(target.url(path), timeout=timeout) as resp:
+                    body = await resp.read()
+                    t3 = time.time_ns()
+            except Exception as exc:
+                raise NodeFailed(classify(exc, target, self.opts)) from None
+        if resp.status != 200:
+            raise NodeFailed(http_failure(resp.status, body))
+        return t0, t3, body
+
+    def _need_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("FleetClient used outside 'async with'")
+        return self._session
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        left = max(0.001, self.remaining())
+        return aiohttp.ClientTimeout(total=left, connect=min(self.opts.connect_timeout_s, left))
+
+    async def _request(self, method: str, target: Target, path: str, *,
+                       params: dict[str, str] | None = None, body: bytes | None = None,
+                       retry: bool) -> dict[str, Any]:
+        attempt = 0
+        while True:
+            try:
+                return await self._once(method, target, path, params, body)
+            except NodeFailed as exc:
+                if not (retry and exc.failure.retryable and attempt < self.opts.retries):
+                    raise
+                backoff = RETRY_BACKOFF_S[min(attempt, len(RETRY_BACKOFF_S) - 1)]
+                # Only if a retry could still finish in time; else report what we have.
+                if self.remaining() < backoff + self.opts.connect_timeout_s / 10:
+                    raise
+                log.debug("retrying %s %s on %s after %s", method, path, target.name,
+                          exc.failure.text())
+                attempt += 1
+                await asyncio.sleep(backoff)
+
+    async def _once(self, method: str, target: Target, path: str,
+                    params: dict[str, str] | None, body: bytes | None) -> dict[str, Any]:
+        session = self._need_session()
+        headers = {"Content-Type": "application/json"} if body is not None else None
+        async with self._sem:
+            try:
+                async with session.request(method, target.url(path), params=params, data=body,
+                                           headers=headers, timeout=self._timeout()) as resp:
+                    raw = await _read_capped(resp)
+                    status = resp.status
+            except NodeFailed:
+                raise
+            except Exception as exc:
+                raise NodeFailed(classify(exc, target, self.opts)) from None
+        if status >= 400:
+            raise NodeFailed(http_failure(status, raw))
+        return parse_json(raw)
+
+
+async def _read_capped(resp: aiohttp.ClientResponse) -> bytes:
+    if resp.content_length is not None and resp.content_length > MAX_BODY_BYTES:
+        raise NodeFailed(Failure("bad_json", f"answer of {resp.content_length} bytes is "
+                                 f"over the client's {MAX_BODY_BYTES} byte limit",
+                                 "lower --limit or narrow the query"))
+    return await resp.read()
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        snippet = raw[:60].decode("utf-8", "replace")
+        raise NodeFailed(Failure("bad_json", f"answer is not JSON ({exc}): {snippet!r}",
+                                 "is this address a fleetd agent? check HOST:PORT")) from None
+    if not isinstance(obj, dict):
+        raise NodeFailed(Failure("bad_json", f"answer is a JSON {type(obj).__name__}, "
+                                 "not an object", "is this address a fleetd agent?"))
+    return obj
+
+
+def http_failure(status: int, raw: bytes) -> Failure:
+    """A 4xx/5xx: the agent's own error message when it sent one."""
+    try:
+        err = orjson.loads(raw).get("error") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        err = {}
+    if not isinstance(err, dict):
+        err = {}
+    code = str(err.get("code") or "")
+    message = str(err.get("message") or raw[:120].decode("utf-8", "replace").strip()
+                  or "no error message")
+    hint = err.get("hint")
+    if status == 401 and not hint:
+        hint = "pass the fleet's bearer token with --token-file"
+    return Failure("http", f"HTTP {status}{f' {code}' if code else ''}: {message}",
+                   str(hint) if hint else None, status=status, code=code or None)
+
+
+# ---- classifying transport failures ---------------------------------------------------
+
+def _rejected_cert_hint(opts: ClientOptions) -> str:
+    """A TLS 1.3 server checks the client certificate after the client considers the
+    handshake done, and refuses it by closing: the client sees EOF or a reset on its
+    first read, not a handshake error."""
+    if not opts.has_client_cert:
+        return ("the agent probably requires a client certificate (mTLS), and refuses a "
+                "connection without one by closing it: pass --client-cert and --client-key "
+                "(fleetd certs issue-client NAME)")
+    return ("the agent probably refused this client's certificate (a TLS 1.3 agent does so "
+            "by closing the connection): use one issued by the CA the agent trusts (its "
+            "--client-ca); otherwise see the agent's log")
+
+
+def classify(exc: BaseException, target: Target, opts: ClientOptions) -> Failure:
+    """Turn an aiohttp/asyncio/ssl exception into a Failure that says what to do."""
+    addr = target.address
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return Failure("timeout", f"no TCP/TLS connection to {addr} within "
+                       f"{opts.connect_timeout_s:g} s",
+                       "the host is down or unreachable, or its agent is hung (a stopped "
+                       "agent accepts TCP but never finishes the TLS handshake)")
+    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        return Failure("timeout", f"no answer from {addr} within the {opts.timeout_s:g} s "
+                       "timeout", "raise --timeout, or narrow the query/window")
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return _server_cert_failure(exc, target)
+    if isinstance(exc, aiohttp.ClientConnectorSSLError | aiohttp.ClientSSLError | ssl.SSLError):
+        return _tls_failure(exc, addr, opts)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return _connect_failure(exc, target, opts)
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError
+                  | ConnectionResetError | BrokenPipeError):
+        return _disconnected(exc, addr, opts)
+    if isinstance(exc, aiohttp.ClientOSError):
+        if exc.errno in (errno.ECONNRESET, errno.EPIPE) or "SSL" in str(exc):
+            return _disconnected(exc, addr, opts)
+        return Failure("unreachable", f"{addr}: {exc.strerror or exc}")
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return Failure("http", f"{addr}: bad HTTP answer: {exc.message}",
+                       "is this address a fleetd agent?", status=exc.status)
+    if isinstance(exc, aiohttp.ClientError):
+        return Failure("http", f"{addr}: {type(exc).__name__}: {exc}")
+    if isinstance(exc, NodeFailed):
+        return exc.failure
+    raise exc  # a bug here, not a node failure: keep its traceback
+
+
+def _server_cert_failure(exc: aiohttp.ClientConnectorCertificateError, target: Target
+                         ) -> Failure:
+    err = exc.certificate_error
+    reason = str(getattr(err, "verify_message", None) or getattr(err, "reason", None) or err)
+    if "mismatch" in reason.lower():
+        hint = (f"the agent's certificate does not name {target.host}: reissue it with "
+                f"fleetd certs issue-node NAME --san {target.host} --force, or use the "
+                "name/address it was issued for")
+    else:
+        hint = ("the agent's certificate is not from the CA in --ca-cert: pass the fleet's "
+                "ca.pem, or reissue the agent's certificate with fleetd certs issue-node")
+    return Failure("tls", f"{target.address}'s certificate was not accepted: {reason}", hint)
+
+
+def _tls_failure(exc: BaseException, addr: str, opts: ClientOptions) -> Failure:
+    text = str(exc)
+    upper = text.upper()
+    if "CERTIFICATE_REQUIRED" in upper:
+        return Failure("tls", f"{addr} requires a client certificate (mTLS)",
+                       "pass --client-cert and --client-key (fleetd certs issue-client NAME)")
+    if "UNKNOWN_CA" in upper or "BAD_CERTIFICATE" in upper or "CERTIFICATE_UNKNOWN" in upper:
+        return Failure("tls", f"{addr} refused this client's certificate ({_short(text)})",
+                       "use a client certificate issued by the CA the agent trusts "
+                       "(its --client-ca)")
+    if "WRONG_VERSION_NUMBER" in upper or "PACKET_LENGTH_TOO_LONG" in upper:
+        return Failure("tls", f"{addr} does not speak TLS ({_short(text)})",
+                       "is it a plain-HTTP agent or another service? agents serve TLS 1.3")
+    if "PROTOCOL_VERSION" in upper or "UNSUPPORTED_PROTOCOL" in upper:
+        return Failure("tls", f"{addr} does not accept TLS 1.3 ({_short(text)})",
+                       "fleetd speaks TLS 1.3 only; is this a fleetd agent?")
+    if "EOF" in upper or "RESET" in upper:
+        return Failure("tls", f"{addr} closed the connection during the TLS handshake",
+                       _rejected_cert_hint(opts))
+    return Failure("tls", f"TLS with {addr} failed: {_short(text)}",
+                   "check --ca-cert, --client-cert and --client-key against the agent's")
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _connect_failure(exc: aiohttp.ClientConnectorError, target: Target,
+                     opts: ClientOptions) -> Failure:
+    addr = target.address
+    os_err = exc.os_error
+    code = getattr(os_err, "errno", None)
+    if isinstance(os_err, socket.gaierror):
+        return Failure("unreachable", f"cannot resolve {target.host!r}: {os_err.strerror}",
+                       "check the host name, or use its address")
+    if code == errno.ECONNREFUSED or isinstance(os_err, ConnectionRefusedError):
+        return Failure("refused", f"connection to {addr} refused",
+                       "is the agent running and listening on that address and port?")
+    if code in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ETIMEDOUT, errno.EADDRNOTAVAIL):
+        return Failure("unreachable", f"{addr} is unreachable ({os.strerror(code or 0)})",
+                       "check the address and the network path to the node")
+    if "SSL" in str(exc) or isinstance(os_err, ssl.SSLError):
+        return _tls_failure(exc, addr, opts)
+    if code in (errno.ECONNRESET, errno.EPIPE):
+        return _disconnected(exc, addr, opts)
+    return Failure("unreachable", f"cannot connect to {addr}: {os_err}")
+
+
+def _disconnected(exc: BaseException, addr: str, opts: ClientOptions) -> Failure:
+    text = str(exc)
+    if "ALERT" in text.upper():
+        return _tls_failure(exc, addr, opts)
+    return Failure("disconnected", f"{addr} closed the connection without an answer",
+                   _rejected_cert_hint(opts))

@@ -1,0 +1,264 @@
+"""Ask every node at once and collect an answer made of the nodes that answered.
+
+Per node, one task: clock samples (``/api/v1/time``) run beside the node's requests, so
+skew estimation adds no latency; only a request that must be expressed in the node's
+own clock (an absolute time window) waits for the offset first. Every task lives under
+the client's deadline, so a node that hangs (SIGSTOP, a dead link) costs at most the
+timeout and becomes a warning, never a delay of the whole answer beyond it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetd.fleet import skew as skewmod
+from fleetd.fleet.client import ClientOptions, Failure, FleetClient, NodeFailed
+from fleetd.fleet.merge import NodeWarning
+from fleetd.fleet.skew import Skew
+from fleetd.fleet.targets import Target
+
+log = logging.getLogger("fleetd.fleet.fanout")
+
+EXIT_COMPLETE = 0
+EXIT_PARTIAL = 3  # some nodes answered, the others are listed in the warnings
+EXIT_NO_ANSWER = 4  # no node answered
+
+
+@dataclass(frozen=True, slots=True)
+class FleetOptions:
+    targets: tuple[Target, ...]
+    client: ClientOptions
+    skew_samples: int = skewmod.SAMPLES  # 0: do not estimate skew
+    correct: bool = True  # shift node timestamps into our clock
+    skew_threshold_ms: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    method: str  # GET | POST
+    path: str
+    params: dict[str, str] | None = None
+    body: dict[str, Any] | None = None
+    expect: tuple[str, ...] = ()  # keys the answer must have
+
+
+# offset (node clock minus ours, ns; 0 when unknown or not corrected) -> the requests
+Plan = Callable[[int], Sequence[Request]]
+
+
+@dataclass(slots=True)
+class NodeOutcome:
+    target: Target
+    name: str
+    replies: list[dict[str, Any]] | None = None
+    failure: Failure | None = None
+    skew: Skew | None = None
+    skew_failure: Failure | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.replies is not None
+
+    @property
+    def correction_ns(self) -> int:
+        return self.skew.correction_ns if self.skew is not None else 0
+
+
+@dataclass(slots=True)
+class FleetAnswer:
+    outcomes: list[NodeOutcome]
+    warnings: list[NodeWarning] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    correct: bool = True
+
+    @property
+    def answered(self) -> list[NodeOutcome]:
+        return [o for o in self.outcomes if o.ok]
+
+    @property
+    def failed(self) -> list[NodeOutcome]:
+        return [o for o in self.outcomes if not o.ok]
+
+    @property
+    def status(self) -> str:
+        n = len(self.answered)
+        return "complete" if n == len(self.outcomes) else "partial" if n else "none"
+
+    @property
+    def exit_code(self) -> int:
+        return {"complete": EXIT_COMPLETE, "partial": EXIT_PARTIAL}.get(self.status,
+                                                                        EXIT_NO_ANSWER)
+
+    def skew_json(self) -> dict[str, dict[str, float]]:
+        return {o.name: o.skew.to_json() for o in self.outcomes if o.skew is not None}
+
+    def offset_ns(self, o: NodeOutcome) -> int:
+        """What to subtract from this node's timestamps (0 with --no-skew-correct)."""
+        return o.correction_ns if self.correct else 0
+
+
+def run(coro: Any) -> Any:
+    """Run a fan-out to completion on uvloop (as the agent does), or asyncio without it."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(_quietly(coro))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(_quietly(coro))
+
+
+async def _quietly(coro: Any) -> Any:
+    asyncio.get_running_loop().set_exception_handler(_tls_noise)
+    return await coro
+
+
+def _tls_noise(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """uvloop leaves a failed handshake's future unretrieved, and asyncio would print
+    its traceback; the failure itself is already a node warning."""
+    exc = context.get("exception")
+    if isinstance(exc, ssl.SSLError | ConnectionError):
+        log.debug("%s: %r", context.get("message"), exc)
+        return
+    loop.default_exception_handler(context)
+
+
+async def fan_out(opts: FleetOptions, plan: Plan, *, needs_offset: bool = False,
+                  client: FleetClient | None = None) -> FleetAnswer:
+    """Run ``plan`` on every node; ``needs_offset``: the plan uses the node's offset.
+
+    Without ``client`` a new session is made and closed (what one CLI command does);
+    a long-running caller passes its own open client to keep connections warm.
+    """
+    if client is None:
+        async with FleetClient(opts.client) as own:
+            return await fan_out(opts, plan, needs_offset=needs_offset, client=own)
+    started = time.perf_counter()
+    client.restart_deadline()
+    outcomes = await asyncio.gather(
+        *(_node(client, opts, t, plan, needs_offset and opts.correct) for t in opts.targets))
+    answer = FleetAnswer(list(outcomes), correct=opts.correct)
+    _name_nodes(answer)
+    answer.warnings = _warnings(answer, opts)
+    answer.elapsed_s = time.perf_counter() - started
+    log.info("fan-out to %d node(s): %d answered in %.3f s", len(outcomes),
+             len(answer.answered), answer.elapsed_s)
+    return answer
+
+
+async def _node(client: FleetClient, opts: FleetOptions, t: Target, plan: Plan,
+                offset_first: bool) -> NodeOutcome:
+    out = NodeOutcome(t, t.name)
+    sampler = (asyncio.create_task(skewmod.sample(client, t, opts.skew_samples))
+               if opts.skew_samples else None)
+    try:
+        async with asyncio.timeout_at(client.deadline):
+            offset = 0
+            if offset_first and sampler is not None:
+                _take_samples(out, await sampler)
+                offset = out.correction_ns
+            out.replies = await _send_all(client, t, plan(offset))
+    except NodeFailed as exc:
+        out.failure = exc.failure
+    except TimeoutError:
+        out.failure = Failure(
+            "timeout", f"no answer from {t.address} within the {client.opts.timeout_s:g} s "
+            "timeout", "is the agent hung or overloaded? raise --timeout if it is just slow")
+    if sampler is None or out.failure is not None or offset_first:
+        if sampler is not None and not sampler.done():
+            sampler.cancel()
+        return out
+    try:
+        # The node answered; its samples are normally done by now.
+        async with asyncio.timeout_at(client.deadline):
+            _take_samples(out, await sampler)
+    except TimeoutError:
+        out.skew_failure = Failure("timeout", "clock samples did not finish in time")
+    return out
+
+
+def _take_samples(out: NodeOutcome,
+                  got: tuple[list[skewmod.Sample], str | None, Failure | None]) -> None:
+    samples, name, failure = got
+    out.skew = skewmod.estimate(samples)
+    if name:
+        out.name = name
+    if out.skew is None:
+        out.skew_failure = failure or Failure("skew", "no clock sample")
+
+
+async def _send_all(client: FleetClient, t: Target, requests: Sequence[Request]
+                    ) -> list[dict[str, Any]]:
+    if len(requests) == 1:
+        return [await _send(client, t, requests[0])]
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(_send(client, t, r)) for r in requests]
+    except BaseExceptionGroup as group:
+        failed = group.subgroup(NodeFailed)
+        if failed is not None:
+            first = failed.exceptions[0]
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None
+        raise
+    return [task.result() for task in tasks]
+
+
+async def _send(client: FleetClient, t: Target, r: Request) -> dict[str, Any]:
+    if r.method == "POST":
+        reply = await client.post(t, r.path, r.body or {})
+    else:
+        reply = await client.get(t, r.path, r.params)
+    missing = [k for k in r.expect if k not in reply]
+    if missing:
+        raise NodeFailed(Failure("bad_json", f"{t.address}{r.path} answered without "
+                                 f"{', '.join(missing)}",
+                                 "is the agent a different fleetd version? compare "
+                                 "/api/v1/health versions"))
+    return reply
+
+
+def _name_nodes(answer: FleetAnswer) -> None:
+    """Rows carry the name a node calls itself; two nodes with one name get @address."""
+    for o in answer.outcomes:
+        for reply in o.replies or ():
+            node = reply.get("node")
+            if isinstance(node, str) and node:
+                o.name = node
+                break
+    counts = Counter(o.name for o in answer.outcomes)
+    for o in answer.outcomes:
+        if counts[o.name] > 1:
+            o.name = f"{o.name}@{o.target.address}"
+
+
+def _warnings(answer: FleetAnswer, opts: FleetOptions) -> list[NodeWarning]:
+    out = []
+    for o in answer.outcomes:
+        if o.failure is not None:
+            out.append(NodeWarning(o.name, o.failure.text(), o.failure.kind))
+            continue
+        if "@" in o.name:
+            out.append(NodeWarning(o.name, "another node answers to the same name; this "
+                                   "one is told apart by its address", "name"))
+        explicit = o.target.name != o.target.address
+        if explicit and o.name.split("@")[0] != o.target.name:
+            out.append(NodeWarning(o.name, f"listed as {o.target.name!r} but calls itself "
+                                   f"{o.name!r}; rows carry {o.name!r}", "name"))
+        if o.skew is None:
+            why = o.skew_failure.text() if o.skew_failure else "no sample"
+            out.append(NodeWarning(o.name, f"clock offset unknown ({why}); its timestamps "
+                                   "are not corrected", "skew"))
+        elif abs(o.skew.offset_ms) > opts.skew_threshold_ms:
+            done = ("timestamps corrected" if opts.correct
+                    else "timestamps NOT corrected (--no-skew-correct)")
+            out.append(NodeWarning(o.name, f"{o.skew.describe()}, above the "
+                                   f"{opts.skew_threshold_ms:g} ms threshold; {done}", "skew"))
+    return out

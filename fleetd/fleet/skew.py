@@ -1,0 +1,160 @@
+"""Clock skew: how far each node's wall clock is from ours, and correcting for it.
+
+Each sample is one ``GET /api/v1/time``, NTP-style: t0 (we send, our clock), t1 (the
+node received it, its clock), t2 (the node answered, its clock), t3 (we received the
+answer, our clock). Then::
+
+    offset = ((t1 - t0) + (t2 - t3)) / 2      # node clock minus our clock
+    rtt    = (t3 - t0) - (t2 - t1)            # time on the wire and in both stacks
+
+The true offset lies within ``rtt / 2`` of a sample's estimate whatever the path's
+asymmetry, so samples with the lowest RTT are the trustworthy ones: we keep those (at
+most :data:`KEEP`, and only those within :data:`KEEP_RTT_FACTOR` of the best RTT), take
+the median of their offsets (so one sample whose two legs were unevenly delayed cannot
+decide alone) and report the best sample's ``rtt / 2`` as the error bound.
+
+Correction: a node's timestamps are in its clock; ``ts - offset`` is the same instant in
+ours. Every integer field whose name ends in ``ts_ns`` (query columns, chain and
+evidence fields) is corrected that way; see docs/fleet.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from fleetd.fleet.client import Failure, FleetClient, NodeFailed
+from fleetd.fleet.targets import Target
+from fleetd.store.timeparse import format_ns
+
+log = logging.getLogger("fleetd.fleet.skew")
+
+SAMPLES = 5  # per node; the first also pays for the TCP and TLS handshakes
+KEEP = 3
+KEEP_RTT_FACTOR = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    t0: int
+    t1: int
+    t2: int
+    t3: int
+
+    @property
+    def rtt_ns(self) -> int:
+        return (self.t3 - self.t0) - (self.t2 - self.t1)
+
+    @property
+    def offset_ns(self) -> float:
+        return ((self.t1 - self.t0) + (self.t2 - self.t3)) / 2
+
+
+@dataclass(frozen=True, slots=True)
+class Skew:
+    offset_ns: float  # node clock minus ours
+    error_ns: float  # half the best sample's round trip
+    samples: int  # taken
+    used: int  # kept for the median
+
+    @property
+    def offset_ms(self) -> float:
+        return self.offset_ns / 1e6
+
+    @property
+    def error_ms(self) -> float:
+        return self.error_ns / 1e6
+
+    @property
+    def correction_ns(self) -> int:
+        return round(self.offset_ns)
+
+    def to_json(self) -> dict[str, float]:
+        return {"offset_ms": round(self.offset_ms, 3), "error_ms": round(self.error_ms, 3)}
+
+    def describe(self) -> str:
+        ahead = "ahead of" if self.offset_ns >= 0 else "behind"
+        return (f"clock {abs(self.offset_ms):.3f} ms {ahead} this machine "
+                f"(+/- {self.error_ms:.3f} ms, {self.used} of {self.samples} samples)")
+
+
+def estimate(samples: Sequence[Sample]) -> Skew | None:
+    """The offset from the lowest-RTT samples; None without a usable sample."""
+    usable = sorted((s for s in samples if s.rtt_ns >= 0), key=lambda s: s.rtt_ns)
+    if not usable:
+        return None
+    best = usable[0]
+    limit = max(best.rtt_ns * KEEP_RTT_FACTOR, best.rtt_ns + 1)
+    kept = [s for s in usable[:KEEP] if s.rtt_ns <= limit]
+    offset = statistics.median(s.offset_ns for s in kept)
+    return Skew(offset_ns=offset, error_ns=best.rtt_ns / 2, samples=len(samples),
+                used=len(kept))
+
+
+async def sample(client: FleetClient, target: Target, n: int = SAMPLES
+                 ) -> tuple[list[Sample], str | None, Failure | None]:
+    """Up to n samples, one after another on one connection: (samples, node name, failure).
+
+    A failed sample ends the series (the node is probably down, and the query to it
+    reports why); the samples taken so far still count.
+    """
+    samples: list[Sample] = []
+    name: str | None = None
+    for _ in range(n):
+        try:
+            t0, t3, body = await client.get_raw(target, "/api/v1/time")
+            obj = orjson.loads(body)
+            samples.append(Sample(t0, int(obj["t1_ns"]), int(obj["t2_ns"]), t3))
+            name = str(obj.get("node") or "") or name
+        except NodeFailed as exc:
+            return samples, name, exc.failure
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            return samples, name, Failure("bad_json", f"bad /api/v1/time answer: {exc}")
+    return samples, name, None
+
+
+# ---- correction -----------------------------------------------------------------------
+
+
+def is_ts_column(name: str) -> bool:
+    return name.endswith("ts_ns")
+
+
+def correct_rows(columns: Sequence[str], rows: list[list[Any]], offset_ns: int) -> None:
+    """Shift every ``*ts_ns`` integer cell into our clock, in place."""
+    idx = [i for i, c in enumerate(columns) if is_ts_column(c)]
+    if not idx or not offset_ns:
+        return
+    for row in rows:
+        for i in idx:
+            v = row[i]
+            if isinstance(v, int) and not isinstance(v, bool):
+                row[i] = v - offset_ns
+
+
+def correct_obj(obj: Any, offset_ns: int) -> Any:
+    """The same rule for nested JSON (chains, evidence): ``*ts_ns`` keys, in place.
+
+    A ``time`` string beside a corrected ``ts_ns`` is rewritten from the new value so
+    the two never disagree.
+    """
+    if not offset_ns:
+        return obj
+    if isinstance(obj, list):
+        for item in obj:
+            correct_obj(item, offset_ns)
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            if is_ts_column(str(key)) and isinstance(value, int) and not isinstance(value, bool):
+                obj[key] = value - offset_ns
+            elif isinstance(value, list | dict):
+                correct_obj(value, offset_ns)
+        ts = obj.get("ts_ns")
+        if isinstance(obj.get("time"), str) and isinstance(ts, int) and ts > 0:
+            obj["time"] = format_ns(ts)
+    return obj

@@ -1,0 +1,208 @@
+"""Straggler ranking: which node's comparable work is slower than its peers', and why.
+
+Input: one ``profile`` per node (``fleetd.analyze.explain.profile``: features of the
+node's main CUDA process over the same window). Each metric is turned into a *speed*
+where higher is better:
+
+* rates (CUDA calls per second): the rate itself;
+* shares of the GPU-feeding threads' wall time lost to the run queue or to D state:
+  ``1 - share``, the part of the time the thread could work;
+* latencies (p50/p99 of launch and sync calls): ``1 / (latency + 1 us)``; the
+  microsecond keeps two fast calls from looking twice as different as they are.
+
+For each metric, a node gets
+
+* a relative score ``speed / best speed in the fleet`` (1.0 = the best node; the
+  "best median over node median" of nvidia-resiliency-ext's straggler score), and
+* a robust z-score ``(fleet median speed - speed) / (1.4826 * MAD)``: how many
+  (robust) standard deviations slower than the typical node it is. The denominator is
+  at least 1% of the median speed, so that a fleet of near-identical nodes does not
+  turn a 0.1% difference into a huge z (and MAD == 0 into a division by zero).
+
+A metric flags the node when both hold: z >= :data:`Z_THRESHOLD` (an outlier, not the
+fleet's normal spread) and the score is below the metric's own threshold (slow enough
+to matter: 0.8 for rates and shares, lower for latency percentiles, which come from
+log2 histograms and jump by 2x between buckets). With fewer than three nodes a median
+absolute deviation means nothing, so only the score threshold applies.
+
+The node's ``metric`` is its flagged metric with the highest z (for an unflagged node:
+its worst-scoring rate or share metric) and ``score`` is its relative score on it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Z_THRESHOLD = 3.5  # Iglewicz and Hoaglin's cut-off for the modified z-score
+MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its sigma
+# Differences below this share of the median are noise, however alike the other nodes
+# are: it keeps sigma above 0 when most nodes match exactly (MAD == 0).
+SIGMA_FLOOR = 0.01
+LATENCY_FLOOR_NS = 1_000
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    name: str
+    kind: str  # rate | share | latency
+    max_score: float  # flag only below this relative score
+    primary: bool = False  # describes an unflagged node
+
+    def speed(self, value: float) -> float:
+        if self.kind == "rate":
+            return value
+        if self.kind == "share":
+            return 1.0 - value
+        return 1.0 / (value + LATENCY_FLOOR_NS)
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("cuda_calls_per_s", "rate", 0.8, primary=True),
+    Metric("runq_share", "share", 0.8, primary=True),
+    Metric("d_state_share", "share", 0.8, primary=True),
+    Metric("launch_p50_ns", "latency", 0.5),
+    Metric("sync_p50_ns", "latency", 0.5),
+    Metric("launch_p99_ns", "latency", 0.25),
+    Metric("sync_p99_ns", "latency", 0.25),
+)
+
+
+@dataclass(slots=True)
+class Score:
+    metric: Metric
+    value: float
+    median: float  # the fleet's median value of the metric
+    best: float  # the best node's value
+    score: float  # speed / best speed
+    z: float | None  # None with fewer than three nodes
+
+    @property
+    def flagged(self) -> bool:
+        if self.score >= self.metric.max_score:
+            return False
+        return self.z is None or self.z >= Z_THRESHOLD
+
+
+def rank(profiles: Mapping[str, Mapping[str, Any]], unreachable: Mapping[str, str],
+         chains: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+    """One ``{node, score, flagged, metric, reason, ...}`` per node, stragglers first.
+
+    ``profiles``: node -> profile of the nodes that answered; ``unreachable``: node ->
+    why it did not (listed last, never as healthy); ``chains``: every node's chains,
+    most severe first, so that a straggler's reason can name its worst one.
+    """
+    features = {n: p.get("features") or {} for n, p in profiles.items()}
+    comparable = {n: f for n, f in features.items() if f}
+    scores = _score_all(comparable)
+    out = []
+    for node in profiles:
+        if node not in comparable:
+            out.append(_entry(node, None, None, None,
+                              "no traced CUDA work in the window to compare"))
+            continue
+        out.append(_judge(node, scores.get(node, []), chains))
+    for node, why in unreachable.items():
+        out.append(_entry(node, None, None, None, f"unreachable: {why}"))
+    return sorted(out, key=_order)
+
+
+def _order(e: dict[str, Any]) -> tuple[int, float, str]:
+    if e["flagged"] is None:
+        return (2, 0.0, e["node"])
+    return (0 if e["flagged"] else 1, e["score"] if e["score"] is not None else 1.0, e["node"])
+
+
+def _entry(node: str, score: float | None, flagged: bool | None, metric: str | None,
+           reason: str, **extra: Any) -> dict[str, Any]:
+    return {"node": node, "score": score, "flagged": flagged, "metric": metric,
+            "reason": reason, **extra}
+
+
+def _score_all(features: Mapping[str, Mapping[str, Any]]) -> dict[str, list[Score]]:
+    out: dict[str, list[Score]] = {n: [] for n in features}
+    for m in METRICS:
+        values = {n: float(f[m.name]) for n, f in features.items()
+                  if isinstance(f.get(m.name), int | float) and not isinstance(f[m.name], bool)}
+        if len(values) < 2:
+            continue  # nothing to compare with
+        for node, s in score_metric(m, values).items():
+            out[node].append(s)
+    return out
+
+
+def score_metric(m: Metric, values: Mapping[str, float]) -> dict[str, Score]:
+    """Relative score and robust z of every node on one metric."""
+    speeds = {n: m.speed(v) for n, v in values.items()}
+    best_node = max(speeds, key=lambda n: speeds[n])
+    best = speeds[best_node]
+    med = statistics.median(speeds.values())
+    sigma = _robust_sigma(list(speeds.values()), med)
+    value_median = statistics.median(values.values())
+    out = {}
+    for n, s in speeds.items():
+        score = s / best if best > 0 else (1.0 if s >= best else 0.0)
+        z: float | None = None
+        if len(speeds) >= 3:
+            # sigma is 0 only when the median speed is 0: nothing ran anywhere.
+            z = (med - s) / sigma if sigma > 0 else 0.0
+        out[n] = Score(m, values[n], value_median, values[best_node], max(0.0, score), z)
+    return out
+
+
+def _robust_sigma(xs: list[float], med: float) -> float:
+    mad = statistics.median(abs(x - med) for x in xs)
+    return max(MAD_TO_SIGMA * mad, SIGMA_FLOOR * abs(med))
+
+
+def _judge(node: str, scores: list[Score], chains: Sequence[Mapping[str, Any]]
+           ) -> dict[str, Any]:
+    details = {s.metric.name: {"value": s.value, "score": round(s.score, 4),
+                               "z": _round(s.z), "fleet_median": s.median, "best": s.best}
+               for s in scores}
+    flagged = [s for s in scores if s.flagged]
+    if flagged:
+        worst = max(flagged, key=lambda s: (s.z if s.z is not None else math.inf, -s.score))
+        reason = _why(worst) + _top_chain(node, chains)
+        return _entry(node, round(worst.score, 4), True, worst.metric.name, reason,
+                      z=_round(worst.z), metrics=details)
+    primary = [s for s in scores if s.metric.primary] or scores
+    if not primary:
+        return _entry(node, None, None, None, "no metric shared with another node",
+                      metrics=details)
+    worst = min(primary, key=lambda s: s.score)
+    return _entry(node, round(worst.score, 4), False, worst.metric.name,
+                  "within the fleet's spread", z=_round(worst.z), metrics=details)
+
+
+def _round(z: float | None) -> float | None:
+    return None if z is None else round(z, 2)
+
+
+def _why(s: Score) -> str:
+    z = "" if s.z is None else f", robust z {s.z:.1f}"
+    return (f"{s.metric.name} {_fmt(s.metric, s.value)} vs fleet median "
+            f"{_fmt(s.metric, s.median)} and best {_fmt(s.metric, s.best)}: "
+            f"{1 - s.score:.0%} slower than the best node{z}")
+
+
+def _fmt(m: Metric, v: float) -> str:
+    if m.kind == "share":
+        return f"{v:.1%}"
+    if m.kind == "latency":
+        return f"{v / 1e3:.1f} us" if v < 1e6 else f"{v / 1e6:.2f} ms"
+    return f"{v:.1f}/s"
+
+
+def _top_chain(node: str, chains: Sequence[Mapping[str, Any]]) -> str:
+    mine = [c for c in chains if c.get("node") == node]
+    if not mine:
+        return ""
+    c = mine[0]
+    culprit = c.get("culprit") or {}
+    who = (f", culprit {culprit.get('comm')} pid {culprit.get('pid')}"
+           if culprit.get("comm") else "")
+    return f"; top chain: {c.get('root_cause')} ({c.get('severity')}){who}"

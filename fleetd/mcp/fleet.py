@@ -1,0 +1,185 @@
+"""The MCP tools over a live fleet, through the fleet client's public operations.
+
+Every answer starts with how the fan-out went: ``status`` (complete, partial, none),
+how many nodes answered, one line per node warning (unreachable, timed out, refused,
+renamed, clock skew above the threshold) and one skew line per node. An assistant reads
+those first, so a missing node is never mistaken for a healthy one.
+
+The fleet operations are synchronous (each runs its own event loop), which suits the
+worker threads the MCP SDK runs synchronous tools on.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetd.analyze.opstats import COLUMNS
+from fleetd.errors import FleetdError, UsageError
+from fleetd.fleet import queries
+from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request, fan_out, run
+from fleetd.fleet.queries import QuerySpec, WindowArgs
+from fleetd.mcp.local import (
+    WindowSpec,
+    compact_chain,
+    compact_straggler,
+    default_export_dir,
+    shown,
+)
+from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
+
+log = logging.getLogger("fleetd.mcp.fleet")
+
+ACTIONS = ("chains", "sql", "ops", "overview", "stragglers")
+STRAGGLER_CHAINS = 3  # chains shown as the "why" of each flagged node
+HEALTH_KEYS = ("status", "version", "schema_version", "tracing", "uptime_s", "trace")
+
+
+@dataclass(slots=True)
+class FleetBackend:
+    opts: FleetOptions
+    # Where export_timeline will write once the exporter can read live nodes.
+    export_dir: Path = field(default_factory=default_export_dir)
+
+    def health(self) -> dict[str, Any]:
+        """Every node's /health: reachable, version, tracing, probes and libraries."""
+        answer: FleetAnswer = run(fan_out(
+            self.opts, lambda _off: [Request("GET", "/api/v1/health", expect=("status",))]))
+        found = []
+        for o in answer.outcomes:
+            item: dict[str, Any] = {"node": o.name, "address": o.target.address}
+            if o.replies:
+                item.update({k: o.replies[0].get(k) for k in HEALTH_KEYS if k in o.replies[0]})
+            else:
+                item["status"] = "unreachable"
+                item["error"] = o.failure.text() if o.failure else "no answer"
+            found.append(item)
+        return {**header(answer), "nodes": found}
+
+    def query(self, action: str, win: WindowSpec, pid: int | None, sql: str | None,
+              params: list[Any], max_rows: int, per_process: bool, top_n: int,
+              evidence_n: int) -> dict[str, Any]:
+        window = WindowArgs(win.since or None, win.start or None, win.end or None)
+        if action == "sql":
+            if win.since or win.start or win.end or pid is not None:
+                raise UsageError("since/start/end/pid do not apply to action 'sql'",
+                                 "put the condition in the SQL: WHERE ts_ns >= ? AND pid = ?")
+            return self._sql(sql, params, max_rows)
+        if sql:
+            raise UsageError(f"sql is only for action 'sql', not {action!r}",
+                             "drop sql, or use action 'sql'")
+        if action == "ops":
+            return self._ops(window, pid, per_process, top_n)
+        if action == "overview":
+            return self._overview(window)
+        if action in ("chains", "stragglers"):
+            return self._explain(action, window, pid, top_n, evidence_n)
+        raise UsageError(f"unknown action {action!r}", f"use one of: {', '.join(ACTIONS)}")
+
+    def export(self) -> dict[str, Any]:
+        raise UsageError(
+            "exporting a timeline from live nodes is not available in this build",
+            "copy the node databases, merge them (fleetd merge a.db b.db -o cluster.db), "
+            "start fleetd mcp --db cluster.db and call export_timeline there")
+
+    # ---- actions ----------------------------------------------------------------------
+
+    def _sql(self, sql: str | None, params: list[Any], max_rows: int) -> dict[str, Any]:
+        if not sql:
+            raise UsageError("action 'sql' needs sql", "pass one SELECT statement in sql")
+        # Each node stops the SQL a little before our deadline, so a slow query comes back
+        # as that node's own timeout error rather than a hung-up connection.
+        node_limit = max(0.05, self.opts.client.timeout_s * 0.9)
+        result = queries.query(self.opts, QuerySpec(sql, list(params), frozenset(), max_rows,
+                                                    node_limit))
+        truncated = bool(result.obj.get("truncated"))
+        return {**header(result.answer), "columns": result.columns,
+                "rows": mark_rows(result.rows), "row_count": len(result.rows),
+                "truncated": truncated,
+                "truncated_reason": [f"rows: a node stopped at max_rows={max_rows} or its "
+                                     "byte limit; add LIMIT/WHERE or aggregate"]
+                if truncated else []}
+
+    def _ops(self, window: WindowArgs, pid: int | None, per_process: bool, top_n: int
+             ) -> dict[str, Any]:
+        cols = [c for c in COLUMNS if per_process or c not in ("pid", "comm")]
+        result = queries.ops(self.opts, window, pid, per_process, cols)
+        rows = _mark_column(result.columns, result.rows, "comm")
+        # Rows come node by node; the busiest ops of every node first reads better.
+        total_i = result.columns.index("total_ns")
+        rows.sort(key=lambda r: -int(r[total_i] or 0))
+        return {**header(result.answer), "columns": result.columns, "rows": rows[:top_n],
+                **shown("rows", len(rows), top_n)}
+
+    def _overview(self, window: WindowArgs) -> dict[str, Any]:
+        result = queries.overview(self.opts, window)
+        names = self._names()
+        keep = ("node", "events", "by_source", "lost_events", "chains", "verdict", "window",
+                "warnings")
+        found = []
+        for n in result.obj["nodes"]:
+            item = {k: n.get(k) for k in keep}
+            item["sessions"] = len(n.get("sessions") or [])
+            item["top_ops"] = [{k: r.get(k) for k in ("op", "count", "total_ns", "p50_ns",
+                                                      "p99_ns")}
+                               for r in (n.get("top_ops") or [])[:5]]
+            found.append(item)
+        return {NAMES_KEY: names, **header(result.answer), "nodes": found}
+
+    def _names(self) -> list[str]:
+        """Every node's process and thread names: the verdicts quote them (best effort:
+        a node that does not answer here just gets its names cleaned, not quoted)."""
+        sql = ("SELECT comm FROM processes WHERE comm IS NOT NULL UNION "
+               "SELECT comm FROM threads WHERE comm IS NOT NULL")
+        try:
+            got = queries.query(self.opts, QuerySpec(sql, [], frozenset(), 5000))
+        except FleetdError as exc:
+            log.info("process names not fetched: %s", exc)
+            return []
+        i = got.columns.index("comm") if "comm" in got.columns else -1
+        return [str(r[i]) for r in got.rows if i >= 0 and r[i] is not None]
+
+    def _explain(self, action: str, window: WindowArgs, pid: int | None, top_n: int,
+                 evidence_n: int) -> dict[str, Any]:
+        result = queries.explain(self.opts, window, pid)
+        obj = result.obj
+        chains = obj.get("chains") or []
+        if action == "chains":
+            return {**header(result.answer), "verdicts": obj.get("verdicts") or {},
+                    "chains": [compact_chain(c, evidence_n) for c in chains[:top_n]],
+                    **shown("chains", len(chains), top_n)}
+        ranked = obj.get("stragglers") or []
+        why = {s["node"]: [compact_chain(c, evidence_n) for c in chains
+                           if c.get("node") == s["node"]][:STRAGGLER_CHAINS]
+               for s in ranked if s.get("flagged")}
+        return {**header(result.answer), "stragglers": [compact_straggler(s) for s in ranked],
+                "flagged": [s["node"] for s in ranked if s.get("flagged")],
+                "why": why, "verdicts": obj.get("verdicts") or {}}
+
+
+def header(answer: FleetAnswer) -> dict[str, Any]:
+    """How the fan-out went, first in every fleet answer."""
+    skew = []
+    for o in answer.outcomes:
+        if o.skew is not None:
+            fixed = " (timestamps corrected)" if answer.correct and o.skew.offset_ns else ""
+            skew.append(f"{o.name}: {o.skew.describe()}{fixed}")
+        elif o.ok:
+            skew.append(f"{o.name}: clock offset unknown; timestamps not corrected")
+    return {
+        "status": answer.status,
+        "answered": f"{len(answer.answered)} of {len(answer.outcomes)} node(s)",
+        "warnings": [f"node {w.node}: {w.error}" for w in answer.warnings],
+        "skew": skew,
+    }
+
+
+def _mark_column(columns: list[str], rows: list[list[Any]], name: str) -> list[list[Any]]:
+    if name not in columns:
+        return [list(r) for r in rows]
+    i = columns.index(name)
+    return [[untrusted(v) if j == i and v is not None else v for j, v in enumerate(r)]
+            for r in rows]
+
