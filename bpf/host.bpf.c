@@ -72,7 +72,16 @@ static __always_inline void fl_forget_thread(u32 tid)
 #define FL_FORGET_THREAD(tid) fl_forget_thread(tid)
 
 #if FL_SCHED
-static __always_inline void fl_switch_in(u32 tid, u64 now)
+/* The task that gave the CPU back to a waiting thread (prev at its switch-in) held it
+ * at the end of the wait: the culprit of run-queue time. Its tid goes in a1 and its
+ * comm in x[0..1] of the off-CPU and run-queue records. */
+static __always_inline void fl_ran_before(struct fl_rec *r, u32 prev, const char *comm)
+{
+    r->a1 = prev;
+    bpf_probe_read_kernel(&r->x[0], FL_COMM_LEN, comm);
+}
+
+static __always_inline void fl_switch_in(u32 tid, u64 now, u32 prev, const char *prev_comm)
 {
     struct fl_off *o = fl_off.lookup(&tid);
     if (!o)
@@ -88,6 +97,7 @@ static __always_inline void fl_switch_in(u32 tid, u64 now)
             r->a0 = o->state;
             r->peer = o->peer;
             __builtin_memcpy(r->comm, o->peer_comm, FL_COMM_LEN);
+            fl_ran_before(r, prev, prev_comm);
             r->flags = FL_WHY_SLOW;
             fl_submit(r);
             emitted = 1;
@@ -117,6 +127,7 @@ static __always_inline void fl_switch_in(u32 tid, u64 now)
                 __builtin_memcpy(r->comm, o->waker ? o->waker_comm : o->peer_comm,
                                  FL_COMM_LEN);
                 r->a0 = o->state;
+                fl_ran_before(r, prev, prev_comm);
                 r->flags = FL_WHY_SLOW;
                 fl_submit(r);
             }
@@ -144,7 +155,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
         if (fl_off.update(&prev, &o))
             fl_count(FL_C_STATE_FULL);
     }
-    fl_switch_in(args->next_pid, now);
+    fl_switch_in(args->next_pid, now, prev, args->prev_comm);
     return 0;
 }
 

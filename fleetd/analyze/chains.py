@@ -70,6 +70,7 @@ class Ev:
     op: int
     peer: int = 0
     a0: int = 0
+    a1: int = 0
     nbytes: int = 0
 
     @property
@@ -142,7 +143,7 @@ class NodeView:
     def host_events(self, tid: int, t0: int, t1: int) -> list[Ev]:
         """Off-CPU, wakeup and IRQ events of one thread starting in [t0, t1)."""
         rows = self.conn.execute(
-            "SELECT id, ts_ns, dur_ns, pid, tid, op, peer, a0 FROM event_data "
+            "SELECT id, ts_ns, dur_ns, pid, tid, op, peer, a0, a1 FROM event_data "
             "WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND tid = ? "
             f"AND op IN {in_list(HOST_CODES)} ORDER BY ts_ns",
             (t0, t1, self.node.lo, self.node.hi, tid),
@@ -230,18 +231,24 @@ def find_stalls(view: NodeView, feeding: dict[int, int]) -> list[Spike]:
             long_calls[tid].append((ts, ts + dur))
     for v in long_calls.values():
         v.sort()
+    # Off the CPU between calls: preempted or in D state; and, after a voluntary sleep
+    # (the thread's own choice), the run-queue wait before it could run again.
     rows = view.conn.execute(
-        "SELECT id, ts_ns, dur_ns, pid, tid, op, peer, a0 FROM event_data WHERE ts_ns >= ? "
-        f"AND ts_ns < ? AND id BETWEEN ? AND ? AND op = ? AND tid IN {in_list(feeding)} "
-        f"AND dur_ns >= ? ORDER BY dur_ns DESC LIMIT {MAX_STALLS * 4}",
-        (win.start_ns, win.end_ns, node.lo, node.hi, OFF_CPU, STALL_MIN_NS),
+        "SELECT id, ts_ns, dur_ns, pid, tid, op, peer, a0, a1 FROM event_data WHERE ts_ns >= ? "
+        f"AND ts_ns < ? AND id BETWEEN ? AND ? AND op IN ({OFF_CPU}, {RUNQ}) "
+        f"AND tid IN {in_list(feeding)} AND dur_ns >= ? ORDER BY dur_ns DESC "
+        f"LIMIT {MAX_STALLS * 4}",
+        (win.start_ns, win.end_ns, node.lo, node.hi, STALL_MIN_NS),
     ).fetchall()
     stalls: list[Spike] = []
     for r in rows:
         ev = Ev(*r)
         lo_hi = span.get(ev.tid)
+        state = task_state(ev.a0)
+        # A preempted thread's run-queue wait is its off-CPU interval: counted once.
+        skip = state == "S" if ev.op == OFF_CPU else state == "R"
         # Before the first or after the last call is start-up or shutdown, not the loop.
-        if task_state(ev.a0) == "S" or lo_hi is None or not lo_hi[0] < ev.ts < lo_hi[1]:
+        if skip or lo_hi is None or not lo_hi[0] < ev.ts < lo_hi[1]:
             continue
         if _inside(long_calls.get(ev.tid, []), ev.ts, ev.end):
             continue
@@ -280,6 +287,8 @@ def attribute(view: NodeView, spike: Spike) -> None:
     for e in evs:
         if e.op == OFF_CPU:
             _off_cpu(view, spike, e, wakes)
+        elif e.op == RUNQ:
+            _runq(view, spike, e)
         elif e.op in (HARDIRQ, SOFTIRQ):
             ov = overlap(t0, t1, e.ts, e.end)
             if ov:
@@ -288,6 +297,20 @@ def attribute(view: NodeView, spike: Spike) -> None:
                                             ov, f"{'soft' if e.op == SOFTIRQ else 'hard'}irq "
                                             f"{e.a0} preempted the thread", irq=e.a0))
     _classify(view, spike)
+
+
+def _runq(view: NodeView, spike: Spike, e: Ev) -> None:
+    """Woken, then kept waiting for the CPU: the task that held it until then is blamed."""
+    ov = overlap(spike.call.ts, spike.call.end, e.ts, e.end)
+    if not ov:
+        return
+    spike.cause_ns["runq"] += ov
+    held = view.who(e.a1) if e.a1 else None
+    if held:
+        spike.culprit_ns[("cpu", e.a1)] += ov
+    text = "runnable, waiting for the CPU" + (
+        f" while {held['comm']} (pid {held['pid']}) ran" if held else "")
+    spike.evidence.append(_item(view, e, "runq_wait", ov, text, culprit=held))
 
 
 def _off_cpu(view: NodeView, spike: Spike, e: Ev, wakes: list[tuple[int, int]]) -> None:
@@ -309,6 +332,9 @@ def _off_cpu(view: NodeView, spike: Spike, e: Ev, wakes: list[tuple[int, int]]) 
     queued = overlap(c.ts, c.end, wake, e.end)
     if queued:
         spike.cause_ns["runq"] += queued
+        if e.a1:
+            # Woken but kept waiting: whoever held the CPU until it came back.
+            spike.culprit_ns[("cpu", e.a1)] += queued
     if not slept:
         return
     by = view.who(waker) if waker else None

@@ -92,8 +92,9 @@ def _build() -> list[Op]:
     for i, name in enumerate(_NCCL):
         ops.append(Op(400 + i, name, "nccl", "call", "count", "peer"))
     ops += [
-        Op(500, "off_cpu", "sched", "interval", "prev_state", None),
-        Op(501, "runq_wait", "sched", "interval", None, None),
+        # peer: who took the CPU when the thread left it; a1: who gave it back.
+        Op(500, "off_cpu", "sched", "interval", "prev_state", "ran_before"),
+        Op(501, "runq_wait", "sched", "interval", "prev_state", "ran_before"),
         Op(502, "wakeup", "sched", "instant", None, None),
         Op(600, "page_alloc", "mem", "aggregate", "order", None),
         Op(700, "block_io", "block", "interval", "dev", "sector"),

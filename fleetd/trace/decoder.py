@@ -19,6 +19,9 @@ from fleetd.trace.bpfsrc import REC
 _LAUNCHES = {BY_NAME[n].code for n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")}
 _NCCL = {op.code for op in BY_NAME.values() if op.source == "nccl"}
 _SCHED_PEERS = {BY_NAME[n].code for n in ("off_cpu", "runq_wait", "wakeup")}
+# Off-CPU and run-queue records also name the task that gave the CPU back (a1), with
+# its comm in x0..x1.
+_RAN_BEFORE = {BY_NAME[n].code for n in ("off_cpu", "runq_wait")}
 OP_FORK, OP_EXEC, OP_EXIT = (BY_NAME[n].code for n in ("fork", "exec", "exit"))
 OP_BLOCK = BY_NAME["block_io"].code
 _NCCL_TYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32",
@@ -120,6 +123,8 @@ class Decoder:
             if op in _SCHED_PEERS or op == OP_BLOCK:
                 self._peer(out, peer if op != OP_BLOCK else tid, peer_pid or None, comm_b,
                            pid if op == OP_BLOCK else None)
+                if op in _RAN_BEFORE and a1:
+                    self._peer(out, a1, None, (x0 | x1 << 64).to_bytes(16, "little"), None)
                 if op == OP_BLOCK and x0:
                     args = {"rw": x0.to_bytes(8, "little").rstrip(b"\0").decode(
                         errors="replace")}
