@@ -256,7 +256,9 @@ def _warnings(answer: FleetAnswer, opts: FleetOptions) -> list[NodeWarning]:
             why = o.skew_failure.text() if o.skew_failure else "no sample"
             out.append(NodeWarning(o.name, f"clock offset unknown ({why}); its timestamps "
                                    "are not corrected", "skew"))
-        elif abs(o.skew.offset_ms) > opts.skew_threshold_ms:
+        # Only an offset beyond the threshold even at the near end of its error bound:
+        # a busy node answers late, and one slow sample must not raise a false alarm.
+        elif abs(o.skew.offset_ms) - o.skew.error_ms > opts.skew_threshold_ms:
             done = ("timestamps corrected" if opts.correct
                     else "timestamps NOT corrected (--no-skew-correct)")
             out.append(NodeWarning(o.name, f"{o.skew.describe()}, above the "
