@@ -84,3 +84,29 @@ def netbed_factory(tmp_path: Path) -> Generator[Any, None, None]:
     finally:
         for bed in beds:
             bed.close()
+
+
+# ---- helpers shared by the CLI and tracing tests -----------------------------------
+
+
+def assert_one_line_error(proc: Any, *needles: str) -> None:
+    """A user mistake: exit 2, no traceback, one ``fleetd: error:`` line naming it."""
+    assert proc.returncode == 2, proc
+    assert "Traceback" not in proc.stderr
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith("fleetd: error: "), proc.stderr
+    for n in needles:
+        assert n in first, proc.stderr
+
+
+def wait_for_libcudart(pid: int, timeout: float = 20.0) -> None:
+    """Block until the workload has mapped libcudart (uprobes attach to the mapped file)."""
+    deadline = _time.monotonic() + timeout
+    while _time.monotonic() < deadline:
+        try:
+            if "libcudart" in Path(f"/proc/{pid}/maps").read_text():
+                return
+        except OSError:
+            pass
+        _time.sleep(0.02)
+    raise AssertionError(f"workload {pid} never mapped libcudart")

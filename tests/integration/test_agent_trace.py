@@ -19,7 +19,7 @@ import pytest
 from agents import Agent, Pki, agent, client_ssl, make_pki, request
 from hostile import HOSTILE_OVER_HTTP
 
-from conftest import REPO
+from conftest import REPO, wait_for_libcudart
 
 WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
 pytestmark = [pytest.mark.bpf,
@@ -38,10 +38,7 @@ def workload(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
         [sys.executable, str(WORKLOAD), "--duration", "60", "--launches", "8", "--memcpy", "1",
          "--cpu-us", "50", "--gpu-ms", "2", "--go-file", str(tmp_path / "go")],
         stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 20
-    while "libcudart" not in Path(f"/proc/{proc.pid}/maps").read_text():
-        assert time.monotonic() < deadline, "workload never loaded libcudart"
-        time.sleep(0.02)
+    wait_for_libcudart(proc.pid)
     yield proc
     proc.kill()
     proc.wait(10)

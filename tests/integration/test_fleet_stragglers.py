@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+from conftest import wait_for_libcudart
 from netbed import NetBed, why_no_bpf, why_unavailable
 
 _WHY = why_unavailable() or why_no_bpf()
@@ -28,18 +28,6 @@ WORKLOAD = ["--duration", "10", "--launches", "10", "--cpu-us", "100", "--gpu-ms
 HOG = "fleetd-hog"
 
 
-def _wait_for_libcudart(pid: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if "libcudart" in Path(f"/proc/{pid}/maps").read_text():
-                return
-        except OSError:
-            pass
-        time.sleep(0.02)
-    raise AssertionError(f"workload {pid} never mapped libcudart")
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The traced fleet, after its workloads ran: (bed, hog host, workload summaries)."""
@@ -50,7 +38,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
         go = tmp / "go"
         loads = [bed.start_workload(h, WORKLOAD, go) for h in bed.hosts]
         for h, w in zip(bed.hosts, loads, strict=True):
-            _wait_for_libcudart(w.pid)
+            wait_for_libcudart(w.pid)
             bed.start_agent(h, db=tmp / f"{h.name}.db", trace_pid=w.pid)
         bed.wait_agents()
         hog_host = bed.hosts[2]

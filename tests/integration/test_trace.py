@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from conftest import FLEETD, REPO
+from conftest import FLEETD, REPO, wait_for_libcudart
 
 WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
 PY = sys.executable
@@ -73,18 +73,6 @@ def _reader(stream: Any, out: queue.Queue[str]) -> None:
     out.put("")
 
 
-def _wait_for_libcudart(pid: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if "libcudart" in Path(f"/proc/{pid}/maps").read_text():
-                return
-        except OSError:
-            pass
-        time.sleep(0.02)
-    raise AssertionError(f"workload {pid} never mapped libcudart")
-
-
 def _pin(cpu: int) -> Any:
     return lambda: os.sched_setaffinity(0, {cpu})
 
@@ -99,7 +87,7 @@ def run_traced(tmp_path: Path, workload_args: list[str], trace_args: list[str] =
                           text=True, preexec_fn=_pin(cpu) if cpu is not None else None)
     try:
         if wait_lib:
-            _wait_for_libcudart(wl.pid)
+            wait_for_libcudart(wl.pid)
         tr = subprocess.Popen(
             [FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db), "--node", "test-node",
              "--summary-json", *trace_args],
@@ -343,7 +331,7 @@ def test_tracer_api_with_stacks_and_no_loss(tmp_path: Path) -> None:
     go = tmp_path / "go"
     wl = subprocess.Popen([PY, str(WORKLOAD), "--steps", "100", "--go-file", str(go)],
                           stdout=subprocess.PIPE, text=True)
-    _wait_for_libcudart(wl.pid)
+    wait_for_libcudart(wl.pid)
     db = tmp_path / "api.db"
     writer = BatchWriter(db, "api-node")
     tracer = Tracer(TraceConfig(db=db, node="api-node", pids=[wl.pid], sample=1, stacks=True,
@@ -442,7 +430,7 @@ def test_sigint_flushes_and_records_the_session(tmp_path: Path) -> None:
     go = tmp_path / "go"
     wl = subprocess.Popen([PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go),
                            "--sleep-ms", "2"], stdout=subprocess.PIPE, text=True)
-    _wait_for_libcudart(wl.pid)
+    wait_for_libcudart(wl.pid)
     db = tmp_path / "int.db"
     tr = subprocess.Popen([FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db),
                            "--sample", "1"], stderr=subprocess.PIPE, text=True)

@@ -13,22 +13,13 @@ from synth import MAIN, STRESS, build
 
 from fleetd.store.db import open_reader
 
-from conftest import FLEETD, REPO
+from conftest import FLEETD, REPO, assert_one_line_error
 
 
 def fleetd(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "FLEETD_DB"}
     return subprocess.run([FLEETD, *args], capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=60)
-
-
-def assert_user_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert proc.returncode == 2, proc
-    assert "Traceback" not in proc.stderr
-    first = proc.stderr.splitlines()[0]
-    assert first.startswith("fleetd: error: "), proc.stderr
-    for n in needles:
-        assert n in first, proc.stderr
 
 
 def test_explain_json(tmp_path: Path) -> None:
@@ -123,16 +114,16 @@ def test_ops_formats(tmp_path: Path) -> None:
 
 def test_bad_input_is_one_clear_error(tmp_path: Path) -> None:
     db = build("quiet", tmp_path)
-    assert_user_error(fleetd("explain", "--db", str(db), "--since", "5 minutes"),
+    assert_one_line_error(fleetd("explain", "--db", str(db), "--since", "5 minutes"),
                       "'5 minutes'")
-    assert_user_error(fleetd("explain", "--db", str(db), "--format", "yaml"), "'yaml'")
-    assert_user_error(fleetd("ops", "--db", str(db), "--format", "xml"), "'xml'")
-    assert_user_error(fleetd("explain", "--db", str(db), "--since", "5m", "--from", "now-1h"),
+    assert_one_line_error(fleetd("explain", "--db", str(db), "--format", "yaml"), "'yaml'")
+    assert_one_line_error(fleetd("ops", "--db", str(db), "--format", "xml"), "'xml'")
+    assert_one_line_error(fleetd("explain", "--db", str(db), "--since", "5m", "--from", "now-1h"),
                       "--since")
-    assert_user_error(fleetd("explain", "--db", str(db), "--from", "2026-01-02",
+    assert_one_line_error(fleetd("explain", "--db", str(db), "--from", "2026-01-02",
                              "--to", "2026-01-01"), "not before")
-    assert_user_error(fleetd("explain", "--db", str(tmp_path / "missing.db")), "missing.db")
-    assert_user_error(fleetd("ops", "--db", str(db), "--to", "yesterday"), "'yesterday'")
+    assert_one_line_error(fleetd("explain", "--db", str(tmp_path / "missing.db")), "missing.db")
+    assert_one_line_error(fleetd("ops", "--db", str(db), "--to", "yesterday"), "'yesterday'")
     proc = fleetd("explain", "--db", str(db), "--pid", "abc")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "invalid pid 'abc'" in proc.stderr

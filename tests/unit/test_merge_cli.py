@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FLEETD, REPO
+from conftest import FLEETD, REPO, assert_one_line_error
 
 sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO / "tests" / "unit"))
@@ -25,15 +25,6 @@ def fleetd(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "FLEETD_DB"}
     return subprocess.run([FLEETD, *args], capture_output=True, text=True, env=env, cwd=cwd,
                           timeout=120)
-
-
-def one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert proc.returncode == 2, proc
-    assert "Traceback" not in proc.stderr
-    first = proc.stderr.splitlines()[0]
-    assert first.startswith("fleetd: error: "), proc.stderr
-    for n in needles:
-        assert n in first, proc.stderr
 
 
 def test_merge_prints_a_summary_and_progress(tmp_path: Path) -> None:
@@ -52,25 +43,25 @@ def test_merge_prints_a_summary_and_progress(tmp_path: Path) -> None:
 
 def test_merge_mistakes_are_one_line(tmp_path: Path) -> None:
     out = str(tmp_path / "out.db")
-    one_line_error(fleetd("merge", str(tmp_path / "nope.db"), "-o", out), "does not exist")
+    assert_one_line_error(fleetd("merge", str(tmp_path / "nope.db"), "-o", out), "does not exist")
     bad = tmp_path / "bad.db"
     bad.write_bytes(b"garbage" * 1000)
-    one_line_error(fleetd("merge", str(bad), "-o", out), "not a readable SQLite database")
+    assert_one_line_error(fleetd("merge", str(bad), "-o", out), "not a readable SQLite database")
     foreign = tmp_path / "foreign.db"
     with sqlite3.connect(foreign) as c:
         c.execute("CREATE TABLE t (x)")
-    one_line_error(fleetd("merge", str(foreign), "-o", out), "not a fleetd one")
+    assert_one_line_error(fleetd("merge", str(foreign), "-o", out), "not a fleetd one")
     newer = node_db(tmp_path / "new.db", "gpu-01")
     with sqlite3.connect(newer) as c:
         c.execute("PRAGMA user_version = 99")
-    one_line_error(fleetd("merge", str(newer), "-o", out), "schema version 99")
+    assert_one_line_error(fleetd("merge", str(newer), "-o", out), "schema version 99")
     a = node_db(tmp_path / "a.db", "gpu-01")
     b = node_db(tmp_path / "b.db", "gpu-01")
     proc = fleetd("merge", str(a), str(b), "-o", out)
-    one_line_error(proc, "two different nodes are named 'gpu-01'")
+    assert_one_line_error(proc, "two different nodes are named 'gpu-01'")
     assert f"hint: give one another name: --force-node {b}=gpu-01-2" in proc.stderr
-    one_line_error(fleetd("merge", str(a), "-o", str(a)), "is also the output")
-    one_line_error(fleetd("merge", str(a), "-o", out, "--clock-threshold", "soon"),
+    assert_one_line_error(fleetd("merge", str(a), "-o", str(a)), "is also the output")
+    assert_one_line_error(fleetd("merge", str(a), "-o", out, "--clock-threshold", "soon"),
                    "invalid duration 'soon'")
     assert not Path(out).exists()
 
