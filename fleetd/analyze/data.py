@@ -7,6 +7,7 @@ nodes is read one node at a time without the joins of the ``events`` view.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -181,7 +182,27 @@ def comms(conn: sqlite3.Connection, node: Node) -> tuple[dict[int, str], dict[in
             names[int(pid)] = str(comm)
         if ppid is not None:
             parents[int(pid)] = int(ppid)
+    for pid in tracer_pids(conn, node):
+        names[pid] = f"{names.get(pid, 'fleetd')} {TRACER_MARK}"
     return names, parents
+
+
+TRACER_MARK = "(the tracer)"
+
+
+def tracer_pids(conn: sqlite3.Connection, node: Node) -> set[int]:
+    """The pids fleetd itself ran as while recording this node (from session targets)."""
+    out: set[int] = set()
+    for (text,) in conn.execute(
+        "SELECT targets FROM session_data WHERE node = ? AND targets IS NOT NULL", (node.key,)
+    ):
+        try:
+            pid = json.loads(text).get("tracer_pid")
+        except (ValueError, AttributeError):
+            continue  # an older or foreign row: no tracer pid recorded
+        if isinstance(pid, int) and pid > 0:
+            out.add(pid)
+    return out
 
 
 def tasks(conn: sqlite3.Connection, node: Node) -> dict[int, tuple[int | None, str | None]]:

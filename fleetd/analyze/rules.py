@@ -7,7 +7,8 @@ irq_preemption with their culprits. The rules here add what no single call shows
   worker processes (children, or three or more siblings of one name), with their
   page-allocation rate as pressure evidence;
 - ``host_sync``: one thread spends a large share of its time in sync calls issued every
-  few launches (``.item()``/``.cpu()`` per step): the CPU cannot run ahead of the GPU;
+  few launches, or reads a scalar back every step (``.item()``/``.cpu()``): the CPU
+  cannot run ahead of the GPU;
 - ``alloc_churn``: cudaMalloc/cudaFree keep happening after warm-up;
 - ``graph_recapture``: repeated capture/instantiate with the launch rate dropping
   while it happens.
@@ -31,6 +32,7 @@ from fleetd.analyze.data import (
     CAPTURE_OPS,
     LAUNCH_OPS,
     SYNC_OPS,
+    TRACER_MARK,
     Hist,
     code,
     histograms,
@@ -45,6 +47,8 @@ MIN_WORKERS = 3
 MIN_SYNCS = 20
 MAX_LAUNCHES_PER_SYNC = 100  # more launches per sync: a sync per many steps, not per step
 MIN_SYNC_SHARE = 0.2
+READBACK_MAX_BYTES = 64  # a few scalars: what .item() / .cpu() of a loss copies back
+MEMCPY_DEVICE_TO_HOST = 2  # cudaMemcpyKind
 MIN_ALLOCS = 20
 MIN_LATE_ALLOC_SHARE = 0.3  # share of allocations in the second half: not just warm-up
 MIN_CAPTURES = 3
@@ -224,31 +228,69 @@ def host_sync_rule(ctx: Context, chains: list[Chain]) -> list[Chain]:
     the syncs) is not counted again as synchronization."""
     out: list[Chain] = []
     for pid in ctx.gpu_pids():
-        known = sum(s.excess_ns * c.scale for c in chains for s in c.spikes
-                    if int(c.victim["pid"]) == pid and c.op in SYNC_OPS
-                    and c.root_cause != "unexplained")
-        syncs = ctx.op_rows(pid, SYNC_OPS)
-        n = sum(int(r["count"]) for r in syncs)
-        if n < MIN_SYNCS:
-            continue
-        launches = sum(int(r["count"]) for r in ctx.op_rows(pid, LAUNCH_OPS))
-        per_sync = launches / n
-        share = max(0.0, sum(int(r["total_ns"]) for r in syncs) - known) / ctx.span_ns
-        rate = n / (ctx.span_ns / 1e9)
-        if per_sync > MAX_LAUNCHES_PER_SYNC or share < MIN_SYNC_SHARE or rate < 1.0:
-            continue
-        top = max(syncs, key=lambda r: int(r["total_ns"]))
-        ev = [_stat_item(r, f"{r['op']}: {r['count']} calls, {int(r['total_ns']) / 1e6:.0f} ms "
-                            f"in all ({r['calls_per_s']}/s)") for r in syncs]
-        ev.append({"kind": "ratio", "launches": launches, "syncs": n,
-                   "launches_per_sync": round(per_sync, 1),
-                   "text": f"a sync every {per_sync:.0f} launches; the thread spent "
-                           f"{share:.0%} of its time waiting in syncs"})
-        ev += _examples(ctx, pid, frozenset(r["op"] for r in syncs))
-        out.append(_rule_chain(ctx, "host_sync", pid, str(top["op"]), share, share, ev,
-                               {"syncs": n, "launches": launches, "sync_share": round(share, 3),
-                                "syncs_per_s": round(rate, 2)}))
+        ch = _timed_syncs(ctx, pid, chains) or _readbacks(ctx, pid)
+        if ch is not None:
+            out.append(ch)
     return out
+
+
+def _timed_syncs(ctx: Context, pid: int, chains: list[Chain]) -> Chain | None:
+    """Sync calls issued every few launches that take a large share of the thread's time."""
+    known = sum(s.excess_ns * c.scale for c in chains for s in c.spikes
+                if int(c.victim["pid"]) == pid and c.op in SYNC_OPS
+                and c.root_cause != "unexplained")
+    syncs = ctx.op_rows(pid, SYNC_OPS)
+    n = sum(int(r["count"]) for r in syncs)
+    if n < MIN_SYNCS:
+        return None
+    launches = sum(int(r["count"]) for r in ctx.op_rows(pid, LAUNCH_OPS))
+    per_sync = launches / n
+    share = max(0.0, sum(int(r["total_ns"]) for r in syncs) - known) / ctx.span_ns
+    rate = n / (ctx.span_ns / 1e9)
+    if per_sync > MAX_LAUNCHES_PER_SYNC or share < MIN_SYNC_SHARE or rate < 1.0:
+        return None
+    top = max(syncs, key=lambda r: int(r["total_ns"]))
+    ev = [_stat_item(r, f"{r['op']}: {r['count']} calls, {int(r['total_ns']) / 1e6:.0f} ms "
+                        f"in all ({r['calls_per_s']}/s)") for r in syncs]
+    ev.append({"kind": "ratio", "launches": launches, "syncs": n,
+               "launches_per_sync": round(per_sync, 1),
+               "text": f"a sync every {per_sync:.0f} launches; the thread spent "
+                       f"{share:.0%} of its time waiting in syncs"})
+    ev += _examples(ctx, pid, frozenset(r["op"] for r in syncs))
+    return _rule_chain(ctx, "host_sync", pid, str(top["op"]), share, share, ev,
+                       {"syncs": n, "launches": launches, "sync_share": round(share, 3),
+                        "syncs_per_s": round(rate, 2)})
+
+
+def _readbacks(ctx: Context, pid: int) -> Chain | None:
+    """Tiny device-to-host copies every step: ``loss.item()``, ``.cpu()`` of a scalar.
+
+    Each one makes the CPU wait until the GPU has drained its queue, so the CPU can
+    never run ahead. The pattern is the cause even where the waits are short (a GPU
+    that keeps up, or none at all): severity then follows the time it measurably cost.
+    """
+    v = ctx.view
+    n, total, biggest = v.conn.execute(
+        "SELECT count(*), coalesce(sum(dur_ns), 0), coalesce(max(bytes), 0) FROM event_data "
+        "WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND pid = ? AND bytes BETWEEN "
+        "1 AND ? AND ((op = ? AND a0 = ?) OR op = ?)",
+        (ctx.span[0], ctx.span[1] + 1, v.node.lo, v.node.hi, pid, READBACK_MAX_BYTES,
+         code("cudaMemcpy"), MEMCPY_DEVICE_TO_HOST, code("cuMemcpyDtoH_v2")),
+    ).fetchone()
+    launches = sum(int(r["count"]) for r in ctx.op_rows(pid, LAUNCH_OPS))
+    rate = n / (ctx.span_ns / 1e9)
+    if n < MIN_SYNCS or rate < 1.0 or launches / max(1, n) > MAX_LAUNCHES_PER_SYNC:
+        return None
+    share = total / ctx.span_ns
+    per = launches / n
+    ev = [{"kind": "readback", "count": n, "max_bytes": biggest, "total_ns": total,
+           "text": f"{n} device-to-host copies of at most {biggest} bytes ({rate:.1f}/s), "
+                   f"one every {per:.0f} launches: a scalar read back each step"}]
+    ev += _examples(ctx, pid, frozenset({"cudaMemcpy", "cuMemcpyDtoH_v2"}))
+    return _rule_chain(ctx, "host_sync", pid, "cudaMemcpy", 1.0, share, ev,
+                       {"syncs": n, "launches": launches, "sync_share": round(share, 4),
+                        "syncs_per_s": round(rate, 2), "readbacks": n,
+                        "readback_bytes": biggest})
 
 
 def alloc_churn_rule(ctx: Context) -> list[Chain]:
@@ -378,6 +420,12 @@ def fixes(ch: Chain) -> list[str]:
     vp = v["pid"]
     cp, cn = (c["pid"], c["comm"]) if c else (None, None)
     if ch.root_cause == "cpu_contention":
+        if c and TRACER_MARK in str(cn):
+            return [f"the tracer itself (pid {cp}) took the CPU: keep fleetd off the "
+                    f"workload's cores (taskset -acp <other cores> {cp}, or CPUAffinity= in "
+                    "configs/fleetd-agent.service)",
+                    "trace less: a larger --sample, fewer --host-events groups, or higher "
+                    "--offcpu-min / --syscall-min thresholds"]
         if c and c.get("self"):
             return [f"threads of {v['comm']} itself compete for the CPU: cap them "
                     f"(OMP_NUM_THREADS, torch.set_num_threads) below the cores given to pid {vp}",
@@ -463,6 +511,11 @@ def summarize(ch: Chain) -> str:
             "unexplained": "with no host cause on its thread (GPU-side time)",
         }.get(ch.root_cause, ch.root_cause)
         return f"{head}: {why} for {ch.explained:.0%} of the extra time ({ch.impact:.1%} of wall)"
+    if ch.root_cause == "host_sync" and d.get("readbacks"):
+        return (f"{who} copies {d['readback_bytes']} bytes back from the device "
+                f"{d['syncs_per_s']}/s, once every {d['launches'] / max(1, d['syncs']):.0f} "
+                f"launches (.item()/.cpu() in the loop): each one waits for the GPU; "
+                f"{d['sync_share']:.2%} of its time here")
     if ch.root_cause == "host_sync":
         return (f"{who} spends {d['sync_share']:.0%} of its time in {ch.op} "
                 f"({d['syncs_per_s']}/s, a sync every {d['launches'] / max(1, d['syncs']):.0f} "

@@ -71,6 +71,26 @@ def test_cpu_hog_names_the_hog(tmp_path: Path) -> None:
     _check_aligned(c)
 
 
+def test_the_tracer_is_named_when_it_is_the_culprit(tmp_path: Path) -> None:
+    """The session records fleetd's own pid: when that process took the CPU, the chain
+    says so and the fix is about the tracer, not about renicing a neighbour."""
+    import json
+    import sqlite3
+
+    path = build("cpu_hog", tmp_path)
+    with sqlite3.connect(path) as conn:
+        (node,) = conn.execute("SELECT id FROM nodes").fetchone()
+        conn.execute("INSERT INTO session_data (node, seq, started_ns, mono_offset_ns, "
+                     "tool_version, schema_version, targets) VALUES (?, 99, 1, 0, 'x', 1, ?)",
+                     (node, json.dumps({"tracer_pid": STRESS})))
+    c = explain(path)["chains"][0]
+    assert c["root_cause"] == "cpu_contention"
+    assert c["culprit"]["pid"] == STRESS and c["culprit"]["comm"] == "stress (the tracer)"
+    assert "the tracer" in c["summary"]
+    assert any("tracer itself" in f and str(STRESS) in f for f in c["fixes"])
+    assert not any("renice" in f for f in c["fixes"])
+
+
 def test_lock_wait_blames_the_waker(tmp_path: Path) -> None:
     report = explain(build("lock_wait", tmp_path))
     c = _top(report, "lock_wait")

@@ -12,6 +12,11 @@ first launch before the sync returns, as a GPU-bound step would.
 Injections: ``--dstate fsync:MB`` writes MB and fsyncs each step (the thread sleeps
 in D state waiting for the disk), ``--dstate vfork:N`` spawns /bin/true N times per
 step through posix_spawn (the parent waits in D state for the child's exec),
+``--dstate lock:PATH`` writes a small step record into the shared file PATH each step
+(a writer in another process that holds the file's inode lock keeps it waiting in D
+state: tests/workloads/neighbour.py lock-holder), ``--workers N`` forks N
+DataLoader-style worker processes named ``dl-worker`` that allocate, fill and hash
+fresh buffers without pause (CPU and page-allocation pressure),
 ``--sleep-ms`` sleeps voluntarily, ``--driver`` also calls libcuda (cuInit,
 cuMemAlloc_v2, cuLaunchKernel, cuMemcpyHtoD_v2, cuCtxSynchronize...).
 
@@ -23,6 +28,7 @@ tests can compare recorded counts with calls made. Usable as a library:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import glob
 import json
@@ -87,6 +93,8 @@ class Config:
     libcuda: str = ""
     go_file: str = ""  # wait for this file to exist before the first call
     tmpdir: str = ""
+    workers: int = 0  # DataLoader-style worker processes
+    worker_mb: int = 4  # buffer each worker allocates and fills per item
 
 
 @dataclass
@@ -123,6 +131,8 @@ class Workload:
         self.returns: defaultdict[str, Counter[int]] = defaultdict(Counter)
         self.blocked_ns = 0
         self._host = (ctypes.c_char * max(cfg.memcpy_bytes, 4))()
+        self._lock_fd: int | None = None
+        self._workers: list[int] = []
         self._func = ctypes.c_void_p(ctypes.addressof(self._host))  # any non-null "kernel"
 
     # ---- ctypes declarations ---------------------------------------------------------
@@ -218,8 +228,13 @@ class Workload:
             for _ in range(int(arg or "1")):
                 pid = os.posix_spawn("/bin/true", ["/bin/true"], os.environ)
                 os.waitpid(pid, 0)
+        elif kind == "lock":
+            if self._lock_fd is None:
+                self._lock_fd = os.open(arg, os.O_RDWR | os.O_CREAT, 0o600)
+            # A write takes the inode lock; while another process holds it we sleep in D.
+            os.pwrite(self._lock_fd, b"step done\n", 0)
         else:
-            raise ValueError(f"unknown --dstate {spec!r}: use fsync:MB or vfork:N")
+            raise ValueError(f"unknown --dstate {spec!r}: use fsync:MB, vfork:N or lock:PATH")
         self.blocked_ns += time.perf_counter_ns() - t0
 
     def _driver_step(self) -> None:
@@ -279,6 +294,27 @@ class Workload:
         n = c.launches + c.memcpy + c.host_syncs + 2 * c.alloc_churn + 1
         return n + (5 if c.graph else 0)
 
+    def start_workers(self, until_s: float) -> None:
+        """Fork DataLoader-style workers; they stop at ``until_s`` or when we exit."""
+        parent = os.getpid()
+        for i in range(self.cfg.workers):
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    _worker(parent, i, self.cfg.worker_mb << 20, until_s)
+                finally:
+                    os._exit(0)
+            self._workers.append(pid)
+
+    def stop_workers(self) -> None:
+        for pid in self._workers:
+            try:
+                os.kill(pid, 15)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+        self._workers.clear()
+
     def run(self) -> Summary:
         c = self.cfg
         if self.cu is not None:
@@ -288,15 +324,12 @@ class Workload:
                 time.sleep(0.005)
         t0 = time.perf_counter_ns()
         deadline = t0 + int(c.duration_s * 1e9) if c.duration_s > 0 else 0
-        step_ns = int(self.calls_per_step() / c.rate * 1e9) if c.rate > 0 else 0
-        steps = 0
-        while (steps < c.steps) if not deadline else (time.perf_counter_ns() < deadline):
-            self.step()
-            steps += 1
-            if step_ns:  # open-loop pacing toward the target call rate
-                left = t0 + steps * step_ns - time.perf_counter_ns()
-                if left > 0:
-                    time.sleep(left / 1e9)
+        if c.workers:
+            self.start_workers(time.time() + (c.duration_s or 600) + 5)
+        try:
+            steps = self._loop(t0, deadline)
+        finally:
+            self.stop_workers()
         elapsed = (time.perf_counter_ns() - t0) / 1e9
         total = sum(self.calls.values())
         return Summary(
@@ -309,6 +342,35 @@ class Workload:
             blocked_s=self.blocked_ns / 1e9,
             launch_dims={"grid": list(c.grid), "block": list(c.block)},
         )
+
+
+    def _loop(self, t0: int, deadline: int) -> int:
+        c = self.cfg
+        step_ns = int(self.calls_per_step() / c.rate * 1e9) if c.rate > 0 else 0
+        steps = 0
+        while (steps < c.steps) if not deadline else (time.perf_counter_ns() < deadline):
+            self.step()
+            steps += 1
+            if step_ns:  # open-loop pacing toward the target call rate
+                left = t0 + steps * step_ns - time.perf_counter_ns()
+                if left > 0:
+                    time.sleep(left / 1e9)
+        return steps
+
+
+def _worker(parent: int, index: int, nbytes: int, until_s: float) -> None:
+    """One DataLoader worker: decode-like CPU work on freshly allocated pages, no pause."""
+    import hashlib
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, b"dl-worker", 0, 0, 0)  # PR_SET_NAME
+    page = b"\x01" * 4096
+    while time.time() < until_s and os.getppid() == parent:
+        buf = bytearray(nbytes)  # fresh anonymous pages: the kernel allocates on touch
+        for off in range(0, nbytes, 4096):
+            buf[off:off + 4096] = page
+        hashlib.sha256(buf).digest()
+        del buf
 
 
 def _dims(text: str) -> tuple[int, int, int]:
@@ -343,6 +405,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--libcuda", default="", help="libcuda path for --driver")
     p.add_argument("--go-file", default="", help="wait for this file before the first call")
     p.add_argument("--tmpdir", default="", help="directory for --dstate fsync files")
+    p.add_argument("--workers", type=int, default=0,
+                   help="DataLoader-style worker processes (CPU and page-allocation load)")
+    p.add_argument("--worker-mb", type=int, default=4, help="MiB each worker fills per item")
     a = p.parse_args(argv)
     return Config(
         steps=a.steps, duration_s=a.duration, launches=a.launches, grid=a.grid,
@@ -351,6 +416,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         graph=a.graph, device_sync=a.device_sync, cpu_us=a.cpu_us, gpu_ms=a.gpu_ms,
         rate=a.rate, sleep_ms=a.sleep_ms, dstate=a.dstate, driver=a.driver,
         cudart=a.cudart, libcuda=a.libcuda, go_file=a.go_file, tmpdir=a.tmpdir,
+        workers=a.workers, worker_mb=a.worker_mb,
     )
 
 
