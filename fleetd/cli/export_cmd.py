@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
 from fleetd.errors import UsageError
 from fleetd.store.db import default_db_path, open_reader
 from fleetd.store.timeparse import parse_duration
@@ -26,14 +27,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Write a Chrome Trace Event JSON timeline: one process per node, a "
         "track per traced thread with its CUDA calls and off-CPU time, block I/O and IRQ "
         "tracks, causal chains as markers with arrows from culprit to victim, calls/s "
-        "counters. Open the file in ui.perfetto.dev. Works on a node database or a merged "
-        "one (fleetd merge).",
+        "counters. Open the file in ui.perfetto.dev. Works on a node database, a merged "
+        "one (fleetd merge), or live agents (--nodes/--config: each node's events streamed "
+        "over mTLS, its clock skew corrected).",
     )
     p.add_argument("--format", default="perfetto", help="output format: perfetto")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--db", type=Path,
-                     help="database file (default: $FLEETD_DB, else a per-user path)")
-    src.add_argument("--nodes", help="live nodes (needs the fleet client)")
+    p.add_argument("--db", type=Path,
+                   help="database file (default: $FLEETD_DB, else a per-user path)")
     p.add_argument("-o", "--output", required=True, metavar="trace.json[.gz]",
                    help="output file (gzip when it ends in .gz; '-' for stdout)")
     p.add_argument("--since", help="the last 30s, 5m, 2h, 1d (counted back from now)")
@@ -48,7 +48,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--offset", action="append", default=[], metavar="NODE=DURATION",
                    help="shift a node's times by hand, e.g. gpu-02=-3.5ms (repeatable)")
     p.add_argument("--no-clock-correction", action="store_true",
-                   help="export times as recorded (no interpolation between clock samples)")
+                   help="export times as recorded (no interpolation between clock samples; "
+                   "with --nodes, no skew correction either)")
+    add_fleet_args(p, timeout=False)
+    # An export's events take as long as their size: no deadline on them, a limit on
+    # silence instead (docs/merge-export.md).
+    p.add_argument("--timeout", metavar="DURATION",
+                   help="fleet: the deadline for each node's names, sessions and chains, and "
+                   "the longest its events may pause; slower nodes become warnings "
+                   "(default: the config's timeout_s, else 10s)")
     p.set_defaults(func=run)
 
 
@@ -72,22 +80,43 @@ def run(args: argparse.Namespace) -> int:
     if args.limit_per_node is not None and args.limit_per_node <= 0:
         raise UsageError(f"invalid --limit-per-node {args.limit_per_node}",
                          "use a positive number of events")
-    if args.nodes:
-        raise UsageError(
-            "export --nodes needs the fleet client, which this build does not have yet",
-            "copy the node databases, fleetd merge them, then fleetd export --db cluster.db",
-        )
     out = None if args.output == "-" else Path(args.output)
+    if fleet_mode(args):
+        return run_fleet(args, out)
+    if args.timeout:
+        raise UsageError(f"--timeout {args.timeout!r} only applies to live nodes",
+                         "add --nodes HOST:PORT,... (or --config), or drop --timeout")
     stats, warnings = export_db(args, out)
+    _wrote(out, stats)
+    for w in warnings:
+        print(f"fleetd: warning: {w}", file=sys.stderr)
+    return 0
+
+
+def run_fleet(args: argparse.Namespace, out: Path | None) -> int:
+    """Export live agents; exit 3 when some nodes are missing from the file."""
+    from fleetd.export.fleet import FleetExportOptions, export_fleet
+    from fleetd.fleet.queries import WindowArgs
+
+    offsets = parse_offsets(args.offset)  # every flag checked before any node is asked
+    xopts = FleetExportOptions(WindowArgs(args.since, args.from_, args.to), args.pid,
+                               args.limit_per_node, args.chains, not args.no_clock_correction,
+                               offsets)
+    done = export_fleet(fleet_options(args), xopts, out)
+    _wrote(out, done.stats)
+    report(done.answer, args.show_skew)
+    for w in done.warnings:
+        print(f"fleetd: warning: {w}", file=sys.stderr)
+    return done.answer.exit_code
+
+
+def _wrote(out: Path | None, stats: list[NodeStats]) -> None:
     events = sum(s.events for s in stats)
     where = "stdout" if out is None else str(out)
     size = f" ({out.stat().st_size / 1e6:.1f} MB)" if out is not None else ""
     print(f"wrote {where}{size}: {len(stats)} node(s), {events} events, "
           f"{sum(s.chains for s in stats)} chain(s), {sum(s.flows for s in stats)} arrow(s); "
           "open it in https://ui.perfetto.dev", file=sys.stderr if out is None else sys.stdout)
-    for w in warnings:
-        print(f"fleetd: warning: {w}", file=sys.stderr)
-    return 0
 
 
 def export_db(args: argparse.Namespace, out: Path | None) -> tuple[list[NodeStats], list[str]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,13 +18,18 @@ import orjson
 
 from fleetd.analyze.data import CALL_CODES, Node, in_list, nodes
 from fleetd.analyze.window import Window
-from fleetd.export.clockfix import recorded_fix
+from fleetd.export.clockfix import SESSION_CLOCK_COLUMNS, recorded_fix, session_clock
 from fleetd.export.model import ChainMark, ClockFix, EventRow, NodeTrace
-from fleetd.store.clockinfo import SessionClock
 
 log = logging.getLogger("fleetd.export.local")
 
 CHAIN_MODES = ("auto", "stored", "computed", "none")
+# The latest version of each stored chain, as the timeline shows it; the window clause
+# takes (end_ns, start_ns): chains that overlap the window.
+STORED_CHAIN_COLUMNS = (
+    "id, severity, root_cause, summary, ts_ns, dur_ns, op, victim_pid, victim_tid, "
+    "victim_comm, culprit_pid, culprit_comm, explained, impact, evidence, fixes")
+STORED_CHAIN_WINDOW = "ts_ns < ? AND ts_ns + dur_ns >= ?"
 _EVENTS_SQL = (
     "SELECT e.id, e.ts_ns, e.dur_ns, e.pid, e.tid, e.op, e.ret, e.bytes, e.peer, e.a0, e.a1, "
     "e.stack, x.args FROM event_data e LEFT JOIN event_args x ON x.id = e.id "
@@ -73,20 +78,10 @@ def _clock(conn: sqlite3.Connection, node: Node,
     manual = "manual" if node.name in opts.offsets else ""
     if not opts.correct_clock:
         return ClockFix(offset, manual or "none"), []
-    sessions = [
-        SessionClock(int(seq), boot, int(start), end, int(off), err, _samples(samples))
-        for seq, boot, start, end, off, err, samples in conn.execute(
-            "SELECT seq, boot_id, started_ns, ended_ns, mono_offset_ns, clock_error_ns, "
-            "clock_samples FROM session_data WHERE node = ? ORDER BY seq", (node.key,))
-    ]
+    sessions = [session_clock(r) for r in conn.execute(
+        f"SELECT {SESSION_CLOCK_COLUMNS} FROM session_data WHERE node = ? ORDER BY seq",
+        (node.key,))]
     return recorded_fix(sessions, offset, manual)
-
-
-def _samples(text: str | None) -> list[tuple[int, int, int]]:
-    try:
-        return [(int(m), int(o), int(e)) for m, o, e in orjson.loads(text or "[]")]
-    except (orjson.JSONDecodeError, TypeError, ValueError):
-        return []
 
 
 def _where(node: Node, opts: LocalOptions) -> tuple[str, list[int]]:
@@ -161,28 +156,28 @@ def _chains(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> list[Ch
 
 
 def _stored_chains(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> list[ChainMark]:
-    sql = (
-        "SELECT id, severity, root_cause, summary, ts_ns, dur_ns, op, victim_pid, victim_tid, "
-        "victim_comm, culprit_pid, culprit_comm, explained, impact, evidence, fixes "
-        "FROM chains WHERE node = ? AND ts_ns < ? AND ts_ns + dur_ns >= ?"
-    )
+    sql = f"SELECT {STORED_CHAIN_COLUMNS} FROM chains WHERE node = ? AND {STORED_CHAIN_WINDOW}"
     params: list[Any] = [node.name, opts.window.end_ns, opts.window.start_ns]
     if opts.pid is not None:
         sql += " AND victim_pid = ?"
         params.append(opts.pid)
-    out = []
-    for (cid, sev, root, summary, ts, dur, op, vpid, vtid, vcomm, cpid, ccomm, expl, impact,
-         evidence, fixes) in conn.execute(sql + " ORDER BY ts_ns, id", params):
-        culprit = {"pid": cpid, "comm": ccomm} if cpid is not None else None
-        out.append(ChainMark(str(cid), str(sev), str(root), str(summary), int(ts), int(dur), op,
-                             {"pid": vpid, "tid": vtid, "comm": vcomm}, culprit,
-                             _json_list(fixes), _json_list(evidence), expl, impact))
-    return out
+    return [chain_from_row(r) for r in conn.execute(sql + " ORDER BY ts_ns, id", params)]
+
+
+def chain_from_row(row: Sequence[Any]) -> ChainMark:
+    """One row of :data:`STORED_CHAIN_COLUMNS` (from the file or a node's chains view);
+    TypeError/ValueError when a value has the wrong type."""
+    (cid, sev, root, summary, ts, dur, op, vpid, vtid, vcomm, cpid, ccomm, expl, impact,
+     evidence, fixes) = row
+    culprit = {"pid": cpid, "comm": ccomm} if cpid is not None else None
+    return ChainMark(str(cid), str(sev), str(root), str(summary), int(ts), int(dur), op,
+                     {"pid": vpid, "tid": vtid, "comm": vcomm}, culprit,
+                     _json_list(fixes), _json_list(evidence), expl, impact)
 
 
 def _json_list(text: str | None) -> list[Any]:
     try:
         value = orjson.loads(text or "[]")
-    except orjson.JSONDecodeError:
+    except (orjson.JSONDecodeError, TypeError):
         return []
     return value if isinstance(value, list) else []

@@ -15,6 +15,15 @@ from fleetd.export.model import ByteSink
 GZIP_LEVEL = 6  # most of the size gain of 9 at a fraction of the time
 
 
+def check_output(path: Path) -> None:
+    """Refuse an output that cannot be written, before any work is done for it."""
+    if path.is_dir():
+        raise UsageError(f"output {str(path)!r} is a directory", "name a file: -o trace.json")
+    if not path.parent.exists():
+        raise UsageError(f"directory {str(path.parent)!r} does not exist",
+                         "create it first, or write somewhere else with -o")
+
+
 @contextmanager
 def open_output(path: Path | None) -> Iterator[ByteSink]:
     """Write to a temporary file beside ``path`` and rename it at the end, so an
@@ -23,11 +32,7 @@ def open_output(path: Path | None) -> Iterator[ByteSink]:
         yield sys.stdout.buffer
         sys.stdout.flush()
         return
-    if path.is_dir():
-        raise UsageError(f"output {str(path)!r} is a directory", "name a file: -o trace.json")
-    if not path.parent.exists():
-        raise UsageError(f"directory {str(path.parent)!r} does not exist",
-                         "create it first, or write somewhere else with -o")
+    check_output(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as raw:

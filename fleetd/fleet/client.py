@@ -15,6 +15,7 @@ import os
 import socket
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ log = logging.getLogger("fleetd.fleet.client")
 RETRY_BACKOFF_S = (0.1, 0.3)
 RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a node's answer beyond this is refused, not buffered
+ERROR_BODY_BYTES = 64 * 1024  # of a streamed request's error answer, enough for the message
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,42 @@ class FleetClient:
         if resp.status != 200:
             raise NodeFailed(http_failure(resp.status, body))
         return t0, t3, body
+
+    async def stream_to(self, target: Target, path: str, params: dict[str, str],
+                        sink: Callable[[bytes], object], idle_s: float) -> int:
+        """One GET whose body goes to ``sink`` piece by piece as it arrives, never held
+        whole; returns its size. No deadline (a large body takes as long as it takes),
+        but a pause longer than ``idle_s`` fails it, and so does a body cut short."""
+        session = self._need_session()
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=idle_s,
+                                        connect=min(self.opts.connect_timeout_s, idle_s))
+        got = 0
+        async with self._sem:
+            try:
+                async with session.get(target.url(path), params=params,
+                                       timeout=timeout) as resp:
+                    if resp.status >= 400:
+                        raw = await resp.content.read(ERROR_BODY_BYTES)
+                        raise NodeFailed(http_failure(resp.status, raw))
+                    async for piece in resp.content.iter_any():
+                        sink(piece)
+                        got += len(piece)
+            except NodeFailed:
+                raise
+            except aiohttp.SocketTimeoutError:
+                raise NodeFailed(Failure(
+                    "timeout", f"{target.address} sent nothing for {idle_s:g} s, "
+                    f"{got} bytes into its answer",
+                    "is the agent hung or overloaded? raise --timeout if it is just slow"
+                )) from None
+            except Exception as exc:
+                failure = classify(exc, target, self.opts)
+                if got:  # not a refused handshake: the answer broke off half-way
+                    failure = Failure(failure.kind, f"{target.address} broke off its "
+                                      f"answer after {got} bytes ({failure.message})",
+                                      "did the agent restart or crash? see its log")
+                raise NodeFailed(failure) from None
+        return got
 
     def _need_session(self) -> aiohttp.ClientSession:
         if self._session is None:

@@ -14,7 +14,7 @@ import logging
 import ssl
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,10 @@ class Request:
 
 # offset (node clock minus ours, ns; 0 when unknown or not corrected) -> the requests
 Plan = Callable[[int], Sequence[Request]]
+# (client, node, offset) -> the node's replies: what a plan's requests would give, for
+# work that is more than one round of requests (a request that depends on another's
+# answer, a streamed body)
+NodeWork = Callable[[FleetClient, Target, int], Awaitable[list[dict[str, Any]]]]
 
 
 @dataclass(slots=True)
@@ -136,13 +140,23 @@ async def fan_out(opts: FleetOptions, plan: Plan, *, needs_offset: bool = False,
     Without ``client`` a new session is made and closed (what one CLI command does);
     a long-running caller passes its own open client to keep connections warm.
     """
+    async def work(c: FleetClient, t: Target, offset: int) -> list[dict[str, Any]]:
+        return await send_all(c, t, plan(offset))
+
+    return await fan_out_work(opts, work, needs_offset=needs_offset, client=client)
+
+
+async def fan_out_work(opts: FleetOptions, work: NodeWork, *, needs_offset: bool = False,
+                       client: FleetClient | None = None) -> FleetAnswer:
+    """:func:`fan_out` with a coroutine per node instead of a list of requests; it runs
+    under the same deadline, clock sampling, naming and failure handling."""
     if client is None:
         async with FleetClient(opts.client) as own:
-            return await fan_out(opts, plan, needs_offset=needs_offset, client=own)
+            return await fan_out_work(opts, work, needs_offset=needs_offset, client=own)
     started = time.perf_counter()
     client.restart_deadline()
     outcomes = await asyncio.gather(
-        *(_node(client, opts, t, plan, needs_offset and opts.correct) for t in opts.targets))
+        *(_node(client, opts, t, work, needs_offset and opts.correct) for t in opts.targets))
     answer = FleetAnswer(list(outcomes), correct=opts.correct)
     _name_nodes(answer)
     answer.warnings = _warnings(answer, opts)
@@ -152,7 +166,7 @@ async def fan_out(opts: FleetOptions, plan: Plan, *, needs_offset: bool = False,
     return answer
 
 
-async def _node(client: FleetClient, opts: FleetOptions, t: Target, plan: Plan,
+async def _node(client: FleetClient, opts: FleetOptions, t: Target, work: NodeWork,
                 offset_first: bool) -> NodeOutcome:
     out = NodeOutcome(t, t.name)
     sampler = (asyncio.create_task(skewmod.sample(client, t, opts.skew_samples))
@@ -163,7 +177,7 @@ async def _node(client: FleetClient, opts: FleetOptions, t: Target, plan: Plan,
             if offset_first and sampler is not None:
                 _take_samples(out, await sampler)
                 offset = out.correction_ns
-            out.replies = await _send_all(client, t, plan(offset))
+            out.replies = await work(client, t, offset)
     except NodeFailed as exc:
         out.failure = exc.failure
     except TimeoutError:
@@ -193,8 +207,9 @@ def _take_samples(out: NodeOutcome,
         out.skew_failure = failure or Failure("skew", "no clock sample")
 
 
-async def _send_all(client: FleetClient, t: Target, requests: Sequence[Request]
-                    ) -> list[dict[str, Any]]:
+async def send_all(client: FleetClient, t: Target, requests: Sequence[Request]
+                   ) -> list[dict[str, Any]]:
+    """The requests to one node at once; the first failure fails the node."""
     if len(requests) == 1:
         return [await _send(client, t, requests[0])]
     try:

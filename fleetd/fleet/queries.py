@@ -79,7 +79,7 @@ class WindowArgs:
         self.params(0)  # parse errors surface once, before any node is asked
 
 
-def _raise_if_user_error(answer: FleetAnswer) -> None:
+def raise_if_user_error(answer: FleetAnswer) -> None:
     """Every node refused the request as malformed: say so once, as a usage error."""
     if answer.answered or not answer.outcomes:
         return
@@ -118,7 +118,7 @@ async def query_async(opts: FleetOptions, spec: QuerySpec,
     """:func:`query` inside a running loop, optionally on a caller's open client."""
     answer = await fan_out(opts, lambda off: [_query_request(spec, off)],
                            needs_offset=bool(spec.time_params), client=client)
-    _raise_if_user_error(answer)
+    raise_if_user_error(answer)
     parts = []
     for o in answer.answered:
         parts.append(_node_rows(answer, o))
@@ -165,7 +165,7 @@ def explain(opts: FleetOptions, window: WindowArgs, pid: int | None = None) -> F
                 Request("GET", "/api/v1/profile", params, expect=("node",))]
 
     answer: FleetAnswer = run(fan_out(opts, plan, needs_offset=window.absolute))
-    _raise_if_user_error(answer)
+    raise_if_user_error(answer)
     chains: list[dict[str, Any]] = []
     processes: list[dict[str, Any]] = []
     profiles: dict[str, dict[str, Any]] = {}
@@ -211,7 +211,7 @@ def ops(opts: FleetOptions, window: WindowArgs, pid: int | None, per_process: bo
         return [Request("GET", "/api/v1/ops", params, expect=("ops",))]
 
     answer: FleetAnswer = run(fan_out(opts, plan, needs_offset=window.absolute))
-    _raise_if_user_error(answer)
+    raise_if_user_error(answer)
     cols = [c for c in columns if c != "node"]
     parts = []
     windows: dict[str, Any] = {}
@@ -242,7 +242,7 @@ def overview(opts: FleetOptions, window: WindowArgs) -> FleetResult:
         opts, lambda off: [Request("GET", "/api/v1/overview", window.params(off),
                                    expect=("events",))],
         needs_offset=window.absolute))
-    _raise_if_user_error(answer)
+    raise_if_user_error(answer)
     nodes = []
     for o in answer.answered:
         assert o.replies is not None

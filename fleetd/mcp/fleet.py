@@ -26,6 +26,8 @@ from fleetd.mcp.local import (
     compact_chain,
     compact_straggler,
     default_export_dir,
+    export_answer,
+    export_path,
     shown,
 )
 from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
@@ -40,8 +42,7 @@ HEALTH_KEYS = ("status", "version", "schema_version", "tracing", "uptime_s", "tr
 @dataclass(slots=True)
 class FleetBackend:
     opts: FleetOptions
-    # Where export_timeline will write once the exporter can read live nodes.
-    export_dir: Path = field(default_factory=default_export_dir)
+    export_dir: Path = field(default_factory=default_export_dir)  # for export_timeline
 
     def health(self) -> dict[str, Any]:
         """Every node's /health: reachable, version, tracing, probes and libraries."""
@@ -78,11 +79,21 @@ class FleetBackend:
             return self._explain(action, window, pid, top_n, evidence_n)
         raise UsageError(f"unknown action {action!r}", f"use one of: {', '.join(ACTIONS)}")
 
-    def export(self) -> dict[str, Any]:
-        raise UsageError(
-            "exporting a timeline from live nodes is not available in this build",
-            "copy the node databases, merge them (fleetd merge a.db b.db -o cluster.db), "
-            "start fleetd mcp --db cluster.db and call export_timeline there")
+    def export(self, name: str | None, win: WindowSpec, pid: int | None,
+               limit_per_node: int | None, chains: str) -> dict[str, Any]:
+        """Every node's timeline into one file, as ``fleetd export --nodes`` writes it."""
+        from fleetd.export.fleet import FleetExportOptions, export_fleet
+
+        path = export_path(self.export_dir, name, "fleet")
+        window = WindowArgs(win.since or None, win.start or None, win.end or None)
+        done = export_fleet(self.opts, FleetExportOptions(window, pid, limit_per_node, chains),
+                            path)
+        log.info("exported %d event(s) from %d node(s) to %s",
+                 sum(s.events for s in done.stats), len(done.stats), path)
+        head = header(done.answer)
+        answer = export_answer(path, done.stats, done.warnings)
+        # One warnings list, the fan-out's first: a missing node matters most.
+        return {**head, **answer, "warnings": head["warnings"] + answer["warnings"]}
 
     # ---- actions ----------------------------------------------------------------------
 

@@ -346,7 +346,7 @@ def _export_tool(server: MCPServer, backend: LocalBackend | FleetBackend,
     def export_timeline(
         name: Annotated[str | None, Field(
             description="file name (letters, digits, . _ -; ending .json or .json.gz); "
-            "default: made from the database name and the time")] = None,
+            "default: made from the database name (fleet mode: 'fleet') and the time")] = None,
         since: Since = None, start: Start = None, end: End = None, pid: Pid = None,
         limit_per_node: Annotated[int | None, Field(
             gt=0, description="at most this many events per node")] = None,
@@ -355,8 +355,6 @@ def _export_tool(server: MCPServer, backend: LocalBackend | FleetBackend,
             "stored, always computed, or none")] = "auto",
     ) -> CallToolResult:
         def go() -> dict[str, Any]:
-            if isinstance(backend, FleetBackend):
-                return backend.export()
             return backend.export(name, WindowSpec(since, start, end), pid, limit_per_node,
                                   chains)
 
@@ -367,5 +365,8 @@ def _export_tool(server: MCPServer, backend: LocalBackend | FleetBackend,
         "Write a Perfetto timeline (Chrome Trace Event JSON: a process per node, a track per "
         "thread with CUDA calls and off-CPU time, block I/O and IRQ tracks, chains as "
         "markers with arrows from culprit to victim) into the server's export directory; "
-        "returns path, bytes, events and chains per node. Never overwrites a file and "
-        "never writes the database. Open the file in https://ui.perfetto.dev." + DATA_NOTE))
+        "returns path, bytes, events and chains per node. In fleet mode every live node's "
+        "events are pulled and corrected for clock skew; the answer starts with status, "
+        "answered, warnings and skew as query_fleet's do, and a node that did not answer "
+        "is missing from the file. Never overwrites a file and never writes the database. "
+        "Open the file in https://ui.perfetto.dev." + DATA_NOTE))

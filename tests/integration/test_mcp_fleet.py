@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
+import perfetto_check
 import pytest
 from agents import Agent, Pki, agent, client_ssl, make_pki
 from mcp import Client, StdioServerParameters
@@ -76,10 +77,12 @@ def tls_args(pki: Pki) -> list[str]:
     return ["--ca-cert", str(pki.ca), "--client-cert", str(cert), "--client-key", str(key)]
 
 
-def fleet_server(pki: Pki, nodes: str) -> Any:
+def fleet_server(pki: Pki, nodes: str, export_dir: Path | None = None) -> Any:
     opts = FleetOptions(tuple(parse_nodes(nodes)), ClientOptions(ssl=client_ssl(pki),
                                                                  timeout_s=20))
-    return build_server(FleetBackend(opts))
+    if export_dir is None:
+        return build_server(FleetBackend(opts))
+    return build_server(FleetBackend(opts, export_dir))
 
 
 def run(coro: Any) -> Any:
@@ -227,9 +230,45 @@ def test_a_dead_node_is_a_warning_not_a_healthy_node(pki: Pki, fleet: list[Agent
     assert {n["node"] for n in got["nodes"]} == {"gpu-01", "gpu-02"}
 
 
-def test_fleet_export_says_what_to_do_instead(pki: Pki, fleet: list[Agent]) -> None:
-    err = call(fleet_server(pki, nodes_arg(fleet)), "export_timeline", ok=False)["error"]
-    assert err["code"] == "bad_request" and "fleetd merge" in err["hint"]
+def _event_count(db: Path) -> int:
+    with sqlite3.connect(db) as c:
+        return int(c.execute("SELECT count(*) FROM event_data").fetchone()[0])
+
+
+def test_fleet_export_writes_every_live_node(pki: Pki, fleet: list[Agent], dbs: dict[str, Path],
+                                            tmp_path: Path) -> None:
+    dead = dead_address()
+    srv = fleet_server(pki, nodes_arg(fleet, dead), tmp_path)
+    got = call(srv, "export_timeline", {"name": "fleet.json.gz"})
+    # How the fan-out went comes first, as in every fleet answer: the dead node is named.
+    assert list(got)[:4] == ["status", "answered", "warnings", "skew"]
+    assert got["status"] == "partial" and got["answered"] == "2 of 3 node(s)"
+    assert any(dead in w and "refused" in w for w in got["warnings"])
+    path = Path(got["path"])
+    assert path.parent == tmp_path and path.name == "fleet.json.gz"
+    assert got["bytes"] == path.stat().st_size and got["format"].endswith("(gzip)")
+    counts = {n["node"]: n["events"] for n in got["nodes"]}
+    assert counts == {n: _event_count(db) for n, db in dbs.items()}
+    assert got["events"] == sum(counts.values())
+    # The file itself: a valid timeline, one process per node, gpu-01's hog as a chain
+    # with its arrows, both clocks corrected by the measured skew.
+    trace = perfetto_check.load(path)
+    summary = perfetto_check.validate(trace)
+    nodes = {n["name"]: n for n in trace["otherData"]["nodes"]}
+    assert sorted(nodes) == ["gpu-01", "gpu-02"] and len(summary.processes) == 2
+    assert {n: v["events"] for n, v in nodes.items()} == counts
+    [hog] = [m for m in summary.markers if "cpu_contention" in m["name"]]
+    assert hog["name"].startswith("HIGH cpu_contention (gpu-01)")
+    assert hog["args"]["culprit"]["pid"] == STRESS and summary.flows >= 1
+    assert all(n["clock"]["source"].startswith("fleet") for n in nodes.values())
+    assert trace["otherData"]["fleet"]["status"] == "partial"
+    # Never over an existing file; a node list with nobody home is an error, no file.
+    again = call(srv, "export_timeline", {"name": "fleet.json.gz"}, ok=False)["error"]
+    assert again["code"] == "bad_request" and "exists already" in again["message"]
+    none = call(fleet_server(pki, dead, tmp_path), "export_timeline", {"name": "none.json"},
+                ok=False)["error"]
+    assert none["code"] == "network" and "no node sent its timeline" in none["message"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.json.gz"]
 
 
 # ---- `fleetd mcp` as a process ------------------------------------------------------------

@@ -1,0 +1,272 @@
+"""Pull every node's timeline out of a live fleet, for ``fleetd export --nodes``.
+
+Two rounds, both through the fleet client:
+
+1. **facts**, one task per node under the fan-out's deadline (``--timeout``), beside its
+   clock samples: process and thread names, sessions (ranks, recorded clock samples) and
+   causal chains (stored ones, else computed by the node), all small;
+2. **bulk**, for every node that answered, all at once: its events (``GET
+   /api/v1/events``, NDJSON) and its calls per histogram window, each into a spool file.
+   The events body goes to disk piece by piece as it arrives, never held whole. It has no
+   deadline (an export takes as long as its size), only a limit on silence: a node that
+   sends nothing for ``--timeout``, or whose answer breaks off, is dropped with a warning.
+
+The exporter then reads the spools one node after another
+(:mod:`fleetd.export.fleet`), so memory stays flat whatever the fleet sends. Nothing
+here parses an event: a spool holds the node's bytes as they came.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+
+from fleetd.analyze.data import CALL_SOURCES
+from fleetd.errors import UsageError
+from fleetd.export.clockfix import SESSION_CLOCK_COLUMNS
+from fleetd.export.local import STORED_CHAIN_COLUMNS, STORED_CHAIN_WINDOW
+from fleetd.fleet.client import FleetClient, NodeFailed
+from fleetd.fleet.fanout import (
+    FleetAnswer,
+    FleetOptions,
+    NodeOutcome,
+    Request,
+    fan_out_work,
+    send_all,
+)
+from fleetd.fleet.merge import NodeWarning
+from fleetd.fleet.queries import WindowArgs, raise_if_user_error
+from fleetd.fleet.targets import Target
+from fleetd.store.timeparse import format_ns, parse_duration, parse_timestamp
+
+log = logging.getLogger("fleetd.fleet.events")
+
+OPEN_END_NS = 2**62  # "no end", as the node API's events endpoint takes it
+RATES_PAGE = 5_000  # histogram windows per request (under the agent's row ceiling)
+NAMES_SQL = ("SELECT 'process' AS kind, pid AS id, NULL AS pid, comm, rank FROM processes "
+             "UNION ALL SELECT 'thread', tid, pid, comm, NULL FROM threads")
+SESSIONS_SQL = f"SELECT {SESSION_CLOCK_COLUMNS}, rank FROM sessions ORDER BY seq"
+# Calls per histogram window: totals where the tracer wrote them, else the buckets (as
+# fleetd.export.local reads a file). Paged on ts_ns.
+_SOURCES = ", ".join(f"'{s}'" for s in sorted(CALL_SOURCES))
+RATES_SQL = (
+    "SELECT ts_ns, dur_ns, coalesce(sum(count) FILTER (WHERE bucket = -1), sum(count)) "
+    f"AS calls FROM aggregates WHERE source IN ({_SOURCES}) AND ts_ns > ? AND ts_ns < ?"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """The export window in *our* clock, resolved once: ``[start_ns, end_ns)``, None
+    where it is open (the node's first event, or whatever it holds when asked)."""
+
+    start_ns: int | None
+    end_ns: int | None
+    label: str
+
+    @classmethod
+    def of(cls, window: WindowArgs, now_ns: int) -> Span:
+        if window.since and window.absolute:
+            raise UsageError(f"give either --since {window.since!r} or --from/--to, not both",
+                             "--since 5m means the last five minutes; --from/--to name "
+                             "absolute times")
+        if window.since:
+            return cls(now_ns - parse_duration(window.since), None, window.label())
+        start = parse_timestamp(window.from_) if window.from_ else None
+        end = parse_timestamp(window.to) + 1 if window.to else None
+        if start is not None and end is not None and end <= start:
+            raise UsageError(f"--from {window.from_!r} is not before --to {window.to!r}",
+                             "swap the two times, or widen the window")
+        return cls(start, end, window.label())
+
+    def in_node_clock(self, offset_ns: int) -> tuple[int, int]:
+        """``[start, end)`` as the node's clock reads it (``offset``: node minus ours)."""
+        start = 0 if self.start_ns is None else self.start_ns + offset_ns
+        end = OPEN_END_NS if self.end_ns is None else self.end_ns + offset_ns
+        return start, end
+
+    def to_json(self) -> dict[str, Any]:
+        return {"label": self.label, "start_ns": self.start_ns, "end_ns": self.end_ns,
+                "start": format_ns(self.start_ns) if self.start_ns is not None else None,
+                "end": format_ns(self.end_ns) if self.end_ns is not None else None}
+
+
+@dataclass(frozen=True, slots=True)
+class PullSpec:
+    span: Span
+    pid: int | None = None
+    limit_per_node: int | None = None
+    chains: str = "auto"  # auto | stored | computed | none, as fleetd.export.local
+
+
+@dataclass(slots=True)
+class NodePull:
+    """What one node sent: its facts (replies of round 1) and its spool files."""
+
+    outcome: NodeOutcome
+    facts: dict[str, Any]  # names, sessions, stored, computed: the nodes' JSON replies
+    events: Path  # NDJSON as the node sent it
+    rates: Path  # one JSON [ts_ns, dur_ns, calls] per line
+    events_bytes: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.outcome.name
+
+
+def pull(opts: FleetOptions, spec: PullSpec, spool: Path
+         ) -> tuple[FleetAnswer, list[NodePull]]:
+    """Both rounds on every node; spool files go into the directory ``spool``."""
+    from fleetd.fleet.fanout import run
+
+    got: tuple[FleetAnswer, list[NodePull]] = run(pull_async(opts, spec, spool))
+    return got
+
+
+async def pull_async(opts: FleetOptions, spec: PullSpec, spool: Path
+                     ) -> tuple[FleetAnswer, list[NodePull]]:
+    node_limit = max(0.05, opts.client.timeout_s * 0.9)
+
+    async def facts(client: FleetClient, t: Target, offset: int) -> list[dict[str, Any]]:
+        return [await _facts(client, t, spec, offset, node_limit)]
+
+    async with FleetClient(opts.client) as client:
+        # needs_offset: the window goes to each node in its own clock.
+        answer = await fan_out_work(opts, facts, needs_offset=True, client=client)
+        raise_if_user_error(answer)
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(_bulk(client, answer, o, spec, spool / str(i), node_limit))
+                     for i, o in enumerate(answer.answered)]
+    pulls = [p for p in (t.result() for t in tasks) if p is not None]
+    return answer, pulls
+
+
+# ---- round 1: facts -----------------------------------------------------------------
+
+
+def _sql(sql: str, params: list[Any], timeout_s: float, max_rows: int | None = None
+         ) -> Request:
+    body: dict[str, Any] = {"sql": sql, "params": params, "timeout_s": timeout_s}
+    if max_rows is not None:
+        body["max_rows"] = max_rows
+    return Request("POST", "/api/v1/query", body=body, expect=("columns", "rows"))
+
+
+async def _facts(client: FleetClient, t: Target, spec: PullSpec, offset: int,
+                 node_limit: float) -> dict[str, Any]:
+    start, end = spec.span.in_node_clock(offset)
+    asks = [_sql(NAMES_SQL, [], node_limit), _sql(SESSIONS_SQL, [], node_limit)]
+    if spec.chains in ("auto", "stored"):
+        sql = f"SELECT {STORED_CHAIN_COLUMNS} FROM chains WHERE {STORED_CHAIN_WINDOW}"
+        params: list[Any] = [end, start]
+        if spec.pid is not None:
+            sql += " AND victim_pid = ?"
+            params.append(spec.pid)
+        asks.append(_sql(sql + " ORDER BY ts_ns, id", params, node_limit))
+    replies = await send_all(client, t, asks)
+    stored = replies[2] if len(replies) > 2 else None
+    facts: dict[str, Any] = {"node": replies[0].get("node"), "names": replies[0],
+                             "sessions": replies[1], "stored": stored, "computed": None,
+                             "notes": []}
+    if spec.chains == "computed" or (spec.chains == "auto" and not (stored or {}).get("rows")):
+        facts["computed"] = await _computed_chains(client, t, spec, start, end, facts["notes"])
+    return facts
+
+
+async def _computed_chains(client: FleetClient, t: Target, spec: PullSpec, start: int,
+                           end: int, notes: list[str]) -> dict[str, Any] | None:
+    """The node's explain over the window: the expensive request, made only when nothing
+    is stored. Chains are annotations, so a node whose analysis fails or runs too long
+    still exports its events, with a note, instead of being dropped."""
+    params = {"from": str(start)} if spec.span.start_ns is not None else {}
+    if spec.span.end_ns is not None:
+        params["to"] = str(end - 1)
+    if spec.pid is not None:
+        params["pid"] = str(spec.pid)
+    ask = Request("GET", "/api/v1/chains", params, expect=("chains",))
+    # Stop early enough that the node's events still get their turn.
+    budget = client.remaining() - min(1.0, client.opts.timeout_s * 0.1)
+    try:
+        async with asyncio.timeout(max(0.0, budget)):
+            [reply] = await send_all(client, t, [ask])
+    except NodeFailed as exc:
+        notes.append(f"causal chains left out: {exc.failure.text()}")
+        return None
+    except TimeoutError:
+        notes.append("causal chains left out: the node's analysis did not finish within "
+                     "--timeout (raise it, narrow the window, or use --chains none)")
+        return None
+    return reply
+
+
+# ---- round 2: bulk ------------------------------------------------------------------
+
+
+async def _bulk(client: FleetClient, answer: FleetAnswer, o: NodeOutcome, spec: PullSpec,
+                base: Path, node_limit: float) -> NodePull | None:
+    """Spool one node's events and rates; a failure drops the node with a warning."""
+    assert o.replies is not None
+    facts = o.replies[0]
+    node = NodePull(o, facts, base.with_suffix(".events.ndjson"),
+                    base.with_suffix(".rates.ndjson"), warnings=list(facts.get("notes") or []))
+    start, end = spec.span.in_node_clock(answer.offset_ns(o))
+    params = {"since": str(start), "until": str(end)}
+    if spec.pid is not None:
+        params["pid"] = str(spec.pid)
+    if spec.limit_per_node is not None:
+        params["limit"] = str(spec.limit_per_node)
+    idle_s = client.opts.timeout_s
+    try:
+        with _spool(node.events) as f:
+            node.events_bytes = await client.stream_to(o.target, "/api/v1/events", params,
+                                                       f.write, idle_s)
+    except NodeFailed as exc:
+        _drop(answer, o, exc)
+        return None
+    log.info("node %s: %d bytes of events", o.name, node.events_bytes)
+    with _spool(node.rates) as f:
+        try:
+            await _rates(client, o.target, spec, start, end, node_limit, f)
+        except NodeFailed as exc:
+            # Secondary data: the timeline is still right without this counter.
+            node.warnings.append("calls/s from histograms left out: "
+                                 f"{exc.failure.text()}")
+    return node
+
+
+def _spool(path: Path) -> BinaryIO:
+    try:
+        return open(path, "wb")  # noqa: SIM115 - the caller closes it
+    except OSError as exc:
+        raise UsageError(f"cannot write a spool file in {str(path.parent)!r}: "
+                         f"{exc.strerror}", "export to a directory you can write, with "
+                         "room for the nodes' events") from None
+
+
+def _drop(answer: FleetAnswer, o: NodeOutcome, exc: NodeFailed) -> None:
+    """A node that failed half-way counts as not answered: the status and exit code say
+    partial, and its warning says why."""
+    o.replies, o.failure = None, exc.failure
+    answer.warnings.append(NodeWarning(o.name, f"left out of the export: {exc.failure.text()}",
+                                       exc.failure.kind))
+
+
+async def _rates(client: FleetClient, t: Target, spec: PullSpec, start: int, end: int,
+                 node_limit: float, out: BinaryIO) -> None:
+    sql = RATES_SQL + (" AND pid = ?" if spec.pid is not None else "")
+    sql += " GROUP BY ts_ns, dur_ns ORDER BY ts_ns"
+    cursor = start - 1
+    while True:
+        params: list[Any] = [cursor, end, *([spec.pid] if spec.pid is not None else [])]
+        [reply] = await send_all(client, t, [_sql(sql, params, node_limit, RATES_PAGE)])
+        rows = [r for r in reply.get("rows") or [] if isinstance(r, list) and len(r) == 3]
+        out.write(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+        if not reply.get("truncated") or not rows or not isinstance(rows[-1][0], int):
+            return
+        cursor = rows[-1][0]
