@@ -1,8 +1,9 @@
-"""Environment checks for ``fleetd check``: can this machine trace, and how?
+"""Host and CUDA checks for ``fleetd check``: can this machine trace, and how?
 
-Each check says ok / warn / fail, what it found, and for anything short of ok, the
-fix. The probe check is real: it compiles the programs and attaches every probe to
-every CUDA library found, then detaches, so "can attach" means it did attach.
+Each check says ok / warn / fail / skip, what it found, and for anything short of ok,
+the fix (:class:`fleetd.checks.Check`). The probe check is real: it compiles the
+programs and attaches every probe to every CUDA library found, then detaches, so "can
+attach" means it did attach.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import ctypes
 import logging
 import os
 import platform
-from dataclasses import asdict, dataclass
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
+from fleetd.checks import FAIL, OK, SKIP, WARN, Check
 from fleetd.trace import clock
 from fleetd.trace.headers import ROUTES, HeaderRoute, prepare_route
 from fleetd.trace.libs import (
@@ -27,7 +28,8 @@ from fleetd.trace.probes import SPECS_BY_KIND, planned_symbols
 
 log = logging.getLogger("fleetd.trace.check")
 
-OK, WARN, FAIL = "ok", "warn", "fail"
+__all__ = ["FAIL", "OK", "SKIP", "WARN", "Check", "run_checks"]
+
 TRACEPOINTS = (
     "sched/sched_switch", "sched/sched_wakeup", "sched/sched_process_fork",
     "sched/sched_process_exec", "sched/sched_process_exit", "kmem/mm_page_alloc",
@@ -36,23 +38,33 @@ TRACEPOINTS = (
 )
 _BPF_MAP_CREATE = 0
 _SYS_BPF = {"x86_64": 321, "aarch64": 280}
+# Capability bits (linux/capability.h). CAP_BPF and CAP_PERFMON split off
+# CAP_SYS_ADMIN in 5.8; an older kernel needs CAP_SYS_ADMIN itself.
+CAPS = {"CAP_SYS_ADMIN": 21, "CAP_PERFMON": 38, "CAP_BPF": 39}
+# Attaching needs these to have passed: without them compiling is bound to fail.
+_NEEDED_TO_ATTACH = ("root", "capabilities", "bpf", "tracefs", "bcc", "headers")
 
 
-@dataclass
-class Check:
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
+def run_checks(cuda_libs: list[str] | None = None, *, attach: bool = True,
+               groups: Collection[str] = ("host", "cuda"), skips: bool = False
+               ) -> list[Check]:
+    """The ``host`` checks (kernel, privileges, BPF, tracefs, bcc, headers, clock) and
+    the ``cuda`` ones (libraries, symbols, programs and probes); ``groups`` picks which
+    are reported. The host checks always run: attaching depends on them. ``skips``:
+    say so (status skip) when the programs were not compiled, instead of leaving the
+    row out."""
+    host, route = _host_checks()
+    out = host if "host" in groups else []
+    if "cuda" in groups:
+        out += _cuda_checks(cuda_libs or [], attach, host, route, skips)
+    return out
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-
-def run_checks(cuda_libs: list[str] | None = None, *, attach: bool = True) -> list[Check]:
+def _host_checks() -> tuple[list[Check], HeaderRoute | None]:
     checks = [
         Check("kernel", OK, f"{platform.release()} ({platform.machine()})"),
         _root(),
+        _capabilities(),
         _bpf_syscall(),
         _btf(),
         _tracefs(),
@@ -62,13 +74,26 @@ def run_checks(cuda_libs: list[str] | None = None, *, attach: bool = True) -> li
     route_check, route = _headers()
     checks.append(route_check)
     checks += _tracepoints()
-    libs = _libraries(cuda_libs or [])
-    checks.append(_libs_check(libs))
-    checks += [_symbols_check(lib) for lib in libs]
-    usable = all(c.status != FAIL for c in checks if c.name in ("root", "bpf", "tracefs", "bcc"))
-    if attach and usable and route is not None:
-        checks += _attach_check(libs)
     checks.append(_clock())
+    return checks, route
+
+
+def _cuda_checks(overrides: list[str], attach: bool, host: list[Check],
+                 route: HeaderRoute | None, skips: bool) -> list[Check]:
+    libs = _libraries(overrides)
+    checks = [_libs_check(libs), *(_symbols_check(lib) for lib in libs)]
+    failed = [c.name for c in host if c.name in _NEEDED_TO_ATTACH and c.status == FAIL]
+    if attach and not failed and route is not None:
+        checks += _attach_check(libs)
+    elif skips and not attach:
+        checks.append(Check("programs", SKIP, "not compiled, probes not attached (--no-attach)",
+                            "run without --no-attach to compile and attach for real"))
+    elif skips:
+        checks.append(Check("programs", SKIP, "not compiled, probes not attached: "
+                            f"{', '.join(failed or ['headers'])} failed",
+                            "fix the failed host checks first (fleetd check --only host)"))
+    for c in checks:
+        c.group = "cuda"
     return checks
 
 
@@ -77,6 +102,32 @@ def _root() -> Check:
         return Check("root", OK, "running as root")
     return Check("root", FAIL, f"running as uid {os.geteuid()}",
                  "run fleetd trace/check with sudo (BPF and uprobes need root)")
+
+
+def _capabilities() -> Check:
+    """CapEff of this process: root in a container can still lack them."""
+    eff = _effective_caps()
+    if eff is None:
+        return Check("capabilities", WARN, "cannot read CapEff from /proc/self/status",
+                     "is /proc mounted? fleetd needs CAP_BPF + CAP_PERFMON or CAP_SYS_ADMIN")
+    have = [name for name, bit in CAPS.items() if eff >> bit & 1]
+    shown = f"CapEff {eff:016x}: {', '.join(have) or 'none of ' + ', '.join(CAPS)}"
+    if "CAP_SYS_ADMIN" in have or {"CAP_BPF", "CAP_PERFMON"} <= set(have):
+        return Check("capabilities", OK, shown)
+    return Check("capabilities", FAIL, shown,
+                 "run as root with full capabilities; in a container add --privileged, or "
+                 "--cap-add BPF --cap-add PERFMON --cap-add SYS_ADMIN")
+
+
+def _effective_caps() -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split(":", 1)[1].strip(), 16)
+    return None
 
 
 def _bpf_syscall() -> Check:
@@ -149,6 +200,9 @@ def _headers() -> tuple[Check, HeaderRoute | None]:
     """The first route that prepares and compiles a tiny program."""
     tried = []
     forced = os.environ.get("FLEETD_HEADERS")
+    if forced and forced not in ROUTES:
+        return Check("headers", FAIL, f"FLEETD_HEADERS={forced!r} names no header route",
+                     f"unset FLEETD_HEADERS, or set it to one of: {', '.join(ROUTES)}"), None
     for name in (forced,) if forced else ROUTES:
         route = prepare_route(name)
         if route is None:

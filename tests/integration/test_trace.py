@@ -391,7 +391,7 @@ def test_driver_layer_when_libcuda_is_available(tmp_path: Path) -> None:
 def test_check_reports_a_working_route_and_attachable_probes() -> None:
     r = subprocess.run([FLEETD, "check", "--format", "json"], capture_output=True, text=True,
                        timeout=120)
-    checks = {c["name"]: c for c in json.loads(r.stdout)}
+    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
     assert r.returncode == 0, r.stdout + r.stderr
     assert checks["headers"]["status"] == "ok"
     assert checks["programs"]["status"] == "ok"
