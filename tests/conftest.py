@@ -99,14 +99,6 @@ def assert_one_line_error(proc: Any, *needles: str) -> None:
         assert n in first, proc.stderr
 
 
-def wait_for_libcudart(pid: int, timeout: float = 20.0) -> None:
-    """Block until the workload has mapped libcudart (uprobes attach to the mapped file)."""
-    deadline = _time.monotonic() + timeout
-    while _time.monotonic() < deadline:
-        try:
-            if "libcudart" in Path(f"/proc/{pid}/maps").read_text():
-                return
-        except OSError:
-            pass
-        _time.sleep(0.02)
-    raise AssertionError(f"workload {pid} never mapped libcudart")
+
+
+from recorder import wait_for_libcudart  # noqa: E402,F401  (one copy: the recorder's)

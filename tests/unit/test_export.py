@@ -187,7 +187,7 @@ def test_mistakes_are_one_line(cpu_hog: Path, tmp_path: Path) -> None:
         (["--db", str(cpu_hog), "--offset", "gpu-01=soon"], "invalid duration 'soon'"),
         (["--db", str(cpu_hog), "--limit-per-node", "0"], "invalid --limit-per-node 0"),
         (["--db", str(cpu_hog), "--pid", "-4"], "invalid --pid -4"),
-        (["--nodes", "a:1,b:2"], "needs the fleet client"),
+        (["--nodes", "a:1,b:2"], "fleet CA"),
     ]
     for args, needle in cases:
         proc = fleetd("export", *args, "-o", str(tmp_path / "x.json"))
