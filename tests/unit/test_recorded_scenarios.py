@@ -8,6 +8,7 @@ fix; the quiet baseline must have no HIGH chain.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 from functools import cache
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from perfetto_check import load, validate
 from recorder import (
     DEFAULT_FLEET_OUT,
     DEFAULT_OUT,
@@ -132,3 +134,15 @@ def test_fleet_set_names_the_straggler_and_merges_again_to_the_same_rows(
             sqlite3.connect(f"file:{again}?mode=ro", uri=True) as b:
         assert a.execute(q).fetchall() == b.execute(q).fetchall()
     assert (out / "cluster.db").stat().st_size < 2 * MAX_BYTES
+
+
+def test_fleet_merge_opens_as_one_timeline(tmp_path: Path) -> None:
+    out = tmp_path / "cluster.json.gz"
+    done = subprocess.run([FLEETD, "export", "--format", "perfetto", "--db",
+                           str(DEFAULT_FLEET_OUT / "cluster.db"), "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    s = validate(load(out))
+    assert sorted(s.processes.values()) == list(FLEET)
+    # The straggler's chain is on the timeline, as a marker naming the hog.
+    assert any("cpu-hog" in json.dumps(m, default=str) for m in s.markers)
