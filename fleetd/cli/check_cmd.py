@@ -34,7 +34,7 @@ FLAG_GROUPS: dict[str, tuple[str, ...]] = {
     "ca_cert": ("certs", "nodes"), "client_cert": ("certs", "nodes"),
     "client_key": ("certs", "nodes"), "config": ("db", "certs", "nodes"),
     "nodes": ("nodes",), "token_file": ("nodes",), "timeout": ("nodes",),
-    "clock_skew_threshold": ("nodes",), "show_skew": (), "no_skew_correct": (),
+    "clock_skew_threshold": ("nodes",),
 }
 
 
@@ -70,16 +70,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--cert-warn-within", metavar="DURATION",
                    help=f"warn about certificates that expire within this (default "
                    f"{DEFAULT_CERT_WARNING})")
-    add_fleet_args(p)
+    add_fleet_args(p, skew=False)
     _adapt_fleet_flags(p)
     p.set_defaults(func=run)
 
 
-# The shared fleet flags, as they apply to a check: the skew flags of the fleet commands
-# mean nothing here (every node's offset is always shown), so they are hidden (and
-# refused), and a slow node fails instead of becoming a warning.
+# The shared fleet flags, as they apply to a check (without the skew display and
+# correction flags: every node's offset is always shown); a slow node fails instead of
+# becoming a warning.
 _FLEET_HELP = {
-    "show_skew": argparse.SUPPRESS, "no_skew_correct": argparse.SUPPRESS,
     "config": "fleetd.yaml: the agent's settings (listen, tls, store) and the fleet: section",
     "timeout": "time for all node checks (default: the config's timeout_s, else 10s)",
     "clock_skew_threshold": "warn about a node whose clock is further off than this "
@@ -137,9 +136,6 @@ def _refuse_unused(args: argparse.Namespace, groups: Sequence[str]) -> None:
         if getattr(args, dest, None) in (None, False, []) or set(feeds) & set(groups):
             continue
         flag = "--" + dest.replace("_", "-")
-        if not feeds:
-            raise UsageError(f"{flag} does not apply to fleetd check",
-                             "drop it: the check always reports each node's clock offset")
         raise UsageError(f"{flag} is only used by the {'/'.join(feeds)} checks, and --only "
                          f"{args.only!r} leaves them out", f"add {feeds[0]} to --only, or "
                          f"drop {flag}")

@@ -26,7 +26,10 @@ FLEET_FLAGS = ("nodes", "config", "ca_cert", "client_cert", "client_key", "token
                "show_skew", "clock_skew_threshold", "no_skew_correct")
 
 
-def add_fleet_args(p: argparse.ArgumentParser, *, timeout: bool = True) -> None:
+def add_fleet_args(p: argparse.ArgumentParser, *, timeout: bool = True,
+                   skew: bool = True) -> None:
+    """The shared fleet flags; ``skew=False`` leaves out --show-skew/--no-skew-correct
+    for commands that always report offsets and never shift timestamps."""
     g = p.add_argument_group(
         "fleet", "ask every node's agent (in parallel, over mTLS) instead of a local --db")
     g.add_argument("--nodes", metavar="HOST:PORT,...",
@@ -44,12 +47,14 @@ def add_fleet_args(p: argparse.ArgumentParser, *, timeout: bool = True) -> None:
         g.add_argument("--timeout", metavar="DURATION",
                        help="time for the whole fan-out; slower nodes become warnings "
                        "(default: the config's timeout_s, else 10s)")
-    g.add_argument("--show-skew", action="store_true",
-                   help="print each node's clock offset and its error bound")
+    if skew:
+        g.add_argument("--show-skew", action="store_true",
+                       help="print each node's clock offset and its error bound")
     g.add_argument("--clock-skew-threshold", metavar="DURATION",
                    help="warn when a node's clock is further off than this (default 10ms)")
-    g.add_argument("--no-skew-correct", action="store_true",
-                   help="leave node timestamps in each node's own clock")
+    if skew:
+        g.add_argument("--no-skew-correct", action="store_true",
+                       help="leave node timestamps in each node's own clock")
 
 
 def fleet_mode(args: argparse.Namespace) -> bool:
@@ -117,7 +122,8 @@ def fleet_options(args: argparse.Namespace) -> FleetOptions:
         ssl=context, token=tls.load_token(token_file) if token_file else None,
         timeout_s=timeout, connect_timeout_s=min(fleet.connect_timeout_s, timeout),
         concurrency=max(1, fleet.concurrency), has_client_cert=cert is not None)
-    return FleetOptions(tuple(targets), client, correct=not args.no_skew_correct,
+    return FleetOptions(tuple(targets), client,
+                        correct=not getattr(args, "no_skew_correct", False),
                         skew_threshold_ms=threshold)
 
 

@@ -12,6 +12,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from fleetd import __version__
 from fleetd.errors import FleetdError
@@ -33,8 +34,16 @@ COMMAND_MODULES: tuple[str, ...] = (
 )
 
 
+class Parser(argparse.ArgumentParser):
+    """Argument mistakes read like every other fleetd error: the message first, on one
+    line, then where to look (argparse would print the whole usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"fleetd: error: {message}\n  hint: see '{self.prog} --help'\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fleetd",
         description="Explain GPU latency from the host side, on one node or a whole fleet.",
     )

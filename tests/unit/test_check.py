@@ -368,7 +368,7 @@ def test_no_nodes_is_a_skip_with_a_fix_unless_asked_for() -> None:
     (["--only", "db,bogus"], "--only 'db,bogus': unknown check group bogus"),
     (["--only", "nodes"], "--only nodes needs the nodes to check"),
     (["--only", "db", "--nodes", "127.0.0.1:7600"], "--nodes is only used by the nodes checks"),
-    (["--only", "db", "--show-skew"], "--show-skew does not apply to fleetd check"),
+    (["--only", "db", "--show-skew"], "unrecognized arguments: --show-skew"),
     (["--only", "nodes", "--nodes", "127.0.0.1:"], "invalid node address '127.0.0.1:'"),
     (["--only", "certs", "--listen", "nowhere"], "invalid --listen address 'nowhere'"),
     (["--only", "certs", "--cert-warn-within", "2 weeks"], "invalid duration '2 weeks'"),
