@@ -199,11 +199,15 @@ def _start_agents(fleet: Fleet, wl: dict[str, subprocess.Popen[bytes]]) -> None:
 def _progress(seconds: float) -> None:
     start = time.monotonic()
     width = 30
+    tty = sys.stdout.isatty()
+    # A bar redrawn in place on a terminal; into a log, a line every 5 s instead.
+    step = 0.5 if tty else 5.0
     while (left := seconds - (time.monotonic() - start)) > 0:
         done = int(width * (1 - left / seconds))
-        sys.stdout.write(f"\r  tracing [{'#' * done}{'.' * (width - done)}] {left:4.0f} s left ")
+        line = f"  tracing [{'#' * done}{'.' * (width - done)}] {left:4.0f} s left"
+        sys.stdout.write(f"\r{line} " if tty else f"{line}\n")
         sys.stdout.flush()
-        time.sleep(min(0.5, left))
+        time.sleep(min(step, left))
     sys.stdout.write(f"\r  tracing [{'#' * width}] done{' ' * 14}\n")
 
 
@@ -213,38 +217,41 @@ def run(args: argparse.Namespace) -> int:
     d: Path = args.dir.resolve()
     d.mkdir(parents=True, exist_ok=True)
     out: Path = args.out.resolve()
+    merged, trace = out / "fleet-demo.db", out / "fleet-demo.json"
     fleet = Fleet(d)
     _say(f"fleetd demo: 3 agents on loopback, {SLOW}'s CPU shared with a busy loop "
          f"({HOG_NAME}); files in {d}")
-    _say("[1/6] fleet CA and certificates (fleetd certs)")
+    _say("[1/7] fleet CA and certificates (fleetd certs)")
     _certs(d)
     try:
-        _say("[2/6] reference workload on each node, agents tracing it with eBPF")
+        _say("[2/7] reference workload on each node, agents tracing it with eBPF")
         wl = _start_workloads(fleet, seconds)
         _start_agents(fleet, wl)
         for n in NODES:
             (d / f"{n}.go").touch()
         for n, addr in fleet.addresses.items():
             _say(f"  {n}: agent on https://{addr} (mTLS), tracing pid {wl[n].pid}")
-        _say(f"[3/6] tracing for {seconds:g} s")
+        _say(f"[3/7] tracing for {seconds:g} s")
         _progress(seconds)
         nodes = ",".join(f"{n}={a}" for n, a in fleet.addresses.items())
         tls = ["--ca-cert", str(d / "ca.pem"), "--client-cert", str(d / "demo-client.pem"),
                "--client-key", str(d / "demo-client.key")]
-        _say("[4/6] one query, every node (fan-out over mTLS, clock skew corrected)")
+        _say("[4/7] one query, every node (fan-out over mTLS, clock skew corrected)")
         _show([*_fleetd(), "query", "--nodes", nodes, *tls, "--show-skew",
                "SELECT op, count(*) AS calls, round(avg(dur_ns) / 1000.0, 1) AS avg_us "
                "FROM events WHERE source = 'cuda' GROUP BY op ORDER BY calls DESC"])
-        _say("\n[5/6] which node is the straggler, and why")
+        _say("\n[5/7] which node is the straggler, and why")
         _show([*_fleetd(), "explain", "--nodes", nodes, *tls], check=False)
+        _say("\n[6/7] the fleet as one Perfetto timeline, straight from the agents")
+        trace.unlink(missing_ok=True)
+        _show([*_fleetd(), "export", "--format", "perfetto", "--nodes", nodes, *tls,
+               "-o", str(trace)])
     finally:
         fleet.stop()
-    _say("\n[6/6] merged database and Perfetto timeline")
-    merged, trace = out / "fleet-demo.db", out / "fleet-demo.json"
-    for f in (merged, Path(f"{merged}-wal"), Path(f"{merged}-shm"), trace):
+    _say("\n[7/7] the node databases merged into one file, as an air-gapped cluster would")
+    for f in (merged, Path(f"{merged}-wal"), Path(f"{merged}-shm")):
         f.unlink(missing_ok=True)
     _show([*_fleetd(), "merge", *(str(d / f"{n}.db") for n in NODES), "-o", str(merged)])
-    _show([*_fleetd(), "export", "--format", "perfetto", "--db", str(merged), "-o", str(trace)])
     _say(f"""
 Done. Written:
   {merged}   all three nodes in one database
