@@ -172,7 +172,11 @@ static __always_inline int fl_wakeup(u32 tid)
     return 0;
 }
 
-TRACEPOINT_PROBE(sched, sched_wakeup)
+/* sched_waking, not sched_wakeup: waking fires in the waker's own context, while a
+ * wakeup of a task on another (idle) CPU is queued to that CPU and sched_wakeup then
+ * fires from its interrupt, with the idle task as "current". Measured on the lock-wait
+ * scenario: sched_wakeup named the waker for 16 of 96 D-state waits. */
+TRACEPOINT_PROBE(sched, sched_waking)
 {
     return fl_wakeup(args->pid);
 }

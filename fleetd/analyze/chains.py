@@ -11,7 +11,7 @@ between two calls (a checkpoint fsync in the loop delays the next launch, not a 
 
 Spikes of one thread and op with the same cause form one chain; its culprit is the task
 that took the CPU (sched_switch next task) or that woke the victim from a D-state wait
-(sched_wakeup waker), ranked by the time it accounts for.
+(sched_waking waker), ranked by the time it accounts for.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ log = logging.getLogger("fleetd.trace.check")
 __all__ = ["FAIL", "OK", "SKIP", "WARN", "Check", "run_checks"]
 
 TRACEPOINTS = (
-    "sched/sched_switch", "sched/sched_wakeup", "sched/sched_process_fork",
+    "sched/sched_switch", "sched/sched_waking", "sched/sched_process_fork",
     "sched/sched_process_exec", "sched/sched_process_exit", "kmem/mm_page_alloc",
     "block/block_rq_issue", "block/block_rq_complete", "irq/irq_handler_entry",
     "irq/softirq_entry", "raw_syscalls/sys_enter", "syscalls/sys_enter_clone3",
