@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import queue
 import sqlite3
 import subprocess
 import sys
@@ -122,29 +121,34 @@ def _processes() -> Iterator[list[subprocess.Popen[Any]]]:
                 p.wait(10)
 
 
-def _wait_tracing(tr: subprocess.Popen[str], log: list[str]) -> None:
-    """Until ``fleetd trace`` says it is tracing (its probes are attached)."""
-    lines: queue.Queue[str] = queue.Queue()
+class StderrLog:
+    """A child's stderr read on a thread, every line kept (the pipe never fills), with a
+    wait for the line that says ``fleetd trace`` has attached its probes."""
 
-    def pump() -> None:
-        assert tr.stderr is not None
-        for line in tr.stderr:
-            lines.put(line)
-        lines.put("")
+    MARKER = "fleetd: tracing"
 
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        with suppress(queue.Empty):
-            line = lines.get(timeout=0.5)
-            log.append(line)
-            if "fleetd: tracing" in line:
-                threading.Thread(target=lambda: [log.append(x) for x in iter(lines.get, "")],
-                                 daemon=True).start()
-                return
-            if line == "":
-                break
-    raise RuntimeError("fleetd trace did not start:\n" + "".join(log))
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._seen = threading.Event()
+        self._thread = threading.Thread(target=self._pump, args=(proc.stderr,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, stream: Any) -> None:
+        for line in stream:
+            self.lines.append(line)
+            if self.MARKER in line:
+                self._seen.set()
+        self._seen.set()  # end of stream: wake the waiter either way
+
+    def tracing(self, timeout: float) -> bool:
+        """True once the tracer said it is tracing; False if it ended or timed out first."""
+        self._seen.wait(timeout)
+        return any(self.MARKER in line for line in self.lines)
+
+    def text(self, timeout: float = 10.0) -> str:
+        """Everything so far; after the child exits, everything it wrote."""
+        self._thread.join(timeout)
+        return "".join(self.lines)
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,8 @@ def _trace_nodes(runs: list[NodeRun], neighbours: list[tuple[tuple[str, ...], in
     """Start every workload, trace each with its own ``fleetd trace``, start the
     neighbours, let the workloads go, and wait until all of them are done."""
     with _processes() as procs:
-        loads, tracers, logs = [], [], []
+        loads: list[subprocess.Popen[str]] = []
+        tracers: list[tuple[subprocess.Popen[str], StderrLog]] = []
         for r in runs:
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{r.db}{suffix}").unlink(missing_ok=True)
@@ -175,12 +180,13 @@ def _trace_nodes(runs: list[NodeRun], neighbours: list[tuple[tuple[str, ...], in
         for r, wl in zip(runs, loads, strict=True):
             wait_for_libcudart(wl.pid)
             tr = subprocess.Popen(
-                [FLEETD, "trace", "--pid", str(wl.pid), "--db", str(r.db), "--node", r.node,
-                 "--summary-json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                [FLEETD, "trace", "--pid", str(wl.pid), "--db", str(r.db), "--node", r.node],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             procs.append(tr)
-            tracers.append(tr)
-            logs.append([])
-            _wait_tracing(tr, logs[-1])
+            log = StderrLog(tr)
+            tracers.append((tr, log))
+            if not log.tracing(90):
+                raise RuntimeError(f"fleetd trace did not start:\n{log.text(1)}")
         for args, cpu in neighbours:
             procs.append(subprocess.Popen(
                 [sys.executable, str(NEIGHBOUR), *_fill(args, places),
@@ -188,12 +194,12 @@ def _trace_nodes(runs: list[NodeRun], neighbours: list[tuple[tuple[str, ...], in
         if neighbours:
             time.sleep(0.3)  # the neighbours are up before the first step
         go.touch()
-        for r, wl, tr, log in zip(runs, loads, tracers, logs, strict=True):
+        for r, wl, (tr, log) in zip(runs, loads, tracers, strict=True):
             wl_out, _ = wl.communicate(timeout=seconds + 120)
-            tr.communicate(timeout=60)
+            tr.wait(60)
             if tr.returncode != 0 or wl.returncode != 0:
                 raise RuntimeError(f"{r.node}: trace exited {tr.returncode}, workload "
-                                   f"{wl.returncode}:\n{''.join(log)}\n{wl_out}")
+                                   f"{wl.returncode}:\n{log.text()}\n{wl_out}")
     for r in runs:
         compact(r.db)
 
@@ -243,11 +249,9 @@ def record_fleet(out_dir: Path, seconds: float = 6.0) -> Path:
 
 def compact(db: Path) -> None:
     """One self-contained file: WAL folded in, journal mode DELETE, free pages dropped."""
-    with sqlite3.connect(db) as c:
-        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        c.execute("PRAGMA journal_mode=DELETE")
-    c = sqlite3.connect(db)
+    c = sqlite3.connect(db, isolation_level=None)  # VACUUM runs outside a transaction
     try:
+        c.execute("PRAGMA journal_mode=DELETE")  # leaving WAL checkpoints it into the file
         c.execute("VACUUM")
     finally:
         c.close()

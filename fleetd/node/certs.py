@@ -428,17 +428,7 @@ def init_ca(
     directory = Path(directory)
     cert_path, key_path = directory / CA_CERT, directory / CA_KEY
     _refuse_existing([cert_path, key_path], force)
-    key = generate_key()
-    subject = _name(name)
-    cert = build_certificate(
-        subject=subject,
-        public_key=key.public_key(),
-        issuer=subject,
-        issuer_key=key,
-        issuer_public=key.public_key(),
-        window=validity(days, not_before, not_after),
-        is_ca=True,
-    )
+    cert, key = _self_signed(name, validity(days, not_before, not_after), is_ca=True)
     write_pair(cert_path, key_path, cert, key, force=force)
     log.info("wrote CA %s (%s)", cert_path, cert_fingerprint(cert))
     return _issued(cert_path, key_path, cert)
@@ -563,19 +553,24 @@ def make_self_signed(
     sans: Sequence[x509.GeneralName], *, common_name: str, days: int
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A self-signed serverAuth leaf (no CA bit): trusted only by its pinned fingerprint."""
+    return _self_signed(common_name, validity(days), is_ca=False,
+                        usages=[ExtendedKeyUsageOID.SERVER_AUTH], sans=sans)
+
+
+def _self_signed(
+    common_name: str,
+    window: tuple[datetime, datetime],
+    *,
+    is_ca: bool,
+    usages: Sequence[x509.ObjectIdentifier] = (),
+    sans: Sequence[x509.GeneralName] = (),
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A certificate signed by its own new key: a CA root, or a pinned leaf."""
     key = generate_key()
     subject = _name(common_name)
-    cert = build_certificate(
-        subject=subject,
-        public_key=key.public_key(),
-        issuer=subject,
-        issuer_key=key,
-        issuer_public=key.public_key(),
-        window=validity(days),
-        is_ca=False,
-        usages=[ExtendedKeyUsageOID.SERVER_AUTH],
-        sans=sans,
-    )
+    cert = build_certificate(subject=subject, public_key=key.public_key(), issuer=subject,
+                             issuer_key=key, issuer_public=key.public_key(), window=window,
+                             is_ca=is_ca, usages=usages, sans=sans)
     return cert, key
 
 

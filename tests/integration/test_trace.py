@@ -12,12 +12,10 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import queue
 import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from recorder import StderrLog
 
 from conftest import FLEETD, REPO, wait_for_libcudart
 
@@ -67,12 +66,6 @@ class Traced:
         return rows[0][0]
 
 
-def _reader(stream: Any, out: queue.Queue[str]) -> None:
-    for line in stream:
-        out.put(line)
-    out.put("")
-
-
 def _pin(cpu: int) -> Any:
     return lambda: os.sched_setaffinity(0, {cpu})
 
@@ -92,31 +85,18 @@ def run_traced(tmp_path: Path, workload_args: list[str], trace_args: list[str] =
             [FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db), "--node", "test-node",
              "--summary-json", *trace_args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=_reader, args=(tr.stderr, lines), daemon=True).start()
-        err: list[str] = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                line = lines.get(timeout=1)
-            except queue.Empty:
-                continue
-            err.append(line)
-            if line == "" or "fleetd: tracing" in line:
-                break
-        assert any("fleetd: tracing" in x for x in err), "".join(err)
+        log = StderrLog(tr)
+        assert log.tracing(60), log.text(1)
         go.touch()
         wl_out, _ = wl.communicate(timeout=120)
-        tr_out, _ = tr.communicate(timeout=60)
-        while True:
-            line = lines.get(timeout=10)
-            if line == "":
-                break
-            err.append(line)
-        assert tr.returncode == 0, "".join(err)
+        assert tr.stdout is not None
+        tr_out = tr.stdout.read()
+        tr.wait(60)
+        err = log.text()
+        assert tr.returncode == 0, err
         assert wl.returncode == 0, wl_out
         return Traced(json.loads(wl_out.strip().splitlines()[-1]), json.loads(tr_out), db,
-                      "".join(err))
+                      err)
     finally:
         for p in (wl,):
             if p.poll() is None:
