@@ -27,7 +27,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fleetd.node import tls  # noqa: E402
+from fleetd.security import tls  # noqa: E402
 
 FLEETD = str(REPO / ".venv" / "bin" / "fleetd")
 WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"

@@ -40,7 +40,7 @@ from fleetd.fleet.client import ClientOptions, FleetClient  # noqa: E402
 from fleetd.fleet.fanout import FleetOptions, run  # noqa: E402
 from fleetd.fleet.queries import FleetResult, QuerySpec, query, query_async  # noqa: E402
 from fleetd.fleet.targets import Target  # noqa: E402
-from fleetd.node import tls  # noqa: E402
+from fleetd.security import tls  # noqa: E402
 from fleetd.store.catalog import op_code  # noqa: E402
 from fleetd.store.writer import BatchWriter  # noqa: E402
 

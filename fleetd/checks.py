@@ -1,9 +1,10 @@
 """What one ``fleetd check`` finding is, and the groups they come in.
 
 Every check says ok / warn / fail / skip, one line of what it found and, for anything
-short of ok, one line of how to fix it. The host and CUDA checks live in
-:mod:`fleetd.trace.check`; the database and certificate checks in
-:mod:`fleetd.node.checks`; the fleet reachability checks in :mod:`fleetd.node.reach`.
+short of ok, one line of how to fix it. One module named ``checks`` per layer builds on
+this one: the host and CUDA checks in :mod:`fleetd.trace.checks`, the database in
+:mod:`fleetd.store.checks`, the certificates in :mod:`fleetd.security.checks`, the fleet
+reachability in :mod:`fleetd.fleet.checks`.
 This module has no heavy imports, so every one of them can use it.
 """
 
@@ -76,3 +77,18 @@ def example_file(name: str) -> Traversable:
     """An example deployment file shipped with fleetd (``fleetd.yaml``,
     ``fleetd-agent.service``, ``daemonset.yaml``), wherever fleetd is installed."""
     return importlib.resources.files("fleetd.configs").joinpath(name)
+
+
+class Stop(Exception):
+    """A finding that ends a check: nothing after it can be looked at."""
+
+    def __init__(self, finding: Finding) -> None:
+        super().__init__(finding.text)
+        self.finding = finding
+
+
+def stopped(name: str, group: str, subject: str, finding: Finding,
+             data: dict[str, Any]) -> Check:
+    # Messages from fleetd's file readers already name the file; say it once.
+    text = finding.text if subject in finding.text else f"{subject}: {finding.text}"
+    return Check(name, finding.status, text, finding.fix, group=group, data=data)

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from fleetd.node import tls
+from fleetd.security import tls
 
 from conftest import FLEETD
 

@@ -460,6 +460,10 @@ class Chain:
         return max(0, end - self.ts_ns)
 
 
+# Severities, most severe first: the order every list of chains is sorted in.
+SEVERITY_RANK = {"HIGH": 0, "MEDIUM": 1, "LOW": 2}
+
+
 def severity(explained: float, impact: float) -> str:
     """HIGH: the host explains most of the spikes and they cost >= 5 % of the time;
     MEDIUM: a quarter explained and >= 1 % of the time; LOW: everything else."""

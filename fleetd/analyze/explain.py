@@ -19,6 +19,7 @@ from fleetd.analyze import rules
 from fleetd.analyze.breakdown import process_rows, thread_breakdown
 from fleetd.analyze.chains import (
     MIN_CALLS,
+    SEVERITY_RANK,
     Baseline,
     Chain,
     NodeView,
@@ -41,13 +42,13 @@ from fleetd.analyze.data import (
 )
 from fleetd.analyze.opstats import node_op_stats
 from fleetd.analyze.window import Window, resolve_window
+from fleetd.store.chainrow import chain_row
 from fleetd.store.db import open_reader
 from fleetd.store.timeparse import format_ns
 
 log = logging.getLogger("fleetd.analyze.explain")
 
 Report = dict[str, Any]
-SEVERITY_RANK = {"HIGH": 0, "MEDIUM": 1, "LOW": 2}
 MIN_UNEXPLAINED_IMPACT = 0.01  # unexplained spikes below this share of time are noise
 
 
@@ -195,20 +196,8 @@ def store_chains(path: Path, report: Report) -> int:
         by_node.setdefault(c["node"], []).append(c)
     for node, chains in by_node.items():
         with BatchWriter(path, node) as w:
-            w.add_chains([_chain_row(c) for c in chains])
+            w.add_chains([chain_row(c) for c in chains])
     return sum(len(v) for v in by_node.values())
-
-
-def _chain_row(c: dict[str, Any]) -> dict[str, Any]:
-    culprit = c["culprit"] or {}
-    return {
-        "key": c["key"], "ts_ns": c["ts_ns"], "dur_ns": c["dur_ns"], "severity": c["severity"],
-        "root_cause": c["root_cause"], "summary": c["summary"], "op": c["op"],
-        "victim_pid": c["victim"]["pid"], "victim_tid": c["victim"]["tid"],
-        "victim_comm": c["victim"]["comm"], "culprit_pid": culprit.get("pid"),
-        "culprit_comm": culprit.get("comm"), "explained": c["explained"],
-        "impact": c["impact"], "evidence": c["evidence"], "fixes": c["fixes"],
-    }
 
 
 # ---- straggler features --------------------------------------------------------------

@@ -8,8 +8,9 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
+from fleetd.analyze.chains import SEVERITY_RANK
 from fleetd.analyze.data import nodes
-from fleetd.analyze.explain import SEVERITY_RANK, explain
+from fleetd.analyze.explain import explain
 from fleetd.analyze.window import Window
 
 SESSION_COLUMNS = ("id", "started_ns", "ended_ns", "lost_events", "rank", "world_size",

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fleetd.config import Config, load_config
 from fleetd.errors import UsageError
-from fleetd.node.config import Config, load_config
 
 if TYPE_CHECKING:
     from fleetd.node.agent import AgentSettings, TracerFactory
@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _settings(args: argparse.Namespace, cfg: Config) -> AgentSettings:
     from fleetd.node.agent import AgentSettings, default_node_name, served_node
-    from fleetd.node.tls import load_token
+    from fleetd.security.tls import load_token
     from fleetd.store.db import default_db_path
     from fleetd.store.guard import Limits
 

@@ -1,6 +1,6 @@
 """``fleetd certs``: make the fleet CA, node and client certificates, and inspect them.
 
-The work is in :mod:`fleetd.node.certs`; this module parses arguments and prints what
+The work is in :mod:`fleetd.security.certs`; this module parses arguments and prints what
 was written, with fingerprints, so that an operator can compare them with what a node
 or a client reports.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from cryptography import x509
 
 from fleetd.errors import UsageError
-from fleetd.node import certs
+from fleetd.security import certs
 
 DEFAULT_DIR = Path("certs")
 EXPIRY_WARNING = timedelta(days=30)

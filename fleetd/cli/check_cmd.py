@@ -23,7 +23,7 @@ from fleetd.errors import ConfigError, FleetdError, UsageError
 from fleetd.store.timeparse import parse_duration
 
 if TYPE_CHECKING:
-    from fleetd.node.config import Config
+    from fleetd.config import Config
 
 DEFAULT_CERT_WARNING = "14d"
 # The groups each flag feeds: a flag none of the selected groups reads is a mistake.
@@ -146,7 +146,7 @@ def _cert_warning(text: str | None) -> timedelta:
 
 
 def _validate_listen(text: str) -> None:
-    from fleetd.node.config import parse_hostport
+    from fleetd.config import parse_hostport
 
     try:
         parse_hostport(text, "--listen address")
@@ -156,7 +156,7 @@ def _validate_listen(text: str) -> None:
 
 def _config(path: Path | None) -> tuple[Config | None, list[Check]]:
     """The config and a check of it; a broken config is a finding, not an abort."""
-    from fleetd.node.config import Config, load_config
+    from fleetd.config import Config, load_config
 
     if path is None:
         return Config(), []
@@ -178,15 +178,16 @@ def _host(args: argparse.Namespace, groups: Sequence[str]) -> list[Check]:
     wanted = [g for g in groups if g in ("host", "cuda")]
     if not wanted:
         return []
-    from fleetd.trace.check import run_checks
+    from fleetd.trace.checks import run_checks
 
     return run_checks(args.cuda_lib, attach=not args.no_attach, groups=wanted, skips=True)
 
 
 def _agent_side(args: argparse.Namespace, groups: Sequence[str], cfg: Config | None,
                 warn_within: timedelta) -> list[Check]:
-    from fleetd.node.checks import TlsFiles, cert_checks, db_check
-    from fleetd.node.config import Config
+    from fleetd.config import Config
+    from fleetd.security.checks import TlsFiles, cert_checks
+    from fleetd.store.checks import db_check
     from fleetd.store.db import default_db_path
 
     c = cfg or Config()
@@ -206,8 +207,8 @@ def _agent_side(args: argparse.Namespace, groups: Sequence[str], cfg: Config | N
 
 def _nodes(args: argparse.Namespace, cfg: Config | None, explicit: bool) -> list[Check]:
     from fleetd.cli.fleet_args import fleet_options
+    from fleetd.fleet.checks import node_checks
     from fleetd.fleet.targets import parse_nodes
-    from fleetd.node.reach import node_checks
 
     if not args.nodes and not (cfg and cfg.fleet.nodes):
         how = ("pass --nodes HOST:PORT,... with --ca-cert, --client-cert and --client-key, "

@@ -96,11 +96,11 @@ def milliseconds(text: str, what: str) -> float:
 
 def fleet_options(args: argparse.Namespace) -> FleetOptions:
     """Targets, TLS material and limits from the flags, then the config, then defaults."""
+    from fleetd.config import FleetConfig, load_config
     from fleetd.fleet.client import ClientOptions
     from fleetd.fleet.fanout import FleetOptions
     from fleetd.fleet.targets import from_config, parse_nodes
-    from fleetd.node import tls
-    from fleetd.node.config import FleetConfig, load_config
+    from fleetd.security import tls
 
     fleet = load_config(args.config).fleet if args.config else FleetConfig()
     targets = parse_nodes(args.nodes) if args.nodes else from_config(fleet, str(args.config))

@@ -77,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _http_settings(args: argparse.Namespace) -> HttpSettings | None:
+    from fleetd.config import parse_hostport
     from fleetd.mcp.https import HttpSettings, check_settings
-    from fleetd.node.config import parse_hostport
-    from fleetd.node.tls import load_token
+    from fleetd.security.tls import load_token
 
     given = [f for f in ("tls_cert", "tls_key", "client_ca", "http_token_file")
              if getattr(args, f) is not None]

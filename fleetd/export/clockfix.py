@@ -15,9 +15,6 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
-
-import orjson
 
 from fleetd.export.model import ClockFix, EventRow, Piece
 from fleetd.store.clockinfo import SessionClock
@@ -25,25 +22,6 @@ from fleetd.store.clockinfo import SessionClock
 log = logging.getLogger("fleetd.export.clockfix")
 
 MAX_REORDER_NS = 100_000_000
-# The session columns a correction needs, from the file or from a node's sessions view.
-SESSION_CLOCK_COLUMNS = (
-    "seq, boot_id, started_ns, ended_ns, mono_offset_ns, clock_error_ns, clock_samples")
-
-
-def session_clock(row: Sequence[Any]) -> SessionClock:
-    """One row of :data:`SESSION_CLOCK_COLUMNS`; TypeError/ValueError when a value has
-    the wrong type (a row from a peer is not trusted)."""
-    seq, boot, start, end, off, err, samples = row
-    return SessionClock(int(seq), None if boot is None else str(boot), int(start),
-                        None if end is None else int(end), int(off),
-                        None if err is None else int(err), _samples(samples))
-
-
-def _samples(text: str | None) -> list[tuple[int, int, int]]:
-    try:
-        return [(int(m), int(o), int(e)) for m, o, e in orjson.loads(text or "[]")]
-    except (orjson.JSONDecodeError, TypeError, ValueError):
-        return []
 
 
 def recorded_fix(sessions: Sequence[SessionClock], offset_ns: int = 0,

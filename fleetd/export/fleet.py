@@ -1,4 +1,4 @@
-"""A live fleet as exporter input: what :mod:`fleetd.fleet.events` spooled, read back
+"""A live fleet as exporter input: what :mod:`fleetd.export.pull` spooled, read back
 one node after another, each with its clock correction.
 
 A live node's stamps are corrected by the offset the fleet client measured (``fleet``:
@@ -25,15 +25,15 @@ from typing import Any, BinaryIO
 import orjson
 
 from fleetd.errors import NetworkError
-from fleetd.export.clockfix import recorded_fix, session_clock
+from fleetd.export.clockfix import recorded_fix
 from fleetd.export.local import chain_from_row
 from fleetd.export.model import ChainMark, ClockFix, EventRow, NodeTrace, event_from_api
 from fleetd.export.output import check_output, open_output
 from fleetd.export.perfetto import NodeStats, write_trace
-from fleetd.fleet.events import NodePull, PullSpec, Span, pull
+from fleetd.export.pull import NodePull, PullSpec, Span, pull
 from fleetd.fleet.fanout import EXIT_NO_ANSWER, FleetAnswer, FleetOptions
 from fleetd.fleet.queries import WindowArgs
-from fleetd.store.clockinfo import SessionClock
+from fleetd.store.clockinfo import SessionClock, session_clock
 
 log = logging.getLogger("fleetd.export.fleet")
 

@@ -14,22 +14,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from fleetd.analyze.data import CALL_CODES, Node, in_list, nodes
 from fleetd.analyze.window import Window
-from fleetd.export.clockfix import SESSION_CLOCK_COLUMNS, recorded_fix, session_clock
+from fleetd.export.clockfix import recorded_fix
 from fleetd.export.model import ChainMark, ClockFix, EventRow, NodeTrace
+from fleetd.store.chainrow import STORED_CHAIN_COLUMNS, STORED_CHAIN_WINDOW, stored_chain
+from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS, session_clock
 
 log = logging.getLogger("fleetd.export.local")
 
 CHAIN_MODES = ("auto", "stored", "computed", "none")
-# The latest version of each stored chain, as the timeline shows it; the window clause
-# takes (end_ns, start_ns): chains that overlap the window.
-STORED_CHAIN_COLUMNS = (
-    "id, severity, root_cause, summary, ts_ns, dur_ns, op, victim_pid, victim_tid, "
-    "victim_comm, culprit_pid, culprit_comm, explained, impact, evidence, fixes")
-STORED_CHAIN_WINDOW = "ts_ns < ? AND ts_ns + dur_ns >= ?"
 _EVENTS_SQL = (
     "SELECT e.id, e.ts_ns, e.dur_ns, e.pid, e.tid, e.op, e.ret, e.bytes, e.peer, e.a0, e.a1, "
     "e.stack, x.args FROM event_data e LEFT JOIN event_args x ON x.id = e.id "
@@ -165,19 +159,12 @@ def _stored_chains(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> 
 
 
 def chain_from_row(row: Sequence[Any]) -> ChainMark:
-    """One row of :data:`STORED_CHAIN_COLUMNS` (from the file or a node's chains view);
-    TypeError/ValueError when a value has the wrong type."""
-    (cid, sev, root, summary, ts, dur, op, vpid, vtid, vcomm, cpid, ccomm, expl, impact,
-     evidence, fixes) = row
-    culprit = {"pid": cpid, "comm": ccomm} if cpid is not None else None
-    return ChainMark(str(cid), str(sev), str(root), str(summary), int(ts), int(dur), op,
-                     {"pid": vpid, "tid": vtid, "comm": vcomm}, culprit,
-                     _json_list(fixes), _json_list(evidence), expl, impact)
-
-
-def _json_list(text: str | None) -> list[Any]:
-    try:
-        value = orjson.loads(text or "[]")
-    except (orjson.JSONDecodeError, TypeError):
-        return []
-    return value if isinstance(value, list) else []
+    """One row of :data:`~fleetd.store.chainrow.STORED_CHAIN_COLUMNS` (from the file or a
+    node's chains view); TypeError/ValueError when a value has the wrong type."""
+    c = stored_chain(row)
+    culprit = ({"pid": c["culprit_pid"], "comm": c["culprit_comm"]}
+               if c["culprit_pid"] is not None else None)
+    return ChainMark(str(c["id"]), str(c["severity"]), str(c["root_cause"]), str(c["summary"]),
+                     int(c["ts_ns"]), int(c["dur_ns"]), c["op"],
+                     {"pid": c["victim_pid"], "tid": c["victim_tid"], "comm": c["victim_comm"]},
+                     culprit, c["fixes"], c["evidence"], c["explained"], c["impact"])

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -106,31 +105,6 @@ class FleetAnswer:
     def offset_ns(self, o: NodeOutcome) -> int:
         """What to subtract from this node's timestamps (0 with --no-skew-correct)."""
         return o.correction_ns if self.correct else 0
-
-
-def run(coro: Any) -> Any:
-    """Run a fan-out to completion on uvloop (as the agent does), or asyncio without it."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency
-        return asyncio.run(_quietly(coro))
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_quietly(coro))
-
-
-async def _quietly(coro: Any) -> Any:
-    asyncio.get_running_loop().set_exception_handler(_tls_noise)
-    return await coro
-
-
-def _tls_noise(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    """uvloop leaves a failed handshake's future unretrieved, and asyncio would print
-    its traceback; the failure itself is already a node warning."""
-    exc = context.get("exception")
-    if isinstance(exc, ssl.SSLError | ConnectionError):
-        log.debug("%s: %r", context.get("message"), exc)
-        return
-    loop.default_exception_handler(context)
 
 
 async def fan_out(opts: FleetOptions, plan: Plan, *, needs_offset: bool = False,

@@ -12,17 +12,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetd.analyze.chains import SEVERITY_RANK
 from fleetd.errors import QueryError
 from fleetd.fleet import stragglers
 from fleetd.fleet.client import FleetClient
-from fleetd.fleet.fanout import FleetAnswer, FleetOptions, NodeOutcome, Request, fan_out, run
+from fleetd.fleet.fanout import FleetAnswer, FleetOptions, NodeOutcome, Request, fan_out
 from fleetd.fleet.merge import Merged, NodeRows, NodeWarning, merge, reduce
 from fleetd.fleet.skew import correct_obj, correct_rows
+from fleetd.runner import run_loop
 from fleetd.store.timeparse import parse_timestamp
 
 log = logging.getLogger("fleetd.fleet.queries")
 
-SEVERITY_RANK = {"HIGH": 0, "MEDIUM": 1, "LOW": 2}
 # Refusals that mean the request itself is wrong: if every node says so, it is the
 # user's mistake (exit 2 with the node's message), not an outage.
 USER_ERROR_CODES = frozenset({"bad_query", "bad_request", "forbidden", "too_large"})
@@ -109,7 +110,7 @@ class QuerySpec:
 
 
 def query(opts: FleetOptions, spec: QuerySpec) -> FleetResult:
-    result: FleetResult = run(query_async(opts, spec))
+    result: FleetResult = run_loop(query_async(opts, spec))
     return result
 
 
@@ -164,7 +165,7 @@ def explain(opts: FleetOptions, window: WindowArgs, pid: int | None = None) -> F
         return [Request("GET", "/api/v1/chains", chains, expect=("chains",)),
                 Request("GET", "/api/v1/profile", params, expect=("node",))]
 
-    answer: FleetAnswer = run(fan_out(opts, plan, needs_offset=window.absolute))
+    answer: FleetAnswer = run_loop(fan_out(opts, plan, needs_offset=window.absolute))
     raise_if_user_error(answer)
     chains: list[dict[str, Any]] = []
     processes: list[dict[str, Any]] = []
@@ -210,7 +211,7 @@ def ops(opts: FleetOptions, window: WindowArgs, pid: int | None, per_process: bo
             params["per_process"] = "1"
         return [Request("GET", "/api/v1/ops", params, expect=("ops",))]
 
-    answer: FleetAnswer = run(fan_out(opts, plan, needs_offset=window.absolute))
+    answer: FleetAnswer = run_loop(fan_out(opts, plan, needs_offset=window.absolute))
     raise_if_user_error(answer)
     cols = [c for c in columns if c != "node"]
     parts = []
@@ -238,7 +239,7 @@ OVERVIEW_COLUMNS = ["node", "events", "lost_events", "sessions", "high", "medium
 
 def overview(opts: FleetOptions, window: WindowArgs) -> FleetResult:
     window.validate()
-    answer: FleetAnswer = run(fan_out(
+    answer: FleetAnswer = run_loop(fan_out(
         opts, lambda off: [Request("GET", "/api/v1/overview", window.params(off),
                                    expect=("events",))],
         needs_offset=window.absolute))

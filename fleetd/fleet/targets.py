@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fleetd.config import FleetConfig, parse_hostport
 from fleetd.errors import ConfigError, UsageError
-from fleetd.node.config import FleetConfig, parse_hostport
 
 
 @dataclass(frozen=True, slots=True)

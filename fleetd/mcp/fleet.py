@@ -19,7 +19,7 @@ from typing import Any
 from fleetd.analyze.opstats import COLUMNS
 from fleetd.errors import FleetdError, UsageError
 from fleetd.fleet import queries
-from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request, fan_out, run
+from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request, fan_out
 from fleetd.fleet.queries import QuerySpec, WindowArgs
 from fleetd.mcp.local import (
     WindowSpec,
@@ -31,6 +31,7 @@ from fleetd.mcp.local import (
     shown,
 )
 from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
+from fleetd.runner import run_loop
 
 log = logging.getLogger("fleetd.mcp.fleet")
 
@@ -46,7 +47,7 @@ class FleetBackend:
 
     def health(self) -> dict[str, Any]:
         """Every node's /health: reachable, version, tracing, probes and libraries."""
-        answer: FleetAnswer = run(fan_out(
+        answer: FleetAnswer = run_loop(fan_out(
             self.opts, lambda _off: [Request("GET", "/api/v1/health", expect=("status",))]))
         found = []
         for o in answer.outcomes:

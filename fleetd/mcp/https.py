@@ -1,6 +1,6 @@
 """Serving the MCP server over Streamable HTTP, under the agent's TLS rules.
 
-Nothing here is optional: TLS 1.3 with the SSLContext from :mod:`fleetd.node.tls`
+Nothing here is optional: TLS 1.3 with the SSLContext from :mod:`fleetd.security.tls`
 (never one of our own), the agent's listening policy (beyond loopback, client
 certificates are mandatory), and on top of that a client certificate or a bearer token
 (or both) must be configured, because an MCP endpoint answers questions about the
@@ -25,7 +25,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
 
 from fleetd.errors import ConfigError
-from fleetd.node import tls
+from fleetd.security import tls
 
 log = logging.getLogger("fleetd.mcp.https")
 

@@ -27,8 +27,9 @@ from typing import Any, TypeVar
 import orjson
 
 from fleetd.analyze.breakdown import process_rows, thread_breakdown
+from fleetd.analyze.chains import SEVERITY_RANK
 from fleetd.analyze.data import comms, effective_span, in_list, name_of, nodes, tasks
-from fleetd.analyze.explain import SEVERITY_RANK, explain, profile
+from fleetd.analyze.explain import explain, profile
 from fleetd.analyze.opstats import COLUMNS, op_stats
 from fleetd.analyze.window import Window, resolve_window
 from fleetd.errors import UsageError

@@ -162,7 +162,7 @@ def _check_tool(server: MCPServer, backend: LocalBackend | FleetBackend,
             "libraries found, then detach (needs root; takes seconds)")] = False,
     ) -> CallToolResult:
         def go() -> dict[str, Any]:
-            from fleetd.trace.check import FAIL, WARN, run_checks
+            from fleetd.trace.checks import FAIL, WARN, run_checks
 
             checks = [c.as_dict() for c in run_checks(attach=attach_probes)]
             here = {"can_trace": not any(c["status"] == FAIL for c in checks),

@@ -22,13 +22,14 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from fleetd.config import parse_hostport
 from fleetd.errors import ConfigError
-from fleetd.node import tls
 from fleetd.node.analysis import ROUTES as ANALYSIS_ROUTES
 from fleetd.node.api import NodeState, make_app
-from fleetd.node.config import parse_hostport
 from fleetd.node.metrics import SOURCES, Sources, metrics
 from fleetd.node.readers import ReaderPool
+from fleetd.runner import run_loop
+from fleetd.security import tls
 from fleetd.store.db import ensure_node, open_reader, open_writer, validate_node_name
 from fleetd.store.guard import Limits
 from fleetd.store.writer import BatchWriter
@@ -235,10 +236,7 @@ def _announce(info: dict[str, Any]) -> None:
 
 def run(s: AgentSettings) -> int:
     """Run the agent to completion on uvloop."""
-    import uvloop
-
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(serve(s))
+    return run_loop(serve(s))
 
 
 def default_node_name() -> str:

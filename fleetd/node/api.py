@@ -20,7 +20,7 @@ from aiohttp import web
 from fleetd import __version__
 from fleetd.errors import FleetdError, QueryError
 from fleetd.node.readers import ReaderPool
-from fleetd.node.tls import token_ok
+from fleetd.security.tls import token_ok
 from fleetd.store.guard import Limits, QueryResult, SafeDB
 from fleetd.store.schema import SCHEMA_VERSION
 

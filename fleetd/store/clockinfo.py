@@ -10,10 +10,21 @@ cannot be compared to better than a threshold.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
 
 from fleetd.store.timeparse import format_ns
+
+log = logging.getLogger("fleetd.store.clockinfo")
+
+# The session columns a clock correction needs, in this order: from a file's
+# ``session_data``/``sessions``, or from a node's sessions view over the API.
+SESSION_CLOCK_COLUMNS = (
+    "seq, boot_id, started_ns, ended_ns, mono_offset_ns, clock_error_ns, clock_samples")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +36,27 @@ class SessionClock:
     mono_offset_ns: int  # wall = monotonic + offset, at the session's start
     error_ns: int | None  # the session's clock error bound
     samples: list[tuple[int, int, int]] = field(default_factory=list)  # (mono, offset, error)
+
+
+def session_clock(row: Sequence[Any]) -> SessionClock:
+    """One row of :data:`SESSION_CLOCK_COLUMNS`; TypeError/ValueError when a value has
+    the wrong type (a row from a peer is not trusted)."""
+    seq, boot, start, end, off, err, samples = row
+    return SessionClock(int(seq), None if boot is None else str(boot), int(start),
+                        None if end is None else int(end), int(off),
+                        None if err is None else int(err), clock_samples(samples))
+
+
+def clock_samples(text: str | None) -> list[tuple[int, int, int]]:
+    """The ``clock_samples`` JSON of a session: ``[(mono, offset, error), ...]``; an
+    unreadable value is logged and read as no samples (the session's offset remains)."""
+    if not text:
+        return []
+    try:
+        return [(int(m), int(o), int(e)) for m, o, e in orjson.loads(text)]
+    except (orjson.JSONDecodeError, TypeError, ValueError):
+        log.warning("unreadable clock_samples %.60r ignored", text)
+        return []
 
 
 @dataclass(slots=True)

@@ -40,7 +40,12 @@ import orjson
 
 from fleetd.errors import StoreError, UsageError
 from fleetd.store import schema
-from fleetd.store.clockinfo import NodeClock, SessionClock, clock_warnings
+from fleetd.store.clockinfo import (
+    SESSION_CLOCK_COLUMNS,
+    NodeClock,
+    clock_warnings,
+    session_clock,
+)
 from fleetd.store.db import check_identity, open_reader, open_writer, validate_node_name
 
 log = logging.getLogger("fleetd.store.merge")
@@ -268,14 +273,9 @@ def _id_span(conn: sqlite3.Connection, layout: Layout, key: int) -> int:
 
 def _node_clock(conn: sqlite3.Connection, layout: Layout, node: NodeIdentity,
                 where: str, single: bool) -> NodeClock:
-    sessions = [
-        SessionClock(int(seq), boot, int(start), None if end is None else int(end), int(off),
-                     None if err is None else int(err), _samples(samples))
-        for seq, boot, start, end, off, err, samples in conn.execute(
-            "SELECT seq, boot_id, started_ns, ended_ns, mono_offset_ns, clock_error_ns, "
-            f"clock_samples FROM {layout['session_data']} WHERE node = ? ORDER BY seq",
-            (node.key,))
-    ]
+    sessions = [session_clock(r) for r in conn.execute(
+        f"SELECT {SESSION_CLOCK_COLUMNS} FROM {layout['session_data']} WHERE node = ? "
+        "ORDER BY seq", (node.key,))]
     if single:
         # All events are this node's: the timestamp index answers min and max at once.
         first, last = (conn.execute(f"SELECT {f}(ts_ns) FROM {layout['event_data']}")
@@ -285,16 +285,6 @@ def _node_clock(conn: sqlite3.Connection, layout: Layout, node: NodeIdentity,
             f"SELECT min(ts_ns), max(ts_ns) FROM {layout['event_data']} WHERE id >= ? "
             "AND id < ?", (node.key << SEQ_BITS, (node.key + 1) << SEQ_BITS)).fetchone()
     return NodeClock(node.name, where, sessions, first, last)
-
-
-def _samples(text: str | None) -> list[tuple[int, int, int]]:
-    if not text:
-        return []
-    try:
-        return [(int(m), int(o), int(e)) for m, o, e in orjson.loads(text)]
-    except (orjson.JSONDecodeError, TypeError, ValueError):
-        log.warning("unreadable clock_samples %.60r ignored", text)
-        return []
 
 
 # ---- node identity -------------------------------------------------------------------

@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from fleetd.store.chainrow import CHAIN_FIELDS
 from fleetd.store.db import ensure_node, open_writer
 from fleetd.store.schema import EVENT_FIELDS, SEQ_BITS, SEQ_MASK, EventRow
 
@@ -60,10 +61,6 @@ _SESSION_COLS = (
     "clock_samples", "rank", "local_rank", "world_size", "tool_version", "schema_version",
     "lost_events", "dropped_stacks", "sampled_out", "drops", "targets", "headers_route",
     "command",
-)
-_CHAIN_COLS = (
-    "ts_ns", "dur_ns", "severity", "root_cause", "summary", "op", "victim_pid", "victim_tid",
-    "victim_comm", "culprit_pid", "culprit_comm", "explained", "impact", "evidence", "fixes",
 )
 
 
@@ -316,8 +313,8 @@ class BatchWriter:
         ) + 1
         seq = self._next_chain
         self._next_chain += 1
-        values = [_jsonish(chain.get(c)) for c in _CHAIN_COLS]
-        cols = ("node", "seq", "key", "version", "created_ns", *_CHAIN_COLS)
+        values = [_jsonish(chain.get(c)) for c in CHAIN_FIELDS]
+        cols = ("node", "seq", "key", "version", "created_ns", *CHAIN_FIELDS)
         self._conn.execute(
             f"INSERT INTO chain_data({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
             (self.node_key, seq, key, version, time.time_ns(), *values),

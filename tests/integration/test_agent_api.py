@@ -68,7 +68,7 @@ def test_events_window(fleet: list[Agent], pki: Pki) -> None:
 
 
 def test_client_without_certificate_is_refused(fleet: list[Agent], pki: Pki) -> None:
-    from fleetd.node import tls
+    from fleetd.security import tls
 
     ctx = tls.client_context(pki.ca, None, None)
     with pytest.raises(aiohttp.ClientError):
@@ -121,7 +121,7 @@ def test_sigterm_drains_and_exits_zero(tmp_path: Path, pki: Pki) -> None:
 
 
 def test_loopback_without_certificates_uses_a_pinned_self_signed_cert(tmp_path: Path) -> None:
-    from fleetd.node import tls
+    from fleetd.security import tls
 
     db = build_db(tmp_path / "solo.db", "solo", 10)
     with agent(db, "solo", None, "--no-trace") as a:

@@ -138,7 +138,7 @@ def test_kill_9_keeps_everything_flushed_and_a_sound_file(
 
 
 def test_tls_handshake_failures_are_counted(tmp_path: Path, pki: Pki) -> None:
-    from fleetd.node import tls
+    from fleetd.security import tls
 
     from conftest import build_db
 

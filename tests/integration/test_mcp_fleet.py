@@ -40,7 +40,7 @@ from fleetd.fleet.fanout import FleetOptions
 from fleetd.fleet.targets import parse_nodes
 from fleetd.mcp.fleet import FleetBackend
 from fleetd.mcp.server import build_server
-from fleetd.node import tls
+from fleetd.security import tls
 
 from conftest import FLEETD, REPO
 

@@ -1,4 +1,4 @@
-"""Real TLS 1.3 handshakes on 127.0.0.1 with certificates made by fleetd.node.certs.
+"""Real TLS 1.3 handshakes on 127.0.0.1 with certificates made by fleetd.security.certs.
 
 The server is asyncio.start_server with fleetd's server_context; its connection handler
 runs only after a handshake succeeded, so "the handler never ran and the client got no
@@ -24,7 +24,7 @@ import pytest
 import trustme
 from aiohttp import web
 
-from fleetd.node import certs, tls
+from fleetd.security import certs, tls
 
 T = TypeVar("T")
 TIMEOUT = 5.0

@@ -1,4 +1,5 @@
-"""fleetd.node.certs, the file/policy/token helpers of fleetd.node.tls, and `fleetd certs`."""
+"""fleetd.security.certs, the file/policy/token helpers of fleetd.security.tls, and
+`fleetd certs`."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from fleetd.cli import certs_cmd
 from fleetd.errors import ConfigError, FleetdError, UsageError
-from fleetd.node import certs, tls
+from fleetd.security import certs, tls
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,8 +16,9 @@ import pytest
 from agents import Agent, Pki, agent, make_pki
 
 from fleetd.checks import FAIL, OK, SKIP, STATUSES, WARN, Check
-from fleetd.node import certs
-from fleetd.node.checks import TlsFiles, cert_checks, db_check
+from fleetd.security import certs
+from fleetd.security.checks import TlsFiles, cert_checks
+from fleetd.store.checks import db_check
 
 from conftest import FLEETD, assert_one_line_error, build_db
 
@@ -380,7 +381,7 @@ def test_usage_mistakes_are_one_line_errors(args: list[str], needle: str) -> Non
 
 
 def test_capabilities_are_read_from_capeff(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fleetd.trace import check
+    from fleetd.trace import checks as check
 
     monkeypatch.setattr(check, "_effective_caps", lambda: 1 << 39)  # CAP_BPF only
     c = check._capabilities()

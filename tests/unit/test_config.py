@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from fleetd.config import load_config, parse_hostport
 from fleetd.errors import ConfigError
-from fleetd.node.config import load_config, parse_hostport
 
 from conftest import REPO
 

@@ -28,8 +28,6 @@ import orjson
 
 from fleetd.analyze.data import CALL_SOURCES
 from fleetd.errors import UsageError
-from fleetd.export.clockfix import SESSION_CLOCK_COLUMNS
-from fleetd.export.local import STORED_CHAIN_COLUMNS, STORED_CHAIN_WINDOW
 from fleetd.fleet.client import FleetClient, NodeFailed
 from fleetd.fleet.fanout import (
     FleetAnswer,
@@ -42,9 +40,11 @@ from fleetd.fleet.fanout import (
 from fleetd.fleet.merge import NodeWarning
 from fleetd.fleet.queries import WindowArgs, raise_if_user_error
 from fleetd.fleet.targets import Target
+from fleetd.store.chainrow import STORED_CHAIN_COLUMNS, STORED_CHAIN_WINDOW
+from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS
 from fleetd.store.timeparse import format_ns, parse_duration, parse_timestamp
 
-log = logging.getLogger("fleetd.fleet.events")
+log = logging.getLogger("fleetd.export.pull")
 
 OPEN_END_NS = 2**62  # "no end", as the node API's events endpoint takes it
 RATES_PAGE = 5_000  # histogram windows per request (under the agent's row ceiling)
@@ -123,9 +123,9 @@ class NodePull:
 def pull(opts: FleetOptions, spec: PullSpec, spool: Path
          ) -> tuple[FleetAnswer, list[NodePull]]:
     """Both rounds on every node; spool files go into the directory ``spool``."""
-    from fleetd.fleet.fanout import run
+    from fleetd.runner import run_loop
 
-    got: tuple[FleetAnswer, list[NodePull]] = run(pull_async(opts, spec, spool))
+    got: tuple[FleetAnswer, list[NodePull]] = run_loop(pull_async(opts, spec, spool))
     return got
 
 

@@ -41,9 +41,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
 from fleetd.errors import ConfigError
-from fleetd.node import certs
+from fleetd.security import certs
 
-log = logging.getLogger("fleetd.node.tls")
+log = logging.getLogger("fleetd.security.tls")
 
 TLS13 = ssl.TLSVersion.TLSv1_3
 SELF_SIGNED_CERT = "self-signed.pem"

@@ -16,7 +16,7 @@ name (or an IP SAN when it is an IP address), plus every ``--san``. Loopback nam
 
 The file readers here (:func:`load_certificates`, :func:`load_private_key`) turn every
 way a PEM file can be wrong into a :class:`ConfigError` that names the file and the fix;
-:mod:`fleetd.node.tls` uses them before handing files to OpenSSL, whose own errors do
+:mod:`fleetd.security.tls` uses them before handing files to OpenSSL, whose own errors do
 not say which file was wrong.
 """
 
@@ -47,7 +47,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fleetd.errors import ConfigError, UsageError
 
-log = logging.getLogger("fleetd.node.certs")
+log = logging.getLogger("fleetd.security.certs")
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"

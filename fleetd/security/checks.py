@@ -1,153 +1,28 @@
-"""``fleetd check`` for what an agent needs besides BPF: its database and certificates.
+"""``fleetd check --only certs``: the certificates an agent serves with and a client presents.
 
-Neither needs root or BPF, so they run anywhere and fast. A finding is a value (a
-:class:`~fleetd.checks.Check`), never an exception: the point of a check is to report
-every problem at once, each with its fix.
+Validity, chains, key usage, SANs and the listen policy, read from the files without
+a handshake. A finding is a value (a :class:`~fleetd.checks.Check`), never an exception.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
-import os
-import shutil
-import sqlite3
-import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from fleetd.checks import FAIL, OK, SKIP, WARN, Check, Finding, example_file, row
-from fleetd.errors import ConfigError, StoreError
-from fleetd.node import certs, tls
-from fleetd.node.config import parse_hostport
-from fleetd.store.db import check_identity
-from fleetd.store.schema import SCHEMA_VERSION
+from fleetd.checks import FAIL, OK, SKIP, WARN, Check, Finding, Stop, example_file, row, stopped
+from fleetd.config import parse_hostport
+from fleetd.errors import ConfigError
+from fleetd.security import certs, tls
 
-DISK_FAIL_BYTES = 100 * 2**20  # below this the writer fails within minutes of tracing
-DISK_WARN_BYTES = 2**30
 DEFAULT_EXPIRY_WARNING = timedelta(days=14)
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
-
-
-class _Stop(Exception):
-    """A finding that ends a check: nothing after it can be looked at."""
-
-    def __init__(self, finding: Finding) -> None:
-        super().__init__(finding.text)
-        self.finding = finding
-
-
-def _stopped(name: str, group: str, subject: str, finding: Finding,
-             data: dict[str, Any]) -> Check:
-    # Messages from fleetd's file readers already name the file; say it once.
-    text = finding.text if subject in finding.text else f"{subject}: {finding.text}"
-    return Check(name, finding.status, text, finding.fix, group=group, data=data)
-
-
-# ---- the database ---------------------------------------------------------------------
-
-
-def db_check(path: Path, max_bytes: int | None = None) -> Check:
-    """Can an agent create or open ``path`` and keep writing to it?"""
-    data: dict[str, Any] = {"path": str(path)}
-    try:
-        directory = _db_directory(path)
-        if path.exists():
-            findings = _db_file(path, data)
-        else:
-            also = f" and {path.parent}" if directory != path.parent else ""
-            findings = [Finding(OK, f"does not exist yet; the agent creates it{also}")]
-        findings.append(_disk_space(directory, path, max_bytes, data))
-    except _Stop as stop:
-        return _stopped("db", "db", str(path), stop.finding, data)
-    summary = "; ".join(f.text for f in findings)
-    return row("db", "db", str(path), findings, summary, data)
-
-
-def _db_directory(path: Path) -> Path:
-    """The nearest existing directory on the way to ``path``, proven writable by
-    writing into it (as root, permission bits say nothing: a read-only mount does)."""
-    if path.is_dir():
-        raise _Stop(Finding(FAIL, "is a directory, not a database file",
-                            f"pass --db {path / 'fleetd.db'} (a file path)"))
-    existing = path.parent
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise _Stop(Finding(FAIL, f"cannot create its directory: {existing} is a file, "
-                            "not a directory",
-                            "pass --db (or store.db) with a path in a writable directory"))
-    try:
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".fleetd-check-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise _Stop(Finding(FAIL, f"directory {existing} is not writable ({exc.strerror})",
-                            "pass --db with a path in a directory this user can write (the "
-                            "agent also writes the -wal and -shm files next to it)")) from None
-    return existing
-
-
-def _db_file(path: Path, data: dict[str, Any]) -> list[Finding]:
-    try:
-        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
-    except sqlite3.Error as exc:
-        raise _Stop(Finding(FAIL, f"cannot open: {exc}", "check the file's permissions")
-                    ) from None
-    try:
-        version = check_identity(conn, path)
-    except StoreError as exc:
-        raise _Stop(Finding(FAIL, exc.message, exc.hint or "")) from None
-    finally:
-        conn.close()
-    data["schema_version"] = version
-    size = path.stat().st_size
-    out = [_schema_finding(version, size)]
-    if not os.access(path, os.W_OK):
-        out.append(Finding(FAIL, "the file is read-only for this user",
-                           f"chmod u+w {path}, or run the agent as its owner"))
-    return out
-
-
-def _schema_finding(version: int, size: int) -> Finding:
-    if version == 0:
-        return Finding(OK, "an empty SQLite file; the agent initialises it")
-    if version < SCHEMA_VERSION:
-        return Finding(OK, f"fleetd database, schema v{version} ({_size(size)}); the agent "
-                       f"migrates it to v{SCHEMA_VERSION}")
-    return Finding(OK, f"fleetd database, schema v{version} ({_size(size)})")
-
-
-def _disk_space(directory: Path, path: Path, max_bytes: int | None,
-                data: dict[str, Any]) -> Finding:
-    free = shutil.disk_usage(directory).free
-    data["free_bytes"] = free
-    where = f"{_size(free)} free on {directory.absolute()}'s file system"
-    fix = "free space there, or pass --db (store.db) on a larger file system"
-    if free < DISK_FAIL_BYTES:
-        return Finding(FAIL, f"only {where}", fix)
-    used = path.stat().st_size if path.exists() else 0
-    if max_bytes is not None and free + used < max_bytes:
-        return Finding(WARN, f"store.max_bytes is {_size(max_bytes)} but only {where}",
-                       "lower store.max_bytes (--max-db-bytes) below the free space, or " + fix)
-    if free < DISK_WARN_BYTES:
-        return Finding(WARN, f"only {where}", fix)
-    return Finding(OK, where)
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 # ---- certificates ---------------------------------------------------------------------
@@ -319,8 +194,8 @@ def _leaf_check(leaf: _Leaf, warn_within: timedelta, now: datetime) -> Check:
     subject = str(leaf.cert or leaf.key)
     try:
         cert, key = _leaf_pair(leaf)
-    except _Stop as stop:
-        return _stopped(leaf.name, "certs", subject, stop.finding, {"path": subject})
+    except Stop as stop:
+        return stopped(leaf.name, "certs", subject, stop.finding, {"path": subject})
     findings = [key, _validity(cert, warn_within, now, leaf.reissue), _chain(cert, leaf),
                 _usage(cert, leaf)]
     if leaf.host is not None:
@@ -338,13 +213,13 @@ def _leaf_pair(leaf: _Leaf) -> tuple[x509.Certificate, Finding]:
     """Both files readable (else stop), and whether they belong together."""
     if leaf.cert is None or leaf.key is None:
         given, missing = ("certificate", "key") if leaf.key is None else ("key", "certificate")
-        raise _Stop(Finding(FAIL, f"a {given} without its {missing}",
+        raise Stop(Finding(FAIL, f"a {given} without its {missing}",
                             "give both files of the pair (NAME.pem and NAME.key)"))
     try:
         cert = certs.load_certificates(leaf.cert, "certificate")[0]
         key = certs.load_private_key(leaf.key, "key")
     except ConfigError as exc:
-        raise _Stop(Finding(FAIL, exc.message, exc.hint or "")) from None
+        raise Stop(Finding(FAIL, exc.message, exc.hint or "")) from None
     if not certs.key_matches(cert, key):
         return cert, Finding(FAIL, f"key {leaf.key} does not belong to this certificate",
                              "use the .key file issued together with it, or reissue both: "

@@ -26,7 +26,7 @@ from fleetd.trace.libs import (
 )
 from fleetd.trace.probes import SPECS_BY_KIND, planned_symbols
 
-log = logging.getLogger("fleetd.trace.check")
+log = logging.getLogger("fleetd.trace.checks")
 
 __all__ = ["FAIL", "OK", "SKIP", "WARN", "Check", "run_checks"]
 

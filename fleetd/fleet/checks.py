@@ -14,16 +14,17 @@ import time
 from typing import Any
 
 from fleetd.checks import FAIL, OK, WARN, Check, Finding, row
-from fleetd.fleet import fanout, skew
+from fleetd.fleet import skew
 from fleetd.fleet.client import FleetClient, NodeFailed
 from fleetd.fleet.fanout import FleetOptions
 from fleetd.fleet.targets import Target
+from fleetd.runner import run_loop
 from fleetd.store.schema import SCHEMA_VERSION
 
 
 def node_checks(opts: FleetOptions) -> list[Check]:
     """One check per target, in the order given."""
-    found: list[Check] = fanout.run(_all(opts))
+    found: list[Check] = run_loop(_all(opts))
     return found
 
 

@@ -1,0 +1,1 @@
+"""What both sides share about trust: certificates, TLS contexts and pinning."""

@@ -1,0 +1,122 @@
+"""``fleetd check --only db``: can an agent create or open its database and keep writing?
+
+No root or BPF needed. A finding is a value (a :class:`~fleetd.checks.Check`), never an
+exception: the point of a check is to report every problem at once, each with its fix.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sqlite3
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fleetd.checks import FAIL, OK, WARN, Check, Finding, Stop, row, stopped
+from fleetd.errors import StoreError
+from fleetd.store.db import check_identity
+from fleetd.store.schema import SCHEMA_VERSION
+
+DISK_FAIL_BYTES = 100 * 2**20  # below this the writer fails within minutes of tracing
+DISK_WARN_BYTES = 2**30
+
+
+# ---- the database ---------------------------------------------------------------------
+
+
+def db_check(path: Path, max_bytes: int | None = None) -> Check:
+    """Can an agent create or open ``path`` and keep writing to it?"""
+    data: dict[str, Any] = {"path": str(path)}
+    try:
+        directory = _db_directory(path)
+        if path.exists():
+            findings = _db_file(path, data)
+        else:
+            also = f" and {path.parent}" if directory != path.parent else ""
+            findings = [Finding(OK, f"does not exist yet; the agent creates it{also}")]
+        findings.append(_disk_space(directory, path, max_bytes, data))
+    except Stop as stop:
+        return stopped("db", "db", str(path), stop.finding, data)
+    summary = "; ".join(f.text for f in findings)
+    return row("db", "db", str(path), findings, summary, data)
+
+
+def _db_directory(path: Path) -> Path:
+    """The nearest existing directory on the way to ``path``, proven writable by
+    writing into it (as root, permission bits say nothing: a read-only mount does)."""
+    if path.is_dir():
+        raise Stop(Finding(FAIL, "is a directory, not a database file",
+                            f"pass --db {path / 'fleetd.db'} (a file path)"))
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise Stop(Finding(FAIL, f"cannot create its directory: {existing} is a file, "
+                            "not a directory",
+                            "pass --db (or store.db) with a path in a writable directory"))
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".fleetd-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise Stop(Finding(FAIL, f"directory {existing} is not writable ({exc.strerror})",
+                            "pass --db with a path in a directory this user can write (the "
+                            "agent also writes the -wal and -shm files next to it)")) from None
+    return existing
+
+
+def _db_file(path: Path, data: dict[str, Any]) -> list[Finding]:
+    try:
+        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
+    except sqlite3.Error as exc:
+        raise Stop(Finding(FAIL, f"cannot open: {exc}", "check the file's permissions")
+                    ) from None
+    try:
+        version = check_identity(conn, path)
+    except StoreError as exc:
+        raise Stop(Finding(FAIL, exc.message, exc.hint or "")) from None
+    finally:
+        conn.close()
+    data["schema_version"] = version
+    size = path.stat().st_size
+    out = [_schema_finding(version, size)]
+    if not os.access(path, os.W_OK):
+        out.append(Finding(FAIL, "the file is read-only for this user",
+                           f"chmod u+w {path}, or run the agent as its owner"))
+    return out
+
+
+def _schema_finding(version: int, size: int) -> Finding:
+    if version == 0:
+        return Finding(OK, "an empty SQLite file; the agent initialises it")
+    if version < SCHEMA_VERSION:
+        return Finding(OK, f"fleetd database, schema v{version} ({_size(size)}); the agent "
+                       f"migrates it to v{SCHEMA_VERSION}")
+    return Finding(OK, f"fleetd database, schema v{version} ({_size(size)})")
+
+
+def _disk_space(directory: Path, path: Path, max_bytes: int | None,
+                data: dict[str, Any]) -> Finding:
+    free = shutil.disk_usage(directory).free
+    data["free_bytes"] = free
+    where = f"{_size(free)} free on {directory.absolute()}'s file system"
+    fix = "free space there, or pass --db (store.db) on a larger file system"
+    if free < DISK_FAIL_BYTES:
+        return Finding(FAIL, f"only {where}", fix)
+    used = path.stat().st_size if path.exists() else 0
+    if max_bytes is not None and free + used < max_bytes:
+        return Finding(WARN, f"store.max_bytes is {_size(max_bytes)} but only {where}",
+                       "lower store.max_bytes (--max-db-bytes) below the free space, or " + fix)
+    if free < DISK_WARN_BYTES:
+        return Finding(WARN, f"only {where}", fix)
+    return Finding(OK, where)
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
