@@ -53,6 +53,9 @@ struct fl_off {
     u32 peer;   /* who ran instead */
     u32 waker;
     u32 waker_pid;
+    s64 sys_nr;   /* the syscall it was blocked in, + 1; 0 = none (user space, or no
+                   * syscall tracing): the wait reason (futex, read, poll, nanosleep...) */
+    u64 sys_arg;  /* that syscall's first argument: the futex word, the fd */
     char peer_comm[FL_COMM_LEN];
     char waker_comm[FL_COMM_LEN];
 };
@@ -61,6 +64,7 @@ BPF_TABLE("lru_hash", u32, struct fl_off, fl_off, 16384);
 struct fl_sysc {
     u64 ts;
     s64 nr;
+    u64 arg0;
 };
 BPF_TABLE("lru_hash", u32, struct fl_sysc, fl_sysc, 16384);
 
@@ -72,6 +76,20 @@ static __always_inline void fl_forget_thread(u32 tid)
 #define FL_FORGET_THREAD(tid) fl_forget_thread(tid)
 
 #if FL_SCHED
+/* Which syscall a thread left the CPU in, and its first argument: a futex wait names
+ * its lock word, a read or poll its fd. One lookup in the map the syscall probes keep
+ * anyway; without syscall tracing the reason stays unknown (0). */
+static __always_inline void fl_blocked_in(u32 tid, struct fl_off *o)
+{
+#if FL_SYSCALL
+    struct fl_sysc *s = fl_sysc.lookup(&tid);
+    if (s && s->ts) {
+        o->sys_nr = s->nr + 1;
+        o->sys_arg = s->arg0;
+    }
+#endif
+}
+
 /* The task that gave the CPU back to a waiting thread (prev at its switch-in) held it
  * at the end of the wait: the culprit of run-queue time. Its tid goes in a1 and its
  * comm in x[0..1] of the off-CPU and run-queue records. */
@@ -93,7 +111,8 @@ static __always_inline void fl_switch_in(u32 tid, u64 now, u32 prev, const char 
     if (dur >= FL_OFFCPU_MIN_NS) {
         struct fl_rec *r = fl_reserve(FL_C_LOST_SCHED);
         if (r) {
-            fl_fill(r, o->ts, dur, pid, tid, OP_OFF_CPU, 0);
+            fl_fill(r, o->ts, dur, pid, tid, OP_OFF_CPU, (s32)o->sys_nr);
+            r->bytes = o->sys_arg;
             r->a0 = o->state;
             r->peer = o->peer;
             __builtin_memcpy(r->comm, o->peer_comm, FL_COMM_LEN);
@@ -120,7 +139,9 @@ static __always_inline void fl_switch_in(u32 tid, u64 now, u32 prev, const char 
         if (rq >= FL_RUNQ_MIN_NS) {
             struct fl_rec *r = fl_reserve(FL_C_LOST_SCHED);
             if (r) {
-                fl_fill(r, o->wake, rq, pid, tid, OP_RUNQ_WAIT, 0);
+                /* The run-queue tail of a sleep carries the sleep's syscall too, so
+                 * the wait by reason can be told without its tail. */
+                fl_fill(r, o->wake, rq, pid, tid, OP_RUNQ_WAIT, (s32)o->sys_nr);
                 /* Woken: the waker; preempted: the task that took the CPU. */
                 r->peer = o->waker ? o->waker : o->peer;
                 r->peer_pid = o->waker ? o->waker_pid : 0;
@@ -149,6 +170,7 @@ TRACEPOINT_PROBE(sched, sched_switch)
         o.pid = tgid;
         o.peer = args->next_pid;
         bpf_probe_read_kernel(o.peer_comm, FL_COMM_LEN, args->next_comm);
+        fl_blocked_in(prev, &o);
         /* Left runnable (preempted or yielded): it waits in the run queue from now. */
         if ((o.state & FL_STATE_MASK) == 0)
             o.wake = now;
@@ -339,6 +361,7 @@ TRACEPOINT_PROBE(raw_syscalls, sys_enter)
     u32 tid = (u32)id;
     struct fl_sysc s = {};
     s.nr = args->id;
+    s.arg0 = args->args[0];
     s.ts = bpf_ktime_get_ns();
     if (fl_sysc.update(&tid, &s))
         fl_count(FL_C_STATE_FULL);

@@ -10,7 +10,8 @@ PY=${PYTHON:-python3}
 say() { printf '[setup] %s\n' "$*"; }
 
 # --- Debian packages ---------------------------------------------------------------
-APT_PKGS=(python3-bpfcc libbpfcc iproute2 libfaketime procps)
+# gcc and libc6-dev build the native two-thread mutex workload of the wait-reason tests.
+APT_PKGS=(python3-bpfcc libbpfcc iproute2 libfaketime procps gcc libc6-dev)
 # BCC compiles against kernel headers; a distribution kernel ships them, ours may not.
 # Debian's linux-headers-amd64 is the fallback that fleetd's header route can use.
 if [ ! -e "/lib/modules/$(uname -r)/build/include" ] && [ "$(uname -m)" = x86_64 ]; then

@@ -56,6 +56,8 @@ class Scenario:
     neighbour_cpu: str = "same"  # "same": the workload's CPU; "other": another one
     expect_root: str | None = None  # None: a quiet trace (no HIGH chain at all)
     expect_culprit: str | None = None  # process name; "self": the workload itself
+    expect_thread: str | None = None  # the culprit's thread name, for thread culprits
+    seconds: float | None = None  # a shorter run where the default would pass 1 MiB
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
@@ -77,6 +79,13 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "lock_wait", "stats-sidecar"),
     Scenario("alloc_churn", "cudaMalloc + cudaFree of 1 MiB twice a step",
              (*BASE, "--alloc-churn", "2"), (), "same", "alloc_churn", None),
+    Scenario("gil_contention", "a pure-Python thread (py-busy) computing without pause "
+             "beside the feeding thread, in the same process",
+             (*BASE, "--gil-thread"), (), "same", "lock_contention", "python", "py-busy"),
+    Scenario("data_starvation", "each step waits for a batch from one producer process "
+             "(dl-producer) through a multiprocessing.Queue, 6 ms of CPU "
+             "per batch", (*BASE, "--producer-ms", "6"), (), "same", "data_starvation",
+             "dl-producer", seconds=4.0),
 )}
 
 
@@ -220,7 +229,8 @@ def record(sc: Scenario, out_dir: Path, seconds: float = 6.0, node: str = NODE) 
     hood = [(sc.neighbour, mine if sc.neighbour_cpu == "same" else other)] if sc.neighbour \
         else []
     with _scratch() as (places, go):
-        _trace_nodes([NodeRun(node, db, sc.workload, mine)], hood, seconds, places, go)
+        _trace_nodes([NodeRun(node, db, sc.workload, mine)], hood, sc.seconds or seconds,
+                     places, go)
     return db
 
 
@@ -298,6 +308,8 @@ def problems(sc: Scenario, report: dict[str, Any]) -> list[str]:
     elif sc.expect_culprit is not None and (not culprit or
                                             culprit["comm"] != sc.expect_culprit):
         out.append(f"culprit {culprit} is not {sc.expect_culprit}")
+    if sc.expect_thread is not None and (culprit or {}).get("thread") != sc.expect_thread:
+        out.append(f"culprit {culprit} is not thread {sc.expect_thread}")
     return out
 
 
@@ -327,7 +339,9 @@ def write_readme(out_dir: Path, lines: dict[str, str], seconds: float) -> None:
             "Each line: what was run, then what `fleetd explain --db <file>` says. "
             "tests/unit/test_recorded_scenarios.py asserts these diagnoses.", ""]
     for name, line in lines.items():
-        text.append(f"- `{name}.db`: {SCENARIOS[name].about}. Explain: {line}")
+        sc = SCENARIOS[name]
+        took = f" ({sc.seconds:g} s)" if sc.seconds else ""
+        text.append(f"- `{name}.db`: {sc.about}{took}. Explain: {line}")
     (out_dir / "README.md").write_text("\n".join(text) + "\n")
 
 

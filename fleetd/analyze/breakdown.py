@@ -1,7 +1,9 @@
 """Where each traced thread's wall time went (the latency view, after Btune 2.0).
 
 Per thread, over the window: running, run-queue wait (scheduler latency), preempted by
-hard/soft IRQs, blocked in D state, sleeping, and, overlapping those, inside CUDA calls.
+hard/soft IRQs, blocked in D state, sleeping by reason (a lock, waiting for data, a
+timer the program set, the GPU inside a sync call, other: :mod:`fleetd.analyze.waits`),
+and, overlapping those, inside CUDA calls. The columns add up to the wall time.
 Off-CPU intervals are stored from 50 us up, so the split is a lower bound on waiting;
 the per-process totals of the in-kernel histograms (every switch) come with it.
 
@@ -12,12 +14,14 @@ state, which is how the two are told apart without double counting.
 
 from __future__ import annotations
 
+import bisect
 import sqlite3
 from collections import defaultdict
 from typing import Any
 
 from fleetd.analyze.chains import task_state
-from fleetd.analyze.data import CALL_CODES, Node, code, histograms, in_list
+from fleetd.analyze.data import CALL_CODES, SYNC_OPS, Node, code, histograms, in_list
+from fleetd.analyze.waits import REASONS, sql_reason
 from fleetd.analyze.window import Window
 
 OFF_CPU, RUNQ, SYSCALL = code("off_cpu"), code("runq_wait"), code("syscall")
@@ -47,12 +51,13 @@ def thread_breakdown(
         where += " AND pid = ?"
         params.append(pid)
     sched = in_list((OFF_CPU, RUNQ, HARDIRQ, SOFTIRQ))
-    for tid, p, op, a0, n, total in conn.execute(
-        f"SELECT tid, pid, op, a0 & 255, count(*), sum(dur_ns) FROM event_data WHERE {where} "
-        f"AND op IN {sched} GROUP BY tid, pid, op, a0 & 255", params,
+    for tid, p, op, a0, why, n, total in conn.execute(
+        f"SELECT tid, pid, op, a0 & 255, {sql_reason()}, count(*), sum(dur_ns) FROM "
+        f"event_data WHERE {where} AND op IN {sched} GROUP BY tid, pid, op, a0 & 255, 5",
+        params,
     ):
         pids[tid] = p
-        _add_sched(acc[tid], op, a0, n, total)
+        _add_sched(acc[tid], op, a0, n, total, why)
     for tid, p, n, total in conn.execute(
         f"SELECT tid, pid, count(*), sum(dur_ns) FROM event_data WHERE {where} "
         f"AND op IN {in_list(CALL_CODES)} GROUP BY tid, pid", params,
@@ -62,6 +67,7 @@ def thread_breakdown(
         acc[tid]["in_cuda_stored"] += total
     wall = max(0, span[1] - span[0])
     _scale_cuda(conn, node, win, acc, pids, pid)
+    _sync_sleeps(conn, node, win, acc)
     outliers = _syscall_outliers(conn, node, where, params)
     rows = [_row(tid, pids[tid], a, wall, tasks, names, outliers.get(tid, []))
             for tid, a in acc.items()]
@@ -69,17 +75,62 @@ def thread_breakdown(
     return rows
 
 
-def _add_sched(a: dict[str, int], op: int, a0: int, n: int, total: int) -> None:
+def _add_sched(a: dict[str, int], op: int, a0: int, n: int, total: int, why: str) -> None:
     state = task_state(a0)
     if op == OFF_CPU:
         a["off_cpu"] += total
         a[f"off_{state}"] += total
         a["switches"] += n
+        if state == "S":
+            a[f"slept_{why}"] += total
     elif op == RUNQ:
         a["runq"] += total
         a[f"runq_after_{state}"] += total
+        if state == "S":
+            a[f"slept_{why}"] -= total  # the tail after the wakeup is run-queue time
     else:
         a["irq"] += total
+
+
+def _sync_sleeps(conn: sqlite3.Connection, node: Node, win: Window,
+                 acc: dict[int, dict[str, int]]) -> None:
+    """Sleeps inside a CUDA sync call are waits for the device, whatever syscall the
+    driver slept in: move their overlap with the thread's sync calls (always stored)
+    from their syscall's reason to ``gpu_sync``."""
+    tids = [t for t, a in acc.items() if a["cuda_calls"]]
+    if not tids:
+        return
+    syncs: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for tid, ts, dur in conn.execute(
+        "SELECT tid, ts_ns, dur_ns FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id "
+        f"BETWEEN ? AND ? AND tid IN {in_list(tids)} AND op IN "
+        f"{in_list(code(o) for o in SYNC_OPS)} ORDER BY ts_ns",
+        (win.start_ns, win.end_ns, node.lo, node.hi),
+    ):
+        syncs[tid].append((ts, ts + dur))
+    for tid, ts, dur, why in conn.execute(
+        f"SELECT tid, ts_ns, dur_ns, {sql_reason()} FROM event_data WHERE ts_ns >= ? AND "
+        f"ts_ns < ? AND id BETWEEN ? AND ? AND tid IN {in_list(list(syncs))} AND op = ? "
+        "AND a0 & 255 != 0 AND a0 & 2 = 0 ORDER BY ts_ns",
+        (win.start_ns, win.end_ns, node.lo, node.hi, OFF_CPU),
+    ):
+        inside = _covered(syncs[tid], ts, ts + dur)
+        if inside:
+            a = acc[tid]
+            moved = min(inside, max(0, a[f"slept_{why}"]))
+            a[f"slept_{why}"] -= moved
+            a["slept_gpu_sync"] += moved
+
+
+def _covered(spans: list[tuple[int, int]], t0: int, t1: int) -> int:
+    """How much of [t0, t1) the sorted, disjoint ``spans`` cover."""
+    i = bisect.bisect_right(spans, (t0, 1 << 62)) - 1
+    total = 0
+    for s0, s1 in spans[max(0, i):]:
+        if s0 >= t1:
+            break
+        total += max(0, min(s1, t1) - max(s0, t0))
+    return total
 
 
 def _scale_cuda(conn: sqlite3.Connection, node: Node, win: Window,
@@ -125,22 +176,35 @@ def _row(tid: int, pid: int, a: dict[str, int], wall: int,
     runq = max(runq, a["off_R"])
     off = max(a["off_cpu"], runq + d_state + sleeping)
     running = max(0, wall - off - a["irq"])
+    waits = _sleep_reasons(a, off - runq - d_state)
     return {
         "pid": pid, "tid": tid, "comm": names.get(pid), "thread": tasks.get(tid, (None, None))[1],
         "wall_ns": wall, "running_ns": running, "runq_ns": runq, "irq_ns": a["irq"],
-        "d_state_ns": d_state, "sleeping_ns": sleeping, "off_cpu_ns": off,
+        "d_state_ns": d_state, "sleeping_ns": sleeping,
+        **{f"{r}_ns": waits[r] for r in REASONS}, "off_cpu_ns": off,
         "in_cuda_ns": a["in_cuda"], "in_cuda_estimated": bool(a["in_cuda_estimated"]),
         "cuda_calls_stored": a["cuda_calls"], "switches": a["switches"],
         "syscall_outliers": outliers,
     }
 
 
+def _sleep_reasons(a: dict[str, int], sleeping: int) -> dict[str, int]:
+    """``sleeping`` split by reason; what no reason accounts for is ``other``, so the
+    parts add up to it exactly."""
+    out = {r: max(0, a[f"slept_{r}"]) for r in REASONS if r != "other"}
+    known = sum(out.values())
+    if known > sleeping:  # rounding of run-queue tails: scale down, never above the total
+        out = {r: v * sleeping // known for r, v in out.items()}
+    out["other"] = sleeping - sum(out.values())
+    return out
+
+
 def process_rows(threads: list[dict[str, Any]], conn: sqlite3.Connection, node: Node,
                  win: Window) -> list[dict[str, Any]]:
     """Threads summed per process, with the exact histogram totals beside them."""
     hists = histograms(conn, node, win, (OFF_CPU, RUNQ, code("page_alloc"), code("block_io")))
-    keys = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "sleeping_ns", "off_cpu_ns",
-            "in_cuda_ns", "switches")
+    keys = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "sleeping_ns",
+            *(f"{r}_ns" for r in REASONS), "off_cpu_ns", "in_cuda_ns", "switches")
     procs: dict[int, dict[str, Any]] = {}
     for t in threads:
         p = procs.setdefault(t["pid"], {"node": node.name, "pid": t["pid"], "comm": t["comm"],

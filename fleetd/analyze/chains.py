@@ -515,8 +515,9 @@ def _rank_culprits(view: NodeView, group: list[Spike], root: str, victim_pid: in
                             and s.op in SYNC_OPS):
                 continue
             entry = by_pid.setdefault(pid, {"pid": pid, "comm": who["comm"], "tids": set(),
-                                            "ns": 0})
+                                            "ns": 0, "by_tid": defaultdict(int)})
             entry["tids"].add(tid)
+            entry["by_tid"][tid] += ns
             entry["ns"] += ns
             total += ns
     for d in by_pid.values():
@@ -530,6 +531,10 @@ def _rank_culprits(view: NodeView, group: list[Spike], root: str, victim_pid: in
     ranked = sorted(by_pid.values(), key=lambda d: -(d["share"] + d.get("presence", 0.0)))
     for d in ranked:
         d["tids"] = sorted(d["tids"])
+        # The thread that accounts for most of the time: the culprit when it is a thread.
+        d["tid"] = max(d["by_tid"].items(), key=lambda kv: kv[1])[0]
+        d["thread"] = view.tasks.get(d["tid"], (None, None))[1]
+        del d["by_tid"]
     return ranked
 
 

@@ -15,8 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fleetd.analyze import rules
-from fleetd.analyze.breakdown import process_rows, thread_breakdown
+from fleetd.analyze import causes, contention, gpu_chains, rules
 from fleetd.analyze.chains import (
     MIN_CALLS,
     SEVERITY_RANK,
@@ -33,15 +32,11 @@ from fleetd.analyze.data import (
     CALL_SOURCES,
     LAUNCH_OPS,
     SYNC_OPS,
-    Node,
     code,
-    comms,
-    effective_span,
     nodes,
-    tasks,
 )
-from fleetd.analyze.opstats import node_op_stats
-from fleetd.analyze.window import Window, resolve_window
+from fleetd.analyze.model import NodeSlice
+from fleetd.analyze.window import Window, WindowSpec
 from fleetd.store.chainrow import chain_row
 from fleetd.store.db import open_reader
 from fleetd.store.timeparse import format_ns
@@ -73,21 +68,26 @@ def explain(
 ) -> Report:
     """Chains (most severe first), per-process breakdown and op stats for every node."""
     with _connection(db) as conn:
-        win = window or resolve_window(conn)
-        chains: list[dict[str, Any]] = []
-        procs: list[dict[str, Any]] = []
-        ops: list[dict[str, Any]] = []
-        names: list[str] = []
-        for n in nodes(conn, node):
-            part = explain_node(conn, n, win, pid, per_process)
-            chains += part["chains"]
-            procs += part["processes"]
-            ops += part["ops"]
-            names.append(n.name)
+        win = window or WindowSpec().resolve(conn)
+        return report([NodeSlice(conn, n, win) for n in nodes(conn, node)], win, pid,
+                      per_process)
+
+
+def report(slices: list[NodeSlice], win: Window, pid: int | None = None,
+           per_process: bool = False) -> Report:
+    """The explain report over these node slices (one window), node by node."""
+    chains: list[dict[str, Any]] = []
+    procs: list[dict[str, Any]] = []
+    ops: list[dict[str, Any]] = []
+    for sl in slices:
+        part = explain_node(sl, pid, per_process)
+        chains += part["chains"]
+        procs += part["processes"]
+        ops += part["ops"]
     chains.sort(key=lambda c: (SEVERITY_RANK[c["severity"]], -float(c["impact"]), c["id"]))
     return {
         "window": win.to_json(),
-        "nodes": names,
+        "nodes": [sl.name for sl in slices],
         "quiet": not any(c["severity"] in ("HIGH", "MEDIUM") for c in chains),
         "verdict": _verdict(chains, win),
         "chains": chains,
@@ -109,28 +109,25 @@ def _verdict(chains: list[dict[str, Any]], win: Window) -> str:
             f"worst: {top['root_cause']} on {top['node']}: {top['summary']}")
 
 
-def explain_node(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
-                 per_process: bool = False) -> Report:
+def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = False) -> Report:
     """One node's chains, processes and op stats (the unit the fleet client reuses)."""
-    task_map = tasks(conn, node)
-    names, parents = comms(conn, node)
-    span = effective_span(conn, node, win)
-    ops = node_op_stats(conn, node, win, None, True, names)
-    threads = thread_breakdown(conn, node, win, span, task_map, names)
-    view = NodeView(conn, node, win, task_map, names)
-    ctx = rules.Context(view, span, ops, threads, parents, rules.page_hists(conn, view))
+    ops, threads = sl.ops, sl.threads
+    view = NodeView(sl.conn, sl.node, sl.window, sl.tasks, sl.names)
+    ctx = rules.Context(view, sl.span, ops, threads, sl.parents, rules.page_hists(sl.conn, view))
     chains = _spike_chains(ctx, ops, threads)
     rules.refine_dataloader(ctx, chains)
     chains += rules.dataloader_rule(ctx, chains)
     chains += rules.host_sync_rule(ctx, chains) + rules.alloc_churn_rule(ctx)
     chains += rules.graph_recapture_rule(ctx)
+    chains += contention.lock_contention_rule(ctx) + contention.data_starvation_rule(ctx)
+    chains += gpu_chains.gpu_idle_rule(ctx)  # imported GPU timelines only
     if pid is not None:
         chains = [c for c in chains if int(c.victim["pid"]) == pid]
         threads = [t for t in threads if t["pid"] == pid]
-    out_ops = ops if per_process else node_op_stats(conn, node, win, pid, False, names)
+    out_ops = ops if per_process else sl.op_stats(pid, False)
     if per_process and pid is not None:
         out_ops = [r for r in ops if r["pid"] == pid]
-    procs = process_rows(threads, conn, node, win)
+    procs = sl.processes(threads)
     for p in procs:
         p["top_ops"] = [_brief(r) for r in ops if r["pid"] == p["pid"]][:5]
     return {"chains": [chain_json(c) for c in chains], "processes": procs, "ops": out_ops}
@@ -161,9 +158,9 @@ def _brief(r: dict[str, Any]) -> dict[str, Any]:
 
 def chain_json(ch: Chain) -> dict[str, Any]:
     if not ch.summary:
-        ch.summary = rules.summarize(ch)
+        ch.summary = causes.summary(ch)
     if not ch.fixes:
-        ch.fixes = rules.fixes(ch)
+        ch.fixes = causes.fixes(ch)
     top = ch.culprits[0] if ch.culprits else None
     return {
         "id": ch.chain_id,
@@ -174,7 +171,7 @@ def chain_json(ch: Chain) -> dict[str, Any]:
         "summary": ch.summary,
         "op": ch.op,
         "victim": ch.victim,
-        "culprit": {"pid": top["pid"], "comm": top["comm"], "self": top["self"]} if top else None,
+        "culprit": _culprit(top),
         "culprits": ch.culprits[:5],
         "explained": ch.explained,
         "impact": ch.impact,
@@ -185,6 +182,16 @@ def chain_json(ch: Chain) -> dict[str, Any]:
         "evidence": evidence_timeline(ch),
         "fixes": ch.fixes,
     }
+
+
+def _culprit(top: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The top culprit as the JSON shows it; a thread culprit also names its thread."""
+    if top is None:
+        return None
+    out = {"pid": top["pid"], "comm": top["comm"], "self": top["self"]}
+    if top.get("tid") is not None:
+        out["tid"], out["thread"] = top["tid"], top.get("thread")
+    return out
 
 
 def store_chains(path: Path, report: Report) -> int:
@@ -208,12 +215,14 @@ def profile(conn: sqlite3.Connection, window: Window, node: str) -> dict[str, An
     found = nodes(conn, node)
     if not found:
         return {"node": node, "error": "no such node in this database"}
-    n = found[0]
-    names, _ = comms(conn, n)
-    span = effective_span(conn, n, window)
-    span_s = max(1e-9, (span[1] - span[0]) / 1e9)
-    ops = node_op_stats(conn, n, window, None, True, names)
-    threads = thread_breakdown(conn, n, window, span, tasks(conn, n), names)
+    return node_profile(NodeSlice(conn, found[0], window))
+
+
+def node_profile(sl: NodeSlice) -> dict[str, Any]:
+    """:func:`profile` of one slice."""
+    node, window, names = sl.name, sl.window, sl.names
+    span_s = max(1e-9, (sl.span[1] - sl.span[0]) / 1e9)
+    ops, threads = sl.ops, sl.threads
     cuda_time: dict[int, int] = {}
     for r in ops:
         if r["source"] in CALL_SOURCES:
@@ -237,6 +246,8 @@ def profile(conn: sqlite3.Connection, window: Window, node: str) -> dict[str, An
             "off_cpu_share": _share(feeding, "off_cpu_ns"),
             "runq_share": _share(feeding, "runq_ns"),
             "d_state_share": _share(feeding, "d_state_ns"),
+            "lock_share": _share(feeding, "lock_ns"),
+            "data_wait_share": _share(feeding, "data_ns"),
             "block_io_ns": sum(int(r["total_ns"]) for r in ops if r["op"] == "block_io"
                                and r["pid"] == main),
         },

@@ -10,7 +10,8 @@ from typing import Any
 
 from fleetd.analyze.chains import SEVERITY_RANK
 from fleetd.analyze.data import nodes
-from fleetd.analyze.explain import explain
+from fleetd.analyze.explain import report as explain_report
+from fleetd.analyze.model import NodeSlice
 from fleetd.analyze.window import Window
 
 SESSION_COLUMNS = ("id", "started_ns", "ended_ns", "lost_events", "rank", "world_size",
@@ -20,7 +21,13 @@ SESSION_COLUMNS = ("id", "started_ns", "ended_ns", "lost_events", "rank", "world
 def overview(conn: sqlite3.Connection, win: Window, node: str) -> dict[str, Any]:
     """The overview of ``node`` (a database may hold several, after a merge)."""
     found = nodes(conn, node)
-    lo, hi = (found[0].lo, found[0].hi) if found else (0, -1)
+    return node_overview(conn, win, node, NodeSlice(conn, found[0], win) if found else None)
+
+
+def node_overview(conn: sqlite3.Connection, win: Window, node: str, sl: NodeSlice | None
+                  ) -> dict[str, Any]:
+    """:func:`overview` over the node's slice (None: the node is not in this file)."""
+    lo, hi = (sl.node.lo, sl.node.hi) if sl else (0, -1)
     # The node's events are one range of row ids, so this stays on the primary key.
     by_source = dict(conn.execute(
         "SELECT o.source, count(*) FROM event_data e JOIN ops o ON o.code = e.op "
@@ -29,7 +36,7 @@ def overview(conn: sqlite3.Connection, win: Window, node: str) -> dict[str, Any]
     sessions = [dict(zip(SESSION_COLUMNS, r, strict=True)) for r in conn.execute(
         f"SELECT {', '.join(SESSION_COLUMNS)} FROM sessions WHERE node = ? "
         "ORDER BY started_ns", (node,))]
-    report = explain(conn, win, node=node)
+    report = explain_report([sl] if sl else [], win)
     severities = {s: sum(1 for c in report["chains"] if c["severity"] == s)
                   for s in SEVERITY_RANK}
     top = sorted(report["ops"], key=lambda r: -int(r.get("total_ns") or 0))[:10]

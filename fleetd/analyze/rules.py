@@ -1,4 +1,4 @@
-"""Pattern rules: the problems users hit, as stable ``root_cause`` classes with fixes.
+"""Pattern rules: the problems users hit, as stable ``root_cause`` classes.
 
 Time-aligned spikes (chains.py) name cpu_contention, lock_wait, block_io and
 irq_preemption with their culprits. The rules here add what no single call shows:
@@ -14,7 +14,8 @@ irq_preemption with their culprits. The rules here add what no single call shows
   while it happens.
 
 Each rule chain gets ``explained`` and ``impact`` in the same sense as a spike chain,
-so one severity function (chains.severity) ranks them all.
+so one severity function (chains.severity) ranks them all. The rules only find chains;
+their summaries and fixes come from the registry in causes.py.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from fleetd.analyze.data import (
     CAPTURE_OPS,
     LAUNCH_OPS,
     SYNC_OPS,
-    TRACER_MARK,
     Hist,
     code,
     histograms,
@@ -94,7 +94,7 @@ def _victim(ctx: Context, pid: int) -> dict[str, Any]:
             "thread": t["thread"] if t else None}
 
 
-def _rule_chain(ctx: Context, root: str, pid: int, op: str | None, explained: float,
+def rule_chain(ctx: Context, root: str, pid: int, op: str | None, explained: float,
                 impact: float, evidence: list[dict[str, Any]], detail: dict[str, Any]) -> Chain:
     ch = Chain(ctx.view.node.name, root, _victim(ctx, pid), op, [], ctx.span_ns,
                start_ns=ctx.span[0], end_ns=ctx.span[1])
@@ -186,7 +186,7 @@ def dataloader_rule(ctx: Context, chains: list[Chain]) -> list[Chain]:
         explained = stolen / total
         if impact < 0.01:
             continue
-        ch = _rule_chain(ctx, "dataloader_oversubscription", pid, None, explained, impact,
+        ch = rule_chain(ctx, "dataloader_oversubscription", pid, None, explained, impact,
                          [{"kind": "preemption", "ns": stolen, "text":
                            f"{len(workers)} worker processes took the CPU from the GPU thread "
                            f"for {stolen / 1e6:.1f} ms ({explained:.0%} of its preemptions)"},
@@ -257,7 +257,7 @@ def _timed_syncs(ctx: Context, pid: int, chains: list[Chain]) -> Chain | None:
                "text": f"a sync every {per_sync:.0f} launches; the thread spent "
                        f"{share:.0%} of its time waiting in syncs"})
     ev += _examples(ctx, pid, frozenset(r["op"] for r in syncs))
-    return _rule_chain(ctx, "host_sync", pid, str(top["op"]), share, share, ev,
+    return rule_chain(ctx, "host_sync", pid, str(top["op"]), share, share, ev,
                        {"syncs": n, "launches": launches, "sync_share": round(share, 3),
                         "syncs_per_s": round(rate, 2)})
 
@@ -287,7 +287,7 @@ def _readbacks(ctx: Context, pid: int) -> Chain | None:
            "text": f"{n} device-to-host copies of at most {biggest} bytes ({rate:.1f}/s), "
                    f"one every {per:.0f} launches: a scalar read back each step"}]
     ev += _examples(ctx, pid, frozenset({"cudaMemcpy", "cuMemcpyDtoH_v2"}))
-    return _rule_chain(ctx, "host_sync", pid, "cudaMemcpy", 1.0, share, ev,
+    return rule_chain(ctx, "host_sync", pid, "cudaMemcpy", 1.0, share, ev,
                        {"syncs": n, "launches": launches, "sync_share": round(share, 4),
                         "syncs_per_s": round(rate, 2), "readbacks": n,
                         "readback_bytes": biggest})
@@ -322,7 +322,7 @@ def alloc_churn_rule(ctx: Context) -> list[Chain]:
                            "the window: allocation continues after warm-up"})
         ev += _examples(ctx, pid, ALLOC_OPS)
         top = max(rows, key=lambda r: int(r["total_ns"]))
-        out.append(_rule_chain(ctx, "alloc_churn", pid, str(top["op"]), 2 * late_share, share,
+        out.append(rule_chain(ctx, "alloc_churn", pid, str(top["op"]), 2 * late_share, share,
                                ev, {"allocs": allocs, "frees": frees,
                                     "allocs_per_s": round(rate, 2),
                                     "alloc_share": round(share, 4)}))
@@ -354,7 +354,7 @@ def graph_recapture_rule(ctx: Context) -> list[Chain]:
             f"instantiations took {cap_ns / 1e6:.1f} ms", "rate_outside": round(rates[0], 1),
             "rate_during": round(rates[1], 1), "drop": round(drop, 3)}]
         ev += _examples(ctx, pid, CAPTURE_OPS)
-        out.append(_rule_chain(ctx, "graph_recapture", pid, "cudaGraphInstantiate",
+        out.append(rule_chain(ctx, "graph_recapture", pid, "cudaGraphInstantiate",
                                max(drop, share), impact, ev,
                                {"captures": begins, "launch_rate_drop": round(drop, 3),
                                 "capture_share": round(share, 4)}))
@@ -411,126 +411,3 @@ def _capture_intervals(caps: list[tuple[int, int, int]]) -> list[tuple[int, int]
 def page_hists(conn: sqlite3.Connection, ctx_view: NodeView) -> dict[tuple[int, int], Hist]:
     return histograms(conn, ctx_view.node, ctx_view.win, (PAGE_ALLOC,))
 
-
-# ---- fixes and summaries ------------------------------------------------------------
-
-
-def fixes(ch: Chain) -> list[str]:
-    v, c = ch.victim, (ch.culprits[0] if ch.culprits else None)
-    vp = v["pid"]
-    cp, cn = (c["pid"], c["comm"]) if c else (None, None)
-    if ch.root_cause == "cpu_contention":
-        if c and TRACER_MARK in str(cn):
-            return [f"the tracer itself (pid {cp}) took the CPU: keep fleetd off the "
-                    f"workload's cores (taskset -acp <other cores> {cp}, or CPUAffinity= in "
-                    "configs/fleetd-agent.service)",
-                    "trace less: a larger --sample, fewer --host-events groups, or higher "
-                    "--offcpu-min / --syscall-min thresholds"]
-        if c and c.get("self"):
-            return [f"threads of {v['comm']} itself compete for the CPU: cap them "
-                    f"(OMP_NUM_THREADS, torch.set_num_threads) below the cores given to pid {vp}",
-                    f"give the GPU-feeding thread {v['tid']} a core of its own: "
-                    f"taskset -cp <core> {v['tid']}"]
-        out = [f"pin {v['comm']} to dedicated cores and keep other work off them: "
-               f"taskset -cp <cores> {vp}, or a cgroup cpuset (systemd-run --scope -p "
-               "AllowedCPUs=<cores> ...) for the workload and another for the rest"]
-        if cp is not None:
-            out += [f"lower the priority of {cn} (pid {cp}): renice -n 19 -p {cp}, or run it "
-                    f"with chrt --idle 0",
-                    f"move {cn} (pid {cp}) off the workload's cores: taskset -acp "
-                    "<other cores> " + str(cp)]
-        return out
-    if ch.root_cause == "dataloader_oversubscription":
-        n = ch.detail.get("workers", "many")
-        return [f"reduce DataLoader workers ({n} now): num_workers at most the free cores "
-                "minus one for the training thread",
-                "set persistent_workers=True and pin_memory=True; move heavy decoding/"
-                "augmentation to the GPU or precompute it",
-                f"keep workers off the training thread's core: os.sched_setaffinity in "
-                f"worker_init_fn, and taskset -cp <core> {v['tid']} for the main thread"]
-    if ch.root_cause == "host_sync":
-        return ["remove per-step host syncs: no .item(), .cpu(), .numpy(), print(tensor) or "
-                "torch.cuda.synchronize() inside the training loop",
-                "accumulate losses/metrics on the GPU and read them every N steps; use "
-                "non_blocking=True copies from pinned memory and CUDA events to poll"]
-    if ch.root_cause == "block_io":
-        out = ["move checkpoint and log I/O off the training thread (async checkpointing, "
-               "e.g. torch.distributed.checkpoint.async_save, or a background writer)",
-               "write checkpoints less often, to fast local storage, without an fsync per "
-               "write"]
-        if cp is not None and not (c or {}).get("self"):
-            out.append(f"lower the I/O priority of {cn} (pid {cp}): ionice -c3 -p {cp}, or "
-                       "cap it with a cgroup io.max")
-        return out
-    if ch.root_cause == "lock_wait":
-        who = f"{cn} (pid {cp})" if cp is not None else "the waking task"
-        return [f"{who} held what {v['comm']} waited for: see what it does (cat "
-                f"/proc/{cp if cp is not None else '<pid>'}/stack, perf trace -p ...) and stop "
-                "or slow its polling of the driver on GPU nodes",
-                f"if it must run, renice -n 19 -p {cp if cp is not None else '<pid>'} and "
-                "schedule it outside training"]
-    if ch.root_cause == "graph_recapture":
-        return ["capture each graph once: pre-warm every batch size at start-up and pad "
-                "inputs to a fixed set of shapes (torch.compile mode='reduce-overhead' with "
-                "bucketed shapes)",
-                "update an instantiated graph with cudaGraphExecUpdate instead of capturing "
-                "and instantiating again"]
-    if ch.root_cause == "alloc_churn":
-        return ["use a caching allocator: keep PyTorch's (do not set "
-                "PYTORCH_NO_CUDA_MEMORY_CACHING, no torch.cuda.empty_cache() in the loop)",
-                "allocate buffers once before the loop; use cudaMallocAsync with a memory "
-                "pool for per-step temporaries"]
-    if ch.root_cause == "irq_preemption":
-        return ["steer interrupts away from the GPU-feeding cores: /proc/irq/<n>/smp_affinity "
-                "or irqbalance --banirq", f"pin {v['comm']} to cores that take no interrupts: "
-                f"taskset -cp <cores> {vp}"]
-    return ["the host shows no cause during these calls: the time is on the GPU side "
-            "(kernel duration, queueing); profile the kernels with nsys or ncu"]
-
-
-def summarize(ch: Chain) -> str:
-    v, c, d = ch.victim, (ch.culprits[0] if ch.culprits else None), ch.detail
-    who = f"{v['comm']} (pid {v['pid']}, tid {v['tid']})"
-    by = f"{c['comm']} (pid {c['pid']})" if c else None
-    if ch.spikes:
-        n = d.get("spikes_scaled", len(ch.spikes))
-        if d.get("kind") == "stall":
-            head = f"{who} stalled {n} time(s) between CUDA calls, worst {_ms(d['worst_ns'])}"
-        else:
-            head = (f"{ch.op} in {who} spiked {n} time(s) to {_ms(d['worst_ns'])} "
-                    f"(usual {_ms(d['baseline_ns'])})")
-        ran = f" while {by} ran" if by else ""
-        woke = f" until {by} woke it" if by else ""
-        why = {
-            "cpu_contention": f"preempted or queued for the CPU{ran}",
-            "dataloader_oversubscription": "preempted by its own DataLoader workers"
-                                           + (f" (mostly {by})" if by else ""),
-            "lock_wait": f"blocked in a D-state/lock wait{woke}",
-            "block_io": "blocked on block I/O" + (f" issued by {by}" if by else ""),
-            "irq_preemption": "preempted by interrupts",
-            "unexplained": "with no host cause on its thread (GPU-side time)",
-        }.get(ch.root_cause, ch.root_cause)
-        return f"{head}: {why} for {ch.explained:.0%} of the extra time ({ch.impact:.1%} of wall)"
-    if ch.root_cause == "host_sync" and d.get("readbacks"):
-        return (f"{who} copies {d['readback_bytes']} bytes back from the device "
-                f"{d['syncs_per_s']}/s, once every {d['launches'] / max(1, d['syncs']):.0f} "
-                f"launches (.item()/.cpu() in the loop): each one waits for the GPU; "
-                f"{d['sync_share']:.2%} of its time here")
-    if ch.root_cause == "host_sync":
-        return (f"{who} spends {d['sync_share']:.0%} of its time in {ch.op} "
-                f"({d['syncs_per_s']}/s, a sync every {d['launches'] / max(1, d['syncs']):.0f} "
-                "launches): per-step host synchronization")
-    if ch.root_cause == "alloc_churn":
-        return (f"{who} calls cudaMalloc/cudaFree {d['allocs_per_s']}/s after warm-up "
-                f"({d['alloc_share']:.1%} of its time): allocation churn")
-    if ch.root_cause == "graph_recapture":
-        return (f"{who} captured/instantiated graphs {d['captures']} times; the launch rate "
-                f"fell {d['launch_rate_drop']:.0%} while it did")
-    if ch.root_cause == "dataloader_oversubscription":
-        return (f"{d['workers']} DataLoader workers took the CPU from {who} for "
-                f"{ch.impact:.1%} of wall time{'; most: ' + by if by else ''}")
-    return f"{ch.root_cause} in {who}"
-
-
-def _ms(ns: int) -> str:
-    return f"{ns / 1e6:.1f} ms" if ns >= 1_000_000 else f"{ns / 1e3:.0f} us"

@@ -1,4 +1,10 @@
-"""The time window an analysis covers, resolved against the data actually stored.
+"""The time window an analysis covers: as the user gave it, and resolved against the data.
+
+One type carries the window everywhere: :class:`WindowSpec` is what the CLI, the MCP
+tools and the node API take (``--since 5m``, or ``--from/--to``), passed to a node as
+query parameters (:meth:`WindowSpec.params`, read back by :meth:`WindowSpec.from_params`)
+and resolved against a database once (:meth:`WindowSpec.resolve`) into a
+:class:`Window`, the half-open span every analyzer reads.
 
 ``--since`` counts back from *now*; a database recorded yesterday and copied here has
 nothing in the last five minutes, and saying "no problems found" would be a lie. So the
@@ -10,9 +16,10 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from fleetd.errors import UsageError
+from fleetd.errors import FleetdError, QueryError, UsageError
 from fleetd.store.timeparse import format_ns, parse_duration, parse_timestamp
 
 
@@ -39,6 +46,62 @@ class Window:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class WindowSpec:
+    """The window as the user gave it: ``since`` (a duration back from now) or
+    ``from_``/``to`` (absolute times, in *our* clock), or nothing (the whole recording)."""
+
+    since: str | None = None
+    from_: str | None = None
+    to: str | None = None
+
+    @property
+    def absolute(self) -> bool:
+        return bool(self.from_ or self.to)
+
+    def resolve(self, conn: sqlite3.Connection, now_ns: int | None = None) -> Window:
+        """The window over this database, with warnings when it holds nothing there."""
+        return resolve_window(conn, self.since or None, self.from_ or None, self.to or None,
+                              now_ns)
+
+    def params(self, offset_ns: int = 0) -> dict[str, str]:
+        """Query parameters for a node whose clock is ``offset_ns`` ahead of ours.
+        ``since`` needs no shift: "the last 5 minutes" by the node's clock is the same
+        span of real time."""
+        out: dict[str, str] = {}
+        if self.since:
+            out["since"] = self.since
+        if self.from_:
+            out["from"] = str(parse_timestamp(self.from_) + offset_ns)
+        if self.to:
+            out["to"] = str(parse_timestamp(self.to) + offset_ns)
+        return out
+
+    @classmethod
+    def from_params(cls, q: Mapping[str, str]) -> WindowSpec:
+        """What :meth:`params` wrote, as a node reads it from a request."""
+        return cls(q.get("since") or None, q.get("from") or None, q.get("to") or None)
+
+    def resolve_request(self, conn: sqlite3.Connection) -> Window:
+        """:meth:`resolve` for a peer's request: a bad value is the peer's mistake, so it
+        becomes a ``bad_request`` query error (HTTP 400), never a crash."""
+        try:
+            return self.resolve(conn)
+        except FleetdError as exc:
+            raise QueryError(exc.message, exc.hint, code="bad_request") from None
+
+    def label(self) -> str:
+        if self.since:
+            return f"last {self.since}"
+        if self.absolute:
+            return f"{self.from_ or 'start'} .. {self.to or 'end'}"
+        return "whole recording"
+
+    def validate(self) -> None:
+        """Parse errors surface once, before any node is asked."""
+        self.params(0)
+
+
 def data_extent(conn: sqlite3.Connection) -> tuple[int, int] | None:
     """[first, last] ns of the stored events and histogram windows; None if no events."""
     row = conn.execute("SELECT min(ts_ns), max(ts_ns) FROM event_data").fetchone()
@@ -55,7 +118,28 @@ def data_extent(conn: sqlite3.Connection) -> tuple[int, int] | None:
     agg = conn.execute("SELECT min(ts_ns), max(ts_ns + dur_ns) FROM aggregate_data").fetchone()
     if agg and agg[0] is not None:
         first, last = min(first, int(agg[0])), max(last, int(agg[1]) - 1)
+    # Imported GPU work runs after the calls that launched it (a queued kernel can start
+    # long after the last host call): it belongs to the recording too.
+    for lo, hi in _imported_extents(conn):
+        first, last = min(first, lo), max(last, hi - 1)
     return first, last + 1
+
+
+def _imported_extents(conn: sqlite3.Connection) -> list[tuple[int, int]]:
+    """[first start, last end) of the GPU rows and annotated ranges, in files that have
+    those tables (schema 2) and rows in them."""
+    tables = [t for (t,) in conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND "
+        "name IN ('gpu_data', 'annotation_data') ORDER BY name")]
+    out = []
+    for table in tables:
+        lo = conn.execute(f"SELECT min(ts_ns) FROM {table}").fetchone()[0]
+        if lo is None:
+            continue
+        hi = conn.execute(f"SELECT max(ts_ns + dur_ns) FROM (SELECT ts_ns, dur_ns FROM {table} "
+                          "ORDER BY ts_ns DESC LIMIT 1000)").fetchone()[0]
+        out.append((int(lo), int(hi)))
+    return out
 
 
 def resolve_window(

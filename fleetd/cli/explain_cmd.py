@@ -6,7 +6,7 @@ chain whose key exists gets the next version, so history is kept).
 
 With ``--nodes``/``--config`` every agent analyzes its own data over the same window,
 in parallel; chains come back tagged with their node, and each node's profile is
-scored against the fleet's to rank stragglers (fleetd/fleet/stragglers.py). A database
+scored against the fleet's to rank stragglers (fleetd/analyze/stragglers.py). A database
 holding several nodes (``fleetd merge``) gets the same ranking offline.
 """
 
@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
-from fleetd.analyze.window import Window, resolve_window
+from fleetd.analyze.facade import Analysis
+from fleetd.analyze.window import WindowSpec
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
 from fleetd.cli.output import dumps, table
 from fleetd.errors import UsageError
@@ -25,30 +28,42 @@ from fleetd.store.db import default_db_path, open_reader
 from fleetd.store.timeparse import format_ns
 
 EXPLAIN_FORMATS = ("table", "json")
+# The per-thread columns, adding up to the wall time: sleeps split by wait reason.
+BREAKDOWN_KEYS = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "lock_ns", "data_ns",
+                  "timer_ns", "gpu_sync_ns", "other_ns")
 
 
-def add_common(p: argparse.ArgumentParser) -> None:
-    """The options explain and ops share."""
+def add_window(p: argparse.ArgumentParser) -> None:
+    """The database and window every analysis command takes."""
     p.add_argument(
         "--db", type=Path, help="database file (default: $FLEETD_DB, else a per-user path)"
     )
     p.add_argument("--since", help="the last 30s, 5m, 2h, 1d (counted back from now)")
     p.add_argument("--from", dest="from_", metavar="TIME", help="from TIME (ISO 8601, epoch)")
     p.add_argument("--to", metavar="TIME", help="up to TIME")
-    p.add_argument("--pid", type=_pid, help="only this process (as the victim)")
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """The options explain and ops share."""
+    add_window(p)
+    p.add_argument("--pid", type=positive("pid"), help="only this process (as the victim)")
     p.add_argument("--per-process", action="store_true", help="op statistics per process")
     add_fleet_args(p)
 
 
-def _pid(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value <= 0:
-        # argparse would print usage and a generic message; ours says what is wrong.
-        raise argparse.ArgumentTypeError(f"invalid pid {text!r}: use a positive integer")
-    return value
+def positive(name: str) -> Callable[[str], int]:
+    """An argparse type for a positive integer whose error names the option."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"invalid {name} {text!r}: use a positive "
+                                             "integer")
+        return value
+
+    return parse
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -70,28 +85,32 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
-def open_window(args: argparse.Namespace) -> tuple[Path, Window]:
+@contextmanager
+def open_analysis(args: argparse.Namespace) -> Iterator[tuple[Path, Analysis]]:
+    """The database the command names (``--db``, else the default) and the analyzer
+    facade over it in the command's window; the connection closes on exit."""
     path: Path = args.db or default_db_path()
     conn = open_reader(path)
     try:
-        return path, resolve_window(conn, args.since, args.from_, args.to)
+        yield path, Analysis.of(conn, WindowSpec(args.since, args.from_, args.to))
     finally:
         conn.close()
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetd.analyze.explain import explain, store_chains
+    from fleetd.analyze.explain import store_chains
 
     if args.format not in EXPLAIN_FORMATS:
         raise UsageError(f"unknown format {args.format!r}",
                          f"use one of: {', '.join(EXPLAIN_FORMATS)}")
     if fleet_mode(args):
         return run_fleet(args)
-    path, win = open_window(args)
-    found = explain(path, win, args.pid, args.per_process)
-    if len(found["nodes"]) > 1:
-        found["stragglers"] = offline_stragglers(path, win, found)
-        found["skew"] = {}  # one file, one clock per node as recorded
+    with open_analysis(args) as (path, analysis):
+        found = analysis.explain(args.pid, args.per_process)
+        if len(found["nodes"]) > 1:
+            # A merged file: rank its nodes the way the fleet client ranks live ones.
+            found["stragglers"] = analysis.stragglers(found["chains"])
+            found["skew"] = {}  # one file, one clock per node as recorded
     if args.store and found["chains"]:
         found["stored"] = store_chains(path, found)
     if args.format == "json":
@@ -106,26 +125,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def offline_stragglers(path: Path, win: Window, found: dict[str, Any]) -> list[dict[str, Any]]:
-    """Rank the nodes of a merged database the way the fleet client ranks live ones."""
-    from fleetd.analyze.explain import profile
-    from fleetd.fleet.stragglers import rank
-
-    conn = open_reader(path)
-    try:
-        profiles = {n: profile(conn, win, n) for n in found["nodes"]}
-    finally:
-        conn.close()
-    return rank(profiles, {}, found["chains"])
-
-
 def run_fleet(args: argparse.Namespace) -> int:
-    from fleetd.fleet.queries import WindowArgs, explain
+    from fleetd.analyze.window import WindowSpec
+    from fleetd.fleet.queries import explain
 
     if args.store:
         raise UsageError("--store writes into a local database",
                          "drop --store, or run explain --store --db on the node")
-    result = explain(fleet_options(args), WindowArgs(args.since, args.from_, args.to),
+    result = explain(fleet_options(args), WindowSpec(args.since, args.from_, args.to),
                      args.pid)
     if args.format == "json":
         sys.stdout.write(dumps(result.obj).decode() + "\n")
@@ -223,7 +230,9 @@ def _chain(c: dict[str, Any], out: TextIO, tag: bool = False) -> None:
     if c["culprit"]:
         cu = c["culprit"]
         share = c["culprits"][0].get("share") if c.get("culprits") else None
-        out.write(f"  culprit: {cu['comm']} pid {cu['pid']}"
+        thread = (f" thread {cu['thread'] or '?'} tid {cu['tid']}"
+                  if cu.get("tid") is not None and cu["tid"] != cu["pid"] else "")
+        out.write(f"  culprit: {cu['comm']} pid {cu['pid']}{thread}"
                   f"{' (the victim process itself)' if cu.get('self') else ''}"
                   f"{f', {share:.0%} of the attributed time' if share is not None else ''}\n")
     out.write(f"  explained {c['explained']:.0%} of the extra time; "
@@ -245,8 +254,7 @@ def _processes(procs: list[dict[str, Any]], out: TextIO) -> None:
             wall = max(1, int(t["wall_ns"]))
             rows.append([
                 p["node"], t["pid"], t["comm"] or "", t["tid"], t["thread"] or "",
-                *(f"{int(t[k]) / wall:.1%}" for k in ("running_ns", "runq_ns", "irq_ns",
-                                                      "d_state_ns", "sleeping_ns")),
+                *(f"{int(t.get(k) or 0) / wall:.1%}" for k in BREAKDOWN_KEYS),
                 _dur(int(t["in_cuda_ns"])) + ("*" if t["in_cuda_estimated"] else ""),
             ])
     if not rows:
@@ -254,6 +262,6 @@ def _processes(procs: list[dict[str, Any]], out: TextIO) -> None:
         return
     out.write("\nper-process breakdown (share of wall time; in_cuda overlaps the rest; "
               "* = scaled from histograms):\n")
-    cols = ["node", "pid", "comm", "tid", "thread", "running", "runq", "irq", "d_state",
-            "sleeping", "in_cuda"]
+    cols = ["node", "pid", "comm", "tid", "thread",
+            *(k.removesuffix("_ns") for k in BREAKDOWN_KEYS), "in_cuda"]
     out.write(table(cols, rows[:40]))

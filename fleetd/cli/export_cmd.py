@@ -95,11 +95,11 @@ def run(args: argparse.Namespace) -> int:
 
 def run_fleet(args: argparse.Namespace, out: Path | None) -> int:
     """Export live agents; exit 3 when some nodes are missing from the file."""
+    from fleetd.analyze.window import WindowSpec
     from fleetd.export.fleet import FleetExportOptions, export_fleet
-    from fleetd.fleet.queries import WindowArgs
 
     offsets = parse_offsets(args.offset)  # every flag checked before any node is asked
-    xopts = FleetExportOptions(WindowArgs(args.since, args.from_, args.to), args.pid,
+    xopts = FleetExportOptions(WindowSpec(args.since, args.from_, args.to), args.pid,
                                args.limit_per_node, args.chains, not args.no_clock_correction,
                                offsets)
     done = export_fleet(fleet_options(args), xopts, out)
@@ -121,7 +121,7 @@ def _wrote(out: Path | None, stats: list[NodeStats]) -> None:
 
 def export_db(args: argparse.Namespace, out: Path | None) -> tuple[list[NodeStats], list[str]]:
     """Export the database named by ``--db`` (or the default one)."""
-    from fleetd.analyze.window import resolve_window
+    from fleetd.analyze.window import WindowSpec
     from fleetd.export.local import LocalOptions, local_traces
     from fleetd.export.output import open_output
     from fleetd.export.perfetto import write_trace
@@ -129,7 +129,7 @@ def export_db(args: argparse.Namespace, out: Path | None) -> tuple[list[NodeStat
     path: Path = args.db or default_db_path()
     conn = open_reader(path)
     try:
-        window = resolve_window(conn, args.since, args.from_, args.to)
+        window = WindowSpec(args.since, args.from_, args.to).resolve(conn)
         opts = LocalOptions(window, args.pid, args.limit_per_node, args.chains,
                             not args.no_clock_correction, parse_offsets(args.offset))
         traces, origin, warnings = local_traces(conn, opts)

@@ -19,8 +19,8 @@ from fleetd.errors import UsageError
 from fleetd.store.timeparse import parse_duration
 
 if TYPE_CHECKING:
+    from fleetd.fleet.combine import NodeWarning
     from fleetd.fleet.fanout import FleetAnswer, FleetOptions
-    from fleetd.fleet.merge import NodeWarning
 
 FLEET_FLAGS = ("nodes", "config", "ca_cert", "client_cert", "client_key", "token_file",
                "show_skew", "clock_skew_threshold", "no_skew_correct")

@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fleetd.cli.explain_cmd import add_common, open_window
+from fleetd.cli.explain_cmd import add_common, open_analysis
 from fleetd.cli.fleet_args import fleet_mode, fleet_options, report
 from fleetd.cli.output import FORMATS, check_format, write_rows
-from fleetd.store.db import open_reader
 
 _NS_COLUMNS = ("total_ns", "mean_ns", "p50_ns", "p95_ns", "p99_ns", "max_ns")
 
@@ -29,18 +28,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetd.analyze.opstats import COLUMNS, op_stats
+    from fleetd.analyze.opstats import COLUMNS
 
     fmt = check_format(args.format)
     cols = [c for c in COLUMNS if args.per_process or c not in ("pid", "comm")]
     if fleet_mode(args):
         return run_fleet(args, fmt, cols)
-    path, win = open_window(args)
-    conn = open_reader(path)
-    try:
-        rows = op_stats(conn, win, args.pid, args.per_process)
-    finally:
-        conn.close()
+    with open_analysis(args) as (_, analysis):
+        rows = analysis.op_stats(args.pid, args.per_process)
+    win = analysis.window
     values = [[_show(c, r[c], fmt) for c in cols] for r in rows]
     write_rows(cols, values, fmt, sys.stdout,
                {"window": win.to_json(), "warnings": list(win.warnings)})
@@ -53,9 +49,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_fleet(args: argparse.Namespace, fmt: str, cols: list[str]) -> int:
-    from fleetd.fleet.queries import WindowArgs, ops
+    from fleetd.analyze.window import WindowSpec
+    from fleetd.fleet.queries import ops
 
-    result = ops(fleet_options(args), WindowArgs(args.since, args.from_, args.to), args.pid,
+    result = ops(fleet_options(args), WindowSpec(args.since, args.from_, args.to), args.pid,
                  args.per_process, cols)
     values = [[_show(c, v, fmt) for c, v in zip(result.columns, r, strict=True)]
               for r in result.rows]

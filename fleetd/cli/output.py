@@ -21,6 +21,18 @@ FORMATS = ("table", "json", "csv", "ndjson")
 MAX_CELL = 60
 
 
+def print_notes(obj: Mapping[str, Any], found: bool, fmt: str) -> None:
+    """After a table: the answer's note (when nothing was found) and its warnings, on
+    stderr, so the table itself stays clean for ``| column`` and friends. JSON keeps
+    both inside the object."""
+    if fmt == "json":
+        return
+    if not found and obj.get("note"):
+        print(f"fleetd: note: {obj['note']}", file=sys.stderr)
+    for w in obj.get("warnings") or []:
+        print(f"fleetd: warning: {w}", file=sys.stderr)
+
+
 def check_format(fmt: str) -> str:
     if fmt not in FORMATS:
         raise UsageError(f"unknown format {fmt!r}", f"use one of: {', '.join(FORMATS)}")

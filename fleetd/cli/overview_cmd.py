@@ -10,7 +10,6 @@ from typing import Any
 
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
 from fleetd.cli.output import FORMATS, check_format, dumps, write_rows
-from fleetd.store.db import default_db_path, open_reader
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -50,25 +49,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def local(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
-    from fleetd.analyze.data import nodes
-    from fleetd.analyze.overview import overview
-    from fleetd.analyze.window import resolve_window
+    from fleetd.cli.explain_cmd import open_analysis
 
-    conn = open_reader(args.db or default_db_path())
-    try:
-        win = resolve_window(conn, args.since, args.from_, args.to)
-        found = [overview(conn, win, n.name) for n in nodes(conn)]
-    finally:
-        conn.close()
+    with open_analysis(args) as (_, analysis):
+        found = [analysis.overview(name) for name in analysis.node_names()]
+    win = analysis.window
     for f in found:
         f.pop("warnings", None)  # the window's warnings, said once below
     return found, list(win.warnings)
 
 
 def run_fleet(args: argparse.Namespace, fmt: str) -> int:
-    from fleetd.fleet.queries import WindowArgs, overview
+    from fleetd.analyze.window import WindowSpec
+    from fleetd.fleet.queries import overview
 
-    result = overview(fleet_options(args), WindowArgs(args.since, args.from_, args.to))
+    result = overview(fleet_options(args), WindowSpec(args.since, args.from_, args.to))
     if fmt == "json":
         sys.stdout.write(dumps(result.obj).decode() + "\n")
     else:

@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from fleetd.analyze.window import WindowSpec
 from fleetd.errors import NetworkError
 from fleetd.export.clockfix import recorded_fix
 from fleetd.export.local import chain_from_row
@@ -32,7 +33,6 @@ from fleetd.export.output import check_output, open_output
 from fleetd.export.perfetto import NodeStats, write_trace
 from fleetd.export.pull import NodePull, PullSpec, Span, pull
 from fleetd.fleet.fanout import EXIT_NO_ANSWER, FleetAnswer, FleetOptions
-from fleetd.fleet.queries import WindowArgs
 from fleetd.store.clockinfo import SessionClock, session_clock
 
 log = logging.getLogger("fleetd.export.fleet")
@@ -50,7 +50,7 @@ class NoNodeExported(NetworkError):
 
 @dataclass(frozen=True, slots=True)
 class FleetExportOptions:
-    window: WindowArgs = field(default_factory=WindowArgs)
+    window: WindowSpec = field(default_factory=WindowSpec)
     pid: int | None = None
     limit_per_node: int | None = None
     chains: str = "auto"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from fleetd.analyze.data import CALL_CODES, Node, in_list, nodes
 from fleetd.analyze.window import Window
 from fleetd.export.clockfix import recorded_fix
-from fleetd.export.model import ChainMark, ClockFix, EventRow, NodeTrace
+from fleetd.export.model import AnnotationRow, ChainMark, ClockFix, EventRow, GpuRow, NodeTrace
 from fleetd.store.chainrow import STORED_CHAIN_COLUMNS, STORED_CHAIN_WINDOW, stored_chain
 from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS, session_clock
 
@@ -28,6 +29,21 @@ _EVENTS_SQL = (
     "SELECT e.id, e.ts_ns, e.dur_ns, e.pid, e.tid, e.op, e.ret, e.bytes, e.peer, e.a0, e.a1, "
     "e.stack, x.args FROM event_data e LEFT JOIN event_args x ON x.id = e.id "
     "WHERE e.ts_ns >= ? AND e.ts_ns < ? AND e.id BETWEEN ? AND ?"
+)
+# Imported GPU work (kernels, copies, sets; synchronizations have no slice of their own)
+# and annotated ranges, in the same window, time order and filters as the events.
+_GPU_WHERE = ("FROM gpu_data g WHERE g.kind IN (1, 2, 3) AND g.ts_ns >= ? AND g.ts_ns < ? "
+              "AND g.id BETWEEN ? AND ?")
+_GPU_SQL = (
+    "SELECT g.id, g.ts_ns, g.dur_ns, g.pid, g.device, g.stream, g.kind, "
+    "coalesce((SELECT name FROM gpu_names WHERE hash = g.name), ''), g.correlation, g.launch, "
+    "g.bytes, (SELECT name FROM gpu_names WHERE hash = g.collective AND g.collective != 0), "
+    "g.grid_x, g.grid_y, g.grid_z, g.block_x, g.block_y, g.block_z "
+)
+_ANNOTATIONS_SQL = (
+    "SELECT a.id, a.ts_ns, a.dur_ns, a.pid, a.tid, a.kind, "
+    "coalesce((SELECT name FROM gpu_names WHERE hash = a.name), '') FROM annotation_data a "
+    "WHERE a.ts_ns >= ? AND a.ts_ns < ? AND a.id BETWEEN ? AND ?"
 )
 
 
@@ -50,17 +66,25 @@ def local_traces(conn: sqlite3.Connection,
         warnings.append(f"--offset names node(s) not in the file: {', '.join(sorted(unknown))}")
     traces: list[NodeTrace] = []
     starts: list[int] = []
+    has_gpu = _has_gpu_tables(conn)
     for node in nodes(conn):
         fix, notes = _clock(conn, node, opts)
         warnings += [f"node {node.name!r}: {n}" for n in notes]
-        first = _first_ts(conn, node, opts)
+        gpu = has_gpu and _gpu_first_ts(conn, node, opts)
+        first = min((t for t in (_first_ts(conn, node, opts), gpu or None) if t is not None),
+                    default=None)
         if first is None:
             continue
         starts.append(fix.apply(first))
-        traces.append(NodeTrace(
+        trace = NodeTrace(
             name=node.name, events=_events(conn, node, opts), ranks=_ranks(conn, node),
             processes=_processes(conn, node), threads=_threads(conn, node),
-            chains=_chains(conn, node, opts), rates=_rates(conn, node, opts), clock=fix))
+            chains=_chains(conn, node, opts), rates=_rates(conn, node, opts), clock=fix)
+        if has_gpu:
+            trace.gpu = _gpu(conn, node, opts)
+            trace.annotations = _annotations(conn, node, opts)
+            trace.launches = _launches(conn, node, opts)
+        traces.append(trace)
     if not traces and not warnings:
         warnings.append("no events to export in the window")
     return traces, min(starts, default=opts.window.start_ns), warnings
@@ -100,6 +124,64 @@ def _events(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> Iterato
         sql += " LIMIT ?"
         params.append(opts.limit_per_node)
     # A cursor of its own, read as the exporter writes: nothing is held in memory.
+    yield from conn.execute(sql, params)
+
+
+def _has_gpu_tables(conn: sqlite3.Connection) -> bool:
+    """Schema 1 files (before imports) have no GPU tables; they export as they always did."""
+    found = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND "
+                         "name IN ('gpu_data', 'annotation_data')").fetchone()[0]
+    return int(found) == 2
+
+
+def _gpu_where(node: Node, opts: LocalOptions) -> tuple[str, list[int]]:
+    sql = _GPU_WHERE
+    params = [opts.window.start_ns, opts.window.end_ns, node.lo, node.hi]
+    if opts.pid is not None:
+        sql += " AND g.pid = ?"
+        params.append(opts.pid)
+    return sql, params
+
+
+def _gpu_first_ts(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> int | None:
+    where, params = _gpu_where(node, opts)
+    row = conn.execute(f"SELECT min(g.ts_ns) {where}", params).fetchone()
+    return None if row is None or row[0] is None else int(row[0])
+
+
+def _gpu_limited(node: Node, opts: LocalOptions, select: str) -> tuple[str, list[int]]:
+    where, params = _gpu_where(node, opts)
+    sql = f"{select} {where} ORDER BY g.ts_ns, g.id"
+    if opts.limit_per_node is not None:
+        sql += " LIMIT ?"
+        params.append(opts.limit_per_node)
+    return sql, params
+
+
+def _gpu(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> Iterator[GpuRow]:
+    sql, params = _gpu_limited(node, opts, _GPU_SQL)
+    yield from conn.execute(sql, params)
+
+
+def _launches(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> array[int]:
+    """The launch seqs of exactly the rows :func:`_gpu` yields, ascending (with repeats)."""
+    sql, params = _gpu_limited(node, opts, "SELECT g.launch")
+    seqs = array("q", (int(s) for (s,) in conn.execute(
+        f"SELECT launch FROM ({sql}) WHERE launch != 0 ORDER BY launch", params)))
+    return seqs
+
+
+def _annotations(conn: sqlite3.Connection, node: Node,
+                 opts: LocalOptions) -> Iterator[AnnotationRow]:
+    sql = _ANNOTATIONS_SQL
+    params = [opts.window.start_ns, opts.window.end_ns, node.lo, node.hi]
+    if opts.pid is not None:
+        sql += " AND a.pid = ?"
+        params.append(opts.pid)
+    sql += " ORDER BY a.ts_ns, a.id"
+    if opts.limit_per_node is not None:
+        sql += " LIMIT ?"
+        params.append(opts.limit_per_node)
     yield from conn.execute(sql, params)
 
 
@@ -144,8 +226,9 @@ def _chains(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> list[Ch
     if stored or opts.chains == "stored":
         return stored
     from fleetd.analyze.explain import explain_node
+    from fleetd.analyze.model import NodeSlice
 
-    report = explain_node(conn, node, opts.window, opts.pid)
+    report = explain_node(NodeSlice(conn, node, opts.window), opts.pid)
     return [ChainMark.from_report(c) for c in report["chains"]]
 
 

@@ -31,6 +31,12 @@ ROW_FIELDS: tuple[str, ...] = (
     "rowkey", "ts_ns", "dur_ns", "pid", "tid", "op", "ret", "bytes", "peer", "a0", "a1",
     "stack", "args",
 )
+# Imported GPU work (gpu_data): (rowkey, ts_ns, dur_ns, pid, device, stream, kind, name,
+# correlation, launch seq (0: none), bytes, collective or None, grid x/y/z, block x/y/z).
+GpuRow = tuple[int, int, int, int, int, int, int, str, int, int, int, str | None,
+               int, int, int, int, int, int]
+# Imported host ranges (annotation_data): (rowkey, ts_ns, dur_ns, pid, tid, kind, name).
+AnnotationRow = tuple[int, int, int, int, int, int, str]
 
 
 def event_from_api(obj: Mapping[str, Any]) -> EventRow | None:
@@ -135,3 +141,8 @@ class NodeTrace:
     chains: Sequence[ChainMark] = ()
     rates: Iterable[tuple[int, int, int]] = ()  # (ts_ns, dur_ns, calls) from histograms
     clock: ClockFix = field(default_factory=ClockFix)
+    # Imported GPU timelines (empty for recorded nodes): GPU rows and annotated ranges,
+    # each in time order, and the launch seqs of the GPU rows, ascending with repeats.
+    gpu: Iterable[GpuRow] = ()
+    annotations: Iterable[AnnotationRow] = ()
+    launches: Sequence[int] = ()

@@ -11,7 +11,7 @@ Layout (docs/merge-export.md has the full description):
   to an *overlap* lane just below;
 - causal chains as global instants colored by severity, with root cause and fixes in
   args, and flow arrows from the culprit (its block I/O, or a marker on its thread where
-  it ran or woke the victim) to the victim's wait;
+  it ran or woke the victim) to the victim's wait (:mod:`fleetd.export.flows`);
 - counters: CUDA calls per second from stored events, and from the in-kernel
   histograms when there are any (those count the calls that were sampled out too).
 
@@ -22,7 +22,6 @@ written as it is read: memory holds open slices and names, never the events.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -32,8 +31,12 @@ from typing import Any
 import orjson
 
 from fleetd.export.clockfix import corrected
+from fleetd.export.flows import FlowIds, NodeFlows
+from fleetd.export.gpu import GpuTracks
 from fleetd.export.lanes import Group
-from fleetd.export.model import ByteSink, ChainMark, EventRow, NodeTrace
+from fleetd.export.model import ByteSink, EventRow, NodeTrace
+from fleetd.export.tracejson import json_text as _j
+from fleetd.export.tracejson import us as _us
 from fleetd.store.catalog import BY_NAME, OPS
 from fleetd.store.schema import SEQ_MASK
 from fleetd.store.timeparse import format_ns
@@ -41,15 +44,14 @@ from fleetd.store.timeparse import format_ns
 log = logging.getLogger("fleetd.export.perfetto")
 
 LAYOUT_VERSION = 1
-SEVERITY_COLOR = {"HIGH": "terrible", "MEDIUM": "bad", "LOW": "yellow"}  # catapult names
 SYNTHETIC_TID = 1 << 22  # above Linux's largest pid_max: never a real tid
 # Track order, kept within 32 bits for every viewer: a thread by its tid, its overlap
 # lanes right below it, node-wide tracks (block I/O, IRQ) after every thread.
 LANES_SORT = 64
 NODE_TRACKS_SORT = SYNTHETIC_TID * LANES_SORT
+GPU_TRACKS_SORT = NODE_TRACKS_SORT + (1 << 20)  # imported GPU streams, after node tracks
 COUNTER_NS = 1_000_000_000
 CHUNK = 2048  # lines per write
-ANCHOR_WAKE_NS = 1_000  # a wakeup is an instant; its marker gets 1 us to carry an arrow
 SOFTIRQS = ("HI", "TIMER", "NET_TX", "NET_RX", "BLOCK", "IRQ_POLL", "TASKLET", "SCHED",
             "HRTIMER", "RCU")
 
@@ -73,17 +75,6 @@ SOFTIRQ = BY_NAME["softirq"].code
 _CALL_CODES = frozenset(o.code for o in OPS if o.source in ("cuda", "graph", "driver", "nccl"))
 
 
-def _us(ns: int) -> str:
-    """Nanoseconds as exact decimal microseconds."""
-    if ns >= 0:
-        return f"{ns // 1000}.{ns % 1000:03d}"
-    return "-" + _us(-ns)
-
-
-def _j(value: Any) -> str:
-    return orjson.dumps(value).decode()
-
-
 @dataclass(slots=True)
 class NodeStats:
     name: str
@@ -99,6 +90,16 @@ class NodeStats:
     first_ns: int | None = None
     last_ns: int | None = None
     clock: dict[str, Any] = field(default_factory=dict)
+    # Imported GPU timelines only (left out of the metadata when None): GPU slices,
+    # annotated ranges and launch arrows written.
+    gpu: dict[str, int] | None = None
+
+
+def _stats_json(s: NodeStats) -> dict[str, Any]:
+    d = asdict(s)
+    if d["gpu"] is None:
+        del d["gpu"]  # recorded nodes keep the metadata they always had
+    return d
 
 
 class _Sink:
@@ -138,45 +139,22 @@ def write_trace(nodes: Sequence[NodeTrace], out: ByteSink, *, origin_ns: int,
     """Write one timeline of ``nodes`` to ``out``; per-node statistics come back."""
     sink = _Sink(out)
     out.write(b'{"displayTimeUnit":"ns","traceEvents":[\n')
-    flows = _FlowIds()
-    stats = [_NodeExporter(sink, node, pid, origin_ns, flows).run()
+    ids = FlowIds()
+    stats = [_NodeExporter(sink, node, pid, origin_ns, ids).run()
              for pid, node in enumerate(sort_nodes(nodes), 1)]
     sink.flush()
     other = {
         "exporter": "fleetd", "layout_version": LAYOUT_VERSION, "origin_ns": origin_ns,
         "origin": format_ns(origin_ns), "ts_unit": "microseconds since origin",
-        **(meta or {}), "nodes": [asdict(s) for s in stats],
+        **(meta or {}), "nodes": [_stats_json(s) for s in stats],
     }
     out.write(b'\n],"otherData":' + orjson.dumps(other) + b"}\n")
     return stats
 
 
-class _FlowIds:
-    """Arrow ids, unique in the whole trace (nodes share one id space)."""
-
-    def __init__(self) -> None:
-        self._ids = itertools.count(1)
-
-    def take(self) -> int:
-        return next(self._ids)
-
-
-@dataclass(slots=True)
-class _Anchor:
-    """A marker slice on a culprit's thread, where it ran instead of (or woke) the victim."""
-
-    ts: int
-    end: int
-    pid: int
-    tid: int
-    name: str
-    args: str
-    flow: int
-
-
 class _NodeExporter:
     def __init__(self, sink: _Sink, node: NodeTrace, pid: int, origin: int,
-                 flows: _FlowIds) -> None:
+                 ids: FlowIds) -> None:
         self.sink, self.node, self.pid, self.origin = sink, node, pid, origin
         self.emit = sink.buf.append
         self.stats = NodeStats(node.name, pid, node_label(node.name, node.ranks),
@@ -186,11 +164,11 @@ class _NodeExporter:
         self.next_tid = SYNTHETIC_TID
         self.labels: dict[int, str] = {}
         self.event_prefix = _j(node.name)[:-1] + ":"
-        self.flow_ids = flows
-        self.flow_ends: dict[int, list[tuple[int, str]]] = {}  # seq -> [(flow, 's'|'f')]
-        self.half_flows: dict[int, str] = {}
-        self.anchors: list[_Anchor] = []
         self.args_cache: dict[str, str] = {}
+        self.flows = NodeFlows(node, pid, origin, ids, self.emit, self.thread)
+        self.ids = ids
+        self.gpu = GpuTracks(node, pid, origin, self.emit, self.thread, self.named_group,
+                             GPU_TRACKS_SORT)
 
     # ---- tracks --------------------------------------------------------------------
 
@@ -235,6 +213,14 @@ class _NodeExporter:
             self.node_groups[name] = g
         return g
 
+    def named_group(self, name: str, sort_index: int) -> Group:
+        """A track of its own (a GPU stream, a thread's annotations), with overlap lanes."""
+        tid = self.next_tid
+        self.next_tid += 1
+        g = Group(name, sort_index, tid, self._new_lane)
+        self._track(tid, name, sort_index)
+        return g
+
     def label(self, tid: int) -> str:
         """A task as args show it, as JSON: ``"stress[2000] tid 2000"``."""
         text = self.labels.get(tid)
@@ -259,10 +245,19 @@ class _NodeExporter:
         clock = node.clock
         self._meta("process_labels", None, {"labels": f"clock: {clock.source}" + (
             f" ±{clock.error_ns / 1e6:.3f} ms" if clock.error_ns is not None else "")})
-        self._chains(node.chains)
+        self.flows.write_chains(node.chains)
+        self.gpu.reserve(self.ids.block)  # after the chains: their arrow ids stay put
         self._stream(corrected(node.events, clock))
         self._rates(node.rates)
+        gpu = self.gpu
+        gpu.write()
         self.sink.flush()
+        flows = self.flows
+        self.stats.chains, self.stats.flows = flows.chains, flows.arrows + gpu.arrows
+        self.stats.slices += flows.markers + gpu.slices + gpu.annotations
+        if gpu.slices or gpu.annotations:
+            self.stats.gpu = {"gpu_slices": gpu.slices, "annotations": gpu.annotations,
+                              "launch_arrows": gpu.arrows, "streams": len(gpu.streams)}
         return self.stats
 
     def _stream(self, events: Iterable[EventRow]) -> None:
@@ -273,10 +268,12 @@ class _NodeExporter:
         kinds, groups, thread = _KINDS, self.groups, self.thread
         buf, sink = self.sink.buf, self.sink
         evp = self.event_prefix
-        anchors = self.anchors
+        flows = self.flows
+        anchors, anchors_until, flow_ends = flows.anchors, flows.anchors_until, flows.ends
         ai, next_anchor = 0, anchors[0].ts if anchors else math.inf
-        flow_ends = self.flow_ends
         call_codes = _CALL_CODES
+        # Launch arrows of imported GPU work: only nodes with GPU rows pay for the check.
+        gpu_launch = self.gpu.launch if self.gpu.launches else None
         bucket, count = None, 0
         n = skipped = slices = 0
         first = last = None
@@ -284,7 +281,7 @@ class _NodeExporter:
             rowkey, ts, dur, pid, tid, op, ret, nbytes, peer, a0, a1, stack, args = ev
             n += 1
             if ts >= next_anchor:
-                ai = self._anchors_until(ts, ai)
+                ai = anchors_until(ts, ai)
                 next_anchor = anchors[ai].ts if ai < len(anchors) else math.inf
             k = kinds.get(op)
             if k is None:
@@ -321,6 +318,8 @@ class _NodeExporter:
                      f'"dur":{dur // 1000}.{dur % 1000:03d},"name":{nm},"cat":"{cat}",'
                      f'"args":{{"op":{nm},"ret":{ret},"bytes":{nbytes}{extra},'
                      f'"event":{evp}{seq}"}}}}')
+                if gpu_launch is not None:
+                    gpu_launch(seq, lane, ts, dur)
                 if op in call_codes:
                     b = rel // COUNTER_NS
                     if b != bucket:
@@ -338,11 +337,11 @@ class _NodeExporter:
                 lane = self._host(kind, op, ts, dur, pid, tid, a0, peer, tsx, extra, evp, seq)
             slices += 1
             if flow_ends and seq in flow_ends:
-                self._flow_end(seq, lane, ts, dur)
+                flows.end_at(seq, lane, ts, dur)
             if len(buf) >= CHUNK:
                 sink.flush()
         if anchors:
-            self._anchors_until(math.inf, ai)
+            anchors_until(math.inf, ai)
         self._count(bucket, count, None)
         st.events, st.skipped, st.slices = n, skipped, st.slices + slices
         if first is not None and last is not None:
@@ -428,110 +427,3 @@ class _NodeExporter:
     def _rate_point(self, name: str, rel: int, value: float) -> None:
         self.emit(f'{{"ph":"C","pid":{self.pid},"ts":{_us(rel)},"name":{name},'
                   f'"args":{{"calls":{value}}}}}')
-
-    # ---- chains and their arrows ---------------------------------------------------
-
-    def _chains(self, chains: Sequence[ChainMark]) -> None:
-        fix = self.node.clock
-        for c in chains:
-            self.stats.chains += 1
-            args = {
-                "id": c.id, "node": self.node.name, "severity": c.severity,
-                "root_cause": c.root_cause, "summary": c.summary, "op": c.op,
-                "victim": dict(c.victim), "culprit": dict(c.culprit) if c.culprit else None,
-                "explained": c.explained, "impact": c.impact, "fixes": list(c.fixes),
-                "time": format_ns(c.ts_ns) if c.ts_ns else None,
-            }
-            name = f"{c.severity} {c.root_cause} ({self.node.name})"
-            self.emit(f'{{"ph":"i","s":"g","pid":{self.pid},"tid":0,'
-                      f'"ts":{_us(fix.apply(c.ts_ns) - self.origin)},"name":{_j(name)},'
-                      f'"cat":"chain","cname":"{SEVERITY_COLOR.get(c.severity, "grey")}",'
-                      f'"args":{_j(args)}}}')
-            self._plan_flows(c)
-        self.anchors.sort(key=lambda a: (a.ts, a.flow))
-
-    def _plan_flows(self, c: ChainMark) -> None:
-        """Arrows from culprit to victim: from the culprit's own block I/O to the wait it
-        caused, else from a marker on the culprit's thread to the victim's wait."""
-        victim_tid = int(c.victim.get("tid") or 0)
-        with_io = {str(e.get("spike")) for e in c.evidence if e.get("kind") == "block_io"}
-        waits: dict[str, int] = {}  # spike id -> seq of its D-state wait
-        for e in c.evidence:
-            kind, who, seq = e.get("kind"), e.get("culprit"), _seq(e.get("id"))
-            spike = str(e.get("spike"))
-            if seq is None or not who:
-                continue
-            if kind == "off_cpu" and spike in with_io:
-                if e.get("state") == "D":
-                    waits.setdefault(spike, seq)
-            elif kind == "block_io" and spike in waits:
-                self._link(seq, waits[spike])
-            elif kind == "off_cpu":
-                self._anchor(c, e, who, seq, victim_tid)
-
-    def _anchor(self, c: ChainMark, e: Mapping[str, Any], who: Mapping[str, Any], seq: int,
-                victim_tid: int) -> None:
-        tid = int(who.get("tid") or 0)
-        if tid in (0, victim_tid):
-            return  # the CPU's idle task, or the victim itself: no arrow to draw
-        fix = self.node.clock
-        ts, dur = fix.apply(int(e["ts_ns"])), int(e.get("dur_ns") or 0)
-        victim = f"{c.victim.get('comm')}[{c.victim.get('pid')}] tid {victim_tid}"
-        if e.get("state") == "R":
-            # The switch-out names who ran next; the marker spans the preemption.
-            start, end, name = ts, ts + dur, f"ran while {victim} was preempted"
-        else:
-            # A waker acts at the wakeup, the end of the wait (less any queueing).
-            end = ts + dur
-            start, name = end - min(dur, ANCHOR_WAKE_NS), f"woke {victim}"
-        flow = self.flow_ids.take()
-        args = _j({"chain": c.id, "root_cause": c.root_cause, "victim_wait": e.get("id"),
-                   "text": e.get("text")})
-        self.anchors.append(_Anchor(start, end, int(who.get("pid") or tid), tid, _j(name),
-                                    args, flow))
-        self.flow_ends.setdefault(seq, []).append((flow, "f"))
-
-    def _link(self, from_seq: int, to_seq: int) -> None:
-        flow = self.flow_ids.take()
-        self.flow_ends.setdefault(from_seq, []).append((flow, "s"))
-        self.flow_ends.setdefault(to_seq, []).append((flow, "f"))
-
-    def _anchors_until(self, ts: float, i: int) -> int:
-        anchors = self.anchors
-        while i < len(anchors) and anchors[i].ts <= ts:
-            a = anchors[i]
-            lane = self.thread(a.pid, a.tid).place(a.ts, a.end)
-            self.emit(f'{{"ph":"X","pid":{self.pid},"tid":{lane},"ts":{_us(a.ts - self.origin)},'
-                      f'"dur":{_us(a.end - a.ts)},"name":{a.name},"cat":"chain",'
-                      f'"args":{a.args}}}')
-            self.stats.slices += 1
-            self._endpoint(a.flow, "s", lane, a.ts, a.end - a.ts)
-            i += 1
-        return i
-
-    def _flow_end(self, seq: int, lane: int, ts: int, dur: int) -> None:
-        for flow, role in self.flow_ends.pop(seq):
-            self._endpoint(flow, role, lane, ts, dur)
-
-    def _endpoint(self, flow: int, role: str, lane: int, ts: int, dur: int) -> None:
-        """Both ends of an arrow are written once both slices exist: an arrow whose other
-        end was filtered out (--pid, --limit-per-node) is dropped, never left dangling."""
-        mid = ts + dur // 2 - self.origin  # inside the slice, so the arrow binds to it
-        bp = ',"bp":"e"' if role == "f" else ""
-        line = (f'{{"ph":"{role}","id":{flow},"pid":{self.pid},"tid":{lane},"ts":{_us(mid)},'
-                f'"name":"culprit","cat":"chain"{bp}}}')
-        other = self.half_flows.pop(flow, None)
-        if other is None:
-            self.half_flows[flow] = line
-            return
-        self.emit(other)
-        self.emit(line)
-        self.stats.flows += 1
-
-
-def _seq(event_id: Any) -> int | None:
-    """The seq of an event id ``node:seq`` (chain ids are not event ids: None)."""
-    if not isinstance(event_id, str):
-        return None
-    _, _, tail = event_id.rpartition(":")
-    return int(tail) if tail.isdigit() else None

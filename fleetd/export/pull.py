@@ -27,8 +27,10 @@ from typing import Any, BinaryIO
 import orjson
 
 from fleetd.analyze.data import CALL_SOURCES
+from fleetd.analyze.window import WindowSpec
 from fleetd.errors import UsageError
 from fleetd.fleet.client import FleetClient, NodeFailed
+from fleetd.fleet.combine import NodeWarning
 from fleetd.fleet.fanout import (
     FleetAnswer,
     FleetOptions,
@@ -37,8 +39,7 @@ from fleetd.fleet.fanout import (
     fan_out_work,
     send_all,
 )
-from fleetd.fleet.merge import NodeWarning
-from fleetd.fleet.queries import WindowArgs, raise_if_user_error
+from fleetd.fleet.queries import raise_if_user_error
 from fleetd.fleet.targets import Target
 from fleetd.store.chainrow import STORED_CHAIN_COLUMNS, STORED_CHAIN_WINDOW
 from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS
@@ -70,7 +71,7 @@ class Span:
     label: str
 
     @classmethod
-    def of(cls, window: WindowArgs, now_ns: int) -> Span:
+    def of(cls, window: WindowSpec, now_ns: int) -> Span:
         if window.since and window.absolute:
             raise UsageError(f"give either --since {window.since!r} or --from/--to, not both",
                              "--since 5m means the last five minutes; --from/--to name "

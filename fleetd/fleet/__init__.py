@@ -6,9 +6,10 @@
 * :mod:`~fleetd.fleet.skew`: NTP-style clock offsets per node, and timestamp correction;
 * :mod:`~fleetd.fleet.fanout`: one task per node (request + clock samples) under the
   deadline, naming, warnings, the answer's status and exit code;
-* :mod:`~fleetd.fleet.merge`: rows led by ``node``, column mismatches, ``--reduce``;
-* :mod:`~fleetd.fleet.stragglers`: relative scores and robust z-scores per metric;
-* :mod:`~fleetd.fleet.queries`: query, explain (with stragglers), ops and overview.
+* :mod:`~fleetd.fleet.combine`: rows led by ``node``, column mismatches, ``--reduce``;
+* :mod:`~fleetd.fleet.queries`: query, explain (with stragglers ranked by
+  :mod:`fleetd.analyze.stragglers`), ops, overview, stacks and graphs;
+* :mod:`~fleetd.fleet.checks`: ``fleetd check --only nodes``, each node's reachability.
 
 docs/fleet.md explains the methods; docs/json.md the output shapes and exit codes.
 """

@@ -19,7 +19,7 @@ from typing import Any
 
 from fleetd.fleet import skew as skewmod
 from fleetd.fleet.client import ClientOptions, Failure, FleetClient, NodeFailed
-from fleetd.fleet.merge import NodeWarning
+from fleetd.fleet.combine import NodeWarning
 from fleetd.fleet.skew import Skew
 from fleetd.fleet.targets import Target
 

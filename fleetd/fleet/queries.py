@@ -12,15 +12,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetd.analyze import stragglers
 from fleetd.analyze.chains import SEVERITY_RANK
+from fleetd.analyze.window import WindowSpec
 from fleetd.errors import QueryError
-from fleetd.fleet import stragglers
 from fleetd.fleet.client import FleetClient
+from fleetd.fleet.combine import Merged, NodeRows, NodeWarning, merge, reduce
 from fleetd.fleet.fanout import FleetAnswer, FleetOptions, NodeOutcome, Request, fan_out
-from fleetd.fleet.merge import Merged, NodeRows, NodeWarning, merge, reduce
 from fleetd.fleet.skew import correct_obj, correct_rows
 from fleetd.runner import run_loop
-from fleetd.store.timeparse import parse_timestamp
 
 log = logging.getLogger("fleetd.fleet.queries")
 
@@ -43,41 +43,6 @@ class FleetResult:
     @property
     def exit_code(self) -> int:
         return self.answer.exit_code
-
-
-@dataclass(frozen=True, slots=True)
-class WindowArgs:
-    """The window as the user gave it; absolute times are in *our* clock."""
-
-    since: str | None = None
-    from_: str | None = None
-    to: str | None = None
-
-    @property
-    def absolute(self) -> bool:
-        return bool(self.from_ or self.to)
-
-    def params(self, offset_ns: int) -> dict[str, str]:
-        """Query parameters in the node's clock. ``--since`` needs no shift: "the last
-        5 minutes" by the node's clock is the same span of real time."""
-        out: dict[str, str] = {}
-        if self.since:
-            out["since"] = self.since
-        if self.from_:
-            out["from"] = str(parse_timestamp(self.from_) + offset_ns)
-        if self.to:
-            out["to"] = str(parse_timestamp(self.to) + offset_ns)
-        return out
-
-    def label(self) -> str:
-        if self.since:
-            return f"last {self.since}"
-        if self.absolute:
-            return f"{self.from_ or 'start'} .. {self.to or 'end'}"
-        return "whole recording"
-
-    def validate(self) -> None:
-        self.params(0)  # parse errors surface once, before any node is asked
 
 
 def raise_if_user_error(answer: FleetAnswer) -> None:
@@ -156,7 +121,7 @@ def _node_rows(answer: FleetAnswer, o: NodeOutcome) -> NodeRows:
 # ---- explain ------------------------------------------------------------------------
 
 
-def explain(opts: FleetOptions, window: WindowArgs, pid: int | None = None) -> FleetResult:
+def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None) -> FleetResult:
     window.validate()
 
     def plan(offset_ns: int) -> list[Request]:
@@ -199,7 +164,7 @@ def _tagged(chain: dict[str, Any], node: str) -> dict[str, Any]:
 # ---- ops ----------------------------------------------------------------------------
 
 
-def ops(opts: FleetOptions, window: WindowArgs, pid: int | None, per_process: bool,
+def ops(opts: FleetOptions, window: WindowSpec, pid: int | None, per_process: bool,
         columns: Sequence[str]) -> FleetResult:
     window.validate()
 
@@ -237,7 +202,7 @@ OVERVIEW_COLUMNS = ["node", "events", "lost_events", "sessions", "high", "medium
                     "verdict"]
 
 
-def overview(opts: FleetOptions, window: WindowArgs) -> FleetResult:
+def overview(opts: FleetOptions, window: WindowSpec) -> FleetResult:
     window.validate()
     answer: FleetAnswer = run_loop(fan_out(
         opts, lambda off: [Request("GET", "/api/v1/overview", window.params(off),
@@ -251,6 +216,79 @@ def overview(opts: FleetOptions, window: WindowArgs) -> FleetResult:
         nodes.append(correct_obj(reply, answer.offset_ns(o)))
     obj = {"nodes": nodes, **_base(answer)}
     return FleetResult(answer, obj, list(OVERVIEW_COLUMNS), overview_rows(nodes))
+
+
+# ---- stacks and graphs --------------------------------------------------------------
+
+
+def stacks(opts: FleetOptions, window: WindowSpec, op: str | None, pid: int | None,
+           top_n: int, frames_n: int) -> FleetResult:
+    """Every node's heaviest recorded stacks (``GET /api/v1/stacks``), heaviest first."""
+    params = {k: str(v) for k, v in (("op", op), ("pid", pid), ("top_n", top_n),
+                                     ("frames_n", frames_n)) if v}
+    result = _per_node(opts, window, "/api/v1/stacks", params, "stacks")
+    found = [dict(s, node=n["node"]) for n in result.obj["nodes"]
+             for s in n.get("stacks") or [] if isinstance(s, dict)]
+    found.sort(key=lambda s: -_number(s.get("total_ns")))
+    result.obj["stacks"] = found
+    return result
+
+
+def graphs(opts: FleetOptions, window: WindowSpec, pid: int | None, buckets: int
+           ) -> FleetResult:
+    """Every node's CUDA graph lifecycle per process (``GET /api/v1/graphs``)."""
+    params = {k: str(v) for k, v in (("pid", pid), ("buckets", buckets)) if v}
+    result = _per_node(opts, window, "/api/v1/graphs", params, "processes")
+    result.obj["processes"] = [dict(p, node=n["node"]) for n in result.obj["nodes"]
+                               for p in n.get("processes") or [] if isinstance(p, dict)]
+    return result
+
+
+def gpu(opts: FleetOptions, window: WindowSpec, pid: int | None, steps: bool,
+        thresholds: dict[str, float]) -> FleetResult:
+    """Every node's GPU ranks (``GET /api/v1/gpu``) side by side, the slowest flagged
+    with the straggler scoring; kernel rows keep their node."""
+    from fleetd.analyze.gpu import slowest_rank
+
+    params = {"thresholds": ",".join(f"{k}={v}" for k, v in thresholds.items())}
+    if pid:
+        params["pid"] = str(pid)
+    if steps:
+        params["steps"] = "1"
+    result = _per_node(opts, window, "/api/v1/gpu", params, "ranks")
+    nodes = result.obj["nodes"]
+    ranks = [r for n in nodes for r in n.get("ranks") or [] if isinstance(r, dict)]
+    result.obj["ranks"] = ranks
+    result.obj["kernels"] = sorted(
+        (dict(k, node=n["node"]) for n in nodes for k in n.get("kernels") or []
+         if isinstance(k, dict)), key=lambda k: -_number(k.get("total_ns")))
+    result.obj["straggler"] = slowest_rank(ranks)
+    return result
+
+
+def _per_node(opts: FleetOptions, window: WindowSpec, path: str, extra: dict[str, str],
+              expect: str) -> FleetResult:
+    """One GET per node in the window; each answer tagged with its node and moved into
+    our clock, the nodes' window warnings added to the fan-out's."""
+    window.validate()
+    answer: FleetAnswer = run_loop(fan_out(
+        opts, lambda off: [Request("GET", path, {**window.params(off), **extra},
+                                   expect=(expect,))],
+        needs_offset=window.absolute))
+    raise_if_user_error(answer)
+    nodes = []
+    for o in answer.answered:
+        assert o.replies is not None
+        reply = correct_obj(dict(o.replies[0], node=o.name), answer.offset_ns(o))
+        answer.warnings += [NodeWarning(o.name, str(w), "window")
+                            for w in reply.get("warnings") or []]
+        nodes.append(reply)
+    return FleetResult(answer, {"nodes": nodes, **_base(answer)})
+
+
+def _number(value: Any) -> float:
+    """A peer's number, or 0 for anything else (sorting must not fail on a bad value)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
 def overview_rows(nodes: Sequence[dict[str, Any]]) -> list[list[Any]]:

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from fleetd.analyze.opstats import COLUMNS
+from fleetd.analyze.stacks import NOTE_NO_STACKS, op_code
+from fleetd.analyze.window import WindowSpec
 from fleetd.errors import FleetdError, UsageError
 from fleetd.fleet import queries
 from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request, fan_out
-from fleetd.fleet.queries import QuerySpec, WindowArgs
+from fleetd.fleet.queries import QuerySpec
 from fleetd.mcp.local import (
-    WindowSpec,
     compact_chain,
     compact_straggler,
     default_export_dir,
@@ -35,7 +36,9 @@ from fleetd.runner import run_loop
 
 log = logging.getLogger("fleetd.mcp.fleet")
 
-ACTIONS = ("chains", "sql", "ops", "overview", "stragglers")
+ACTIONS = ("chains", "sql", "ops", "overview", "stragglers", "stacks", "graphs")
+STACK_FRAMES = 16  # frames per stack, innermost first (as get_stacks)
+GRAPH_BUCKETS = 20  # timeline buckets per process (as graph_lifecycle)
 STRAGGLER_CHAINS = 3  # chains shown as the "why" of each flagged node
 HEALTH_KEYS = ("status", "version", "schema_version", "tracing", "uptime_s", "trace")
 
@@ -60,12 +63,11 @@ class FleetBackend:
             found.append(item)
         return {**header(answer), "nodes": found}
 
-    def query(self, action: str, win: WindowSpec, pid: int | None, sql: str | None,
+    def query(self, action: str, window: WindowSpec, pid: int | None, sql: str | None,
               params: list[Any], max_rows: int, per_process: bool, top_n: int,
-              evidence_n: int) -> dict[str, Any]:
-        window = WindowArgs(win.since or None, win.start or None, win.end or None)
+              evidence_n: int, op: str | None = None) -> dict[str, Any]:
         if action == "sql":
-            if win.since or win.start or win.end or pid is not None:
+            if window.since or window.absolute or pid is not None:
                 raise UsageError("since/start/end/pid do not apply to action 'sql'",
                                  "put the condition in the SQL: WHERE ts_ns >= ? AND pid = ?")
             return self._sql(sql, params, max_rows)
@@ -78,15 +80,21 @@ class FleetBackend:
             return self._overview(window)
         if action in ("chains", "stragglers"):
             return self._explain(action, window, pid, top_n, evidence_n)
+        if op and action != "stacks":
+            raise UsageError(f"op is only for action 'stacks', not {action!r}",
+                             "drop op, or use action 'stacks'")
+        if action == "stacks":
+            return self._stacks(window, op, pid, top_n)
+        if action == "graphs":
+            return self._graphs(window, pid)
         raise UsageError(f"unknown action {action!r}", f"use one of: {', '.join(ACTIONS)}")
 
-    def export(self, name: str | None, win: WindowSpec, pid: int | None,
+    def export(self, name: str | None, window: WindowSpec, pid: int | None,
                limit_per_node: int | None, chains: str) -> dict[str, Any]:
         """Every node's timeline into one file, as ``fleetd export --nodes`` writes it."""
         from fleetd.export.fleet import FleetExportOptions, export_fleet
 
         path = export_path(self.export_dir, name, "fleet")
-        window = WindowArgs(win.since or None, win.start or None, win.end or None)
         done = export_fleet(self.opts, FleetExportOptions(window, pid, limit_per_node, chains),
                             path)
         log.info("exported %d event(s) from %d node(s) to %s",
@@ -114,7 +122,7 @@ class FleetBackend:
                                      "byte limit; add LIMIT/WHERE or aggregate"]
                 if truncated else []}
 
-    def _ops(self, window: WindowArgs, pid: int | None, per_process: bool, top_n: int
+    def _ops(self, window: WindowSpec, pid: int | None, per_process: bool, top_n: int
              ) -> dict[str, Any]:
         cols = [c for c in COLUMNS if per_process or c not in ("pid", "comm")]
         result = queries.ops(self.opts, window, pid, per_process, cols)
@@ -125,7 +133,7 @@ class FleetBackend:
         return {**header(result.answer), "columns": result.columns, "rows": rows[:top_n],
                 **shown("rows", len(rows), top_n)}
 
-    def _overview(self, window: WindowArgs) -> dict[str, Any]:
+    def _overview(self, window: WindowSpec) -> dict[str, Any]:
         result = queries.overview(self.opts, window)
         names = self._names()
         keep = ("node", "events", "by_source", "lost_events", "chains", "verdict", "window",
@@ -140,6 +148,28 @@ class FleetBackend:
             found.append(item)
         return {NAMES_KEY: names, **header(result.answer), "nodes": found}
 
+    def _stacks(self, window: WindowSpec, op: str | None, pid: int | None, top_n: int
+                ) -> dict[str, Any]:
+        if op:
+            op_code(op)  # refused here, once, rather than by every node
+        result = queries.stacks(self.opts, window, op, pid, top_n, STACK_FRAMES)
+        found = result.obj["stacks"]
+        bare = sum(int(n.get("events_without_stack") or 0) for n in result.obj["nodes"]
+                   if isinstance(n.get("events_without_stack"), int))
+        out = {**header(result.answer), "op": op, "pid": pid, "stacks": found[:top_n],
+               **shown("stacks", len(found), top_n), "events_without_stack": bare}
+        if not found:
+            out["note"] = NOTE_NO_STACKS
+        return out
+
+    def _graphs(self, window: WindowSpec, pid: int | None) -> dict[str, Any]:
+        result = queries.graphs(self.opts, window, pid, GRAPH_BUCKETS)
+        procs = result.obj["processes"]
+        out = {**header(result.answer), "processes": procs}
+        if not procs:
+            out["note"] = "no CUDA graph call (capture, instantiate, launch) on any node"
+        return out
+
     def _names(self) -> list[str]:
         """Every node's process and thread names: the verdicts quote them (best effort:
         a node that does not answer here just gets its names cleaned, not quoted)."""
@@ -153,7 +183,7 @@ class FleetBackend:
         i = got.columns.index("comm") if "comm" in got.columns else -1
         return [str(r[i]) for r in got.rows if i >= 0 and r[i] is not None]
 
-    def _explain(self, action: str, window: WindowArgs, pid: int | None, top_n: int,
+    def _explain(self, action: str, window: WindowSpec, pid: int | None, top_n: int,
                  evidence_n: int) -> dict[str, Any]:
         result = queries.explain(self.opts, window, pid)
         obj = result.obj

@@ -12,7 +12,6 @@ them on the way out (:mod:`fleetd.mcp.safety`).
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import re
@@ -24,42 +23,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import orjson
-
-from fleetd.analyze.breakdown import process_rows, thread_breakdown
 from fleetd.analyze.chains import SEVERITY_RANK
-from fleetd.analyze.data import comms, effective_span, in_list, name_of, nodes, tasks
-from fleetd.analyze.explain import explain, profile
-from fleetd.analyze.opstats import COLUMNS, op_stats
-from fleetd.analyze.window import Window, resolve_window
+from fleetd.analyze.data import nodes
+from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
+from fleetd.analyze.opstats import COLUMNS
+from fleetd.analyze.stacks import json_or_text, op_code
+from fleetd.analyze.window import Window, WindowSpec
 from fleetd.errors import UsageError
-from fleetd.fleet.stragglers import rank
-from fleetd.mcp.graphs import graph_lifecycle
 from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
-from fleetd.store.catalog import BY_NAME, SOURCES
+from fleetd.store.catalog import SOURCES
 from fleetd.store.db import open_reader
 from fleetd.store.guard import Limits, SafeDB
 
 log = logging.getLogger("fleetd.mcp.local")
 
 T = TypeVar("T")
-ANALYSIS_TIMEOUT_S = 60.0  # as the agent's analysis endpoints
 # Ceilings for run_sql; a call may lower them, never raise them.
 SQL_LIMITS = Limits(timeout_s=10.0, max_rows=1000, max_bytes=1024 * 1024)
 EXPORT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,120}\.json(\.gz)?")
 SHARE_KEYS = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "sleeping_ns", "in_cuda_ns")
-
-
-@dataclass(frozen=True, slots=True)
-class WindowSpec:
-    """The window as an assistant gave it: ``since`` or ``start``/``end``, or nothing."""
-
-    since: str | None = None
-    start: str | None = None
-    end: str | None = None
-
-    def resolve(self, conn: sqlite3.Connection) -> Window:
-        return resolve_window(conn, self.since or None, self.start or None, self.end or None)
 
 
 def default_export_dir() -> Path:
@@ -90,9 +72,9 @@ class LocalBackend:
             raise UsageError(f"unknown source {source!r}", f"use one of: {', '.join(SOURCES)}")
 
         def go(conn: sqlite3.Connection) -> dict[str, Any]:
-            names = _node_names(conn, node)
-            w = win.resolve(conn)
-            rows = [r for r in op_stats(conn, w, pid, per_process, node)
+            a = Analysis.of(conn, win, node)
+            names, w = a.node_names(), a.window
+            rows = [r for r in a.op_stats(pid, per_process)
                     if source is None or r["source"] == source]
             cols = [c for c in COLUMNS if per_process or c not in ("pid", "comm")]
             return {
@@ -111,9 +93,9 @@ class LocalBackend:
         bar = SEVERITY_RANK[min_severity]
 
         def go(conn: sqlite3.Connection) -> dict[str, Any]:
-            _node_names(conn, node)
-            w = win.resolve(conn)
-            report = explain(conn, w, pid, node=node)
+            a = Analysis.of(conn, win, node)
+            a.node_names()
+            report = a.explain(pid)
             chains = [c for c in report["chains"] if SEVERITY_RANK[c["severity"]] <= bar]
             counts = {s: sum(1 for c in report["chains"] if c["severity"] == s)
                       for s in SEVERITY_RANK}
@@ -124,9 +106,8 @@ class LocalBackend:
                    **shown("chains", len(chains), top_n), "warnings": report["warnings"]}
             if len(report["nodes"]) > 1:
                 # A merged file: rank its nodes as the fleet client ranks live ones.
-                profiles = {n: profile(conn, w, n) for n in report["nodes"]}
                 out["stragglers"] = [compact_straggler(s)
-                                     for s in rank(profiles, {}, report["chains"])]
+                                     for s in a.stragglers(report["chains"])]
             return out
 
         return self.analyze(go)
@@ -134,15 +115,10 @@ class LocalBackend:
     def latency_breakdown(self, win: WindowSpec, pid: int | None, top_n: int, threads_n: int,
                           node: str | None) -> dict[str, Any]:
         def go(conn: sqlite3.Connection) -> dict[str, Any]:
-            _node_names(conn, node)
-            w = win.resolve(conn)
-            procs: list[dict[str, Any]] = []
-            for n in nodes(conn, node):
-                names, _ = comms(conn, n)
-                span = effective_span(conn, n, w)
-                threads = thread_breakdown(conn, n, w, span, tasks(conn, n), names, pid)
-                procs += process_rows(threads, conn, n, w)
-            procs.sort(key=lambda p: (-int(p["in_cuda_ns"]), -int(p["off_cpu_ns"])))
+            a = Analysis.of(conn, win, node)
+            a.node_names()
+            w = a.window
+            procs = a.breakdown(pid)
             return {"window": w.to_json(),
                     "processes": [_breakdown(p, threads_n) for p in procs[:top_n]],
                     **shown("processes", len(procs), top_n), "warnings": list(w.warnings)}
@@ -151,29 +127,22 @@ class LocalBackend:
 
     def stacks(self, win: WindowSpec, op: str | None, pid: int | None, top_n: int,
                frames_n: int, node: str | None) -> dict[str, Any]:
-        op_code = _op_code(op) if op else None
+        if op:
+            op_code(op)  # an unknown op is refused before the file is opened
 
         def go(conn: sqlite3.Connection) -> dict[str, Any]:
-            _node_names(conn, node)
-            w = win.resolve(conn)
-            found: list[dict[str, Any]] = []
-            bare = 0
-            for n in nodes(conn, node):
-                where, params = _event_filter(w, n.lo, n.hi, op_code, pid)
-                names, _ = comms(conn, n)
-                found += [dict(s, node=n.name) for s in
-                          _stack_groups(conn, where, params, top_n, frames_n, names)]
-                bare += conn.execute(f"SELECT count(*) FROM event_data WHERE {where} "
-                                     "AND stack = 0", params).fetchone()[0]
-            found.sort(key=lambda s: -int(s["total_ns"]))
+            a = Analysis.of(conn, win, node)
+            a.node_names()
+            got = a.stacks(op, pid, top_n, frames_n)
+            found = got.pop("stacks")
+            note = got.pop("note", None)
             out: dict[str, Any] = {
-                "window": w.to_json(), "op": op, "pid": pid, "stacks": found[:top_n],
-                **shown("stacks", len(found), top_n), "events_without_stack": bare,
-                "warnings": list(w.warnings)}
-            if not found:
-                out["note"] = ("no stack was recorded for these events: the tracer stores the "
-                               "user stack of emitted CUDA calls only, and only where it could "
-                               "walk it; try another op or pid, or drop the filters")
+                "window": got["window"], "op": op, "pid": pid, "stacks": found[:top_n],
+                **shown("stacks", len(found), top_n),
+                "events_without_stack": got["events_without_stack"],
+                "warnings": got["warnings"]}
+            if note:
+                out["note"] = note
             return out
 
         return self.analyze(go)
@@ -192,18 +161,27 @@ class LocalBackend:
     def graphs(self, win: WindowSpec, pid: int | None, buckets: int, node: str | None
                ) -> dict[str, Any]:
         def go(conn: sqlite3.Connection) -> dict[str, Any]:
-            _node_names(conn, node)
-            out = graph_lifecycle(conn, win.resolve(conn), pid, node, buckets)
-            if not out["processes"]:
-                out["note"] = "no CUDA graph call (capture, instantiate, launch) in the window"
-            return out
+            a = Analysis.of(conn, win, node)
+            a.node_names()
+            return a.graphs(pid, buckets)
+
+        return self.analyze(go)
+
+    def gpu(self, win: WindowSpec, pid: int | None, steps: bool, top_n: int,
+            node: str | None) -> dict[str, Any]:
+        """The GPU breakdown of imported timelines, kernel table cut to ``top_n``; kernel
+        names come from the profiled program's file, so they are marked as data."""
+        def go(conn: sqlite3.Connection) -> dict[str, Any]:
+            a = Analysis.of(conn, win, node)
+            a.node_names()
+            return compact_gpu(a.gpu(pid, steps), top_n)
 
         return self.analyze(go)
 
     def recording(self) -> dict[str, Any]:
         """What the file says about how it was recorded (for get_check)."""
         def go(conn: sqlite3.Connection) -> dict[str, Any]:
-            return {"db": str(self.db), "nodes": _node_names(conn, None),
+            return {"db": str(self.db), "nodes": [n.name for n in nodes(conn)],
                     "sessions": _session_details(conn)}
 
         return self.analyze(go)
@@ -241,6 +219,16 @@ def compact_chain(c: dict[str, Any], evidence_n: int) -> dict[str, Any]:
     out["evidence"] = evidence[:evidence_n]
     if len(evidence) > evidence_n:
         out["evidence_omitted"] = len(evidence) - evidence_n
+    return out
+
+
+def compact_gpu(report: dict[str, Any], top_n: int) -> dict[str, Any]:
+    """``fleetd gpu``'s report for a model: the kernel table cut to ``top_n`` rows (the
+    cut reported), kernel names marked as untrusted data."""
+    out = dict(report)
+    kernels = list(report.get("kernels") or [])
+    out["kernels"] = [{**k, "name": untrusted(k["name"])} for k in kernels[:top_n]]
+    out["kernels_shown"] = shown("kernels", len(kernels), top_n)
     return out
 
 
@@ -302,14 +290,6 @@ def _why_truncated(reason: str | None, limits: Limits) -> str:
     return f"bytes: stopped at {limits.max_bytes} bytes of values; select fewer columns"
 
 
-def _node_names(conn: sqlite3.Connection, node: str | None) -> list[str]:
-    found = [n.name for n in nodes(conn, node)]
-    if node is not None and not found:
-        raise UsageError(f"no node {node!r} in this database",
-                         f"nodes here: {', '.join(n.name for n in nodes(conn)) or 'none'}")
-    return found
-
-
 def _by_source(conn: sqlite3.Connection, w: Window, pid: int | None,
                node: str | None) -> dict[str, int]:
     out: dict[str, int] = {}
@@ -342,18 +322,9 @@ def _session_details(conn: sqlite3.Connection) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         d = dict(zip(cols, r, strict=True))
-        d["drops"] = _json_or_text(d["drops"])
+        d["drops"] = json_or_text(d["drops"])
         out.append(d)
     return out
-
-
-def _json_or_text(text: str | None) -> Any:
-    if text is None:
-        return None
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return text
 
 
 def _breakdown(p: dict[str, Any], threads_n: int) -> dict[str, Any]:
@@ -375,59 +346,3 @@ def _thread(t: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _op_code(op: str) -> int:
-    found = BY_NAME.get(op)
-    if found is None:
-        close = difflib.get_close_matches(op, BY_NAME, n=3)
-        hint = (f"did you mean {', '.join(close)}?" if close
-                else "CUDA ops are named like cudaLaunchKernel, cuLaunchKernel, "
-                "cudaStreamSynchronize; SELECT name FROM ops lists them all")
-        raise UsageError(f"unknown op {op!r}", hint)
-    return found.code
-
-
-def _event_filter(w: Window, lo: int, hi: int, op_code: int | None, pid: int | None
-                  ) -> tuple[str, list[int]]:
-    where = "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
-    params = [w.start_ns, w.end_ns, lo, hi]
-    if op_code is not None:
-        where += " AND op = ?"
-        params.append(op_code)
-    if pid is not None:
-        where += " AND pid = ?"
-        params.append(pid)
-    return where, params
-
-
-def _stack_groups(conn: sqlite3.Connection, where: str, params: list[int], top_n: int,
-                  frames_n: int, names: dict[int, str]) -> list[dict[str, Any]]:
-    rows = conn.execute(
-        "SELECT stack, count(*), sum(dur_ns), max(dur_ns), group_concat(DISTINCT op), "
-        f"group_concat(DISTINCT pid) FROM event_data WHERE {where} AND stack != 0 "
-        "GROUP BY stack ORDER BY sum(dur_ns) DESC LIMIT ?", [*params, top_n]).fetchall()
-    frames = _frames(conn, [int(r[0]) for r in rows])
-    out = []
-    for h, count, total, mx, ops, pids in rows:
-        fr = frames.get(int(h), [])
-        item: dict[str, Any] = {
-            "stack": f"{int(h) & (2**64 - 1):016x}", "events": count, "total_ns": total,
-            "mean_ns": total // count if count else None, "max_ns": mx,
-            "ops": sorted({name_of(int(x)) for x in str(ops).split(",") if x}),
-            "processes": [{"pid": p, "comm": names.get(p)}
-                          for p in sorted(int(x) for x in str(pids).split(",") if x)[:10]],
-            "frames": fr[:frames_n]}
-        if len(fr) > frames_n:
-            item["frames_omitted"] = len(fr) - frames_n
-        out.append(item)
-    return out
-
-
-def _frames(conn: sqlite3.Connection, hashes: list[int]) -> dict[int, list[str]]:
-    if not hashes:
-        return {}
-    out: dict[int, list[str]] = {}
-    for h, text in conn.execute(f"SELECT hash, frames FROM stacks WHERE hash IN "
-                                f"{in_list(hashes)}"):
-        value = _json_or_text(text)
-        out[int(h)] = ([str(f) for f in value] if isinstance(value, list) else [str(value)])
-    return out

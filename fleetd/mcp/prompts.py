@@ -33,6 +33,12 @@ DATABASE_STEPS = """1. Overview: call get_check once (how the recording was made
    victim pid, and get_latency_breakdown with that pid (run-queue, off-CPU, D-state,
    IRQ, in-CUDA). If graph ops appear or a chain is graph_recapture, call
    graph_lifecycle. Check any number you rely on with run_sql (one aggregate SELECT).
+   GPU side: call get_gpu_breakdown{window} once; if it has ranks (imported nsys or
+   PyTorch profiler timelines), give each rank's host-overhead verdict (YES/NO) with its
+   M1 (GPU idle), M2 (launch overhead), M4 (GPU utilization) and M5 (NCCL share) against
+   the thresholds, the evidence and caveats, the launch/queue delay and the TKLQT
+   reading, and tie a gpu_idle chain (if any) to the idle it explains. A 'note' means no
+   GPU rows: skip this.
 4. Fix: state the root cause in one sentence, the culprit (name and pid), the evidence
    numbers, the fix (start from the chain's fixes), and what to measure afterwards to
    confirm it (which op's p99, which chain should disappear)."""

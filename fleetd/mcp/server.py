@@ -29,6 +29,8 @@ from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
 
 from fleetd import __version__
+from fleetd.analyze.causes import CAUSES
+from fleetd.analyze.window import WindowSpec
 from fleetd.errors import (
     ConfigError,
     FleetdError,
@@ -40,7 +42,7 @@ from fleetd.errors import (
 )
 from fleetd.mcp import prompts
 from fleetd.mcp.fleet import ACTIONS, FleetBackend
-from fleetd.mcp.local import LocalBackend, WindowSpec
+from fleetd.mcp.local import LocalBackend
 from fleetd.mcp.safety import NAMES_KEY, clean, fit, scrub
 
 log = logging.getLogger("fleetd.mcp.server")
@@ -222,8 +224,7 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
     server.add_tool(get_causal_chains, name="get_causal_chains", annotations=READ_ONLY,
                     description=(
         "Causal chains, most severe first: each names a slow CUDA op of a victim thread, "
-        "root_cause (cpu_contention, lock_wait, block_io, irq_preemption, host_sync, "
-        "alloc_churn, graph_recapture, dataloader_oversubscription, unexplained), the "
+        f"root_cause ({', '.join(CAUSES)}), the "
         "culprit process, severity (HIGH/MEDIUM/LOW), explained (share of the extra time "
         "the cause covers) and impact (share of wall time), time-aligned evidence "
         "(spikes and the host events overlapping them) and fixes. Also verdict, quiet "
@@ -299,6 +300,25 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         return answers("graph_lifecycle", lambda: b.graphs(
             WindowSpec(since, start, end), pid, buckets, node))
 
+    def get_gpu_breakdown(
+        since: Since = None, start: Start = None, end: End = None, pid: Pid = None,
+        steps: Annotated[bool, Field(description="measure whole profiler steps only")] = False,
+        top_n: Annotated[int, Field(ge=1, le=100, description="kernel rows")] = 10,
+        node: NodeName = None,
+    ) -> CallToolResult:
+        return answers("get_gpu_breakdown", lambda: b.gpu(
+            WindowSpec(since, start, end), pid, steps, top_n, node))
+
+    server.add_tool(get_gpu_breakdown, name="get_gpu_breakdown", annotations=READ_ONLY,
+                    description=(
+        "The GPU side of imported timelines (fleetd import of nsys / PyTorch profiler "
+        "files), per process and device: idle, compute, communication and memcpy shares "
+        "of the window, launch and queue delay (mean/p50/p95/max), TKLQT with its "
+        "CPU-bound/GPU-bound reading, the M1-M5 host-overhead verdict (YES/NO, metrics, "
+        "thresholds, evidence, caveats), per-step figures, the heaviest kernels and the "
+        "slowest rank (straggler). A 'note' says when the file has no GPU rows."
+        + DATA_NOTE))
+
     server.add_tool(graph_lifecycle, name="graph_lifecycle", annotations=READ_ONLY,
                     description=(
         "CUDA graph lifecycle per process: phases (begin/end capture, instantiate, update, "
@@ -310,11 +330,14 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
 
 def _fleet_tools(server: MCPServer, b: FleetBackend, answers: Answers) -> None:
     def query_fleet(
-        action: Annotated[Literal["chains", "sql", "ops", "overview", "stragglers"], Field(
+        action: Annotated[Literal["chains", "sql", "ops", "overview", "stragglers", "stacks",
+                                  "graphs"], Field(
             description="overview: per-node events, chain counts, verdict; stragglers: "
             "nodes slower than their peers, each with its own top chains; chains: every "
             "node's causal chains, most severe first; ops: per-op latency stats of every "
-            "node; sql: one read-only SELECT on every node, rows led by a node column")],
+            "node; sql: one read-only SELECT on every node, rows led by a node column; "
+            "stacks: the heaviest recorded call stacks of CUDA calls on every node (op "
+            "narrows them); graphs: CUDA graph capture/instantiate/launch per process")],
         since: Since = None, start: Start = None, end: End = None, pid: Pid = None,
         sql: Annotated[str | None, Field(description="for action sql: the SELECT (same "
                                          "views as a node database: events, chains, "
@@ -327,10 +350,12 @@ def _fleet_tools(server: MCPServer, b: FleetBackend, answers: Answers) -> None:
                                     "return")] = 10,
         evidence_n: Annotated[int, Field(ge=0, le=100, description="evidence items per "
                                          "chain")] = 5,
+        op: Annotated[str | None, Field(description="stacks: only calls of this CUDA op, "
+                                        "e.g. cudaStreamSynchronize")] = None,
     ) -> CallToolResult:
         return answers(f"query_fleet/{action}", lambda: b.query(
             action, WindowSpec(since, start, end), pid, sql, list(params or []), max_rows,
-            per_process, top_n, evidence_n))
+            per_process, top_n, evidence_n, op))
 
     server.add_tool(query_fleet, name="query_fleet", annotations=READ_ONLY, description=(
         f"Ask every node of the fleet at once ({', '.join(ACTIONS)}), in parallel over "

@@ -1,36 +1,31 @@
-"""The analysis endpoints: chains, ops, overview and profile, over the node's own database.
+"""The analysis endpoints: chains, ops, overview, profile, stacks, graphs and gpu.
 
-Each runs the analyzer on a reader thread, on a guarded read-only connection, under a
-deadline. Windows come as query parameters: ``since=5m`` or ``from=T&to=T`` (ISO 8601,
-epoch seconds or ns), the same words the CLI takes.
+Each runs the analyzer facade (:class:`fleetd.analyze.facade.Analysis`) on a reader
+thread, on a guarded read-only connection, under a deadline, over the node's own
+database. Windows come as query parameters: ``since=5m`` or ``from=T&to=T`` (ISO 8601,
+epoch seconds or ns), the same words the CLI takes (:class:`WindowSpec`).
 """
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from fleetd.analyze.explain import explain, profile
-from fleetd.analyze.opstats import op_stats
-from fleetd.analyze.overview import overview
-from fleetd.analyze.window import Window, resolve_window
+from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
+from fleetd.analyze.stacks import op_code
+from fleetd.analyze.window import WindowSpec
 from fleetd.errors import FleetdError, QueryError
 from fleetd.node.api import READERS, STATE, json_response
 
-ANALYSIS_TIMEOUT_S = 60.0
+MAX_TOP_N = 1000  # stacks per answer
+MAX_FRAMES = 128  # frames per stack
+MAX_BUCKETS = 500  # graph timeline buckets
 
 
-def _window(conn: sqlite3.Connection, q: Any) -> Window:
-    try:
-        return resolve_window(conn, q.get("since") or None, q.get("from") or None,
-                              q.get("to") or None)
-    except FleetdError as exc:
-        raise QueryError(exc.message, exc.hint, code="bad_request") from None
-
-
-def _int_param(q: Any, name: str) -> int | None:
+def _int_param(q: Any, name: str, limit: int | None = None) -> int | None:
     text = q.get(name)
     if not text:
         return None
@@ -38,15 +33,30 @@ def _int_param(q: Any, name: str) -> int | None:
         value = int(text)
     except ValueError:
         value = 0
-    if value <= 0:
-        raise QueryError(f"{name}={text!r} must be a positive integer", None, code="bad_request")
+    if value <= 0 or (limit is not None and value > limit):
+        bound = f" no larger than {limit}" if limit is not None else ""
+        raise QueryError(f"{name}={text!r} must be a positive integer{bound}", None,
+                         code="bad_request")
     return value
 
 
-async def _run(request: web.Request, fn: Any) -> web.StreamResponse:
+def _bad_request(exc: FleetdError) -> QueryError:
+    return QueryError(exc.message, exc.hint, code="bad_request")
+
+
+Job = Callable[[Analysis, str], dict[str, Any]]
+
+
+async def _run(request: web.Request, job: Job) -> web.StreamResponse:
+    """Run ``job`` over the node's database in the request's window."""
     readers = request.app[READERS]
     node = request.app[STATE].node
-    result = await readers.run(lambda db: db.analyze(lambda c: fn(c, node), ANALYSIS_TIMEOUT_S))
+    spec = WindowSpec.from_params(request.query)
+
+    def go(conn: sqlite3.Connection) -> dict[str, Any]:
+        return job(Analysis(conn, spec.resolve_request(conn), node), node)
+
+    result = await readers.run(lambda db: db.analyze(go, ANALYSIS_TIMEOUT_S))
     return json_response(result)
 
 
@@ -54,9 +64,8 @@ async def chains(request: web.Request) -> web.StreamResponse:
     q = request.query
     pid, top_n = _int_param(q, "pid"), _int_param(q, "top_n")
 
-    def go(conn: sqlite3.Connection, node: str) -> dict[str, Any]:
-        win = _window(conn, q)
-        report = explain(conn, win, pid, node=node)
+    def go(a: Analysis, node: str) -> dict[str, Any]:
+        report = a.explain(pid)
         found = report["chains"][:top_n] if top_n else report["chains"]
         return {"node": node, "window": report["window"], "verdict": report["verdict"],
                 "chains": found, "processes": report["processes"],
@@ -70,30 +79,59 @@ async def ops(request: web.Request) -> web.StreamResponse:
     pid = _int_param(q, "pid")
     per_process = q.get("per_process", "") in ("1", "true", "yes")
 
-    def go(conn: sqlite3.Connection, node: str) -> dict[str, Any]:
-        win = _window(conn, q)
-        return {"node": node, "window": win.to_json(), "warnings": list(win.warnings),
-                "ops": op_stats(conn, win, pid, per_process, node=node)}
+    def go(a: Analysis, node: str) -> dict[str, Any]:
+        return {"node": node, "window": a.window.to_json(), "warnings": list(a.window.warnings),
+                "ops": a.op_stats(pid, per_process)}
 
     return await _run(request, go)
 
 
 async def node_profile(request: web.Request) -> web.StreamResponse:
-    q = request.query
-
-    def go(conn: sqlite3.Connection, node: str) -> dict[str, Any]:
-        return profile(conn, _window(conn, q), node)
-
-    return await _run(request, go)
+    return await _run(request, lambda a, node: a.profile(node))
 
 
 async def node_overview(request: web.Request) -> web.StreamResponse:
-    q = request.query
+    return await _run(request, lambda a, node: a.overview(node))
 
-    def go(conn: sqlite3.Connection, node: str) -> dict[str, Any]:
-        return overview(conn, _window(conn, q), node)
+
+async def stacks(request: web.Request) -> web.StreamResponse:
+    q = request.query
+    pid = _int_param(q, "pid")
+    top_n = _int_param(q, "top_n", MAX_TOP_N) or 10
+    frames_n = _int_param(q, "frames_n", MAX_FRAMES) or 16
+    op = q.get("op") or None
+    if op is not None:
+        try:
+            op_code(op)
+        except FleetdError as exc:
+            raise _bad_request(exc) from None
+
+    def go(a: Analysis, node: str) -> dict[str, Any]:
+        out = a.stacks(op, pid, top_n, frames_n)
+        out["stacks"] = out["stacks"][:top_n]
+        return {"node": node, **out}
 
     return await _run(request, go)
+
+
+async def graphs(request: web.Request) -> web.StreamResponse:
+    q = request.query
+    pid = _int_param(q, "pid")
+    buckets = _int_param(q, "buckets", MAX_BUCKETS) or 20
+    return await _run(request, lambda a, node: {"node": node, **a.graphs(pid, buckets)})
+
+
+async def gpu(request: web.Request) -> web.StreamResponse:
+    from fleetd.analyze.gpu import parse_thresholds
+
+    q = request.query
+    pid = _int_param(q, "pid")
+    steps = q.get("steps") in ("1", "true")
+    try:
+        limits = parse_thresholds(t for t in q.get("thresholds", "").split(",") if t)
+    except FleetdError as exc:
+        raise _bad_request(exc) from None
+    return await _run(request, lambda a, node: {"node": node, **a.gpu(pid, steps, limits)})
 
 
 ROUTES = [
@@ -101,4 +139,7 @@ ROUTES = [
     web.get("/api/v1/ops", ops),
     web.get("/api/v1/overview", node_overview),
     web.get("/api/v1/profile", node_profile),
+    web.get("/api/v1/stacks", stacks),
+    web.get("/api/v1/graphs", graphs),
+    web.get("/api/v1/gpu", gpu),
 ]

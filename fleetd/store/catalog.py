@@ -81,10 +81,17 @@ _NCCL = [
 ]
 
 
+# The one op only imported traces have: a runtime call fleetd has no probe for.
+IMPORTED_CALL = "cuda_api"
+
+
 def _build() -> list[Op]:
     ops: list[Op] = []
     for i, (name, a0, a1) in enumerate(_CUDA):
         ops.append(Op(100 + i, name, "cuda", "call", a0, a1))
+    # Imported traces (nsys, Kineto) hold every runtime call; the ones fleetd does not
+    # probe itself keep their real name in the event's args (``args.name``).
+    ops.append(Op(190, IMPORTED_CALL, "cuda", "call", "correlation", None))
     for i, name in enumerate(_GRAPH):
         ops.append(Op(200 + i, name, "graph", "call"))
     for i, (name, a0, a1) in enumerate(_DRIVER):

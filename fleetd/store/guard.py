@@ -9,6 +9,10 @@ Layers, each of which alone would stop a write, so that one mistake is not enoug
    cartesian products);
 5. rows and bytes returned are capped, with a ``truncated`` flag instead of an error.
 
+:meth:`SafeDB.in_memory` puts the same guard over a scratch database that fleetd fills
+itself (``fleetd query --nodes ... --reduce`` runs over the merged rows that way), so
+there is one sandbox for untrusted SQL, not one per caller.
+
 Python's sqlite3 refuses more than one statement per ``execute``; parameters are
 always bound, never formatted into the SQL.
 """
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -147,15 +151,36 @@ _TABLE_ACTIONS = frozenset({sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite
 class SafeDB:
     """A read-only view of one database for untrusted SQL. Use from one thread at a time."""
 
-    def __init__(self, path: Path, limits: Limits | None = None) -> None:
+    def __init__(self, path: Path, limits: Limits | None = None, *,
+                 conn: sqlite3.Connection | None = None) -> None:
+        """Guard the database at ``path``, or ``conn`` when given (already query-only)."""
         self.path = path
         self.limits = limits or Limits()
-        self.conn = open_reader(path)
+        self.conn = conn if conn is not None else open_reader(path)
         self._auth = _Authorizer()
         self.conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
         self.conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, self.limits.max_value_bytes)
         self.conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, self.limits.max_sql_chars)
         self.conn.set_authorizer(self._auth)
+
+    @classmethod
+    def in_memory(cls, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],
+                  limits: Limits | None = None) -> SafeDB:
+        """A guarded scratch database holding one table of fleetd's own rows.
+
+        fleetd creates ``table`` (untyped columns, values kept as given; ``columns`` must
+        be unique) and fills it before the guard goes up; after that the connection is
+        query-only, and untrusted SQL over it runs under the same authorizer, deadline
+        and row/byte limits as over a file.
+        """
+        conn = sqlite3.connect(":memory:")
+        try:
+            _load_table(conn, table, columns, rows)
+            conn.execute("PRAGMA query_only=1")
+        except BaseException:
+            conn.close()
+            raise
+        return cls(Path(":memory:"), limits, conn=conn)
 
     def close(self) -> None:
         self.conn.close()
@@ -245,6 +270,19 @@ class SafeDB:
             return QueryError(f"refused: the database is read-only here ({text})",
                               "only SELECT queries are accepted", code="forbidden")
         return QueryError(f"SQL error: {text}", _sql_hint(text), code="bad_query")
+
+
+def _load_table(conn: sqlite3.Connection, table: str, columns: Sequence[str],
+                rows: Iterable[Sequence[Any]]) -> None:
+    names = ", ".join(_quote(c) for c in columns)
+    conn.execute(f"CREATE TABLE {_quote(table)} ({names})")
+    marks = ", ".join("?" for _ in columns)
+    conn.executemany(f"INSERT INTO {_quote(table)} VALUES ({marks})", rows)
+    conn.commit()
+
+
+def _quote(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
 def _check_sql_text(sql: str, lim: Limits) -> None:

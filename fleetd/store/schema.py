@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from fleetd.store.catalog import OPS, SOURCES
 
 APPLICATION_ID = 0x666C7464  # "fltd": tells our files from any other SQLite file
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SEQ_BITS = 40
 SEQ_MASK = (1 << SEQ_BITS) - 1
 
@@ -212,8 +212,110 @@ WHERE h.version = (SELECT max(c2.version) FROM chain_data c2
                    WHERE n2.name = h.node AND c2.key = h.key);
 """
 
+# Version 2: the GPU side, read from imported profiler files (``fleetd import``): what
+# ran on each device and stream, the annotations (NVTX, profiler steps, operators) of the
+# host threads, and the names they share. Ids are node-namespaced like events' (each
+# table counts its own seq), so merge copies them the same way.
+_V2 = """
+CREATE TABLE gpu_names (
+    hash INTEGER PRIMARY KEY,                -- 63-bit content hash of the name
+    name TEXT NOT NULL
+);
+-- One row per kernel, copy, set or synchronization the device ran. Integers only, for
+-- the writer's speed; 0 means "none" except in device and stream.
+CREATE TABLE gpu_data (
+    id          INTEGER PRIMARY KEY,         -- node_key << 40 | seq
+    session     INTEGER NOT NULL,            -- session_data.seq of the import
+    ts_ns       INTEGER NOT NULL,            -- wall clock UTC of the start on the GPU
+    dur_ns      INTEGER NOT NULL,
+    pid         INTEGER NOT NULL,            -- the host process that launched it
+    device      INTEGER NOT NULL,
+    stream      INTEGER NOT NULL,
+    kind        INTEGER NOT NULL,            -- 1 kernel, 2 memcpy, 3 memset, 4 sync
+    name        INTEGER NOT NULL,            -- gpu_names.hash
+    correlation INTEGER NOT NULL,            -- the launch call's correlation id
+    launch      INTEGER NOT NULL,            -- seq of the launch call in event_data, 0 none
+    bytes       INTEGER NOT NULL,
+    collective  INTEGER NOT NULL,            -- gpu_names.hash of the NCCL collective, 0 none
+    grid_x INTEGER NOT NULL, grid_y INTEGER NOT NULL, grid_z INTEGER NOT NULL,
+    block_x INTEGER NOT NULL, block_y INTEGER NOT NULL, block_z INTEGER NOT NULL
+);
+CREATE INDEX gpu_ts ON gpu_data(ts_ns);
+-- Ranges the host marked: NVTX ranges, profiler steps, user annotations, operators.
+CREATE TABLE annotation_data (
+    id      INTEGER PRIMARY KEY,             -- node_key << 40 | seq
+    session INTEGER NOT NULL,
+    ts_ns   INTEGER NOT NULL,
+    dur_ns  INTEGER NOT NULL,
+    pid     INTEGER NOT NULL,
+    tid     INTEGER NOT NULL,
+    kind    INTEGER NOT NULL,                -- 1 step, 2 nvtx, 3 user_annotation, 4 cpu_op
+    name    INTEGER NOT NULL                 -- gpu_names.hash
+);
+CREATE INDEX annotation_ts ON annotation_data(ts_ns);
+
+CREATE VIEW gpu_activity AS
+SELECT n.name || ':' || (g.id & 1099511627775) AS id, n.name AS node, g.session,
+       g.ts_ns, g.dur_ns, g.pid, p.rank AS rank, g.device, g.stream,
+       CASE g.kind WHEN 1 THEN 'kernel' WHEN 2 THEN 'memcpy' WHEN 3 THEN 'memset'
+                   WHEN 4 THEN 'sync' END AS kind,
+       s.name AS name, g.correlation,
+       CASE WHEN g.launch != 0 THEN n.name || ':' || g.launch END AS launch_id,
+       g.bytes, c.name AS collective, g.grid_x, g.grid_y, g.grid_z, g.block_x, g.block_y,
+       g.block_z, g.id AS rowkey
+FROM gpu_data g
+JOIN nodes n ON n.id = (g.id >> 40)
+LEFT JOIN gpu_names s ON s.hash = g.name
+LEFT JOIN gpu_names c ON c.hash = g.collective AND g.collective != 0
+LEFT JOIN process_data p ON p.node = n.id AND p.pid = g.pid;
+
+CREATE VIEW gpu_kernels AS
+SELECT id, node, session, ts_ns, dur_ns, pid, rank, device, stream, name AS kernel,
+       collective, correlation, launch_id, grid_x, grid_y, grid_z, block_x, block_y,
+       block_z, rowkey
+FROM gpu_activity WHERE kind = 'kernel';
+
+CREATE VIEW gpu_copies AS
+SELECT id, node, session, ts_ns, dur_ns, pid, rank, device, stream, kind, name, bytes,
+       correlation, launch_id, rowkey
+FROM gpu_activity WHERE kind IN ('memcpy', 'memset');
+
+-- Each kernel or copy beside the host call that launched it.
+CREATE VIEW gpu_launches AS
+SELECT g.id, g.node, g.pid, g.rank, g.device, g.stream, g.kind, g.name, g.correlation,
+       g.launch_id, e.tid, o.name AS launch_op, e.ts_ns AS launch_ts_ns,
+       e.dur_ns AS launch_dur_ns, g.ts_ns, g.dur_ns,
+       g.ts_ns - e.ts_ns AS launch_delay_ns,
+       max(0, g.ts_ns - e.ts_ns - e.dur_ns) AS queue_delay_ns
+FROM gpu_activity g
+JOIN gpu_data r ON r.id = g.rowkey AND r.launch != 0
+JOIN event_data e ON e.id = ((r.id >> 40) << 40) | r.launch
+JOIN ops o ON o.code = e.op;
+
+CREATE VIEW annotations AS
+SELECT n.name || ':' || (a.id & 1099511627775) AS id, n.name AS node, a.session, a.ts_ns,
+       a.dur_ns, a.pid, a.tid, p.rank AS rank,
+       CASE a.kind WHEN 1 THEN 'step' WHEN 2 THEN 'nvtx' WHEN 3 THEN 'user_annotation'
+                   WHEN 4 THEN 'cpu_op' END AS kind,
+       s.name AS name, a.id AS rowkey
+FROM annotation_data a
+JOIN nodes n ON n.id = (a.id >> 40)
+LEFT JOIN gpu_names s ON s.hash = a.name
+LEFT JOIN process_data p ON p.node = n.id AND p.pid = a.pid;
+
+-- Where each session came from: a recording, or an imported file (the targets JSON of
+-- an import holds {"import": {"format", "path", "sha256", ...}}).
+CREATE VIEW imports AS
+SELECT n.name AS node, s.seq AS session, json_extract(s.targets, '$.import.format') AS format,
+       json_extract(s.targets, '$.import.path') AS path,
+       json_extract(s.targets, '$.import.sha256') AS sha256,
+       s.started_ns, s.ended_ns, s.mono_offset_ns, s.clock_error_ns, s.rank, s.world_size
+FROM session_data s JOIN nodes n ON n.id = s.node
+WHERE json_extract(s.targets, '$.import') IS NOT NULL;
+"""
+
 # Index i holds the SQL that takes a database from version i to i + 1.
-MIGRATIONS: tuple[str, ...] = (_V1,)
+MIGRATIONS: tuple[str, ...] = (_V1, _V2)
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 

@@ -9,7 +9,8 @@ histograms into aggregate rows, session counters); ``stop()`` freezes the BPF si
 drains what is left, writes the final aggregates and session record, and closes.
 
 Every loss is counted: ring-buffer reserve failures and full maps (kernel counters),
-rows the writer refused or failed to write. The session row carries them all.
+rows the writer refused or failed to write. The session row carries them all; what it
+says, and how losses and histograms are counted, is :mod:`fleetd.trace.accounting`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import platform
 import socket
 import time
 from collections.abc import Callable
@@ -25,15 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleetd import __version__
 from fleetd.errors import TraceError, UsageError
-from fleetd.store.schema import SCHEMA_VERSION
 from fleetd.store.writer import BatchWriter, WriterStats
-from fleetd.trace import procinfo
+from fleetd.trace import accounting, procinfo
 from fleetd.trace.bpfsrc import (
-    COUNTERS,
     HOST_PARTS,
-    NBUCKETS,
     RINGS,
     ProgramOptions,
     compile_program,
@@ -57,7 +53,6 @@ log = logging.getLogger("fleetd.trace.tracer")
 
 GPU_LAYERS = ("cuda", "driver", "nccl")
 _ORIGIN = {1: "named", 2: "cgroup", 3: "cuda-user", 4: "child"}
-_MAX_TARGETS_JSON = 1000
 
 
 @dataclass
@@ -124,8 +119,7 @@ class Tracer:
         self.exited: dict[int, int | None] = {}  # pid -> exit code
         self._pending: list[bytes] = []
         self.ring_counts: dict[str, int] = {}
-        self._hist_prev: dict[tuple[int, int], tuple[list[int], list[int], int, int, int]] = {}
-        self._agg_window_start = 0
+        self.hist = accounting.Histograms()
         self._last_maint = 0.0
         self._last_maps_scan = 0.0
         self._started_mono = 0
@@ -166,7 +160,7 @@ class Tracer:
             self._cleanup_bpf()
             raise
         self._started_mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-        self._agg_window_start = self._started_mono
+        self.hist.window_start = self._started_mono
         self._last_maint = time.monotonic()
 
     def _check_pids(self) -> list[int]:
@@ -268,32 +262,10 @@ class Tracer:
 
     def _begin_session(self) -> None:
         assert self.writer is not None
-        first = self.clock.first
-        rank = self._rank()
-        self.session = self.writer.begin_session({
-            "host": socket.gethostname(),
-            "kernel": platform.release(),
-            "boot_id": _boot_id(),
-            "started_ns": time.time_ns(),
-            "mono_offset_ns": first.offset_ns,
-            "clock_error_ns": first.error_ns,
-            "clock_samples": self.clock.as_json(),
-            **rank,
-            "tool_version": __version__,
-            "schema_version": SCHEMA_VERSION,
-            "targets": self._targets_json(),
-            "headers_route": self.route.describe() if self.route else None,
-            "command": self.cfg.command,
-            "drops": {},
-        })
+        fields = accounting.opening_fields(self.clock, accounting.rank_of(self.targets),
+                                           self._targets_json(), self.route, self.cfg.command)
+        self.session = self.writer.begin_session(fields)
         self.writer.add_processes(procinfo.process_row(p) for p in self.targets)
-
-    def _rank(self) -> dict[str, int | None]:
-        for pid in self.targets:
-            info = procinfo.rank_info(pid)
-            if info["rank"] is not None:
-                return info
-        return {"rank": None, "local_rank": None, "world_size": None}
 
     # ---- poll -------------------------------------------------------------------------
 
@@ -358,7 +330,7 @@ class Tracer:
             self._last_maps_scan = time.monotonic()
             self._scan_libraries()
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-        if now - self._agg_window_start >= self.cfg.agg_interval_ns:
+        if now - self.hist.window_start >= self.cfg.agg_interval_ns:
             self._write_aggregates(now)
             self._update_session(final=False)
 
@@ -400,62 +372,21 @@ class Tracer:
     # ---- aggregates and counters --------------------------------------------------------
 
     def _write_aggregates(self, now_mono: int) -> None:
-        """Per (pid, op) histogram deltas since the last window, as aggregate rows.
-
-        bucket = floor(log2(ns)) (page_alloc: the order); -1 = totals (count, sum);
-        -2 = calls that returned an error (count).
-        """
         assert self.writer is not None
-        start, dur = self._agg_window_start, max(0, now_mono - self._agg_window_start)
-        ts = self.clock.to_wall(start)
-        rows: list[tuple[int | None, int, int, int | None, int, int, int, int]] = []
-        for k, v in self.bpf[b"fl_hist"].items():
-            key = int(k.value)
-            pid, op = key >> 32, key & 0xFFFFFFFF
-            counts = [int(v.b_count[i]) for i in range(NBUCKETS)]
-            sums = [int(v.b_sum[i]) for i in range(NBUCKETS)]
-            total, total_sum, errors = int(v.count), int(v.sum), int(v.errors)
-            prev = self._hist_prev.get((pid, op))
-            self._hist_prev[(pid, op)] = (counts, sums, total, total_sum, errors)
-            if prev is not None:
-                counts = [a - b for a, b in zip(counts, prev[0], strict=True)]
-                sums = [a - b for a, b in zip(sums, prev[1], strict=True)]
-                total, total_sum, errors = total - prev[2], total_sum - prev[3], errors - prev[4]
-            if total <= 0:
-                continue
-            for b in range(NBUCKETS):
-                if counts[b]:
-                    rows.append((self.session, ts, dur, pid, op, b, counts[b], sums[b]))
-            rows.append((self.session, ts, dur, pid, op, -1, total, total_sum))
-            if errors:
-                rows.append((self.session, ts, dur, pid, op, -2, errors, 0))
+        rows = self.hist.close_window(self.bpf, self.session, self.clock.to_wall, now_mono)
         if rows:
             self.writer.add_aggregates(rows)
-        self._agg_window_start = now_mono
 
     def counters(self) -> dict[str, int]:
-        table = self.bpf[b"fl_counters"]
-        out: dict[str, int] = {}
-        for i, name in enumerate(COUNTERS):
-            out[name] = int(sum(table[ctypes.c_int(i)]))
-        return out
+        return accounting.read_counters(self.bpf)
 
     def drops(self) -> dict[str, int]:
-        c = self.counters()
-        d = {k.removeprefix("lost_"): c[k] for k in COUNTERS if k.startswith("lost_")}
-        d["calls_full"] = c["calls_full"]
-        d["hist_full"] = c["hist_full"]
-        d["state_full"] = c["state_full"]
-        if self.writer is not None:
-            d["writer_queue"] = self.writer.stats.queue_dropped
-            d["writer_failed"] = self.writer.stats.failed_rows
-        return d
+        writer = self.writer.stats if self.writer is not None else None
+        return accounting.drops(self.counters(), writer)
 
     @staticmethod
     def lost_total(drops: dict[str, int]) -> int:
-        keys = ("cuda", "driver", "nccl", "sched", "sys", "calls_full", "writer_queue",
-                "writer_failed")
-        return sum(drops.get(k, 0) for k in keys)
+        return accounting.lost_total(drops)
 
     def status(self) -> dict[str, Any]:
         d = self.drops()
@@ -468,41 +399,13 @@ class Tracer:
         }
 
     def _targets_json(self) -> dict[str, Any]:
-        # Named targets first; a fork-heavy workload must not make the row huge.
-        pids = sorted(self.targets.items(), key=lambda kv: (kv[1] != "named", kv[0]))
-        return {
-            "pids": {str(p): o for p, o in pids[:_MAX_TARGETS_JSON]},
-            "pids_total": len(pids),
-            "cgroups": self.cfg.cgroups,
-            "system_wide": self.cfg.system_wide,
-            "libraries": [
-                {"path": lib.path, "kind": lib.kind, "found_by": lib.found_by,
-                 "probes": len(self.report.attached.get(lib.path, [])),
-                 "via": self.report.mechanism.get(lib.path)}
-                for lib in self.libs.values()
-            ],
-            "layers": sorted(self.cfg.layers),
-            "sample": self.cfg.sample,
-            # Explain names this process "the tracer" when it is the one that took the
-            # CPU from a workload: the observer's own cost, shown rather than hidden.
-            "tracer_pid": os.getpid(),
-        }
+        return accounting.targets_json(self.cfg, self.targets, self.libs.values(), self.report)
 
     def _update_session(self, *, final: bool) -> None:
         assert self.writer is not None
         d = self.drops()
-        c = self.counters()
-        fields: dict[str, Any] = {
-            "lost_events": self.lost_total(d),
-            "dropped_stacks": c["stack_lost"],
-            "sampled_out": c["sampled_out"],
-            "drops": d,
-            "clock_samples": self.clock.as_json(),
-            "clock_error_ns": self.clock.error_ns,
-            "targets": self._targets_json(),
-        }
-        if final:
-            fields["ended_ns"] = time.time_ns()
+        fields = accounting.progress_fields(d, self.counters(), self.clock,
+                                            self._targets_json(), final=final)
         self.writer.update_session(self.session, fields)
 
     def _warn(self, msg: str) -> None:
@@ -598,10 +501,3 @@ def ensure_tracefs() -> str:
         )
     log.info("mounted tracefs at %s", path)
     return str(path)
-
-
-def _boot_id() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None

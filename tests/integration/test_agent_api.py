@@ -193,3 +193,35 @@ def test_served_copy_takes_its_node_name_and_refuses_a_wrong_one(tmp_path: Path)
                           timeout=30)
     assert proc.returncode == 2 and "holds no node named 'gpu-01'" in proc.stderr
     assert "gpu-09" in proc.stderr
+
+
+def test_stacks_and_graphs_endpoints(tmp_path: Path, pki: Pki) -> None:
+    """The node serves the stack grouping and the graph lifecycle the local MCP tools
+    give, over the same analyzer facade, with bounded parameters."""
+    from mcp_data import SYNC_STACK
+    from mcp_data import build as build_with_stacks
+    from synth import MAIN
+    from synth import build as build_synth
+
+    db = build_with_stacks("cpu_hog", tmp_path / "stacks.db", "gpu-01")
+    with agent(db, "gpu-01", pki, "--no-trace") as a:
+        ctx = client_ssl(pki)
+        status, res, _ = request(a.url, ctx,
+                                 path="/api/v1/stacks?op=cudaStreamSynchronize&frames_n=2")
+        assert status == 200 and res["node"] == "gpu-01", res
+        [s] = res["stacks"]
+        assert s["frames"] == SYNC_STACK[:2] and s["frames_omitted"] == len(SYNC_STACK) - 2
+        assert s["processes"][0]["pid"] == MAIN and res["events_without_stack"] == 0
+        status, res, _ = request(a.url, ctx, path="/api/v1/stacks?op=cudaLaunchKernl")
+        assert status == 400 and "cudaLaunchKernel" in res["error"]["hint"]
+        status, res, _ = request(a.url, ctx, path="/api/v1/stacks?top_n=100000")
+        assert status == 400 and "no larger than" in res["error"]["message"]
+        status, res, _ = request(a.url, ctx, path="/api/v1/graphs")
+        assert status == 200 and res["processes"] == [] and "note" in res
+    graph_db = build_synth("graph_storm", tmp_path)
+    with agent(graph_db, "gpu-01", pki, "--no-trace") as a:
+        status, res, _ = request(a.url, client_ssl(pki), path="/api/v1/graphs?buckets=10")
+        assert status == 200, res
+        [p] = res["processes"]
+        assert p["pid"] == MAIN and p["phases"]["instantiate"]["count"] == 30
+        assert len(p["timeline"]["rows"]) == 10 and p["verdict"].startswith("re-capturing")

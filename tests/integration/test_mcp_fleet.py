@@ -413,3 +413,20 @@ def test_cli_refuses_db_with_nodes_and_a_missing_db(pki: Pki, dbs: dict[str, Pat
     assert "--db reads a local database" in capsys.readouterr().err
     assert main(["mcp", "--db", "/nonexistent.db"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_stacks_and_graphs_fan_out(pki: Pki, fleet: list[Agent]) -> None:
+    """The fleet MCP has the stacks and graphs the local one has, node by node."""
+    srv = fleet_server(pki, nodes_arg(fleet))
+    got = call(srv, "query_fleet", {"action": "stacks", "op": "cudaStreamSynchronize"})
+    assert got["status"] == "complete" and got["stacks"], got
+    assert {s["node"] for s in got["stacks"]} == {"gpu-01", "gpu-02"}
+    assert all(s["ops"] == ["cudaStreamSynchronize"] for s in got["stacks"])
+    launch = call(srv, "query_fleet", {"action": "stacks", "op": "cudaLaunchKernel"})
+    frames = [f for s in launch["stacks"] for f in s["frames"]["untrusted"]]
+    assert frames and all("\x1b" not in f and "\u202e" not in f for f in frames)
+    err = call(srv, "query_fleet", {"action": "stacks", "op": "cudaLaunchKernl"},
+               ok=False)["error"]
+    assert err["code"] == "bad_request" and "cudaLaunchKernel" in err["hint"]
+    graphs = call(srv, "query_fleet", {"action": "graphs"})
+    assert graphs["status"] == "complete" and graphs["processes"] == [] and "note" in graphs

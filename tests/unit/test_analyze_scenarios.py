@@ -64,7 +64,9 @@ def test_cpu_hog_names_the_hog(tmp_path: Path) -> None:
     assert c["root_cause"] == "cpu_contention"
     assert c["severity"] == "HIGH"
     assert c["op"] == "cudaStreamSynchronize"
-    assert c["culprit"] == {"pid": STRESS, "comm": "stress", "self": False}
+    # The culprit is a thread: it names the thread too (tid and thread name).
+    assert c["culprit"] == {"pid": STRESS, "comm": "stress", "self": False, "tid": STRESS,
+                            "thread": "stress"}
     assert c["victim"]["pid"] == MAIN and c["victim"]["tid"] == MAIN_TID
     assert c["explained"] >= 0.5
     assert any(str(STRESS) in f and "renice" in f for f in c["fixes"])

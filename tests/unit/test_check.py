@@ -19,6 +19,7 @@ from fleetd.checks import FAIL, OK, SKIP, STATUSES, WARN, Check
 from fleetd.security import certs
 from fleetd.security.checks import TlsFiles, cert_checks
 from fleetd.store.checks import db_check
+from fleetd.store.schema import SCHEMA_VERSION
 
 from conftest import FLEETD, assert_one_line_error, build_db
 
@@ -180,7 +181,7 @@ def test_a_new_database_in_a_writable_directory_is_ok(tmp_path: Path) -> None:
 
 def test_an_existing_fleetd_database_is_ok(tmp_path: Path) -> None:
     c = db_check(build_db(tmp_path / "node.db", n=10))
-    assert c.status == OK and "fleetd database, schema v1" in c.detail, c
+    assert c.status == OK and f"fleetd database, schema v{SCHEMA_VERSION}" in c.detail, c
 
 
 def test_a_directory_that_cannot_be_created_fails(tmp_path: Path) -> None:
@@ -255,7 +256,7 @@ def test_a_running_agent_is_reachable_over_mtls(running: Agent, fleet_pki: Pki) 
     assert c["name"] == "node gpu-01" and c["status"] == OK and c["group"] == "nodes"
     assert "gpu-01 (fleetd " in c["detail"] and "round trip" in c["detail"]
     assert c["data"]["rtt_ms"] >= 0 and c["data"]["connect_ms"] > 0
-    assert c["data"]["schema_version"] == 1
+    assert c["data"]["schema_version"] == SCHEMA_VERSION
 
 
 def test_a_closed_port_fails_with_the_clients_hint(fleet_pki: Pki) -> None:

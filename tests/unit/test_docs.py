@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import REPO
 
@@ -44,3 +47,86 @@ def test_every_view_and_table_is_documented() -> None:
         cols = [r[1] for r in conn.execute(f"PRAGMA table_info({view})")]
         undocumented = [c for c in cols if f"`{c}`" not in doc]
         assert not undocumented, f"{view}: {undocumented}"
+
+
+# ---- the node API, its metrics and the CLI flags, read from the code -------------------
+
+def _agent_routes(tmp_path: Path) -> set[tuple[str, str]]:
+    """(method, path) of every route the agent's application serves, as it builds it."""
+    from fleetd.node.agent import AgentSettings, build_app
+    from fleetd.node.api import NodeState
+
+    app = build_app(AgentSettings(node="n1", db=tmp_path / "n1.db"), NodeState(node="n1"))
+    routes = {(r.method, r.resource.canonical) for r in app.router.routes()
+              if r.resource is not None and r.method != "HEAD"}  # HEAD comes with each GET
+    assert ("GET", "/api/v1/health") in routes and ("GET", "/metrics") in routes
+    return routes
+
+
+def _section(doc: str, heading: str) -> str:
+    """The text under the first heading that starts with ``heading``, to the next heading."""
+    m = re.search(rf"^#+ {re.escape(heading)}.*?$(.*?)(?=^#|\Z)", doc, re.M | re.S)
+    assert m is not None, f"no heading {heading!r}"
+    return m.group(1)
+
+
+def test_every_agent_route_is_documented(tmp_path: Path) -> None:
+    doc = (REPO / "docs" / "api.md").read_text()
+    # A route's heading: ### `GET /api/v1/chains?since=...` (query parameters may follow).
+    documented = set(re.findall(r"^#+ `([A-Z]+) (/[^`?\s]*)", doc, re.M))
+    missing = sorted(_agent_routes(tmp_path) - documented)
+    assert not missing, ("docs/api.md has no heading (### `METHOD /path`) for the agent's "
+                         f"routes: {missing}")
+
+
+def test_every_metric_series_is_documented() -> None:
+    from fleetd.node.api import NodeState
+    from fleetd.node.metrics import Sources, render
+
+    text = render(NodeState(node="n1", tracing=True), Sources())
+    families = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    samples = set(re.findall(r"^(fleetd_\w+)[{ ]", text, re.M))
+    assert len(families) >= 5 and samples
+    for name in samples:  # every sample belongs to a declared family (histogram parts too)
+        assert name in families or any(
+            name == f + suffix and families[f] == "histogram"
+            for f in families for suffix in ("_bucket", "_sum", "_count")), name
+    section = _section((REPO / "docs" / "api.md").read_text(), "`GET /metrics`")
+    missing = [f for f in families if f"`{f}`" not in section]
+    assert not missing, f"docs/api.md's GET /metrics section does not name: {missing}"
+
+
+def _parsers(
+    parser: argparse.ArgumentParser, path: str
+) -> list[tuple[str, argparse.ArgumentParser]]:
+    out = [(path, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out += _parsers(sub, f"{path} {name}")
+    return out
+
+
+def test_every_cli_flag_is_in_the_reference() -> None:
+    from fleetd.cli.main import build_parser
+
+    doc = (REPO / "docs" / "cli.md").read_text()
+    missing: list[str] = []
+    commands = _parsers(build_parser(), "fleetd")
+    assert len(commands) > 10
+    for command, parser in commands:
+        # The command's own section: "## fleetd query", "### fleetd certs show".
+        m = re.search(rf"^#+ {re.escape(command)}\n(.*?)(?=^#|\Z)", doc, re.M | re.S)
+        if m is None:
+            missing.append(f"section {command!r}")
+            continue
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS:
+                continue
+            for flag in action.option_strings:
+                # An entry of the options list: "  -v, --verbose  ..." or "  --db DB  ...".
+                entry = rf"^  (?:-\S+(?: [^-\s]\S*)*, )*{re.escape(flag)}(?![\w-])"
+                if not re.search(entry, m.group(1), re.M):
+                    missing.append(f"{command} {flag}")
+    assert not missing, (f"docs/cli.md does not list: {missing}; regenerate it with "
+                         ".venv/bin/python scripts/gen_cli_docs.py")

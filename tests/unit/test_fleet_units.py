@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from synth import MAIN, MS, STRESS, US, Timeline, base, training_loop
 
+from fleetd.analyze import stragglers
 from fleetd.errors import UsageError
-from fleetd.fleet import stragglers
-from fleetd.fleet.merge import Merged, NodeRows, merge, reduce, unique_names
+from fleetd.fleet.combine import Merged, NodeRows, merge, reduce, unique_names
 from fleetd.fleet.skew import Sample, correct_obj, correct_rows, estimate
 from fleetd.fleet.targets import parse_nodes
 
@@ -251,12 +251,12 @@ def test_only_transient_failures_are_retried() -> None:
 
 
 def test_absolute_windows_move_into_the_node_clock_and_since_does_not() -> None:
-    from fleetd.fleet.queries import WindowArgs
+    from fleetd.analyze.window import WindowSpec
 
-    w = WindowArgs(None, "1750000000", "1750000060")
+    w = WindowSpec(None, "1750000000", "1750000060")
     assert w.absolute and w.params(2_500_000_000) == {
         "from": str(1_750_000_002_500_000_000), "to": str(1_750_000_062_500_000_000)}
-    assert WindowArgs("5m").params(2_500_000_000) == {"since": "5m"}
-    assert WindowArgs().params(7) == {} and WindowArgs().label() == "whole recording"
+    assert WindowSpec("5m").params(2_500_000_000) == {"since": "5m"}
+    assert WindowSpec().params(7) == {} and WindowSpec().label() == "whole recording"
     with pytest.raises(UsageError):
-        WindowArgs(None, "yesterday-ish").validate()
+        WindowSpec(None, "yesterday-ish").validate()

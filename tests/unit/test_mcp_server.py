@@ -30,7 +30,8 @@ from fleetd.mcp.local import LocalBackend
 from fleetd.mcp.server import ServerSettings, build_server
 
 DB_TOOLS = {"get_check", "get_trace_stats", "get_causal_chains", "get_latency_breakdown",
-            "get_stacks", "run_sql", "graph_lifecycle", "export_timeline"}
+            "get_stacks", "run_sql", "graph_lifecycle", "export_timeline",
+            "get_gpu_breakdown"}
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +168,8 @@ def test_causal_chains_blame_the_hog_with_a_sanitized_name(dbs: dict[str, Path])
     assert c["root_cause"] == "cpu_contention" and c["severity"] == "HIGH"
     assert c["op"] == "cudaStreamSynchronize"
     assert c["victim"]["pid"] == MAIN and c["victim"]["tid"] == MAIN_TID
-    assert c["culprit"] == {"pid": STRESS, "comm": {"untrusted": HOSTILE_CLEAN}, "self": False}
+    assert c["culprit"] == {"pid": STRESS, "comm": {"untrusted": HOSTILE_CLEAN}, "self": False,
+                            "tid": STRESS, "thread": {"untrusted": HOSTILE_CLEAN}}
     # fleetd's sentences name the culprit as quoted data.
     assert f"«{HOSTILE_CLEAN}» (pid {STRESS})" in c["summary"]
     assert any(f"«{HOSTILE_CLEAN}»" in f and "renice" in f for f in c["fixes"])

@@ -242,12 +242,15 @@ def test_newer_schema_is_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "out.db").exists()
 
 
+_NOW = schema.SCHEMA_VERSION  # the real current version, before a test pretends another
+
+
 def _v2(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pretend the current schema is 2: event_data gained a column."""
+    """Pretend the schema has one more version: event_data gained a column."""
     v2 = "ALTER TABLE event_data ADD COLUMN cpu INTEGER NOT NULL DEFAULT 0;"
     monkeypatch.setattr(schema, "MIGRATIONS", (*schema.MIGRATIONS, v2))
-    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
-    monkeypatch.setattr(store_db, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", _NOW + 1)
+    monkeypatch.setattr(store_db, "SCHEMA_VERSION", _NOW + 1)
 
 
 def test_older_inputs_go_through_the_upgrade_step(tmp_path: Path,
@@ -264,14 +267,15 @@ def test_older_inputs_go_through_the_upgrade_step(tmp_path: Path,
                      f"SELECT *, -1 AS cpu FROM {layout['event_data']}")
         return {**layout, "event_data": f"temp.{schema_name}_v2_event_data"}
 
-    with pytest.raises(StoreError, match="cannot be converted: no upgrade from version 1"):
+    with pytest.raises(StoreError,
+                       match=f"cannot be converted: no upgrade from version {_NOW}"):
         merge([old], tmp_path / "none.db")
-    monkeypatch.setattr(merge_mod, "UPGRADES", {1: v1_to_v2})
+    monkeypatch.setattr(merge_mod, "UPGRADES", {**merge_mod.UPGRADES, _NOW: v1_to_v2})
     out = tmp_path / "v2.db"
     merge([old], out)
     assert calls == ["main", "src"]  # identity read, then the copy, both converted
     with sqlite3.connect(out) as c:
-        assert c.execute("PRAGMA user_version").fetchone() == (2,)
+        assert c.execute("PRAGMA user_version").fetchone() == (_NOW + 1,)
         assert c.execute("SELECT DISTINCT cpu FROM event_data").fetchall() == [(-1,)]
         assert c.execute("SELECT count(*) FROM event_data").fetchone() == (200,)
     assert sha(old) == before

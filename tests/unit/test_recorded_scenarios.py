@@ -106,7 +106,7 @@ def test_culprit_is_what_was_injected_not_a_bystander(name: str) -> None:
 
 def test_expectations_cover_every_root_cause_the_issue_names() -> None:
     wanted = {"cpu_contention", "dataloader_oversubscription", "host_sync", "block_io",
-              "lock_wait", "alloc_churn"}
+              "lock_wait", "alloc_churn", "lock_contention", "data_starvation"}
     assert {s.expect_root for s in SCENARIOS.values()} - {None} == wanted
     assert all(isinstance(s, Scenario) and s.about for s in SCENARIOS.values())
 
@@ -145,3 +145,17 @@ def test_fleet_merge_opens_as_one_timeline(tmp_path: Path) -> None:
     assert sorted(s.processes.values()) == list(FLEET)
     # The straggler's chain is on the timeline, as a marker naming the hog.
     assert any("cpu-hog" in json.dumps(m, default=str) for m in s.markers)
+
+
+WALL_KEYS = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "lock_ns", "data_ns",
+             "timer_ns", "gpu_sync_ns", "other_ns")
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_breakdown_columns_add_up_to_the_wall_time(name: str) -> None:
+    """Per thread, the time split (sleeps by wait reason included) is the wall time."""
+    threads = [t for p in _report(name)["processes"] for t in p["threads"]]
+    assert threads
+    for t in threads:
+        total = sum(int(t[k]) for k in WALL_KEYS)
+        assert abs(total - int(t["wall_ns"])) <= 0.01 * int(t["wall_ns"]), (t, total)

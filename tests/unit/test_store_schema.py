@@ -44,12 +44,13 @@ def test_forward_migration_keeps_data(tmp_path: Path, monkeypatch: pytest.Monkey
         c.execute("INSERT INTO meta VALUES ('kept', 'yes')")
     v2 = "ALTER TABLE meta ADD COLUMN note TEXT;\nCREATE TABLE added_in_v2 (x INTEGER);"
     monkeypatch.setattr(schema, "MIGRATIONS", (*schema.MIGRATIONS, v2))
-    monkeypatch.setattr(schema, "SCHEMA_VERSION", 2)
+    now = schema.SCHEMA_VERSION
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", now + 1)
     import fleetd.store.db as db
 
-    monkeypatch.setattr(db, "SCHEMA_VERSION", 2)
+    monkeypatch.setattr(db, "SCHEMA_VERSION", now + 1)
     conn = open_writer(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == now + 1
     assert conn.execute("SELECT value FROM meta WHERE key='kept'").fetchone() == ("yes",)
     assert conn.execute("SELECT count(*) FROM added_in_v2").fetchone() == (0,)
 

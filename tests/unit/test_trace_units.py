@@ -19,7 +19,7 @@ from types import ModuleType
 import pytest
 
 from fleetd.errors import FleetdError, UsageError
-from fleetd.store.catalog import BY_NAME, OPS
+from fleetd.store.catalog import BY_NAME, IMPORTED_CALL, OPS
 from fleetd.trace import clock, headers, libs, probes
 from fleetd.trace.bpfsrc import REC, ProgramOptions, cflags, probe_wrappers, source_text
 from fleetd.trace.decoder import Decoder, launch_args
@@ -115,7 +115,8 @@ def test_probe_cookies_and_always_classes() -> None:
     always = {s.op for s in probes.SPECS if s.always}
     assert {"cudaMemcpy", "cudaDeviceSynchronize", "cudaGraphLaunch", "ncclAllReduce"} <= always
     assert not {"cudaLaunchKernel", "cudaMemcpyAsync", "cuLaunchKernel"} & always
-    cat = {op.name for op in OPS if op.source in ("cuda", "graph", "driver", "nccl")}
+    cat = {op.name for op in OPS if op.source in ("cuda", "graph", "driver", "nccl")
+           and op.name != IMPORTED_CALL}
     assert {s.op for s in probes.SPECS} == cat
 
 

@@ -20,6 +20,13 @@ fresh buffers without pause (CPU and page-allocation pressure),
 ``--sleep-ms`` sleeps voluntarily, ``--driver`` also calls libcuda (cuInit,
 cuMemAlloc_v2, cuLaunchKernel, cuMemcpyHtoD_v2, cuCtxSynchronize...).
 
+Waits of the job's own making: ``--gil-thread`` starts a pure-Python thread in the same
+process (native name ``py-busy``) that computes without pause, so the feeding thread
+waits for the interpreter lock; ``--producer-ms MS`` feeds each step from
+``--producers N`` worker processes (``dl-producer``) through a ``multiprocessing.Queue``,
+each batch costing its producer MS of CPU, so a feeding thread with too few producers
+waits for data.
+
 Prints one JSON summary (calls and return codes per op, pid, tids, steps/s) so
 tests can compare recorded counts with calls made. Usable as a library:
 ``Workload(Config(...)).run()``.
@@ -95,6 +102,9 @@ class Config:
     tmpdir: str = ""
     workers: int = 0  # DataLoader-style worker processes
     worker_mb: int = 4  # buffer each worker allocates and fills per item
+    gil_thread: bool = False  # a pure-Python CPU thread beside the feeding thread
+    producer_ms: float = 0.0  # > 0: each step waits for a batch costing a producer this
+    producers: int = 1
 
 
 @dataclass
@@ -133,6 +143,8 @@ class Workload:
         self._host = (ctypes.c_char * max(cfg.memcpy_bytes, 4))()
         self._lock_fd: int | None = None
         self._workers: list[int] = []
+        self._queue: Any = None
+        self._stop = threading.Event()
         self._func = ctypes.c_void_p(ctypes.addressof(self._host))  # any non-null "kernel"
 
     # ---- ctypes declarations ---------------------------------------------------------
@@ -254,6 +266,8 @@ class Workload:
 
     def step(self) -> None:
         c, rt = self.cfg, self.rt
+        if self._queue is not None:
+            self._queue.get()  # the next batch: waits while the producers are behind
         t_first = time.perf_counter_ns()
         for _ in range(c.alloc_churn):
             p = ctypes.c_void_p()
@@ -306,7 +320,24 @@ class Workload:
                     os._exit(0)
             self._workers.append(pid)
 
+    def start_helpers(self, until_s: float) -> None:
+        """The GIL-holding thread and the queue producers, when asked for."""
+        if self.cfg.gil_thread:
+            threading.Thread(target=_gil_hog, args=(self._stop,), daemon=True).start()
+        if self.cfg.producer_ms > 0:
+            import multiprocessing as mp
+
+            ctx = mp.get_context("fork")
+            self._queue = ctx.Queue(maxsize=4)
+            for i in range(self.cfg.producers):
+                proc = ctx.Process(target=_producer, daemon=True, args=(
+                    self._queue, os.getpid(), i, self.cfg.producer_ms, until_s))
+                proc.start()
+                assert proc.pid is not None
+                self._workers.append(proc.pid)
+
     def stop_workers(self) -> None:
+        self._stop.set()
         for pid in self._workers:
             try:
                 os.kill(pid, 15)
@@ -324,8 +355,10 @@ class Workload:
                 time.sleep(0.005)
         t0 = time.perf_counter_ns()
         deadline = t0 + int(c.duration_s * 1e9) if c.duration_s > 0 else 0
+        until = time.time() + (c.duration_s or 600) + 5
         if c.workers:
-            self.start_workers(time.time() + (c.duration_s or 600) + 5)
+            self.start_workers(until)
+        self.start_helpers(until)
         try:
             steps = self._loop(t0, deadline)
         finally:
@@ -373,6 +406,34 @@ def _worker(parent: int, index: int, nbytes: int, until_s: float) -> None:
         del buf
 
 
+def _set_thread_name(name: bytes) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # PR_SET_NAME: this thread's comm
+
+
+def _gil_hog(stop: threading.Event) -> None:
+    """Pure-Python arithmetic without pause: it holds the interpreter lock except when
+    the interpreter makes it let go (every switch interval), as a metrics or logging
+    thread doing CPU work in Python would."""
+    _set_thread_name(b"py-busy")
+    x = 0
+    while not stop.is_set():
+        for i in range(10_000):
+            x = (x + i * i) % 1_000_003
+
+
+def _producer(queue: Any, parent: int, index: int, cost_ms: float, until_s: float) -> None:
+    """A data producer: each batch costs ``cost_ms`` of CPU (decoding, augmenting)."""
+    _set_thread_name(b"dl-producer")
+    batch = bytes(64 * 1024)
+    while time.time() < until_s and os.getppid() == parent:
+        end = time.perf_counter_ns() + int(cost_ms * 1e6)
+        x = 0
+        while time.perf_counter_ns() < end:
+            x += 1
+        queue.put(batch)
+
+
 def _dims(text: str) -> tuple[int, int, int]:
     parts = [int(p) for p in text.split(",")]
     while len(parts) < 3:
@@ -408,6 +469,11 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--workers", type=int, default=0,
                    help="DataLoader-style worker processes (CPU and page-allocation load)")
     p.add_argument("--worker-mb", type=int, default=4, help="MiB each worker fills per item")
+    p.add_argument("--gil-thread", action="store_true",
+                   help="a pure-Python CPU thread in this process (interpreter lock waits)")
+    p.add_argument("--producer-ms", type=float, default=0.0,
+                   help="feed each step through a queue; CPU ms per batch per producer")
+    p.add_argument("--producers", type=int, default=1, help="producer processes")
     a = p.parse_args(argv)
     return Config(
         steps=a.steps, duration_s=a.duration, launches=a.launches, grid=a.grid,
@@ -416,7 +482,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
         graph=a.graph, device_sync=a.device_sync, cpu_us=a.cpu_us, gpu_ms=a.gpu_ms,
         rate=a.rate, sleep_ms=a.sleep_ms, dstate=a.dstate, driver=a.driver,
         cudart=a.cudart, libcuda=a.libcuda, go_file=a.go_file, tmpdir=a.tmpdir,
-        workers=a.workers, worker_mb=a.worker_mb,
+        workers=a.workers, worker_mb=a.worker_mb, gil_thread=a.gil_thread,
+        producer_ms=a.producer_ms, producers=a.producers,
     )
 
 

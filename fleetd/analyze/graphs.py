@@ -4,7 +4,7 @@ A CUDA graph pays off by being captured once and replayed many times. The failur
 is re-capture: shapes change, the capture is invalidated, and the process keeps
 capturing and instantiating (tens of ms each) instead of launching. This view answers
 "how often, when, and what did it cost": per phase counts and latencies (from
-:func:`fleetd.analyze.opstats.node_op_stats`, so sampled calls are counted from the
+:meth:`fleetd.analyze.model.NodeSlice.op_stats`, so sampled calls are counted from the
 histograms), the replay ratio, and a timeline whose capture episodes are compared with
 the launch rate outside them.
 
@@ -19,8 +19,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetd.analyze.data import Node, code, comms, effective_span, in_list, nodes
-from fleetd.analyze.opstats import node_op_stats
+from fleetd.analyze.data import Node, code, in_list
+from fleetd.analyze.model import NodeSlice
 from fleetd.analyze.window import Window
 from fleetd.store.timeparse import format_ns
 
@@ -50,18 +50,16 @@ class _Proc:
     calls: list[tuple[int, int, str]] = field(default_factory=list)  # ts, dur, phase
 
 
-def graph_lifecycle(conn: sqlite3.Connection, win: Window, pid: int | None = None,
-                    node: str | None = None, buckets: int = 20) -> dict[str, Any]:
+def graph_lifecycle(slices: list[NodeSlice], win: Window, pid: int | None = None,
+                    buckets: int = 20) -> dict[str, Any]:
     """Every process with CUDA graph calls in the window, node by node."""
     procs: list[dict[str, Any]] = []
-    for n in nodes(conn, node):
-        names, _ = comms(conn, n)
-        span = effective_span(conn, n, win)
-        stats = [r for r in node_op_stats(conn, n, win, pid, True, names)
+    for sl in slices:
+        stats = [r for r in sl.op_stats(pid, True)
                  if r["source"] == "graph" or r["op"] == "cuGraphLaunch"]
-        for p in _load(conn, n, win, pid).values():
+        for p in _load(sl.conn, sl.node, win, pid).values():
             mine = [r for r in stats if r["pid"] == p.pid]
-            procs.append(_process(n, p, mine, names.get(p.pid), span, buckets))
+            procs.append(_process(sl.node, p, mine, sl.names.get(p.pid), sl.span, buckets))
     procs.sort(key=lambda p: -int(p["phases"].get("instantiate", {}).get("count", 0)))
     return {"window": win.to_json(), "processes": procs, "warnings": list(win.warnings)}
 

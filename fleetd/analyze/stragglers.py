@@ -64,6 +64,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("cuda_calls_per_s", "rate", 0.8, primary=True),
     Metric("runq_share", "share", 0.8, primary=True),
     Metric("d_state_share", "share", 0.8, primary=True),
+    Metric("lock_share", "share", 0.8, primary=True),
+    Metric("data_wait_share", "share", 0.8, primary=True),
     Metric("launch_p50_ns", "latency", 0.5),
     Metric("sync_p50_ns", "latency", 0.5),
     Metric("launch_p99_ns", "latency", 0.25),

@@ -1,4 +1,7 @@
-"""Merging per-node result sets into one, and ``--reduce``: SQL over the merged rows.
+"""Combining per-node result sets into one, and ``--reduce``: SQL over the merged rows.
+
+Not to be confused with :mod:`fleetd.store.merge`, which merges node databases into one
+file; this module only joins the rows that nodes returned to a fleet query.
 
 Every merged row starts with the ``node`` it came from. Nodes normally return the same
 columns; when one does not (another schema version, a ``SELECT *`` over a changed view),
@@ -11,16 +14,15 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetd.errors import UsageError
-from fleetd.store.guard import DENIED_FUNCTIONS
+from fleetd.errors import QueryError, UsageError
+from fleetd.store.guard import Limits, SafeDB
 
-log = logging.getLogger("fleetd.fleet.merge")
+log = logging.getLogger("fleetd.fleet.combine")
 
 REDUCE_TABLE = "merged"
 REDUCE_TIMEOUT_S = 30.0
@@ -148,46 +150,32 @@ def unique_names(columns: Sequence[str]) -> list[str]:
     return out
 
 
-def _authorizer(action: int, arg1: str | None, arg2: str | None, db: str | None,
-                source: str | None) -> int:
-    # Reads of the in-memory table only: no ATTACH of files, no pragmas, no writes.
-    if action in (sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE):
-        return sqlite3.SQLITE_OK
-    if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() not in DENIED_FUNCTIONS:
-        return sqlite3.SQLITE_OK
-    return sqlite3.SQLITE_DENY
-
-
 def reduce(merged: Merged, sql: str, timeout_s: float = REDUCE_TIMEOUT_S
            ) -> tuple[list[str], list[list[Any]]]:
-    """Load the merged rows into an in-memory table ``merged`` and run ``sql`` over it."""
+    """Run ``sql`` over the merged rows, loaded as table ``merged`` of a guarded scratch
+    database: the same sandbox and limits as a query of a file. A result over the row or
+    byte limit is cut there and marks ``merged`` truncated."""
     names = unique_names(merged.columns)
-    conn = sqlite3.connect(":memory:")
-    try:
-        cols = ", ".join(_quote(n) for n in names)
-        conn.execute(f"CREATE TABLE {REDUCE_TABLE} ({cols})")  # untyped: values kept as sent
-        marks = ", ".join("?" for _ in names)
-        conn.executemany(f"INSERT INTO {REDUCE_TABLE} VALUES ({marks})",
-                         [[_cell(v) for v in r] for r in merged.rows])
-        conn.set_authorizer(_authorizer)
-        deadline = time.monotonic() + timeout_s
-        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+    rows = ([_cell(v) for v in r] for r in merged.rows)
+    with SafeDB.in_memory(REDUCE_TABLE, names, rows, Limits(timeout_s=timeout_s)) as db:
         try:
-            cur = conn.execute(sql)
-            rows = [list(r) for r in cur.fetchall()]
-        except sqlite3.Error as exc:
+            result = db.query(sql)
+        except QueryError as exc:
             raise UsageError(
-                f"--reduce {sql!r} failed: {exc}",
+                f"--reduce {sql!r} failed: {_reason(exc)}",
                 f"it runs over table {REDUCE_TABLE}({', '.join(names)}); one SELECT, "
                 "e.g. --reduce \"SELECT avg(n) FROM merged\"") from None
-        columns = [d[0] for d in cur.description or ()]
-        return columns, rows
-    finally:
-        conn.close()
+    if result.truncated:
+        merged.truncated = True
+        log.warning("--reduce result truncated at %d rows (limit on %s)", len(result.rows),
+                    result.truncated_reason)
+    return result.columns, [list(r) for r in result.rows]
 
 
-def _quote(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
+def _reason(exc: QueryError) -> str:
+    """SQLite's own words where it refused the statement, else the guard's."""
+    cause = exc.__cause__
+    return str(cause) if isinstance(cause, sqlite3.Error) else exc.message
 
 
 def _cell(value: Any) -> Any:

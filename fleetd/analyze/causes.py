@@ -1,0 +1,398 @@
+"""The root causes ``explain`` can name: each written once, with its words and fixes.
+
+The analyzers (chains.py for time-aligned spikes, rules.py for patterns) decide *which*
+cause a chain has and fill in its victim, culprits, detail and evidence; this registry
+says it: a one-line description (docs, the MCP tool description), the evidence kinds the
+cause produces, the phrase a spike summary uses, the summary of a rule chain, and the
+fixes. :data:`CAUSES` is the whole set; docs/explain.md documents every entry
+(tests/unit/test_causes.py checks both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from fleetd.analyze.chains import Chain
+from fleetd.analyze.data import TRACER_MARK
+
+# Processes that poll the NVIDIA driver (NVML ioctls on /dev/nvidia*) and so take driver
+# locks a CUDA thread also needs. Only the culprit's name is recorded (which files a
+# process has open is not), so they are recognized by comm (15 characters at most).
+DRIVER_POLLERS = ("nvidia-smi", "nvidia-persiste", "nv-hostengine", "dcgm", "nvtop")
+
+# The host events a spike or stall can cite (chains.evidence_timeline): whatever
+# overlapped it is shown, so a chain may list these beside its own cause's kinds.
+SPIKE_HOST_KINDS = ("off_cpu", "runq_wait", "block_io", "hardirq", "softirq")
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """One root cause class.
+
+    ``why``: for chains of slow calls or stalls, what the thread was doing, given the
+    top culprit as ``comm (pid N)`` or None. ``summary``: for rule chains (no spikes),
+    the whole line, given the chain, the victim as ``comm (pid, tid)`` and the culprit.
+    ``fixes``: concrete actions with the chain's pids filled in.
+    """
+
+    name: str
+    description: str
+    evidence: tuple[str, ...]
+    fixes: Callable[[Chain], list[str]]
+    why: Callable[[str | None], str] | None = None
+    summary: Callable[[Chain, str, str | None], str] | None = None
+
+
+def is_driver_poller(comm: object) -> bool:
+    """True for a process known to poll the NVIDIA driver, by its name."""
+    return str(comm or "").startswith(DRIVER_POLLERS)
+
+
+def _ms(ns: int) -> str:
+    return f"{ns / 1e6:.1f} ms" if ns >= 1_000_000 else f"{ns / 1e3:.0f} us"
+
+
+# ---- fixes --------------------------------------------------------------------------
+
+
+def _cpu_contention_fixes(ch: Chain) -> list[str]:
+    v, c = ch.victim, (ch.culprits[0] if ch.culprits else None)
+    vp = v["pid"]
+    cp, cn = (c["pid"], c["comm"]) if c else (None, None)
+    if c and TRACER_MARK in str(cn):
+        return [f"the tracer itself (pid {cp}) took the CPU: keep fleetd off the "
+                f"workload's cores (taskset -acp <other cores> {cp}, or CPUAffinity= in "
+                "configs/fleetd-agent.service)",
+                "trace less: a larger --sample, fewer --host-events groups, or higher "
+                "--offcpu-min / --syscall-min thresholds"]
+    if c and c.get("self"):
+        return [f"threads of {v['comm']} itself compete for the CPU: cap them "
+                f"(OMP_NUM_THREADS, torch.set_num_threads) below the cores given to pid {vp}",
+                f"give the GPU-feeding thread {v['tid']} a core of its own: "
+                f"taskset -cp <core> {v['tid']}"]
+    out = [f"pin {v['comm']} to dedicated cores and keep other work off them: "
+           f"taskset -cp <cores> {vp}, or a cgroup cpuset (systemd-run --scope -p "
+           "AllowedCPUs=<cores> ...) for the workload and another for the rest"]
+    if cp is not None:
+        out += [f"lower the priority of {cn} (pid {cp}): renice -n 19 -p {cp}, or run it "
+                f"with chrt --idle 0",
+                f"move {cn} (pid {cp}) off the workload's cores: taskset -acp "
+                "<other cores> " + str(cp)]
+    return out
+
+
+def _dataloader_fixes(ch: Chain) -> list[str]:
+    n = ch.detail.get("workers", "many")
+    return [f"reduce DataLoader workers ({n} now): num_workers at most the free cores "
+            "minus one for the training thread",
+            "set persistent_workers=True and pin_memory=True; move heavy decoding/"
+            "augmentation to the GPU or precompute it",
+            f"keep workers off the training thread's core: os.sched_setaffinity in "
+            f"worker_init_fn, and taskset -cp <core> {ch.victim['tid']} for the main thread"]
+
+
+def _host_sync_fixes(ch: Chain) -> list[str]:
+    return ["remove per-step host syncs: no .item(), .cpu(), .numpy(), print(tensor) or "
+            "torch.cuda.synchronize() inside the training loop",
+            "accumulate losses/metrics on the GPU and read them every N steps; use "
+            "non_blocking=True copies from pinned memory and CUDA events to poll"]
+
+
+def _block_io_fixes(ch: Chain) -> list[str]:
+    c = ch.culprits[0] if ch.culprits else None
+    out = ["move checkpoint and log I/O off the training thread (async checkpointing, "
+           "e.g. torch.distributed.checkpoint.async_save, or a background writer)",
+           "write checkpoints less often, to fast local storage, without an fsync per "
+           "write"]
+    if c is not None and c["pid"] is not None and not c.get("self"):
+        cp, cn = c["pid"], c["comm"]
+        out.append(f"lower the I/O priority of {cn} (pid {cp}): ionice -c3 -p {cp}, or "
+                   "cap it with a cgroup io.max")
+    return out
+
+
+def _lock_wait_fixes(ch: Chain) -> list[str]:
+    """A driver poller: the NVML advice. Anything else: the wait itself, D state (a
+    kernel lock such as a shared file's inode lock) or a sleep ended by the culprit (a
+    futex, pipe or socket), and what to do about the culprit's use of it."""
+    v, c = ch.victim, (ch.culprits[0] if ch.culprits else None)
+    vp, vc = v["pid"], v["comm"]
+    cp, cn = (c["pid"], c["comm"]) if c else (None, None)
+    pid = cp if cp is not None else "<pid>"
+    if c is not None and is_driver_poller(cn):
+        poller = f"{cn} (pid {cp})" if cp is not None else "the waking task"
+        return [f"{poller} held what {vc} waited for: see what it does (cat "
+                f"/proc/{pid}/stack, perf trace -p ...) and stop or slow its polling of the "
+                "driver on GPU nodes",
+                f"if it must run, renice -n 19 -p {pid} and schedule it outside training"]
+    if c is None or cp is None:
+        who = "another task"
+    elif c.get("self"):
+        who = f"another thread of {cn} (pid {cp})"
+    else:
+        who = f"{cn} (pid {cp})"
+    host = ch.detail.get("host_ns") or {}
+    both = list(dict.fromkeys(str(p) for p in (pid, vp)))  # the culprit, then the victim
+    if int(host.get("d_state", 0)) >= int(host.get("sleep", 0)):
+        return [f"{vc} waited in D state until {who} woke it: they share a kernel lock, "
+                "most likely the inode lock of a file both write; find the file (ls -l "
+                f"{' '.join(f'/proc/{p}/fd' for p in both)}) and watch what it does "
+                f"(perf trace -p {pid})",
+                f"keep that file off the training thread's path: stop {who} rewriting it "
+                "during training, give each writer its own file, or write it from a "
+                "background thread"]
+    return [f"{vc} slept until {who} woke it: it waited for a lock (futex) {who} held or "
+            f"for its answer on a pipe or socket; see which (perf trace -p {','.join(both)}, "
+            f"cat /proc/{pid}/stack)",
+            f"take that wait off the training thread's path: no blocking call to {who} "
+            "each step; hand it to a background thread, or have it hold the lock for less "
+            "time"]
+
+
+def _lock_contention_fixes(ch: Chain) -> list[str]:
+    """The interpreter lock: take the CPU work out of the process or out of the lock.
+    Any other lock: name it by address and shorten what the holder does under it."""
+    d, c = ch.detail, (ch.culprits[0] if ch.culprits else None)
+    holder = (f"thread {c['thread'] or c['comm']} (tid {c['tid']})" if c
+              else "the releasing thread")
+    tid = c["tid"] if c else "<tid>"
+    if d.get("gil"):
+        return [f"move the CPU-bound Python work of {holder} out of the training process: "
+                "a multiprocessing worker, or DataLoader workers for input work",
+                "if that work is native code, release the GIL around it (ctypes calls do; "
+                "in C/C++ extensions Py_BEGIN_ALLOW_THREADS, in pybind11 "
+                "py::gil_scoped_release); numpy and torch ops release it already",
+                f"batch that work or run it less often, and lower its thread's priority: "
+                f"renice -n 19 -p {tid} (a thread id is a pid to renice)"]
+    return [f"{holder} holds the lock at {d.get('lock_addr')} that the GPU-feeding thread "
+            "waits for: shorten its critical section, or move that work outside the lock",
+            "use finer-grained locks (one per queue or per buffer) or a lock-free handoff "
+            "between the two threads",
+            f"see where the holder takes it: py-spy dump --pid {ch.victim['pid']} (Python), "
+            f"or perf record -g -t {tid} (native)"]
+
+
+def _data_starvation_fixes(ch: Chain) -> list[str]:
+    """A producer at full CPU is the bottleneck: more of them, or cheaper batches. Idle
+    producers wait on something else: their own input, or too small a queue."""
+    if ch.detail.get("producer_bound"):
+        return ["add producers: raise DataLoader num_workers (up to the free cores) so "
+                "batches are made in parallel",
+                "make each batch cheaper: decode and augment on the GPU (e.g. NVIDIA DALI, "
+                "torchvision.io.decode_jpeg on device), or precompute and cache the data",
+                "keep the pipeline full: prefetch_factor >= 2, persistent_workers=True, "
+                "pin_memory=True so the copy overlaps compute"]
+    return ["the producers are not busy: they wait on their own input (disk, network, "
+            "a remote service); trace them too (fleetd trace --pid <producer>) and look "
+            "at their waits",
+            "give the queue more room (DataLoader prefetch_factor, a larger "
+            "multiprocessing.Queue maxsize) so short stalls upstream do not reach the "
+            "training thread"]
+
+
+def _graph_recapture_fixes(ch: Chain) -> list[str]:
+    return ["capture each graph once: pre-warm every batch size at start-up and pad "
+            "inputs to a fixed set of shapes (torch.compile mode='reduce-overhead' with "
+            "bucketed shapes)",
+            "update an instantiated graph with cudaGraphExecUpdate instead of capturing "
+            "and instantiating again"]
+
+
+def _alloc_churn_fixes(ch: Chain) -> list[str]:
+    return ["use a caching allocator: keep PyTorch's (do not set "
+            "PYTORCH_NO_CUDA_MEMORY_CACHING, no torch.cuda.empty_cache() in the loop)",
+            "allocate buffers once before the loop; use cudaMallocAsync with a memory "
+            "pool for per-step temporaries"]
+
+
+def _irq_fixes(ch: Chain) -> list[str]:
+    v = ch.victim
+    return ["steer interrupts away from the GPU-feeding cores: /proc/irq/<n>/smp_affinity "
+            "or irqbalance --banirq", f"pin {v['comm']} to cores that take no interrupts: "
+            f"taskset -cp <cores> {v['pid']}"]
+
+
+def _unexplained_fixes(ch: Chain) -> list[str]:
+    return ["the host shows no cause during these calls: the time is on the GPU side "
+            "(kernel duration, queueing); profile the kernels with nsys or ncu"]
+
+
+# ---- summaries of rule chains -------------------------------------------------------
+
+
+def _host_sync_summary(ch: Chain, who: str, by: str | None) -> str:
+    d = ch.detail
+    if d.get("readbacks"):
+        return (f"{who} copies {d['readback_bytes']} bytes back from the device "
+                f"{d['syncs_per_s']}/s, once every {d['launches'] / max(1, d['syncs']):.0f} "
+                f"launches (.item()/.cpu() in the loop): each one waits for the GPU; "
+                f"{d['sync_share']:.2%} of its time here")
+    return (f"{who} spends {d['sync_share']:.0%} of its time in {ch.op} "
+            f"({d['syncs_per_s']}/s, a sync every {d['launches'] / max(1, d['syncs']):.0f} "
+            "launches): per-step host synchronization")
+
+
+def _alloc_churn_summary(ch: Chain, who: str, by: str | None) -> str:
+    d = ch.detail
+    return (f"{who} calls cudaMalloc/cudaFree {d['allocs_per_s']}/s after warm-up "
+            f"({d['alloc_share']:.1%} of its time): allocation churn")
+
+
+def _graph_recapture_summary(ch: Chain, who: str, by: str | None) -> str:
+    d = ch.detail
+    return (f"{who} captured/instantiated graphs {d['captures']} times; the launch rate "
+            f"fell {d['launch_rate_drop']:.0%} while it did")
+
+
+def _lock_contention_summary(ch: Chain, who: str, by: str | None) -> str:
+    d, c = ch.detail, (ch.culprits[0] if ch.culprits else None)
+    holder = f"thread {c['thread'] or c['comm']} (tid {c['tid']})" if c else "another thread"
+    lock = ("the interpreter lock (GIL, most likely)" if d.get("gil")
+            else f"the lock at {d['lock_addr']}")
+    busy = (f", which wanted the CPU {d['holder_busy']:.0%} of the time"
+            if d.get("holder_busy") is not None else "")
+    return (f"{who} lost {d['lock_share']:.1%} of its time waiting for {lock}, released by "
+            f"{holder} of the same process{busy}")
+
+
+def _data_starvation_summary(ch: Chain, who: str, by: str | None) -> str:
+    d = ch.detail
+    busy = d.get("producer_busy")
+    state = (f"; the producer wanted the CPU {busy:.0%} of the time: it is the bottleneck"
+             if d.get("producer_bound") else
+             f"; the producer wanted the CPU only {busy:.0%} of the time: it waits on "
+             "something else" if busy is not None else "")
+    return (f"{who} lost {d['data_share']:.1%} of its time waiting for data from "
+            f"{by or 'another process'}{state}")
+
+
+def _dataloader_summary(ch: Chain, who: str, by: str | None) -> str:
+    return (f"{ch.detail['workers']} DataLoader workers took the CPU from {who} for "
+            f"{ch.impact:.1%} of wall time{'; most: ' + by if by else ''}")
+
+
+def _gpu_idle_summary(ch: Chain, who: str, by: str | None) -> str:
+    d = ch.detail
+    while_ = f"; {by} ran instead most" if by else ""
+    return (f"GPU {d['device']} of {who} sat idle {_ms(int(d['idle_ns']))} in {d['gaps']} "
+            f"gap(s); {ch.explained:.0%} of it ({_ms(int(d['covered_ns']))}) while a launching "
+            f"thread was off the CPU or queued for it, mostly {d['dominant']}{while_}")
+
+
+def _gpu_idle_fixes(ch: Chain) -> list[str]:
+    """By the wait that covered most of the idle time: the CPU taken away (preempted,
+    run queue), I/O or a kernel lock (D state), or the thread waiting for something
+    (sleeping: input, a lock, a queue)."""
+    v, d = ch.victim, ch.detail
+    c = ch.culprits[0] if ch.culprits else None
+    dominant = d.get("dominant")
+    out: list[str]
+    if dominant in ("preempted", "run queue"):
+        out = [f"give the launching thread a core of its own: taskset -cp <core> {v['tid']}, "
+               f"and keep other work off the cores of {v['comm']} (pid {v['pid']})"]
+        if c is not None and not c.get("self"):
+            out.append(f"lower the priority of {c['comm']} (pid {c['pid']}): renice -n 19 -p "
+                       f"{c['pid']}, or move it to other cores")
+    elif dominant == "D-state":
+        out = ["move file and checkpoint I/O off the launching thread (a background writer, "
+               "async checkpointing); find the file with ls -l /proc/<pid>/fd"]
+    else:
+        out = ["find what the launching thread waits for while the GPU idles (the input "
+               "pipeline, a lock, a queue): py-spy dump --pid " + str(v["pid"]),
+               "prefetch input ahead of the step (more DataLoader workers, prefetch_factor, "
+               "pin_memory, non_blocking copies)"]
+    out.append("launch ahead of the GPU so host hiccups do not empty its queue: CUDA graphs "
+               "(torch.compile mode='reduce-overhead'), fewer host syncs per step")
+    return out
+
+
+# ---- the registry -------------------------------------------------------------------
+
+_ALL = (
+    Cause("cpu_contention",
+          "the thread was preempted, or runnable but queued for a CPU, while another task "
+          "ran",
+          ("spike", "stall", "off_cpu", "runq_wait"), _cpu_contention_fixes,
+          why=lambda by: "preempted or queued for the CPU" + (f" while {by} ran" if by else "")),
+    Cause("lock_wait",
+          "the thread waited in D state (a kernel lock, e.g. a shared file's inode lock) or "
+          "slept outside a sync call until another process woke it",
+          ("spike", "stall", "off_cpu"), _lock_wait_fixes,
+          why=lambda by: "blocked in a D-state/lock wait" + (f" until {by} woke it"
+                                                               if by else "")),
+    Cause("block_io",
+          "the thread waited in D state while block I/O requests were in flight",
+          ("spike", "stall", "off_cpu", "block_io"), _block_io_fixes,
+          why=lambda by: "blocked on block I/O" + (f" issued by {by}" if by else "")),
+    Cause("irq_preemption",
+          "hard or soft interrupts ran on the thread's CPU during its calls",
+          ("spike", "hardirq", "softirq"), _irq_fixes,
+          why=lambda by: "preempted by interrupts"),
+    Cause("host_sync",
+          "sync calls every few launches take a large share of the thread's time, or a "
+          "scalar is read back from the device every step",
+          ("op_stats", "ratio", "readback", "call"), _host_sync_fixes,
+          summary=_host_sync_summary),
+    Cause("alloc_churn",
+          "cudaMalloc/cudaFree keep being called after warm-up",
+          ("op_stats", "ratio", "call"), _alloc_churn_fixes, summary=_alloc_churn_summary),
+    Cause("graph_recapture",
+          "CUDA graphs are captured and instantiated again and again, and the launch rate "
+          "drops while it happens",
+          ("launch_rate", "call"), _graph_recapture_fixes, summary=_graph_recapture_summary),
+    Cause("dataloader_oversubscription",
+          "the tasks taking the CPU from the GPU-feeding thread are its own worker processes",
+          ("spike", "stall", "off_cpu", "runq_wait", "preemption", "page_alloc"),
+          _dataloader_fixes,
+          why=lambda by: "preempted by its own DataLoader workers"
+                         + (f" (mostly {by})" if by else ""),
+          summary=_dataloader_summary),
+    Cause("lock_contention",
+          "the GPU-feeding thread waited on a futex that another thread of its own process "
+          "released: a lock that thread holds (in CPython most likely the interpreter lock)",
+          ("lock_wait", "holder", "off_cpu"), _lock_contention_fixes,
+          summary=_lock_contention_summary),
+    Cause("data_starvation",
+          "the GPU-feeding thread waited for input (a pipe, socket or queue) that other "
+          "processes produce: too few or too slow producers",
+          ("data_wait", "producer", "off_cpu"), _data_starvation_fixes,
+          summary=_data_starvation_summary),
+    Cause("gpu_idle",
+          "the GPU sat idle (imported GPU timeline) while the thread that launches its work "
+          "was off the CPU, queued for it or in D state",
+          ("gpu_gap", "off_cpu", "runq_wait"), _gpu_idle_fixes, summary=_gpu_idle_summary),
+    Cause("unexplained",
+          "slow calls with no host cause on their thread: the time is on the GPU side",
+          ("spike", "off_cpu"), _unexplained_fixes,
+          why=lambda by: "with no host cause on its thread (GPU-side time)"),
+)
+
+CAUSES: Mapping[str, Cause] = MappingProxyType({c.name: c for c in _ALL})
+"""Every root cause, by name, in the order the MCP tool description lists them."""
+
+
+def summary(ch: Chain) -> str:
+    """The chain's one-line summary."""
+    v, c, d = ch.victim, (ch.culprits[0] if ch.culprits else None), ch.detail
+    cause = CAUSES.get(ch.root_cause)
+    who = f"{v['comm']} (pid {v['pid']}, tid {v['tid']})"
+    by = f"{c['comm']} (pid {c['pid']})" if c else None
+    if ch.spikes:
+        n = d.get("spikes_scaled", len(ch.spikes))
+        if d.get("kind") == "stall":
+            head = f"{who} stalled {n} time(s) between CUDA calls, worst {_ms(d['worst_ns'])}"
+        else:
+            head = (f"{ch.op} in {who} spiked {n} time(s) to {_ms(d['worst_ns'])} "
+                    f"(usual {_ms(d['baseline_ns'])})")
+        why = cause.why(by) if cause is not None and cause.why is not None else ch.root_cause
+        return f"{head}: {why} for {ch.explained:.0%} of the extra time ({ch.impact:.1%} of wall)"
+    if cause is not None and cause.summary is not None:
+        return cause.summary(ch, who, by)
+    return f"{ch.root_cause} in {who}"
+
+
+def fixes(ch: Chain) -> list[str]:
+    """Concrete actions for the chain (a cause not in the registry: the GPU-side advice)."""
+    return CAUSES.get(ch.root_cause, CAUSES["unexplained"]).fixes(ch)

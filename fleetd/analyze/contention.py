@@ -1,0 +1,259 @@
+"""Waits of the job's own making: a lock another thread holds, data that comes too slowly.
+
+A GPU-feeding thread that sleeps is not idle by choice. Two rules read its sleeps by
+reason (:mod:`fleetd.analyze.waits`) together with who woke each one:
+
+- ``lock_contention``: futex waits woken by *other threads of the same process*. The
+  thread that wakes the victim is the one that released the lock: the holder. For a
+  CPython process whose waits all sit on one futex word and whose holder keeps running,
+  the lock is most likely the interpreter lock (the GIL).
+- ``data_starvation``: waits for input (a pipe, a socket, poll/epoll: a DataLoader
+  queue) woken by *other processes*: the producers. A producer near 100 % of a CPU is
+  the bottleneck; an idle one points elsewhere (its own input, the queue size).
+
+Both measure the time lost as the sleep itself (the run-queue tail after the wakeup is
+CPU time, counted as such), so ``impact`` is a share of the victim's wall time and one
+severity function ranks them with every other chain. DataLoader over-subscription (the
+workers take the CPU from the feeder) is the opposite case and is a separate rule.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from fleetd.analyze.chains import OFF_CPU, Chain
+from fleetd.analyze.data import code
+from fleetd.analyze.rules import Context, rule_chain
+from fleetd.analyze.waits import reason
+from fleetd.store.timeparse import format_ns
+
+WAKEUP, RUNQ = code("wakeup"), code("runq_wait")
+MIN_IMPACT = 0.01  # below 1 % of wall time a wait is noise, not a cause
+GIL_ADDR_SHARE = 0.8  # the waits sit on one lock object...
+GIL_HOLDER_BUSY = 0.5  # ...released by a thread that runs at least half the time
+PRODUCER_BUSY = 0.8  # a producer wanting the CPU this much of the time is the bottleneck
+# Futex words this close together belong to one lock object: a condition variable waits
+# on alternating words of its own (glibc's two signal groups), a mutex beside it.
+LOCK_OBJECT_BYTES = 64
+EXAMPLES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """One sleep of the victim: when, how long (run-queue tail excluded), why, on what
+    (the futex word or fd), and who woke it (0: unknown)."""
+
+    ts: int
+    slept: int
+    why: str
+    arg: int
+    waker: int
+
+
+def sleeps(ctx: Context, tid: int) -> list[Sleep]:
+    """The thread's sleeps (S state) in the span, each with its waker."""
+    v, t0, t1 = ctx.view, ctx.span[0], ctx.span[1] + 1
+    args = (t0, t1, v.node.lo, v.node.hi, tid)
+    where = "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND tid = ?"
+    wakes = v.conn.execute(f"SELECT ts_ns, peer FROM event_data WHERE {where} AND op = ? "
+                           "ORDER BY ts_ns", (*args, WAKEUP)).fetchall()
+    tails = v.conn.execute(f"SELECT ts_ns, dur_ns FROM event_data WHERE {where} AND op = ? "
+                           "ORDER BY ts_ns", (*args, RUNQ)).fetchall()
+    out = []
+    for ts, dur, ret, arg in v.conn.execute(
+        f"SELECT ts_ns, dur_ns, ret, bytes FROM event_data WHERE {where} AND op = ? AND "
+        "a0 & 255 != 0 AND a0 & 2 = 0 ORDER BY ts_ns", (*args, OFF_CPU),
+    ):
+        end = ts + dur
+        waker = _first_in(wakes, ts, end)
+        tail = _first_in(tails, ts, end + 1)
+        out.append(Sleep(ts, max(0, dur - tail), reason(ret), int(arg or 0), waker))
+    return out
+
+
+def _first_in(rows: list[tuple[int, int]], t0: int, t1: int) -> int:
+    """The value of the first (ts, value) row with t0 <= ts <= t1, else 0."""
+    i = bisect.bisect_left(rows, (t0, -(1 << 62)))
+    return int(rows[i][1]) if i < len(rows) and rows[i][0] <= t1 else 0
+
+
+def _feeders(ctx: Context) -> list[tuple[int, dict[str, Any]]]:
+    """(pid, feeding thread) of every process with CUDA calls."""
+    out = []
+    for pid in ctx.gpu_pids():
+        main = ctx.main_thread(pid)
+        if main is not None:
+            out.append((pid, main))
+    return out
+
+
+def _thread_row(ctx: Context, tid: int) -> dict[str, Any] | None:
+    return next((t for t in ctx.threads if int(t["tid"]) == tid), None)
+
+
+def _busy(ctx: Context, tid: int) -> float | None:
+    """The share of its wall time a traced thread wanted the CPU (running, or runnable
+    and queued); None when it was not traced."""
+    t = _thread_row(ctx, tid)
+    if t is None or not int(t["wall_ns"]):
+        return None
+    return _demand(t)
+
+
+def _demand(t: dict[str, Any]) -> float:
+    return (int(t["running_ns"]) + int(t["runq_ns"])) / int(t["wall_ns"])
+
+
+def _examples(ctx: Context, mine: list[Sleep], text: str) -> list[dict[str, Any]]:
+    items = []
+    for s in sorted(mine, key=lambda s: -s.slept)[:EXAMPLES]:
+        who = ctx.view.who(s.waker)
+        items.append({"kind": "off_cpu", "ts_ns": s.ts, "time": format_ns(s.ts),
+                      "dur_ns": s.slept, "reason": s.why, "addr": f"{s.arg:#x}",
+                      "culprit": who, "text": f"{text} for {s.slept / 1e6:.2f} ms, woken by "
+                      f"{who['thread'] or who['comm']} (tid {s.waker})"})
+    return sorted(items, key=lambda e: int(e["ts_ns"]))
+
+
+# ---- lock contention inside the process ---------------------------------------------
+
+
+def lock_contention_rule(ctx: Context) -> list[Chain]:
+    out = []
+    for pid, main in _feeders(ctx):
+        tid = int(main["tid"])
+        waits = [s for s in sleeps(ctx, tid) if s.why == "lock"]
+        inside = [s for s in waits if s.waker and s.waker != tid
+                  and ctx.view.tasks.get(s.waker, (None, None))[0] == pid]
+        lost = sum(s.slept for s in inside)
+        total = sum(s.slept for s in waits)
+        if not inside or lost / ctx.span_ns < MIN_IMPACT:
+            continue
+        out.append(_lock_chain(ctx, pid, tid, inside, lost, total))
+    return out
+
+
+def _lock_chain(ctx: Context, pid: int, tid: int, inside: list[Sleep], lost: int,
+                total: int) -> Chain:
+    by_holder: Counter[int] = Counter()
+    by_addr: Counter[int] = Counter()
+    for s in inside:
+        by_holder[s.waker] += s.slept
+        by_addr[s.arg] += s.slept
+    holder, held_ns = by_holder.most_common(1)[0]
+    addr, addr_ns = _lock_object(by_addr)
+    busy = _busy(ctx, holder)
+    gil = (str(ctx.view.names.get(pid) or "").startswith("python")
+           and addr_ns >= GIL_ADDR_SHARE * lost and (busy or 0) >= GIL_HOLDER_BUSY)
+    culprits = [_thread_culprit(ctx, t, ns, lost, pid) for t, ns in by_holder.most_common(5)]
+    detail = {"lock_addr": f"{addr:#x}", "lock_share": round(lost / ctx.span_ns, 4),
+              "waits": len(inside), "holder_tid": holder,
+              "holder_thread": culprits[0]["thread"],
+              "holder_busy": None if busy is None else round(busy, 3), "gil": gil,
+              "addresses": len(by_addr)}
+    ev = [{"kind": "lock_wait", "addr": f"{addr:#x}", "waits": len(inside), "lost_ns": lost,
+           "text": f"{len(inside)} futex waits ({lost / 1e6:.1f} ms, "
+                   f"{lost / ctx.span_ns:.1%} of wall) ended by other threads of the same "
+                   f"process; {addr_ns / lost:.0%} of that time on the lock at {addr:#x}"},
+          {"kind": "holder", "tid": holder, "thread": culprits[0]["thread"],
+           "running_share": detail["holder_busy"], "text": _holder_text(culprits[0], busy,
+                                                                        held_ns, lost)}]
+    ev += _examples(ctx, inside, "futex wait")
+    ch = rule_chain(ctx, "lock_contention", pid, None, lost / max(1, total),
+                    lost / ctx.span_ns, ev, detail)
+    ch.victim["tid"], ch.victim["thread"] = tid, ctx.view.tasks.get(tid, (None, None))[1]
+    ch.culprits = culprits
+    return ch
+
+
+def _lock_object(by_addr: Counter[int]) -> tuple[int, int]:
+    """The lock object most of the wait time sits on: the lowest address of the group of
+    futex words within :data:`LOCK_OBJECT_BYTES` of each other with the most time."""
+    best = (0, 0)
+    addrs = sorted(by_addr)
+    i = 0
+    while i < len(addrs):
+        j = i
+        while j + 1 < len(addrs) and addrs[j + 1] - addrs[i] < LOCK_OBJECT_BYTES:
+            j += 1
+        ns = sum(by_addr[a] for a in addrs[i:j + 1])
+        if ns > best[1]:
+            best = (addrs[i], ns)
+        i = j + 1
+    return best
+
+
+def _thread_culprit(ctx: Context, tid: int, ns: int, lost: int, pid: int) -> dict[str, Any]:
+    who = ctx.view.who(tid)
+    return {"pid": who["pid"], "tid": tid, "comm": who["comm"], "thread": who["thread"],
+            "ns": ns, "share": round(ns / max(1, lost), 3), "self": who["pid"] == pid}
+
+
+def _holder_text(c: dict[str, Any], busy: float | None, held: int, lost: int) -> str:
+    name = c["thread"] or c["comm"]
+    ran = f", on or waiting for a CPU {busy:.0%} of the time" if busy is not None else ""
+    return (f"thread {name} (tid {c['tid']}) released the lock {held / max(1, lost):.0%} "
+            f"of the times{ran}")
+
+
+# ---- data starvation ------------------------------------------------------------------
+
+
+def data_starvation_rule(ctx: Context) -> list[Chain]:
+    out = []
+    for pid, main in _feeders(ctx):
+        tid = int(main["tid"])
+        waits = [s for s in sleeps(ctx, tid) if s.why == "data"]
+        fed = [s for s in waits if s.waker and _pid_of(ctx, s.waker) not in (None, pid)]
+        lost = sum(s.slept for s in fed)
+        total = sum(s.slept for s in waits)
+        if not fed or lost / ctx.span_ns < MIN_IMPACT:
+            continue
+        out.append(_data_chain(ctx, pid, tid, fed, lost, total))
+    return out
+
+
+def _pid_of(ctx: Context, tid: int) -> int | None:
+    pid = ctx.view.tasks.get(tid, (None, None))[0]
+    return None if pid in (None, 0) else int(pid)
+
+
+def _data_chain(ctx: Context, pid: int, tid: int, fed: list[Sleep], lost: int,
+                total: int) -> Chain:
+    by_pid: dict[int, int] = defaultdict(int)
+    for s in fed:
+        by_pid[_pid_of(ctx, s.waker) or 0] += s.slept
+    producers: list[dict[str, Any]] = []
+    for p, ns in sorted(by_pid.items(), key=lambda kv: -kv[1])[:5]:
+        busy = _process_busy(ctx, p)
+        producers.append({"pid": p, "comm": ctx.view.names.get(p) or ctx.view.who(p)["comm"],
+                          "ns": ns, "share": round(ns / max(1, lost), 3), "self": False,
+                          "busy": None if busy is None else round(busy, 3)})
+    top_busy: float | None = producers[0]["busy"]
+    bound = top_busy is not None and top_busy >= PRODUCER_BUSY
+    detail = {"data_share": round(lost / ctx.span_ns, 4), "waits": len(fed),
+              "producers": len(by_pid), "producer_busy": top_busy, "producer_bound": bound}
+    ev: list[dict[str, Any]] = [{
+        "kind": "data_wait", "waits": len(fed), "lost_ns": lost,
+        "text": f"{len(fed)} waits for input ({lost / 1e6:.1f} ms, {lost / ctx.span_ns:.1%} "
+                f"of wall) ended by {len(by_pid)} other process(es)"}]
+    ev += [{"kind": "producer", "pid": p["pid"], "running_share": p["busy"],
+            "text": f"producer {p['comm']} (pid {p['pid']}) "
+                    + (f"was on or waiting for a CPU {p['busy']:.0%} of the time"
+                       if p["busy"] is not None
+                       else "was not traced")} for p in producers]
+    ev += _examples(ctx, fed, "waited for data")
+    ch = rule_chain(ctx, "data_starvation", pid, None, lost / max(1, total),
+                    lost / ctx.span_ns, ev, detail)
+    ch.victim["tid"], ch.victim["thread"] = tid, ctx.view.tasks.get(tid, (None, None))[1]
+    ch.culprits = producers
+    return ch
+
+
+def _process_busy(ctx: Context, pid: int) -> float | None:
+    """The CPU demand of a process's busiest traced thread (None: not traced)."""
+    shares = [_demand(t) for t in ctx.threads if int(t["pid"]) == pid and int(t["wall_ns"])]
+    return max(shares, default=None)

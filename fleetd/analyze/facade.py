@@ -1,0 +1,131 @@
+"""The one door into the analyzers: a database, a window, and every question asked of it.
+
+:class:`Analysis` is what the node API, the MCP server and the CLI call. It resolves the
+window once, builds one :class:`~fleetd.analyze.model.NodeSlice` per node of the file
+(one for a node's own database, several for a merged one) and hands the same slices to
+every analyzer: explain, op statistics, overview, straggler profiles, the time
+breakdown, stacks and CUDA graph lifecycle. Two questions in one request (chains and
+stragglers, say) therefore read names, op statistics and threads once.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from functools import cached_property
+from typing import Any
+
+from fleetd.analyze import explain as explainer
+from fleetd.analyze.data import Node, nodes
+from fleetd.analyze.gpu import gpu_report
+from fleetd.analyze.graphs import graph_lifecycle
+from fleetd.analyze.model import NodeSlice
+from fleetd.analyze.overview import node_overview
+from fleetd.analyze.stacks import NOTE_NO_STACKS, op_code, stack_groups
+from fleetd.analyze.stragglers import rank
+from fleetd.analyze.window import Window, WindowSpec
+from fleetd.errors import UsageError
+
+# The deadline of one analysis request (the agent's endpoints, the MCP tools): explain
+# over a large window reads much more than one query may.
+ANALYSIS_TIMEOUT_S = 60.0
+
+
+class Analysis:
+    """Every analysis of one database over one window, for all its nodes or one."""
+
+    def __init__(self, conn: sqlite3.Connection, window: Window, node: str | None = None
+                 ) -> None:
+        self.conn = conn
+        self.window = window
+        self.only = node
+
+    @classmethod
+    def of(cls, conn: sqlite3.Connection, spec: WindowSpec, node: str | None = None
+           ) -> Analysis:
+        """Resolve ``spec`` against this database (UsageError for a bad window)."""
+        return cls(conn, spec.resolve(conn), node)
+
+    # ---- the model --------------------------------------------------------------------
+
+    @cached_property
+    def nodes(self) -> list[Node]:
+        return nodes(self.conn, self.only)
+
+    @cached_property
+    def slices(self) -> list[NodeSlice]:
+        return [NodeSlice(self.conn, n, self.window) for n in self.nodes]
+
+    def node_names(self) -> list[str]:
+        """The nodes analyzed; a UsageError naming the file's nodes when the one asked
+        for is not there."""
+        if self.only is not None and not self.nodes:
+            present = ", ".join(n.name for n in nodes(self.conn)) or "none"
+            raise UsageError(f"no node {self.only!r} in this database",
+                             f"nodes here: {present}")
+        return [n.name for n in self.nodes]
+
+    def slice(self, name: str) -> NodeSlice | None:
+        return next((sl for sl in self.slices if sl.name == name), None)
+
+    # ---- the analyzers ----------------------------------------------------------------
+
+    def explain(self, pid: int | None = None, per_process: bool = False) -> dict[str, Any]:
+        """Chains, processes and op statistics, node by node (docs/explain.md)."""
+        return explainer.report(self.slices, self.window, pid, per_process)
+
+    def op_stats(self, pid: int | None = None, per_process: bool = False
+                 ) -> list[dict[str, Any]]:
+        """p50/p95/p99 per op (and process), every node's rows one after another."""
+        return [r for sl in self.slices for r in sl.op_stats(pid, per_process)]
+
+    def overview(self, node: str) -> dict[str, Any]:
+        """One node's events by source, sessions, chain counts and top ops."""
+        return node_overview(self.conn, self.window, node, self.slice(node))
+
+    def profile(self, node: str) -> dict[str, Any]:
+        """The straggler features of one node."""
+        sl = self.slice(node)
+        if sl is None:
+            return {"node": node, "error": "no such node in this database"}
+        return explainer.node_profile(sl)
+
+    def stragglers(self, chains: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The nodes of the file ranked as the fleet client ranks live ones."""
+        return rank({sl.name: explainer.node_profile(sl) for sl in self.slices}, {}, chains)
+
+    def breakdown(self, pid: int | None = None) -> list[dict[str, Any]]:
+        """Where each process's threads spent their wall time (most CUDA time first)."""
+        procs = [p for sl in self.slices for p in sl.processes(sl.threads_of(pid))]
+        procs.sort(key=lambda p: (-int(p["in_cuda_ns"]), -int(p["off_cpu_ns"])))
+        return procs
+
+    def stacks(self, op: str | None, pid: int | None, top_n: int, frames_n: int
+               ) -> dict[str, Any]:
+        """The heaviest recorded stacks of CUDA calls (of one op / process)."""
+        code = op_code(op) if op else None
+        found: list[dict[str, Any]] = []
+        bare = 0
+        for sl in self.slices:
+            groups, without = stack_groups(sl, code, pid, top_n, frames_n)
+            found += groups
+            bare += without
+        found.sort(key=lambda s: -int(s["total_ns"]))
+        out: dict[str, Any] = {"window": self.window.to_json(), "op": op, "pid": pid,
+                               "stacks": found, "events_without_stack": bare,
+                               "warnings": list(self.window.warnings)}
+        if not found:
+            out["note"] = NOTE_NO_STACKS
+        return out
+
+    def graphs(self, pid: int | None = None, buckets: int = 20) -> dict[str, Any]:
+        """CUDA graph capture / instantiate / launch per process, over time."""
+        out = graph_lifecycle(self.slices, self.window, pid, buckets)
+        if not out["processes"]:
+            out["note"] = "no CUDA graph call (capture, instantiate, launch) in the window"
+        return out
+
+    def gpu(self, pid: int | None = None, steps_only: bool = False,
+            thresholds: dict[str, float] | None = None) -> dict[str, Any]:
+        """GPU idle, compute/communication/copy shares, launch delays and the M1-M5
+        host-overhead verdict per rank (imported GPU timelines; docs/json.md)."""
+        return gpu_report(self.slices, self.window, pid, steps_only, thresholds)

@@ -1,0 +1,43 @@
+"""Why a thread was off the CPU: the wait reason of each sleep, from the syscall it was in.
+
+The tracer stamps every off-CPU and run-queue record with the syscall the thread was
+blocked in (``ret`` = number + 1, 0 for none) and that syscall's first argument
+(``bytes``: the futex word's address, the fd of a read or poll). A sleep is then:
+
+- ``lock``: a futex wait (a mutex, a condition variable, the interpreter lock);
+- ``data``: waiting for input: read/recv on a pipe or socket, poll/select/epoll (a
+  DataLoader queue, the network);
+- ``timer``: a sleep the program asked for (nanosleep, clock_nanosleep);
+- ``gpu_sync``: any sleep inside a CUDA synchronization call (waiting for the device);
+- ``other``: any other syscall, or a sleep outside a syscall, or no syscall tracing.
+
+Syscall numbers are x86_64's; on another architecture every sleep is ``other``.
+"""
+
+from __future__ import annotations
+
+import platform
+
+REASONS = ("lock", "data", "timer", "gpu_sync", "other")
+_X86_64 = {
+    202: "lock", 449: "lock",  # futex, futex_waitv
+    0: "data", 17: "data", 19: "data", 45: "data", 47: "data", 299: "data",  # read, recv
+    7: "data", 23: "data", 232: "data", 270: "data", 271: "data", 281: "data",  # poll...
+    441: "data", 43: "data", 288: "data",  # epoll_pwait2, accept, accept4
+    35: "timer", 230: "timer",  # nanosleep, clock_nanosleep
+}
+_BY_NR = _X86_64 if platform.machine() in ("x86_64", "AMD64") else {}
+FUTEX = 202
+
+
+def reason(ret: int | None) -> str:
+    """The wait reason of an off-CPU (or run-queue) record's ``ret`` (syscall nr + 1)."""
+    if not ret or ret <= 0:
+        return "other"
+    return _BY_NR.get(int(ret) - 1, "other")
+
+
+def sql_reason(column: str = "ret") -> str:
+    """The same mapping as an SQL expression over ``column``, so totals group in SQLite."""
+    cases = " ".join(f"WHEN {nr + 1} THEN '{r}'" for nr, r in sorted(_BY_NR.items()))
+    return f"(CASE {column} {cases} ELSE 'other' END)" if cases else "'other'"

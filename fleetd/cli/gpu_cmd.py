@@ -1,0 +1,124 @@
+"""``fleetd gpu``: the GPU side of imported traces, per rank: where device time went,
+launch delays and TKLQT, and the M1-M5 host-overhead verdict, of one database or (with
+``--nodes``) of every node, the slowest rank flagged."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from fleetd.cli.explain_cmd import add_window, open_analysis, positive
+from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
+from fleetd.cli.output import dumps, print_notes, table
+
+FORMATS = ("table", "json")
+RANK_COLUMNS = ["node", "pid", "rank", "device", "window_ms", "idle%", "compute%", "comm%",
+                "memcpy%", "kernels", "delay_p50_us", "delay_p95_us", "tklqt_ms",
+                "host_overhead"]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "gpu",
+        help="GPU idle, launch delays and the host-overhead verdict per rank",
+        description="For each process and device of imported GPU timelines (fleetd "
+        "import): the temporal breakdown (idle, compute, communication, memcpy), the kernel "
+        "table, launch and queue delays with TKLQT, the M1-M5 host-overhead verdict and "
+        "per-step figures. With --nodes, every agent computes its ranks and the slowest "
+        "rank is flagged.",
+    )
+    add_window(p)
+    p.add_argument("--pid", type=positive("pid"), help="only this process")
+    p.add_argument("--steps", action="store_true",
+                   help="measure whole profiler steps only (ProfilerStep ranges)")
+    p.add_argument("--threshold", action="append", default=[], metavar="METRIC=VALUE",
+                   help="override a verdict threshold (M1=0.30, M2=0.10, M4=0.60, M5=0.20)")
+    p.add_argument("--top", type=positive("--top"), default=10, metavar="N",
+                   help="kernels to show (default 10)")
+    add_fleet_args(p)
+    p.add_argument("--format", default="table", help="output format: table|json")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fleetd.analyze.gpu import parse_thresholds
+    from fleetd.errors import UsageError
+
+    if args.format not in FORMATS:
+        raise UsageError(f"unknown format {args.format!r}", "use one of: table, json")
+    limits = parse_thresholds(args.threshold)
+    if fleet_mode(args):
+        return _run_fleet(args, limits)
+    with open_analysis(args) as (_, analysis):
+        got = analysis.gpu(args.pid, args.steps, limits)
+    _write(got, args)
+    return 0
+
+
+def _run_fleet(args: argparse.Namespace, limits: dict[str, float]) -> int:
+    from fleetd.analyze.window import WindowSpec
+    from fleetd.fleet.queries import gpu
+
+    result = gpu(fleet_options(args), WindowSpec(args.since, args.from_, args.to),
+                 args.pid, args.steps, limits)
+    _write(result.obj, args)
+    if args.format != "json" or args.show_skew:
+        report(result.answer, args.show_skew)
+    return result.exit_code
+
+
+def _ms(ns: Any) -> str:
+    return "" if ns is None else f"{ns / 1e6:.2f}"
+
+
+def _us(ns: Any) -> str:
+    return "" if ns is None else f"{ns / 1e3:.1f}"
+
+
+def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.format == "json":
+        sys.stdout.write(dumps(obj).decode() + "\n")
+        return
+    ranks = obj.get("ranks") or []
+    rows = [[r["node"], r["pid"], r.get("rank"), r["device"], _ms(r["window_ns"]),
+             f"{r['idle_pct']:.1f}", f"{r['compute_pct']:.1f}", f"{r['comm_pct']:.1f}",
+             f"{r['memcpy_pct']:.1f}", r["kernels"], _us(r["launch_delay_ns"]["p50"]),
+             _us(r["launch_delay_ns"]["p95"]), _ms(r["tklqt_ns"]),
+             r["verdict"]["host_overhead"]] for r in ranks]
+    print(table(RANK_COLUMNS, rows))
+    for r in ranks:
+        _verdict(r)
+    if obj.get("straggler"):
+        s = obj["straggler"]
+        print(f"SLOWEST RANK {s['node']} pid {s['pid']} (rank {s.get('rank')}): {s['reason']}\n")
+    kernels = (obj.get("kernels") or [])[: args.top]
+    if kernels:
+        print(table(["kernel", "count", "total_ms", "mean_us", "p50_us", "p99_us", "share%"],
+                    [[_short(k["name"]), k["count"], _ms(k["total_ns"]), _us(k["mean_ns"]),
+                      _us(k["p50_ns"]), _us(k["p99_ns"]), f"{k['share_pct']:.1f}"]
+                     for k in kernels]))
+    print_notes(obj, bool(ranks), "table")
+
+
+def _verdict(r: dict[str, Any]) -> None:
+    v = r["verdict"]
+    m = v["metrics"]
+    figures = "  ".join(f"{k} {m[k]:.3f}" for k in ("M1", "M2", "M4", "M5")
+                        if m.get(k) is not None)
+    print(f"{r['node']} pid {r['pid']} device {r['device']}: host overhead "
+          f"{v['host_overhead']}  ({figures})")
+    for line in v["evidence"] + v.get("phases", []) + v["caveats"]:
+        print(f"  - {line}")
+    print(f"  launch delay mean {_us(r['launch_delay_ns']['mean'])} us, queue delay p50 "
+          f"{_us(r['queue_delay_ns']['p50'])} us, TKLQT {_ms(r['tklqt_ns'])} ms: "
+          f"{r['tklqt_reading']}")
+    for s in r.get("steps") or []:
+        print(f"  step {s['name']}: {_ms(s['step_ns'])} ms, GPU idle {s['idle_pct']:.1f}%, "
+              f"{s['launches']} launches, TKLQT {_ms(s['tklqt_ns'])} ms, host overhead "
+              f"{s['host_overhead']}")
+    print()
+
+
+def _short(name: str, width: int = 70) -> str:
+    return name if len(name) <= width else name[: width - 1] + "…"

@@ -1,0 +1,77 @@
+"""``fleetd graphs``: CUDA graph capture, instantiation and replay per process, of one
+database or (``--nodes``) of every node; the same view as the MCP tool
+``graph_lifecycle``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from fleetd.cli.explain_cmd import add_window, open_analysis, positive
+from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
+from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
+
+COLUMNS = ["node", "pid", "comm", "captures", "instantiations", "launches",
+           "launches_per_instantiation", "build_share_of_wall", "verdict"]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "graphs",
+        help="CUDA graph lifecycle per process: capture, instantiate, replay",
+        description="Per process with CUDA graph calls: how often graphs were captured, "
+        "instantiated and launched, the replay ratio, the launch rate inside and outside "
+        "capture episodes, and a verdict (healthy replay or re-capture). --format json "
+        "adds the phase latencies and a timeline of --buckets rows.",
+    )
+    add_window(p)
+    p.add_argument("--pid", type=positive("pid"), help="only this process")
+    p.add_argument("--format", default="table", help=f"output format: {'|'.join(FORMATS)}")
+    p.add_argument("--buckets", type=positive("--buckets"), default=20, metavar="N",
+                   help="timeline rows per process in JSON (default 20)")
+    add_fleet_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    fmt = check_format(args.format)
+    if fleet_mode(args):
+        from fleetd.analyze.window import WindowSpec
+        from fleetd.fleet.queries import graphs
+
+        result = graphs(fleet_options(args), WindowSpec(args.since, args.from_, args.to),
+                        args.pid, args.buckets)
+        _write({k: v for k, v in result.obj.items() if k != "nodes"}, fmt)
+        if fmt != "json" or args.show_skew:
+            report(result.answer, args.show_skew)
+        return result.exit_code
+    with open_analysis(args) as (_, analysis):
+        _write(analysis.graphs(args.pid, args.buckets), fmt)
+    return 0
+
+
+def _write(obj: dict[str, Any], fmt: str) -> None:
+    procs = [p for p in obj.get("processes") or [] if isinstance(p, dict)]
+    rows = [_row(p) for p in procs]
+    write_rows(COLUMNS, rows, fmt, sys.stdout, {k: v for k, v in obj.items()
+                                                 if k != "processes"} | {"processes": procs})
+    print_notes(obj, bool(procs), fmt)
+
+
+def _row(p: dict[str, Any]) -> list[Any]:
+    phases = _dict(p.get("phases"))
+    rates = _dict(p.get("rates"))
+
+    def count(phase: str) -> Any:
+        got = phases.get(phase)
+        return got.get("count") if isinstance(got, dict) else 0
+
+    return [p.get("node"), p.get("pid"), p.get("comm"), count("begin_capture"),
+            count("instantiate"), count("launch"), rates.get("launches_per_instantiation"),
+            rates.get("build_share_of_wall"), p.get("verdict")]
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    """A node's nested object, or an empty one where it sent something else."""
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,265 @@
+"""What every importer shares: reading an untrusted file within bounds, telling the
+formats apart, naming strings once, and turning a parsed file into one stored session.
+
+An imported file is untrusted input. It is read with a size limit, every value is
+type-checked as it is taken, and any problem is one :class:`~fleetd.errors.UsageError`
+line (exit 2) raised before the database is opened, so a bad file writes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sqlite3
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetd import __version__
+from fleetd.errors import UsageError
+from fleetd.store.catalog import BY_NAME
+from fleetd.store.db import validate_node_name
+from fleetd.store.imports import ImportBatch, ImportOutcome, write_import
+
+MAX_FILE_BYTES = 8 << 30  # an nsys export or a compressed Kineto file
+MAX_JSON_BYTES = 2 << 30  # a Kineto file once decompressed: parsed in memory
+MAX_EVENTS = 50_000_000
+MAX_NAME_CHARS = 4096  # kernel and annotation names (templated C++ names run long)
+FORMATS = ("auto", "nsys", "kineto")
+SQLITE_MAGIC = b"SQLite format 3\x00"
+_HASH_MASK = (1 << 63) - 1
+# The CUDA API sources whose calls keep their own op; others become ``cuda_api``.
+_API_SOURCES = frozenset({"cuda", "driver", "graph"})
+_VERSION_SUFFIX = re.compile(r"_v\d+$")
+_NCCL_KERNEL = re.compile(r"nccl(?:Dev)?Kernel_?([A-Za-z]+)")
+
+
+class Names:
+    """Strings stored once, by a 63-bit content hash (stable across files and nodes, so
+    merged databases share one row per name)."""
+
+    def __init__(self) -> None:
+        self.by_hash: dict[int, str] = {}
+        self._cache: dict[str, int] = {}
+
+    def __call__(self, name: str) -> int:
+        got = self._cache.get(name)
+        if got is not None:
+            return got
+        clean = clean_text(name)
+        h = int.from_bytes(hashlib.blake2b(clean.encode(), digest_size=8).digest(),
+                           "big") & _HASH_MASK
+        self.by_hash[h] = clean
+        self._cache[name] = h
+        return h
+
+
+def clean_text(value: str) -> str:
+    """A name from a file, bounded and without control characters."""
+    text = value[:MAX_NAME_CHARS]
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def api_op(name: str) -> tuple[int, str | None]:
+    """The op code of a CUDA API call by name (nsys appends ``_v7000``-like versions);
+    calls fleetd does not probe get ``cuda_api`` and keep their name."""
+    base = _VERSION_SUFFIX.sub("", name)
+    op = BY_NAME.get(base)
+    if op is not None and op.source in _API_SOURCES:
+        return op.code, None
+    return BY_NAME["cuda_api"].code, clean_text(base)
+
+
+def nccl_collective(kernel: str) -> str | None:
+    """``AllReduce`` for ``ncclKernel_AllReduce_RING_LL_Sum_float``; None for other kernels."""
+    if not kernel.startswith("nccl"):
+        return None
+    m = _NCCL_KERNEL.match(kernel)
+    return m.group(1) if m else "nccl"
+
+
+def us_to_ns(value: float | int) -> int:
+    """Microseconds (Kineto's unit, possibly fractional) to integer ns, without going
+    through a float product that would round away nanoseconds at epoch magnitudes."""
+    whole = int(value)
+    return whole * 1000 + round((value - whole) * 1000)
+
+
+# ---- reading files -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    path: Path
+    fmt: str  # nsys | kineto
+    sha256: str
+    size: int
+
+
+def identify(path: Path, fmt: str) -> Source:
+    """Check the file exists and is small enough, hash it, and name its format."""
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown import format {fmt!r}", f"use one of {', '.join(FORMATS)}")
+    if not path.exists():
+        raise UsageError(f"{path}: no such file", "name an nsys .sqlite export or a Kineto "
+                         ".json/.json.gz trace")
+    if not path.is_file():
+        raise UsageError(f"{path}: not a regular file", "name the trace file itself")
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise UsageError(f"{path}: {size} bytes, above the {MAX_FILE_BYTES} byte limit",
+                         "split the trace (a shorter profiling window) and import the parts")
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        head = f.read(64)
+        digest.update(head)
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    detected = _detect(head)
+    if fmt == "auto":
+        if detected is None:
+            raise UsageError(f"{path}: not a trace fleetd can import (neither an SQLite "
+                             "file nor JSON, gzipped or not)",
+                             "export nsys reports with 'nsys export --type sqlite'; save "
+                             "PyTorch profiles with export_chrome_trace()")
+        fmt = detected
+    elif detected is not None and detected != fmt:
+        raise UsageError(f"{path}: looks like a {detected} file, not {fmt}",
+                         "drop --format (auto detects it) or name the right file")
+    return Source(path, fmt, digest.hexdigest(), size)
+
+
+def _detect(head: bytes) -> str | None:
+    if head.startswith(SQLITE_MAGIC):
+        return "nsys"
+    if head.startswith(b"\x1f\x8b") or head.lstrip()[:1] in (b"{", b"["):
+        return "kineto"
+    return None
+
+
+def read_json_bytes(path: Path) -> bytes:
+    """The file's JSON text, gunzipped when needed, refused above MAX_JSON_BYTES."""
+    with path.open("rb") as f:
+        raw = f.read(MAX_FILE_BYTES + 1)
+    if not raw.startswith(b"\x1f\x8b"):
+        return raw
+    out = bytearray()
+    d = zlib.decompressobj(wbits=31)
+    try:
+        for i in range(0, len(raw), 1 << 20):
+            out += d.decompress(raw[i:i + (1 << 20)], MAX_JSON_BYTES + 1 - len(out))
+            if len(out) > MAX_JSON_BYTES or d.unconsumed_tail:
+                raise UsageError(f"{path}: more than {MAX_JSON_BYTES} bytes once "
+                                 "decompressed", "import a shorter profiling window")
+    except zlib.error as exc:
+        raise UsageError(f"{path}: corrupt gzip data ({exc})",
+                         "copy the file again; it was damaged") from exc
+    if not d.eof:
+        raise UsageError(f"{path}: truncated gzip file (the compressed stream ends early)",
+                         "copy the file again in full; it was cut short")
+    return bytes(out)
+
+
+def open_sqlite(path: Path) -> sqlite3.Connection:
+    """An imported SQLite file, read-only and never modified (no -wal/-shm made)."""
+    try:
+        conn = sqlite3.connect(f"file:{path.absolute()}?mode=ro&immutable=1", uri=True)
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.Error as exc:
+        raise UsageError(f"{path}: not a readable SQLite file ({exc})",
+                         "export the report again with 'nsys export --type sqlite'") from exc
+    return conn
+
+
+# ---- one import ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Parsed:
+    """What a reader found, before it is given a node and written."""
+
+    batch: ImportBatch
+    warnings: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)  # source rows by kind
+
+
+Reader = Callable[[Source, "Names", str | None], Parsed]
+
+
+def new_batch(src: Source, node: str, host: str | None, offset_ns: int,
+              error_ns: int | None, extra: dict[str, Any] | None = None) -> ImportBatch:
+    info: dict[str, Any] = {"format": src.fmt, "path": str(src.path.absolute()),
+                            "sha256": src.sha256, "bytes": src.size, **(extra or {})}
+    return ImportBatch(node=node, host=host, started_ns=0, ended_ns=0, offset_ns=offset_ns,
+                       clock_error_ns=error_ns, source=info, tool_version=__version__,
+                       command=f"fleetd import --format {src.fmt} {src.path.name}")
+
+
+def finish(batch: ImportBatch, names: Names) -> None:
+    """Fill the session span from the rows and hand over the names they use."""
+    starts = [r[0] for r in batch.events] + [r[0] for r in batch.gpu]
+    ends = [r[0] + r[1] for r in batch.events] + [r[0] + r[1] for r in batch.gpu]
+    starts += [r[0] for r in batch.annotations]
+    ends += [r[0] + r[1] for r in batch.annotations]
+    if starts:
+        batch.started_ns, batch.ended_ns = min(starts), max(ends)
+    batch.names = names.by_hash
+    total = len(batch.events) + len(batch.gpu) + len(batch.annotations)
+    if total > MAX_EVENTS:
+        raise UsageError(f"{batch.source['path']}: {total} events, above the {MAX_EVENTS} "
+                         "limit", "import a shorter profiling window")
+
+
+def check_node(name: str) -> str:
+    try:
+        validate_node_name(name)
+    except Exception as exc:
+        raise UsageError(f"invalid --node {name!r}",
+                         "use a non-empty printable name without ':'") from exc
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class ImportReport:
+    path: Path
+    fmt: str
+    outcome: ImportOutcome
+    counts: dict[str, int]
+    warnings: list[str]
+
+
+def import_files(paths: Sequence[Path], db: Path, node: str | None, fmt: str,
+                 readers: dict[str, Reader]) -> list[ImportReport]:
+    """Parse every file first (any bad one stops all, before a write), then write each
+    as its own session."""
+    if node is not None:
+        check_node(node)
+    parsed: list[tuple[Source, Parsed]] = []
+    for path in paths:
+        src = identify(path, fmt)
+        parsed.append((src, readers[src.fmt](src, Names(), node)))
+    _check_pids(parsed)
+    out = []
+    for src, p in parsed:
+        outcome = write_import(db, p.batch)
+        out.append(ImportReport(src.path, src.fmt, outcome, p.counts, p.warnings))
+    return out
+
+
+def _check_pids(parsed: Sequence[tuple[Source, Parsed]]) -> None:
+    """Two ranks in one node must be two processes; the same pid twice would mix them."""
+    seen: dict[tuple[str, int], Path] = {}
+    for src, p in parsed:
+        for proc in p.batch.processes:
+            key = (p.batch.node, int(proc["pid"]))
+            other = seen.get(key)
+            if other is not None and other != src.path and proc.get("rank") is not None:
+                raise UsageError(
+                    f"{src.path} and {other} both hold pid {key[1]} for node {key[0]!r}",
+                    "import them into different nodes: one --node per file, or leave "
+                    "--node out (each rank is then its own node)")
+            seen[key] = src.path

@@ -1,0 +1,199 @@
+"""The tracer's accounting: the session row, the loss counters, the aggregate rows.
+
+:mod:`fleetd.trace.tracer` attaches probes and moves records from the ring buffers into
+the store. Around that loop it keeps the books, and the rules for those books live
+here: what the session row says (host, clock, rank, targets and libraries), what counts
+as a lost event, and how the in-kernel histograms' running totals become one set of
+aggregate rows per window. Nothing here attaches or polls; it reads BPF maps and the
+tracer's own lists and returns rows, so the rules can be read (and changed) in one place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fleetd import __version__
+from fleetd.store.schema import SCHEMA_VERSION
+from fleetd.store.writer import WriterStats
+from fleetd.trace import procinfo
+from fleetd.trace.bpfsrc import COUNTERS, NBUCKETS
+from fleetd.trace.clock import ClockMap
+from fleetd.trace.headers import HeaderRoute
+from fleetd.trace.libs import Library
+from fleetd.trace.probes import AttachReport
+
+if TYPE_CHECKING:
+    from fleetd.trace.tracer import TraceConfig
+
+MAX_TARGETS_JSON = 1000
+# The drops that count as lost events: records the kernel or the writer could not keep.
+LOST_KEYS = ("cuda", "driver", "nccl", "sched", "sys", "calls_full", "writer_queue",
+             "writer_failed")
+
+# (session, ts_ns, dur_ns, pid, op, bucket, count, sum): one row of aggregate_data.
+AggregateRow = tuple[int | None, int, int, int | None, int, int, int, int]
+# Per bucket counts and sums, then count, sum and errors over all buckets.
+_Totals = tuple[list[int], list[int], int, int, int]
+
+
+# ---- losses --------------------------------------------------------------------------
+
+
+def read_counters(bpf: Any) -> dict[str, int]:
+    """The BPF side's counters (``fl_counters``), summed over CPUs."""
+    table = bpf[b"fl_counters"]
+    return {name: int(sum(table[ctypes.c_int(i)])) for i, name in enumerate(COUNTERS)}
+
+
+def drops(counters: Mapping[str, int], writer: WriterStats | None) -> dict[str, int]:
+    """Every kind of drop by name: ring and map losses in the kernel, then the writer's."""
+    d = {k.removeprefix("lost_"): counters[k] for k in COUNTERS if k.startswith("lost_")}
+    d["calls_full"] = counters["calls_full"]
+    d["hist_full"] = counters["hist_full"]
+    d["state_full"] = counters["state_full"]
+    if writer is not None:
+        d["writer_queue"] = writer.queue_dropped
+        d["writer_failed"] = writer.failed_rows
+    return d
+
+
+def lost_total(drops: Mapping[str, int]) -> int:
+    return sum(drops.get(k, 0) for k in LOST_KEYS)
+
+
+# ---- in-kernel histograms -------------------------------------------------------------
+
+
+class Histograms:
+    """``fl_hist``'s running totals per (pid, op), as deltas per window: aggregate rows.
+
+    bucket = floor(log2(ns)) (page_alloc: the order); -1 = totals (count, sum);
+    -2 = calls that returned an error (count).
+    """
+
+    def __init__(self) -> None:
+        self.window_start = 0  # CLOCK_MONOTONIC ns
+        self._prev: dict[tuple[int, int], _Totals] = {}
+
+    def close_window(self, bpf: Any, session: int, to_wall: Callable[[int], int],
+                     now_mono: int) -> list[AggregateRow]:
+        """The rows of the window ending at ``now_mono``; the next window starts there."""
+        start, dur = self.window_start, max(0, now_mono - self.window_start)
+        ts = to_wall(start)
+        rows: list[AggregateRow] = []
+        for k, v in bpf[b"fl_hist"].items():
+            key = int(k.value)
+            pid, op = key >> 32, key & 0xFFFFFFFF
+            counts, sums, total, total_sum, errors = self._delta((pid, op), v)
+            if total <= 0:
+                continue
+            for b in range(NBUCKETS):
+                if counts[b]:
+                    rows.append((session, ts, dur, pid, op, b, counts[b], sums[b]))
+            rows.append((session, ts, dur, pid, op, -1, total, total_sum))
+            if errors:
+                rows.append((session, ts, dur, pid, op, -2, errors, 0))
+        self.window_start = now_mono
+        return rows
+
+    def _delta(self, key: tuple[int, int], v: Any) -> _Totals:
+        """What one histogram gained since the last window (all of it the first time)."""
+        now: _Totals = ([int(v.b_count[i]) for i in range(NBUCKETS)],
+                        [int(v.b_sum[i]) for i in range(NBUCKETS)],
+                        int(v.count), int(v.sum), int(v.errors))
+        prev = self._prev.get(key)
+        self._prev[key] = now
+        if prev is None:
+            return now
+        return ([a - b for a, b in zip(now[0], prev[0], strict=True)],
+                [a - b for a, b in zip(now[1], prev[1], strict=True)],
+                now[2] - prev[2], now[3] - prev[3], now[4] - prev[4])
+
+
+# ---- the session row -----------------------------------------------------------------
+
+
+def targets_json(cfg: TraceConfig, targets: Mapping[int, str], libs: Iterable[Library],
+                 report: AttachReport) -> dict[str, Any]:
+    """What is traced: target pids by origin, cgroups, libraries and their probes."""
+    # Named targets first; a fork-heavy workload must not make the row huge.
+    pids = sorted(targets.items(), key=lambda kv: (kv[1] != "named", kv[0]))
+    return {
+        "pids": {str(p): o for p, o in pids[:MAX_TARGETS_JSON]},
+        "pids_total": len(pids),
+        "cgroups": cfg.cgroups,
+        "system_wide": cfg.system_wide,
+        "libraries": [
+            {"path": lib.path, "kind": lib.kind, "found_by": lib.found_by,
+             "probes": len(report.attached.get(lib.path, [])),
+             "via": report.mechanism.get(lib.path)}
+            for lib in libs
+        ],
+        "layers": sorted(cfg.layers),
+        "sample": cfg.sample,
+        # Explain names this process "the tracer" when it is the one that took the
+        # CPU from a workload: the observer's own cost, shown rather than hidden.
+        "tracer_pid": os.getpid(),
+    }
+
+
+def rank_of(pids: Iterable[int]) -> dict[str, int | None]:
+    """The distributed rank of the first target that has one (all None otherwise)."""
+    for pid in pids:
+        info = procinfo.rank_info(pid)
+        if info["rank"] is not None:
+            return info
+    return {"rank": None, "local_rank": None, "world_size": None}
+
+
+def opening_fields(clock: ClockMap, rank: Mapping[str, int | None], targets: dict[str, Any],
+                   route: HeaderRoute | None, command: str | None) -> dict[str, Any]:
+    """The session row as a session starts."""
+    first = clock.first
+    return {
+        "host": socket.gethostname(),
+        "kernel": platform.release(),
+        "boot_id": _boot_id(),
+        "started_ns": time.time_ns(),
+        "mono_offset_ns": first.offset_ns,
+        "clock_error_ns": first.error_ns,
+        "clock_samples": clock.as_json(),
+        **rank,
+        "tool_version": __version__,
+        "schema_version": SCHEMA_VERSION,
+        "targets": targets,
+        "headers_route": route.describe() if route else None,
+        "command": command,
+        "drops": {},
+    }
+
+
+def progress_fields(drops: dict[str, int], counters: Mapping[str, int], clock: ClockMap,
+                    targets: dict[str, Any], *, final: bool) -> dict[str, Any]:
+    """What a session row gains as it runs; ``final``: and when it ended."""
+    fields: dict[str, Any] = {
+        "lost_events": lost_total(drops),
+        "dropped_stacks": counters["stack_lost"],
+        "sampled_out": counters["sampled_out"],
+        "drops": drops,
+        "clock_samples": clock.as_json(),
+        "clock_error_ns": clock.error_ns,
+        "targets": targets,
+    }
+    if final:
+        fields["ended_ns"] = time.time_ns()
+    return fields
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None

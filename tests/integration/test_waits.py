@@ -1,0 +1,138 @@
+"""Waits of the job's own making, recorded live with eBPF and diagnosed.
+
+Each case runs a real workload under ``fleetd trace`` on this machine: the reference
+workload with a pure-Python thread beside the feeding thread (the interpreter lock), or
+fed through a ``multiprocessing.Queue`` by too few producers (data starvation), each
+with its counterpart that must stay free of that chain; and a native program whose two
+threads share a pthread mutex, the feeding one calling the real CUDA runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from recorder import BASE, FLEETD, Scenario, StderrLog, compact, explain, problems, record
+
+from conftest import REPO
+
+pytestmark = [pytest.mark.bpf, pytest.mark.slow,
+              pytest.mark.skipif(os.geteuid() != 0, reason="records with eBPF: needs root")]
+
+SECONDS = 4.0
+WALL_KEYS = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "lock_ns", "data_ns",
+             "timer_ns", "gpu_sync_ns", "other_ns")
+
+
+def _chains(report: dict[str, Any], cause: str) -> list[dict[str, Any]]:
+    return [c for c in report["chains"] if c["root_cause"] == cause]
+
+
+def _assert_adds_up(report: dict[str, Any]) -> None:
+    """Every thread's columns add up to its wall time, within 1 %."""
+    threads = [t for p in report["processes"] for t in p["threads"]]
+    assert threads
+    for t in threads:
+        total = sum(int(t[k]) for k in WALL_KEYS)
+        assert abs(total - int(t["wall_ns"])) <= 0.01 * int(t["wall_ns"]), (t, total)
+
+
+def test_interpreter_lock_contention_names_the_holder_thread(tmp_path: Path) -> None:
+    sc = Scenario("gil", "a pure-Python thread beside the feeding thread",
+                  (*BASE, "--gil-thread"), (), "same", "lock_contention", "python", "py-busy")
+    report = explain(record(sc, tmp_path, SECONDS))
+    assert problems(sc, report) == [], [c["summary"] for c in report["chains"]]
+    [c] = _chains(report, "lock_contention")
+    assert c["severity"] == "HIGH" and c["detail"]["gil"] is True
+    assert c["culprit"]["thread"] == "py-busy" and c["culprit"]["tid"] != c["victim"]["tid"]
+    assert c["culprit"]["pid"] == c["victim"]["pid"] and c["culprit"]["self"] is True
+    # The lost share is the victim's futex time woken by the holder: most of its wall.
+    feeder = next(t for p in report["processes"] for t in p["threads"]
+                  if t["tid"] == c["victim"]["tid"])
+    assert 0.2 < c["impact"] <= feeder["lock_ns"] / feeder["wall_ns"] + 0.01
+    assert "interpreter lock" in c["summary"] and "py-busy" in c["summary"]
+    assert any("multiprocessing" in f for f in c["fixes"])
+    assert not report["quiet"]
+    _assert_adds_up(report)
+
+
+def test_without_the_background_thread_there_is_no_lock_chain(tmp_path: Path) -> None:
+    report = explain(record(Scenario("alone", "the workload alone", BASE), tmp_path, SECONDS))
+    assert not _chains(report, "lock_contention")
+    assert not [c for c in report["chains"] if c["severity"] == "HIGH"], report["verdict"]
+    _assert_adds_up(report)
+
+
+def test_data_starvation_names_the_producer(tmp_path: Path) -> None:
+    sc = Scenario("starved", "one slow producer", (*BASE, "--producer-ms", "6"), (), "same",
+                  "data_starvation", "dl-producer")
+    report = explain(record(sc, tmp_path, SECONDS))
+    assert problems(sc, report) == [], [c["summary"] for c in report["chains"]]
+    [c] = _chains(report, "data_starvation")
+    assert c["severity"] == "HIGH" and c["impact"] > 0.1
+    assert c["culprit"]["comm"] == "dl-producer" and c["culprit"]["pid"] != c["victim"]["pid"]
+    assert c["detail"]["producer_bound"] is True  # 6 ms of CPU per batch: it is the limit
+    assert "dl-producer" in c["summary"] and any("num_workers" in f for f in c["fixes"])
+    _assert_adds_up(report)
+
+
+def test_enough_producers_starve_nothing(tmp_path: Path) -> None:
+    # A batch costs 1 ms and a step takes 4 ms: the queue stays full.
+    sc = Scenario("fed", "a fast producer", (*BASE, "--producer-ms", "1"))
+    report = explain(record(sc, tmp_path, SECONDS))
+    assert not _chains(report, "data_starvation"), [c["summary"] for c in report["chains"]]
+    assert not [c for c in report["chains"] if c["severity"] == "HIGH"], report["verdict"]
+
+
+def test_native_mutex_names_the_holder_thread_and_the_address(tmp_path: Path) -> None:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler is part of the set-up (scripts/setup.sh)"
+    exe = tmp_path / "lock_pair"
+    subprocess.run([cc, "-O1", "-pthread", "-o", str(exe),
+                    str(REPO / "tests" / "workloads" / "lock_pair.c"), "-ldl"], check=True,
+                   capture_output=True, timeout=120)
+    db, mutex = _trace_native(exe, tmp_path)
+    report = explain(db)
+    [c] = _chains(report, "lock_contention")
+    assert c["detail"]["lock_addr"] == mutex and c["detail"]["gil"] is False
+    assert c["culprit"]["thread"] == "holder" and c["culprit"]["self"] is True
+    assert c["severity"] == "HIGH" and mutex in c["summary"]
+    assert any(mutex in f for f in c["fixes"])
+    _assert_adds_up(report)
+
+
+def _trace_native(exe: Path, tmp: Path) -> tuple[Path, str]:
+    """Run the native program under ``fleetd trace``; its database and mutex address."""
+    sys.path.insert(0, str(REPO / "tests" / "workloads"))
+    from train_loop import find_cudart
+
+    go, db = tmp / "go", tmp / "native.db"
+    prog = subprocess.Popen([str(exe), find_cudart(), f"{SECONDS:g}", str(go)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tracer = None
+    try:
+        assert prog.stdout is not None
+        head = json.loads(prog.stdout.readline())  # printed after libcudart is mapped
+        tracer = subprocess.Popen([FLEETD, "trace", "--pid", str(head["pid"]), "--db", str(db),
+                                   "--node", "native"], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
+        log = StderrLog(tracer)
+        assert log.tracing(90), log.text(1)
+        go.touch()
+        prog.wait(SECONDS + 60)
+        tracer.wait(60)
+        assert prog.returncode == 0 and tracer.returncode == 0, log.text()
+    finally:
+        for p in (prog, tracer):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+    compact(db)
+    return db, str(head["mutex"])
+

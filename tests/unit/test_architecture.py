@@ -1,0 +1,236 @@
+"""The layer order of fleetd's packages, checked over every import of every module.
+
+The contract is the layer table in docs/architecture.md (one place: the doc shows it,
+this test reads it). A module may import only from its own package or from a lower
+layer; packages on one layer may not import each other. Every import counts, also the
+ones inside functions and under ``if TYPE_CHECKING:``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import REPO
+
+PACKAGE = REPO / "fleetd"
+DOC = REPO / "docs" / "architecture.md"
+ROOT = "fleetd"
+MARKER = "tests/unit/test_architecture.py reads the next block"
+FIX = (
+    "A module may import only from its own package or from a lower layer of the table in "
+    "docs/architecture.md; packages on one layer may not import each other (imports inside "
+    "functions and under TYPE_CHECKING count too). Fix: move the shared piece down to the "
+    "lowest package that needs it, or have the upper layer hand it in (a parameter, a "
+    "callback, a factory, a route table). Change the table in docs/architecture.md only "
+    "if the layering itself should change."
+)
+
+
+@dataclass(frozen=True)
+class Contract:
+    """Layers bottom to top: each a label and the names (packages or modules) on it."""
+
+    layers: tuple[tuple[str, tuple[str, ...]], ...]
+
+    def rank(self, name: str) -> int:
+        for i, (_, names) in enumerate(self.layers):
+            if name in names:
+                return i
+        raise KeyError(name)
+
+    def label(self, name: str) -> str:
+        return self.layers[self.rank(name)][0]
+
+    @property
+    def names(self) -> list[str]:
+        return [n for _, names in self.layers for n in names]
+
+    def owner(self, module: str) -> str | None:
+        """The contract entry a module belongs to; the root package owns only itself."""
+        best: str | None = None
+        for name in self.names:
+            inside = module == name or (name != ROOT and module.startswith(name + "."))
+            if inside and (best is None or len(name) > len(best)):
+                best = name
+        return best
+
+
+def parse_contract(text: str) -> Contract:
+    """The table in the fenced block after MARKER: ``LABEL  fleetd.x  fleetd.y  role...``.
+
+    Lines without a layer label (the header, rules) are skipped; the top line is the top.
+    """
+    after = text.split(MARKER, 1)
+    assert len(after) == 2, f"docs/architecture.md lost the contract marker {MARKER!r}"
+    block = re.search(r"```[a-z]*\n(.*?)```", after[1], re.S)
+    assert block is not None, "docs/architecture.md: no fenced layer table after the marker"
+    top_down: list[tuple[str, tuple[str, ...]]] = []
+    for line in block.group(1).splitlines():
+        m = re.match(r"\s*(\d+[a-z]?)\s+(.*)", line)
+        if m is None:
+            continue
+        names: tuple[str, ...] = ()
+        for word in m.group(2).split():  # the names, up to the role column
+            if not re.fullmatch(r"fleetd(\.\w+)*", word):
+                break
+            names += (word,)
+        assert names, f"layer {m.group(1)} of docs/architecture.md names no package"
+        top_down.append((m.group(1), names))
+    labels = [label for label, _ in top_down]
+    assert len(set(labels)) == len(labels), f"layer labels repeat: {labels}"
+    contract = Contract(tuple(reversed(top_down)))
+    dup = {n for n in contract.names if contract.names.count(n) > 1}
+    assert not dup, f"docs/architecture.md puts these on more than one layer: {sorted(dup)}"
+    return contract
+
+
+def load_contract() -> Contract:
+    return parse_contract(DOC.read_text())
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def tree_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def fleetd_imports(
+    source: str, module: str, is_package: bool, known: set[str]
+) -> list[tuple[str, int]]:
+    """Every fleetd module ``source`` imports, wherever the import sits, with its line.
+
+    ``from fleetd.x import y`` counts as an import of ``fleetd.x.y`` when that is a module,
+    so that ``from fleetd import cli`` is seen for what it is.
+    """
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = module.split(".") if is_package else module.split(".")[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join(pkg + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((sub if sub in known else base, node.lineno))
+    mine = dict.fromkeys((m, line) for m, line in found if m == ROOT or m.startswith(ROOT + "."))
+    return list(mine)  # one entry per module and line, in source order
+
+
+def violations(
+    contract: Contract, module: str, source: str, *, is_package: bool, known: set[str]
+) -> list[str]:
+    """``module -> imported (line N): why`` for each import against the layer order."""
+    out: list[str] = []
+    mine = contract.owner(module)
+    if mine is None:
+        return [f"{module}: on no layer of the contract"]
+    for target, line in fleetd_imports(source, module, is_package, known):
+        theirs = contract.owner(target)
+        if theirs == mine:
+            continue
+        where = f"{module} -> {target} (line {line})"
+        if theirs is None:
+            out.append(f"{where}: {target} is on no layer of the contract")
+        elif contract.rank(theirs) > contract.rank(mine):
+            out.append(f"{where}: layer {contract.label(mine)} ({mine}) imports from the "
+                       f"higher layer {contract.label(theirs)} ({theirs})")
+        elif contract.rank(theirs) == contract.rank(mine):
+            out.append(f"{where}: {mine} and {theirs} sit side by side on layer "
+                       f"{contract.label(mine)} and may not import each other")
+    return out
+
+
+# ---- the contract over the real tree ---------------------------------------------------
+
+
+def test_the_layer_table_names_real_packages() -> None:
+    contract = load_contract()
+    assert len(contract.layers) >= 2
+    modules = tree_modules()
+    stale = [n for n in contract.names if n not in modules]
+    assert not stale, (f"docs/architecture.md's layer table names what fleetd/ does not have: "
+                       f"{stale}; remove or rename them in the table")
+
+
+def test_every_module_is_on_a_layer() -> None:
+    contract = load_contract()
+    unassigned = sorted({m for m in tree_modules() if contract.owner(m) is None})
+    assert not unassigned, (
+        f"modules on no layer: {unassigned}. Add the package to the layer table in "
+        "docs/architecture.md (the contract this test reads), on the lowest layer whose "
+        "imports it needs, and give it a paragraph there saying what it owns and hands on."
+    )
+
+
+def test_imports_follow_the_layers() -> None:
+    contract = load_contract()
+    modules = tree_modules()
+    known = set(modules)
+    found: list[str] = []
+    for module, path in modules.items():
+        found += violations(contract, module, path.read_text(),
+                            is_package=path.name == "__init__.py", known=known)
+    assert not found, "imports against the layer order:\n  " + "\n  ".join(found) + "\n" + FIX
+
+
+def test_every_package_on_the_contract_is_described() -> None:
+    contract = load_contract()
+    prose = DOC.read_text().split("## The packages", 1)
+    assert len(prose) == 2, "docs/architecture.md lost its '## The packages' section"
+    missing = [n for n in contract.names if n != ROOT and f"`{n}`" not in prose[1]]
+    assert not missing, f"docs/architecture.md describes no {missing} under '## The packages'"
+
+
+# ---- the checker itself can fail -----------------------------------------------------
+
+
+def _check(module: str, source: str, is_package: bool = False) -> list[str]:
+    return violations(load_contract(), module, source, is_package=is_package,
+                      known=set(tree_modules()))
+
+
+def test_the_checker_reports_an_upward_import() -> None:
+    found = _check("fleetd.store.x", "from fleetd.cli.main import main\n")
+    assert len(found) == 1
+    assert found[0].startswith("fleetd.store.x -> fleetd.cli.main (line 1): ")
+    assert "higher layer" in found[0]
+
+
+def test_the_checker_sees_lazy_typing_relative_and_sideways_imports() -> None:
+    lazy = "import os\n\n\ndef f() -> None:\n    import fleetd.export.perfetto\n"
+    assert [v.split(":")[0] for v in _check("fleetd.analyze.x", lazy)] == [
+        "fleetd.analyze.x -> fleetd.export.perfetto (line 5)"]
+    typing_only = ("from typing import TYPE_CHECKING\n"
+                   "if TYPE_CHECKING:\n    from fleetd.node.api import NodeState\n")
+    assert _check("fleetd.trace.x", typing_only)
+    assert _check("fleetd.store.x", "from ..mcp import server\n")
+    assert _check("fleetd.errors", "from fleetd import config\n")  # a module, not the root
+    sideways = _check("fleetd.node.x", "from fleetd.fleet.client import FleetClient\n")
+    assert sideways and "side by side" in sideways[0]
+    assert _check("fleetd.config", "from fleetd.security import tls\n")
+
+
+def test_the_checker_allows_downward_and_own_package_imports() -> None:
+    ok = ("from fleetd import __version__\nfrom fleetd.errors import UsageError\n"
+          "from fleetd.store.db import open_reader\nfrom fleetd.cli import output\n"
+          "from . import main\n")
+    assert _check("fleetd.cli.x", ok) == []
+    assert _check("fleetd.cli", "from .main import main\n", is_package=True) == []
+
+
+def test_a_module_on_no_layer_is_reported() -> None:
+    assert _check("fleetd.newpkg.x", "import json\n") == [
+        "fleetd.newpkg.x: on no layer of the contract"]
+    found = _check("fleetd.cli.x", "from fleetd.newpkg import y\n")
+    assert found and "on no layer" in found[0]
