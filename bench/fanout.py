@@ -37,9 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fleetd.fleet.client import ClientOptions, FleetClient  # noqa: E402
-from fleetd.fleet.fanout import FleetOptions, run  # noqa: E402
+from fleetd.fleet.fanout import FleetOptions  # noqa: E402
 from fleetd.fleet.queries import FleetResult, QuerySpec, query, query_async  # noqa: E402
 from fleetd.fleet.targets import Target  # noqa: E402
+from fleetd.runner import run_loop  # noqa: E402
 from fleetd.security import tls  # noqa: E402
 from fleetd.store.catalog import op_code  # noqa: E402
 from fleetd.store.writer import BatchWriter  # noqa: E402
@@ -187,7 +188,7 @@ async def _warm(opts: FleetOptions, n: int, reps: int) -> Timing:
 
 
 def measure_warm(opts: FleetOptions, n: int, reps: int) -> Timing:
-    timing: Timing = run(_warm(opts, n, reps))
+    timing: Timing = run_loop(_warm(opts, n, reps))
     return timing
 
 

@@ -9,7 +9,10 @@
  *   FL_SLOW_K          a call slower than K x its running median is an anomaly
  *   FL_SLOW_MIN_NS     ... if it also took at least this long
  *   FL_ERR_BURST       errors emitted per (pid, op) per second before rate limiting
- *   FL_STACKS          1: user stack ids on emitted CUDA records
+ *   FL_STACKS          1: user stacks (native, and Python where known) on CUDA records
+ *   FL_STACK_SAMPLE_N  ... on 1 in N kept calls (0 = none by sampling)
+ *   FL_STACK_SLOW_NS   ... and on every call at least this long (kept even if not sampled)
+ *   FL_PY_FRAMES       Python frames read per stack (fleetd.h)
  */
 #ifndef FL_COMMON_BPF_C
 #define FL_COMMON_BPF_C
@@ -40,6 +43,12 @@
 #ifndef FL_STACKS
 #define FL_STACKS 0
 #endif
+#ifndef FL_STACK_SAMPLE_N
+#define FL_STACK_SAMPLE_N 100
+#endif
+#ifndef FL_STACK_SLOW_NS
+#define FL_STACK_SLOW_NS 1000000ull
+#endif
 #ifndef FL_RB_PAGES
 #define FL_RB_PAGES 256
 #endif
@@ -64,6 +73,11 @@ BPF_RINGBUF_OUTPUT(fl_rb_sched, FL_RB_PAGES);
 BPF_RINGBUF_OUTPUT(fl_rb_sys, FL_RB_PAGES);
 #if FL_STACKS
 BPF_STACK_TRACE(fl_stacks, 4096);
+/* tgid -> the frame layout of its CPython; tid -> its PyThreadState. Both filled by
+ * user space, which reads the interpreter's thread list (a thread calling through
+ * ctypes has released the GIL, so the interpreter's "current" thread is not it). */
+BPF_HASH(fl_pyprocs, u32, struct fl_pyoffs, 1024);
+BPF_HASH(fl_pythreads, u32, u64, 16384);
 #endif
 
 static __always_inline void fl_count(u32 idx)
@@ -253,6 +267,30 @@ static __always_inline struct fl_rec *fl_reserve(u32 ring)
     return r;
 }
 
+#if FL_STACKS
+/* The same for a record with its Python stack appended (GPU layers only). */
+static __always_inline struct fl_rec_py *fl_reserve_py(u32 ring)
+{
+    struct fl_rec_py *r = 0;
+    if (fl_stopped())
+        return 0;
+    switch (ring) {
+    case FL_C_LOST_CUDA:
+        r = fl_rb_cuda.ringbuf_reserve(sizeof(struct fl_rec_py));
+        break;
+    case FL_C_LOST_DRIVER:
+        r = fl_rb_driver.ringbuf_reserve(sizeof(struct fl_rec_py));
+        break;
+    default:
+        r = fl_rb_nccl.ringbuf_reserve(sizeof(struct fl_rec_py));
+        break;
+    }
+    if (!r)
+        fl_count(ring);
+    return r;
+}
+#endif
+
 #ifndef FL_WAKE_EVERY
 #define FL_WAKE_EVERY 256
 #endif
@@ -292,6 +330,7 @@ static __always_inline void fl_fill(struct fl_rec *r, u64 ts, u64 dur, u32 pid, 
     r->x[2] = 0;
     r->x[3] = 0;
     r->median = 0;
+    r->func = 0;
     __builtin_memset(r->comm, 0, FL_COMM_LEN);
 }
 
@@ -303,9 +342,10 @@ static __always_inline void fl_fill(struct fl_rec *r, u64 ts, u64 dur, u32 pid, 
  * ts = 0 instead of deleted; LRU recycles the entries of threads that are gone. */
 BPF_TABLE("lru_hash", u64, struct fl_call, fl_calls, 16384);
 
-/* Entry: keep the start time and arguments of a target's call. */
-static __always_inline int fl_call_enter(struct pt_regs *ctx, u32 op, u64 bytes, s64 a0,
-                                         s64 a1, u64 x0, u64 x1, u64 x2, u64 x3)
+/* Entry: keep the start time and arguments of a target's call (func: a launch's
+ * kernel, else 0). */
+static __always_inline int fl_call_enter_f(struct pt_regs *ctx, u32 op, u64 func, u64 bytes,
+                                           s64 a0, s64 a1, u64 x0, u64 x1, u64 x2, u64 x3)
 {
     u64 id = bpf_get_current_pid_tgid();
     if (!fl_is_cuda_target(id >> 32))
@@ -314,6 +354,7 @@ static __always_inline int fl_call_enter(struct pt_regs *ctx, u32 op, u64 bytes,
     struct fl_call *p = fl_calls.lookup(&key);
     if (p) {
         p->sp = PT_REGS_SP(ctx);
+        p->func = func;
         p->bytes = bytes;
         p->a0 = a0;
         p->a1 = a1;
@@ -326,6 +367,7 @@ static __always_inline int fl_call_enter(struct pt_regs *ctx, u32 op, u64 bytes,
     }
     struct fl_call c = {};
     c.sp = PT_REGS_SP(ctx);
+    c.func = func;
     c.bytes = bytes;
     c.a0 = a0;
     c.a1 = a1;
@@ -337,6 +379,12 @@ static __always_inline int fl_call_enter(struct pt_regs *ctx, u32 op, u64 bytes,
     if (fl_calls.update(&key, &c))
         fl_count(FL_C_CALLS_FULL);
     return 0;
+}
+
+static __always_inline int fl_call_enter(struct pt_regs *ctx, u32 op, u64 bytes, s64 a0,
+                                         s64 a1, u64 x0, u64 x1, u64 x2, u64 x3)
+{
+    return fl_call_enter_f(ctx, op, 0, bytes, a0, a1, x0, x1, x2, x3);
 }
 
 /* Launch arguments passed on the stack, read only for records that are emitted: one
@@ -375,6 +423,66 @@ static __always_inline void fl_stack(struct pt_regs *ctx, struct fl_rec *r)
 #endif
 }
 
+#if FL_STACKS
+/* Whether a kept call carries a stack: every slow one, and 1 in FL_STACK_SAMPLE_N. */
+static __always_inline int fl_stack_wanted(u64 dur)
+{
+    if (dur >= FL_STACK_SLOW_NS)
+        return 1;
+#if FL_STACK_SAMPLE_N == 0
+    return 0;
+#elif FL_STACK_SAMPLE_N == 1
+    return 1;
+#else
+    u32 idx = FL_C_STACK_TICK;
+    u64 *tick = fl_counters.lookup(&idx);
+    if (!tick)
+        return 0;
+    *tick += 1;
+    return (*tick % FL_STACK_SAMPLE_N) == 0;
+#endif
+}
+
+/* The calling thread's Python frames, innermost first, read from the interpreter's
+ * frame chain while the call is still on it (this runs before the call returns to
+ * the interpreter). Each frame costs three small reads. */
+static __always_inline void fl_py_walk(u32 tgid, u32 tid, struct fl_pystack *py)
+{
+    py->n = 0;
+    py->status = FL_PY_NONE;
+    struct fl_pyoffs *o = fl_pyprocs.lookup(&tgid);
+    if (!o)
+        return;
+    u64 *ts = fl_pythreads.lookup(&tid);
+    if (!ts) {
+        py->status = FL_PY_NO_THREAD;
+        fl_count(FL_C_PY_LOST);
+        return;
+    }
+    u64 frame = 0;
+    bpf_probe_read_user(&frame, 8, (void *)(*ts + o->tstate_frame));
+    if (o->cframe_frame != FL_PY_DIRECT && frame)
+        bpf_probe_read_user(&frame, 8, (void *)(frame + o->cframe_frame));
+    u32 n = 0;
+#pragma unroll
+    for (int i = 0; i < FL_PY_FRAMES + 4; i++) {
+        if (!frame || n >= FL_PY_FRAMES)
+            break;
+        u8 owner = 0;
+        bpf_probe_read_user(&owner, 1, (void *)(frame + o->owner));
+        if (owner != o->owner_skip || o->owner_skip == 0xff) {
+            u32 k = n & (FL_PY_FRAMES - 1);
+            bpf_probe_read_user(&py->f[k].code, 8, (void *)(frame + o->code));
+            bpf_probe_read_user(&py->f[k].instr, 8, (void *)(frame + o->instr));
+            n++;
+        }
+        bpf_probe_read_user(&frame, 8, (void *)(frame + o->previous));
+    }
+    py->n = n;
+    py->status = frame ? FL_PY_DEEPER : FL_PY_OK;
+}
+#endif
+
 /* Return: histogram always; a record when the call is an anomaly, belongs to an
  * always-emitted class, or is in the sample. */
 static __always_inline int fl_call_exit(struct pt_regs *ctx, u32 op, u32 always, u32 ring)
@@ -396,13 +504,31 @@ static __always_inline int fl_call_exit(struct pt_regs *ctx, u32 op, u32 always,
         why |= fl_median_check(h, dur);
         why |= fl_error_check(h, ret, now);
     }
+#if FL_STACKS
+    /* With stacks on, a call past the stack threshold is kept whatever its median. */
+    if (!why && dur >= FL_STACK_SLOW_NS)
+        why = FL_WHY_SLOW;
+#endif
     if (!why)
         why = fl_sample_pick();
     if (!why) {
         fl_count(FL_C_SAMPLED_OUT);
         return 0;
     }
-    struct fl_rec *r = fl_reserve(ring);
+    struct fl_rec *r = 0;
+#if FL_STACKS
+    struct fl_rec_py *rp = 0;
+    if (fl_stack_wanted(dur)) {
+        rp = fl_reserve_py(ring);
+        if (!rp)
+            return 0;
+        r = &rp->r;
+    } else {
+        r = fl_reserve(ring);
+    }
+#else
+    r = fl_reserve(ring);
+#endif
     if (!r)
         return 0;
     fl_fill(r, start, dur, tgid, (u32)id, op, ret);
@@ -417,7 +543,13 @@ static __always_inline int fl_call_exit(struct pt_regs *ctx, u32 op, u32 always,
     fl_stack_args(op, c, r);
     if (h)
         r->median = h->median;
-    fl_stack(ctx, r);
+    r->func = c->func;
+#if FL_STACKS
+    if (rp) {
+        fl_stack(ctx, r);
+        fl_py_walk(tgid, (u32)id, &rp->py);
+    }
+#endif
     fl_submit(r);
     return 0;
 }

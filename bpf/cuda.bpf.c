@@ -11,6 +11,8 @@
  *   launches: x0 = grid.x | grid.y << 32, x1 = grid.z | block.z << 16 | shmem << 32,
  *             x2 = block.x | block.y << 32, x3 = stream
  *   others:   x0 = pointer / event / graph exec, x1 = source / graph, x3 = stream
+ * A launch's func (fl_rec.func) is its kernel: the host stub cudaLaunchKernel is
+ * given, named from the process's symbols in user space.
  */
 #include "common.bpf.c"
 
@@ -28,7 +30,7 @@ static __always_inline int fl_enter_CUDALAUNCHKERNEL(struct pt_regs *ctx)
     u64 gxy = PT_REGS_PARM2(ctx), gz = PT_REGS_PARM3(ctx);
     u64 bxy = PT_REGS_PARM4(ctx), bz = PT_REGS_PARM5(ctx);
     /* sharedMem and stream are on the stack: fl_stack_args() reads them if emitted */
-    return fl_call_enter(ctx, OP_CUDALAUNCHKERNEL, 0, fl_threads(gxy, gz),
+    return fl_call_enter_f(ctx, OP_CUDALAUNCHKERNEL, PT_REGS_PARM1(ctx), 0, fl_threads(gxy, gz),
                          fl_threads(bxy, bz), gxy, (gz & 0xffff) | ((bz & 0xffff) << 16),
                          bxy, 0);
 }

@@ -31,6 +31,8 @@
 #define FL_C_SAMPLE_TICK 10  /* the sampling counter itself */
 #define FL_C_STATE_FULL 11   /* host state maps full (off-CPU, syscall, block, targets) */
 #define FL_C_WAKE_TICK 12    /* records since the consumer was last woken, per CPU */
+#define FL_C_STACK_TICK 13   /* the stack sampling counter (1 in FL_STACK_SAMPLE_N kept calls) */
+#define FL_C_PY_LOST 14      /* a Python process's call whose frames could not be read */
 #define FL_NCOUNTERS 16
 
 /* One record per emitted event, for every layer: fixed size keeps decoding cheap. */
@@ -50,13 +52,53 @@ struct fl_rec {
     u32 flags;     /* FL_WHY_* */
     u64 x[4];      /* op-specific extras (dims, stream, handles) */
     u64 median;    /* the op's running median (ns) at emit time, 0 = unknown */
+    u64 func;      /* launches: the kernel (host stub address, or the CUfunction) */
     char comm[FL_COMM_LEN]; /* the peer's comm (sched), or our own (exec) */
+};
+
+/* The Python call stack of a stacked CUDA record, appended to it in the ring (the
+ * record is then longer than struct fl_rec): per frame the code object and the
+ * instruction pointer, innermost first; user space turns them into file:line. */
+#ifndef FL_PY_FRAMES
+#define FL_PY_FRAMES 32
+#endif
+#define FL_PY_NONE 0      /* not a Python process fleetd knows the layout of */
+#define FL_PY_OK 1
+#define FL_PY_NO_THREAD 2 /* a thread the last scan of the interpreter did not list */
+#define FL_PY_DEEPER 3    /* the stack was cut at FL_PY_FRAMES */
+struct fl_pyframe {
+    u64 code;
+    u64 instr;
+};
+struct fl_pystack {
+    u32 n;
+    u32 status;  /* FL_PY_* */
+    struct fl_pyframe f[FL_PY_FRAMES];
+};
+struct fl_rec_py {
+    struct fl_rec r;
+    struct fl_pystack py;
+};
+
+/* Where one CPython version keeps the current frame and the frame's fields, filled
+ * per process by user space (fleetd/trace/pyframes.py). */
+#define FL_PY_DIRECT 0xffffffffu /* tstate_frame already is the current frame (3.13+) */
+struct fl_pyoffs {
+    u32 tstate_frame;  /* PyThreadState: cframe (3.11, 3.12) or current_frame (3.13) */
+    u32 cframe_frame;  /* _PyCFrame.current_frame, or FL_PY_DIRECT */
+    u32 code;          /* _PyInterpreterFrame: f_code (f_executable in 3.13) */
+    u32 previous;
+    u32 instr;         /* prev_instr (3.11, 3.12) or instr_ptr (3.13) */
+    u32 owner;         /* the owner byte */
+    u32 owner_skip;    /* owner value of frames that are no Python code (C-stack shims) */
+    u32 pad;
 };
 
 /* A call in flight, keyed by tid << 32 | op. */
 struct fl_call {
     u64 ts;
     u64 sp;     /* stack pointer at entry: stack arguments are read only if emitted */
+    u64 func;   /* launches: the kernel function */
     u64 bytes;
     s64 a0;
     s64 a1;

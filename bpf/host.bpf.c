@@ -37,6 +37,9 @@
 #ifndef FL_SYSCALL_MIN_NS
 #define FL_SYSCALL_MIN_NS 1000000
 #endif
+#ifndef FL_SCHED_KSTACKS
+#define FL_SCHED_KSTACKS 1 /* wait channels of D-state waits */
+#endif
 #ifndef FL_BLOCK_MIN_NS
 #define FL_BLOCK_MIN_NS 10000000
 #endif
@@ -56,6 +59,7 @@ struct fl_off {
     s64 sys_nr;   /* the syscall it was blocked in, + 1; 0 = none (user space, or no
                    * syscall tracing): the wait reason (futex, read, poll, nanosleep...) */
     u64 sys_arg;  /* that syscall's first argument: the futex word, the fd */
+    s64 kstack;   /* kernel stack id + 1 of a D-state switch-out (its wait channel) */
     char peer_comm[FL_COMM_LEN];
     char waker_comm[FL_COMM_LEN];
 };
@@ -76,6 +80,13 @@ static __always_inline void fl_forget_thread(u32 tid)
 #define FL_FORGET_THREAD(tid) fl_forget_thread(tid)
 
 #if FL_SCHED
+#if FL_SCHED_KSTACKS
+/* Kernel stacks of D-state switch-outs only: the first frame past the scheduler is the
+ * wait channel (the lock or I/O wait the thread sleeps in). Identical stacks share an
+ * id, so a few hundred entries cover a workload's distinct waits. */
+BPF_STACK_TRACE(fl_kstacks, 1024);
+#endif
+
 /* Which syscall a thread left the CPU in, and its first argument: a futex wait names
  * its lock word, a read or poll its fd. One lookup in the map the syscall probes keep
  * anyway; without syscall tracing the reason stays unknown (0). */
@@ -117,6 +128,7 @@ static __always_inline void fl_switch_in(u32 tid, u64 now, u32 prev, const char 
             r->peer = o->peer;
             __builtin_memcpy(r->comm, o->peer_comm, FL_COMM_LEN);
             fl_ran_before(r, prev, prev_comm);
+            r->x[2] = o->kstack;
             r->flags = FL_WHY_SLOW;
             fl_submit(r);
             emitted = 1;
@@ -171,6 +183,15 @@ TRACEPOINT_PROBE(sched, sched_switch)
         o.peer = args->next_pid;
         bpf_probe_read_kernel(o.peer_comm, FL_COMM_LEN, args->next_comm);
         fl_blocked_in(prev, &o);
+#if FL_SCHED_KSTACKS
+        if ((o.state & FL_STATE_MASK) & 2) { /* TASK_UNINTERRUPTIBLE */
+            int kid = fl_kstacks.get_stackid(args, 0);
+            if (kid >= 0)
+                o.kstack = kid + 1;
+            else
+                fl_count(FL_C_STACK_LOST);
+        }
+#endif
         /* Left runnable (preempted or yielded): it waits in the run queue from now. */
         if ((o.state & FL_STATE_MASK) == 0)
             o.wake = now;

@@ -8,6 +8,7 @@ are taken relative to the file's own directory.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ class TLSConfig:
     key: Path | None = None  # its private key
     client_ca: Path | None = None  # CA that client certificates must chain to (mTLS)
     plain_http: bool = False  # serve plain HTTP: loopback only, never chosen silently
+    relay_nodes: list[str] = field(default_factory=list)  # node certs allowed to query
 
 
 @dataclass
@@ -33,6 +35,12 @@ class LimitsConfig:
     max_bytes: int = 16 * 1024 * 1024  # ceiling on bytes returned by one query
     max_body_bytes: int = 64 * 1024  # largest request body accepted
     max_concurrent_queries: int = 8  # queries running at once; more are refused as busy
+    max_queries_per_client: int = 0  # one client's share of those; 0: half of them
+    max_connections: int = 512  # open connections, handshakes included; keep < LimitNOFILE
+    max_connections_per_source: int = 64  # from one address
+    handshake_timeout_s: float = 5.0  # a TLS handshake must finish within this
+    header_timeout_s: float = 10.0  # request headers, from their first byte
+    body_timeout_s: float = 30.0  # a request body, once its headers are in
 
 
 @dataclass
@@ -82,6 +90,26 @@ class Config:
     fleet: FleetConfig = field(default_factory=FleetConfig)
 
 
+def discover_config(env: dict[str, str] | None = None) -> Path | None:
+    """The config a command uses without ``--config``, where users look for one:
+    ``$FLEETD_CONFIG`` (which must exist), then ``$XDG_CONFIG_HOME/fleetd/fleetd.yaml``
+    (``~/.config`` by default), then ``/etc/fleetd/fleetd.yaml``."""
+    env = dict(os.environ) if env is None else env
+    named = env.get("FLEETD_CONFIG")
+    if named:
+        path = Path(named).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"$FLEETD_CONFIG names {named!r}, which is not a file",
+                              "point FLEETD_CONFIG at a fleetd.yaml, or unset it")
+        return path
+    home = Path(env.get("XDG_CONFIG_HOME") or Path(env.get("HOME") or "~").expanduser()
+                / ".config")
+    for path in (home / "fleetd" / "fleetd.yaml", Path("/etc/fleetd/fleetd.yaml")):
+        if path.is_file():
+            return path
+    return None
+
+
 def load_config(path: Path) -> Config:
     try:
         text = path.read_text()
@@ -121,6 +149,10 @@ def _convert(tp: Any, value: Any, dotted: str, path: Path) -> Any:
     if origin in (Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
         return None if value is None else _convert(args[0], value, dotted, path)
+    if tp is FleetNode and isinstance(value, str):
+        # A plain "host:port" (or "name=host:port"), as --nodes takes it.
+        name, sep, address = value.rpartition("=")
+        return FleetNode(name.strip(), address.strip())
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, dotted + ".", path)  # type: ignore[arg-type]
     if origin is list:

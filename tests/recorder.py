@@ -72,7 +72,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              (*BASE, "--host-syncs", "1"), (), "same", "host_sync", None),
     Scenario("block_io", "4 MiB written and fsynced every step by the training thread",
              (*BASE, "--dstate", "fsync:4", "--tmpdir", "{disk}"), (), "same", "block_io",
-             "self"),
+             "self", seconds=4.0),
     Scenario("lock_wait", "a step record written to a tmpfs file that a sidecar "
              "(stats-sidecar, on the other CPU) keeps rewriting, 32 MiB at a time",
              (*BASE, "--dstate", "lock:{shared}"), ("lock-holder", "{shared}"), "other",

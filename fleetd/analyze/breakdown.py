@@ -27,6 +27,7 @@ from fleetd.analyze.window import Window
 OFF_CPU, RUNQ, SYSCALL = code("off_cpu"), code("runq_wait"), code("syscall")
 HARDIRQ, SOFTIRQ = code("hardirq"), code("softirq")
 SYSCALL_OUTLIERS = 5
+WCHANS = 3  # D-state wait channels listed per thread
 # x86_64 numbers of the syscalls that usually show up slow; others print as their number.
 SYSCALL_NAMES = {
     0: "read", 1: "write", 3: "close", 7: "poll", 9: "mmap", 11: "munmap", 16: "ioctl",
@@ -69,8 +70,11 @@ def thread_breakdown(
     _scale_cuda(conn, node, win, acc, pids, pid)
     _sync_sleeps(conn, node, win, acc)
     outliers = _syscall_outliers(conn, node, where, params)
+    wchans = _wait_channels(conn, where, params)
     rows = [_row(tid, pids[tid], a, wall, tasks, names, outliers.get(tid, []))
             for tid, a in acc.items()]
+    for r in rows:
+        r["d_state_wchan"] = wchans.get(int(r["tid"]), [])
     rows.sort(key=lambda r: (-int(r["in_cuda_ns"]), -int(r["off_cpu_ns"])))
     return rows
 
@@ -162,6 +166,22 @@ def _syscall_outliers(conn: sqlite3.Connection, node: Node, where: str, params: 
         if len(out[tid]) < SYSCALL_OUTLIERS:
             out[tid].append({"id": node.event_id(rowkey), "ts_ns": ts, "dur_ns": dur, "nr": nr,
                              "name": SYSCALL_NAMES.get(nr, f"syscall {nr}"), "ret": ret})
+    return out
+
+
+def _wait_channels(conn: sqlite3.Connection, where: str, params: list[int]
+                   ) -> dict[int, list[dict[str, Any]]]:
+    """Per thread, where its D-state time went: the kernel wait channels the tracer
+    recorded (the first frame past the scheduler), most time first."""
+    out: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for tid, wchan, n, total in conn.execute(
+        "SELECT e.tid, json_extract(x.args, '$.wchan'), count(*), sum(e.dur_ns) FROM "
+        f"(SELECT id, tid, dur_ns FROM event_data WHERE {where} AND op = ? AND a0 & 2 != 0 "
+        "AND a0 & 255 != 0) e JOIN event_args x ON x.id = e.id GROUP BY 1, 2 "
+        "ORDER BY 4 DESC", [*params, OFF_CPU],
+    ):
+        if wchan and len(out[tid]) < WCHANS:
+            out[tid].append({"wchan": str(wchan), "waits": n, "ns": total})
     return out
 
 

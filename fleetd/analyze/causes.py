@@ -166,8 +166,10 @@ def _lock_contention_fixes(ch: Chain) -> list[str]:
                 "py::gil_scoped_release); numpy and torch ops release it already",
                 f"batch that work or run it less often, and lower its thread's priority: "
                 f"renice -n 19 -p {tid} (a thread id is a pid to renice)"]
-    return [f"{holder} holds the lock at {d.get('lock_addr')} that the GPU-feeding thread "
-            "waits for: shorten its critical section, or move that work outside the lock",
+    named = f"{d['lock_symbol']} " if d.get("lock_symbol") else ""
+    return [f"{holder} holds the lock {named}at {d.get('lock_addr')} that the GPU-feeding "
+            "thread waits for: shorten its critical section, or move that work outside "
+            "the lock",
             "use finer-grained locks (one per queue or per buffer) or a lock-free handoff "
             "between the two threads",
             f"see where the holder takes it: py-spy dump --pid {ch.victim['pid']} (Python), "
@@ -249,7 +251,9 @@ def _graph_recapture_summary(ch: Chain, who: str, by: str | None) -> str:
 def _lock_contention_summary(ch: Chain, who: str, by: str | None) -> str:
     d, c = ch.detail, (ch.culprits[0] if ch.culprits else None)
     holder = f"thread {c['thread'] or c['comm']} (tid {c['tid']})" if c else "another thread"
-    lock = ("the interpreter lock (GIL, most likely)" if d.get("gil")
+    lock = ("the interpreter lock (GIL)" if d.get("gil") and d.get("lock_symbol")
+            else "the interpreter lock (GIL, most likely)" if d.get("gil")
+            else f"the lock {d['lock_symbol']} at {d['lock_addr']}" if d.get("lock_symbol")
             else f"the lock at {d['lock_addr']}")
     busy = (f", which wanted the CPU {d['holder_busy']:.0%} of the time"
             if d.get("holder_busy") is not None else "")
@@ -298,6 +302,12 @@ def _gpu_idle_fixes(ch: Chain) -> list[str]:
     elif dominant == "D-state":
         out = ["move file and checkpoint I/O off the launching thread (a background writer, "
                "async checkpointing); find the file with ls -l /proc/<pid>/fd"]
+    elif dominant == "off the CPU (state not recorded)":
+        # An import whose profiler saw the switches but not why (nsys on Linux): which of
+        # the fixes above applies is not known yet, so the first step is to find out.
+        out = [f"record the run with fleetd trace beside the profiler to learn whether "
+               f"{v['comm']} (pid {v['pid']}) was preempted, sleeping or in D state while "
+               "the GPU idled; the imported trace did not record why it left the CPU"]
     else:
         out = ["find what the launching thread waits for while the GPU idles (the input "
                "pipeline, a lock, a queue): py-spy dump --pid " + str(v["pid"]),

@@ -24,6 +24,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from fleetd.analyze.data import (
     CALL_CODES,
     SYNC_OPS,
@@ -32,6 +34,7 @@ from fleetd.analyze.data import (
     in_list,
     name_of,
 )
+from fleetd.analyze.frames import top_python_frame
 from fleetd.analyze.window import Window
 from fleetd.store.timeparse import format_ns
 
@@ -163,6 +166,31 @@ class NodeView:
             (self.win.start_ns, self.win.end_ns, self.node.lo, self.node.hi, tid, OFF_CPU),
         )
         return {int(peer): int(n) for peer, n in rows}
+
+    def wait_channel(self, ev: Ev) -> str | None:
+        """The kernel function a D-state wait slept in, when the tracer recorded it."""
+        row = self.conn.execute("SELECT json_extract(args, '$.wchan') FROM event_args "
+                                "WHERE id = ?", (ev.rowkey,)).fetchone()
+        return str(row[0]) if row and row[0] else None
+
+    def stack(self, ev: Ev) -> list[str]:
+        """The recorded stack of an event (innermost first), or [] when it has none."""
+        row = self.conn.execute("SELECT s.frames FROM event_data e JOIN stacks s ON "
+                                "s.hash = e.stack WHERE e.id = ? AND e.stack != 0",
+                                (ev.rowkey,)).fetchone()
+        try:
+            value = orjson.loads(row[0]) if row else None
+        except orjson.JSONDecodeError:  # a frames value from a foreign writer: one frame
+            return [str(row[0])]
+        return [str(f) for f in value] if isinstance(value, list) else []
+
+    def next_call_stack(self, ev: Ev) -> list[str]:
+        """The stack of the thread's next CUDA call after ``ev`` (within a second)."""
+        row = self.conn.execute(
+            "SELECT id FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? "
+            f"AND tid = ? AND op IN {in_list(CALL_CODES)} ORDER BY ts_ns LIMIT 1",
+            (ev.end, ev.end + 10**9, self.node.lo, self.node.hi, ev.tid)).fetchone()
+        return self.stack(Ev(int(row[0]), 0, 0, 0, ev.tid, 0)) if row else []
 
     def who(self, tid: int) -> dict[str, Any]:
         """A task as the output shows it: pid, tid and the process name."""
@@ -358,7 +386,9 @@ def _off_cpu(view: NodeView, spike: Spike, e: Ev, wakes: list[tuple[int, int]]) 
         spike.cause_ns["sleep"] += slept
     if waker:
         spike.culprit_ns[("wake", waker)] += slept
+    wchan = view.wait_channel(e) if state == "D" else None
     text = ("D-state (uninterruptible) wait" if state == "D" else "sleep") + (
+        f" in {wchan}" if wchan else "") + (
         f", woken by {by['comm']} (pid {by['pid']})" if by else "")
     spike.evidence.append(_item(view, e, "off_cpu", slept, text, state=state, culprit=by))
 
@@ -389,15 +419,29 @@ def _real_pid(view: NodeView, tid: int) -> int | None:
 
 
 def _spike_item(view: NodeView, spike: Spike) -> dict[str, Any]:
+    """The slow call (or the stall and the call it delayed), with the call's recorded
+    stack where there is one: its top Python frame is the user's line."""
     c = spike.call
     if spike.kind == "call":
         text = (f"{spike.op} took {_ms(c.dur)} (usual {_ms(spike.baseline_ns)}) "
                 f"on thread {c.tid}")
-        kind = "spike"
+        kind, frames = "spike", view.stack(c)
     else:
-        text = (f"thread {c.tid} off CPU for {_ms(c.dur)} between CUDA calls"
-                + (f" (delaying {spike.op})" if spike.op else ""))
-        kind = "stall"
+        kind, frames = "stall", view.next_call_stack(c) if spike.op else []
+        text = f"thread {c.tid} off CPU for {_ms(c.dur)} between CUDA calls"
+    where = top_python_frame(frames)
+    if spike.kind != "call" and spike.op:
+        text += f" (delaying {spike.op}{f' at {where}' if where else ''})"
+    elif where:
+        text += f" at {where}"
+    item = _spike_base(view, spike, kind, text)
+    if frames:
+        item.update(where=where, stack=frames)
+    return item
+
+
+def _spike_base(view: NodeView, spike: Spike, kind: str, text: str) -> dict[str, Any]:
+    c = spike.call
     return {"ts_ns": c.ts, "time": format_ns(c.ts), "dur_ns": c.dur, "kind": kind,
             "id": view.event_id(c), "tid": c.tid, "op": spike.op, "text": text}
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetd.analyze.chains import OFF_CPU, Chain
-from fleetd.analyze.data import code
+from fleetd.analyze.data import code, in_list
 from fleetd.analyze.rules import Context, rule_chain
 from fleetd.analyze.waits import reason
 from fleetd.store.timeparse import format_ns
@@ -39,6 +39,7 @@ PRODUCER_BUSY = 0.8  # a producer wanting the CPU this much of the time is the b
 # on alternating words of its own (glibc's two signal groups), a mutex beside it.
 LOCK_OBJECT_BYTES = 64
 EXAMPLES = 3
+PY_RUNTIME = "_PyRuntime+"  # CPython's runtime state, where the interpreter lock lives
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,11 +146,16 @@ def _lock_chain(ctx: Context, pid: int, tid: int, inside: list[Sleep], lost: int
         by_addr[s.arg] += s.slept
     holder, held_ns = by_holder.most_common(1)[0]
     addr, addr_ns = _lock_object(by_addr)
+    symbol = _lock_name(ctx, tid, [a for a in by_addr if 0 <= a - addr < LOCK_OBJECT_BYTES])
     busy = _busy(ctx, holder)
-    gil = (str(ctx.view.names.get(pid) or "").startswith("python")
-           and addr_ns >= GIL_ADDR_SHARE * lost and (busy or 0) >= GIL_HOLDER_BUSY)
+    # The interpreter lock lives in CPython's _PyRuntime: a named lock there is it. Without
+    # a name, a python process whose waits sit on one lock released by a busy thread.
+    gil = (symbol or "").startswith(PY_RUNTIME) or (
+        not symbol and str(ctx.view.names.get(pid) or "").startswith("python")
+        and addr_ns >= GIL_ADDR_SHARE * lost and (busy or 0) >= GIL_HOLDER_BUSY)
     culprits = [_thread_culprit(ctx, t, ns, lost, pid) for t, ns in by_holder.most_common(5)]
-    detail = {"lock_addr": f"{addr:#x}", "lock_share": round(lost / ctx.span_ns, 4),
+    detail = {"lock_addr": f"{addr:#x}", "lock_symbol": symbol,
+              "lock_share": round(lost / ctx.span_ns, 4),
               "waits": len(inside), "holder_tid": holder,
               "holder_thread": culprits[0]["thread"],
               "holder_busy": None if busy is None else round(busy, 3), "gil": gil,
@@ -167,6 +173,17 @@ def _lock_chain(ctx: Context, pid: int, tid: int, inside: list[Sleep], lost: int
     ch.victim["tid"], ch.victim["thread"] = tid, ctx.view.tasks.get(tid, (None, None))[1]
     ch.culprits = culprits
     return ch
+
+
+def _lock_name(ctx: Context, tid: int, addrs: list[int]) -> str | None:
+    """The symbol the tracer found for one of the lock object's futex words, if any."""
+    v = ctx.view
+    row = v.conn.execute(
+        "SELECT json_extract(x.args, '$.lock') FROM (SELECT id FROM event_data WHERE "
+        "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND tid = ? AND op = ? AND bytes "
+        f"IN {in_list(addrs)}) e JOIN event_args x ON x.id = e.id LIMIT 1",
+        (ctx.span[0], ctx.span[1] + 1, v.node.lo, v.node.hi, tid, OFF_CPU)).fetchone()
+    return str(row[0]) if row and row[0] else None
 
 
 def _lock_object(by_addr: Counter[int]) -> tuple[int, int]:

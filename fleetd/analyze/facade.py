@@ -99,14 +99,15 @@ class Analysis:
         procs.sort(key=lambda p: (-int(p["in_cuda_ns"]), -int(p["off_cpu_ns"])))
         return procs
 
-    def stacks(self, op: str | None, pid: int | None, top_n: int, frames_n: int
-               ) -> dict[str, Any]:
-        """The heaviest recorded stacks of CUDA calls (of one op / process)."""
+    def stacks(self, op: str | None, pid: int | None, top_n: int, frames_n: int,
+               *, min_dur_ns: int = 0) -> dict[str, Any]:
+        """The heaviest recorded stacks of CUDA calls (of one op / process, at least
+        ``min_dur_ns`` long)."""
         code = op_code(op) if op else None
         found: list[dict[str, Any]] = []
         bare = 0
         for sl in self.slices:
-            groups, without = stack_groups(sl, code, pid, top_n, frames_n)
+            groups, without = stack_groups(sl, code, pid, top_n, frames_n, min_dur_ns)
             found += groups
             bare += without
         found.sort(key=lambda s: -int(s["total_ns"]))

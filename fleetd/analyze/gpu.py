@@ -18,10 +18,21 @@ launched it by the link the importer stored (correlation id -> launch event):
   kernel time over kernel time); the verdict is YES when M1, M2 or M4 crosses its
   threshold, and M5 above its own is reported as a caveat. Each profiler step is a
   phase with its own verdict, which can raise the overall verdict but never lower it.
+- M3, exposed host preparation: host preparation is the union of the ranges the
+  process marked on the host (NVTX ranges, ``user_annotation`` and ``cpu_op`` ranges;
+  profiler steps excluded, as they hold everything); the exposed part is what of it
+  falls where the GPU was idle. M3a = exposed / host prep (how badly it is pipelined),
+  M3b = exposed / window (what it costs), M3c = exposed / GPU idle (how much of the idle
+  it explains). Host prep is a confirmed bottleneck, and the verdict YES, only when M3b
+  and M3c both cross their thresholds; M3a alone is a caveat. Without such ranges the
+  three are null and ``m3.reason`` says why.
+- thresholds may be set per phase (``PHASE:M1=0.4``): a step whose name matches PHASE
+  (exactly, or as a glob) is judged with them.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,12 +46,22 @@ from fleetd.errors import UsageError
 
 KERNEL, MEMCPY, MEMSET = 1, 2, 3
 STEP = 1  # annotation_data.kind of a profiler step
+PREP_KINDS = (2, 3, 4)  # nvtx, user_annotation, cpu_op: host ranges that prepare GPU work
 WHOLE = "whole recording"  # the label of a window the user did not narrow
-THRESHOLDS: dict[str, float] = {"M1": 0.30, "M2": 0.10, "M4": 0.60, "M5": 0.20}
+THRESHOLDS: dict[str, float] = {"M1": 0.30, "M2": 0.10, "M3a": 0.50, "M3b": 0.05,
+                                "M3c": 0.50, "M4": 0.60, "M5": 0.20}
 # Which side of its threshold means "host overhead": above for all but utilization.
-_ABOVE = {"M1": True, "M2": True, "M4": False, "M5": True}
-_WHAT = {"M1": "GPU idle ratio", "M2": "launch overhead ratio", "M4": "GPU utilization",
-         "M5": "NCCL ratio"}
+_ABOVE = {"M1": True, "M2": True, "M3a": True, "M3b": True, "M3c": True, "M4": False,
+          "M5": True}
+_WHAT = {"M1": "GPU idle ratio", "M2": "launch overhead ratio",
+         "M3a": "host prep exposed ratio", "M3b": "host prep perf impact",
+         "M3c": "host prep idle attribution", "M4": "GPU utilization", "M5": "NCCL ratio"}
+_CAVEATS = ("M3a", "M5")  # reported beside the verdict, never deciding it alone
+_CONFIRM = ("M3b", "M3c")  # host prep is a bottleneck only when both cross
+NO_PREP = ("no host ranges (NVTX, user_annotation or cpu_op) besides profiler steps for "
+           "this process, so host preparation cannot be told from the rest of the host's "
+           "time: mark it with NVTX ranges (nsys -t nvtx) or profile with CPU activity "
+           "on (PyTorch profiler: cpu_op and record_function ranges)")
 NOTE_NO_GPU = ("no GPU activity in this window: import an nsys export or a PyTorch "
                "profiler trace with fleetd import")
 
@@ -67,20 +88,40 @@ class Rank:
     ops: list[Op] = field(default_factory=list)
 
 
+_METRIC_NAMES = {k.upper(): k for k in THRESHOLDS}
+
+
 def parse_thresholds(specs: Iterable[str]) -> dict[str, float]:
-    """``M1=0.25`` overrides; unknown metrics and non-numbers are usage errors."""
+    """``M1=0.25`` overrides a default; ``PHASE:M1=0.4`` sets one for the steps whose
+    name matches PHASE (kept under the key ``PHASE:M1``). Unknown metrics, non-numbers
+    and phase names with a comma (the node API's list separator) are usage errors."""
     out = dict(THRESHOLDS)
     for spec in specs:
-        key, eq, value = spec.partition("=")
-        key = key.strip().upper()
+        key, eq, value = spec.rpartition("=")
+        phase, colon, metric = key.rpartition(":")
+        name = _METRIC_NAMES.get(metric.strip().upper())
         try:
             number = float(value)
         except ValueError:
             number = math.nan
-        if not eq or key not in THRESHOLDS or not math.isfinite(number):
+        if not eq or name is None or not math.isfinite(number) or (
+                colon and (not phase.strip() or "," in phase)):
             raise UsageError(f"invalid --threshold {spec!r}",
-                             f"write METRIC=VALUE with METRIC one of {', '.join(THRESHOLDS)}")
-        out[key] = number
+                             "write METRIC=VALUE or PHASE:METRIC=VALUE with METRIC one of "
+                             f"{', '.join(THRESHOLDS)} and PHASE a step name or glob "
+                             "(ProfilerStep#3, ProfilerStep*) without commas")
+        out[f"{phase.strip()}:{name}" if colon else name] = number
+    return out
+
+
+def phase_limits(thresholds: Mapping[str, float], phase: str) -> dict[str, float]:
+    """The thresholds a step named ``phase`` is judged by: the global ones, then every
+    phase pattern that matches it, in the order given."""
+    out = {k: v for k, v in thresholds.items() if ":" not in k}
+    for key, value in thresholds.items():
+        pattern, colon, metric = key.rpartition(":")
+        if colon and (pattern == phase or fnmatch.fnmatchcase(phase, pattern)):
+            out[metric] = value
     return out
 
 
@@ -120,6 +161,14 @@ def load_ranks(sl: NodeSlice, pid: int | None = None) -> list[Rank]:
 def _process_ranks(conn: sqlite3.Connection, key: int) -> dict[int, int | None]:
     return {int(p): r for p, r in conn.execute(
         "SELECT pid, rank FROM process_data WHERE node = ?", (key,))}
+
+
+def load_prep(sl: NodeSlice, pid: int) -> list[Interval]:
+    """The process's host ranges other than profiler steps: its host preparation."""
+    kinds = ", ".join(map(str, PREP_KINDS))
+    return [(int(t), int(t) + int(d)) for t, d in sl.conn.execute(
+        "SELECT ts_ns, dur_ns FROM annotation_data WHERE id BETWEEN ? AND ? AND pid = ? "
+        f"AND kind IN ({kinds})", (sl.node.lo, sl.node.hi, pid))]
 
 
 def load_steps(sl: NodeSlice, pid: int) -> list[tuple[str, int, int]]:
@@ -176,8 +225,29 @@ def _pct(part: int, whole: int) -> float:
     return 100.0 * part / whole if whole > 0 else 0.0
 
 
-def breakdown(ops: Sequence[Op], lo: int, hi: int) -> dict[str, Any]:
-    """Temporal breakdown, launch delays and the M metrics of ``ops`` over [lo, hi)."""
+def exposed_prep(prep: Sequence[Interval], busy: Sequence[Interval], lo: int, hi: int
+                 ) -> dict[str, Any]:
+    """M3: how much of the host preparation in [lo, hi) fell where the GPU was idle.
+    Exposed = |prep ∩ idle| = |prep ∪ busy| - |busy|, all clipped to the window."""
+    if not prep:
+        return {"M3a": None, "M3b": None, "M3c": None, "host_prep_ns": None,
+                "exposed_ns": None, "reason": NO_PREP}
+    window = max(0, hi - lo)
+    gpu = union_ns(busy, lo, hi)
+    host = union_ns(prep, lo, hi)
+    exposed = union_ns([*prep, *busy], lo, hi) - gpu
+    idle = window - gpu
+    return {"M3a": exposed / host if host else None,
+            "M3b": exposed / window if window else None,
+            "M3c": exposed / idle if idle else 0.0,
+            "host_prep_ns": host, "exposed_ns": exposed,
+            "reason": None if host else "no host preparation inside this window"}
+
+
+def breakdown(ops: Sequence[Op], lo: int, hi: int, prep: Sequence[Interval] = ()
+              ) -> dict[str, Any]:
+    """Temporal breakdown, launch delays and the M metrics of ``ops`` over [lo, hi);
+    ``prep`` the process's host preparation ranges (M3)."""
     window = max(0, hi - lo)
     spans = [(o.ts, o.ts + o.dur) for o in ops]
     kernels = [o for o in ops if o.kind == KERNEL and lo <= o.ts < hi]
@@ -192,13 +262,15 @@ def breakdown(ops: Sequence[Op], lo: int, hi: int) -> dict[str, Any]:
     queues = [max(0, o.ts - int(o.launch_ts or 0) - int(o.launch_dur or 0)) for o in launched]
     launch_time = sum(int(o.launch_dur or 0) for o in launched)
     idle = window - busy
+    m3 = exposed_prep(prep, spans, lo, hi)
     metrics = {
         "M1": idle / window if window else None,
         "M2": launch_time / window if window else None,
+        "M3a": m3["M3a"], "M3b": m3["M3b"], "M3c": m3["M3c"],
         "M4": all_kernels / window if window else None,
         "M5": comm / all_kernels if all_kernels else 0.0,
     }
-    return {
+    return {"m3": m3,
         "window_ns": window, "idle_ns": idle, "idle_pct": _pct(idle, window),
         "compute_pct": _pct(compute, window), "comm_pct": _pct(comm, window),
         "memcpy_pct": _pct(copies, window), "kernels": len(kernels),
@@ -209,25 +281,33 @@ def breakdown(ops: Sequence[Op], lo: int, hi: int) -> dict[str, Any]:
     }
 
 
+_CAVEAT_WHY = {"M5": "communication is a large share of GPU time and may explain part "
+                     "of the waiting",
+               "M3a": "most host preparation runs while the GPU idles: it is poorly "
+                      "pipelined with the GPU work"}
+
+
 def verdict(metrics: Mapping[str, float | None], thresholds: Mapping[str, float]
             ) -> dict[str, Any]:
-    """YES when M1, M2 or M4 is on the host-overhead side of its threshold."""
-    crossed: list[str] = []
-    caveats: list[str] = []
-    for key, limit in thresholds.items():
+    """YES when M1, M2 or M4 is on the host-overhead side of its threshold, or when M3b
+    and M3c both are (host preparation confirmed); M3a and M5 are caveats."""
+    limits = {k: v for k, v in thresholds.items() if ":" not in k}
+    lines: dict[str, str] = {}
+    for key, limit in limits.items():
         value = metrics.get(key)
-        if value is None:
+        if value is None or not (value > limit if _ABOVE[key] else value < limit):
             continue
-        over = value > limit if _ABOVE[key] else value < limit
-        if not over:
-            continue
-        line = (f"{key} {_WHAT[key]} {value:.3f} {'>' if _ABOVE[key] else '<'} {limit:g}")
-        (caveats if key == "M5" else crossed).append(line)
-    if caveats:
-        caveats = [c + ": communication is a large share of GPU time and may explain "
-                   "part of the waiting" for c in caveats]
+        lines[key] = f"{key} {_WHAT[key]} {value:.3f} {'>' if _ABOVE[key] else '<'} {limit:g}"
+    confirmed = all(k in lines for k in _CONFIRM)
+    crossed = [line for k, line in lines.items() if k not in _CAVEATS and k not in _CONFIRM]
+    if confirmed:
+        crossed.append(" and ".join(lines[k] for k in _CONFIRM) +
+                       ": host preparation confirmed as a bottleneck")
+    caveats = [f"{lines[k]}: {_CAVEAT_WHY[k]}" for k in _CAVEATS if k in lines]
     return {"host_overhead": "YES" if crossed else "NO", "metrics": dict(metrics),
-            "thresholds": dict(thresholds), "evidence": crossed, "caveats": caveats}
+            "thresholds": limits, "evidence": crossed, "caveats": caveats,
+            "host_prep": "confirmed" if confirmed else "unknown" if metrics.get(
+                "M3b") is None else "not confirmed"}
 
 
 def tklqt_reading(queue_p50: float | None, kernel_p50: float | None) -> str:
@@ -241,7 +321,8 @@ def tklqt_reading(queue_p50: float | None, kernel_p50: float | None) -> str:
 
 
 def rank_report(r: Rank, steps: Sequence[tuple[str, int, int]], steps_only: bool,
-                thresholds: Mapping[str, float], window: Window) -> dict[str, Any]:
+                thresholds: Mapping[str, float], window: Window,
+                prep: Sequence[Interval] = ()) -> dict[str, Any]:
     lo = min(o.ts for o in r.ops)
     hi = max(o.ts + o.dur for o in r.ops)
     if window.label != WHOLE:
@@ -249,9 +330,13 @@ def rank_report(r: Rank, steps: Sequence[tuple[str, int, int]], steps_only: bool
     inside = [s for s in steps if s[1] >= lo and s[2] <= hi] if steps_only else steps
     if steps_only and inside:
         lo, hi = inside[0][1], max(s[2] for s in inside)
-    b = breakdown(r.ops, lo, hi)
+    b = breakdown(r.ops, lo, hi, prep)
     v = verdict(b.pop("metrics"), thresholds)
-    per_step = [_step(r.ops, name, s, e, thresholds) for name, s, e in inside]
+    phased = {k: x for k, x in thresholds.items() if ":" in k}
+    if phased:
+        v["phase_thresholds"] = _by_phase(phased)
+    per_step = [_step(r.ops, name, s, e, phase_limits(thresholds, name), prep)
+                for name, s, e in inside]
     raised = [f"{p['name']}: {line}" for p in per_step if p["host_overhead"] == "YES"
               for line in p["evidence"]]
     if v["host_overhead"] == "NO" and raised:
@@ -265,9 +350,18 @@ def rank_report(r: Rank, steps: Sequence[tuple[str, int, int]], steps_only: bool
             "verdict": v, "steps": per_step}
 
 
-def _step(ops: Sequence[Op], name: str, lo: int, hi: int, thresholds: Mapping[str, float]
-          ) -> dict[str, Any]:
-    b = breakdown([o for o in ops if o.ts < hi and o.ts + o.dur > lo], lo, hi)
+def _by_phase(phased: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for key, value in phased.items():
+        pattern, _, metric = key.rpartition(":")
+        out.setdefault(pattern, {})[metric] = value
+    return out
+
+
+def _step(ops: Sequence[Op], name: str, lo: int, hi: int, thresholds: Mapping[str, float],
+          prep: Sequence[Interval] = ()) -> dict[str, Any]:
+    b = breakdown([o for o in ops if o.ts < hi and o.ts + o.dur > lo], lo, hi,
+                  [p for p in prep if p[0] < hi and p[1] > lo])
     v = verdict(b["metrics"], thresholds)
     return {"name": name, "start_ns": lo, "step_ns": hi - lo, "idle_ns": b["idle_ns"],
             "idle_pct": b["idle_pct"], "kernels": b["kernels"], "launches": b["launches"],
@@ -311,7 +405,8 @@ def gpu_report(slices: Sequence[NodeSlice], window: Window, pid: int | None = No
             if steps_only and not steps:
                 warnings.append(f"{r.node} pid {r.pid}: no profiler steps, so --steps "
                                 "uses the whole recording")
-            out.append(rank_report(r, steps, steps_only, limits, window))
+            out.append(rank_report(r, steps, steps_only, limits, window,
+                                   load_prep(sl, r.pid)))
     report: dict[str, Any] = {"window": window.to_json(), "ranks": out,
                               "kernels": kernel_table(ranks), "warnings": warnings,
                               "straggler": slowest_rank(out)}

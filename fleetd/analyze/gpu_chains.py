@@ -29,6 +29,7 @@ from fleetd.analyze.chains import Chain
 from fleetd.analyze.data import in_list
 from fleetd.analyze.rules import Context, rule_chain
 from fleetd.store.catalog import op_code
+from fleetd.store.imports import STATE_NOT_RECORDED
 from fleetd.store.timeparse import format_ns
 
 MIN_GAP_NS = 100_000  # a GPU idle hole shorter than this is launch cadence, not a stall
@@ -36,6 +37,7 @@ MIN_COVERED_NS = 1_000_000  # less host-covered idle than this is not worth a ch
 EVIDENCE_GAPS = 3  # gaps shown, most covered first (then in time order)
 EVIDENCE_PER_GAP = 3  # host waits shown per gap, largest overlap first
 OFF_CPU, RUNQ = op_code("off_cpu"), op_code("runq_wait")
+UNRECORDED = "off the CPU (state not recorded)"
 
 Span = tuple[int, int]
 
@@ -51,11 +53,14 @@ class Wait:
     kind: str  # off_cpu | runq_wait
     state: str | None  # R, S, D for off_cpu
     peer: int
+    recorded: bool = True  # False: the import's source did not say why it left the CPU
 
     @property
     def label(self) -> str:
         if self.kind == "runq_wait":
             return "run queue"
+        if not self.recorded:
+            return UNRECORDED
         return {"R": "preempted", "D": "D-state"}.get(self.state or "", "sleeping")
 
 
@@ -162,7 +167,8 @@ def _waits(conn: sqlite3.Connection, ctx: Context, tids: list[int], lo: int, hi:
             s = int(a0) & 0xFF
             state = "R" if s == 0 else "D" if s & 2 else "S"
         out.append(Wait(int(key), int(ts), int(ts) + int(dur), int(tid),
-                        "off_cpu" if op == OFF_CPU else "runq_wait", state, int(peer or 0)))
+                        "off_cpu" if op == OFF_CPU else "runq_wait", state, int(peer or 0),
+                        not (op == OFF_CPU and int(a0) & STATE_NOT_RECORDED)))
     return out
 
 
@@ -192,7 +198,7 @@ def _evidence(ctx: Context, cover: list[tuple[Span, int, list[Wait]]], device: i
                 "culprit": view.who(w.peer) if w.peer else None,
                 "text": f"launching thread {w.tid} {w.label} for {(w.end - w.ts) / 1e6:.2f} ms "
                         "while the GPU was idle"}
-            if w.state is not None:
+            if w.state is not None and w.recorded:
                 item["state"] = w.state
             out.append(item)
     return out

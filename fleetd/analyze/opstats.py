@@ -9,7 +9,13 @@ call. So each row says where its numbers come from:
   intervals above a threshold are stored); count and total are exact, percentiles are
   interpolated inside log2 buckets (within a factor of two, usually much closer).
   Percentiles over the stored events would be wrong here: the always-emitted slow calls
-  would dominate them.
+  would dominate them. ``max_ns`` is then a lower bound (the start of the highest
+  bucket used, or the largest stored call if that is larger): ``max_exact`` says so.
+
+Syscalls get one row per syscall (``futex``, ``read``...), from the stored events, which
+hold the calls slower than the tracer's threshold; sleeps the program asked for
+(``clock_nanosleep``...) have source ``sleep`` and sort last, since their time is the
+program's choice and not latency.
 """
 
 from __future__ import annotations
@@ -18,21 +24,27 @@ import logging
 import sqlite3
 from array import array
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fleetd.analyze.data import Hist, Node, effective_span, histograms, in_list, name_of, nodes
 from fleetd.analyze.data import comms as load_comms
 from fleetd.analyze.window import Window
-from fleetd.store.catalog import BY_CODE, OPS
+from fleetd.store.catalog import BY_CODE, BY_NAME, OPS
+from fleetd.store.syscalls import SLEEPS, syscall_name
 
 log = logging.getLogger("fleetd.analyze.opstats")
 
-# Ops with a duration worth a percentile: calls and host intervals.
-TIMED_CODES: tuple[int, ...] = tuple(o.code for o in OPS if o.kind in ("call", "interval"))
+SYSCALL = BY_NAME["syscall"].code
+# Ops with a duration worth a percentile: calls and host intervals. Syscalls are read
+# apart, by their number.
+TIMED_CODES: tuple[int, ...] = tuple(o.code for o in OPS if o.kind in ("call", "interval")
+                                     and o.code != SYSCALL)
 COLUMNS: tuple[str, ...] = (
     "node", "pid", "comm", "op", "source", "count", "errors", "total_ns", "mean_ns",
-    "p50_ns", "p95_ns", "p99_ns", "max_ns", "calls_per_s", "stats_from", "events",
+    "p50_ns", "p95_ns", "p99_ns", "max_ns", "max_exact", "calls_per_s", "stats_from",
+    "events",
 )
 
 
@@ -46,22 +58,38 @@ def _load_events(
     conn: sqlite3.Connection, node: Node, win: Window, pid: int | None
 ) -> dict[tuple[int, int], _Group]:
     """(pid, op) -> stored durations. Bounded by the window; 8 bytes per event."""
-    sql = (
-        "SELECT pid, op, dur_ns, ret FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
-        f"AND id BETWEEN ? AND ? AND op IN {in_list(TIMED_CODES)}"
-    )
+    # block_io keeps the request's error in ret; CUDA calls their cudaError.
+    failed = {code for code in TIMED_CODES if BY_CODE[code].source != "sched"}
+    return _load(conn, node, win, pid, "op", f"op IN {in_list(TIMED_CODES)}",
+                 lambda key, ret: ret != 0 and key in failed)
+
+
+def _load_syscalls(
+    conn: sqlite3.Connection, node: Node, win: Window, pid: int | None
+) -> dict[tuple[int, int], _Group]:
+    """(pid, syscall number) -> stored durations of the slow syscalls."""
+    return _load(conn, node, win, pid, "a0", f"op = {SYSCALL}",
+                 lambda key, ret: ret < 0)  # a syscall fails with -errno
+
+
+def _load(
+    conn: sqlite3.Connection, node: Node, win: Window, pid: int | None, key: str,
+    which: str, failed: Callable[[int, int], bool],
+) -> dict[tuple[int, int], _Group]:
+    """(pid, ``key`` column) -> durations of the stored events ``which`` selects."""
+    sql = (f"SELECT pid, {key}, dur_ns, ret FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
+           f"AND id BETWEEN ? AND ? AND {which}")
     params: list[int] = [win.start_ns, win.end_ns, node.lo, node.hi]
     if pid is not None:
         sql += " AND pid = ?"
         params.append(pid)
     groups: dict[tuple[int, int], _Group] = {}
-    for p, op, dur, ret in conn.execute(sql, params):
-        g = groups.get((p, op))
+    for p, k, dur, ret in conn.execute(sql, params):
+        g = groups.get((p, k))
         if g is None:
-            g = groups[(p, op)] = _Group(array("q"))
+            g = groups[(p, k)] = _Group(array("q"))
         g.durs.append(dur)
-        # block_io keeps the request's error in ret; CUDA calls their cudaError.
-        if ret != 0 and BY_CODE[op].source != "sched":
+        if failed(k, ret):
             g.errors += 1
     return groups
 
@@ -74,8 +102,9 @@ def _exact_quantile(sorted_durs: array[int], q: float) -> int:
 
 def _row(
     node: Node, pid: int | None, op: int, g: _Group | None, h: Hist | None, span_s: float,
-    comm: str | None,
+    comm: str | None, name: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
+    """One row; ``name`` is (op, source) where the op code alone does not say it."""
     durs = array("q", sorted(g.durs)) if g else array("q")
     sampled = h is not None and h.count > len(durs)
     if sampled and h is not None:
@@ -83,6 +112,8 @@ def _row(
         qs = [h.quantile(q) for q in (0.5, 0.95, 0.99)]
         top = h.top()
         mx = max(int(durs[-1]) if durs else 0, top or 0) or None
+        # Exact only when a stored call is the largest and outranks the top bucket.
+        exact = bool(durs) and top is not None and int(durs[-1]) >= 2 * top
         if qs[0] is None and durs:  # totals without buckets: the best we have
             qs = [_exact_quantile(durs, q) for q in (0.5, 0.95, 0.99)]
         source = "histogram"
@@ -90,13 +121,14 @@ def _row(
         count, total = len(durs), int(sum(durs))
         qs = [_exact_quantile(durs, q) if durs else None for q in (0.5, 0.95, 0.99)]
         mx = int(durs[-1]) if durs else None
+        exact = True
         source = "events"
     return {
         "node": node.name,
         "pid": pid,
         "comm": comm,
-        "op": name_of(op),
-        "source": BY_CODE[op].source,
+        "op": name[0] if name else name_of(op),
+        "source": name[1] if name else BY_CODE[op].source,
         "count": count,
         "errors": g.errors if g else 0,
         "total_ns": total,
@@ -105,6 +137,7 @@ def _row(
         "p95_ns": qs[1],
         "p99_ns": qs[2],
         "max_ns": mx,
+        "max_exact": exact,
         "calls_per_s": round(count / span_s, 3) if span_s > 0 else None,
         "stats_from": source,
         "events": len(durs),
@@ -128,8 +161,17 @@ def node_op_stats(
              span_s, names.get(p) if per_process else None)
         for p, op in sorted(set(groups) | set(hists))
     ]
+    calls = _load_syscalls(conn, node, win, pid)
+    if not per_process:
+        calls = _merge_pids(calls)
+    for p, nr in sorted(calls):
+        sc = syscall_name(nr)
+        rows.append(_row(node, p if per_process else None, SYSCALL, calls[(p, nr)], None,
+                         span_s, names.get(p) if per_process else None,
+                         (sc, "sleep" if sc in SLEEPS else "syscall")))
     rows = [r for r in rows if r["count"]]
-    rows.sort(key=lambda r: (-int(r["total_ns"]), str(r["op"])))
+    # Sleeps last: a program that sleeps on purpose is not slow.
+    rows.sort(key=lambda r: (r["source"] == "sleep", -int(r["total_ns"]), str(r["op"])))
     return rows
 
 

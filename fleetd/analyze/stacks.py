@@ -2,7 +2,9 @@
 
 The tracer stores a stack once per distinct hash (``stacks``) and each event refers to
 it by hash, so grouping by hash groups identical call paths. Groups are ranked by the
-total time of their events; the frames come innermost first.
+total time of their events; the frames come innermost first. A Python frame reads
+``qualname (/path/file.py:line)``, a native one ``function (lib.so)``
+(fleetd/trace/stacks.py writes them).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from fleetd.analyze.model import NodeSlice
 from fleetd.errors import UsageError
 from fleetd.store.catalog import BY_NAME
 
-NOTE_NO_STACKS = ("no stack was recorded for these events: the tracer stores the user stack "
-                  "of emitted CUDA calls only, and only where it could walk it; try another "
-                  "op or pid, or drop the filters")
+NOTE_NO_STACKS = ("no stack was recorded for these events: the tracer stores stacks only "
+                  "with --stacks (every call past --stack-slow, 1 in --stack-sample kept "
+                  "calls); try another op or pid, or drop the filters")
 
 
 def op_code(op: str) -> int:
@@ -35,10 +37,10 @@ def op_code(op: str) -> int:
 
 
 def stack_groups(sl: NodeSlice, op_code: int | None, pid: int | None, top_n: int,
-                 frames_n: int) -> tuple[list[dict[str, Any]], int]:
-    """The ``top_n`` heaviest stacks of the slice's events (of one op / process), and the
-    number of those events that have no stack."""
-    where, params = _event_filter(sl, op_code, pid)
+                 frames_n: int, min_dur_ns: int = 0) -> tuple[list[dict[str, Any]], int]:
+    """The ``top_n`` heaviest stacks of the slice's events (of one op / process, at
+    least ``min_dur_ns`` long), and the number of those events that have no stack."""
+    where, params = _event_filter(sl, op_code, pid, min_dur_ns)
     rows = sl.conn.execute(
         "SELECT stack, count(*), sum(dur_ns), max(dur_ns), group_concat(DISTINCT op), "
         f"group_concat(DISTINCT pid) FROM event_data WHERE {where} AND stack != 0 "
@@ -89,10 +91,13 @@ def _group(sl: NodeSlice, row: tuple[Any, ...], frames: list[str], frames_n: int
     return item
 
 
-def _event_filter(sl: NodeSlice, op_code: int | None, pid: int | None
+def _event_filter(sl: NodeSlice, op_code: int | None, pid: int | None, min_dur_ns: int = 0
                   ) -> tuple[str, list[int]]:
     where = "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
     params = [sl.window.start_ns, sl.window.end_ns, sl.node.lo, sl.node.hi]
+    if min_dur_ns > 0:
+        where += " AND dur_ns >= ?"
+        params.append(min_dur_ns)
     if op_code is not None:
         where += " AND op = ?"
         params.append(op_code)

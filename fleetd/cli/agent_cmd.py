@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fleetd.cli.argtypes import byte_size
 from fleetd.config import Config, load_config
 from fleetd.errors import UsageError
 
@@ -20,7 +21,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Run the node daemon: trace CUDA and host events into the local database "
         "and serve the query API (TLS 1.3; mTLS beyond loopback). Flags override the config.",
     )
-    p.add_argument("--config", type=Path, help="fleetd.yaml (see configs/fleetd.yaml)")
+    p.add_argument("--config", type=Path, metavar="CONFIG",
+                   help="fleetd.yaml (see configs/fleetd.yaml)")
     p.add_argument("--listen", help="HOST:PORT to serve on (default 127.0.0.1:7600)")
     p.add_argument("--db", type=Path, help="database file (default: $FLEETD_DB or per-user)")
     p.add_argument("--node", help="node name (default: config, then hostname)")
@@ -28,21 +30,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     target.add_argument("--pid", type=int, action="append", help="trace this process (repeatable)")
     target.add_argument("--all", action="store_true", help="trace every CUDA process")
     p.add_argument("--no-trace", action="store_true", help="serve the database only, no tracing")
-    p.add_argument("--tls-cert", type=Path, help="node certificate (PEM)")
-    p.add_argument("--tls-key", type=Path, help="node private key (PEM)")
-    p.add_argument("--client-ca", type=Path, help="CA that client certificates must chain to")
+    p.add_argument("--tls-cert", type=Path, metavar="PEM", help="node certificate")
+    p.add_argument("--tls-key", type=Path, metavar="PEM", help="node private key")
+    p.add_argument("--client-ca", type=Path, metavar="PEM",
+                   help="CA that client certificates must chain to")
     p.add_argument("--plain-http", action="store_true",
                    help="serve plain HTTP (loopback only; for debugging)")
-    p.add_argument("--token-file", type=Path, help="require this bearer token too")
+    p.add_argument("--token-file", type=Path, metavar="FILE",
+                   help="require this bearer token too")
     p.add_argument("--cuda-lib", type=Path, help="CUDA library to attach to (overrides discovery)")
     p.add_argument("--sample", type=int, help="keep 1 in N ordinary CUDA calls as events")
     p.add_argument("--no-host", action="store_true", help="no host tracepoints")
-    p.add_argument("--max-db-bytes", type=int, help="prune the oldest events beyond this size")
+    p.add_argument("--max-db-bytes", type=byte_size, metavar="SIZE",
+                   help="prune the oldest events beyond this size, e.g. 10G, 512M")
     p.set_defaults(func=run)
 
 
 def _settings(args: argparse.Namespace, cfg: Config) -> AgentSettings:
-    from fleetd.node.agent import AgentSettings, default_node_name, served_node
+    from fleetd.node.agent import AgentSettings, default_node_name, hardening, served_node
     from fleetd.security.tls import load_token
     from fleetd.store.db import default_db_path
     from fleetd.store.guard import Limits
@@ -68,6 +73,7 @@ def _settings(args: argparse.Namespace, cfg: Config) -> AgentSettings:
         max_body_bytes=lim.max_body_bytes,
         max_concurrent_queries=lim.max_concurrent_queries,
         store_max_bytes=args.max_db_bytes or cfg.store.max_bytes,
+        **hardening(cfg),  # connection caps, deadlines, reader shares, relay nodes
     )
     if tracing:
         settings.tracer = _tracer_factory(args, cfg, settings)

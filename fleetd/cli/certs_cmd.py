@@ -148,9 +148,24 @@ def _show_targets(directory: Path, file: str | None) -> list[Path]:
             )
         return found
     path = Path(file)
-    if not path.exists() and (directory / f"{file}.pem").exists():
-        path = directory / f"{file}.pem"  # `show node1` means DIR/node1.pem
+    for candidate in (directory / file, directory / f"{file}.pem"):
+        if not path.exists() and candidate.exists():
+            path = candidate  # `show node1` means DIR/node1.pem, `show ca.key` DIR/ca.key
+    _refuse_key(path)
     return [path]
+
+
+def _refuse_key(path: Path) -> None:
+    """`certs show` prints certificates; a key file gets a hint about its certificate
+    rather than the certificate-and-key-swapped hint of the options that take both."""
+    try:
+        head = path.read_bytes()[:1 << 16]
+    except OSError:
+        return  # the loader reports a missing or unreadable file in its own words
+    if b"PRIVATE KEY" in head and b"CERTIFICATE" not in head:
+        pem = path.with_suffix(".pem")
+        raise UsageError(f"'{path}' is a private key; certs show prints certificates",
+                         f"show its certificate instead: fleetd certs show {pem}")
 
 
 def _usages(cert: x509.Certificate) -> str:

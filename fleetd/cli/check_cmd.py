@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from fleetd.checks import FAIL, GROUPS, OK, SKIP, Check, counts, worst
 from fleetd.cli.fleet_args import add_fleet_args, milliseconds, seconds
+from fleetd.cli.progress import stage
 from fleetd.errors import ConfigError, FleetdError, UsageError
 from fleetd.store.timeparse import parse_duration
 
@@ -108,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
 
         override_libraries(args.cuda_lib)  # a wrong path is a usage error, before any check
     cfg, found = _config(args.config)
-    found += _host(args, groups)
+    with stage("checking this machine (compiling and attaching BPF takes a few seconds)"):
+        found += _host(args, groups)
     if cfg is None and args.config is not None:
         found += [_unread_config(g) for g in ("db", "certs", "nodes") if g in groups]
     else:

@@ -42,8 +42,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--dir", type=Path, default=Path("fleet-demo"),
                    help="working directory for certificates, node databases and logs "
                    "(default: ./fleet-demo)")
-    p.add_argument("--out", type=Path, default=Path("."),
+    p.add_argument("-o", "--output", dest="out", type=Path, default=Path("."), metavar="DIR",
                    help="where fleet-demo.db and fleet-demo.json go (default: .)")
+    p.add_argument("--out", dest="out", type=Path, help=argparse.SUPPRESS)  # the old name
     p.add_argument("--duration", default="20s", help="how long to trace (default 20s)")
     p.set_defaults(func=run)
 

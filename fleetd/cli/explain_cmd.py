@@ -28,6 +28,8 @@ from fleetd.store.db import default_db_path, open_reader
 from fleetd.store.timeparse import format_ns
 
 EXPLAIN_FORMATS = ("table", "json")
+FAIL_ON = ("HIGH", "MEDIUM", "LOW")  # worst first
+FOUND_EXIT = 5  # explain --fail-on: such a chain exists (docs/cli.md, exit status)
 # The per-thread columns, adding up to the wall time: sleeps split by wait reason.
 BREAKDOWN_KEYS = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "lock_ns", "data_ns",
                   "timer_ns", "gpu_sync_ns", "other_ns")
@@ -82,6 +84,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--format", default="table", help="output format: table|json")
     p.add_argument("--store", action="store_true",
                    help="also store the chains in the database (kept with history)")
+    p.add_argument("--fail-on", type=str.upper, choices=FAIL_ON, metavar="SEVERITY",
+                   help="exit with status 5 when a chain of this severity or worse is "
+                   "found (HIGH, MEDIUM or LOW), for CI and cron")
     p.set_defaults(func=run)
 
 
@@ -107,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         return run_fleet(args)
     with open_analysis(args) as (path, analysis):
         found = analysis.explain(args.pid, args.per_process)
+        _no_such_pid(found, args.pid)
         if len(found["nodes"]) > 1:
             # A merged file: rank its nodes the way the fleet client ranks live ones.
             found["stragglers"] = analysis.stragglers(found["chains"])
@@ -119,10 +125,36 @@ def run(args: argparse.Namespace) -> int:
         if "stragglers" in found:
             render_fleet(found, sys.stdout)
         else:
-            render(found, sys.stdout)
+            # -v (more log output everywhere) also prints slow calls' whole stacks.
+            render(found, sys.stdout, verbose=bool(getattr(args, "verbose", 0)))
         for w in found["warnings"]:
             print(f"fleetd: warning: {w}", file=sys.stderr)
-    return 0
+    return failed(args, found["chains"], 0)
+
+
+def failed(args: argparse.Namespace, chains: list[dict[str, Any]], code: int) -> int:
+    """``code``, or :data:`FOUND_EXIT` when --fail-on names a severity some chain has
+    (or a worse one); said on stderr so that a cron mail tells why."""
+    if not args.fail_on:
+        return code
+    worst = FAIL_ON[: FAIL_ON.index(args.fail_on) + 1]
+    hits = [c for c in chains if c.get("severity") in worst]
+    if not hits:
+        return code
+    print(f"fleetd: {len(hits)} chain(s) at {args.fail_on} or worse (--fail-on "
+          f"{args.fail_on})", file=sys.stderr)
+    return FOUND_EXIT if code == 0 else code
+
+
+def _no_such_pid(found: dict[str, Any], pid: int | None) -> None:
+    """--pid of a process the window holds nothing of is not a quiet process: say so,
+    in the verdict and as a warning, rather than "quiet"."""
+    if pid is None or found["processes"] or found["ops"] or found["chains"]:
+        return
+    found["verdict"] = f"no events for pid {pid} in the window"
+    found["warnings"].append(f"no events for pid {pid} in the window; list the traced "
+                             "processes with: fleetd query \"SELECT DISTINCT pid, comm FROM "
+                             "events\"")
 
 
 def run_fleet(args: argparse.Namespace) -> int:
@@ -141,7 +173,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     else:
         render_fleet(result.obj, sys.stdout)
         report(result.answer, args.show_skew)
-    return result.exit_code
+    return failed(args, result.obj.get("chains") or [], result.exit_code)
 
 
 # ---- table rendering ------------------------------------------------------------------
@@ -157,14 +189,14 @@ def _dur(ns: int | None) -> str:
     return f"{ns / 1e3:.0f} us"
 
 
-def render(report: dict[str, Any], out: TextIO) -> None:
+def render(report: dict[str, Any], out: TextIO, *, verbose: bool = False) -> None:
     w = report["window"]
     out.write(f"fleetd explain: {', '.join(report['nodes']) or '(no nodes)'}; {w['label']} "
               f"({w['start']} .. {w['end']})\n")
     out.write(f"verdict: {report['verdict']}\n")
     shown = [c for c in report["chains"] if c["severity"] != "LOW"] or report["chains"][:3]
     for c in shown:
-        _chain(c, out)
+        _chain(c, out, verbose=verbose)
     hidden = len(report["chains"]) - len(shown)
     if hidden:
         out.write(f"\n({hidden} LOW chain(s) not shown; --format json lists them all)\n")
@@ -222,7 +254,8 @@ def _stragglers(ranked: list[dict[str, Any]], out: TextIO) -> None:
     out.write(table(["node", "score", "flagged", "metric", "reason"], rows))
 
 
-def _chain(c: dict[str, Any], out: TextIO, tag: bool = False) -> None:
+def _chain(c: dict[str, Any], out: TextIO, tag: bool = False, *, verbose: bool = False
+           ) -> None:
     where = f" on {c['node']}" if tag else ""
     out.write(f"\n[{c['severity']}] {c['root_cause']}{where}  {c['id']}\n  {c['summary']}\n")
     v = c["victim"]
@@ -242,6 +275,8 @@ def _chain(c: dict[str, Any], out: TextIO, tag: bool = False) -> None:
         indent = "      " if "spike" in e else "    "
         extra = f" [overlap {_dur(e['overlap_ns'])}]" if "overlap_ns" in e else ""
         out.write(f"{indent}{when:<16} {e['kind']:<10} {e['text']}{extra}\n")
+        if verbose and e.get("stack"):  # innermost first, as recorded
+            out.write("".join(f"{indent}{'':<16}   {f}\n" for f in e["stack"]))
     out.write("  fix:\n")
     for f in c["fixes"]:
         out.write(f"    - {f}\n")

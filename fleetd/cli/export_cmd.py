@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
+from fleetd.cli.progress import stage
 from fleetd.errors import UsageError
 from fleetd.store.db import default_db_path, open_reader
 from fleetd.store.timeparse import parse_duration
@@ -47,17 +48,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "stored; always computed; or none")
     p.add_argument("--offset", action="append", default=[], metavar="NODE=DURATION",
                    help="shift a node's times by hand, e.g. gpu-02=-3.5ms (repeatable)")
-    p.add_argument("--no-clock-correction", action="store_true",
+    p.add_argument("--no-clock-correction", dest="no_skew_correct", action="store_true",
                    help="export times as recorded (no interpolation between clock samples; "
                    "with --nodes, no skew correction either)")
-    add_fleet_args(p, timeout=False)
+    p.add_argument("--no-skew-correct", dest="no_skew_correct", action="store_true",
+                   help=argparse.SUPPRESS)  # the fleet commands' old name: the same switch
+    add_fleet_args(p, timeout=False, correction=False)
     # An export's events take as long as their size: no deadline on them, a limit on
     # silence instead (docs/merge-export.md).
     p.add_argument("--timeout", metavar="DURATION",
                    help="fleet: the deadline for each node's names, sessions and chains, and "
                    "the longest its events may pause; slower nodes become warnings "
                    "(default: the config's timeout_s, else 10s)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, local_flags=("no_skew_correct",))
 
 
 def parse_offsets(specs: list[str]) -> dict[str, int]:
@@ -86,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout:
         raise UsageError(f"--timeout {args.timeout!r} only applies to live nodes",
                          "add --nodes HOST:PORT,... (or --config), or drop --timeout")
-    stats, warnings = export_db(args, out)
+    with stage(f"exporting {args.db or 'the database'}"):
+        stats, warnings = export_db(args, out)
     _wrote(out, stats)
     for w in warnings:
         print(f"fleetd: warning: {w}", file=sys.stderr)
@@ -100,9 +104,10 @@ def run_fleet(args: argparse.Namespace, out: Path | None) -> int:
 
     offsets = parse_offsets(args.offset)  # every flag checked before any node is asked
     xopts = FleetExportOptions(WindowSpec(args.since, args.from_, args.to), args.pid,
-                               args.limit_per_node, args.chains, not args.no_clock_correction,
+                               args.limit_per_node, args.chains, not args.no_skew_correct,
                                offsets)
-    done = export_fleet(fleet_options(args), xopts, out)
+    with stage("exporting the fleet's timelines"):
+        done = export_fleet(fleet_options(args), xopts, out)
     _wrote(out, done.stats)
     report(done.answer, args.show_skew)
     for w in done.warnings:
@@ -131,7 +136,7 @@ def export_db(args: argparse.Namespace, out: Path | None) -> tuple[list[NodeStat
     try:
         window = WindowSpec(args.since, args.from_, args.to).resolve(conn)
         opts = LocalOptions(window, args.pid, args.limit_per_node, args.chains,
-                            not args.no_clock_correction, parse_offsets(args.offset))
+                            not args.no_skew_correct, parse_offsets(args.offset))
         traces, origin, warnings = local_traces(conn, opts)
         meta = {"source": str(path.name), "window": window.to_json()}
         with open_output(out) as stream:

@@ -1,7 +1,11 @@
 """The options every fleet command shares, and how their answers are reported.
 
 A command runs against the fleet when ``--nodes`` or ``--config`` is given, else on a
-local database (``--db``). Flags override the config's ``fleet:`` section.
+local database (``--db``, ``$FLEETD_DB``); with neither, a config found where users keep
+one (``$FLEETD_CONFIG``, ``~/.config/fleetd/fleetd.yaml``, ``/etc/fleetd/fleetd.yaml``)
+that lists fleet nodes makes it a fleet command. Flags override environment variables
+(``FLEETD_CA_CERT``, ``FLEETD_CLIENT_CERT``, ``FLEETD_CLIENT_KEY``, ``FLEETD_TOKEN_FILE``),
+which override the config's ``fleet:`` section.
 
 Exit codes of a fleet command (docs/cli.md): 0 every node answered; 3 partial (some
 nodes answered, a warning names each one that did not); 4 no node answered; 2 a usage
@@ -11,6 +15,7 @@ error, including a request every node refused as malformed.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -24,25 +29,30 @@ if TYPE_CHECKING:
 
 FLEET_FLAGS = ("nodes", "config", "ca_cert", "client_cert", "client_key", "token_file",
                "show_skew", "clock_skew_threshold", "no_skew_correct")
+_FLAG_NAMES = {"no_skew_correct": "--no-clock-correction"}  # dest -> the flag's one name
 
 
 def add_fleet_args(p: argparse.ArgumentParser, *, timeout: bool = True,
-                   skew: bool = True) -> None:
-    """The shared fleet flags; ``skew=False`` leaves out --show-skew/--no-skew-correct
-    for commands that always report offsets and never shift timestamps."""
+                   skew: bool = True, correction: bool = True) -> None:
+    """The shared fleet flags; ``skew=False`` leaves out --show-skew and
+    --no-clock-correction for commands that always report offsets and never shift
+    timestamps; ``correction=False`` leaves --no-clock-correction to the command."""
     g = p.add_argument_group(
         "fleet", "ask every node's agent (in parallel, over mTLS) instead of a local --db")
     g.add_argument("--nodes", metavar="HOST:PORT,...",
                    help="the agents to ask; an entry may be NAME=HOST:PORT")
-    g.add_argument("--config", type=Path, metavar="YAML",
-                   help="fleetd.yaml whose fleet: section lists nodes and certificates")
+    g.add_argument("--config", type=Path, metavar="CONFIG",
+                   help="fleetd.yaml whose fleet: section lists nodes and certificates "
+                   "(default: $FLEETD_CONFIG, ~/.config/fleetd/fleetd.yaml, "
+                   "/etc/fleetd/fleetd.yaml)")
     g.add_argument("--ca-cert", type=Path, metavar="PEM",
-                   help="fleet CA that the agents' certificates chain to")
+                   help="fleet CA that the agents' certificates chain to ($FLEETD_CA_CERT)")
     g.add_argument("--client-cert", type=Path, metavar="PEM",
-                   help="this client's certificate (mTLS)")
-    g.add_argument("--client-key", type=Path, metavar="PEM", help="its private key")
+                   help="this client's certificate, mTLS ($FLEETD_CLIENT_CERT)")
+    g.add_argument("--client-key", type=Path, metavar="PEM",
+                   help="its private key ($FLEETD_CLIENT_KEY)")
     g.add_argument("--token-file", type=Path, metavar="FILE",
-                   help="bearer token, if the agents require one")
+                   help="bearer token, if the agents require one ($FLEETD_TOKEN_FILE)")
     if timeout:
         g.add_argument("--timeout", metavar="DURATION",
                        help="time for the whole fan-out; slower nodes become warnings "
@@ -52,24 +62,46 @@ def add_fleet_args(p: argparse.ArgumentParser, *, timeout: bool = True,
                        help="print each node's clock offset and its error bound")
     g.add_argument("--clock-skew-threshold", metavar="DURATION",
                    help="warn when a node's clock is further off than this (default 10ms)")
-    if skew:
-        g.add_argument("--no-skew-correct", action="store_true",
+    if skew and correction:
+        g.add_argument("--no-clock-correction", dest="no_skew_correct", action="store_true",
                        help="leave node timestamps in each node's own clock")
+        g.add_argument("--no-skew-correct", dest="no_skew_correct", action="store_true",
+                       help=argparse.SUPPRESS)  # the old name, kept working
 
 
 def fleet_mode(args: argparse.Namespace) -> bool:
-    """True when the command should ask the fleet; refuses --db together with it."""
+    """True when the command should ask the fleet; refuses --db together with it. A
+    config found without --config is put in ``args.config`` when it decides."""
     wanted = bool(getattr(args, "nodes", None) or getattr(args, "config", None))
+    if not wanted and not getattr(args, "db", None) and not os.environ.get("FLEETD_DB"):
+        found = _discovered_fleet()
+        if found is not None:
+            args.config = found
+            return True
     if wanted and getattr(args, "db", None):
         raise UsageError("--db reads a local database; --nodes/--config ask the fleet",
                          "use one of them (merge copied databases with fleetd merge)")
     if not wanted:
-        given = [f"--{f.replace('_', '-')}" for f in FLEET_FLAGS
-                 if getattr(args, f, None) not in (None, False)]
+        local = getattr(args, "local_flags", ())  # flags the command also uses on a file
+        given = [_FLAG_NAMES.get(f, f"--{f.replace('_', '-')}") for f in FLEET_FLAGS
+                 if f not in local and getattr(args, f, None) not in (None, False)]
         if given:
             raise UsageError(f"{', '.join(given)} only apply to a fleet query",
                              "add --nodes HOST:PORT,... or --config fleetd.yaml")
     return wanted
+
+
+def _discovered_fleet() -> Path | None:
+    """A config found where users keep one, when it lists fleet nodes to ask."""
+    from fleetd.config import discover_config, load_config
+
+    path = discover_config()
+    return path if path is not None and load_config(path).fleet.nodes else None
+
+
+def _cert_path(flag: Path | None, env: str, configured: Path | None) -> Path | None:
+    named = os.environ.get(env)
+    return flag or (Path(named).expanduser() if named else None) or configured
 
 
 def seconds(text: str, what: str) -> float:
@@ -102,6 +134,12 @@ def fleet_options(args: argparse.Namespace) -> FleetOptions:
     from fleetd.fleet.targets import from_config, parse_nodes
     from fleetd.security import tls
 
+    if not args.config and not args.nodes:
+        args.config = _discovered_fleet()
+    elif not args.config:
+        # --nodes with certificates from the config users keep (when there is one).
+        from fleetd.config import discover_config
+        args.config = discover_config()
     fleet = load_config(args.config).fleet if args.config else FleetConfig()
     targets = parse_nodes(args.nodes) if args.nodes else from_config(fleet, str(args.config))
     # Values first, certificates after: a typo is reported before any file is read.
@@ -109,15 +147,18 @@ def fleet_options(args: argparse.Namespace) -> FleetOptions:
     timeout = seconds(timeout_text, "--timeout") if timeout_text else fleet.timeout_s
     threshold = (milliseconds(args.clock_skew_threshold, "--clock-skew-threshold")
                  if args.clock_skew_threshold else fleet.clock_skew_threshold_ms)
-    ca = args.ca_cert or fleet.ca
+    ca = _cert_path(args.ca_cert, "FLEETD_CA_CERT", fleet.ca)
     if ca is None:
         raise UsageError(
             "asking the fleet needs the fleet CA, to verify each agent",
             "pass --ca-cert certs/ca.pem --client-cert certs/NAME.pem --client-key "
-            "certs/NAME.key, or --config with fleet.ca, fleet.client_cert, fleet.client_key")
-    cert = args.client_cert or fleet.client_cert
-    context = tls.client_context(ca, cert, args.client_key or fleet.client_key)
-    token_file = args.token_file or fleet.token_file
+            "certs/NAME.key (or set FLEETD_CA_CERT, FLEETD_CLIENT_CERT, FLEETD_CLIENT_KEY), "
+            "or keep a fleetd.yaml with fleet.ca, fleet.client_cert, fleet.client_key in "
+            "~/.config/fleetd/")
+    cert = _cert_path(args.client_cert, "FLEETD_CLIENT_CERT", fleet.client_cert)
+    key = _cert_path(args.client_key, "FLEETD_CLIENT_KEY", fleet.client_key)
+    context = tls.client_context(ca, cert, key)
+    token_file = _cert_path(args.token_file, "FLEETD_TOKEN_FILE", fleet.token_file)
     client = ClientOptions(
         ssl=context, token=tls.load_token(token_file) if token_file else None,
         timeout_s=timeout, connect_timeout_s=min(fleet.connect_timeout_s, timeout),

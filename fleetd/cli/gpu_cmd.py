@@ -32,8 +32,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--pid", type=positive("pid"), help="only this process")
     p.add_argument("--steps", action="store_true",
                    help="measure whole profiler steps only (ProfilerStep ranges)")
-    p.add_argument("--threshold", action="append", default=[], metavar="METRIC=VALUE",
-                   help="override a verdict threshold (M1=0.30, M2=0.10, M4=0.60, M5=0.20)")
+    p.add_argument("--threshold", action="append", default=[],
+                   metavar="[PHASE:]METRIC=VALUE",
+                   help="override a verdict threshold (defaults M1=0.30, M2=0.10, M3a=0.50, "
+                   "M3b=0.05, M3c=0.50, M4=0.60, M5=0.20); with PHASE: only for the "
+                   "profiler steps whose name is PHASE or matches it as a glob "
+                   "(ProfilerStep#3:M1=0.4, 'ProfilerStep*:M4=0.5'); repeatable")
     p.add_argument("--top", type=positive("--top"), default=10, metavar="N",
                    help="kernels to show (default 10)")
     add_fleet_args(p)
@@ -104,12 +108,15 @@ def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:
 def _verdict(r: dict[str, Any]) -> None:
     v = r["verdict"]
     m = v["metrics"]
-    figures = "  ".join(f"{k} {m[k]:.3f}" for k in ("M1", "M2", "M4", "M5")
-                        if m.get(k) is not None)
+    figures = "  ".join(f"{k} {m[k]:.3f}" for k in ("M1", "M2", "M3a", "M3b", "M3c", "M4",
+                                                      "M5") if m.get(k) is not None)
     print(f"{r['node']} pid {r['pid']} device {r['device']}: host overhead "
           f"{v['host_overhead']}  ({figures})")
     for line in v["evidence"] + v.get("phases", []) + v["caveats"]:
         print(f"  - {line}")
+    why = (r.get("m3") or {}).get("reason")
+    if why:
+        print(f"  M3 (exposed host prep) not computed: {why}")
     print(f"  launch delay mean {_us(r['launch_delay_ns']['mean'])} us, queue delay p50 "
           f"{_us(r['queue_delay_ns']['p50'])} us, TKLQT {_ms(r['tklqt_ns'])} ms: "
           f"{r['tklqt_reading']}")

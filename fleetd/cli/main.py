@@ -36,7 +36,17 @@ COMMAND_MODULES: tuple[str, ...] = (
     "fleetd.cli.certs_cmd",
     "fleetd.cli.mcp_cmd",
     "fleetd.cli.demo_cmd",
+    "fleetd.cli.completion_cmd",
 )
+
+EXIT_CODES = """exit status:
+  0  success (a fleet command: every node answered)
+  1  nothing could be traced, or a node could not be reached
+  2  a usage or input mistake (a bad flag, value, file or query)
+  3  a fleet command got a partial answer (each missing node is named)
+  4  a fleet command got no answer from any node
+  5  explain --fail-on: a chain at or above that severity was found
+  130 interrupted (Ctrl-C)"""
 
 
 class Parser(argparse.ArgumentParser):
@@ -51,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="fleetd",
         description="Explain GPU latency from the host side, on one node or a whole fleet.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"fleetd {__version__}")
     parser.add_argument(
@@ -59,7 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    for command in sub.choices.values():
+        _verbose_anywhere(command)
     return parser
+
+
+def _verbose_anywhere(p: argparse.ArgumentParser) -> None:
+    """``fleetd query -v ...`` as well as ``fleetd -v query ...``: -v counts wherever it
+    is typed (SUPPRESS keeps the top-level count when the command has none of its own)."""
+    if "-v" not in p._option_string_actions:  # a parent parser shared by several
+        p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                       help="more log output (-vv for debug)")
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for nested in action.choices.values():
+                _verbose_anywhere(nested)
 
 
 def _setup_logging(verbosity: int) -> None:

@@ -13,6 +13,7 @@ from types import FrameType
 from typing import TextIO
 
 from fleetd.cli.output import table
+from fleetd.errors import UsageError
 from fleetd.store.clockinfo import fmt_ns
 from fleetd.store.merge import DEFAULT_CLOCK_THRESHOLD_NS, MergeReport, Progress, merge
 from fleetd.store.timeparse import parse_duration
@@ -33,16 +34,27 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--force-node", action="append", default=[], metavar="NAME|IN.db=NAME",
                    help="name the node of an input that has no node identity (one NAME per "
                    "such input, in order), or rename an input's node with IN.db=NAME")
-    p.add_argument("--progress", action="store_true", help="report progress on stderr")
-    p.add_argument("--clock-threshold", default=f"{DEFAULT_CLOCK_THRESHOLD_NS // 1_000_000}ms",
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="report progress on stderr (default: on a terminal)")
+    p.add_argument("--clock-skew-threshold", dest="clock_threshold",
+                   default=f"{DEFAULT_CLOCK_THRESHOLD_NS // 1_000_000}ms",
                    metavar="DURATION", help="warn when node clocks cannot be aligned "
                    "within this (default 10ms)")
+    # The name it had before the fleet commands' --clock-skew-threshold; kept working.
+    p.add_argument("--clock-threshold", dest="clock_threshold", help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     threshold = parse_duration(args.clock_threshold)
-    reporter = _ProgressPrinter(sys.stderr) if args.progress else None
+    for path in args.inputs:
+        if not path.is_file():
+            what = "is not a file" if path.exists() else "does not exist"
+            raise UsageError(f"merge input '{path}' {what}",
+                             "name the node databases copied off each node, e.g. "
+                             "fleetd merge gpu-01.db gpu-02.db -o cluster.db")
+    shown = sys.stderr.isatty() if args.progress is None else args.progress
+    reporter = _ProgressPrinter(sys.stderr) if shown else None
     with _sigterm_as_interrupt():
         report = merge(args.inputs, args.output, args.force_node, progress=reporter,
                        clock_threshold_ns=threshold)

@@ -37,8 +37,8 @@ def run(args: argparse.Namespace) -> int:
     with open_analysis(args) as (_, analysis):
         rows = analysis.op_stats(args.pid, args.per_process)
     win = analysis.window
-    values = [[_show(c, r[c], fmt) for c in cols] for r in rows]
-    write_rows(cols, values, fmt, sys.stdout,
+    shown, values = table_view(cols, [[r[c] for c in cols] for r in rows], fmt)
+    write_rows(shown, values, fmt, sys.stdout,
                {"window": win.to_json(), "warnings": list(win.warnings)})
     if fmt != "json":
         if not rows and not win.warnings:
@@ -54,19 +54,38 @@ def run_fleet(args: argparse.Namespace, fmt: str, cols: list[str]) -> int:
 
     result = ops(fleet_options(args), WindowSpec(args.since, args.from_, args.to), args.pid,
                  args.per_process, cols)
-    values = [[_show(c, v, fmt) for c, v in zip(result.columns, r, strict=True)]
-              for r in result.rows]
+    shown, values = table_view(list(result.columns), [list(r) for r in result.rows], fmt)
     extra = {k: v for k, v in result.obj.items() if k not in ("columns", "rows")}
-    write_rows(result.columns, values, fmt, sys.stdout, extra)
+    write_rows(shown, values, fmt, sys.stdout, extra)
     if fmt != "json" or args.show_skew:
         report(result.answer, args.show_skew)
     return result.exit_code
 
 
-def _show(col: str, value: object, fmt: str) -> object:
-    """Tables show durations for reading; every other format keeps integers (ns)."""
-    if fmt != "table" or col not in _NS_COLUMNS or not isinstance(value, int):
+def table_view(cols: list[str], rows: list[list[object]],
+               fmt: str) -> tuple[list[str], list[list[object]]]:
+    """Tables show durations for reading, under headers without ``_ns`` (the cells are
+    not nanoseconds any more), and a histogram's max as ``≥`` its lower bound; every
+    other format keeps the integers (ns) and the ``max_exact`` flag for machines."""
+    if fmt != "table":
+        return cols, rows
+    exact = cols.index("max_exact") if "max_exact" in cols else None
+    keep = [i for i, c in enumerate(cols) if i != exact]
+    out = []
+    for r in rows:
+        cells = [_duration(v) if cols[i] in _NS_COLUMNS else v for i, v in enumerate(r)]
+        mx = cols.index("max_ns") if "max_ns" in cols else None
+        if exact is not None and mx is not None and r[exact] is False and cells[mx]:
+            cells[mx] = f"≥ {cells[mx]}"
+        out.append([cells[i] for i in keep])
+    return [cols[i].removesuffix("_ns") for i in keep], out
+
+
+def _duration(value: object) -> object:
+    if not isinstance(value, int):
         return value
+    if value >= 1_000_000_000:
+        return f"{value / 1e9:.2f} s"
     if value >= 1_000_000:
         return f"{value / 1e6:.2f} ms"
     return f"{value / 1e3:.1f} us"

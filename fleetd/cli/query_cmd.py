@@ -48,9 +48,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--to", metavar="TIME", help="shortcut: events up to TIME")
     p.add_argument("--format", default="table", help=f"output format: {'|'.join(FORMATS)}")
     p.add_argument("--limit", type=int,
-                   help="at most this many rows (default 10000; per node in a fleet query)")
-    p.add_argument("--timeout", help="time limit: for the query, e.g. 5s (default); for a "
-                   "fleet query, for the whole fan-out (default: the config's, else 10s)")
+                   help="at most this many rows; on a local file none by default (0: no "
+                   "limit); per node in a fleet query, where the agent caps it (10000)")
+    p.add_argument("--timeout", metavar="DURATION",
+                   help="time limit: on a local file, for the query (default none; 0: "
+                   "none); for a fleet query, for the whole fan-out (default: the config's, "
+                   "else 10s; the agent stops a query at its own ceiling, 5s)")
     p.add_argument("--reduce", metavar="SQL",
                    help="fleet: run this SELECT over the merged rows (table merged, with a "
                    "node column), e.g. \"SELECT op, sum(n) FROM merged GROUP BY op\"")
@@ -60,6 +63,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _timeout_s(text: str) -> float:
     return seconds(text, "--timeout")  # a bare number means seconds
+
+
+def _local_timeout(text: str | None) -> float | None:
+    """A local file has no time limit unless asked for one; ``--timeout 0`` is none too."""
+    if text is None or text.strip() in ("0", "0s"):
+        return None
+    return _timeout_s(text)
+
+
+def _local_rows(limit: int | None) -> int | None:
+    if limit is not None and limit < 0:
+        raise UsageError(f"--limit {limit} must not be negative",
+                         "give a number of rows, or 0 for no limit")
+    return limit or None
 
 
 def _shortcut(args: argparse.Namespace) -> tuple[str, list[Any], set[int]]:
@@ -88,9 +105,13 @@ def _shortcut(args: argparse.Namespace) -> tuple[str, list[Any], set[int]]:
             times.add(len(params))
             params.append(value)
     if args.to:
+        to = parse_timestamp(args.to)
+        if args.from_ and parse_timestamp(args.from_) > to:
+            raise UsageError(f"--from {args.from_!r} is later than --to {args.to!r}",
+                             "swap the two times: the window runs from --from to --to")
         where.append("ts_ns <= ?")
         times.add(len(params))
-        params.append(parse_timestamp(args.to))
+        params.append(to)
     sql = f"SELECT {SHORTCUT_COLUMNS} FROM events"
     if where:
         sql += " WHERE " + " AND ".join(where)
@@ -128,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--reduce runs over the merged rows of a fleet query",
                          "add --nodes HOST:PORT,... (or --config), or put it in your SQL")
     sql, params = build_sql(args)
-    limits = Limits().lowered(timeout_s=_timeout_s(args.timeout or "5s"), max_rows=args.limit)
+    limits = Limits.local(timeout_s=_local_timeout(args.timeout), max_rows=_local_rows(args.limit))
     path: Path = args.db or default_db_path()
     with SafeDB(path) as db:
         result = db.query(sql, params, limits)

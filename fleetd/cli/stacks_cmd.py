@@ -7,11 +7,15 @@ import argparse
 import sys
 from typing import Any
 
+from fleetd.analyze.frames import folded, short_frame, top_python_frame
 from fleetd.cli.explain_cmd import add_window, open_analysis, positive
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
 from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
+from fleetd.errors import UsageError
+from fleetd.store.timeparse import parse_duration
 
 COLUMNS = ["node", "events", "total_ns", "mean_ns", "max_ns", "ops", "frames"]
+FOLDED = "folded"  # flame-graph input: outermost;...;innermost COUNT
 FRAME_JOIN = " <- "  # innermost first: the CUDA call, then its callers
 
 
@@ -22,31 +26,47 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Group the window's CUDA calls by their recorded user stack and rank the "
         "groups by total time: which code path the slow calls come from. Frames are "
         "innermost first. With --nodes, every agent groups its own calls and the groups "
-        "are merged, heaviest first, each with its node.",
+        "are merged, heaviest first, each with its node. Python frames read "
+        "'function (file.py:line)'. --format folded prints one line per stack, outermost "
+        "frame first, joined by ';', then the number of calls: the input of flame-graph "
+        "tools (flamegraph.pl, speedscope, inferno).",
     )
     add_window(p)
     p.add_argument("--op", help="only calls of this CUDA op (e.g. cudaStreamSynchronize)")
     p.add_argument("--pid", type=positive("pid"), help="only calls of this process")
+    p.add_argument("--min-dur", metavar="DUR",
+                   help="only calls at least this long (e.g. 1ms)")
     p.add_argument("--top", type=positive("--top"), default=10, metavar="N",
                    help="stacks to show (default 10)")
     p.add_argument("--frames", type=positive("--frames"), default=16, metavar="N",
                    help="frames per stack, innermost first (default 16)")
     add_fleet_args(p)
-    p.add_argument("--format", default="table", help=f"output format: {'|'.join(FORMATS)}")
+    p.add_argument("--format", default="table",
+                   help=f"output format: {'|'.join((*FORMATS, FOLDED))}")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    fmt = check_format(args.format)
+    fmt = args.format if args.format == FOLDED else check_format(args.format)
+    min_dur = _min_dur(args.min_dur)
     if fleet_mode(args):
-        return _run_fleet(args, fmt)
+        return _run_fleet(args, fmt, min_dur)
     with open_analysis(args) as (_, analysis):
-        got = analysis.stacks(args.op, args.pid, args.top, args.frames)
+        got = analysis.stacks(args.op, args.pid, args.top, args.frames, min_dur_ns=min_dur)
     _write(got, got["stacks"][: args.top], fmt)
     return 0
 
 
-def _run_fleet(args: argparse.Namespace, fmt: str) -> int:
+def _min_dur(text: str | None) -> int:
+    if not text:
+        return 0
+    try:
+        return parse_duration(text)
+    except UsageError as exc:
+        raise UsageError(f"--min-dur: {exc.message}", exc.hint) from exc
+
+
+def _run_fleet(args: argparse.Namespace, fmt: str, min_dur: int) -> int:
     from fleetd.analyze.stacks import op_code
     from fleetd.analyze.window import WindowSpec
     from fleetd.fleet.queries import stacks
@@ -54,18 +74,23 @@ def _run_fleet(args: argparse.Namespace, fmt: str) -> int:
     if args.op:
         op_code(args.op)  # refused once, here, rather than by every node
     result = stacks(fleet_options(args), WindowSpec(args.since, args.from_, args.to),
-                    args.op, args.pid, args.top, args.frames)
+                    args.op, args.pid, args.top, args.frames, min_dur)
     obj = {k: v for k, v in result.obj.items() if k != "nodes"}
     obj["events_without_stack"] = sum(
         n["events_without_stack"] for n in result.obj["nodes"]
         if isinstance(n.get("events_without_stack"), int))
     _write(obj, result.obj["stacks"][: args.top], fmt)
-    if fmt != "json" or args.show_skew:
+    if fmt not in ("json", FOLDED) or args.show_skew:
         report(result.answer, args.show_skew)
     return result.exit_code
 
 
 def _write(obj: dict[str, Any], found: list[dict[str, Any]], fmt: str) -> None:
+    if fmt == FOLDED:
+        for s in found:
+            sys.stdout.write(folded([str(f) for f in s.get("frames") or []],
+                                    int(s.get("events") or 0)) + "\n")
+        return
     rows = [[s.get("node"), s.get("events"), s.get("total_ns"), s.get("mean_ns"),
              s.get("max_ns"), ",".join(map(str, s.get("ops") or [])),
              _frames(s, fmt)] for s in found]
@@ -76,4 +101,8 @@ def _write(obj: dict[str, Any], found: list[dict[str, Any]], fmt: str) -> None:
 
 def _frames(s: dict[str, Any], fmt: str) -> Any:
     frames = [str(f) for f in s.get("frames") or []]
-    return FRAME_JOIN.join(frames) if fmt in ("table", "csv") else frames
+    if fmt == "table":  # the user's line first: it is what the reader looks for
+        top = top_python_frame(frames)
+        text = FRAME_JOIN.join(short_frame(f) for f in frames)
+        return f"[{top}] {text}" if top else text
+    return FRAME_JOIN.join(frames) if fmt == "csv" else frames

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, TextIO
 
+from fleetd.cli.argtypes import byte_size
 from fleetd.errors import UsageError
 from fleetd.store.db import default_db_path, validate_node_name
 from fleetd.store.timeparse import parse_duration
@@ -70,10 +71,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--block-min", default="10ms",
                    help="keep other processes' block I/O this slow (default 10ms; the "
                    "targets' own I/O is always kept)")
-    p.add_argument("--stacks", action="store_true", help="user stacks on kept CUDA events")
+    p.add_argument("--stacks", action="store_true",
+                   help="native and Python stacks on CUDA calls: every call slower than "
+                   "--stack-slow and 1 in --stack-sample kept calls")
+    p.add_argument("--stack-sample", type=int, metavar="N",
+                   help="with stacks: 1 in N kept calls carries a stack (default 100; 0: "
+                   "only slow calls); implies --stacks")
+    p.add_argument("--stack-slow", metavar="DUR",
+                   help="with stacks: every call at least this long is kept with its stack "
+                   "(default 1ms, an absolute threshold); implies --stacks")
     p.add_argument("--ring-mb", type=int, default=1, metavar="MB",
                    help="size of each ring buffer in MiB, a power of two (default 1)")
-    p.add_argument("--max-db-bytes", type=int, help="prune the oldest events beyond this size")
+    p.add_argument("--max-db-bytes", type=byte_size, metavar="SIZE",
+                   help="prune the oldest events beyond this size, e.g. 10G, 512M")
     p.add_argument("--summary-json", action="store_true",
                    help="print a JSON summary of the session on stdout at the end")
     p.add_argument("--status-interval", default="10s",
@@ -95,6 +105,16 @@ def _csv(text: str, known: tuple[str, ...], flag: str) -> frozenset[str]:
         raise UsageError(f"{flag}: unknown {', '.join(map(repr, bad))}",
                          f"choose from {','.join(known)}")
     return items
+
+
+def _stack_sample(n: int | None) -> int:
+    if n is None:
+        return 100
+    if n < 0:
+        raise UsageError(f"--stack-sample {n} is negative",
+                         "use 1 for a stack on every kept call, N for 1 in N, 0 for slow "
+                         "calls only")
+    return n
 
 
 def build_config(args: argparse.Namespace) -> TraceConfig:
@@ -125,7 +145,9 @@ def build_config(args: argparse.Namespace) -> TraceConfig:
         sample=args.sample,
         slow_k=max(1, args.slow_k),
         slow_min_ns=_ns(args.slow_min, "--slow-min"),
-        stacks=args.stacks,
+        stacks=bool(args.stacks or args.stack_sample is not None or args.stack_slow),
+        stack_sample=_stack_sample(args.stack_sample),
+        stack_slow_ns=_ns(args.stack_slow or "1ms", "--stack-slow"),
         ring_pages=args.ring_mb * 256,
         thresholds_ns={
             "offcpu": _ns(args.offcpu_min, "--offcpu-min"),

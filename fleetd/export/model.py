@@ -39,6 +39,19 @@ GpuRow = tuple[int, int, int, int, int, int, int, str, int, int, int, str | None
 AnnotationRow = tuple[int, int, int, int, int, int, str]
 
 
+def task_name(comm: str | None, pid: int | None, thread: str | None, tid: int) -> str:
+    """The one pattern the timeline names a task by, on tracks, in args and on markers:
+    ``comm[pid]`` for a process's main thread, ``comm[pid] thread tid N`` for another of
+    its threads (the thread's own name only when it differs from the process's)."""
+    who = comm or thread or "?"
+    text = f"{who}[{'?' if pid is None else pid}]"
+    if tid != pid:
+        if thread and thread != who:
+            text += f" {thread}"
+        text += f" tid {tid}"
+    return text
+
+
 def event_from_api(obj: Mapping[str, Any]) -> EventRow | None:
     """One NDJSON object of ``/api/v1/events`` as a row; None for an op unknown here."""
     op = BY_NAME.get(str(obj.get("op")))

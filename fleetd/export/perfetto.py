@@ -3,15 +3,17 @@
 Layout (docs/merge-export.md has the full description):
 
 - one process per node, named ``node (rank N)``, ordered by rank then name;
-- per traced thread a track with its CUDA calls (``X``; args op, ret, bytes, grid,
-  block...), its off-CPU / run-queue / D-state intervals and syscalls nested under the
-  calls they delay; wakeups and process lifecycle as thread instants;
+- per traced thread a track named ``comm[pid]`` (``comm[pid] thread tid N`` for another
+  thread of the process; args and markers name tasks the same way) with its CUDA calls
+  (``X``; args op, ret, bytes, grid, block...), its off-CPU / run-queue / D-state
+  intervals and syscalls (named ``read``, ``futex``...) nested under the calls they
+  delay; wakeups and process lifecycle as thread instants;
 - per node a *block I/O* and an *IRQ* track;
 - slices of a track always nest (see :mod:`fleetd.export.lanes`): what cannot nest goes
   to an *overlap* lane just below;
 - causal chains as global instants colored by severity, with root cause and fixes in
   args, and flow arrows from the culprit (its block I/O, or a marker on its thread where
-  it ran or woke the victim) to the victim's wait (:mod:`fleetd.export.flows`);
+  it ran or woke the victim) to the victim's delayed call (:mod:`fleetd.export.flows`);
 - counters: CUDA calls per second from stored events, and from the in-kernel
   histograms when there are any (those count the calls that were sampled out too).
 
@@ -34,11 +36,12 @@ from fleetd.export.clockfix import corrected
 from fleetd.export.flows import FlowIds, NodeFlows
 from fleetd.export.gpu import GpuTracks
 from fleetd.export.lanes import Group
-from fleetd.export.model import ByteSink, EventRow, NodeTrace
+from fleetd.export.model import ByteSink, ChainMark, EventRow, NodeTrace, task_name
 from fleetd.export.tracejson import json_text as _j
 from fleetd.export.tracejson import us as _us
 from fleetd.store.catalog import BY_NAME, OPS
 from fleetd.store.schema import SEQ_MASK
+from fleetd.store.syscalls import syscall_name
 from fleetd.store.timeparse import format_ns
 
 log = logging.getLogger("fleetd.export.perfetto")
@@ -57,11 +60,11 @@ SOFTIRQS = ("HI", "TIMER", "NET_TX", "NET_RX", "BLOCK", "IRQ_POLL", "TASKLET", "
 
 # What each op becomes: (kind, name as JSON, category, a0 key, a1 key). The keys are
 # pre-formatted (',"grid_threads":') because they are written for most rows.
-K_CALL, K_SCHED, K_RUNQ, K_INSTANT, K_BLOCK, K_IRQ = range(6)
+K_CALL, K_SCHED, K_RUNQ, K_INSTANT, K_BLOCK, K_IRQ, K_SYSCALL = range(7)
 _KINDS: dict[int, tuple[int, str, str, str, str]] = {}
 for _op in OPS:
     _kind = {"cuda": K_CALL, "graph": K_CALL, "driver": K_CALL, "nccl": K_CALL,
-             "syscall": K_CALL, "block": K_BLOCK, "irq": K_IRQ}.get(_op.source)
+             "syscall": K_SYSCALL, "block": K_BLOCK, "irq": K_IRQ}.get(_op.source)
     if _op.name == "off_cpu":
         _kind = K_SCHED
     elif _op.name == "runq_wait":
@@ -118,6 +121,24 @@ class _Sink:
             self.buf.clear()
 
 
+def _approx(ns: int) -> str:
+    """A clock error for the eye, three digits in its own unit: ``16 s``, ``3.5 ms``."""
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
+        if abs(ns) >= scale:
+            return f"{ns / scale:.3g} {unit}"
+    return f"{ns} ns"
+
+
+def _culprit_pids(chains: Iterable[ChainMark]) -> dict[int, int]:
+    """tid -> pid of every culprit the chains name, from the chain and its evidence."""
+    out: dict[int, int] = {}
+    for c in chains:
+        for who in (c.culprit, *(e.get("culprit") for e in c.evidence)):
+            if isinstance(who, Mapping) and who.get("tid") and who.get("pid"):
+                out.setdefault(int(who["tid"]), int(who["pid"]))
+    return out
+
+
 def node_label(name: str, ranks: Sequence[int]) -> str:
     r = sorted(set(ranks))
     if not r:
@@ -163,6 +184,9 @@ class _NodeExporter:
         self.node_groups: dict[str, Group] = {}
         self.next_tid = SYNTHETIC_TID
         self.labels: dict[int, str] = {}
+        # A culprit that traced nothing itself (a CPU hog) is in no task table; its
+        # chains still say which process it is, so args name it like its track.
+        self.chain_pids = _culprit_pids(node.chains)
         self.event_prefix = _j(node.name)[:-1] + ":"
         self.args_cache: dict[str, str] = {}
         self.flows = NodeFlows(node, pid, origin, ids, self.emit, self.thread)
@@ -193,10 +217,7 @@ class _NodeExporter:
         if g is None:
             tpid, tname = self.node.threads.get(tid, (None, None))
             tpid = tpid if tpid is not None else pid
-            comm = self.node.processes.get(tpid)
-            name = f"{comm or tname or 'tid'}[{tpid}]"
-            if tname and tname != comm:
-                name += f" {tname}"
+            name = task_name(self.node.processes.get(tpid), tpid, tname, tid)
             g = Group(name, tid * LANES_SORT, tid, self._new_lane)
             self._track(tid, name, g.sort_base)
             self.groups[tid] = g
@@ -222,16 +243,16 @@ class _NodeExporter:
         return g
 
     def label(self, tid: int) -> str:
-        """A task as args show it, as JSON: ``"stress[2000] tid 2000"``."""
+        """A task as args show it, as JSON, named like its track: ``"stress[2000]"``."""
         text = self.labels.get(tid)
         if text is None:
             if tid == 0:
-                text = _j("idle/kernel (tid 0)")
+                text = _j("idle[0]")  # the CPU's idle task (swapper)
             else:
                 tpid, tname = self.node.threads.get(tid, (None, None))
+                tpid = self.chain_pids.get(tid) if tpid is None else tpid
                 comm = self.node.processes.get(tpid) if tpid is not None else None
-                who = comm or tname or "?"
-                text = _j(f"{who}[{tpid if tpid is not None else '?'}] tid {tid}")
+                text = _j(task_name(comm, tpid, tname, tid))
             self.labels[tid] = text
         return text
 
@@ -244,7 +265,7 @@ class _NodeExporter:
         self._meta("process_sort_index", None, {"sort_index": self.pid})
         clock = node.clock
         self._meta("process_labels", None, {"labels": f"clock: {clock.source}" + (
-            f" ±{clock.error_ns / 1e6:.3f} ms" if clock.error_ns is not None else "")})
+            f" ±{_approx(clock.error_ns)}" if clock.error_ns is not None else "")})
         self.flows.write_chains(node.chains)
         self.gpu.reserve(self.ids.block)  # after the chains: their arrow ids stay put
         self._stream(corrected(node.events, clock))
@@ -270,6 +291,7 @@ class _NodeExporter:
         evp = self.event_prefix
         flows = self.flows
         anchors, anchors_until, flow_ends = flows.anchors, flows.anchors_until, flows.ends
+        waiting = flows.waiting  # victims' threads whose next call ends an arrow
         ai, next_anchor = 0, anchors[0].ts if anchors else math.inf
         call_codes = _CALL_CODES
         # Launch arrows of imported GPU work: only nodes with GPU rows pay for the check.
@@ -314,10 +336,14 @@ class _NodeExporter:
                     lane = tid
                 else:
                     lane = g.place(ts, end)
+                # A launch recorded with its kernel is named after the kernel.
+                sn = self._kernel(args) or nm if args and '"kernel"' in args else nm
                 emit(f'{{"ph":"X","pid":{pid_},"tid":{lane},"ts":{tsx},'
-                     f'"dur":{dur // 1000}.{dur % 1000:03d},"name":{nm},"cat":"{cat}",'
+                     f'"dur":{dur // 1000}.{dur % 1000:03d},"name":{sn},"cat":"{cat}",'
                      f'"args":{{"op":{nm},"ret":{ret},"bytes":{nbytes}{extra},'
                      f'"event":{evp}{seq}"}}}}')
+                if waiting and tid in waiting:
+                    flows.call_at(tid, lane, ts, dur)
                 if gpu_launch is not None:
                     gpu_launch(seq, lane, ts, dur)
                 if op in call_codes:
@@ -334,7 +360,8 @@ class _NodeExporter:
                 st.instants += 1
                 continue
             else:
-                lane = self._host(kind, op, ts, dur, pid, tid, a0, peer, tsx, extra, evp, seq)
+                lane = self._host(kind, op, ts, dur, pid, tid, a0, peer, tsx, extra, evp, seq,
+                                  ret, nbytes)
             slices += 1
             if flow_ends and seq in flow_ends:
                 flows.end_at(seq, lane, ts, dur)
@@ -348,9 +375,16 @@ class _NodeExporter:
             st.first_ns, st.last_ns = first, last
 
     def _host(self, kind: int, op: int, ts: int, dur: int, pid: int, tid: int, a0: int,
-              peer: int, tsx: str, extra: str, evp: str, seq: int) -> int:
-        """Scheduler, block I/O and IRQ intervals: less frequent than calls."""
-        if kind == K_SCHED:
+              peer: int, tsx: str, extra: str, evp: str, seq: int, ret: int,
+              nbytes: int) -> int:
+        """Scheduler, syscall, block I/O and IRQ intervals: less frequent than calls.
+        ``extra`` is the row's named args, already as JSON members after a comma."""
+        if kind == K_SYSCALL:
+            # Named for the call it is (a0 holds its number); slow syscalls only.
+            name, cat = syscall_name(a0), "syscall"
+            args = f'"op":"syscall","ret":{ret},"bytes":{nbytes}{extra}'
+            group = self.thread(pid, tid)
+        elif kind == K_SCHED:
             state = a0 & 0xFF
             name = "preempted" if state == 0 else "D-state" if state & 2 else "sleeping"
             args = f'"state":"{"R" if state == 0 else "D" if state & 2 else "S"}",' \
@@ -379,6 +413,21 @@ class _NodeExporter:
         """The stack hash and stored args of a row, as extra args."""
         text = f',"stack":"{stack & 0xFFFFFFFFFFFFFFFF:016x}"' if stack else ""
         return text + self._args(args) if args else text
+
+    def _kernel(self, text: str) -> str | None:
+        """The kernel name in a launch's args, as a JSON string (None: none)."""
+        key = "kernel\0" + text
+        got = self.args_cache.get(key)
+        if got is None:
+            try:
+                obj = orjson.loads(text)
+            except orjson.JSONDecodeError:
+                obj = None
+            name = obj.get("kernel") if isinstance(obj, dict) else None
+            got = orjson.dumps(name).decode() if isinstance(name, str) and name else ""
+            if len(self.args_cache) < 4096:
+                self.args_cache[key] = got
+        return got or None
 
     def _args(self, text: str) -> str:
         """A stored args object spliced in: parsed once per distinct text (launches of

@@ -30,8 +30,15 @@ log = logging.getLogger("fleetd.fleet.client")
 # deadline leaves room for it, so retries never delay the answer past the timeout.
 RETRY_BACKOFF_S = (0.1, 0.3)
 RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
-MAX_BODY_BYTES = 256 * 1024 * 1024  # a node's answer beyond this is refused, not buffered
+# A node's answer beyond this is refused as it streams in, never buffered whole. JSON
+# becomes Python objects 10-30x its size, so this bounds the client's memory per node
+# (an agent's own answers stay under its 16 MB query limit).
+MAX_BODY_BYTES = 32 * 1024 * 1024
+TIME_BODY_BYTES = 4 * 1024  # a /api/v1/time answer is under 100 bytes
 ERROR_BODY_BYTES = 64 * 1024  # of a streamed request's error answer, enough for the message
+READ_PIECE = 64 * 1024
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+NAME_CHARS = 253  # a node's self-reported name, as at most a host name
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +46,7 @@ class Failure:
     """Why one node gave no usable answer."""
 
     kind: str  # refused | unreachable | tls | timeout | disconnected | http | bad_json
+    # | too_large
     message: str
     hint: str | None = None
     status: int | None = None  # HTTP status, for kind == "http"
@@ -72,6 +80,7 @@ class ClientOptions:
     concurrency: int = 64  # requests in flight at once, over all nodes
     retries: int = len(RETRY_BACKOFF_S)
     has_client_cert: bool = False  # for hints: is an mTLS rejection about a missing cert?
+    max_answer_bytes: int = MAX_BODY_BYTES  # per request, counted as the body streams in
 
 
 class FleetClient:
@@ -122,8 +131,10 @@ class FleetClient:
             t0 = time.time_ns()
             try:
                 async with session.get(target.url(path), timeout=timeout) as resp:
-                    body = await resp.read()
+                    body = await _read_capped(resp, TIME_BODY_BYTES)
                     t3 = time.time_ns()
+            except NodeFailed:
+                raise
             except Exception as exc:
                 raise NodeFailed(classify(exc, target, self.opts)) from None
         if resp.status != 200:
@@ -202,7 +213,8 @@ class FleetClient:
             try:
                 async with session.request(method, target.url(path), params=params, data=body,
                                            headers=headers, timeout=self._timeout()) as resp:
-                    raw = await _read_capped(resp)
+                    cap = ERROR_BODY_BYTES if resp.status >= 400 else self.opts.max_answer_bytes
+                    raw = await _read_capped(resp, cap)
                     status = resp.status
             except NodeFailed:
                 raise
@@ -210,15 +222,49 @@ class FleetClient:
                 raise NodeFailed(classify(exc, target, self.opts)) from None
         if status >= 400:
             raise NodeFailed(http_failure(status, raw))
-        return parse_json(raw)
+        reply = parse_json(raw)
+        if self.remaining() <= 0:
+            # Parsing runs on the loop, where no timer can stop it: check afterwards.
+            raise NodeFailed(Failure("timeout", f"{target.address}'s answer took past the "
+                                     f"{self.opts.timeout_s:g} s timeout to read",
+                                     "lower --limit or narrow the query"))
+        return reply
 
 
-async def _read_capped(resp: aiohttp.ClientResponse) -> bytes:
-    if resp.content_length is not None and resp.content_length > MAX_BODY_BYTES:
-        raise NodeFailed(Failure("bad_json", f"answer of {resp.content_length} bytes is "
-                                 f"over the client's {MAX_BODY_BYTES} byte limit",
-                                 "lower --limit or narrow the query"))
-    return await resp.read()
+async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The body, refused as soon as it passes ``cap`` bytes, whatever Content-Length
+    claims (a chunked answer has none)."""
+    if resp.content_length is not None and resp.content_length > cap:
+        raise NodeFailed(_too_big(resp.content_length, cap))
+    buf = bytearray()
+    async for piece in resp.content.iter_chunked(READ_PIECE):
+        buf += piece
+        if len(buf) > cap:
+            raise NodeFailed(_too_big(len(buf), cap, more=True))
+    return bytes(buf)
+
+
+def _too_big(size: int, cap: int, *, more: bool = False) -> Failure:
+    return Failure("too_large", f"answer of {size}{'+' if more else ''} bytes is over the "
+                   f"client's {cap} byte limit for one answer",
+                   "lower --limit or narrow the query")
+
+
+def printable(value: object, limit: int = 1000) -> str:
+    """A string from a node, safe to print: control characters (escape sequences,
+    newlines that could forge a line) become '?', and it is cut to ``limit``."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return text if text.isprintable() else "".join(c if c.isprintable() else "?"
+                                                   for c in text)
+
+
+def valid_int(value: object, low: int = INT64_MIN, high: int = INT64_MAX) -> int | None:
+    """``value`` when it is a JSON integer within [low, high], else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+        return value
+    return None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -242,10 +288,10 @@ def http_failure(status: int, raw: bytes) -> Failure:
         err = {}
     if not isinstance(err, dict):
         err = {}
-    code = str(err.get("code") or "")
-    message = str(err.get("message") or raw[:120].decode("utf-8", "replace").strip()
-                  or "no error message")
-    hint = err.get("hint")
+    code = printable(err.get("code") or "", 40)
+    message = printable(err.get("message") or raw[:120].decode("utf-8", "replace").strip()
+                        or "no error message", 500)
+    hint = printable(err["hint"], 500) if err.get("hint") else None
     if status == 401 and not hint:
         hint = "pass the fleet's bearer token with --token-file"
     return Failure("http", f"HTTP {status}{f' {code}' if code else ''}: {message}",

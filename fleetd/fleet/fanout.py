@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -18,7 +19,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetd.fleet import skew as skewmod
-from fleetd.fleet.client import ClientOptions, Failure, FleetClient, NodeFailed
+from fleetd.fleet.client import (
+    INT64_MAX,
+    INT64_MIN,
+    NAME_CHARS,
+    ClientOptions,
+    Failure,
+    FleetClient,
+    NodeFailed,
+    printable,
+)
 from fleetd.fleet.combine import NodeWarning
 from fleetd.fleet.skew import Skew
 from fleetd.fleet.targets import Target
@@ -46,6 +56,9 @@ class Request:
     params: dict[str, str] | None = None
     body: dict[str, Any] | None = None
     expect: tuple[str, ...] = ()  # keys the answer must have
+    # Checks (and may trim) the answer, raising NodeFailed for one that is not usable;
+    # without one, every number in it must be one JSON tools can carry.
+    check: Callable[[dict[str, Any]], None] | None = None
 
 
 # offset (node clock minus ours, ns; 0 when unknown or not corrected) -> the requests
@@ -211,7 +224,36 @@ async def _send(client: FleetClient, t: Target, r: Request) -> dict[str, Any]:
                                  f"{', '.join(missing)}",
                                  "is the agent a different fleetd version? compare "
                                  "/api/v1/health versions"))
+    if r.check is not None:
+        r.check(reply)
+    else:
+        check_numbers(reply, f"{t.address}{r.path}")
     return reply
+
+
+def bad_value(where: str, what: str) -> NodeFailed:
+    return NodeFailed(Failure("bad_json", f"{where} answered {what}",
+                              "is this a fleetd agent, and an unmodified one?"))
+
+
+def check_numbers(obj: Any, where: str) -> None:
+    """Every integer in ``obj`` fits in 64 bits and every float is finite: a node's
+    value beyond that (1e300 where nanoseconds belong, 2**70) would fail far from here,
+    when the merged answer is printed, and take the healthy nodes' rows with it."""
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, bool) or v is None or isinstance(v, str):
+            continue
+        elif isinstance(v, int):
+            if not INT64_MIN <= v <= INT64_MAX:
+                raise bad_value(where, f"an integer beyond 64 bits ({printable(v, 30)})")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise bad_value(where, f"a number that is not finite ({v})")
 
 
 def _name_nodes(answer: FleetAnswer) -> None:
@@ -220,7 +262,8 @@ def _name_nodes(answer: FleetAnswer) -> None:
         for reply in o.replies or ():
             node = reply.get("node")
             if isinstance(node, str) and node:
-                o.name = node
+                # Self-reported, so printed only once made harmless for a terminal.
+                o.name = printable(node, NAME_CHARS)
                 break
     counts = Counter(o.name for o in answer.outcomes)
     for o in answer.outcomes:

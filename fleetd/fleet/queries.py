@@ -8,7 +8,8 @@ node's clock offset, merges, and returns a :class:`FleetResult`: the JSON object
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,9 +17,16 @@ from fleetd.analyze import stragglers
 from fleetd.analyze.chains import SEVERITY_RANK
 from fleetd.analyze.window import WindowSpec
 from fleetd.errors import QueryError
-from fleetd.fleet.client import FleetClient
+from fleetd.fleet.client import INT64_MAX, INT64_MIN, Failure, FleetClient, printable
 from fleetd.fleet.combine import Merged, NodeRows, NodeWarning, merge, reduce
-from fleetd.fleet.fanout import FleetAnswer, FleetOptions, NodeOutcome, Request, fan_out
+from fleetd.fleet.fanout import (
+    FleetAnswer,
+    FleetOptions,
+    NodeOutcome,
+    Request,
+    bad_value,
+    fan_out,
+)
 from fleetd.fleet.skew import correct_obj, correct_rows
 from fleetd.runner import run_loop
 
@@ -105,7 +113,41 @@ def _query_request(spec: QuerySpec, offset_ns: int) -> Request:
         body["max_rows"] = spec.max_rows
     if spec.timeout_s is not None:
         body["timeout_s"] = spec.timeout_s
-    return Request("POST", "/api/v1/query", body=body, expect=("columns", "rows"))
+    return Request("POST", "/api/v1/query", body=body, expect=("columns", "rows"),
+                   check=lambda reply: check_rows(reply, spec.max_rows))
+
+
+def check_rows(reply: dict[str, Any], max_rows: int | None) -> None:
+    """A node's query answer, made safe to merge, in place: at most ``max_rows`` rows
+    (a node that ignores the limit is cut, and its answer marked truncated), every row
+    as wide as the columns, every cell a value SQLite can hold, column names printable.
+    Anything else fails this node only."""
+    where = "a query"
+    columns, rows = reply.get("columns"), reply.get("rows")
+    if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
+        raise bad_value(where, "columns that are not a list of names")
+    if not isinstance(rows, list):
+        raise bad_value(where, "rows that are not a list")
+    if max_rows is not None and len(rows) > max_rows:
+        del rows[max_rows:]
+        reply["truncated"], reply["truncated_reason"] = True, "rows"
+    for row in rows:
+        if not isinstance(row, list) or len(row) != len(columns):
+            raise bad_value(where, f"a row that is not a list of {len(columns)} values")
+        for cell in row:
+            if not _is_cell(cell):
+                raise bad_value(where, f"a value SQLite cannot hold ({printable(cell, 40)})")
+    reply["columns"] = [printable(c, 200) for c in columns]
+    reason = reply.get("truncated_reason")
+    reply["truncated_reason"] = reason if reason in ("rows", "bytes") else None
+
+
+def _is_cell(v: Any) -> bool:
+    if v is None or isinstance(v, str | bool):
+        return True
+    if isinstance(v, int):
+        return INT64_MIN <= v <= INT64_MAX
+    return isinstance(v, float) and math.isfinite(v)
 
 
 def _node_rows(answer: FleetAnswer, o: NodeOutcome) -> NodeRows:
@@ -222,10 +264,10 @@ def overview(opts: FleetOptions, window: WindowSpec) -> FleetResult:
 
 
 def stacks(opts: FleetOptions, window: WindowSpec, op: str | None, pid: int | None,
-           top_n: int, frames_n: int) -> FleetResult:
+           top_n: int, frames_n: int, min_dur_ns: int = 0) -> FleetResult:
     """Every node's heaviest recorded stacks (``GET /api/v1/stacks``), heaviest first."""
     params = {k: str(v) for k, v in (("op", op), ("pid", pid), ("top_n", top_n),
-                                     ("frames_n", frames_n)) if v}
+                                     ("frames_n", frames_n), ("min_dur_ns", min_dur_ns)) if v}
     result = _per_node(opts, window, "/api/v1/stacks", params, "stacks")
     found = [dict(s, node=n["node"]) for n in result.obj["nodes"]
              for s in n.get("stacks") or [] if isinstance(s, dict)]
@@ -255,9 +297,12 @@ def gpu(opts: FleetOptions, window: WindowSpec, pid: int | None, steps: bool,
         params["pid"] = str(pid)
     if steps:
         params["steps"] = "1"
-    result = _per_node(opts, window, "/api/v1/gpu", params, "ranks")
+    result = _per_node(opts, window, "/api/v1/gpu", params, "ranks", _checked_gpu)
     nodes = result.obj["nodes"]
-    ranks = [r for n in nodes for r in n.get("ranks") or [] if isinstance(r, dict)]
+    for n in nodes:  # a rank is named by the node that answered, not by what it claims
+        for r in n["ranks"]:
+            r["node"] = n["node"]
+    ranks = [r for n in nodes for r in n["ranks"]]
     result.obj["ranks"] = ranks
     result.obj["kernels"] = sorted(
         (dict(k, node=n["node"]) for n in nodes for k in n.get("kernels") or []
@@ -266,16 +311,26 @@ def gpu(opts: FleetOptions, window: WindowSpec, pid: int | None, steps: bool,
     return result
 
 
+def _checked_gpu(reply: dict[str, Any]) -> dict[str, Any]:
+    from fleetd.fleet.gpureply import check_gpu_reply
+
+    return check_gpu_reply(reply)
+
+
 def _per_node(opts: FleetOptions, window: WindowSpec, path: str, extra: dict[str, str],
-              expect: str) -> FleetResult:
+              expect: str, check: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+              ) -> FleetResult:
     """One GET per node in the window; each answer tagged with its node and moved into
-    our clock, the nodes' window warnings added to the fan-out's."""
+    our clock, the nodes' window warnings added to the fan-out's. ``check`` rebuilds an
+    answer from validated values or raises ValueError: that node then counts as failed."""
     window.validate()
     answer: FleetAnswer = run_loop(fan_out(
         opts, lambda off: [Request("GET", path, {**window.params(off), **extra},
                                    expect=(expect,))],
         needs_offset=window.absolute))
     raise_if_user_error(answer)
+    if check is not None:
+        _reject_bad(answer, path, check)
     nodes = []
     for o in answer.answered:
         assert o.replies is not None
@@ -284,6 +339,21 @@ def _per_node(opts: FleetOptions, window: WindowSpec, path: str, extra: dict[str
                             for w in reply.get("warnings") or []]
         nodes.append(reply)
     return FleetResult(answer, {"nodes": nodes, **_base(answer)})
+
+
+def _reject_bad(answer: FleetAnswer, path: str,
+                check: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Replace each answer by its checked form; a node whose answer fails is a failure."""
+    for o in answer.answered:
+        assert o.replies is not None
+        try:
+            o.replies = [check(o.replies[0]), *o.replies[1:]]
+        except ValueError as exc:
+            o.replies = None
+            o.failure = Failure("bad_json", f"{o.target.address}{path} answered a malformed "
+                                f"reply ({exc})", "is the agent a different fleetd version? "
+                                "compare /api/v1/health versions")
+            answer.warnings.append(NodeWarning(o.name, o.failure.text(), "bad_json"))
 
 
 def _number(value: Any) -> float:

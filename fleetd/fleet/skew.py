@@ -28,7 +28,15 @@ from typing import Any
 
 import orjson
 
-from fleetd.fleet.client import Failure, FleetClient, NodeFailed
+from fleetd.fleet.client import (
+    INT64_MAX,
+    NAME_CHARS,
+    Failure,
+    FleetClient,
+    NodeFailed,
+    printable,
+    valid_int,
+)
 from fleetd.fleet.targets import Target
 from fleetd.store.timeparse import format_ns
 
@@ -109,13 +117,27 @@ async def sample(client: FleetClient, target: Target, n: int = SAMPLES
         try:
             t0, t3, body = await client.get_raw(target, "/api/v1/time")
             obj = orjson.loads(body)
-            samples.append(Sample(t0, int(obj["t1_ns"]), int(obj["t2_ns"]), t3))
-            name = str(obj.get("node") or "") or name
+            samples.append(_sample(t0, obj, t3))
+            node = obj.get("node")
+            name = printable(node, NAME_CHARS) if isinstance(node, str) and node else name
         except NodeFailed as exc:
             return samples, name, exc.failure
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-            return samples, name, Failure("bad_json", f"bad /api/v1/time answer: {exc}")
+        except (orjson.JSONDecodeError, AttributeError, ValueError) as exc:
+            return samples, name, Failure("bad_json", f"bad /api/v1/time answer: "
+                                          f"{printable(exc, 200)}")
     return samples, name, None
+
+
+def _sample(t0: int, obj: dict[str, Any], t3: int) -> Sample:
+    """A sample from a node's answer, whose times must be integer ns the node can have
+    taken: anything else (1e300, a string, t2 before t1) is not a clock reading."""
+    t1 = valid_int(obj.get("t1_ns"), 0, INT64_MAX)
+    t2 = valid_int(obj.get("t2_ns"), 0, INT64_MAX)
+    if t1 is None or t2 is None or t2 < t1:
+        raise ValueError(f"t1_ns={printable(obj.get('t1_ns'), 40)}, "
+                         f"t2_ns={printable(obj.get('t2_ns'), 40)} are not two ordered "
+                         "integer nanosecond times")
+    return Sample(t0, t1, t2, t3)
 
 
 # ---- correction -----------------------------------------------------------------------

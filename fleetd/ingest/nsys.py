@@ -33,7 +33,7 @@ from fleetd.ingest.session import (
     open_sqlite,
 )
 from fleetd.store.catalog import BY_NAME
-from fleetd.store.imports import ANNOTATION_KINDS, GPU_KINDS
+from fleetd.store.imports import ANNOTATION_KINDS, GPU_KINDS, STATE_NOT_RECORDED
 
 KERNELS = "CUPTI_ACTIVITY_KIND_KERNEL"
 RUNTIME = ("CUPTI_ACTIVITY_KIND_RUNTIME", "CUPTI_ACTIVITY_KIND_DRIVER")
@@ -43,7 +43,19 @@ SYNC = "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION"
 _OFF_CPU = BY_NAME["off_cpu"].code
 _RUNQ = BY_NAME["runq_wait"].code
 _SYSCALL = BY_NAME["syscall"].code
-_RUNNING_STATE = 1  # ENUM_SAMPLING_THREAD_STATE: switched out while runnable = preempted
+# nsys's thread states (ENUM_SAMPLING_THREAD_STATE labels) as the Linux task-state bits
+# the analyzers read from an off-CPU event's a0 (prev_state): 0 = still runnable
+# (preempted: a run-queue wait), 1 = TASK_INTERRUPTIBLE (S), 2 = TASK_UNINTERRUPTIBLE (D),
+# 4 = __TASK_STOPPED, 0x10 = EXIT_DEAD. A state nsys did not record ("Unknown", which is
+# what Linux exports mostly write) and the Windows-only states become S, a sleep, marked
+# STATE_NOT_RECORDED: reading them as 0 would call every such switch a preemption, which
+# nothing in the file says.
+_LINUX_STATE = {"Running": 0, "Interruptible": 1, "Uninterruptible": 2, "Stopped": 4,
+                "Terminated": 0x10, "Waiting": 1}
+ASSUMED_SLEEP = 1 | STATE_NOT_RECORDED  # docs/schema.md, "Imported traces"
+# The ids of nsys 2021-2024, for an export without the enum table.
+_STATE_IDS = {0: "Unknown", 1: "Running", 2: "Interruptible", 3: "Uninterruptible",
+              4: "Stopped", 5: "Terminated", 6: "Unscheduled", 7: "Waiting"}
 _NVTX_RANGES = (59, 60, 70, 71)  # push/pop and start/end ranges (domain variants too)
 _ENV_RANK = re.compile(r"(?:^|;)(RANK|PMI_RANK|OMPI_COMM_WORLD_RANK|SLURM_PROCID)=(\d+)")
 _ENV_SIZE = re.compile(r"(?:^|;)(WORLD_SIZE|PMI_SIZE|OMPI_COMM_WORLD_SIZE|SLURM_NTASKS)=(\d+)")
@@ -283,28 +295,46 @@ def _osrt(ex: _Export, batch: Any, offset: int, parsed: Parsed) -> None:
     parsed.counts["osrt"] = n
 
 
+def _thread_states(ex: _Export) -> dict[int, str]:
+    """nsys's thread-state ids by label, from the export's own enum table when it has one."""
+    found = {int(i): str(label) for i, label in ex.rows(
+        "SELECT id, name FROM ENUM_SAMPLING_THREAD_STATE")} if ex.has(
+        "ENUM_SAMPLING_THREAD_STATE") else {}
+    return found or dict(_STATE_IDS)
+
+
 def _sched(ex: _Export, batch: Any, offset: int, parsed: Parsed) -> None:
     """Switch-out then switch-in of one thread: an interval off the CPU (or waiting for it,
-    when it left while still runnable)."""
+    when it left while still runnable), its nsys thread state as Linux state bits in a0."""
     if not ex.has("SCHED_EVENTS"):
         return
-    out: dict[int, tuple[int, int]] = {}  # globalTid -> (switched out at, state)
-    n = 0
+    labels = _thread_states(ex)
+    out: dict[int, tuple[int, str]] = {}  # globalTid -> (switched out at, state label)
+    by_label: dict[str, int] = {}
     for start, is_in, gtid, state in ex.rows(
             "SELECT start, isSchedIn, globalTid, threadState FROM SCHED_EVENTS "
             "ORDER BY start"):
         t, g = _int(start, "SCHED_EVENTS.start", ex.src), _int(gtid, "globalTid", ex.src)
         if not is_in:
-            out[g] = (t, _int(state, "threadState", ex.src))
+            code = _int(state, "threadState", ex.src)
+            out[g] = (t, labels.get(code, f"state {code}"))
             continue
         left = out.pop(g, None)
         if left is None:
             continue
-        op = _RUNQ if left[1] == _RUNNING_STATE else _OFF_CPU
-        batch.events.append((left[0] + offset, t - left[0], _pid(g), _tid(g), op, 0, 0, 0,
-                             left[1], 0, 0))
-        n += 1
-    parsed.counts["sched"] = n
+        bits = _LINUX_STATE.get(left[1], ASSUMED_SLEEP)
+        batch.events.append((left[0] + offset, t - left[0], _pid(g), _tid(g),
+                             _RUNQ if bits == 0 else _OFF_CPU, 0, 0, 0, bits, 0, 0))
+        by_label[left[1]] = by_label.get(left[1], 0) + 1
+    parsed.counts["sched"] = sum(by_label.values())
+    batch.source["sched_states"] = dict(sorted(by_label.items()))
+    guessed = sum(n for label, n in by_label.items() if label not in _LINUX_STATE)
+    if guessed:
+        parsed.warnings.append(
+            f"{guessed} of {parsed.counts['sched']} scheduler switch-outs carry no Linux "
+            "thread state in the export (nsys: " + ", ".join(
+                sorted(label for label in by_label if label not in _LINUX_STATE)) +
+            "): imported as sleeps (S), never as preemptions")
 
 
 def _processes(ex: _Export, batch: Any) -> None:

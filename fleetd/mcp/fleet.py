@@ -36,7 +36,7 @@ from fleetd.runner import run_loop
 
 log = logging.getLogger("fleetd.mcp.fleet")
 
-ACTIONS = ("chains", "sql", "ops", "overview", "stragglers", "stacks", "graphs")
+ACTIONS = ("chains", "sql", "ops", "overview", "stragglers", "stacks", "graphs", "gpu")
 STACK_FRAMES = 16  # frames per stack, innermost first (as get_stacks)
 GRAPH_BUCKETS = 20  # timeline buckets per process (as graph_lifecycle)
 STRAGGLER_CHAINS = 3  # chains shown as the "why" of each flagged node
@@ -87,6 +87,8 @@ class FleetBackend:
             return self._stacks(window, op, pid, top_n)
         if action == "graphs":
             return self._graphs(window, pid)
+        if action == "gpu":
+            return self._gpu(window, pid, top_n)
         raise UsageError(f"unknown action {action!r}", f"use one of: {', '.join(ACTIONS)}")
 
     def export(self, name: str | None, window: WindowSpec, pid: int | None,
@@ -168,6 +170,22 @@ class FleetBackend:
         out = {**header(result.answer), "processes": procs}
         if not procs:
             out["note"] = "no CUDA graph call (capture, instantiate, launch) on any node"
+        return out
+
+    def _gpu(self, window: WindowSpec, pid: int | None, top_n: int) -> dict[str, Any]:
+        """Every node's imported GPU ranks side by side (``fleetd gpu --nodes``), the
+        slowest flagged; kernel names come from the profiled programs, marked as data."""
+        from fleetd.analyze.gpu import NOTE_NO_GPU, THRESHOLDS
+
+        result = queries.gpu(self.opts, window, pid, False, dict(THRESHOLDS))
+        obj = result.obj
+        kernels = obj.get("kernels") or []
+        ranks = obj.get("ranks") or []
+        out = {**header(result.answer), "ranks": ranks, "straggler": obj.get("straggler"),
+               "kernels": [{**k, "name": untrusted(k["name"])} for k in kernels[:top_n]],
+               **shown("kernels", len(kernels), top_n)}
+        if not ranks:
+            out["note"] = NOTE_NO_GPU
         return out
 
     def _names(self) -> list[str]:

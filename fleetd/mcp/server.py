@@ -331,13 +331,15 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
 def _fleet_tools(server: MCPServer, b: FleetBackend, answers: Answers) -> None:
     def query_fleet(
         action: Annotated[Literal["chains", "sql", "ops", "overview", "stragglers", "stacks",
-                                  "graphs"], Field(
+                                  "graphs", "gpu"], Field(
             description="overview: per-node events, chain counts, verdict; stragglers: "
             "nodes slower than their peers, each with its own top chains; chains: every "
             "node's causal chains, most severe first; ops: per-op latency stats of every "
             "node; sql: one read-only SELECT on every node, rows led by a node column; "
             "stacks: the heaviest recorded call stacks of CUDA calls on every node (op "
-            "narrows them); graphs: CUDA graph capture/instantiate/launch per process")],
+            "narrows them); graphs: CUDA graph capture/instantiate/launch per process; "
+            "gpu: imported GPU timelines per rank (idle/compute/comm shares, launch delay, "
+            "TKLQT, the M1-M5 host-overhead verdict, steps), the slowest rank flagged")],
         since: Since = None, start: Start = None, end: End = None, pid: Pid = None,
         sql: Annotated[str | None, Field(description="for action sql: the SELECT (same "
                                          "views as a node database: events, chains, "
@@ -346,8 +348,8 @@ def _fleet_tools(server: MCPServer, b: FleetBackend, answers: Answers) -> None:
         max_rows: Annotated[int, Field(ge=1, le=1000, description="sql: rows per "
                                        "node")] = 100,
         per_process: Annotated[bool, Field(description="ops: one row per process")] = False,
-        top_n: Annotated[int, Field(ge=1, le=500, description="chains or ops rows to "
-                                    "return")] = 10,
+        top_n: Annotated[int, Field(ge=1, le=500, description="chains, ops or gpu kernel "
+                                    "rows to return")] = 10,
         evidence_n: Annotated[int, Field(ge=0, le=100, description="evidence items per "
                                          "chain")] = 5,
         op: Annotated[str | None, Field(description="stacks: only calls of this CUDA op, "

@@ -22,10 +22,11 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from fleetd.config import parse_hostport
+from fleetd.config import Config, parse_hostport
 from fleetd.errors import ConfigError
 from fleetd.node.analysis import ROUTES as ANALYSIS_ROUTES
 from fleetd.node.api import NodeState, make_app
+from fleetd.node.conns import ConnLimits, Gate, GuardedHandler
 from fleetd.node.metrics import SOURCES, Sources, metrics
 from fleetd.node.readers import ReaderPool
 from fleetd.runner import run_loop
@@ -61,6 +62,10 @@ class AgentSettings:
     limits: Limits = field(default_factory=Limits)
     max_body_bytes: int = 64 * 1024
     max_concurrent_queries: int = 8
+    max_queries_per_client: int | None = None  # None: half of max_concurrent_queries
+    conns: ConnLimits = field(default_factory=ConnLimits)
+    body_timeout_s: float = 30.0
+    relay_nodes: frozenset[str] = frozenset()  # node certificates allowed to query
     store_max_bytes: int | None = None
     tracer: TracerFactory | None = None  # None: serve the database only
     self_signed_dir: Path | None = None
@@ -69,6 +74,29 @@ class AgentSettings:
 
 
 WRITER = web.AppKey("writer", BatchWriter)
+
+
+def hardening(cfg: Config) -> dict[str, Any]:
+    """The :class:`AgentSettings` fields that bound what clients may hold, from the
+    config's ``limits`` and ``tls`` (each checked positive)."""
+    lim = cfg.limits
+    for key in ("max_connections", "max_connections_per_source", "handshake_timeout_s",
+                "header_timeout_s", "body_timeout_s"):
+        if getattr(lim, key) <= 0:
+            raise ConfigError(f"limits.{key} must be positive, got {getattr(lim, key)!r}",
+                              "see configs/README.md for the defaults")
+    if lim.max_queries_per_client < 0:
+        raise ConfigError("limits.max_queries_per_client must be 0 (half) or positive",
+                          "see configs/README.md")
+    return {
+        "max_queries_per_client": lim.max_queries_per_client or None,
+        "conns": ConnLimits(max_total=lim.max_connections,
+                            max_per_source=lim.max_connections_per_source,
+                            handshake_timeout_s=lim.handshake_timeout_s,
+                            header_timeout_s=lim.header_timeout_s),
+        "body_timeout_s": lim.body_timeout_s,
+        "relay_nodes": frozenset(cfg.tls.relay_nodes),
+    }
 
 
 def build_ssl(s: AgentSettings, host: str) -> tuple[ssl.SSLContext | None, str | None]:
@@ -129,7 +157,8 @@ def served_node(db: Path) -> str | None:
 
 
 def build_app(s: AgentSettings, state: NodeState) -> web.Application:
-    readers = ReaderPool(s.db, s.limits, s.max_concurrent_queries)
+    readers = ReaderPool(s.db, s.limits, s.max_concurrent_queries,
+                         per_client=s.max_queries_per_client)
     app = make_app(state, readers, max_body_bytes=s.max_body_bytes,
                    extra_routes=[web.get("/metrics", metrics), *ANALYSIS_ROUTES,
                                  *s.extra_routes])
@@ -176,11 +205,12 @@ async def serve(s: AgentSettings) -> int:
     host, port = parse_hostport(s.listen, "listen address")
     ssl_ctx, fp = build_ssl(s, host)
     _prepare_db(s)
-    state = NodeState(node=s.node, token=s.token)
+    state = NodeState(node=s.node, token=s.token, relay_nodes=s.relay_nodes,
+                      body_timeout_s=s.body_timeout_s)
     app = build_app(s, state)
-    if ssl_ctx is not None:
-        alerts = tls.AlertCounter(ssl_ctx)
-        app[SOURCES].tls_failures = lambda: alerts.count
+    gate = Gate(s.conns, ssl_ctx)
+    app[SOURCES].conns = gate.stats
+    app[SOURCES].client_refusals = lambda: state.client_refusals
     loop = asyncio.get_running_loop()
 
     stop = asyncio.Event()
@@ -199,16 +229,19 @@ async def serve(s: AgentSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
 
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    runner = web.AppRunner(app, handle_signals=False, **HANDLER_KWARGS)
     await runner.setup()  # enters the cleanup contexts: writer, tracer, readers
+    accepting: asyncio.Task[None] | None = None
     try:
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_ctx, reuse_address=True)
-        try:
-            await site.start()
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on {s.listen}: {exc.strerror}",
-                              "pick a free port with --listen HOST:PORT") from None
-        bound = _bound_port(runner) or port
+        lsock = _listen(host, port, s.listen)
+        bound = int(lsock.getsockname()[1])
+        server = runner.server
+        assert server is not None  # set up above
+
+        def factory() -> GuardedHandler:
+            return GuardedHandler(server, loop=loop, **HANDLER_KWARGS)
+
+        accepting = loop.create_task(gate.accept_forever(lsock, factory))
         info = {"node": s.node, "listen": f"{host}:{bound}", "scheme": "http" if ssl_ctx is None
                 else "https", "fingerprint": fp, "pid": os.getpid(), "db": str(s.db)}
         _announce(info)
@@ -216,15 +249,42 @@ async def serve(s: AgentSettings) -> int:
             s.ready(info)
         await stop.wait()
     finally:
+        if accepting is not None:
+            accepting.cancel()
+            await asyncio.gather(accepting, return_exceptions=True)
+            lsock.close()
+        await gate.close()
         await runner.cleanup()
     return 0
 
 
-def _bound_port(runner: web.AppRunner) -> int | None:
-    for addr in runner.addresses:
-        if isinstance(addr, tuple) and len(addr) >= 2:
-            return int(addr[1])
-    return None
+# Given to aiohttp's request handler of every connection. An idle keep-alive connection
+# is closed after 15 s (a descriptor is worth more than a saved handshake), and the
+# unread rest of a refused body is never read.
+HANDLER_KWARGS: dict[str, Any] = {"access_log": None, "keepalive_timeout": 15.0,
+                                  "lingering_time": 0.0}
+LISTEN_BACKLOG = 128
+
+
+def _listen(host: str, port: int, listen: str) -> socket.socket:
+    """The listening socket; connections are accepted by :class:`Gate`, not aiohttp."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {listen}: {exc.strerror or exc}",
+                          "pick a free port with --listen HOST:PORT") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {listen}: {exc.strerror}",
+                          "pick a free port with --listen HOST:PORT") from None
+    return sock
 
 
 def _announce(info: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
 from fleetd.analyze.stacks import op_code
 from fleetd.analyze.window import WindowSpec
 from fleetd.errors import FleetdError, QueryError
-from fleetd.node.api import READERS, STATE, json_response
+from fleetd.node.api import INT64_MAX, READERS, STATE, client_of, json_response
 
 MAX_TOP_N = 1000  # stacks per answer
 MAX_FRAMES = 128  # frames per stack
@@ -33,9 +33,10 @@ def _int_param(q: Any, name: str, limit: int | None = None) -> int | None:
         value = int(text)
     except ValueError:
         value = 0
-    if value <= 0 or (limit is not None and value > limit):
-        bound = f" no larger than {limit}" if limit is not None else ""
-        raise QueryError(f"{name}={text!r} must be a positive integer{bound}", None,
+    top = INT64_MAX if limit is None else limit  # beyond 64 bits SQLite cannot bind it
+    if value <= 0 or value > top:
+        bound = f" no larger than {top}"
+        raise QueryError(f"{name}={text[:40]!r} must be a positive integer{bound}", None,
                          code="bad_request")
     return value
 
@@ -56,7 +57,8 @@ async def _run(request: web.Request, job: Job) -> web.StreamResponse:
     def go(conn: sqlite3.Connection) -> dict[str, Any]:
         return job(Analysis(conn, spec.resolve_request(conn), node), node)
 
-    result = await readers.run(lambda db: db.analyze(go, ANALYSIS_TIMEOUT_S))
+    result = await readers.run(lambda db: db.analyze(go, ANALYSIS_TIMEOUT_S),
+                               client_of(request))
     return json_response(result)
 
 
@@ -99,6 +101,7 @@ async def stacks(request: web.Request) -> web.StreamResponse:
     pid = _int_param(q, "pid")
     top_n = _int_param(q, "top_n", MAX_TOP_N) or 10
     frames_n = _int_param(q, "frames_n", MAX_FRAMES) or 16
+    min_dur_ns = _int_param(q, "min_dur_ns") or 0
     op = q.get("op") or None
     if op is not None:
         try:
@@ -107,7 +110,7 @@ async def stacks(request: web.Request) -> web.StreamResponse:
             raise _bad_request(exc) from None
 
     def go(a: Analysis, node: str) -> dict[str, Any]:
-        out = a.stacks(op, pid, top_n, frames_n)
+        out = a.stacks(op, pid, top_n, frames_n, min_dur_ns=min_dur_ns)
         out["stacks"] = out["stacks"][:top_n]
         return {"node": node, **out}
 

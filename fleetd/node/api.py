@@ -7,6 +7,7 @@ Analysis endpoints (ops, chains, overview, profile) are plugged in by the agent 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -19,8 +20,10 @@ from aiohttp import web
 
 from fleetd import __version__
 from fleetd.errors import FleetdError, QueryError
+from fleetd.node.conns import GuardedHandler
 from fleetd.node.readers import ReaderPool
-from fleetd.security.tls import token_ok
+from fleetd.security.certs import peer_role
+from fleetd.security.tls import client_refusal, token_ok
 from fleetd.store.guard import Limits, QueryResult, SafeDB
 from fleetd.store.schema import SCHEMA_VERSION
 
@@ -37,6 +40,9 @@ EVENT_COLUMNS = (
     "peer_comm, a0, a1, stack, args, rank, rowkey"
 )
 EVENTS_PAGE = 2_000
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what SQLite stores and compares
+_CLOSE = "fleetd.close"  # request key: answer, then close the connection
+CLIENT = "fleetd.client"  # request key: who asks, for the per-client reader share
 QUERY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -53,6 +59,10 @@ class NodeState:
     query_seconds: float = 0.0
     query_hist: list[int] = field(default_factory=lambda: [0] * len(QUERY_BUCKETS_S))
     status: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    relay_nodes: frozenset[str] = frozenset()  # node certificates allowed to query
+    client_refusals: int = 0  # certificates refused as clients (node, no role, no EKU)
+    body_timeout_s: float = 30.0  # a request body must arrive within this
+    max_body_bytes: int = 64 * 1024
 
 
 READERS = web.AppKey("readers", ReaderPool)
@@ -81,6 +91,16 @@ def _plain(value: Any) -> Any:
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure leaves as a JSON error with a fitting status; nothing leaks a traceback."""
+    resp = await _answer_errors(request, handler)
+    if request.get(_CLOSE) or resp.status == 413:
+        # Do not read (or linger over) the rest of a body we refused or gave up on.
+        resp.force_close()
+        if isinstance(request.protocol, GuardedHandler):
+            request.protocol.abort_soon()
+    return resp
+
+
+async def _answer_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except QueryError as exc:
@@ -123,6 +143,55 @@ def token_middleware(token: str | None) -> Any:
     return check
 
 
+def peer_middleware(state: NodeState) -> Any:
+    """Marks each request's start and end for the connection's header deadline, names
+    the client (certificate CN, else address) and refuses certificates not issued for
+    client use (a node's, unless it may relay)."""
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        conn = request.protocol if isinstance(request.protocol, GuardedHandler) else None
+        if conn is not None:
+            conn.request_started()
+        try:
+            refusal = _identify(request, conn, state.relay_nodes)
+            if refusal is not None:
+                state.client_refusals += 1
+                resp = error_response("forbidden", f"refused: {refusal}",
+                                      "query with a client certificate: fleetd certs "
+                                      "issue-client NAME (or list the node under "
+                                      "tls.relay_nodes in the agent's fleetd.yaml)")
+                resp.force_close()
+                return resp
+            return await handler(request)
+        finally:
+            if conn is not None:
+                conn.request_done()
+
+    return check
+
+
+def _identify(request: web.Request, conn: GuardedHandler | None,
+              relay: frozenset[str]) -> str | None:
+    """Set request[CLIENT]; return why this client is refused, or None."""
+    if conn is not None and conn.peer is not None:
+        request[CLIENT] = conn.peer
+        return conn.refusal
+    peer, refusal = f"addr:{request.remote or '?'}", None
+    ssl_object = request.transport.get_extra_info("ssl_object") if request.transport else None
+    der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    if der:
+        refusal = client_refusal(der, relay)
+        peer = f"cert:{peer_role(der).name}"
+    if conn is not None:
+        conn.peer, conn.refusal = peer, refusal
+    request[CLIENT] = peer
+    return refusal
+
+
+def client_of(request: web.Request) -> str:
+    return str(request.get(CLIENT) or f"addr:{request.remote or '?'}")
+
+
 # ---- handlers -------------------------------------------------------------------------
 
 
@@ -144,7 +213,21 @@ async def clock(request: web.Request) -> web.StreamResponse:
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
+    st = request.app[STATE]
+    declared = request.content_length
+    if declared is not None and declared > st.max_body_bytes:
+        # Refuse on the header alone: reading 100 MB to say "too large" is the attack.
+        raise QueryError(f"request body of {declared} bytes is over the limit of "
+                         f"{st.max_body_bytes}", "send a smaller body", code="too_large")
+    try:
+        async with asyncio.timeout(st.body_timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        request[_CLOSE] = True
+        if isinstance(request.protocol, GuardedHandler) and request.protocol.gate:
+            request.protocol.gate.stats.slow_closed += 1
+        raise QueryError(f"request body not received within {st.body_timeout_s:g} s",
+                         "send the whole body at once", code="timeout") from None
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -183,7 +266,8 @@ async def query(request: web.Request) -> web.StreamResponse:
     limits = _limits_from(body, readers.limits)
     started = time.perf_counter()
     try:
-        result: QueryResult = await readers.run(lambda db: db.query(sql, params, limits))
+        result: QueryResult = await readers.run(lambda db: db.query(sql, params, limits),
+                                                client_of(request))
     except QueryError:
         st.query_errors += 1
         raise
@@ -204,25 +288,31 @@ def _observe(st: NodeState, seconds: float) -> None:
             st.query_hist[i] += 1
 
 
-def _int_arg(request: web.Request, name: str, default: int | None) -> int | None:
+def _int_arg(request: web.Request, name: str, default: int | None,
+             low: int = INT64_MIN) -> int | None:
     text = request.query.get(name)
     if text is None or text == "":
         return default
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
-        raise QueryError(f"query parameter {name}={text!r} is not an integer",
+        raise QueryError(f"query parameter {name}={text[:40]!r} is not an integer",
                          f"pass {name} as an integer (nanoseconds for times)",
                          code="bad_request") from None
+    if not low <= value <= INT64_MAX:
+        raise QueryError(f"query parameter {name}={text[:40]!r} is out of range",
+                         f"pass {name} between {low} and {INT64_MAX}", code="bad_request")
+    return value
 
 
 async def events(request: web.Request) -> web.StreamResponse:
     """All events in [since, until) as NDJSON, streamed page by page in time order."""
     readers = request.app[READERS]
-    since = _int_arg(request, "since", 0) or 0
-    until = _int_arg(request, "until", 2**62) or 2**62
+    since = _int_arg(request, "since", 0, low=0) or 0
+    until = _int_arg(request, "until", INT64_MAX, low=0) or INT64_MAX
     limit = _int_arg(request, "limit", None)
     pid = _int_arg(request, "pid", None)
+    who = client_of(request)
     if limit is not None and limit <= 0:
         raise QueryError(f"limit={limit} must be positive", None, code="bad_request")
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -232,7 +322,7 @@ async def events(request: web.Request) -> web.StreamResponse:
     while limit is None or sent < limit:
         page = EVENTS_PAGE if limit is None else min(EVENTS_PAGE, limit - sent)
         fetch = functools.partial(_events_page, cursor=cursor, until=until, page=page, pid=pid)
-        rows, cols = await readers.run(fetch)
+        rows, cols = await readers.run(fetch, who)
         if not rows:
             break
         await resp.write(b"".join(orjson.dumps(dict(zip(cols, r, strict=True))) + b"\n"
@@ -272,9 +362,10 @@ def make_app(
     max_body_bytes: int = 64 * 1024,
     extra_routes: list[web.RouteDef] | None = None,
 ) -> web.Application:
+    state.max_body_bytes = max_body_bytes
     app = web.Application(
         client_max_size=max_body_bytes,
-        middlewares=[errors_middleware, token_middleware(state.token)],
+        middlewares=[peer_middleware(state), errors_middleware, token_middleware(state.token)],
     )
     app[STATE] = state
     app[READERS] = readers

@@ -9,6 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from fleetd.node.api import QUERY_BUCKETS_S, STATE, NodeState
+from fleetd.node.conns import ConnStats
 
 
 @dataclass
@@ -18,7 +19,8 @@ class Sources:
     writer: Callable[[], dict[str, Any]] = field(default=lambda: {})
     tracer: Callable[[], dict[str, Any]] = field(default=lambda: {})
     db_bytes: Callable[[], int] = field(default=lambda: 0)
-    tls_failures: Callable[[], int] = field(default=lambda: 0)
+    conns: ConnStats = field(default_factory=ConnStats)
+    client_refusals: Callable[[], int] = field(default=lambda: 0)
 
 
 SOURCES = web.AppKey("metric_sources", Sources)
@@ -47,8 +49,19 @@ def render(state: NodeState, src: Sources) -> str:
     _line(out, "events_pruned_total", "counter", "oldest events deleted to bound the size",
           w.get("pruned_events", 0), node)
     _line(out, "db_bytes", "gauge", "bytes of the database holding data", src.db_bytes(), node)
-    _line(out, "tls_handshake_failures_total", "counter", "TLS handshakes that failed",
-          src.tls_failures(), node)
+    _line(out, "tls_handshake_failures_total", "counter",
+          "TLS handshakes that failed or timed out", src.conns.handshake_failures, node)
+    _line(out, "client_cert_refusals_total", "counter",
+          "verified certificates refused as clients (node certificates, no client role)",
+          src.client_refusals(), node)
+    _line(out, "connections_open", "gauge", "connections open, handshakes included",
+          src.conns.open, node)
+    _line(out, "connections_refused_total", "counter",
+          "connections closed unread: over the total or per-source cap",
+          src.conns.refused, node)
+    _line(out, "slow_requests_closed_total", "counter",
+          "connections closed because headers or a body did not arrive in time",
+          src.conns.slow_closed, node)
     _line(out, "queries_failed_total", "counter", "queries refused or failed",
           state.query_errors, node)
     out.append("# HELP fleetd_query_seconds time to answer a query")

@@ -5,6 +5,11 @@ Layout of a certificate directory (default ``certs/``)::
     ca.pem   ca.key       the fleet CA (the key stays on the machine that issues)
     NAME.pem NAME.key     a node (serverAuth + clientAuth) or a client (clientAuth)
 
+The two kinds are told apart by their role, written as the subject's OU
+(``fleetd-node`` or ``fleetd-client``) next to the EKU: an agent answers queries from
+client certificates only, and from a node certificate only when its configuration lets
+that node relay (:func:`peer_role` reads it back).
+
 Every key is ECDSA P-256 and every signature SHA-256. Every file is written 0600 through
 a temporary file that is created 0600 and then renamed, so no key is ever readable by
 others, not even for a moment. Nothing is overwritten without ``force``.
@@ -387,13 +392,40 @@ def build_certificate(
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def _name(common_name: str) -> x509.Name:
-    return x509.Name(
-        [
-            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fleetd"),
-            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
-        ]
-    )
+ROLE_NODE = "fleetd-node"
+ROLE_CLIENT = "fleetd-client"
+
+
+def _name(common_name: str, role: str | None = None) -> x509.Name:
+    attrs = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fleetd")]
+    if role is not None:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role))
+    attrs.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name))
+    return x509.Name(attrs)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRole:
+    """What a presented certificate says about its holder."""
+
+    name: str  # the subject's CN ("" without one)
+    role: str | None  # ROLE_NODE, ROLE_CLIENT, or None for a certificate without one
+    client_auth: bool  # its EKU names clientAuth
+
+
+def peer_role(der: bytes) -> PeerRole:
+    """The name, role and clientAuth usage of a DER certificate a peer presented."""
+    cert = x509.load_der_x509_certificate(der)
+    cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    ous = [str(a.value) for a in
+           cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)]
+    role = next((r for r in (ROLE_CLIENT, ROLE_NODE) if r in ous), None)
+    try:
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        client_auth = ExtendedKeyUsageOID.CLIENT_AUTH in eku
+    except x509.ExtensionNotFound:
+        client_auth = False  # no EKU at all is not a client certificate "issued as such"
+    return PeerRole(str(cns[0].value) if cns else "", role, client_auth)
 
 
 def _issued(
@@ -463,6 +495,7 @@ def _issue_leaf(
     directory: Path,
     name: str,
     *,
+    role: str,
     usages: Sequence[x509.ObjectIdentifier],
     sans: Sequence[x509.GeneralName],
     days: int,
@@ -483,7 +516,7 @@ def _issue_leaf(
         end = ca_cert.not_valid_after_utc
     key = generate_key()
     cert = build_certificate(
-        subject=_name(name),
+        subject=_name(name, role),
         public_key=key.public_key(),
         issuer=ca_cert.subject,
         issuer_key=ca_key,
@@ -508,11 +541,13 @@ def issue_node(
     not_before: datetime | None = None,
     not_after: datetime | None = None,
 ) -> Issued:
-    """A node (agent) certificate: serverAuth for its API, clientAuth for node-to-node calls."""
+    """A node (agent) certificate: serverAuth for its API, clientAuth for node-to-node
+    calls, role ``fleetd-node`` (agents refuse it as a client unless told it relays)."""
     validate_name(name)
     return _issue_leaf(
         directory,
         name,
+        role=ROLE_NODE,
         usages=[ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
         sans=node_sans(name, sans),
         days=days,
@@ -531,7 +566,8 @@ def issue_client(
     not_before: datetime | None = None,
     not_after: datetime | None = None,
 ) -> Issued:
-    """A client certificate (clientAuth only): what `fleetd fleet` presents to agents.
+    """A client certificate (clientAuth only, role ``fleetd-client``): what the fleet
+    client presents to agents.
 
     The name is also a DNS SAN when it is a valid one: OpenSSL does not need it, but
     stricter verifiers (RFC 5280 profiles that ignore the CN) do.
@@ -540,6 +576,7 @@ def issue_client(
     return _issue_leaf(
         directory,
         name,
+        role=ROLE_CLIENT,
         usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
         sans=[x509.DNSName(name.lower())] if is_dns_name(name) else [],
         days=days,

@@ -337,33 +337,6 @@ def self_signed(dir: Path, host: str = "127.0.0.1") -> tuple[Path, Path, str]:
 # --- listening policy -----------------------------------------------------------------
 
 
-_ALERT = 21  # TLS record content type "alert" (RFC 8446, 5.1)
-
-
-class AlertCounter:
-    """Counts fatal TLS alerts a server context sends: each is a refused handshake
-    (no client certificate, unknown CA, expired certificate, TLS 1.2 offered...).
-
-    asyncio reports failed handshakes only as debug log lines (ssl.SSLError is an
-    OSError), so the count comes from OpenSSL's message callback instead. That hook
-    (``SSLContext._msg_callback``) is CPython's debugging API; where it is missing the
-    count stays 0 and a warning says so.
-    """
-
-    def __init__(self, context: ssl.SSLContext) -> None:
-        self.count = 0
-        if not hasattr(context, "_msg_callback"):
-            log.warning("this Python cannot count TLS handshake failures")
-            return
-        context._msg_callback = self._seen
-
-    def _seen(self, conn: object, direction: str, version: object, content_type: object,
-              msg_type: object, data: bytes) -> None:
-        # An alert record is two bytes: level (2 = fatal) and description.
-        if direction == "write" and content_type == _ALERT and data[:1] == b"\x02":
-            self.count += 1
-
-
 def is_loopback(host: str) -> bool:
     """127.0.0.0/8, ::1 (also bracketed or IPv4-mapped) and ``localhost``; nothing resolved."""
     text = host.strip().strip("[]")
@@ -428,8 +401,35 @@ def token_ok(presented: str | None, expected: str) -> bool:
     """Constant-time comparison; an empty expected token never matches anything."""
     if presented is None or not expected:
         return False
-    # Bytes, because compare_digest only accepts ASCII str.
-    return hmac.compare_digest(presented.encode("utf-8"), expected.encode("utf-8"))
+    # Bytes, because compare_digest only accepts ASCII str. A header may carry bytes
+    # that are not UTF-8 (aiohttp keeps them as surrogates): they encode back as they
+    # came and simply do not match, instead of raising.
+    return hmac.compare_digest(presented.encode("utf-8", "surrogateescape"),
+                               expected.encode("utf-8"))
+
+
+# --- who may query --------------------------------------------------------------------
+
+
+def client_refusal(der: bytes, relay_nodes: frozenset[str]) -> str | None:
+    """Why an agent must not answer the holder of this (already chain-verified) client
+    certificate, or None when it may: a client certificate issued as such (EKU
+    clientAuth, role fleetd-client), or a node certificate of a node configured to
+    relay. A leaked node key is then no key to every node's data."""
+    try:
+        peer = certs.peer_role(der)
+    except ValueError:
+        return "the client certificate cannot be parsed"
+    if not peer.client_auth:
+        return f"certificate {peer.name!r} is not issued for client use (no clientAuth EKU)"
+    if peer.role == certs.ROLE_CLIENT:
+        return None
+    if peer.role == certs.ROLE_NODE:
+        if peer.name in relay_nodes:
+            return None
+        return (f"certificate {peer.name!r} is a node certificate, and node {peer.name!r} "
+                "is not allowed to relay queries here")
+    return f"certificate {peer.name!r} carries no fleetd client role"
 
 
 def load_token(path: Path) -> str:

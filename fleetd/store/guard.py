@@ -8,6 +8,10 @@ Layers, each of which alone would stop a write, so that one mistake is not enoug
 4. a progress handler stops any statement past its deadline (runaway recursive CTEs,
    cartesian products);
 5. rows and bytes returned are capped, with a ``truncated`` flag instead of an error.
+   The byte cap counts bytes as they will go on the wire (a blob as hex, a string with
+   JSON escapes) and is checked row by row as SQLite produces them, and SQLite's own
+   length limit is lowered to it per query, so no single value can outgrow it in
+   memory first: one query holds at most about its byte limit, whatever it selects.
 
 :meth:`SafeDB.in_memory` puts the same guard over a scratch database that fleetd fills
 itself (``fleetd query --nodes ... --reduce`` runs over the merged rows that way), so
@@ -19,7 +23,9 @@ always bound, never formatted into the SQL.
 
 from __future__ import annotations
 
+import math
 import sqlite3
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -50,6 +56,11 @@ DENIED_FUNCTIONS = frozenset({
 })
 _ALLOWED_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE})
 _PROGRESS_EVERY = 2_000  # VM instructions between deadline checks: ~tens of microseconds
+_MAX_COLUMNS = 256  # result columns: bounds one row to this many values under the limit
+_INT64 = (-(2**63), 2**63 - 1)
+# JSON spells these characters with a backslash: two bytes, or six for \u00XX.
+_SHORT_ESCAPES = '"\\\n\r\t\b\f'
+_LONG_ESCAPES = tuple(chr(c) for c in range(0x20) if chr(c) not in _SHORT_ESCAPES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +92,20 @@ class Limits:
             _check_positive("byte limit", max_bytes)
             out = replace(out, max_bytes=min(out.max_bytes, int(max_bytes)))
         return out
+
+
+    @classmethod
+    def local(cls, *, timeout_s: float | None, max_rows: int | None) -> Limits:
+        """Limits for the user's own file, read on their own machine: the ceilings above
+        protect an agent from its network clients, not a user from their data. None or 0
+        means no limit; the SQLite length caps stay (they stop runaway values, not reads).
+        """
+        for what, value in (("timeout", timeout_s), ("row limit", max_rows)):
+            if value is not None and value != 0:
+                _check_positive(what, value)
+        return cls(timeout_s=float(timeout_s) if timeout_s else math.inf,
+                   max_rows=int(max_rows) if max_rows else sys.maxsize,
+                   max_bytes=sys.maxsize)
 
 
 def _check_positive(what: str, value: float) -> None:
@@ -161,6 +186,7 @@ class SafeDB:
         self.conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
         self.conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, self.limits.max_value_bytes)
         self.conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, self.limits.max_sql_chars)
+        self.conn.setlimit(sqlite3.SQLITE_LIMIT_COLUMN, _MAX_COLUMNS)
         self.conn.set_authorizer(self._auth)
 
     @classmethod
@@ -206,7 +232,12 @@ class SafeDB:
                 return 1
             return 0
 
+        _check_params(params)
         self.conn.set_progress_handler(progress, _PROGRESS_EVERY)
+        # No value may be longer than the whole answer may be: SQLite refuses to build
+        # it, so a zeroblob(4e6) under a 1 MB limit never exists in memory.
+        value_cap = max(1, min(lim.max_value_bytes, lim.max_bytes))
+        self.conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, value_cap)
         started = time.perf_counter()
         try:
             cur = self.conn.execute(sql, params)
@@ -215,6 +246,7 @@ class SafeDB:
             raise self._explain(exc, sql, lim, timed_out) from exc
         finally:
             self.conn.set_progress_handler(None, 0)
+            self.conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, self.limits.max_value_bytes)
         result.elapsed_ms = (time.perf_counter() - started) * 1000
         return result
 
@@ -262,7 +294,8 @@ class SafeDB:
             )
         if "too big" in text:
             return QueryError(
-                f"refused: a value would exceed {lim.max_value_bytes} bytes ({text})",
+                f"refused: a value would exceed "
+                f"{min(lim.max_value_bytes, lim.max_bytes)} bytes ({text})",
                 "select smaller values (substr(), length()) instead of huge blobs or strings",
                 code="too_large",
             )
@@ -307,6 +340,17 @@ def _sql_hint(text: str) -> str:
     return "check the query"
 
 
+def _check_params(params: Params) -> None:
+    """Parameters a peer sent: SQLite binds 64-bit integers only, so a larger one is
+    the request's mistake, told as such rather than an OverflowError."""
+    values = params.values() if isinstance(params, Mapping) else params
+    for v in values:
+        if isinstance(v, int) and not isinstance(v, bool) and not _INT64[0] <= v <= _INT64[1]:
+            raise QueryError(f"parameter {v} does not fit in a 64-bit integer",
+                             "SQLite integers range over -2**63 .. 2**63-1",
+                             code="bad_request")
+
+
 def _collect(cur: sqlite3.Cursor, lim: Limits) -> QueryResult:
     if cur.description is None:
         # Only comments, or a statement that returns nothing: not a query.
@@ -314,25 +358,36 @@ def _collect(cur: sqlite3.Cursor, lim: Limits) -> QueryResult:
                          "pass one SELECT statement", code="bad_query")
     columns = [d[0] for d in cur.description]
     rows: list[tuple[Any, ...]] = []
-    size = 0
-    while True:
-        chunk = cur.fetchmany(256)
-        if not chunk:
-            break
-        for row in chunk:
-            if len(rows) >= lim.max_rows:
-                cur.close()
-                return QueryResult(columns, rows, True, "rows")
-            size += _row_bytes(row)
-            if size > lim.max_bytes:
-                cur.close()
-                return QueryResult(columns, rows, True, "bytes")
-            rows.append(row)
+    size = sum(wire_bytes(c) for c in columns)
+    # One row at a time: a batch of rows fetched before the check is what let one
+    # query hold hundreds of megabytes.
+    row = cur.fetchone()
+    while row is not None:
+        if len(rows) >= lim.max_rows:
+            cur.close()
+            return QueryResult(columns, rows, True, "rows")
+        size += _row_bytes(row)
+        if size > lim.max_bytes:
+            cur.close()
+            return QueryResult(columns, rows, True, "bytes")
+        rows.append(row)
+        row = cur.fetchone()
     return QueryResult(columns, rows)
 
 
 def _row_bytes(row: tuple[Any, ...]) -> int:
-    n = 0
-    for v in row:
-        n += len(v) if isinstance(v, str | bytes) else 8
-    return n
+    return sum(wire_bytes(v) for v in row) + len(row) + 2  # commas and brackets
+
+
+def wire_bytes(value: Any) -> int:
+    """Bytes ``value`` takes in the JSON answer: a blob as quoted hex, a string UTF-8
+    with JSON's escapes, a number or null at most 24 characters."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return 2 * len(value) + 2
+    if isinstance(value, str):
+        n = len(value) + 2 if value.isascii() else len(value.encode("utf-8", "replace")) + 2
+        if value.isprintable() and '"' not in value and "\\" not in value:
+            return n  # the common case: nothing to escape
+        n += sum(value.count(c) for c in _SHORT_ESCAPES)
+        return n + 5 * sum(value.count(c) for c in _LONG_ESCAPES)
+    return 24

@@ -22,13 +22,17 @@ from typing import Any
 
 import orjson
 
-from fleetd.errors import StoreError
+from fleetd.errors import StoreError, UsageError
 from fleetd.store.db import ensure_node, open_writer
 from fleetd.store.schema import SCHEMA_VERSION, SEQ_BITS, SEQ_MASK, EventRow
 from fleetd.store.writer import _EVENT_SQL, _PROCESS_COLS, _PROCESS_SQL, _TASK_SQL
 
 GPU_KINDS: dict[str, int] = {"kernel": 1, "memcpy": 2, "memset": 3, "sync": 4}
 ANNOTATION_KINDS: dict[str, int] = {"step": 1, "nvtx": 2, "user_annotation": 3, "cpu_op": 4}
+# Set in an imported off_cpu event's a0 (prev_state) beside the state bits when the source
+# did not record why the thread left the CPU: the low byte then holds an assumed sleep (S).
+# Far above the kernel's own report bits (0x01..0x100), so ``a0 & 255`` reads are unchanged.
+STATE_NOT_RECORDED = 1 << 16
 
 # (ts_ns, dur_ns, pid, device, stream, kind, name, correlation, launch, bytes, collective,
 #  grid_x, grid_y, grid_z, block_x, block_y, block_z); launch is an index into the
@@ -91,6 +95,8 @@ def write_import(path: Path, batch: ImportBatch) -> ImportOutcome:
     """Write ``batch`` into the database at ``path`` in one transaction; a database this
     call created is removed again when the write fails."""
     created = not path.exists()
+    if not created:
+        _check_before_opening(path, batch.node)
     done = False
     conn = open_writer(path)
     try:
@@ -114,6 +120,7 @@ def _write(conn: sqlite3.Connection, batch: ImportBatch) -> ImportOutcome:
         if seen is not None:
             conn.execute("ROLLBACK")
             return ImportOutcome(seen[0], seen[1], {}, True)
+        _refuse_recorded_node(conn, batch.node)
         key = ensure_node(conn, batch.node, batch.host)
         session = _next(conn, "SELECT coalesce(max(seq), 0) FROM session_data WHERE node = ?",
                         key)
@@ -156,6 +163,43 @@ def _rows(conn: sqlite3.Connection, key: int, session: int, batch: ImportBatch
             "threads": len(batch.tasks)}
 
 
+def _check_before_opening(path: Path, node: str) -> None:
+    """The recorder check on a read-only connection: opening the writer may already
+    change the file (journal mode, a schema migration), and a refusal writes nothing."""
+    try:
+        conn = sqlite3.connect(f"file:{path.absolute()}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return  # not openable: the writer reports it
+    try:
+        _refuse_recorded_node(conn, node)
+    except sqlite3.Error:
+        pass  # not a fleetd file (or an old one): the writer decides
+    finally:
+        conn.close()
+
+
+def _refuse_recorded_node(conn: sqlite3.Connection, node: str) -> None:
+    """Refuse to add rows under a node that ``fleetd trace`` or an agent records into.
+
+    A recorder keeps its next event seq in memory (it reads the largest stored one once,
+    at start), so rows an import slips in under its node take ids the recorder will hand
+    out again: the next batch fails or, worse, lands beside foreign rows. Whether that
+    recorder runs at this moment cannot be told reliably from outside (a lock on the file
+    is held only during a write, and the agent may be restarted later on the same file),
+    but a session it recorded under this name can: any session of the node that is not an
+    import. Imports add their own sessions, so imports into one node stay possible."""
+    row = conn.execute(
+        "SELECT count(*) FROM session_data s JOIN nodes n ON n.id = s.node WHERE n.name = ? "
+        "AND (s.targets IS NULL OR json_extract(s.targets, '$.import') IS NULL)",
+        (node,)).fetchone()
+    if row and int(row[0]):
+        raise UsageError(
+            f"node {node!r} in this database holds {int(row[0])} session(s) recorded by "
+            "fleetd trace or an agent; an import under the same name would take ids its "
+            "recorder hands out",
+            "import into a separate file and fleetd merge it, or give another --node")
+
+
 def _find(conn: sqlite3.Connection, sha256: str) -> tuple[str, int] | None:
     """The node and session of an earlier import of the same file, if any."""
     if not sha256:
@@ -183,5 +227,6 @@ def imported_sessions(conn: sqlite3.Connection) -> list[Mapping[str, Any]]:
     return [dict(zip(cols, r, strict=True)) for r in cur]
 
 
-__all__: Sequence[str] = ("ANNOTATION_KINDS", "GPU_KINDS", "ImportBatch", "ImportOutcome",
+__all__: Sequence[str] = ("ANNOTATION_KINDS", "GPU_KINDS", "STATE_NOT_RECORDED", "ImportBatch",
+                          "ImportOutcome",
                           "write_import", "imported_sessions")

@@ -25,14 +25,19 @@ from fleetd.trace.probes import RING_NUMBER, SPECS
 log = logging.getLogger("fleetd.trace.bpfsrc")
 
 # struct fl_rec (bpf/fleetd.h), little-endian, no padding.
-REC = struct.Struct("<QQIIIiQIIqqiI4QQ16s")
+REC = struct.Struct("<QQIIIiQIIqqiI4QQQ16s")
+# A stacked record goes on with struct fl_pystack: frame count, status, then per frame
+# (code object, instruction pointer).
+PY_FRAMES = 32  # FL_PY_FRAMES: a power of two (the BPF side masks the index with it)
+PYSTACK_HEAD = struct.Struct("<II")
+PYFRAME = struct.Struct("<QQ")
 NBUCKETS = 40
 HIST_SIZE = 6 * 8 + 2 * 8 * NBUCKETS
 
 COUNTERS = (
     "lost_cuda", "lost_driver", "lost_nccl", "lost_sched", "lost_sys", "calls_full",
     "hist_full", "sampled_out", "stack_lost", "emitted", "sample_tick", "state_full",
-    "wake_tick",
+    "wake_tick", "stack_tick", "py_stack_lost",
 )
 LAYERS = ("cuda", "driver", "nccl", "host")
 HOST_PARTS = ("sched", "mem", "block", "irq", "syscall")
@@ -57,6 +62,8 @@ class ProgramOptions:
     slow_min_ns: int = 20_000
     err_burst: int = 10
     stacks: bool = False
+    stack_sample: int = 100  # 1 in N kept calls carries a stack (0: only slow ones)
+    stack_slow_ns: int = 1_000_000  # ... and every call at least this long
     ring_pages: int = 256  # per ring buffer; a power of two
     thresholds_ns: dict[str, int] = field(default_factory=lambda: {
         "offcpu": 50_000, "runq": 50_000, "irq": 20_000, "syscall": 1_000_000,
@@ -139,6 +146,9 @@ def cflags(opts: ProgramOptions) -> list[str]:
         f"-DFL_SLOW_MIN_NS={opts.slow_min_ns}ull",
         f"-DFL_ERR_BURST={opts.err_burst}",
         f"-DFL_STACKS={int(opts.stacks)}",
+        f"-DFL_STACK_SAMPLE_N={opts.stack_sample}",
+        f"-DFL_STACK_SLOW_NS={opts.stack_slow_ns}ull",
+        f"-DFL_PY_FRAMES={PY_FRAMES}",
         f"-DFL_RB_PAGES={opts.ring_pages}",
         f"-DFL_OFFCPU_MIN_NS={th['offcpu']}ull",
         f"-DFL_RUNQ_MIN_NS={th['runq']}ull",

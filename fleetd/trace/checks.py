@@ -81,7 +81,7 @@ def _host_checks() -> tuple[list[Check], HeaderRoute | None]:
 def _cuda_checks(overrides: list[str], attach: bool, host: list[Check],
                  route: HeaderRoute | None, skips: bool) -> list[Check]:
     libs = _libraries(overrides)
-    checks = [_libs_check(libs), *(_symbols_check(lib) for lib in libs)]
+    checks = [_libs_check(libs), *(_symbols_check(lib) for lib in libs), _python_check()]
     failed = [c.name for c in host if c.name in _NEEDED_TO_ATTACH and c.status == FAIL]
     if attach and not failed and route is not None:
         checks += _attach_check(libs)
@@ -95,6 +95,23 @@ def _cuda_checks(overrides: list[str], attach: bool, host: list[Check],
     for c in checks:
         c.group = "cuda"
     return checks
+
+
+def _python_check() -> Check:
+    """Which installed CPythons `fleetd trace --stacks` reads Python frames of."""
+    from fleetd.trace import pyframes
+
+    found = {p: pyframes.support_of(p) for p in pyframes.installed_interpreters()}
+    bad = {p: why for p, why in found.items() if why}
+    data = {"supported": pyframes.SUPPORTED,
+            "interpreters": {p: why or "ok" for p, why in found.items()}}
+    if not bad:
+        return Check("python stacks", OK, f"Python frames readable for {', '.join(found)}",
+                     data=data)
+    return Check("python stacks", WARN,
+                 "; ".join(f"{p}: {why}" for p, why in bad.items()),
+                 f"stacks of these interpreters are native only; Python frames are read for "
+                 f"CPython {pyframes.SUPPORTED}", data=data)
 
 
 def _root() -> Check:

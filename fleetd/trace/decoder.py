@@ -14,7 +14,7 @@ from typing import Any
 
 from fleetd.store.catalog import BY_NAME
 from fleetd.store.schema import EventRow
-from fleetd.trace.bpfsrc import REC
+from fleetd.trace.bpfsrc import PYFRAME, PYSTACK_HEAD, REC
 
 _LAUNCHES = {BY_NAME[n].code for n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")}
 _NCCL = {op.code for op in BY_NAME.values() if op.source == "nccl"}
@@ -24,6 +24,8 @@ _SCHED_PEERS = {BY_NAME[n].code for n in ("off_cpu", "runq_wait", "wakeup")}
 _RAN_BEFORE = {BY_NAME[n].code for n in ("off_cpu", "runq_wait")}
 OP_FORK, OP_EXEC, OP_EXIT = (BY_NAME[n].code for n in ("fork", "exec", "exit"))
 OP_BLOCK = BY_NAME["block_io"].code
+OP_OFF_CPU = BY_NAME["off_cpu"].code
+FUTEX_RET = 202 + 1  # an off-CPU record's ret: the syscall it slept in + 1 (x86_64 futex)
 _NCCL_TYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32",
                "float64", "bfloat16", "fp8e4m3", "fp8e5m2")
 WHY_SLOW = 2
@@ -66,6 +68,18 @@ class Lifecycle:
     comm: str = ""
 
 
+@dataclass(slots=True)
+class StackRef:
+    """A record that asked for its stack: the native stack id (-1: not walked) and the
+    Python frames read in the kernel, (code object, instruction pointer) innermost first."""
+
+    row: int
+    pid: int
+    native: int
+    py: list[tuple[int, int]]
+    py_status: int  # FL_PY_* of bpf/fleetd.h
+
+
 @dataclass
 class Batch:
     rows: list[EventRow] = field(default_factory=list)
@@ -73,7 +87,10 @@ class Batch:
     tasks: list[tuple[int, int | None, str | None]] = field(default_factory=list)
     new_tids: list[tuple[int, int]] = field(default_factory=list)  # (tid, pid) first seen
     lifecycle: list[Lifecycle] = field(default_factory=list)
-    stack_ids: list[tuple[int, int, int]] = field(default_factory=list)  # (row, id, pid)
+    stacks: list[StackRef] = field(default_factory=list)
+    kernels: list[tuple[int, int, int, int]] = field(default_factory=list)  # row, pid, op, func
+    kstack_ids: list[tuple[int, int]] = field(default_factory=list)  # (row, kernel stack id)
+    futex_waits: list[tuple[int, int, int]] = field(default_factory=list)  # (row, pid, addr)
 
 
 def _hex(v: int) -> str:
@@ -104,18 +121,20 @@ class Decoder:
 
     def decode(self, blobs: Iterable[bytes]) -> Batch:
         out = Batch()
-        rows, unpack = out.rows, REC.unpack_from
+        rows, unpack, size = out.rows, REC.unpack_from, REC.size
         to_wall = self.to_wall
         for blob in blobs:
             (ts, dur, pid, tid, op, ret, nbytes, peer, peer_pid, a0, a1, stack, flags,
-             x0, x1, x2, x3, median, comm_b) = unpack(blob)
+             x0, x1, x2, x3, median, func, comm_b) = unpack(blob)
             i = len(rows)
             rows.append((to_wall(ts), dur, pid, tid, op, ret, nbytes, peer, a0, a1, 0))
             if tid not in self._tids:
                 self._tids.add(tid)
                 out.new_tids.append((tid, pid))
-            if stack >= 0:
-                out.stack_ids.append((i, stack, pid))
+            if len(blob) > size:  # a stacked record: its Python frames follow
+                out.stacks.append(_stack_ref(i, pid, stack, blob, size))
+            if func and op in _LAUNCHES:
+                out.kernels.append((i, pid, op, func))
             args = self._extras(op, a1, x0, x1, x2, x3)
             if flags & WHY_SLOW and median and op < 500:
                 args = args or {}
@@ -125,6 +144,10 @@ class Decoder:
                            pid if op == OP_BLOCK else None)
                 if op in _RAN_BEFORE and a1:
                     self._peer(out, a1, None, (x0 | x1 << 64).to_bytes(16, "little"), None)
+                if op == OP_OFF_CPU and x2:  # a D-state wait: its kernel stack, id + 1
+                    out.kstack_ids.append((i, x2 - 1))
+                if op == OP_OFF_CPU and ret == FUTEX_RET and nbytes:
+                    out.futex_waits.append((i, pid, nbytes))
                 if op == OP_BLOCK and x0:
                     args = {"rw": x0.to_bytes(8, "little").rstrip(b"\0").decode(
                         errors="replace")}
@@ -167,6 +190,14 @@ class Decoder:
         if comm and self._peer_comm.get(tid) != comm:
             self._peer_comm[tid] = comm
             out.tasks.append((tid, own_pid if own_pid is not None else pid, comm))
+
+
+def _stack_ref(row: int, pid: int, native: int, blob: bytes, at: int) -> StackRef:
+    n, status = PYSTACK_HEAD.unpack_from(blob, at)
+    at += PYSTACK_HEAD.size
+    n = min(n, (len(blob) - at) // PYFRAME.size)
+    frames = [PYFRAME.unpack_from(blob, at + k * PYFRAME.size) for k in range(n)]
+    return StackRef(row, pid, native, frames, status)
 
 
 def _comm(b: bytes) -> str:

@@ -117,6 +117,15 @@ SPECS: tuple[ProbeSpec, ...] = (
 )
 assert all(s.op in BY_NAME for s in SPECS), "probe spec names must be catalog ops"
 
+# Driver calls that name kernels (not ops: no records, no histograms): their return
+# probe files each handle's name for cuLaunchKernel records (bpf/driver.bpf.c).
+NAME_PROBES: tuple[tuple[str, str], ...] = (
+    ("cuModuleGetFunction", "fl_kn_in_module"),
+    ("cuLibraryGetKernel", "fl_kn_in_module"),  # same arguments: (out, owner, name)
+    ("cuKernelGetFunction", "fl_kn_in_kernel"),
+)
+NAME_RETURN_FN = "fl_kn_out"
+
 SPECS_BY_KIND: dict[str, tuple[ProbeSpec, ...]] = {
     k: tuple(s for s in SPECS if s.kind == k) for k in ("cudart", "cuda", "nccl")
 }
@@ -143,6 +152,7 @@ class AttachReport:
     failed: dict[str, list[str]] = field(default_factory=dict)  # lib path -> "sym: error"
     uprobes: int = 0  # entry + return probe points attached
     mechanism: dict[str, str] = field(default_factory=dict)  # lib path -> multi | perf
+    named: dict[str, list[str]] = field(default_factory=dict)  # lib path -> kernel-name probes
 
     def ops_attached(self) -> set[str]:
         return {a.split(":", 1)[0] for v in self.attached.values() for a in v}
@@ -154,6 +164,8 @@ class AttachReport:
                 mine.setdefault(k, []).extend(v)
         self.uprobes += other.uprobes
         self.mechanism.update(other.mechanism)
+        for k, v in other.named.items():
+            self.named.setdefault(k, []).extend(v)
 
 
 class Attacher:
@@ -184,6 +196,8 @@ class Attacher:
             if not syms:
                 report.missing.setdefault(lib.path, []).append(spec.op)
             plan += [(spec, sym) for sym in syms]
+        if lib.kind == "cuda":
+            _attach_name_probes(self.bpf, lib, exports.offsets, report)
         if not plan:
             return report
         if self._attach_multi(lib, plan, exports.offsets, report):
@@ -305,10 +319,28 @@ def _attach_each(bpf: Any, lib: Library, plan: list[tuple[ProbeSpec, str]],
             report.failed.setdefault(lib.path, []).append(f"{sym}: {err}")
 
 
-def _attach_pair(bpf: Any, path: str, sym: str, offset: int, spec: ProbeSpec) -> str | None:
+def _attach_name_probes(bpf: Any, lib: Library, offsets: dict[str, int],
+                        report: AttachReport) -> None:
+    """The kernel-naming probes of a driver library, per symbol (a handful, attached
+    once): a failure costs only names, so it is reported and tracing goes on."""
+    for sym, entry in NAME_PROBES:
+        if sym not in offsets:
+            continue
+        err = _attach_pair(bpf, lib.path, sym, offsets[sym], entry_fn=entry,
+                           return_fn=NAME_RETURN_FN)
+        if err is None:
+            report.named.setdefault(lib.path, []).append(sym)
+        else:
+            report.failed.setdefault(lib.path, []).append(f"{sym}: {err}")
+
+
+def _attach_pair(bpf: Any, path: str, sym: str, offset: int, spec: ProbeSpec | None = None,
+                 *, entry_fn: str = "", return_fn: str = "") -> str | None:
     """Entry + return probe on one symbol; by name, then by file offset."""
     errors = []
-    name, entry, ret = os.fsencode(path), spec.entry_fn.encode(), spec.return_fn.encode()
+    if spec is not None:
+        entry_fn, return_fn = spec.entry_fn, spec.return_fn
+    name, entry, ret = os.fsencode(path), entry_fn.encode(), return_fn.encode()
     for how in ("sym", "addr"):
         kw: dict[str, Any] = {"sym": sym.encode()} if how == "sym" else {"addr": offset}
         try:

@@ -47,7 +47,8 @@ from fleetd.trace.libs import (
     search_usual_places,
 )
 from fleetd.trace.probes import Attacher, AttachReport
-from fleetd.trace.stacks import StackResolver
+from fleetd.trace.stacks import KernelNames, PythonTargets, StackResolver, WaitChannels
+from fleetd.trace.symbols import FunctionSymbols, LockNames
 
 log = logging.getLogger("fleetd.trace.tracer")
 
@@ -69,6 +70,8 @@ class TraceConfig:
     slow_min_ns: int = 20_000
     err_burst: int = 10
     stacks: bool = False
+    stack_sample: int = 100  # with stacks: 1 in N kept calls carries one ...
+    stack_slow_ns: int = 1_000_000  # ... and every call at least this long
     ring_pages: int = 256
     thresholds_ns: dict[str, int] = field(default_factory=lambda: {
         "offcpu": 50_000, "runq": 50_000, "irq": 20_000, "syscall": 1_000_000,
@@ -125,7 +128,13 @@ class Tracer:
         self._started_mono = 0
         self._stopped = False
         self._stacks: StackResolver | None = None
+        self._python: PythonTargets | None = None
+        self._kernels: KernelNames | None = None
+        self._wchan: WaitChannels | None = None
+        self._locks = LockNames()
+        self._proc_comm: dict[int, str] = {}  # the name each process row was given
         self.warnings: list[str] = []
+        self._python_told: set[int] = set()
 
     # ---- start ------------------------------------------------------------------------
 
@@ -138,7 +147,8 @@ class Tracer:
             system_wide=self.cfg.system_wide, cgroups=bool(self.cfg.cgroups),
             sample_n=self.cfg.sample, slow_k=self.cfg.slow_k,
             slow_min_ns=self.cfg.slow_min_ns, err_burst=self.cfg.err_burst,
-            stacks=self.cfg.stacks, ring_pages=self.cfg.ring_pages,
+            stacks=self.cfg.stacks, stack_sample=self.cfg.stack_sample,
+            stack_slow_ns=self.cfg.stack_slow_ns, ring_pages=self.cfg.ring_pages,
             thresholds_ns=dict(self.cfg.thresholds_ns),
         )
         self.bpf, self.route = compile_program(opts)
@@ -149,8 +159,13 @@ class Tracer:
                 self._attach(lib)
             self._require_something_attached()
             self._open_rings(opts)
+            symbols = FunctionSymbols()
             if self.cfg.stacks:
-                self._stacks = StackResolver(self.bpf)
+                self._python = PythonTargets(self.bpf)
+                self._stacks = StackResolver(self.bpf, self._python, symbols)
+                self._refresh_python()
+            self._kernels = KernelNames(self.bpf, symbols)
+            self._wchan = _wait_channels(self.bpf)
             if self.writer is None:
                 self.writer = BatchWriter(self.cfg.db, self.cfg.node,
                                           host=socket.gethostname(),
@@ -292,15 +307,35 @@ class Tracer:
     def _store(self, batch: Batch) -> None:
         w = self.writer
         assert w is not None
-        if batch.stack_ids and self._stacks is not None:
+        if batch.stacks and self._stacks is not None:
             self._stacks.resolve(batch, w)
+        if batch.kernels and self._kernels is not None:
+            self._kernels.resolve(batch)
+        if batch.kstack_ids and self._wchan is not None:
+            self._wchan.resolve(batch)
+        self._locks.resolve(batch)
         w.add_events(batch.rows, batch.args)
         if batch.tasks:
             w.add_tasks(batch.tasks)
-        if batch.new_tids:
-            w.add_tasks([(tid, pid, procinfo.comm(pid, tid)) for tid, pid in batch.new_tids])
+        seen = [(tid, pid, procinfo.comm(pid, tid)) for tid, pid in batch.new_tids]
+        if seen:
+            w.add_tasks(seen)
         for ev in batch.lifecycle:
             self._lifecycle(ev)
+        self._rename_processes([*batch.tasks, *seen])
+
+    def _rename_processes(self, tasks: list[tuple[int, int | None, str | None]]) -> None:
+        """A process that names itself after fork (prctl PR_SET_NAME in a worker: a
+        DataLoader worker, a producer) shows it on its main thread's comm; the process
+        row, read at fork, still has the parent's name: carry the new one over."""
+        assert self.writer is not None
+        renamed = []
+        for tid, pid, comm in tasks:
+            if tid == pid and comm and self._proc_comm.get(tid) != comm:
+                self._proc_comm[tid] = comm
+                renamed.append({"pid": tid, "comm": comm})
+        if renamed:
+            self.writer.add_processes(renamed)
 
     def _lifecycle(self, ev: Lifecycle) -> None:
         w = self.writer
@@ -310,6 +345,7 @@ class Tracer:
             row = procinfo.process_row(ev.child)
             row.update(ppid=ev.pid, start_ns=row.get("start_ns") or ev.ts_ns)
             row["comm"] = row["comm"] or ev.comm  # a child's comm is its parent's at fork
+            self._proc_comm[ev.child] = str(row["comm"] or "")
             w.add_processes([row])
         elif ev.op == OP_EXEC:
             row = procinfo.process_row(ev.pid)
@@ -326,6 +362,7 @@ class Tracer:
         self._last_maint = time.monotonic()
         self.clock.maybe_resample()
         self._discover_targets()
+        self._refresh_python()
         if time.monotonic() - self._last_maps_scan >= 2.0:
             self._last_maps_scan = time.monotonic()
             self._scan_libraries()
@@ -359,6 +396,26 @@ class Tracer:
         if self.cfg.system_wide:
             for lib in all_mapped_libraries():
                 self._attach(lib)
+
+    def _refresh_python(self) -> None:
+        """New Python targets and threads get their frames read from now on; a target
+        whose interpreter cannot be followed is said so once."""
+        if self._python is None:
+            return
+        self._python.refresh(self.live_targets())
+        for pid, why in self._python.problems.items():
+            if pid not in self._python_told:
+                self._python_told.add(pid)
+                self._warn(f"pid {pid}: Python frames not read: {why}")
+
+    def python_status(self) -> dict[str, str]:
+        """pid -> the interpreter followed, or why not (the session's targets)."""
+        if self._python is None:
+            return {}
+        out = {str(p): i.label for p, i in self._python.interps.items()
+               if i is not None and not i.problem}
+        out.update({str(p): why for p, why in self._python.problems.items()})
+        return out
 
     def live_targets(self) -> list[int]:
         return [p for p in self.targets if p not in self.exited and procinfo.alive(p)]
@@ -399,13 +456,24 @@ class Tracer:
         }
 
     def _targets_json(self) -> dict[str, Any]:
-        return accounting.targets_json(self.cfg, self.targets, self.libs.values(), self.report)
+        got = accounting.targets_json(self.cfg, self.targets, self.libs.values(), self.report)
+        if self.cfg.stacks:
+            got["python"] = self.python_status()
+        return got
+
+    def _stack_drops(self) -> int:
+        """Stacks asked for and not stored: the kernel's (stack map full, Python
+        frames unreadable) and the symbolizer's (nothing resolved)."""
+        c = self.counters()
+        return c["stack_lost"] + c["py_stack_lost"] + (
+            self._stacks.unresolved if self._stacks is not None else 0)
 
     def _update_session(self, *, final: bool) -> None:
         assert self.writer is not None
         d = self.drops()
         fields = accounting.progress_fields(d, self.counters(), self.clock,
                                             self._targets_json(), final=final)
+        fields["dropped_stacks"] = self._stack_drops()
         self.writer.update_session(self.session, fields)
 
     def _warn(self, msg: str) -> None:
@@ -501,3 +569,11 @@ def ensure_tracefs() -> str:
         )
     log.info("mounted tracefs at %s", path)
     return str(path)
+
+
+def _wait_channels(bpf: Any) -> WaitChannels | None:
+    """The D-state wait-channel resolver, when the scheduler layer is compiled in."""
+    try:
+        return WaitChannels(bpf)
+    except KeyError:  # no scheduler layer: no kernel stacks map
+        return None

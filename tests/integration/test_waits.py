@@ -50,6 +50,8 @@ def test_interpreter_lock_contention_names_the_holder_thread(tmp_path: Path) -> 
     assert problems(sc, report) == [], [c["summary"] for c in report["chains"]]
     [c] = _chains(report, "lock_contention")
     assert c["severity"] == "HIGH" and c["detail"]["gil"] is True
+    # The tracer named the futex word from the interpreter's own symbols.
+    assert str(c["detail"]["lock_symbol"]).startswith("_PyRuntime+"), c["detail"]
     assert c["culprit"]["thread"] == "py-busy" and c["culprit"]["tid"] != c["victim"]["tid"]
     assert c["culprit"]["pid"] == c["victim"]["pid"] and c["culprit"]["self"] is True
     # The lost share is the victim's futex time woken by the holder: most of its wall.
@@ -101,6 +103,7 @@ def test_native_mutex_names_the_holder_thread_and_the_address(tmp_path: Path) ->
     report = explain(db)
     [c] = _chains(report, "lock_contention")
     assert c["detail"]["lock_addr"] == mutex and c["detail"]["gil"] is False
+    assert c["detail"]["lock_symbol"] == "shared+0x0 (lock_pair)", c["detail"]
     assert c["culprit"]["thread"] == "holder" and c["culprit"]["self"] is True
     assert c["severity"] == "HIGH" and mutex in c["summary"]
     assert any(mutex in f for f in c["fixes"])

@@ -148,7 +148,7 @@ def test_block_io_arrows_and_tracks(tmp_path: Path) -> None:
     blocks = x_events(trace, "block I/O")
     assert blocks and {s.threads[(1, b["tid"])] for b in blocks} <= {"block I/O",
                                                                     "block I/O (overlap 1)"}
-    assert {"D-state", "syscall"} <= {e["name"] for e in x_events(trace)}
+    assert {"D-state", "fsync"} <= {e["name"] for e in x_events(trace)}  # named syscalls
     ends = {e["id"]: e for e in trace["traceEvents"] if e["ph"] in ("s", "f")}
     starts = [e for e in trace["traceEvents"] if e["ph"] == "s"]
     assert starts and any(s.threads[(1, e["tid"])].startswith("block I/O") for e in starts)

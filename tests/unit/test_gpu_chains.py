@@ -86,7 +86,12 @@ def test_gpu_idle_chain_matches_the_nsys_file(capsys: pytest.CaptureFixture[str]
             assert e["ts_ns"] + e["dur_ns"] > hole["ts_ns"]
             assert 0 < e["overlap_ns"] <= hole["covered_ns"]
     assert c["summary"].startswith("GPU 0 of cuda-cloverleaf (pid 1701896")
-    assert c["fixes"]
+    # The export recorded no thread state (nsys "Unknown"): neither preempted nor sleeping.
+    assert d["dominant"] == "off the CPU (state not recorded)"
+    assert c["summary"].endswith("mostly off the CPU (state not recorded)")
+    waits = [e for e in c["evidence"] if e["kind"] == "off_cpu"]
+    assert waits and not any("state" in e for e in waits)
+    assert "fleetd trace" in c["fixes"][0]
 
 
 def test_no_chain_without_host_waits(capsys: pytest.CaptureFixture[str],

@@ -382,3 +382,26 @@ def test_a_version_1_database_migrates_and_merges(tmp_path: Path,
     conn.close()
     rc, _, err = run(capsys, "import", str(RANKS[1]), "--db", str(old))
     assert rc == 0, err
+
+
+def test_import_refuses_a_node_a_recorder_writes_under(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A recorded scenario's node (sessions from fleetd trace): an import under its name
+    is refused, one line and exit 2, the file unchanged; another node name is fine."""
+    import hashlib
+
+    db = tmp_path / "recorded.db"
+    shutil.copy(DATA.parent / "scenarios" / "quiet.db", db)
+    node = sqlite3.connect(db).execute("SELECT name FROM nodes").fetchone()[0]
+    before = hashlib.sha256(db.read_bytes()).hexdigest()
+    rc, _, err = run(capsys, "import", str(RANKS[0]), "--db", str(db), "--node", node)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 2, err
+    assert lines[0].startswith(f"fleetd: error: node {node!r} in this database holds")
+    assert "fleetd merge" in lines[1]
+    assert hashlib.sha256(db.read_bytes()).hexdigest() == before
+    rc, _, err = run(capsys, "import", str(RANKS[0]), "--db", str(db), "--node", "imported")
+    assert rc == 0, err
+    # Imports into one node stay possible: a second rank under the same imported name.
+    rc, _, err = run(capsys, "import", str(RANKS[1]), "--db", str(db), "--node", "imported")
+    assert rc == 0, err

@@ -48,7 +48,7 @@ def _cudart() -> str:
 def _rec(op: str, **kw: int | bytes) -> bytes:
     f = dict(ts=1_000, dur=50, pid=7, tid=8, op=BY_NAME[op].code, ret=0, bytes=0, peer=0,
              peer_pid=0, a0=0, a1=0, stack=-1, flags=8, x0=0, x1=0, x2=0, x3=0, median=0,
-             comm=b"")
+             func=0, comm=b"")
     f.update(kw)
     return REC.pack(*f.values())
 

@@ -105,6 +105,7 @@ class Config:
     gil_thread: bool = False  # a pure-Python CPU thread beside the feeding thread
     producer_ms: float = 0.0  # > 0: each step waits for a batch costing a producer this
     producers: int = 1
+    kernel: str = ""  # LIB:SYMBOL: launch this exported function (its host stub)
 
 
 @dataclass
@@ -146,6 +147,11 @@ class Workload:
         self._queue: Any = None
         self._stop = threading.Event()
         self._func = ctypes.c_void_p(ctypes.addressof(self._host))  # any non-null "kernel"
+        if cfg.kernel:  # a real function as the kernel: its symbol names the launches
+            lib, _, sym = cfg.kernel.rpartition(":")
+            self._kernel_lib = ctypes.CDLL(lib)
+            self._func = ctypes.c_void_p(ctypes.cast(self._kernel_lib[sym],
+                                                     ctypes.c_void_p).value)
 
     # ---- ctypes declarations ---------------------------------------------------------
 
@@ -474,6 +480,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--producer-ms", type=float, default=0.0,
                    help="feed each step through a queue; CPU ms per batch per producer")
     p.add_argument("--producers", type=int, default=1, help="producer processes")
+    p.add_argument("--kernel", default="", metavar="LIB:SYMBOL",
+                   help="launch this exported function of LIB as the kernel")
     a = p.parse_args(argv)
     return Config(
         steps=a.steps, duration_s=a.duration, launches=a.launches, grid=a.grid,
@@ -483,7 +491,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         rate=a.rate, sleep_ms=a.sleep_ms, dstate=a.dstate, driver=a.driver,
         cudart=a.cudart, libcuda=a.libcuda, go_file=a.go_file, tmpdir=a.tmpdir,
         workers=a.workers, worker_mb=a.worker_mb, gil_thread=a.gil_thread,
-        producer_ms=a.producer_ms, producers=a.producers,
+        producer_ms=a.producer_ms, producers=a.producers, kernel=a.kernel,
     )
 
 
