@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from fleetd.cli.output import table
+from fleetd.cli.progress import stage
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,7 +33,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     from fleetd.ingest import import_traces
 
-    reports = import_traces(args.files, args.db, args.node, args.fmt)
+    with stage(f"importing {len(args.files)} file(s) into {args.db}"):
+        reports = import_traces(args.files, args.db, args.node, args.fmt)
     rows = []
     for r in reports:
         o = r.outcome

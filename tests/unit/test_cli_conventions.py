@@ -256,3 +256,24 @@ def test_fetch_libcuda_uses_the_configured_apt_sources(tmp_path: Path) -> None:
     assert "URIs: https://repo.corp.example/debian" in sources
     assert "Components: main contrib non-free" in sources
     assert "debian.org" not in (REPO / "scripts" / "fetch-libcuda.sh").read_text()
+
+
+# ---- 6: long work says what it is doing -----------------------------------------------
+
+
+def test_long_work_logs_its_stages_in_pipes(tmp_path: Path) -> None:
+    """In a pipe or a log: one INFO line per stage with -v, no carriage returns; on a
+    terminal the same stage is a live line (fleetd/cli/progress.py)."""
+    db = tmp_path / "gpu.db"
+    imported = fleetd("-v", "import", str(REPO / "tests" / "data" / "gpu" /
+                                          "sampled_rank-1.json.gz"), "--db", str(db))
+    assert imported.returncode == 0, imported.stderr
+    assert "fleetd.progress: importing 1 file(s)" in imported.stderr
+    exported = fleetd("-v", "export", "--db", str(SCENARIOS / "quiet.db"), "-o",
+                      str(tmp_path / "q.json"))
+    assert exported.returncode == 0, exported.stderr
+    assert "fleetd.progress:" in exported.stderr
+    assert "\r" not in imported.stderr + exported.stderr
+    quiet = fleetd("import", str(REPO / "tests" / "data" / "gpu" / "sampled_rank-1.json.gz"),
+                   "--db", str(tmp_path / "again.db"))
+    assert quiet.returncode == 0 and "progress" not in quiet.stderr
