@@ -331,7 +331,10 @@ class Tracer:
         assert self.writer is not None
         renamed = []
         for tid, pid, comm in tasks:
-            if tid == pid and comm and self._proc_comm.get(tid) != comm:
+            # A main thread (tid == pid); a peer's pid is often unknown (None), but a tid
+            # that has a process row of ours is that process's main thread too.
+            main = tid == pid or (pid is None and tid in self._proc_comm)
+            if main and comm and self._proc_comm.get(tid) != comm:
                 self._proc_comm[tid] = comm
                 renamed.append({"pid": tid, "comm": comm})
         if renamed:
@@ -350,6 +353,7 @@ class Tracer:
         elif ev.op == OP_EXEC:
             row = procinfo.process_row(ev.pid)
             row["comm"] = row["comm"] or ev.comm  # short-lived: /proc may be gone already
+            self._proc_comm[ev.pid] = str(row["comm"] or "")
             w.add_processes([row])
             self._last_maps_scan = 0.0  # libraries appear right after exec
         elif ev.op == OP_EXIT:
