@@ -181,14 +181,20 @@ def main(argv: list[str]) -> int:
 
     with tempfile.TemporaryDirectory() as d:
         data = export(Path(d))
-    if "--write" in argv:
-        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-        GOLDEN.write_bytes(data)
-        print(f"wrote {GOLDEN} ({len(data)} bytes)")
+    return write_or_compare(GOLDEN, data, "--write" in argv)
+
+
+def write_or_compare(golden: Path, data: bytes, write: bool) -> int:
+    """``--write``: store ``data`` as the golden file. Otherwise compare: 0 when equal,
+    else the diff on stdout and 1."""
+    if write:
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_bytes(data)
+        print(f"wrote {golden} ({len(data)} bytes)")
         return 0
-    old = GOLDEN.read_bytes() if GOLDEN.exists() else b""
+    old = golden.read_bytes() if golden.exists() else b""
     if old == data:
-        print(f"{GOLDEN} is up to date")
+        print(f"{golden} is up to date")
         return 0
     sys.stdout.writelines(difflib.unified_diff(
         old.decode().splitlines(True), data.decode().splitlines(True), "golden", "now"))

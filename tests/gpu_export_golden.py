@@ -15,7 +15,6 @@ the window (an NCCL SendRecv kernel among them, three streams), and the ``cpu_op
 
 from __future__ import annotations
 
-import difflib
 import gzip
 import sys
 from pathlib import Path
@@ -25,6 +24,8 @@ import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from export_golden import write_or_compare  # noqa: E402
 
 from fleetd.cli.main import main as fleetd_main  # noqa: E402
 
@@ -66,17 +67,7 @@ def main(argv: list[str]) -> int:
         SLICE.write_bytes(orjson.dumps(cut(), option=orjson.OPT_INDENT_2) + b"\n")
     with tempfile.TemporaryDirectory() as d:
         data = export(Path(d))
-    if "--write" in argv:
-        GOLDEN.write_bytes(data)
-        print(f"wrote {SLICE} and {GOLDEN} ({len(data)} bytes)")
-        return 0
-    old = GOLDEN.read_bytes() if GOLDEN.exists() else b""
-    if old == data:
-        print(f"{GOLDEN} is up to date")
-        return 0
-    sys.stdout.writelines(difflib.unified_diff(
-        old.decode().splitlines(True), data.decode().splitlines(True), "golden", "now"))
-    return 1
+    return write_or_compare(GOLDEN, data, "--write" in argv)
 
 
 if __name__ == "__main__":

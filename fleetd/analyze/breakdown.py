@@ -23,19 +23,12 @@ from fleetd.analyze.chains import task_state
 from fleetd.analyze.data import CALL_CODES, SYNC_OPS, Node, code, histograms, in_list
 from fleetd.analyze.waits import REASONS, sql_reason
 from fleetd.analyze.window import Window
+from fleetd.store.syscalls import X86_64
 
 OFF_CPU, RUNQ, SYSCALL = code("off_cpu"), code("runq_wait"), code("syscall")
 HARDIRQ, SOFTIRQ = code("hardirq"), code("softirq")
 SYSCALL_OUTLIERS = 5
 WCHANS = 3  # D-state wait channels listed per thread
-# x86_64 numbers of the syscalls that usually show up slow; others print as their number.
-SYSCALL_NAMES = {
-    0: "read", 1: "write", 3: "close", 7: "poll", 9: "mmap", 11: "munmap", 16: "ioctl",
-    17: "pread64", 18: "pwrite64", 19: "readv", 20: "writev", 23: "select", 35: "nanosleep",
-    44: "sendto", 45: "recvfrom", 46: "sendmsg", 47: "recvmsg", 74: "fsync",
-    75: "fdatasync", 202: "futex", 232: "epoll_wait",
-    257: "openat", 270: "pselect6", 271: "ppoll", 281: "epoll_pwait", 230: "clock_nanosleep",
-}
 
 
 def thread_breakdown(
@@ -165,7 +158,7 @@ def _syscall_outliers(conn: sqlite3.Connection, node: Node, where: str, params: 
     for tid, rowkey, ts, dur, nr, ret in rows:
         if len(out[tid]) < SYSCALL_OUTLIERS:
             out[tid].append({"id": node.event_id(rowkey), "ts_ns": ts, "dur_ns": dur, "nr": nr,
-                             "name": SYSCALL_NAMES.get(nr, f"syscall {nr}"), "ret": ret})
+                             "name": X86_64.get(nr, f"syscall {nr}"), "ret": ret})
     return out
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,19 +123,35 @@ def _examples(ctx: Context, mine: list[Sleep], text: str) -> list[dict[str, Any]
 # ---- lock contention inside the process ---------------------------------------------
 
 
-def lock_contention_rule(ctx: Context) -> list[Chain]:
+def wait_rules(ctx: Context) -> list[Chain]:
+    """Both rules over each feeding thread's sleeps, read once per thread."""
+    return [ch for pid, main in _feeders(ctx) for ch in _feeder_chains(ctx, pid,
+                                                                          int(main["tid"]))]
+
+
+def _feeder_chains(ctx: Context, pid: int, tid: int) -> list[Chain]:
+    mine = sleeps(ctx, tid)
     out = []
-    for pid, main in _feeders(ctx):
-        tid = int(main["tid"])
-        waits = [s for s in sleeps(ctx, tid) if s.why == "lock"]
-        inside = [s for s in waits if s.waker and s.waker != tid
-                  and ctx.view.tasks.get(s.waker, (None, None))[0] == pid]
-        lost = sum(s.slept for s in inside)
-        total = sum(s.slept for s in waits)
-        if not inside or lost / ctx.span_ns < MIN_IMPACT:
-            continue
-        out.append(_lock_chain(ctx, pid, tid, inside, lost, total))
+    # A lock released by another thread of the same process; input from another process.
+    lock = _attributed(ctx, mine, "lock", lambda w: w != tid and _pid_of(ctx, w) == pid)
+    if lock is not None:
+        out.append(_lock_chain(ctx, pid, tid, *lock))
+    data = _attributed(ctx, mine, "data", lambda w: _pid_of(ctx, w) not in (None, pid))
+    if data is not None:
+        out.append(_data_chain(ctx, pid, tid, *data))
     return out
+
+
+def _attributed(ctx: Context, mine: list[Sleep], why: str, by: Callable[[int], bool]
+                ) -> tuple[list[Sleep], int, int] | None:
+    """The sleeps of reason ``why`` whose waker ``by`` accepts, their lost time and the
+    reason's whole time; None below :data:`MIN_IMPACT` of wall time."""
+    waits = [s for s in mine if s.why == why]
+    kept = [s for s in waits if s.waker and by(s.waker)]
+    lost = sum(s.slept for s in kept)
+    if not kept or lost / ctx.span_ns < MIN_IMPACT:
+        return None
+    return kept, lost, sum(s.slept for s in waits)
 
 
 def _lock_chain(ctx: Context, pid: int, tid: int, inside: list[Sleep], lost: int,
@@ -217,20 +234,6 @@ def _holder_text(c: dict[str, Any], busy: float | None, held: int, lost: int) ->
 
 
 # ---- data starvation ------------------------------------------------------------------
-
-
-def data_starvation_rule(ctx: Context) -> list[Chain]:
-    out = []
-    for pid, main in _feeders(ctx):
-        tid = int(main["tid"])
-        waits = [s for s in sleeps(ctx, tid) if s.why == "data"]
-        fed = [s for s in waits if s.waker and _pid_of(ctx, s.waker) not in (None, pid)]
-        lost = sum(s.slept for s in fed)
-        total = sum(s.slept for s in waits)
-        if not fed or lost / ctx.span_ns < MIN_IMPACT:
-            continue
-        out.append(_data_chain(ctx, pid, tid, fed, lost, total))
-    return out
 
 
 def _pid_of(ctx: Context, tid: int) -> int | None:

@@ -119,7 +119,7 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
     chains += rules.dataloader_rule(ctx, chains)
     chains += rules.host_sync_rule(ctx, chains) + rules.alloc_churn_rule(ctx)
     chains += rules.graph_recapture_rule(ctx)
-    chains += contention.lock_contention_rule(ctx) + contention.data_starvation_rule(ctx)
+    chains += contention.wait_rules(ctx)
     chains += gpu_chains.gpu_idle_rule(ctx)  # imported GPU timelines only
     if pid is not None:
         chains = [c for c in chains if int(c.victim["pid"]) == pid]

@@ -29,6 +29,7 @@ from fleetd.analyze.chains import Chain
 from fleetd.analyze.data import in_list
 from fleetd.analyze.rules import Context, rule_chain
 from fleetd.store.catalog import op_code
+from fleetd.store.db import present_tables
 from fleetd.store.imports import STATE_NOT_RECORDED
 from fleetd.store.timeparse import format_ns
 
@@ -67,7 +68,7 @@ class Wait:
 def gpu_idle_rule(ctx: Context) -> list[Chain]:
     """One chain per process and device whose GPU idle overlaps its launchers' waits."""
     conn, node = ctx.view.conn, ctx.view.node
-    if not _has_gpu(conn):
+    if not present_tables(conn, ("gpu_data",)):
         return []
     lo, hi = ctx.view.win.start_ns, ctx.view.win.end_ns
     out: list[Chain] = []
@@ -79,12 +80,6 @@ def gpu_idle_rule(ctx: Context) -> list[Chain]:
         if chain is not None:
             out.append(chain)
     return out
-
-
-def _has_gpu(conn: sqlite3.Connection) -> bool:
-    found = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND "
-                         "name = 'gpu_data'").fetchone()[0]
-    return int(found) == 1
 
 
 def idle_gaps(busy: Iterable[Span], lo: int, hi: int, min_gap: int = MIN_GAP_NS) -> list[Span]:

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import platform
 
+from fleetd.store.syscalls import NR
+
 REASONS = ("lock", "data", "timer", "gpu_sync", "other")
-_X86_64 = {
-    202: "lock", 449: "lock",  # futex, futex_waitv
-    0: "data", 17: "data", 19: "data", 45: "data", 47: "data", 299: "data",  # read, recv
-    7: "data", 23: "data", 232: "data", 270: "data", 271: "data", 281: "data",  # poll...
-    441: "data", 43: "data", 288: "data",  # epoll_pwait2, accept, accept4
-    35: "timer", 230: "timer",  # nanosleep, clock_nanosleep
+_BY_NAME = {
+    "futex": "lock", "futex_waitv": "lock",
+    "read": "data", "pread64": "data", "readv": "data", "recvfrom": "data",
+    "recvmsg": "data", "recvmmsg": "data", "poll": "data", "select": "data",
+    "epoll_wait": "data", "pselect6": "data", "ppoll": "data", "epoll_pwait": "data",
+    "epoll_pwait2": "data", "accept": "data", "accept4": "data",
+    "nanosleep": "timer", "clock_nanosleep": "timer",
 }
-_BY_NR = _X86_64 if platform.machine() in ("x86_64", "AMD64") else {}
-FUTEX = 202
+_BY_NR = ({NR[name]: why for name, why in _BY_NAME.items()}
+          if platform.machine() in ("x86_64", "AMD64") else {})
 
 
 def reason(ret: int | None) -> str:

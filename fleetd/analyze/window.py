@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fleetd.errors import FleetdError, QueryError, UsageError
+from fleetd.store.db import present_tables
 from fleetd.store.timeparse import format_ns, parse_duration, parse_timestamp
 
 
@@ -128,9 +129,7 @@ def data_extent(conn: sqlite3.Connection) -> tuple[int, int] | None:
 def _imported_extents(conn: sqlite3.Connection) -> list[tuple[int, int]]:
     """[first start, last end) of the GPU rows and annotated ranges, in files that have
     those tables (schema 2) and rows in them."""
-    tables = [t for (t,) in conn.execute(
-        "SELECT name FROM sqlite_master WHERE type = 'table' AND "
-        "name IN ('gpu_data', 'annotation_data') ORDER BY name")]
+    tables = present_tables(conn, ("gpu_data", "annotation_data"))
     out = []
     for table in tables:
         lo = conn.execute(f"SELECT min(ts_ns) FROM {table}").fetchone()[0]

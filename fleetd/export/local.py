@@ -21,6 +21,7 @@ from fleetd.export.clockfix import recorded_fix
 from fleetd.export.model import AnnotationRow, ChainMark, ClockFix, EventRow, GpuRow, NodeTrace
 from fleetd.store.chainrow import STORED_CHAIN_COLUMNS, STORED_CHAIN_WINDOW, stored_chain
 from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS, session_clock
+from fleetd.store.db import present_tables
 
 log = logging.getLogger("fleetd.export.local")
 
@@ -32,6 +33,7 @@ _EVENTS_SQL = (
 )
 # Imported GPU work (kernels, copies, sets; synchronizations have no slice of their own)
 # and annotated ranges, in the same window, time order and filters as the events.
+GPU_TABLES = ("gpu_data", "annotation_data")  # both come with schema 2
 _GPU_WHERE = ("FROM gpu_data g WHERE g.kind IN (1, 2, 3) AND g.ts_ns >= ? AND g.ts_ns < ? "
               "AND g.id BETWEEN ? AND ?")
 _GPU_SQL = (
@@ -66,7 +68,8 @@ def local_traces(conn: sqlite3.Connection,
         warnings.append(f"--offset names node(s) not in the file: {', '.join(sorted(unknown))}")
     traces: list[NodeTrace] = []
     starts: list[int] = []
-    has_gpu = _has_gpu_tables(conn)
+    # Schema 1 files (before imports) have no GPU tables; they export as they always did.
+    has_gpu = len(present_tables(conn, GPU_TABLES)) == len(GPU_TABLES)
     for node in nodes(conn):
         fix, notes = _clock(conn, node, opts)
         warnings += [f"node {node.name!r}: {n}" for n in notes]
@@ -102,11 +105,13 @@ def _clock(conn: sqlite3.Connection, node: Node,
     return recorded_fix(sessions, offset, manual)
 
 
-def _where(node: Node, opts: LocalOptions) -> tuple[str, list[int]]:
-    sql = _EVENTS_SQL
+def _where(node: Node, opts: LocalOptions, sql: str = "", alias: str = "e"
+           ) -> tuple[str, list[int]]:
+    """``sql`` (the events query by default) with the window, node and pid filters."""
+    sql = sql or _EVENTS_SQL
     params = [opts.window.start_ns, opts.window.end_ns, node.lo, node.hi]
     if opts.pid is not None:
-        sql += " AND e.pid = ?"
+        sql += f" AND {alias}.pid = ?"
         params.append(opts.pid)
     return sql, params
 
@@ -127,30 +132,14 @@ def _events(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> Iterato
     yield from conn.execute(sql, params)
 
 
-def _has_gpu_tables(conn: sqlite3.Connection) -> bool:
-    """Schema 1 files (before imports) have no GPU tables; they export as they always did."""
-    found = conn.execute("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND "
-                         "name IN ('gpu_data', 'annotation_data')").fetchone()[0]
-    return int(found) == 2
-
-
-def _gpu_where(node: Node, opts: LocalOptions) -> tuple[str, list[int]]:
-    sql = _GPU_WHERE
-    params = [opts.window.start_ns, opts.window.end_ns, node.lo, node.hi]
-    if opts.pid is not None:
-        sql += " AND g.pid = ?"
-        params.append(opts.pid)
-    return sql, params
-
-
 def _gpu_first_ts(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> int | None:
-    where, params = _gpu_where(node, opts)
+    where, params = _where(node, opts, _GPU_WHERE, "g")
     row = conn.execute(f"SELECT min(g.ts_ns) {where}", params).fetchone()
     return None if row is None or row[0] is None else int(row[0])
 
 
 def _gpu_limited(node: Node, opts: LocalOptions, select: str) -> tuple[str, list[int]]:
-    where, params = _gpu_where(node, opts)
+    where, params = _where(node, opts, _GPU_WHERE, "g")
     sql = f"{select} {where} ORDER BY g.ts_ns, g.id"
     if opts.limit_per_node is not None:
         sql += " LIMIT ?"

@@ -10,6 +10,7 @@ import os
 import sqlite3
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 from fleetd.errors import StoreError
@@ -149,6 +150,15 @@ def _quote_uri_path(path: Path) -> str:
     # '?' and '#' would end the path part of a URI; '%' starts an escape.
     s = str(path.absolute())
     return s.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+
+
+def present_tables(conn: sqlite3.Connection, names: Iterable[str]) -> list[str]:
+    """Those of ``names`` this file has as tables, sorted: a file of an older schema
+    lacks the newer tables (the GPU tables of imports came with schema 2)."""
+    wanted = sorted(set(names))
+    return [str(t) for (t,) in conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN "
+        f"({', '.join('?' * len(wanted))}) ORDER BY name", wanted)]
 
 
 def ensure_node(conn: sqlite3.Connection, name: str, host: str | None = None) -> int:

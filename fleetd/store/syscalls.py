@@ -96,6 +96,10 @@ X86_64: dict[int, str] = {
 SLEEPS = frozenset({"nanosleep", "clock_nanosleep", "pause", "alarm"})
 
 
+NR: dict[str, int] = {name: nr for nr, name in X86_64.items()}
+"""The number of each named syscall, the other way round."""
+
+
 def syscall_name(nr: int) -> str:
     """``futex`` for 202; ``syscall_999`` for a number the table does not know."""
     return X86_64.get(nr, f"syscall_{nr}")

@@ -14,6 +14,7 @@ from typing import Any
 
 from fleetd.store.catalog import BY_NAME
 from fleetd.store.schema import EventRow
+from fleetd.store.syscalls import NR
 from fleetd.trace.bpfsrc import PYFRAME, PYSTACK_HEAD, REC
 
 _LAUNCHES = {BY_NAME[n].code for n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")}
@@ -25,7 +26,7 @@ _RAN_BEFORE = {BY_NAME[n].code for n in ("off_cpu", "runq_wait")}
 OP_FORK, OP_EXEC, OP_EXIT = (BY_NAME[n].code for n in ("fork", "exec", "exit"))
 OP_BLOCK = BY_NAME["block_io"].code
 OP_OFF_CPU = BY_NAME["off_cpu"].code
-FUTEX_RET = 202 + 1  # an off-CPU record's ret: the syscall it slept in + 1 (x86_64 futex)
+FUTEX_RET = NR["futex"] + 1  # an off-CPU record's ret: the syscall it slept in + 1
 _NCCL_TYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32",
                "float64", "bfloat16", "fp8e4m3", "fp8e5m2")
 WHY_SLOW = 2
