@@ -268,7 +268,8 @@ static __always_inline struct fl_rec *fl_reserve(u32 ring)
 }
 
 #if FL_STACKS
-/* The same for a record with its Python stack appended (GPU layers only). */
+/* The same for a record with its Python stack appended (GPU layers, and the wakeups
+ * that carry their waker's stack on the scheduler ring). */
 static __always_inline struct fl_rec_py *fl_reserve_py(u32 ring)
 {
     struct fl_rec_py *r = 0;
@@ -280,6 +281,9 @@ static __always_inline struct fl_rec_py *fl_reserve_py(u32 ring)
         break;
     case FL_C_LOST_DRIVER:
         r = fl_rb_driver.ringbuf_reserve(sizeof(struct fl_rec_py));
+        break;
+    case FL_C_LOST_SCHED:
+        r = fl_rb_sched.ringbuf_reserve(sizeof(struct fl_rec_py));
         break;
     default:
         r = fl_rb_nccl.ringbuf_reserve(sizeof(struct fl_rec_py));
@@ -342,14 +346,11 @@ static __always_inline void fl_fill(struct fl_rec *r, u64 ts, u64 dur, u32 pid, 
  * ts = 0 instead of deleted; LRU recycles the entries of threads that are gone. */
 BPF_TABLE("lru_hash", u64, struct fl_call, fl_calls, 16384);
 
-/* Entry: keep the start time and arguments of a target's call (func: a launch's
- * kernel, else 0). */
-static __always_inline int fl_call_enter_f(struct pt_regs *ctx, u32 op, u64 func, u64 bytes,
-                                           s64 a0, s64 a1, u64 x0, u64 x1, u64 x2, u64 x3)
+/* Entry of a call already known to be a target's: keep its start and arguments. */
+static __always_inline int fl_call_store(struct pt_regs *ctx, u64 id, u32 op, u64 func,
+                                         u64 bytes, s64 a0, s64 a1, u64 x0, u64 x1, u64 x2,
+                                         u64 x3)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    if (!fl_is_cuda_target(id >> 32))
-        return 0;
     u64 key = (id << 32) | op;
     struct fl_call *p = fl_calls.lookup(&key);
     if (p) {
@@ -379,6 +380,17 @@ static __always_inline int fl_call_enter_f(struct pt_regs *ctx, u32 op, u64 func
     if (fl_calls.update(&key, &c))
         fl_count(FL_C_CALLS_FULL);
     return 0;
+}
+
+/* Entry: keep the start time and arguments of a target's call (func: a launch's
+ * kernel, else 0). */
+static __always_inline int fl_call_enter_f(struct pt_regs *ctx, u32 op, u64 func, u64 bytes,
+                                           s64 a0, s64 a1, u64 x0, u64 x1, u64 x2, u64 x3)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!fl_is_cuda_target(id >> 32))
+        return 0;
+    return fl_call_store(ctx, id, op, func, bytes, a0, a1, x0, x1, x2, x3);
 }
 
 static __always_inline int fl_call_enter(struct pt_regs *ctx, u32 op, u64 bytes, s64 a0,
@@ -483,6 +495,38 @@ static __always_inline void fl_py_walk(u32 tgid, u32 tid, struct fl_pystack *py)
 }
 #endif
 
+/* ---- NCCL state the return side needs (the probes are in nccl.bpf.c) ----
+ *
+ * Sequence numbers, counted at the call's entry so that a record lost later does not
+ * shift the numbers after it: collectives per (tgid, communicator) with op = peer = 0,
+ * send/recv per (tgid, communicator, op, peer). LRU, so the keys of processes that are
+ * gone make room for new ones on a long-running agent; a key in use is looked up on
+ * every call and stays. A communicator handle is used by one thread at a time (NCCL
+ * requires it), so a plain increment is enough. */
+struct fl_nccl_key {
+    u64 comm;
+    u32 tgid;
+    u32 op;
+    s64 peer;
+};
+BPF_TABLE("lru_hash", struct fl_nccl_key, u64, fl_nccl_seq, 16384);
+
+/* The created communicator of a successful (or, non-blocking, in-progress) init or
+ * split: read through the out pointer kept at entry in x1, which becomes the handle.
+ * A fresh handle starts its collective count again (the address may be a destroyed
+ * communicator's). */
+static __always_inline void fl_nccl_created(u32 tgid, struct fl_call *c, s32 ret)
+{
+    u64 comm = 0;
+    if ((ret == 0 || ret == 7 /* ncclInProgress */) && c->x[1])
+        bpf_probe_read_user(&comm, sizeof(comm), (void *)c->x[1]);
+    c->x[1] = comm;
+    if (comm) {
+        struct fl_nccl_key k = {.comm = comm, .tgid = tgid};
+        fl_nccl_seq.delete(&k);
+    }
+}
+
 /* Return: histogram always; a record when the call is an anomaly, belongs to an
  * always-emitted class, or is in the sample. */
 static __always_inline int fl_call_exit(struct pt_regs *ctx, u32 op, u32 always, u32 ring)
@@ -498,6 +542,10 @@ static __always_inline int fl_call_exit(struct pt_regs *ctx, u32 op, u32 always,
     u64 dur = now - start;
     c->ts = 0; /* done: a return without a fresh entry is ignored */
     s32 ret = (s32)PT_REGS_RC(ctx);
+    if (op == OP_NCCLCOMMINITRANK || op == OP_NCCLCOMMINITRANKCONFIG || op == OP_NCCLCOMMSPLIT)
+        fl_nccl_created(tgid, c, ret);
+    /* Always-emitted classes (NCCL among them) are never dropped by the error budget:
+     * FL_WHY_ALWAYS alone keeps the record, errors only add a flag. */
     u32 why = always ? FL_WHY_ALWAYS : 0;
     struct fl_hist *h = fl_hist_add(tgid, op, dur, -1);
     if (h) {

@@ -33,7 +33,9 @@
 #define FL_C_WAKE_TICK 12    /* records since the consumer was last woken, per CPU */
 #define FL_C_STACK_TICK 13   /* the stack sampling counter (1 in FL_STACK_SAMPLE_N kept calls) */
 #define FL_C_PY_LOST 14      /* a Python process's call whose frames could not be read */
-#define FL_NCOUNTERS 16
+#define FL_C_WAKE_STACK 15   /* wakeups whose waker's stack was taken (host.bpf.c) */
+#define FL_C_WAKE_STACK_SKIP 16 /* ... and those left without one by the rate limit */
+#define FL_NCOUNTERS 18
 
 /* One record per emitted event, for every layer: fixed size keeps decoding cheap. */
 struct fl_rec {

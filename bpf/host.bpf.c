@@ -6,6 +6,9 @@
  * bytes), FL_IRQ (hard/soft interrupts that preempted a traced thread), FL_SYSCALL
  * (system calls slower than a threshold). Everything goes into the in-kernel
  * histograms; individual records only above the thresholds below.
+ * With FL_STACKS (and FL_WAKE_STACKS), a wakeup of a traced thread by a Python thread
+ * fleetd follows carries the waker's stack, taken at the wakeup, at most once per
+ * (waker, woken) thread pair every FL_WAKE_STACK_NS.
  * Must be included before proc.bpf.c (it provides FL_FORGET_THREAD).
  */
 #include "common.bpf.c"
@@ -42,6 +45,12 @@
 #endif
 #ifndef FL_BLOCK_MIN_NS
 #define FL_BLOCK_MIN_NS 10000000
+#endif
+#ifndef FL_WAKE_STACKS
+#define FL_WAKE_STACKS 1 /* with FL_STACKS: wakers' stacks on wakeup records */
+#endif
+#ifndef FL_WAKE_STACK_NS
+#define FL_WAKE_STACK_NS 20000000ull /* one stack per (waker, woken) pair per this */
 #endif
 
 #define FL_STATE_MASK 0xffll /* above it: TASK_REPORT_MAX, set when preempted */
@@ -101,6 +110,101 @@ static __always_inline void fl_blocked_in(u32 tid, struct fl_off *o)
 #endif
 }
 
+#if FL_STACKS && FL_WAKE_STACKS
+#define FL_WSTACKS 1
+/* The stack of the thread that woke a traced one, taken at the wakeup (the waker is
+ * current in sched_waking) and kept per woken thread until its switch-in writes the
+ * wakeup record, which then carries it. For lock waits the waker is the thread that
+ * released the lock: its frames say what it did while holding it. */
+struct fl_wstack {
+    u64 wake;   /* the wakeup it belongs to (fl_off.wake); 0 = used */
+    s64 native; /* user stack id, -1 = none */
+    struct fl_pystack py;
+};
+BPF_TABLE("lru_hash", u32, struct fl_wstack, fl_wstack, 1024);
+BPF_PERCPU_ARRAY(fl_wstack_init, struct fl_wstack, 1); /* too big for the BPF stack */
+/* (waker tid << 32 | woken tid) -> when the pair last got a stack: the rate limit. */
+BPF_TABLE("lru_hash", u64, u64, fl_wstack_last, 4096);
+
+/* Costs a stack walk and up to FL_PY_FRAMES x 3 user reads, so only where it can pay:
+ * a sleep long enough to be recorded (its wakeup record is the only carrier), a waker
+ * that is a Python thread of a process fleetd reads frames of, and at most one per
+ * thread pair every FL_WAKE_STACK_NS (the rest are counted as skipped). */
+static __always_inline void fl_waker_stack(void *ctx, u64 id, u32 tid, u64 slept, u64 now)
+{
+    u32 tgid = id >> 32, wtid = (u32)id;
+    if (slept < FL_OFFCPU_MIN_NS)
+        return;
+    if (!fl_pyprocs.lookup(&tgid) || !fl_pythreads.lookup(&wtid))
+        return;
+    u64 pair = ((u64)wtid << 32) | tid;
+    u64 *last = fl_wstack_last.lookup(&pair);
+    if (last) {
+        if (now - *last < FL_WAKE_STACK_NS) {
+            fl_count(FL_C_WAKE_STACK_SKIP);
+            return;
+        }
+        *last = now;
+    } else if (fl_wstack_last.update(&pair, &now)) {
+        fl_count(FL_C_STATE_FULL);
+    }
+    struct fl_wstack *w = fl_wstack.lookup(&tid);
+    if (!w) {
+        int zero = 0;
+        struct fl_wstack *init = fl_wstack_init.lookup(&zero);
+        if (!init)
+            return;
+        fl_wstack.update(&tid, init);
+        w = fl_wstack.lookup(&tid);
+        if (!w) {
+            fl_count(FL_C_STATE_FULL);
+            return;
+        }
+    }
+    w->native = fl_stacks.get_stackid(ctx, BPF_F_USER_STACK);
+    if (w->native < 0)
+        fl_count(FL_C_STACK_LOST);
+    fl_py_walk(tgid, wtid, &w->py);
+    w->wake = now;
+    fl_count(FL_C_WAKE_STACK);
+}
+#else
+#define FL_WSTACKS 0
+#endif
+
+/* The wakeup that ended a recorded sleep: the waker, with its stack when one was taken
+ * for this very wakeup (appended as in a stacked CUDA record). */
+static __always_inline void fl_wakeup_rec(u32 tid, u32 pid, struct fl_off *o)
+{
+    struct fl_rec *r = 0;
+    s32 native = -1;
+#if FL_WSTACKS
+    struct fl_wstack *w = fl_wstack.lookup(&tid);
+    if (w && w->wake && w->wake == o->wake) {
+        w->wake = 0;
+        struct fl_rec_py *rp = fl_reserve_py(FL_C_LOST_SCHED);
+        if (!rp)
+            return;
+        bpf_probe_read_kernel(&rp->py, sizeof(rp->py), &w->py);
+        native = (s32)w->native;
+        r = &rp->r;
+    } else {
+        r = fl_reserve(FL_C_LOST_SCHED);
+    }
+#else
+    r = fl_reserve(FL_C_LOST_SCHED);
+#endif
+    if (!r)
+        return;
+    fl_fill(r, o->wake, 0, pid, tid, OP_WAKEUP, 0);
+    r->peer = o->waker;
+    r->peer_pid = o->waker_pid;
+    __builtin_memcpy(r->comm, o->waker_comm, FL_COMM_LEN);
+    r->stack = native;
+    r->flags = FL_WHY_SLOW;
+    fl_submit(r);
+}
+
 /* The task that gave the CPU back to a waiting thread (prev at its switch-in) held it
  * at the end of the wait: the culprit of run-queue time. Its tid goes in a1 and its
  * comm in x[0..1] of the off-CPU and run-queue records. */
@@ -133,17 +237,8 @@ static __always_inline void fl_switch_in(u32 tid, u64 now, u32 prev, const char 
             fl_submit(r);
             emitted = 1;
         }
-        if (o->waker) {
-            r = fl_reserve(FL_C_LOST_SCHED);
-            if (r) {
-                fl_fill(r, o->wake, 0, pid, tid, OP_WAKEUP, 0);
-                r->peer = o->waker;
-                r->peer_pid = o->waker_pid;
-                __builtin_memcpy(r->comm, o->waker_comm, FL_COMM_LEN);
-                r->flags = FL_WHY_SLOW;
-                fl_submit(r);
-            }
-        }
+        if (o->waker)
+            fl_wakeup_rec(tid, pid, o);
     }
     if (o->wake && now >= o->wake) {
         u64 rq = now - o->wake;
@@ -202,16 +297,20 @@ TRACEPOINT_PROBE(sched, sched_switch)
     return 0;
 }
 
-static __always_inline int fl_wakeup(u32 tid)
+static __always_inline int fl_wakeup(void *ctx, u32 tid)
 {
     struct fl_off *o = fl_off.lookup(&tid);
     if (!o || o->wake)
         return 0;
     u64 id = bpf_get_current_pid_tgid(); /* current is the waker */
-    o->wake = bpf_ktime_get_ns();
+    u64 now = bpf_ktime_get_ns();
+    o->wake = now;
     o->waker = (u32)id;
     o->waker_pid = id >> 32;
     bpf_get_current_comm(o->waker_comm, FL_COMM_LEN);
+#if FL_WSTACKS
+    fl_waker_stack(ctx, id, tid, now - o->ts, now);
+#endif
     return 0;
 }
 
@@ -221,7 +320,7 @@ static __always_inline int fl_wakeup(u32 tid)
  * scenario: sched_wakeup named the waker for 16 of 96 D-state waits. */
 TRACEPOINT_PROBE(sched, sched_waking)
 {
-    return fl_wakeup(args->pid);
+    return fl_wakeup(args, args->pid);
 }
 #endif /* FL_SCHED */
 

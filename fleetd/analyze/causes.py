@@ -251,6 +251,8 @@ def _graph_recapture_summary(ch: Chain, who: str, by: str | None) -> str:
 def _lock_contention_summary(ch: Chain, who: str, by: str | None) -> str:
     d, c = ch.detail, (ch.culprits[0] if ch.culprits else None)
     holder = f"thread {c['thread'] or c['comm']} (tid {c['tid']})" if c else "another thread"
+    # Traced with stacks: where the holder was as it released the lock.
+    at = f" in {c['where']}" if c and c.get("where") else ""
     lock = ("the interpreter lock (GIL)" if d.get("gil") and d.get("lock_symbol")
             else "the interpreter lock (GIL, most likely)" if d.get("gil")
             else f"the lock {d['lock_symbol']} at {d['lock_addr']}" if d.get("lock_symbol")
@@ -258,7 +260,7 @@ def _lock_contention_summary(ch: Chain, who: str, by: str | None) -> str:
     busy = (f", which wanted the CPU {d['holder_busy']:.0%} of the time"
             if d.get("holder_busy") is not None else "")
     return (f"{who} lost {d['lock_share']:.1%} of its time waiting for {lock}, released by "
-            f"{holder} of the same process{busy}")
+            f"{holder} of the same process{at}{busy}")
 
 
 def _data_starvation_summary(ch: Chain, who: str, by: str | None) -> str:
@@ -318,6 +320,41 @@ def _gpu_idle_fixes(ch: Chain) -> list[str]:
     return out
 
 
+def _nccl_failures_summary(ch: Chain, who: str, by: str | None) -> str:
+    d = ch.detail
+    errs = ", ".join(f"{e['op']} {e['ret']} {e['error']} x{e['count']}"
+                     for e in d["by_error"][:3])
+    more = f" and {len(d['by_error']) - 3} more" if len(d["by_error"]) > 3 else ""
+    return (f"{d['failed']} of {d['calls']} NCCL calls of {who} failed ({errs}{more}): "
+            "those collectives did not run")
+
+
+def _nccl_failures_fixes(ch: Chain) -> list[str]:
+    """By the errors seen: a bad call or a communicator that does not exist, a peer or
+    the network, CUDA underneath, NCCL itself; always: NCCL's own log says why."""
+    v = ch.victim
+    rets = {int(e["ret"]) for e in ch.detail.get("by_error", [])}
+    out = [f"run {v['comm']} (pid {v['pid']}) with NCCL_DEBUG=WARN (or INFO, with "
+           "NCCL_DEBUG_SUBSYS=INIT,COLL) to get NCCL's reason for each failure"]
+    if rets & {4, 5}:
+        out.append("ncclInvalidArgument/ncclInvalidUsage: a call with a communicator that "
+                   "was never created (its ncclCommInitRank failed: no GPU visible, see "
+                   "CUDA_VISIBLE_DEVICES and nvidia-smi), a bad buffer, count or root, or "
+                   "calls out of order between ranks")
+    if rets & {2, 6}:
+        out.append("ncclSystemError/ncclRemoteError: a peer rank died or the network "
+                   "failed: look at the other ranks (fleetd explain --nodes), their logs, "
+                   "NCCL_SOCKET_IFNAME / NCCL_IB_HCA and the links (dmesg, ibstat)")
+    if 1 in rets:
+        out.append("ncclUnhandledCudaError: a CUDA call inside NCCL failed: check the "
+                   "device (nvidia-smi, Xid errors in dmesg) and the CUDA calls before it")
+    if 3 in rets:
+        out.append("ncclInternalError: an NCCL bug or a library mismatch between ranks: use "
+                   "one NCCL version everywhere (python -c 'import torch; print(torch.cuda."
+                   "nccl.version())')")
+    return out
+
+
 # ---- the registry -------------------------------------------------------------------
 
 _ALL = (
@@ -373,6 +410,10 @@ _ALL = (
           "the GPU sat idle (imported GPU timeline) while the thread that launches its work "
           "was off the CPU, queued for it or in D state",
           ("gpu_gap", "off_cpu", "runq_wait"), _gpu_idle_fixes, summary=_gpu_idle_summary),
+    Cause("nccl_failures",
+          "NCCL calls returned an error (a ncclResult_t other than ncclSuccess): those "
+          "collectives or communicators did not work",
+          ("nccl_error", "call"), _nccl_failures_fixes, summary=_nccl_failures_summary),
     Cause("unexplained",
           "slow calls with no host cause on their thread: the time is on the GPU side",
           ("spike", "off_cpu"), _unexplained_fixes,

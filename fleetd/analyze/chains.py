@@ -52,6 +52,7 @@ EVIDENCE_PER_SPIKE = 6
 OFF_CPU, RUNQ, WAKEUP = code("off_cpu"), code("runq_wait"), code("wakeup")
 HARDIRQ, SOFTIRQ, BLOCK_IO = code("hardirq"), code("softirq"), code("block_io")
 HOST_CODES = (OFF_CPU, WAKEUP, HARDIRQ, SOFTIRQ)
+LAUNCH_OPS = frozenset({"cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"})
 _STATE_MASK = 0xFF  # above it the kernel reports TASK_REPORT_MAX for a preempted task
 
 
@@ -172,6 +173,12 @@ class NodeView:
         row = self.conn.execute("SELECT json_extract(args, '$.wchan') FROM event_args "
                                 "WHERE id = ?", (ev.rowkey,)).fetchone()
         return str(row[0]) if row and row[0] else None
+
+    def kernel(self, ev: Ev) -> str | None:
+        """The kernel a launch started, when the tracer named it."""
+        row = self.conn.execute("SELECT json_extract(args, '$.kernel') FROM event_args "
+                                "WHERE id = ?", (ev.rowkey,)).fetchone()
+        return str(row[0]) if row and isinstance(row[0], str) and row[0] else None
 
     def stack(self, ev: Ev) -> list[str]:
         """The recorded stack of an event (innermost first), or [] when it has none."""
@@ -422,8 +429,11 @@ def _spike_item(view: NodeView, spike: Spike) -> dict[str, Any]:
     """The slow call (or the stall and the call it delayed), with the call's recorded
     stack where there is one: its top Python frame is the user's line."""
     c = spike.call
+    kernel = None
     if spike.kind == "call":
-        text = (f"{spike.op} took {_ms(c.dur)} (usual {_ms(spike.baseline_ns)}) "
+        kernel = view.kernel(c) if spike.op in LAUNCH_OPS else None
+        of = f" of {kernel}" if kernel else ""
+        text = (f"{spike.op}{of} took {_ms(c.dur)} (usual {_ms(spike.baseline_ns)}) "
                 f"on thread {c.tid}")
         kind, frames = "spike", view.stack(c)
     else:
@@ -437,6 +447,8 @@ def _spike_item(view: NodeView, spike: Spike) -> dict[str, Any]:
     item = _spike_base(view, spike, kind, text)
     if frames:
         item.update(where=where, stack=frames)
+    if kernel:
+        item["kernel"] = kernel
     return item
 
 

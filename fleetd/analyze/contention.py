@@ -6,7 +6,9 @@ reason (:mod:`fleetd.analyze.waits`) together with who woke each one:
 - ``lock_contention``: futex waits woken by *other threads of the same process*. The
   thread that wakes the victim is the one that released the lock: the holder. For a
   CPython process whose waits all sit on one futex word and whose holder keeps running,
-  the lock is most likely the interpreter lock (the GIL).
+  the lock is most likely the interpreter lock (the GIL). Traced with stacks, some
+  wakeups carry the waker's stack, taken as it released the lock: the holder's most
+  frequent Python line among them says where it was (``culprit.where``).
 - ``data_starvation``: waits for input (a pipe, a socket, poll/epoll: a DataLoader
   queue) woken by *other processes*: the producers. A producer near 100 % of a CPU is
   the bottleneck; an idle one points elsewhere (its own input, the queue size).
@@ -25,8 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from fleetd.analyze.chains import OFF_CPU, Chain
 from fleetd.analyze.data import code, in_list
+from fleetd.analyze.frames import top_python_frame
 from fleetd.analyze.rules import Context, rule_chain
 from fleetd.analyze.waits import reason
 from fleetd.store.timeparse import format_ns
@@ -46,13 +51,27 @@ PY_RUNTIME = "_PyRuntime+"  # CPython's runtime state, where the interpreter loc
 @dataclass(frozen=True, slots=True)
 class Sleep:
     """One sleep of the victim: when, how long (run-queue tail excluded), why, on what
-    (the futex word or fd), and who woke it (0: unknown)."""
+    (the futex word or fd), who woke it (0: unknown) and the waker's stack at the
+    wakeup (its hash in ``stacks``; 0: none taken)."""
 
     ts: int
     slept: int
     why: str
     arg: int
     waker: int
+    stack: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Where:
+    """Where a waker was as it woke the victim: its most frequent top Python frame over
+    the wakeups that carry its stack (``stacked``; ``hits`` of them at that frame) and
+    that frame's most frequent whole stack, innermost first."""
+
+    frame: str
+    stack: list[str]
+    hits: int
+    stacked: int
 
 
 def sleeps(ctx: Context, tid: int) -> list[Sleep]:
@@ -60,8 +79,8 @@ def sleeps(ctx: Context, tid: int) -> list[Sleep]:
     v, t0, t1 = ctx.view, ctx.span[0], ctx.span[1] + 1
     args = (t0, t1, v.node.lo, v.node.hi, tid)
     where = "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND tid = ?"
-    wakes = v.conn.execute(f"SELECT ts_ns, peer FROM event_data WHERE {where} AND op = ? "
-                           "ORDER BY ts_ns", (*args, WAKEUP)).fetchall()
+    wakes = v.conn.execute(f"SELECT ts_ns, peer, stack FROM event_data WHERE {where} AND "
+                           "op = ? ORDER BY ts_ns", (*args, WAKEUP)).fetchall()
     tails = v.conn.execute(f"SELECT ts_ns, dur_ns FROM event_data WHERE {where} AND op = ? "
                            "ORDER BY ts_ns", (*args, RUNQ)).fetchall()
     out = []
@@ -70,16 +89,47 @@ def sleeps(ctx: Context, tid: int) -> list[Sleep]:
         "a0 & 255 != 0 AND a0 & 2 = 0 ORDER BY ts_ns", (*args, OFF_CPU),
     ):
         end = ts + dur
-        waker = _first_in(wakes, ts, end)
-        tail = _first_in(tails, ts, end + 1)
-        out.append(Sleep(ts, max(0, dur - tail), reason(ret), int(arg or 0), waker))
+        wake = _first_row(wakes, ts, end)
+        tail = _first_row(tails, ts, end + 1)
+        out.append(Sleep(ts, max(0, dur - (int(tail[1]) if tail else 0)), reason(ret),
+                         int(arg or 0), int(wake[1]) if wake else 0,
+                         int(wake[2] or 0) if wake else 0))
     return out
 
 
-def _first_in(rows: list[tuple[int, int]], t0: int, t1: int) -> int:
-    """The value of the first (ts, value) row with t0 <= ts <= t1, else 0."""
-    i = bisect.bisect_left(rows, (t0, -(1 << 62)))
-    return int(rows[i][1]) if i < len(rows) and rows[i][0] <= t1 else 0
+def _first_row(rows: list[tuple[int, ...]], t0: int, t1: int) -> tuple[int, ...] | None:
+    """The first (ts, ...) row with t0 <= ts <= t1, else None."""
+    i = bisect.bisect_left(rows, (t0,))
+    return rows[i] if i < len(rows) and rows[i][0] <= t1 else None
+
+
+def waker_where(ctx: Context, hashes: list[int]) -> Where | None:
+    """Where a waker was, from the stacks of its wakeups (hashes, one per wakeup; 0 for
+    a wakeup without one); None when none carries a Python frame."""
+    hashes = [h for h in hashes if h]
+    if not hashes:
+        return None
+    frames: dict[int, list[str]] = {}
+    for h, text in ctx.view.conn.execute(
+            f"SELECT hash, frames FROM stacks WHERE hash IN {in_list(set(hashes))}"):
+        try:
+            value = orjson.loads(text)
+        except (orjson.JSONDecodeError, TypeError):
+            value = [text]
+        frames[int(h)] = [str(f) for f in value] if isinstance(value, list) else [str(value)]
+    tops: Counter[str] = Counter()
+    stacks: dict[str, Counter[int]] = defaultdict(Counter)
+    for h in hashes:
+        top = top_python_frame(frames.get(h, []))
+        if top is not None:
+            tops[top] += 1
+            stacks[top][h] += 1
+    if not tops:
+        return None
+    # Most hits first; a tie goes to the frame that sorts first, so the answer is stable.
+    top, hits = min(tops.items(), key=lambda kv: (-kv[1], kv[0]))
+    best = min(stacks[top].items(), key=lambda kv: (-kv[1], kv[0]))[0]
+    return Where(top, frames[best], hits, len(hashes))
 
 
 def _feeders(ctx: Context) -> list[tuple[int, dict[str, Any]]]:
@@ -171,19 +221,28 @@ def _lock_chain(ctx: Context, pid: int, tid: int, inside: list[Sleep], lost: int
         not symbol and str(ctx.view.names.get(pid) or "").startswith("python")
         and addr_ns >= GIL_ADDR_SHARE * lost and (busy or 0) >= GIL_HOLDER_BUSY)
     culprits = [_thread_culprit(ctx, t, ns, lost, pid) for t, ns in by_holder.most_common(5)]
+    # Where the holder was as it released the lock: its stacks at those wakeups.
+    at = waker_where(ctx, [s.stack for s in inside if s.waker == holder])
+    if at is not None:
+        culprits[0]["where"], culprits[0]["stack"] = at.frame, at.stack
     detail = {"lock_addr": f"{addr:#x}", "lock_symbol": symbol,
               "lock_share": round(lost / ctx.span_ns, 4),
               "waits": len(inside), "holder_tid": holder,
               "holder_thread": culprits[0]["thread"],
               "holder_busy": None if busy is None else round(busy, 3), "gil": gil,
-              "addresses": len(by_addr)}
+              "addresses": len(by_addr),
+              "holder_where": at.frame if at else None,
+              "holder_stacks": at.stacked if at else 0,
+              "holder_where_share": round(at.hits / at.stacked, 3) if at else None}
     ev = [{"kind": "lock_wait", "addr": f"{addr:#x}", "waits": len(inside), "lost_ns": lost,
            "text": f"{len(inside)} futex waits ({lost / 1e6:.1f} ms, "
                    f"{lost / ctx.span_ns:.1%} of wall) ended by other threads of the same "
                    f"process; {addr_ns / lost:.0%} of that time on the lock at {addr:#x}"},
           {"kind": "holder", "tid": holder, "thread": culprits[0]["thread"],
-           "running_share": detail["holder_busy"], "text": _holder_text(culprits[0], busy,
-                                                                        held_ns, lost)}]
+           "running_share": detail["holder_busy"],
+           "text": _holder_text(culprits[0], busy, held_ns, lost, at)}]
+    if at is not None:
+        ev[-1].update(where=at.frame, stack=at.stack)
     ev += _examples(ctx, inside, "futex wait")
     ch = rule_chain(ctx, "lock_contention", pid, None, lost / max(1, total),
                     lost / ctx.span_ns, ev, detail)
@@ -226,11 +285,14 @@ def _thread_culprit(ctx: Context, tid: int, ns: int, lost: int, pid: int) -> dic
             "ns": ns, "share": round(ns / max(1, lost), 3), "self": who["pid"] == pid}
 
 
-def _holder_text(c: dict[str, Any], busy: float | None, held: int, lost: int) -> str:
+def _holder_text(c: dict[str, Any], busy: float | None, held: int, lost: int,
+                 at: Where | None) -> str:
     name = c["thread"] or c["comm"]
     ran = f", on or waiting for a CPU {busy:.0%} of the time" if busy is not None else ""
+    where = (f"; it was in {at.frame} at {at.hits} of the {at.stacked} wakeups whose "
+             "stack was taken" if at is not None else "")
     return (f"thread {name} (tid {c['tid']}) released the lock {held / max(1, lost):.0%} "
-            f"of the times{ran}")
+            f"of the times{ran}{where}")
 
 
 # ---- data starvation ------------------------------------------------------------------

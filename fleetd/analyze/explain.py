@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fleetd.analyze import causes, contention, gpu_chains, rules
+from fleetd.analyze import causes, collectives, contention, gpu_chains, rules
 from fleetd.analyze.chains import (
     MIN_CALLS,
     SEVERITY_RANK,
@@ -79,21 +79,25 @@ def report(slices: list[NodeSlice], win: Window, pid: int | None = None,
     chains: list[dict[str, Any]] = []
     procs: list[dict[str, Any]] = []
     ops: list[dict[str, Any]] = []
+    warnings = list(win.warnings)
     for sl in slices:
         part = explain_node(sl, pid, per_process)
         chains += part["chains"]
         procs += part["processes"]
         ops += part["ops"]
+        warnings += part["warnings"]
     chains.sort(key=lambda c: (SEVERITY_RANK[c["severity"]], -float(c["impact"]), c["id"]))
     return {
         "window": win.to_json(),
         "nodes": [sl.name for sl in slices],
-        "quiet": not any(c["severity"] in ("HIGH", "MEDIUM") for c in chains),
+        # Failing NCCL calls are never quiet, whatever time they cost.
+        "quiet": not any(c["severity"] in ("HIGH", "MEDIUM")
+                         or c["root_cause"] == "nccl_failures" for c in chains),
         "verdict": _verdict(chains, win),
         "chains": chains,
         "processes": procs,
         "ops": ops,
-        "warnings": list(win.warnings),
+        "warnings": warnings,
     }
 
 
@@ -102,6 +106,11 @@ def _verdict(chains: list[dict[str, Any]], win: Window) -> str:
         return "no data in the window: " + win.warnings[0]
     counts = {s: sum(1 for c in chains if c["severity"] == s) for s in SEVERITY_RANK}
     if not counts["HIGH"] and not counts["MEDIUM"]:
+        failing = [c for c in chains if c["root_cause"] == "nccl_failures"]
+        if failing:
+            return (f"no host-side cause of GPU latency found, but NCCL calls failed in "
+                    f"{len(failing)} process(es); first: {failing[0]['node']}: "
+                    f"{failing[0]['summary']}")
         minor = f" ({counts['LOW']} minor chain(s) below the MEDIUM bar)" if counts["LOW"] else ""
         return "quiet: no host-side cause of GPU latency found" + minor
     top = chains[0]
@@ -121,16 +130,21 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
     chains += rules.graph_recapture_rule(ctx)
     chains += contention.wait_rules(ctx)
     chains += gpu_chains.gpu_idle_rule(ctx)  # imported GPU timelines only
+    failed, warnings = collectives.failures(ctx)  # NCCL calls that returned an error
+    chains += failed
     if pid is not None:
         chains = [c for c in chains if int(c.victim["pid"]) == pid]
         threads = [t for t in threads if t["pid"] == pid]
+        warnings = [w for w, c in zip(warnings, failed, strict=True)
+                    if int(c.victim["pid"]) == pid]
     out_ops = ops if per_process else sl.op_stats(pid, False)
     if per_process and pid is not None:
         out_ops = [r for r in ops if r["pid"] == pid]
     procs = sl.processes(threads)
     for p in procs:
         p["top_ops"] = [_brief(r) for r in ops if r["pid"] == p["pid"]][:5]
-    return {"chains": [chain_json(c) for c in chains], "processes": procs, "ops": out_ops}
+    return {"chains": [chain_json(c) for c in chains], "processes": procs, "ops": out_ops,
+            "warnings": warnings}
 
 
 def _spike_chains(ctx: rules.Context, ops: list[dict[str, Any]],
@@ -191,6 +205,8 @@ def _culprit(top: dict[str, Any] | None) -> dict[str, Any] | None:
     out = {"pid": top["pid"], "comm": top["comm"], "self": top["self"]}
     if top.get("tid") is not None:
         out["tid"], out["thread"] = top["tid"], top.get("thread")
+    if top.get("where"):  # a lock holder traced with stacks: its line and frames
+        out["where"], out["stack"] = top["where"], top.get("stack") or []
     return out
 
 

@@ -14,6 +14,7 @@ import sqlite3
 from functools import cached_property
 from typing import Any
 
+from fleetd.analyze import collectives as coll
 from fleetd.analyze import explain as explainer
 from fleetd.analyze.data import Node, nodes
 from fleetd.analyze.gpu import gpu_report
@@ -73,9 +74,12 @@ class Analysis:
         """Chains, processes and op statistics, node by node (docs/explain.md)."""
         return explainer.report(self.slices, self.window, pid, per_process)
 
-    def op_stats(self, pid: int | None = None, per_process: bool = False
+    def op_stats(self, pid: int | None = None, per_process: bool = False, by: str = "op"
                  ) -> list[dict[str, Any]]:
-        """p50/p95/p99 per op (and process), every node's rows one after another."""
+        """p50/p95/p99 per op (or per kernel name, ``by="kernel"``) and process, every
+        node's rows one after another."""
+        if by == "kernel":
+            return [r for sl in self.slices for r in sl.kernel_stats(pid, per_process)]
         return [r for sl in self.slices for r in sl.op_stats(pid, per_process)]
 
     def overview(self, node: str) -> dict[str, Any]:
@@ -89,9 +93,28 @@ class Analysis:
             return {"node": node, "error": "no such node in this database"}
         return explainer.node_profile(sl)
 
-    def stragglers(self, chains: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The nodes of the file ranked as the fleet client ranks live ones."""
-        return rank({sl.name: explainer.node_profile(sl) for sl in self.slices}, {}, chains)
+    def stragglers(self, chains: list[dict[str, Any]],
+                   collectives: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """The nodes of the file ranked as the fleet client ranks live ones (two or more),
+        led by the ranks collective arrival names (``collectives``: :meth:`collectives`'
+        report, computed here when not given)."""
+        found = collectives if collectives is not None else self.collectives()
+        ranked = (rank({sl.name: explainer.node_profile(sl) for sl in self.slices}, {}, chains)
+                  if len(self.slices) > 1 else [])  # one node: nothing to compare it with
+        return coll.straggler_entries(found, chains) + ranked
+
+    def arrivals(self, max_rows: int | None = None, max_bytes: int | None = None
+                 ) -> list[coll.NodeArrivals]:
+        """Every node's NCCL collective calls in the window (the newest ``max_rows`` per
+        node, all without), with the processes that made them and the node's clock error."""
+        return [coll.read_arrivals(sl, max_rows, max_bytes) for sl in self.slices]
+
+    def collectives(self, clocks: dict[str, coll.Clock] | None = None,
+                    max_rows: int = coll.LOCAL_ROWS) -> dict[str, Any]:
+        """Collective arrival per communicator and rank, and the straggler rank it names
+        (docs/explain.md, "Collective arrival"), over the newest ``max_rows`` calls per
+        node; ``clocks``: node -> (offset, error)."""
+        return coll.analyze(self.arrivals(max_rows), clocks)
 
     def breakdown(self, pid: int | None = None) -> list[dict[str, Any]]:
         """Where each process's threads spent their wall time (most CUDA time first)."""

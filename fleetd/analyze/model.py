@@ -15,7 +15,7 @@ from typing import Any
 
 from fleetd.analyze.breakdown import process_rows, thread_breakdown
 from fleetd.analyze.data import Node, comms, effective_span, tasks
-from fleetd.analyze.opstats import node_op_stats
+from fleetd.analyze.opstats import node_kernel_stats, node_op_stats
 from fleetd.analyze.window import Window
 
 
@@ -70,6 +70,12 @@ class NodeSlice:
         if pid is None and per_process:
             return self.ops
         return node_op_stats(self.conn, self.node, self.window, pid, per_process, self.names)
+
+    def kernel_stats(self, pid: int | None = None, per_process: bool = True
+                     ) -> list[dict[str, Any]]:
+        """Launch statistics per kernel name (``fleetd ops --by kernel``)."""
+        return node_kernel_stats(self.conn, self.node, self.window, pid, per_process,
+                                 self.names)
 
     @cached_property
     def threads(self) -> list[dict[str, Any]]:

@@ -46,6 +46,14 @@ COLUMNS: tuple[str, ...] = (
     "p50_ns", "p95_ns", "p99_ns", "max_ns", "max_exact", "calls_per_s", "stats_from",
     "events",
 )
+# ``--by kernel``: one row per kernel name (and process), from the stored launches.
+KERNEL_COLUMNS: tuple[str, ...] = (
+    "node", "pid", "comm", "kernel", "op", "count", "est_calls", "errors", "total_ns",
+    "mean_ns", "p50_ns", "p95_ns", "p99_ns", "max_ns", "calls_per_s", "stats_from",
+)
+LAUNCH_CODES: tuple[int, ...] = tuple(
+    BY_NAME[n].code for n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+UNNAMED = "(unnamed)"
 
 
 @dataclass(slots=True)
@@ -193,12 +201,68 @@ def _merge_pid_hists(hists: dict[tuple[int, int], Hist]) -> dict[tuple[int, int]
 
 def op_stats(
     conn: sqlite3.Connection, win: Window, pid: int | None = None, per_process: bool = False,
-    node: str | None = None,
+    node: str | None = None, by: str = "op",
 ) -> list[dict[str, Any]]:
-    """Stats rows for every node in the file (or one), node by node."""
+    """Stats rows per op (or per kernel name, ``by="kernel"``) for every node in the
+    file (or one), node by node."""
+    per_node = node_kernel_stats if by == "kernel" else node_op_stats
     rows: list[dict[str, Any]] = []
     for n in nodes(conn, node):
         names, _ = load_comms(conn, n)
-        rows += node_op_stats(conn, n, win, pid, per_process, names)
-    log.debug("op stats: %d rows", len(rows))
+        rows += per_node(conn, n, win, pid, per_process, names)
+    log.debug("%s stats: %d rows", by, len(rows))
     return rows
+
+
+def node_kernel_stats(
+    conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
+    per_process: bool = True, comms: dict[int, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Launch statistics per kernel name (and process), largest total first.
+
+    Launches are sampled in the kernel, so only the stored ones carry a name: ``count``
+    is stored launches and the percentiles are over them (``stats_from`` is ``sample``
+    when the op's histogram counted more calls than were stored). ``est_calls`` scales
+    each kernel's stored count by its op's calls-per-stored ratio: an estimate that
+    assumes the sample picks kernels in proportion, which the always-kept slow
+    launches bend towards slow kernels.
+    """
+    sql = ("SELECT e.pid, e.op, e.dur_ns, e.ret, json_extract(x.args, '$.kernel') "
+           "FROM event_data e LEFT JOIN event_args x ON x.id = e.id "
+           "WHERE e.ts_ns >= ? AND e.ts_ns < ? AND e.id BETWEEN ? AND ? "
+           f"AND e.op IN {in_list(LAUNCH_CODES)}")
+    params: list[int] = [win.start_ns, win.end_ns, node.lo, node.hi]
+    if pid is not None:
+        sql += " AND e.pid = ?"
+        params.append(pid)
+    groups: dict[tuple[int, str, int], _Group] = {}
+    stored: dict[tuple[int, int], int] = defaultdict(int)
+    for p, op, dur, ret, kernel in conn.execute(sql, params):
+        p = p if per_process else 0
+        name = kernel if isinstance(kernel, str) and kernel else UNNAMED
+        g = groups.get((p, name, op))
+        if g is None:
+            g = groups[(p, name, op)] = _Group(array("q"))
+        g.durs.append(dur)
+        g.errors += ret != 0
+        stored[(p, op)] += 1
+    hists = histograms(conn, node, win, LAUNCH_CODES, pid)
+    if not per_process:
+        hists = _merge_pid_hists(hists)
+    start, end = effective_span(conn, node, win)
+    span_s = (end - start) / 1e9
+    names = comms or {}
+    rows = []
+    for (p, name, op), g in groups.items():
+        h = hists.get((p, op))
+        scale = h.count / stored[(p, op)] if h is not None and h.count > stored[(p, op)] else 1.0
+        base = _row(node, p if per_process else None, op, g, None, span_s,
+                    names.get(p) if per_process else None)
+        est = round(len(g.durs) * scale)
+        rows.append({**{c: base.get(c) for c in KERNEL_COLUMNS}, "kernel": name,
+                     "est_calls": est,
+                     "calls_per_s": round(est / span_s, 3) if span_s > 0 else None,
+                     "stats_from": "sample" if scale > 1.0 else "events"})
+    rows.sort(key=lambda r: (-int(r["total_ns"] or 0), str(r["kernel"])))
+    return rows
+

@@ -14,8 +14,8 @@ from fleetd.analyze.explain import report as explain_report
 from fleetd.analyze.model import NodeSlice
 from fleetd.analyze.window import Window
 
-SESSION_COLUMNS = ("id", "started_ns", "ended_ns", "lost_events", "rank", "world_size",
-                   "headers_route")
+SESSION_COLUMNS = ("id", "started_ns", "ended_ns", "end_reason", "lost_events", "rank",
+                   "world_size", "headers_route")
 
 
 def overview(conn: sqlite3.Connection, win: Window, node: str) -> dict[str, Any]:
@@ -33,9 +33,10 @@ def node_overview(conn: sqlite3.Connection, win: Window, node: str, sl: NodeSlic
         "SELECT o.source, count(*) FROM event_data e JOIN ops o ON o.code = e.op "
         "WHERE e.id BETWEEN ? AND ? AND e.ts_ns >= ? AND e.ts_ns < ? GROUP BY o.source",
         (lo, hi, win.start_ns, win.end_ns)).fetchall())
+    have = {r[1] for r in conn.execute("PRAGMA table_info(sessions)")}
+    cols = ", ".join(c if c in have else f"NULL AS {c}" for c in SESSION_COLUMNS)
     sessions = [dict(zip(SESSION_COLUMNS, r, strict=True)) for r in conn.execute(
-        f"SELECT {', '.join(SESSION_COLUMNS)} FROM sessions WHERE node = ? "
-        "ORDER BY started_ns", (node,))]
+        f"SELECT {cols} FROM sessions WHERE node = ? ORDER BY started_ns", (node,))]
     report = explain_report([sl] if sl else [], win)
     severities = {s: sum(1 for c in report["chains"] if c["severity"] == s)
                   for s in SEVERITY_RANK}
@@ -43,5 +44,6 @@ def node_overview(conn: sqlite3.Connection, win: Window, node: str, sl: NodeSlic
     return {"node": node, "window": report["window"], "events": sum(by_source.values()),
             "by_source": by_source, "sessions": sessions,
             "lost_events": sum(int(s["lost_events"] or 0) for s in sessions),
+            "crashed_sessions": sum(1 for s in sessions if s["end_reason"] == "crashed"),
             "chains": severities, "verdict": report["verdict"], "top_ops": top,
             "warnings": report["warnings"]}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,6 +82,9 @@ def _settings(args: argparse.Namespace, cfg: Config) -> AgentSettings:
 
 
 def _tracer_factory(args: argparse.Namespace, cfg: Config, s: AgentSettings) -> TracerFactory:
+    from fleetd.trace.require import require_tracing
+
+    require_tracing("fleetd agent")  # a client-only install says so, and how to fix it
     from fleetd.trace.agent_hook import tracer_factory
 
     pids = args.pid or cfg.trace.pids
@@ -98,5 +102,11 @@ def _tracer_factory(args: argparse.Namespace, cfg: Config, s: AgentSettings) -> 
 def run(args: argparse.Namespace) -> int:
     from fleetd.node.agent import run as run_agent
 
+    # A daemon's life cycle (a stop, the final flush) belongs in its log at the default
+    # verbosity; -v adds everyone else's info lines, -vv debug.
+    for name in ("fleetd.node.agent", "fleetd.trace.agent"):
+        lifecycle = logging.getLogger(name)
+        if lifecycle.getEffectiveLevel() > logging.INFO:
+            lifecycle.setLevel(logging.INFO)
     cfg = load_config(args.config) if args.config else Config()
     return run_agent(_settings(args, cfg))

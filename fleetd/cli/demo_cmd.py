@@ -1,7 +1,9 @@
 """``fleetd demo``: a three-node fleet on loopback, one node slowed by a CPU hog.
 
 Everything is real: a fresh CA and certificates from ``fleetd certs``, three
-``fleetd agent`` daemons tracing three copies of the reference workload with eBPF,
+``fleetd agent`` daemons tracing three copies of the reference workload and three
+ranks of a distributed job (tests/workloads/nccl_ranks.py: the real libnccl, the
+ranks in lockstep over TCP) with eBPF,
 mTLS fan-out with ``fleetd query --nodes`` and ``fleetd explain --nodes``, then
 ``fleetd merge`` and ``fleetd export``. The demo drives fleetd's own commands as a user
 would type them, and prints each one before it runs.
@@ -15,6 +17,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +31,7 @@ from fleetd.store.timeparse import parse_duration
 NODES = ("node-1", "node-2", "node-3")
 SLOW = "node-3"  # the node whose workload shares its CPU with a hog
 HOG_NAME = "cpu-hog"
+AGENT_START_S = 180
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -96,13 +100,13 @@ def _show(cmd: list[str], *, check: bool = True, quiet: bool = False) -> int:
     return proc.returncode
 
 
-def _workload() -> Path:
+def _workload(name: str = "train_loop.py") -> Path:
     here = Path(__file__).resolve()
     for parent in here.parents:
-        candidate = parent / "tests" / "workloads" / "train_loop.py"
+        candidate = parent / "tests" / "workloads" / name
         if candidate.exists():
             return candidate
-    raise UsageError("the reference workload tests/workloads/train_loop.py was not found",
+    raise UsageError(f"the workload tests/workloads/{name} was not found",
                      "run fleetd demo from a fleetd source checkout (make demo)")
 
 
@@ -143,14 +147,59 @@ def _hog_setup(cpu: int) -> None:
         os.nice(-10)
 
 
-def _start_workloads(fleet: Fleet, seconds: float) -> dict[str, subprocess.Popen[bytes]]:
-    """One workload per node; the slow node's shares the last CPU with a busy loop."""
+def _node_cpus() -> dict[str, int]:
+    """The CPU each node's processes run on: the slow node's is the last one, which it
+    shares with the hog."""
     cpus = sorted(os.sched_getaffinity(0))
     last = cpus[-1]
     others = [c for c in cpus if c != last] or [last]
-    wl: dict[str, subprocess.Popen[bytes]] = {}
+    return {n: last if n == SLOW else others[i % len(others)] for i, n in enumerate(NODES)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_ranks(fleet: Fleet, seconds: float) -> dict[str, subprocess.Popen[bytes]]:
+    """Rank i of a 3-rank job on node i, as torchrun would start it: collectives on the
+    real libnccl in lockstep, 1 ms of work and 8 ms "on the GPU" per step. Waits until
+    each has loaded libnccl, so its agent attaches to it."""
+    job = {"WORLD_SIZE": str(len(NODES)), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "TORCHELASTIC_RUN_ID": "fleetd-demo"}
+    cpus = _node_cpus()
+    ranks: dict[str, subprocess.Popen[bytes]] = {}
     for i, n in enumerate(NODES):
-        cpu = last if n == SLOW else others[i % len(others)]
+        log = (fleet.dir / f"{n}.rank.log").open("wb")
+        p = subprocess.Popen(
+            [sys.executable, str(_workload("nccl_ranks.py")), "--seconds", str(seconds + 30),
+             "--compute-ms", "1", "--sleep-ms", "8", "--go-file", str(fleet.dir / f"{n}.go"),
+             "--barrier-timeout", str(int(seconds) + 60), "--max-listed", "0"],
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, **job, "RANK": str(i), "LOCAL_RANK": "0"},
+            preexec_fn=functools.partial(_pin, cpus[n]))
+        fleet.procs.append(p)
+        ranks[n] = p
+    deadline = time.monotonic() + 60
+    for n, p in ranks.items():
+        while '"ready"' not in (fleet.dir / f"{n}.rank.log").read_text(errors="replace"):
+            if p.poll() is not None or time.monotonic() > deadline:
+                text = (fleet.dir / f"{n}.rank.log").read_text(errors="replace").strip()
+                raise TraceError(f"rank {NODES.index(n)} of the NCCL job did not start:\n"
+                                 f"{text}", "is the nvidia-nccl-cu12 wheel installed? run "
+                                 "bash scripts/setup.sh")
+            time.sleep(0.1)
+    return ranks
+
+
+def _start_workloads(fleet: Fleet, seconds: float) -> dict[str, subprocess.Popen[bytes]]:
+    """One workload per node; the slow node's shares the last CPU with a busy loop."""
+    cpus = _node_cpus()
+    last = cpus[SLOW]
+    wl: dict[str, subprocess.Popen[bytes]] = {}
+    for n in NODES:
+        cpu = cpus[n]
         log = (fleet.dir / f"{n}.workload.log").open("wb")
         p = subprocess.Popen(
             [sys.executable, str(_workload()), "--duration", str(seconds + 30),
@@ -168,7 +217,8 @@ def _start_workloads(fleet: Fleet, seconds: float) -> dict[str, subprocess.Popen
     return wl
 
 
-def _start_agents(fleet: Fleet, wl: dict[str, subprocess.Popen[bytes]]) -> None:
+def _start_agents(fleet: Fleet, wl: dict[str, subprocess.Popen[bytes]],
+                  ranks: dict[str, subprocess.Popen[bytes]]) -> None:
     d = fleet.dir
     for n in NODES:
         db = d / f"{n}.db"
@@ -177,10 +227,13 @@ def _start_agents(fleet: Fleet, wl: dict[str, subprocess.Popen[bytes]]) -> None:
         log = (d / f"{n}.agent.log").open("wb")
         fleet.agents[n] = subprocess.Popen(
             [*_fleetd(), "agent", "--node", n, "--db", str(db), "--listen", "127.0.0.1:0",
-             "--pid", str(wl[n].pid), "--sample", "10", "--tls-cert", str(d / f"{n}.pem"),
+             "--pid", str(wl[n].pid), "--pid", str(ranks[n].pid), "--sample", "10",
+             "--tls-cert", str(d / f"{n}.pem"),
              "--tls-key", str(d / f"{n}.key"), "--client-ca", str(d / "ca.pem")],
             stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 90
+    # Compiling the BPF programs is the slow part: about 5 s of CPU per agent on a quiet
+    # machine, all three at once on two cores; a busy machine takes several times that.
+    deadline = time.monotonic() + AGENT_START_S
     pattern = re.compile(r"listening on https://([\d.]+:\d+)")
     while len(fleet.addresses) < len(NODES):
         for n, a in fleet.agents.items():
@@ -192,7 +245,7 @@ def _start_agents(fleet: Fleet, wl: dict[str, subprocess.Popen[bytes]]) -> None:
             if m := pattern.search(text):
                 fleet.addresses[n] = m.group(1)
         if time.monotonic() > deadline:
-            raise TraceError("the agents did not start tracing within 90 s",
+            raise TraceError(f"the agents did not start tracing within {AGENT_START_S} s",
                              f"see the logs in {d}")
         time.sleep(0.2)
 
@@ -225,13 +278,16 @@ def run(args: argparse.Namespace) -> int:
     _say("[1/7] fleet CA and certificates (fleetd certs)")
     _certs(d)
     try:
-        _say("[2/7] reference workload on each node, agents tracing it with eBPF")
+        _say("[2/7] on each node the reference workload and one rank of a 3-rank NCCL "
+             "job, agents tracing them with eBPF")
         wl = _start_workloads(fleet, seconds)
-        _start_agents(fleet, wl)
+        ranks = _start_ranks(fleet, seconds)
+        _start_agents(fleet, wl, ranks)
         for n in NODES:
             (d / f"{n}.go").touch()
-        for n, addr in fleet.addresses.items():
-            _say(f"  {n}: agent on https://{addr} (mTLS), tracing pid {wl[n].pid}")
+        for n in NODES:
+            _say(f"  {n}: agent on https://{fleet.addresses[n]} (mTLS), tracing pid "
+                 f"{wl[n].pid} (workload) and pid {ranks[n].pid} (rank {NODES.index(n)})")
         _say(f"[3/7] tracing for {seconds:g} s")
         _progress(seconds)
         nodes = ",".join(f"{n}={a}" for n, a in fleet.addresses.items())

@@ -4,6 +4,10 @@ where each traced thread's time went.
 Reading is read-only; ``--store`` writes the chains into the database afterwards (a
 chain whose key exists gets the next version, so history is kept).
 
+``--format html`` draws the same report as one self-contained page
+(fleetd/export/html.py); ``-o FILE`` writes any format to a file, never over an existing
+one without ``--force``.
+
 With ``--nodes``/``--config`` every agent analyzes its own data over the same window,
 in parallel; chains come back tagged with their node, and each node's profile is
 scored against the fleet's to rank stragglers (fleetd/analyze/stragglers.py). A database
@@ -13,12 +17,14 @@ holding several nodes (``fleetd merge``) gets the same ranking offline.
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
+from fleetd.analyze.collectives import host_chains
 from fleetd.analyze.facade import Analysis
 from fleetd.analyze.window import WindowSpec
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
@@ -27,7 +33,7 @@ from fleetd.errors import UsageError
 from fleetd.store.db import default_db_path, open_reader
 from fleetd.store.timeparse import format_ns
 
-EXPLAIN_FORMATS = ("table", "json")
+EXPLAIN_FORMATS = ("table", "json", "html")
 FAIL_ON = ("HIGH", "MEDIUM", "LOW")  # worst first
 FOUND_EXIT = 5  # explain --fail-on: such a chain exists (docs/cli.md, exit status)
 # The per-thread columns, adding up to the wall time: sleeps split by wait reason.
@@ -81,7 +87,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "nodes is ranked the same way.",
     )
     add_common(p)
-    p.add_argument("--format", default="table", help="output format: table|json")
+    p.add_argument("--format", default="table",
+                   help="output format: table|json|html (html: one self-contained page "
+                   "with charts, for a browser; docs/explain.md)")
+    p.add_argument("-o", "--output", metavar="FILE",
+                   help="write the report to FILE instead of stdout (refused when FILE "
+                   "exists, unless --force)")
+    p.add_argument("--force", action="store_true", help="let -o overwrite an existing file")
     p.add_argument("--store", action="store_true",
                    help="also store the chains in the database (kept with history)")
     p.add_argument("--fail-on", type=str.upper, choices=FAIL_ON, metavar="SEVERITY",
@@ -108,28 +120,77 @@ def run(args: argparse.Namespace) -> int:
     if args.format not in EXPLAIN_FORMATS:
         raise UsageError(f"unknown format {args.format!r}",
                          f"use one of: {', '.join(EXPLAIN_FORMATS)}")
+    args.output_path = output_path(args)  # refused before any work is done for it
     if fleet_mode(args):
         return run_fleet(args)
     with open_analysis(args) as (path, analysis):
         found = analysis.explain(args.pid, args.per_process)
         _no_such_pid(found, args.pid)
-        if len(found["nodes"]) > 1:
+        # NCCL collectives of several ranks: the rank the others wait for leads.
+        found["collectives"] = analysis.collectives()
+        if len(found["nodes"]) > 1 or found["collectives"]["stragglers"]:
             # A merged file: rank its nodes the way the fleet client ranks live ones.
-            found["stragglers"] = analysis.stragglers(found["chains"])
+            found["stragglers"] = analysis.stragglers(found["chains"], found["collectives"])
             found["skew"] = {}  # one file, one clock per node as recorded
     if args.store and found["chains"]:
         found["stored"] = store_chains(path, found)
     if args.format == "json":
-        sys.stdout.write(dumps(found).decode() + "\n")
+        emit(args, found, lambda out: out.write(dumps(found).decode() + "\n"))
+    elif args.format == "html":
+        emit(args, found, lambda out: write_html(found, out))
     else:
         if "stragglers" in found:
-            render_fleet(found, sys.stdout)
+            emit(args, found, lambda out: render_fleet(found, out))
         else:
             # -v (more log output everywhere) also prints slow calls' whole stacks.
-            render(found, sys.stdout, verbose=bool(getattr(args, "verbose", 0)))
+            verbose = bool(getattr(args, "verbose", 0))
+            emit(args, found, lambda out: render(found, out, verbose=verbose))
         for w in found["warnings"]:
             print(f"fleetd: warning: {w}", file=sys.stderr)
     return failed(args, found["chains"], 0)
+
+
+def output_path(args: argparse.Namespace) -> Path | None:
+    """The file ``-o`` names (None: stdout), checked the way ``fleetd export -o`` checks
+    its output, and refused when it exists unless ``--force``."""
+    from fleetd.export.output import check_output
+
+    if args.output is None or args.output == "-":
+        return None
+    path = Path(args.output)
+    check_output(path)
+    if path.exists() and not args.force:
+        raise UsageError(f"{str(path)!r} exists",
+                         "pass --force to overwrite it, or write elsewhere with -o")
+    return path
+
+
+def emit(args: argparse.Namespace, found: dict[str, Any],
+         write: Callable[[TextIO], object]) -> None:
+    """``write`` the report to stdout, or to the ``-o`` file: whole or not at all (a
+    temporary file beside it, renamed when complete, as ``fleetd export`` does)."""
+    path: Path | None = args.output_path
+    if path is None:
+        write(sys.stdout)
+        return
+    from fleetd.export.output import open_output
+
+    buf = io.StringIO()
+    write(buf)
+    data = buf.getvalue().encode()
+    with open_output(path) as sink:
+        sink.write(data)
+    ranked = sum(1 for s in found.get("stragglers") or [] if s.get("flagged") is True)
+    hint = "; open it in a browser" if args.format == "html" else ""
+    print(f"wrote {path} ({len(data) / 1e3:.1f} kB): {len(found.get('nodes') or [])} "
+          f"node(s), {len(found.get('chains') or [])} chain(s), {ranked} straggler(s)"
+          f"{hint}")
+
+
+def write_html(found: dict[str, Any], out: TextIO) -> None:
+    from fleetd.export.html import write_report
+
+    write_report(found, out)
 
 
 def failed(args: argparse.Namespace, chains: list[dict[str, Any]], code: int) -> int:
@@ -164,16 +225,45 @@ def run_fleet(args: argparse.Namespace) -> int:
     if args.store:
         raise UsageError("--store writes into a local database",
                          "drop --store, or run explain --store --db on the node")
-    result = explain(fleet_options(args), WindowSpec(args.since, args.from_, args.to),
-                     args.pid)
+    window = WindowSpec(args.since, args.from_, args.to)
+    result = explain(fleet_options(args), window, args.pid)
+    found = result.obj
     if args.format == "json":
-        sys.stdout.write(dumps(result.obj).decode() + "\n")
+        emit(args, found, lambda out: out.write(dumps(found).decode() + "\n"))
         if args.show_skew:
             report(result.answer, True)
-    else:
-        render_fleet(result.obj, sys.stdout)
+    elif args.format == "html":
+        found = fleet_ops(args, window, found)  # the histograms' rows
+        emit(args, found, lambda out: write_html(found, out))
         report(result.answer, args.show_skew)
-    return failed(args, result.obj.get("chains") or [], result.exit_code)
+    else:
+        emit(args, found, lambda out: render_fleet(found, out))
+        report(result.answer, args.show_skew)
+    return failed(args, found.get("chains") or [], result.exit_code)
+
+
+def fleet_ops(args: argparse.Namespace, window: WindowSpec,
+              found: dict[str, Any]) -> dict[str, Any]:
+    """``found`` with every node's op statistics (as ``fleetd ops --nodes`` asks them)
+    as its ``ops`` rows, for the page's histograms. Nodes that do not answer them are
+    warnings, never a failed report."""
+    from fleetd.analyze.opstats import COLUMNS
+    from fleetd.errors import FleetdError
+    from fleetd.fleet.queries import ops
+
+    warnings = list(found.get("warnings") or [])
+    try:
+        result = ops(fleet_options(args), window, args.pid, False,
+                     [c for c in COLUMNS if c not in ("pid", "comm")])
+    except FleetdError as exc:
+        warnings.append({"node": "", "kind": "ops", "error": f"no op statistics: {exc}"})
+        return {**found, "warnings": warnings}
+    cols = list(result.columns)
+    rows = [dict(zip(cols, r, strict=True)) for r in result.rows]
+    seen = {(w.get("node"), w.get("kind")) for w in warnings if isinstance(w, dict)}
+    warnings += [w.to_json() for w in result.answer.warnings
+                 if (w.node, w.kind) not in seen]
+    return {**found, "ops": rows, "warnings": warnings}
 
 
 # ---- table rendering ------------------------------------------------------------------
@@ -194,6 +284,7 @@ def render(report: dict[str, Any], out: TextIO, *, verbose: bool = False) -> Non
     out.write(f"fleetd explain: {', '.join(report['nodes']) or '(no nodes)'}; {w['label']} "
               f"({w['start']} .. {w['end']})\n")
     out.write(f"verdict: {report['verdict']}\n")
+    _collectives(report, out)
     shown = [c for c in report["chains"] if c["severity"] != "LOW"] or report["chains"][:3]
     for c in shown:
         _chain(c, out, verbose=verbose)
@@ -212,22 +303,33 @@ def render_fleet(report: dict[str, Any], out: TextIO) -> None:
               f"{label}\n")
     ranked = report.get("stragglers") or []
     _stragglers(ranked, out)
+    _collectives(report, out)
     verdicts = report.get("verdicts")
     if verdicts:
         for node, verdict in verdicts.items():
             out.write(f"  {node}: {verdict}\n")
     shown: set[str] = set()
     for s in (s for s in ranked if s["flagged"]):
-        out.write(f"\nSTRAGGLER {s['node']}: score {s['score']:.2f} on {s['metric']}\n"
-                  f"  {s['reason']}\n  why (its top chains):\n")
-        theirs = [c for c in report["chains"] if c["node"] == s["node"]]
+        if s.get("metric") == "collective_arrival":
+            # A rank named by collective arrival: its node's host chains say why.
+            who = f" ({s['comm']})" if s.get("comm") else ""
+            out.write(f"\nSTRAGGLER rank {s['rank']} on {s['node']}, pid {s['pid']}{who}: "
+                      f"last in {s['share_last']:.0%} of {s['judged']} collectives, median "
+                      f"{_dur(s['lateness_p50_ns'])} late\n  {s['reason']}\n"
+                      "  why (its node's top host chains):\n")
+            theirs = host_chains(s["node"], s["pid"], report["chains"])
+        else:
+            out.write(f"\nSTRAGGLER {s['node']}: score {s['score']:.2f} on {s['metric']}\n"
+                      f"  {s['reason']}\n  why (its top chains):\n")
+            theirs = [c for c in report["chains"] if c["node"] == s["node"]]
         mine = [c for c in theirs if c["severity"] != "LOW"][:TOP_CHAINS] or theirs[:1]
         for c in mine:
             _chain(c, out, tag=True)
             shown.add(c["id"])
         if not mine:
             out.write("  (no chain: no host-side cause found on it)\n")
-        _processes([p for p in report.get("processes", []) if p["node"] == s["node"]], out)
+        _processes([p for p in report.get("processes", []) if p["node"] == s["node"]
+                    and (s.get("rank") is None or p["pid"] == s.get("pid"))], out)
     rest = [c for c in report["chains"] if c["id"] not in shown]
     worth = [c for c in rest if c["severity"] != "LOW"]
     other = "other " if shown else ""
@@ -243,14 +345,27 @@ def render_fleet(report: dict[str, Any], out: TextIO) -> None:
 TOP_CHAINS = 3
 
 
+def _collectives(report: dict[str, Any], out: TextIO) -> None:
+    """One line on collective arrival when NCCL collectives were recorded, and its notes."""
+    found = report.get("collectives") or {}
+    if not found.get("events"):
+        return
+    out.write(f"\ncollective arrival ({found.get('matching') or 'no'} matching): "
+              f"{found['verdict']}\n")
+    for note in found.get("notes") or []:
+        out.write(f"  note: {note}\n")
+
+
 def _stragglers(ranked: list[dict[str, Any]], out: TextIO) -> None:
     if not ranked:
         return
-    rows = [[s["node"], "" if s["score"] is None else f"{s['score']:.2f}",
+    rows = [[s["node"] + (f" rank {s['rank']}" if s.get("rank") is not None else ""),
+             "" if s["score"] is None else f"{s['score']:.2f}",
              {True: "YES", False: "no", None: "-"}[s["flagged"]], s["metric"] or "",
              s["reason"]] for s in ranked]
-    out.write("\nstragglers (score: speed relative to the best node on the metric; flagged "
-              "when far outside the fleet's spread, see docs/fleet.md):\n")
+    out.write("\nstragglers (score: speed relative to the best node on the metric, or for "
+              "collective_arrival 1 - the share of collectives the rank was last in; flagged "
+              "when far outside the fleet's spread, see docs/fleet.md and docs/explain.md):\n")
     out.write(table(["node", "score", "flagged", "metric", "reason"], rows))
 
 
@@ -268,8 +383,12 @@ def _chain(c: dict[str, Any], out: TextIO, tag: bool = False, *, verbose: bool =
         out.write(f"  culprit: {cu['comm']} pid {cu['pid']}{thread}"
                   f"{' (the victim process itself)' if cu.get('self') else ''}"
                   f"{f', {share:.0%} of the attributed time' if share is not None else ''}\n")
-    out.write(f"  explained {c['explained']:.0%} of the extra time; "
-              f"impact {c['impact']:.1%} of wall time\n  evidence:\n")
+    d = c.get("detail") or {}
+    if c["root_cause"] == "nccl_failures" and "calls" in d:  # a share of calls, not of time
+        out.write(f"  {d['failed']} of {d['calls']} NCCL calls failed\n  evidence:\n")
+    else:
+        out.write(f"  explained {c['explained']:.0%} of the extra time; "
+                  f"impact {c['impact']:.1%} of wall time\n  evidence:\n")
     for e in c["evidence"]:
         when = format_ns(e["ts_ns"])[11:] if "ts_ns" in e else ""
         indent = "      " if "spike" in e else "    "

@@ -27,10 +27,12 @@ COMMAND_MODULES: tuple[str, ...] = (
     "fleetd.cli.stacks_cmd",
     "fleetd.cli.graphs_cmd",
     "fleetd.cli.gpu_cmd",
+    "fleetd.cli.collectives_cmd",
     "fleetd.cli.diff_cmd",
     "fleetd.cli.merge_cmd",
     "fleetd.cli.import_cmd",
     "fleetd.cli.export_cmd",
+    "fleetd.cli.watch_cmd",
     "fleetd.cli.check_cmd",
     "fleetd.cli.agent_cmd",
     "fleetd.cli.certs_cmd",
@@ -46,6 +48,7 @@ EXIT_CODES = """exit status:
   3  a fleet command got a partial answer (each missing node is named)
   4  a fleet command got no answer from any node
   5  explain --fail-on: a chain at or above that severity was found
+  6  watch: a hung (or dead) distributed job was found
   130 interrupted (Ctrl-C)"""
 
 

@@ -24,25 +24,30 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     add_common(p)
     p.add_argument("--format", default="table", help=f"output format: {'|'.join(FORMATS)}")
+    p.add_argument("--by", choices=("op", "kernel"), default="op",
+                   help="one row per op (default) or per launched kernel name (from the "
+                   "stored, sampled launches: est_calls scales them to every call)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetd.analyze.opstats import COLUMNS
+    from fleetd.analyze.opstats import COLUMNS, KERNEL_COLUMNS
 
     fmt = check_format(args.format)
-    cols = [c for c in COLUMNS if args.per_process or c not in ("pid", "comm")]
+    every = KERNEL_COLUMNS if args.by == "kernel" else COLUMNS
+    cols = [c for c in every if args.per_process or c not in ("pid", "comm")]
     if fleet_mode(args):
         return run_fleet(args, fmt, cols)
     with open_analysis(args) as (_, analysis):
-        rows = analysis.op_stats(args.pid, args.per_process)
+        rows = analysis.op_stats(args.pid, args.per_process, args.by)
     win = analysis.window
     shown, values = table_view(cols, [[r[c] for c in cols] for r in rows], fmt)
     write_rows(shown, values, fmt, sys.stdout,
                {"window": win.to_json(), "warnings": list(win.warnings)})
     if fmt != "json":
         if not rows and not win.warnings:
-            print("fleetd: warning: no ops in the window", file=sys.stderr)
+            what = "launches with a kernel name" if args.by == "kernel" else "ops"
+            print(f"fleetd: warning: no {what} in the window", file=sys.stderr)
         for w in win.warnings:
             print(f"fleetd: warning: {w}", file=sys.stderr)
     return 0
@@ -53,7 +58,7 @@ def run_fleet(args: argparse.Namespace, fmt: str, cols: list[str]) -> int:
     from fleetd.fleet.queries import ops
 
     result = ops(fleet_options(args), WindowSpec(args.since, args.from_, args.to), args.pid,
-                 args.per_process, cols)
+                 args.per_process, cols, args.by)
     shown, values = table_view(list(result.columns), [list(r) for r in result.rows], fmt)
     extra = {k: v for k, v in result.obj.items() if k not in ("columns", "rows")}
     write_rows(shown, values, fmt, sys.stdout, extra)

@@ -72,8 +72,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="keep other processes' block I/O this slow (default 10ms; the "
                    "targets' own I/O is always kept)")
     p.add_argument("--stacks", action="store_true",
-                   help="native and Python stacks on CUDA calls: every call slower than "
-                   "--stack-slow and 1 in --stack-sample kept calls")
+                   help="native and Python stacks on CUDA calls (every call slower than "
+                   "--stack-slow and 1 in --stack-sample kept calls), and the waker's "
+                   "stack on wakeups of Python processes (at most one per thread pair "
+                   "every 20 ms): where a lock holder was when it let go")
     p.add_argument("--stack-sample", type=int, metavar="N",
                    help="with stacks: 1 in N kept calls carries a stack (default 100; 0: "
                    "only slow calls); implies --stacks")
@@ -174,11 +176,14 @@ class _Stop:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetd.trace.tracer import Tracer
+    from fleetd.trace.require import require_tracing
 
     duration_ns = _ns(args.duration, "--duration") if args.duration else None
     interval_s = _ns(args.status_interval, "--status-interval") / 1e9
     cfg = build_config(args)
+    require_tracing("fleetd trace")  # a client-only install says so, and how to fix it
+    from fleetd.trace.tracer import Tracer
+
     tracer = Tracer(cfg)
     tracer.start()
     _announce(tracer, cfg, sys.stderr)

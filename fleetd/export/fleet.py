@@ -9,14 +9,19 @@ applied, and ``otherData.fleet.skew`` what was measured.
 
 What a node sent is data from another machine: every line is checked, and one that is
 not JSON, lacks a field, has a field of the wrong type or goes back in time is skipped
-with a warning naming the node and the line. It never stops the export.
+with a warning naming the node and the line. It never stops the export. Imported GPU
+rows and annotated ranges are checked value by value (type, range, string length, inside
+the window asked for, time order): a bad row is skipped the same way, and a launch arrow
+is only ever drawn to a GPU row that passed, so no arrow is left dangling.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import tempfile
 import time
+from array import array
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -28,12 +33,21 @@ from fleetd.analyze.window import WindowSpec
 from fleetd.errors import NetworkError
 from fleetd.export.clockfix import recorded_fix
 from fleetd.export.local import chain_from_row
-from fleetd.export.model import ChainMark, ClockFix, EventRow, NodeTrace, event_from_api
+from fleetd.export.model import (
+    AnnotationRow,
+    ChainMark,
+    ClockFix,
+    EventRow,
+    GpuRow,
+    NodeTrace,
+    event_from_api,
+)
 from fleetd.export.output import check_output, open_output
 from fleetd.export.perfetto import NodeStats, write_trace
 from fleetd.export.pull import NodePull, PullSpec, Span, pull
 from fleetd.fleet.fanout import EXIT_NO_ANSWER, FleetAnswer, FleetOptions
 from fleetd.store.clockinfo import SessionClock, session_clock
+from fleetd.store.schema import SEQ_MASK
 
 log = logging.getLogger("fleetd.export.fleet")
 
@@ -127,6 +141,10 @@ def _meta(answer: FleetAnswer, span: Span, warnings: list[str]) -> dict[str, Any
 # ---- one node ---------------------------------------------------------------------------
 
 
+MAX_FRAMES = 128  # frames kept per stack from a node
+MAX_FRAME_CHARS = 1024
+
+
 def _trace(p: NodePull, answer: FleetAnswer, xopts: FleetExportOptions,
            warn: Warn) -> tuple[NodeTrace, int] | None:
     """The node's exporter input and its first corrected time; None when it sent no
@@ -136,7 +154,11 @@ def _trace(p: NodePull, answer: FleetAnswer, xopts: FleetExportOptions,
 
     for w in p.warnings:
         note(w)
-    first = _first_ts(p.events)
+    # The GPU rows are read twice: here, for their launch seqs (the arrows' ids are handed
+    # out before the events are written), their first time and the warnings; then by the
+    # writer, the same checks on the same bytes giving the same rows.
+    launches, gpu_first = _launches(p, note)
+    first = min((t for t in (_first_ts(p.events), gpu_first) if t is not None), default=None)
     if first is None:
         note("no events in the window")
         return None
@@ -144,7 +166,13 @@ def _trace(p: NodePull, answer: FleetAnswer, xopts: FleetExportOptions,
     processes, threads, more_ranks = _names(p.facts.get("names"), note)
     fix = _clock(p, answer, xopts, sessions, note)
     trace = NodeTrace(p.name, _events(p.events, note), tuple(sorted(ranks | more_ranks)),
-                      processes, threads, _chains(p.facts, note), _rates(p.rates, note), fix)
+                      processes, threads, _chains(p.facts, note), _rates(p.rates, note), fix,
+                      stacks=_stacks(p.facts.get("stacks"), note))
+    if p.gpu is not None:
+        trace.gpu = _gpu(p.gpu, p.window, _quiet)
+        trace.launches = launches
+    if p.annotations is not None:
+        trace.annotations = _annotations(p.annotations, p.window, note)
     return trace, fix.apply(first)
 
 
@@ -212,6 +240,25 @@ def _names(reply: Any, note: Warn
     return processes, threads, ranks
 
 
+def _stacks(reply: Any, note: Warn) -> dict[int, list[str]]:
+    """hash -> frames, from a node: bounded like any node's strings (frames per stack,
+    characters per frame); a bad row is skipped with a note."""
+    out: dict[int, list[str]] = {}
+    bad = 0
+    for row in _rows(reply, "stacks", note):
+        try:
+            h, text = row
+            frames = orjson.loads(text)
+            if not isinstance(frames, list) or not -(2**63) <= int(h) < 2**63:
+                raise ValueError("not a stack")
+            out[int(h)] = [str(f)[:MAX_FRAME_CHARS] for f in frames[:MAX_FRAMES]]
+        except (TypeError, ValueError):  # orjson.JSONDecodeError is a ValueError
+            bad += 1
+    if bad:
+        note(f"{bad} stack row(s) with a bad value skipped")
+    return out
+
+
 # ---- chains -----------------------------------------------------------------------------
 
 
@@ -268,19 +315,20 @@ def _lines(f: BinaryIO) -> Iterator[bytes | None]:
 class _Complaints:
     """Per node: the first few bad lines by number, then how many more."""
 
-    def __init__(self, note: Warn) -> None:
+    def __init__(self, note: Warn, what: str = "events line") -> None:
         self.note = note
+        self.what = what
         self.bad = 0
         self.unknown_ops = 0
 
     def line(self, lineno: int, why: str) -> None:
         self.bad += 1
         if self.bad <= LINE_WARNINGS:
-            self.note(f"events line {lineno} skipped: {why}")
+            self.note(f"{self.what} {lineno} skipped: {why}")
 
     def close(self) -> None:
         if self.bad > LINE_WARNINGS:
-            self.note(f"{self.bad - LINE_WARNINGS} more bad events line(s) skipped")
+            self.note(f"{self.bad - LINE_WARNINGS} more bad {self.what}(s) skipped")
         if self.unknown_ops:
             self.note(f"{self.unknown_ops} event(s) of ops this fleetd does not know "
                       "skipped (is the agent newer?)")
@@ -348,3 +396,152 @@ def _rates(path: Path, note: Warn) -> Iterator[tuple[int, int, int]]:
                 yield int(ts), int(dur), int(calls or 0)
             except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
                 note(f"histogram line {lineno} skipped ({exc})")
+
+
+# ---- imported GPU work ------------------------------------------------------------------
+
+MAX_NAME_CHARS = 16_384  # of a kernel's, copy's or range's name (C++ templates run long)
+_U32 = 2**32  # devices, streams, grid and block sizes
+_I64 = 2**63  # ids, times, pids, tids, correlation ids, bytes
+MAX_DUR_NS = 2**62  # a GPU row or range of more than 146 years is not one
+GPU_KINDS = (1, 2, 3)  # kernel, memcpy, memset: sync rows have no slice, never asked for
+ANNOTATION_KINDS = (1, 2, 3, 4)  # step, nvtx, user_annotation, cpu_op
+LAUNCH_RUN = 65_536  # launch seqs sorted per run, then merged: memory stays 8 bytes each
+
+
+def _quiet(_: str) -> None:
+    """The writer's pass over GPU rows: their warnings were given by the first pass."""
+
+
+def _what(value: Any) -> str:
+    return "null" if value is None else f"a {type(value).__name__}"
+
+
+def _num(value: Any, field: str, hi: int = _I64) -> int:
+    """An integer in ``[0, hi)`` (a JSON true is not one), else ValueError naming it."""
+    if type(value) is not int:
+        raise ValueError(f"{field} is {_what(value)}, not an integer")
+    if not 0 <= value < hi:
+        raise ValueError(f"{field} {value} is out of range")
+    return value
+
+
+def _name(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{field} is {_what(value)}, not a string")
+    if len(value) > MAX_NAME_CHARS:
+        raise ValueError(f"{field} is {len(value)} characters long (at most "
+                         f"{MAX_NAME_CHARS})")
+    return value
+
+
+def _ts(value: Any, window: tuple[int, int]) -> int:
+    ts = _num(value, "ts_ns")
+    if not window[0] <= ts < window[1]:
+        raise ValueError(f"ts_ns {ts} is outside the window asked for")
+    return ts
+
+
+def _gpu_row(row: Any, window: tuple[int, int]) -> GpuRow:
+    """One row of pull.GPU_SQL as a node sent it; ValueError saying what is wrong."""
+    if not isinstance(row, list) or len(row) != 18:
+        raise ValueError(f"{_what(row)} where a row of 18 values belongs"
+                         if not isinstance(row, list) else
+                         f"a row of {len(row)} values, not 18")
+    kind = _num(row[6], "kind")
+    if kind not in GPU_KINDS:
+        raise ValueError(f"kind {kind} is not a kernel (1), copy (2) or set (3)")
+    name = _name(row[7], "name")
+    gx, gy, gz, bx, by, bz = (_num(v, f, _U32) for v, f in zip(
+        row[12:], ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z"),
+        strict=True))
+    return (_num(row[0], "id"), _ts(row[1], window), _num(row[2], "dur_ns", MAX_DUR_NS),
+            _num(row[3], "pid"), _num(row[4], "device", _U32),
+            _num(row[5], "stream", _U32), kind, name, _num(row[8], "correlation"),
+            _num(row[9], "launch", SEQ_MASK + 1), _num(row[10], "bytes"),
+            None if row[11] is None else _name(row[11], "collective"), gx, gy, gz, bx, by, bz)
+
+
+def _annotation_row(row: Any, window: tuple[int, int]) -> AnnotationRow:
+    """One row of pull.ANNOTATIONS_SQL as a node sent it; ValueError saying what is
+    wrong."""
+    if not isinstance(row, list) or len(row) != 7:
+        raise ValueError(f"{_what(row)} where a row of 7 values belongs"
+                         if not isinstance(row, list) else
+                         f"a row of {len(row)} values, not 7")
+    kind = _num(row[5], "kind")
+    if kind not in ANNOTATION_KINDS:
+        raise ValueError(f"kind {kind} is not a step (1), NVTX range (2), user annotation "
+                         "(3) or operator (4)")
+    name = _name(row[6], "name")
+    return (_num(row[0], "id"), _ts(row[1], window), _num(row[2], "dur_ns", MAX_DUR_NS),
+            _num(row[3], "pid"), _num(row[4], "tid"), kind, name)
+
+
+def _checked_rows(path: Path, window: tuple[int, int], note: Warn, what: str,
+                  check: Callable[[Any, tuple[int, int]], Any]) -> Iterator[Any]:
+    """The good rows of a spool of rows, in time order; the others skipped with a
+    warning naming the row (its place in what the node sent) and what was wrong."""
+    bad = _Complaints(note, what)
+    last: int | None = None
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(_lines(f), 1):
+            if line is None:
+                bad.line(lineno, f"longer than {MAX_LINE_BYTES} bytes")
+                continue
+            try:
+                row = check(orjson.loads(line), window)
+            except orjson.JSONDecodeError as exc:
+                bad.line(lineno, f"not JSON ({exc})")
+                continue
+            except ValueError as exc:
+                bad.line(lineno, str(exc))
+                continue
+            if last is not None and row[1] < last:
+                bad.line(lineno, "earlier than the row before (the node sends time order)")
+                continue
+            last = row[1]
+            yield row
+    bad.close()
+
+
+def _gpu(path: Path, window: tuple[int, int], note: Warn) -> Iterator[GpuRow]:
+    return _checked_rows(path, window, note, "GPU row", _gpu_row)
+
+
+def _annotations(path: Path, window: tuple[int, int], note: Warn) -> Iterator[AnnotationRow]:
+    return _checked_rows(path, window, note, "annotation row", _annotation_row)
+
+
+def _launches(p: NodePull, note: Warn) -> tuple[array[int], int | None]:
+    """The launch seqs of exactly the GPU rows the writer will read (ascending, repeats
+    kept, as :class:`~fleetd.export.model.NodeTrace` wants them) and the first one's
+    time; the rows' warnings are given here."""
+    seqs: array[int] = array("q")
+    first: int | None = None
+    if p.gpu is None:
+        return seqs, None
+    for row in _gpu(p.gpu, p.window, note):
+        if first is None:
+            first = row[1]
+        if row[9]:
+            seqs.append(row[9])
+    if seqs and p.file_nodes > 1:
+        # Event seqs count per node: in a merged file two nodes' calls can share one,
+        # and the events stream does not say which node a call is of.
+        note(f"launch arrows left out: the agent serves a file of {p.file_nodes} nodes, "
+             "whose launch calls cannot be told apart by number (export the file with "
+             "--db for them)")
+        return array("q"), first
+    return _ascending(seqs), first
+
+
+def _ascending(seqs: array[int]) -> array[int]:
+    """``seqs`` sorted, in runs merged, so the peak stays a few arrays of 8-byte ints
+    (a sorted() of them all would hold a Python int per launch)."""
+    if all(seqs[i] <= seqs[i + 1] for i in range(len(seqs) - 1)):
+        return seqs
+    runs = [array("q", sorted(seqs[i:i + LAUNCH_RUN]))
+            for i in range(0, len(seqs), LAUNCH_RUN)]
+    del seqs
+    return array("q", heapq.merge(*runs))

@@ -38,9 +38,11 @@ class GpuTracks:
     """One node's GPU tracks and launch arrows (see the module's docstring)."""
 
     def __init__(self, node: NodeTrace, pid: int, origin: int, emit: Callable[[str], None],
-                 thread: ThreadGroup, new_group: NewGroup, gpu_sort: int) -> None:
+                 thread: ThreadGroup, new_group: NewGroup, gpu_sort: int,
+                 flush: Callable[[], None] = lambda: None) -> None:
         self.node, self.pid, self.origin = node, pid, origin
         self.emit, self.thread, self.new_group = emit, thread, new_group
+        self.flush = flush  # called after each slice: writes out a full buffer
         self.gpu_sort = gpu_sort  # sort index of the first GPU track; 64 apart
         self.launches = node.launches
         self.first_flow = 0
@@ -94,6 +96,7 @@ class GpuTracks:
                       f'"dur":{_us(dur)},"name":{_j(name)},"cat":"annotation",'
                       f'"args":{_j(args)}}}')
             self.annotations += 1
+            self.flush()
 
     def _gpu(self, rows: Iterable[GpuRow]) -> None:
         fix = self.node.clock
@@ -119,6 +122,7 @@ class GpuTracks:
             self.emit(f'{{"ph":"X","pid":{self.pid},"tid":{lane},"ts":{_us(ts - self.origin)},'
                       f'"dur":{_us(dur)},"name":{_j(name)},"cat":"gpu","args":{_j(args)}}}')
             self.slices += 1
+            self.flush()
             if launch and arr:
                 slot = pending.pop(launch, None)
                 if slot is None:

@@ -15,6 +15,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from fleetd.analyze.data import CALL_CODES, Node, in_list, nodes
 from fleetd.analyze.window import Window
 from fleetd.export.clockfix import recorded_fix
@@ -31,6 +33,10 @@ _EVENTS_SQL = (
     "e.stack, x.args FROM event_data e LEFT JOIN event_args x ON x.id = e.id "
     "WHERE e.ts_ns >= ? AND e.ts_ns < ? AND e.id BETWEEN ? AND ?"
 )
+# The frames of the stacks the window's events carry (at most MAX_STACKS of them).
+_STACKS_WHERE = ("FROM event_data e WHERE e.stack != 0 AND e.ts_ns >= ? AND e.ts_ns < ? "
+                 "AND e.id BETWEEN ? AND ?")
+MAX_STACKS = 20_000
 # Imported GPU work (kernels, copies, sets; synchronizations have no slice of their own)
 # and annotated ranges, in the same window, time order and filters as the events.
 GPU_TABLES = ("gpu_data", "annotation_data")  # both come with schema 2
@@ -82,7 +88,8 @@ def local_traces(conn: sqlite3.Connection,
         trace = NodeTrace(
             name=node.name, events=_events(conn, node, opts), ranks=_ranks(conn, node),
             processes=_processes(conn, node), threads=_threads(conn, node),
-            chains=_chains(conn, node, opts), rates=_rates(conn, node, opts), clock=fix)
+            chains=_chains(conn, node, opts), rates=_rates(conn, node, opts), clock=fix,
+            stacks=_stacks(conn, node, opts))
         if has_gpu:
             trace.gpu = _gpu(conn, node, opts)
             trace.annotations = _annotations(conn, node, opts)
@@ -130,6 +137,21 @@ def _events(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> Iterato
         params.append(opts.limit_per_node)
     # A cursor of its own, read as the exporter writes: nothing is held in memory.
     yield from conn.execute(sql, params)
+
+
+def _stacks(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> dict[int, list[str]]:
+    where, params = _where(node, opts, _STACKS_WHERE)
+    out: dict[int, list[str]] = {}
+    for h, text in conn.execute(
+            f"SELECT hash, frames FROM stacks WHERE hash IN (SELECT DISTINCT e.stack {where} "
+            f"LIMIT {MAX_STACKS})", params):
+        try:
+            frames = orjson.loads(text)
+        except (orjson.JSONDecodeError, TypeError):
+            continue  # a frames value from a foreign writer: the hash alone still shows
+        if isinstance(frames, list):
+            out[int(h)] = [str(f) for f in frames]
+    return out
 
 
 def _gpu_first_ts(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> int | None:

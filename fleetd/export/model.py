@@ -159,3 +159,6 @@ class NodeTrace:
     gpu: Iterable[GpuRow] = ()
     annotations: Iterable[AnnotationRow] = ()
     launches: Sequence[int] = ()
+    # Recorded user stacks (stacks.hash -> frames, innermost first) of the events: a
+    # slice with a stack carries its frames.
+    stacks: Mapping[int, Sequence[str]] = field(default_factory=dict)

@@ -192,7 +192,12 @@ class _NodeExporter:
         self.flows = NodeFlows(node, pid, origin, ids, self.emit, self.thread)
         self.ids = ids
         self.gpu = GpuTracks(node, pid, origin, self.emit, self.thread, self.named_group,
-                             GPU_TRACKS_SORT)
+                             GPU_TRACKS_SORT, self._flush_full)
+
+    def _flush_full(self) -> None:
+        """Write the buffer out once it holds a chunk: memory stays flat over long passes."""
+        if len(self.sink.buf) >= CHUNK:
+            self.sink.flush()
 
     # ---- tracks --------------------------------------------------------------------
 
@@ -410,9 +415,23 @@ class _NodeExporter:
         return lane
 
     def _more(self, stack: int, args: str | None) -> str:
-        """The stack hash and stored args of a row, as extra args."""
-        text = f',"stack":"{stack & 0xFFFFFFFFFFFFFFFF:016x}"' if stack else ""
+        """The stack (hash, and frames where known) and stored args of a row, as extra
+        args."""
+        text = self._stack(stack) if stack else ""
         return text + self._args(args) if args else text
+
+    def _stack(self, stack: int) -> str:
+        """``"stack":hash`` and the frames, written once per distinct stack."""
+        key = f"stack\0{stack}"
+        got = self.args_cache.get(key)
+        if got is None:
+            got = f',"stack":"{stack & 0xFFFFFFFFFFFFFFFF:016x}"'
+            frames = self.node.stacks.get(stack)
+            if frames:
+                got += ',"frames":' + orjson.dumps(list(frames)).decode()
+            if len(self.args_cache) < 4096:
+                self.args_cache[key] = got
+        return got
 
     def _kernel(self, text: str) -> str | None:
         """The kernel name in a launch's args, as a JSON string (None: none)."""

@@ -6,10 +6,16 @@ Two rounds, both through the fleet client:
    clock samples: process and thread names, sessions (ranks, recorded clock samples) and
    causal chains (stored ones, else computed by the node), all small;
 2. **bulk**, for every node that answered, all at once: its events (``GET
-   /api/v1/events``, NDJSON) and its calls per histogram window, each into a spool file.
-   The events body goes to disk piece by piece as it arrives, never held whole. It has no
-   deadline (an export takes as long as its size), only a limit on silence: a node that
-   sends nothing for ``--timeout``, or whose answer breaks off, is dropped with a warning.
+   /api/v1/events``, NDJSON), its calls per histogram window and, where it holds
+   imported GPU work, its GPU rows and annotated ranges (``POST /api/v1/query``, paged
+   on ``(ts_ns, id)``), each into a spool file. The events body goes to disk piece by
+   piece as it arrives, never held whole; a page of rows is written before the next is
+   asked for. It has no deadline (an export takes as long as its size), only a limit on
+   silence: a node that sends nothing for ``--timeout`` (per page: each gets the whole
+   ``--timeout``), or whose answer breaks off, is dropped with a warning.
+
+A node without GPU tables (a schema 1 file) or without GPU rows in the window costs one
+small request (:data:`GPU_PROBE_SQL`'s shape) more, nothing else.
 
 The exporter then reads the spools one node after another
 (:mod:`fleetd.export.fleet`), so memory stays flat whatever the fleet sends. Nothing
@@ -29,7 +35,7 @@ import orjson
 from fleetd.analyze.data import CALL_SOURCES
 from fleetd.analyze.window import WindowSpec
 from fleetd.errors import UsageError
-from fleetd.fleet.client import FleetClient, NodeFailed
+from fleetd.fleet.client import Failure, FleetClient, NodeFailed
 from fleetd.fleet.combine import NodeWarning
 from fleetd.fleet.fanout import (
     FleetAnswer,
@@ -52,12 +58,45 @@ RATES_PAGE = 5_000  # histogram windows per request (under the agent's row ceili
 NAMES_SQL = ("SELECT 'process' AS kind, pid AS id, NULL AS pid, comm, rank FROM processes "
              "UNION ALL SELECT 'thread', tid, pid, comm, NULL FROM threads")
 SESSIONS_SQL = f"SELECT {SESSION_CLOCK_COLUMNS}, rank FROM sessions ORDER BY seq"
+# The frames of the stacks the window's events carry; the answer's row cap bounds them.
+STACKS_SQL = ("SELECT hash, frames FROM stacks WHERE hash IN (SELECT DISTINCT stack FROM "
+              "events WHERE stack != 0 AND ts_ns >= ? AND ts_ns < ?)")
+MAX_STACKS = 20_000
 # Calls per histogram window: totals where the tracer wrote them, else the buckets (as
 # fleetd.export.local reads a file). Paged on ts_ns.
 _SOURCES = ", ".join(f"'{s}'" for s in sorted(CALL_SOURCES))
 RATES_SQL = (
     "SELECT ts_ns, dur_ns, coalesce(sum(count) FILTER (WHERE bucket = -1), sum(count)) "
     f"AS calls FROM aggregates WHERE source IN ({_SOURCES}) AND ts_ns > ? AND ts_ns < ?"
+)
+# Imported GPU work (kernels, copies, sets: synchronizations have no slice) and annotated
+# ranges, in the columns of fleetd.export.model.GpuRow / AnnotationRow, as
+# fleetd.export.local reads them from a file. Paged on (ts_ns, id): ts_ns repeats.
+GPU_PAGE = 2_000  # rows per request: a few MB of Python objects at most
+GPU_PAGE_BYTES = 4 * 1024 * 1024  # and a page's answer, kernel names and all
+GPU_SQL = (
+    "SELECT g.id, g.ts_ns, g.dur_ns, g.pid, g.device, g.stream, g.kind, "
+    "coalesce((SELECT name FROM gpu_names WHERE hash = g.name), ''), g.correlation, "
+    "g.launch, g.bytes, "
+    "(SELECT name FROM gpu_names WHERE hash = g.collective AND g.collective != 0), "
+    "g.grid_x, g.grid_y, g.grid_z, g.block_x, g.block_y, g.block_z "
+    "FROM gpu_data g WHERE g.kind IN (1, 2, 3) AND g.ts_ns >= ? AND g.ts_ns < ? "
+    "AND (g.ts_ns > ? OR g.id > ?){pid} ORDER BY g.ts_ns, g.id"
+)
+ANNOTATIONS_SQL = (
+    "SELECT a.id, a.ts_ns, a.dur_ns, a.pid, a.tid, a.kind, "
+    "coalesce((SELECT name FROM gpu_names WHERE hash = a.name), '') "
+    "FROM annotation_data a WHERE a.ts_ns >= ? AND a.ts_ns < ? "
+    "AND (a.ts_ns > ? OR a.id > ?){pid} ORDER BY a.ts_ns, a.id"
+)
+# One request says whether there is anything to page: the first GPU row and annotation
+# in the window (index lookups), and how many nodes the served file holds. A file
+# without the tables answers "no such table": nothing imported, nothing more to ask.
+GPU_PROBE_SQL = (
+    "SELECT (SELECT ts_ns FROM gpu_data WHERE kind IN (1, 2, 3) AND ts_ns >= ? "
+    "AND ts_ns < ?{pid} ORDER BY ts_ns LIMIT 1), (SELECT ts_ns FROM annotation_data "
+    "WHERE ts_ns >= ? AND ts_ns < ?{pid} ORDER BY ts_ns LIMIT 1), "
+    "(SELECT count(*) FROM nodes)"
 )
 
 
@@ -115,6 +154,15 @@ class NodePull:
     rates: Path  # one JSON [ts_ns, dur_ns, calls] per line
     events_bytes: int = 0
     warnings: list[str] = field(default_factory=list)
+    # The window as sent to the node, in its clock: [start, end).
+    window: tuple[int, int] = (0, OPEN_END_NS)
+    # Imported GPU work, where the node holds some in the window: one JSON row (a
+    # GpuRow / AnnotationRow as the node sent it) per line; None when there is none.
+    gpu: Path | None = None
+    annotations: Path | None = None
+    gpu_rows: int = 0
+    annotation_rows: int = 0
+    file_nodes: int = 1  # nodes in the file the agent serves (a merged file: several)
 
     @property
     def name(self) -> str:
@@ -151,18 +199,21 @@ async def pull_async(opts: FleetOptions, spec: PullSpec, spool: Path
 # ---- round 1: facts -----------------------------------------------------------------
 
 
-def _sql(sql: str, params: list[Any], timeout_s: float, max_rows: int | None = None
-         ) -> Request:
+def _sql(sql: str, params: list[Any], timeout_s: float, max_rows: int | None = None,
+         max_bytes: int | None = None) -> Request:
     body: dict[str, Any] = {"sql": sql, "params": params, "timeout_s": timeout_s}
     if max_rows is not None:
         body["max_rows"] = max_rows
+    if max_bytes is not None:
+        body["max_bytes"] = max_bytes
     return Request("POST", "/api/v1/query", body=body, expect=("columns", "rows"))
 
 
 async def _facts(client: FleetClient, t: Target, spec: PullSpec, offset: int,
                  node_limit: float) -> dict[str, Any]:
     start, end = spec.span.in_node_clock(offset)
-    asks = [_sql(NAMES_SQL, [], node_limit), _sql(SESSIONS_SQL, [], node_limit)]
+    asks = [_sql(NAMES_SQL, [], node_limit), _sql(SESSIONS_SQL, [], node_limit),
+            _sql(STACKS_SQL, [start, end], node_limit, MAX_STACKS)]
     if spec.chains in ("auto", "stored"):
         sql = f"SELECT {STORED_CHAIN_COLUMNS} FROM chains WHERE {STORED_CHAIN_WINDOW}"
         params: list[Any] = [end, start]
@@ -171,10 +222,10 @@ async def _facts(client: FleetClient, t: Target, spec: PullSpec, offset: int,
             params.append(spec.pid)
         asks.append(_sql(sql + " ORDER BY ts_ns, id", params, node_limit))
     replies = await send_all(client, t, asks)
-    stored = replies[2] if len(replies) > 2 else None
+    stored = replies[3] if len(replies) > 3 else None
     facts: dict[str, Any] = {"node": replies[0].get("node"), "names": replies[0],
-                             "sessions": replies[1], "stored": stored, "computed": None,
-                             "notes": []}
+                             "sessions": replies[1], "stacks": replies[2], "stored": stored,
+                             "computed": None, "notes": []}
     if spec.chains == "computed" or (spec.chains == "auto" and not (stored or {}).get("rows")):
         facts["computed"] = await _computed_chains(client, t, spec, start, end, facts["notes"])
     return facts
@@ -211,12 +262,14 @@ async def _computed_chains(client: FleetClient, t: Target, spec: PullSpec, start
 
 async def _bulk(client: FleetClient, answer: FleetAnswer, o: NodeOutcome, spec: PullSpec,
                 base: Path, node_limit: float) -> NodePull | None:
-    """Spool one node's events and rates; a failure drops the node with a warning."""
+    """Spool one node's events, rates and imported GPU work; a failure drops the node
+    with a warning (a failure of the rates only costs the rates)."""
     assert o.replies is not None
     facts = o.replies[0]
-    node = NodePull(o, facts, base.with_suffix(".events.ndjson"),
-                    base.with_suffix(".rates.ndjson"), warnings=list(facts.get("notes") or []))
     start, end = spec.span.in_node_clock(answer.offset_ns(o))
+    node = NodePull(o, facts, base.with_suffix(".events.ndjson"),
+                    base.with_suffix(".rates.ndjson"), warnings=list(facts.get("notes") or []),
+                    window=(start, end))
     params = {"since": str(start), "until": str(end)}
     if spec.pid is not None:
         params["pid"] = str(spec.pid)
@@ -238,6 +291,12 @@ async def _bulk(client: FleetClient, answer: FleetAnswer, o: NodeOutcome, spec: 
             # Secondary data: the timeline is still right without this counter.
             node.warnings.append("calls/s from histograms left out: "
                                  f"{exc.failure.text()}")
+    try:
+        await _gpu(client, o.target, spec, node, base, node_limit)
+    except NodeFailed as exc:
+        # GPU rows are part of the timeline: never half a node.
+        _drop(answer, o, exc)
+        return None
     return node
 
 
@@ -258,6 +317,15 @@ def _drop(answer: FleetAnswer, o: NodeOutcome, exc: NodeFailed) -> None:
                                        exc.failure.kind))
 
 
+async def _ask(client: FleetClient, t: Target, request: Request) -> dict[str, Any]:
+    """One request of the bulk round. The client's deadline is the facts round's; a page
+    asked after a long events stream gets the whole ``--timeout`` of its own instead (the
+    bulk round has only a limit on silence)."""
+    client.restart_deadline()
+    [reply] = await send_all(client, t, [request])
+    return reply
+
+
 async def _rates(client: FleetClient, t: Target, spec: PullSpec, start: int, end: int,
                  node_limit: float, out: BinaryIO) -> None:
     sql = RATES_SQL + (" AND pid = ?" if spec.pid is not None else "")
@@ -265,9 +333,90 @@ async def _rates(client: FleetClient, t: Target, spec: PullSpec, start: int, end
     cursor = start - 1
     while True:
         params: list[Any] = [cursor, end, *([spec.pid] if spec.pid is not None else [])]
-        [reply] = await send_all(client, t, [_sql(sql, params, node_limit, RATES_PAGE)])
+        reply = await _ask(client, t, _sql(sql, params, node_limit, RATES_PAGE))
         rows = [r for r in reply.get("rows") or [] if isinstance(r, list) and len(r) == 3]
         out.write(b"".join(orjson.dumps(r) + b"\n" for r in rows))
         if not reply.get("truncated") or not rows or not isinstance(rows[-1][0], int):
             return
         cursor = rows[-1][0]
+
+
+# ---- imported GPU work ------------------------------------------------------------------
+
+
+async def _gpu(client: FleetClient, t: Target, spec: PullSpec, node: NodePull, base: Path,
+               node_limit: float) -> None:
+    """The node's GPU rows and annotated ranges in the window, each into a spool, when
+    the probe finds any. NodeFailed when a request fails (the caller drops the node)."""
+    start, end = node.window
+    by_pid: list[Any] = [spec.pid] if spec.pid is not None else []
+    probe = _sql(GPU_PROBE_SQL.format(pid=" AND pid = ?" if by_pid else ""),
+                 [start, end, *by_pid, start, end, *by_pid], node_limit, 1)
+    try:
+        reply = await _ask(client, t, probe)
+    except NodeFailed as exc:
+        f = exc.failure
+        if f.kind == "http" and f.code == "bad_query" and "no such table" in f.message:
+            return  # a file from before imports (schema 1): nothing to pull
+        raise
+    rows = reply.get("rows")
+    first = rows[0] if isinstance(rows, list) and rows else None
+    if not isinstance(first, list) or len(first) != 3:
+        raise NodeFailed(_bad(t, "about its GPU tables not one row of three values"))
+    has_gpu, has_annotations, file_nodes = first
+    if type(file_nodes) is int:
+        node.file_nodes = file_nodes
+    if has_gpu is not None:
+        node.gpu = base.with_suffix(".gpu.ndjson")
+        sql = GPU_SQL.format(pid=" AND g.pid = ?" if by_pid else "")
+        node.gpu_rows = await _pages(client, t, sql, spec, node, node_limit, node.gpu,
+                                     "GPU rows")
+    if has_annotations is not None:
+        node.annotations = base.with_suffix(".annotations.ndjson")
+        sql = ANNOTATIONS_SQL.format(pid=" AND a.pid = ?" if by_pid else "")
+        node.annotation_rows = await _pages(client, t, sql, spec, node, node_limit,
+                                            node.annotations, "annotations")
+
+
+async def _pages(client: FleetClient, t: Target, sql: str, spec: PullSpec, node: NodePull,
+                 node_limit: float, path: Path, what: str) -> int:
+    """Every row of ``sql`` in the window into the spool ``path``, page after page,
+    keyset-paged on the last row's ``(ts_ns, id)``, each page written before the next is
+    asked for; at most ``--limit-per-node`` rows. Returns how many rows were written.
+
+    The rows are the node's, unchecked (the reader checks each one); only what paging
+    needs is checked here: a page that does not move the cursor forward ends it with a
+    warning, so a lying node cannot keep it turning."""
+    start, end = node.window
+    by_pid: list[Any] = [spec.pid] if spec.pid is not None else []
+    limit = spec.limit_per_node
+    cursor = (start, -1)
+    sent = 0
+    with _spool(path) as out:
+        while limit is None or sent < limit:
+            page = GPU_PAGE if limit is None else min(GPU_PAGE, limit - sent)
+            params = [cursor[0], end, cursor[0], cursor[1], *by_pid]
+            reply = await _ask(client, t, _sql(sql, params, node_limit, page, GPU_PAGE_BYTES))
+            rows = reply.get("rows")
+            if not isinstance(rows, list):
+                raise NodeFailed(_bad(t, f"a page of its {what} without a list of rows"))
+            rows = rows[:page]  # never more than asked for, whatever the node sends
+            out.write(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+            sent += len(rows)
+            if not reply.get("truncated") or not rows:
+                break
+            last = rows[-1]
+            nxt = ((last[1], last[0]) if isinstance(last, list) and len(last) > 1
+                   and type(last[0]) is int and type(last[1]) is int else None)
+            if nxt is None or nxt <= cursor or nxt[0] >= end:
+                node.warnings.append(f"{what} after the first {sent} left out: the node's "
+                                     "pages do not move forward in time")
+                break
+            cursor = nxt
+    log.info("node %s: %d %s", t.name, sent, what)
+    return sent
+
+
+def _bad(t: Target, what: str) -> Failure:
+    return Failure("bad_json", f"{t.address} answered {what}",
+                   "is this a fleetd agent, and an unmodified one?")

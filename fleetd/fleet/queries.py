@@ -26,6 +26,7 @@ from fleetd.fleet.fanout import (
     Request,
     bad_value,
     fan_out,
+    fan_out_work,
 )
 from fleetd.fleet.skew import correct_obj, correct_rows
 from fleetd.runner import run_loop
@@ -164,6 +165,9 @@ def _node_rows(answer: FleetAnswer, o: NodeOutcome) -> NodeRows:
 
 
 def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None) -> FleetResult:
+    from fleetd.analyze.collectives import straggler_entries
+    from fleetd.fleet import collectives as arrivals
+
     window.validate()
 
     def plan(offset_ns: int) -> list[Request]:
@@ -172,7 +176,11 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None) -> F
         return [Request("GET", "/api/v1/chains", chains, expect=("chains",)),
                 Request("GET", "/api/v1/profile", params, expect=("node",))]
 
-    answer: FleetAnswer = run_loop(fan_out(opts, plan, needs_offset=window.absolute))
+    # Beside chains and profile, each node's collective calls (optional: a failure there
+    # is a warning), compared across nodes in our clock.
+    answer: FleetAnswer = run_loop(fan_out_work(
+        opts, arrivals.with_arrivals(plan, window, arrivals.EXPLAIN_ROWS),
+        needs_offset=window.absolute))
     raise_if_user_error(answer)
     chains: list[dict[str, Any]] = []
     processes: list[dict[str, Any]] = []
@@ -180,7 +188,7 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None) -> F
     verdicts: dict[str, str] = {}
     for o in answer.answered:
         assert o.replies is not None
-        got, prof = o.replies
+        got, prof = o.replies[:2]
         off = answer.offset_ns(o)
         chains += [_tagged(correct_obj(c, off), o.name) for c in got.get("chains") or []]
         processes += [dict(p, node=o.name) for p in got.get("processes") or []]
@@ -191,10 +199,12 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None) -> F
     chains.sort(key=lambda c: (SEVERITY_RANK.get(c.get("severity", "LOW"), 3),
                                -float(c.get("impact") or 0), str(c.get("id"))))
     unreachable = {o.name: o.failure.text() for o in answer.failed if o.failure}
-    ranked = stragglers.rank(profiles, unreachable, chains)
+    collectives = arrivals.from_answer(answer, 2, arrivals.EXPLAIN_ROWS)
+    ranked = (straggler_entries(collectives, chains)
+              + stragglers.rank(profiles, unreachable, chains))
     obj = {"stragglers": ranked, "chains": chains, **_base(answer),
            "nodes": [o.name for o in answer.answered], "window": {"label": window.label()},
-           "verdicts": verdicts, "processes": processes}
+           "verdicts": verdicts, "processes": processes, "collectives": collectives}
     return FleetResult(answer, obj)
 
 
@@ -207,7 +217,7 @@ def _tagged(chain: dict[str, Any], node: str) -> dict[str, Any]:
 
 
 def ops(opts: FleetOptions, window: WindowSpec, pid: int | None, per_process: bool,
-        columns: Sequence[str]) -> FleetResult:
+        columns: Sequence[str], by: str = "op") -> FleetResult:
     window.validate()
 
     def plan(offset_ns: int) -> list[Request]:
@@ -216,6 +226,8 @@ def ops(opts: FleetOptions, window: WindowSpec, pid: int | None, per_process: bo
             params["pid"] = str(pid)
         if per_process:
             params["per_process"] = "1"
+        if by != "op":
+            params["by"] = by
         return [Request("GET", "/api/v1/ops", params, expect=("ops",))]
 
     answer: FleetAnswer = run_loop(fan_out(opts, plan, needs_offset=window.absolute))
@@ -240,8 +252,8 @@ def ops(opts: FleetOptions, window: WindowSpec, pid: int | None, per_process: bo
 
 # ---- overview -----------------------------------------------------------------------
 
-OVERVIEW_COLUMNS = ["node", "events", "lost_events", "sessions", "high", "medium", "low",
-                    "verdict"]
+OVERVIEW_COLUMNS = ["node", "events", "lost_events", "sessions", "crashed", "high", "medium",
+                    "low", "verdict"]
 
 
 def overview(opts: FleetOptions, window: WindowSpec) -> FleetResult:
@@ -366,6 +378,7 @@ def overview_rows(nodes: Sequence[dict[str, Any]]) -> list[list[Any]]:
     for n in nodes:
         chains = n.get("chains") or {}
         rows.append([n.get("node"), n.get("events"), n.get("lost_events"),
-                     len(n.get("sessions") or []), chains.get("HIGH", 0),
+                     len(n.get("sessions") or []), n.get("crashed_sessions"),
+                     chains.get("HIGH", 0),
                      chains.get("MEDIUM", 0), chains.get("LOW", 0), n.get("verdict")])
     return rows

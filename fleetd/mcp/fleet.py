@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleetd.analyze.collectives import host_chains
 from fleetd.analyze.opstats import COLUMNS
 from fleetd.analyze.stacks import NOTE_NO_STACKS, op_code
 from fleetd.analyze.window import WindowSpec
@@ -105,6 +106,34 @@ class FleetBackend:
         answer = export_answer(path, done.stats, done.warnings)
         # One warnings list, the fan-out's first: a missing node matters most.
         return {**head, **answer, "warnings": head["warnings"] + answer["warnings"]}
+
+    def hang(self, hang_after_s: float) -> dict[str, Any]:
+        """Every node's NCCL ranks polled once and judged as ``fleetd watch`` judges them
+        (fleetd/fleet/hang.py): the rank a hung job waits for, or no hang."""
+        from fleetd.fleet.client import FleetClient
+        from fleetd.fleet.hang import poll
+
+        async def go() -> tuple[FleetAnswer, dict[str, Any]]:
+            async with FleetClient(self.opts.client) as client:
+                return await poll(self.opts, client, hang_after_s)
+
+        answer, result = run_loop(go())
+        head = header(answer)
+        head.pop("skew")  # only ages are compared: no clock offset is sampled or needed
+        jobs: list[str] = []
+        for h in result["hangs"]:
+            for p in (*h["culprits"], *h["waiting"]):
+                if p.get("job"):
+                    jobs.append(p["job"])
+                    p["job"] = untrusted(p["job"])
+        for g in (*result["hangs"], *result["groups"]):
+            if g["matching"] == "torchrun":  # the key holds the job id
+                jobs.append(str(g["key"]).rpartition("/")[0])
+                g["key"] = untrusted(g["key"])
+        # The verdict's sentences name jobs (traced environment values): quoted as data.
+        return {NAMES_KEY: jobs, **head, "hang_status": result["status"],
+                **{k: v for k, v in result.items() if k not in ("status", "warnings")},
+                "warnings": result["warnings"]}
 
     # ---- actions ----------------------------------------------------------------------
 
@@ -211,12 +240,16 @@ class FleetBackend:
                     "chains": [compact_chain(c, evidence_n) for c in chains[:top_n]],
                     **shown("chains", len(chains), top_n)}
         ranked = obj.get("stragglers") or []
-        why = {s["node"]: [compact_chain(c, evidence_n) for c in chains
-                           if c.get("node") == s["node"]][:STRAGGLER_CHAINS]
-               for s in ranked if s.get("flagged")}
+        why: dict[str, list[dict[str, Any]]] = {}
+        for s in ranked:  # a rank named by collective arrival first: its node's host chains
+            if s.get("flagged") and s["node"] not in why:
+                mine = (host_chains(s["node"], s.get("pid"), chains)
+                        if s.get("metric") == "collective_arrival"
+                        else [c for c in chains if c.get("node") == s["node"]])
+                why[s["node"]] = [compact_chain(c, evidence_n)
+                                  for c in mine[:STRAGGLER_CHAINS]]
         return {**header(result.answer), "stragglers": [compact_straggler(s) for s in ranked],
-                "flagged": [s["node"] for s in ranked if s.get("flagged")],
-                "why": why, "verdicts": obj.get("verdicts") or {}}
+                "flagged": list(why), "why": why, "verdicts": obj.get("verdicts") or {}}
 
 
 def header(answer: FleetAnswer) -> dict[str, Any]:

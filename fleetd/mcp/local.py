@@ -104,10 +104,11 @@ class LocalBackend:
                    "window": report["window"], "nodes": report["nodes"], "counts": counts,
                    "chains": [compact_chain(c, evidence_n) for c in chains[:top_n]],
                    **shown("chains", len(chains), top_n), "warnings": report["warnings"]}
-            if len(report["nodes"]) > 1:
+            arrivals = a.collectives()  # NCCL collectives: the rank the others wait for
+            if len(report["nodes"]) > 1 or arrivals["stragglers"]:
                 # A merged file: rank its nodes as the fleet client ranks live ones.
                 out["stragglers"] = [compact_straggler(s)
-                                     for s in a.stragglers(report["chains"])]
+                                     for s in a.stragglers(report["chains"], arrivals)]
             return out
 
         return self.analyze(go)

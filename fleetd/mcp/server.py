@@ -6,7 +6,7 @@ Two modes, fixed at start:
   get_check, get_trace_stats, get_causal_chains, get_latency_breakdown, get_stacks,
   run_sql, graph_lifecycle, export_timeline.
 - **fleet** (``--nodes``/``--config``): live agents over mTLS. Tools: get_check (every
-  node's health), query_fleet, export_timeline.
+  node's health), query_fleet, check_hang, export_timeline.
 
 Each tool is a synchronous function (the SDK runs it on a worker thread) that returns a
 ``CallToolResult`` built here: the backend's dict, cleaned, marked and size-capped by
@@ -151,6 +151,7 @@ def build_server(backend: LocalBackend | FleetBackend,
         _local_tools(server, backend, answers)
     else:
         _fleet_tools(server, backend, answers)
+        _hang_tool(server, backend, answers)
     _export_tool(server, backend, answers)
     prompts.register(server, mode)
     return server
@@ -366,6 +367,29 @@ def _fleet_tools(server: MCPServer, b: FleetBackend, answers: Answers) -> None:
         "a missing node is not a healthy one) and skew (each node's clock offset; node "
         "timestamps are corrected into this machine's clock). Windows are evaluated by "
         "each node." + DATA_NOTE))
+
+
+def _hang_tool(server: MCPServer, b: FleetBackend, answers: Answers) -> None:
+    def check_hang(
+        hang_after_s: Annotated[float, Field(
+            gt=0, le=86400, description="seconds ranks may wait for one that has not "
+            "arrived before it counts as a hang")] = 15.0,
+    ) -> CallToolResult:
+        return answers("check_hang", lambda: b.hang(hang_after_s))
+
+    server.add_tool(check_hang, name="check_hang", annotations=READ_ONLY, description=(
+        "Is a distributed (NCCL) job hung? Polls every node's traced ranks once (their last "
+        "collective per communicator, last send/receive per peer, last CUDA call, process "
+        "state from /proc) and matches them across nodes by communicator hash or torchrun "
+        "job. Returns hang_status (hang/ok), verdict (one sentence), hangs (kind: "
+        "collective = a rank never arrived at collective seq while others wait in it; "
+        "stalled = no progress while a rank is stopped, in D state or dead; exited = the "
+        "whole job died, the first rank to die named; p2p = a send without its receive): "
+        "culprits (node, pid, rank, state, wchan, exit_code, its last collective and call, "
+        "top_chain from its node) and the waiting ranks with how long they waited "
+        "(age_s, measured by each node's own clock); groups (each communicator or job and "
+        "the collective it is at). Starts with status/answered/warnings like query_fleet: "
+        "a node that did not answer is a warning, not a hang." + DATA_NOTE))
 
 
 def _export_tool(server: MCPServer, backend: LocalBackend | FleetBackend,

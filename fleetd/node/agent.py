@@ -4,6 +4,10 @@ Each resource has one aiohttp cleanup context, entered in order and left in reve
 the writer (flushes on exit), the tracer (stops, writes its session record), the reader
 pool. The first SIGTERM/SIGINT drains and flushes, then exits 0; a second one exits at
 once (SQLite in WAL mode stays consistent when a process dies mid-write).
+
+Under systemd (``Type=notify``, configs/fleetd-agent.service) the agent says READY=1
+on ``$NOTIFY_SOCKET`` once the probes are attached and the socket listens, and
+STOPPING=1 when it begins to shut down.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from fleetd.node.analysis import ROUTES as ANALYSIS_ROUTES
 from fleetd.node.api import NodeState, make_app
 from fleetd.node.conns import ConnLimits, Gate, GuardedHandler
 from fleetd.node.metrics import SOURCES, Sources, metrics
+from fleetd.node.ranks import RANKBOOK, ObservedWriter, RankBook, local_waits
+from fleetd.node.ranks import ROUTES as RANK_ROUTES
 from fleetd.node.readers import ReaderPool
 from fleetd.runner import run_loop
 from fleetd.security import tls
@@ -161,9 +167,11 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
                          per_client=s.max_queries_per_client)
     app = make_app(state, readers, max_body_bytes=s.max_body_bytes,
                    extra_routes=[web.get("/metrics", metrics), *ANALYSIS_ROUTES,
-                                 *s.extra_routes])
+                                 *RANK_ROUTES, *s.extra_routes])
     sources = Sources(db_bytes=lambda: s.db.stat().st_size)
     app[SOURCES] = sources
+    book = app[RANKBOOK] = RankBook()  # fed by the writer the tracer writes into
+    sources.nccl_ranks, sources.nccl_waits = book.count, local_waits(book, s.node)
 
     async def readers_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
@@ -173,10 +181,11 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
         if s.tracer is None:
             yield
             return
-        writer = BatchWriter(s.db, s.node, max_bytes=s.store_max_bytes)
+        writer = ObservedWriter(s.db, s.node, book, max_bytes=s.store_max_bytes)
         app[WRITER] = writer
         sources.writer = lambda: vars(writer.stats)
-        sources.db_bytes = writer.used_bytes
+        # The writer's connection belongs to its thread: read what it last measured.
+        sources.db_bytes = lambda: writer.stats.used_bytes
         yield
         stats = await asyncio.get_running_loop().run_in_executor(None, writer.close)
         log.info("writer closed: %d events written, %d lost", stats.events_written,
@@ -222,8 +231,9 @@ async def serve(s: AgentSettings) -> int:
         if signals > 1:
             # The operator insists: leave now. WAL keeps the file consistent.
             os._exit(128 + signum)
-        log.warning("%s: draining and flushing (send again to exit at once)",
-                    signal.Signals(signum).name)
+        # An ordinary stop (systemctl stop, a pod deleted): information, not a warning.
+        log.info("%s: draining and flushing (send again to exit at once)",
+                 signal.Signals(signum).name)
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -245,10 +255,13 @@ async def serve(s: AgentSettings) -> int:
         info = {"node": s.node, "listen": f"{host}:{bound}", "scheme": "http" if ssl_ctx is None
                 else "https", "fingerprint": fp, "pid": os.getpid(), "db": str(s.db)}
         _announce(info)
+        # After runner.setup() (the tracer's probes are attached) and the listen above.
+        notify(f"READY=1\nSTATUS=listening on {info['scheme']}://{info['listen']}")
         if s.ready:
             s.ready(info)
         await stop.wait()
     finally:
+        notify("STOPPING=1\nSTATUS=draining and flushing")
         if accepting is not None:
             accepting.cancel()
             await asyncio.gather(accepting, return_exceptions=True)
@@ -292,6 +305,24 @@ def _announce(info: dict[str, Any]) -> None:
     if info["fingerprint"]:
         line += f" (self-signed, SHA-256 {info['fingerprint']})"
     print(line, file=sys.stderr, flush=True)
+
+
+def notify(message: str) -> bool:
+    """Send ``message`` to the service manager (sd_notify's protocol: one datagram on the
+    unix socket named by $NOTIFY_SOCKET, ``@`` for the abstract namespace). False when
+    there is no such socket or sending failed; that never stops the agent."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path or not path.startswith(("/", "@")):
+        return False
+    addr = "\0" + path[1:] if path.startswith("@") else path
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(addr)
+            sock.sendall(message.encode())
+    except OSError as exc:
+        log.warning("cannot notify the service manager at %s: %s", path, exc)
+        return False
+    return True
 
 
 def run(s: AgentSettings) -> int:

@@ -23,6 +23,7 @@ from fleetd.node.api import INT64_MAX, READERS, STATE, client_of, json_response
 MAX_TOP_N = 1000  # stacks per answer
 MAX_FRAMES = 128  # frames per stack
 MAX_BUCKETS = 500  # graph timeline buckets
+OPS_BY = ("op", "kernel")  # /api/v1/ops?by=
 
 
 def _int_param(q: Any, name: str, limit: int | None = None) -> int | None:
@@ -80,10 +81,14 @@ async def ops(request: web.Request) -> web.StreamResponse:
     q = request.query
     pid = _int_param(q, "pid")
     per_process = q.get("per_process", "") in ("1", "true", "yes")
+    by = q.get("by", "op")
+    if by not in OPS_BY:
+        raise QueryError(f"by={by[:40]!r} is not one of {'|'.join(OPS_BY)}",
+                         "by=op (the default) or by=kernel", code="bad_request")
 
     def go(a: Analysis, node: str) -> dict[str, Any]:
         return {"node": node, "window": a.window.to_json(), "warnings": list(a.window.warnings),
-                "ops": a.op_stats(pid, per_process)}
+                "ops": a.op_stats(pid, per_process, by)}
 
     return await _run(request, go)
 
@@ -137,6 +142,22 @@ async def gpu(request: web.Request) -> web.StreamResponse:
     return await _run(request, lambda a, node: {"node": node, **a.gpu(pid, steps, limits)})
 
 
+async def collectives(request: web.Request) -> web.StreamResponse:
+    """The node's NCCL collective calls in the window, newest ``max_rows`` (bounded by
+    rows and bytes), for the fleet client to compare arrivals across nodes."""
+    from fleetd.analyze.collectives import DEFAULT_ROWS, MAX_BYTES, MAX_ROWS, NodeArrivals
+
+    max_rows = _int_param(request.query, "max_rows", MAX_ROWS) or DEFAULT_ROWS
+
+    def go(a: Analysis, node: str) -> dict[str, Any]:
+        parts = a.arrivals(max_rows, MAX_BYTES)
+        body = (parts[0] if parts else NodeArrivals(node, [], {})).to_json()
+        return {"node": node, "window": a.window.to_json(), **body,
+                "warnings": list(a.window.warnings)}
+
+    return await _run(request, go)
+
+
 ROUTES = [
     web.get("/api/v1/chains", chains),
     web.get("/api/v1/ops", ops),
@@ -145,4 +166,5 @@ ROUTES = [
     web.get("/api/v1/stacks", stacks),
     web.get("/api/v1/graphs", graphs),
     web.get("/api/v1/gpu", gpu),
+    web.get("/api/v1/collectives", collectives),
 ]

@@ -1,15 +1,151 @@
-"""``GET /metrics``: the agent observing itself, in Prometheus text format."""
+"""``GET /metrics``: the agent observing itself, for Prometheus.
+
+The text comes from ``prometheus_client``: one custom collector (:class:`AgentCollector`)
+and the library's process collector, registered in a registry of the agent's own (never
+the library's global one, which would mix in whatever else the process imported).
+Counters are counters (``rate()`` makes the per-second figures); no series carries a
+``node`` label, since the scrape target says which node it is (docs/deploy.md).
+
+The CUDA and NCCL latency histograms are the tracer's in-kernel ones (``aggregate_data``:
+log2 buckets per op, written once per aggregation window). :class:`OpLatency` keeps
+their running totals since the agent started: each scrape reads only the rows written
+since the previous one (a range of rowids), on a reader thread of the agent's pool,
+never on the event loop.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import logging
+import platform
+import sqlite3
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
-from fleetd.node.api import QUERY_BUCKETS_S, STATE, NodeState
+from fleetd import __version__
+from fleetd.errors import FleetdError
+from fleetd.node.api import QUERY_BUCKETS_S, READERS, STATE, NodeState, client_of
 from fleetd.node.conns import ConnStats
+from fleetd.node.readers import ReaderPool
+from fleetd.store.catalog import BY_CODE, OPS
+from fleetd.store.schema import SCHEMA_VERSION
+
+log = logging.getLogger("fleetd.node.metrics")
+
+# The ops whose in-kernel histograms are call latencies (host ops are not: page_alloc's
+# buckets are orders, and off-CPU time is no call).
+CALL_SOURCES = ("cuda", "graph", "driver", "nccl")
+CALL_CODES = tuple(sorted(op.code for op in OPS if op.source in CALL_SOURCES))
+# The kernel's bucket b holds [2**b, 2**(b+1)) ns. The edges exposed: 2**8 ns (256 ns)
+# to 2**35 ns (34 s), each `le` the upper edge of the buckets below it; longer calls
+# count in +Inf only.
+LE_POWERS = range(8, 36)
+READ_TIMEOUT_S = 2.0
+
+
+class OpLatency:
+    """Per op, the totals of the in-kernel latency histograms written since the agent
+    started: counts per log2 bucket and the summed nanoseconds."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, dict[int, int]] = {}  # op code -> bucket -> calls
+        self.sums: dict[int, int] = {}  # op code -> ns
+        self.failures = 0  # scrapes that could not read the new rows (busy, timeout)
+        self._after: int | None = None  # rows up to this rowid are counted
+        self._node_key: int | None = None
+        self._lock: asyncio.Lock | None = None
+
+    async def refresh(self, readers: ReaderPool, node: str, since_ns: int, who: str) -> None:
+        """Add the rows written since the last refresh. On failure the totals stay as
+        they were (a counter that lags one scrape is still a counter)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            after, key = self._after, self._node_key
+
+            def read(conn: sqlite3.Connection) -> tuple[int, int | None, list[Any]]:
+                return _read_new(conn, node, key, after, since_ns)
+
+            try:
+                hi, key, rows = await readers.run(
+                    lambda db: db.analyze(read, READ_TIMEOUT_S), who)
+            except (FleetdError, sqlite3.Error) as exc:
+                self.failures += 1
+                level = logging.WARNING if self.failures == 1 else logging.DEBUG
+                log.log(level, "latency histograms not refreshed: %s", exc)
+                return
+            if key is not None:
+                self._after, self._node_key = hi, key
+                self.add(rows)
+
+    def add(self, rows: Sequence[tuple[int, int, int, int]]) -> None:
+        """(op code, bucket, count, sum ns) rows, buckets >= 0."""
+        for op, bucket, count, total in rows:
+            per_op = self.counts.setdefault(int(op), {})
+            per_op[int(bucket)] = per_op.get(int(bucket), 0) + int(count)
+            self.sums[int(op)] = self.sums.get(int(op), 0) + int(total)
+
+    def family(self) -> HistogramMetricFamily:
+        fam = HistogramMetricFamily(
+            "fleetd_cuda_call_duration_seconds",
+            "CUDA runtime, graph, driver and NCCL call latency per op, from the in-kernel "
+            "histograms (every call, sampled or not), since the agent started",
+            labels=["source", "op"])
+        for code in sorted(self.counts):
+            op = BY_CODE.get(code)
+            per_bucket = self.counts[code]
+            buckets: list[tuple[str, float]] = []
+            for k in LE_POWERS:
+                below = sum(n for b, n in per_bucket.items() if b < k)
+                buckets.append((repr(2**k / 1e9), float(below)))
+            buckets.append(("+Inf", float(sum(per_bucket.values()))))
+            fam.add_metric([op.source if op else "unknown", op.name if op else f"op{code}"],
+                           buckets, self.sums.get(code, 0) / 1e9)
+        return fam
+
+
+def _read_new(conn: sqlite3.Connection, node: str, key: int | None, after: int | None,
+              since_ns: int) -> tuple[int, int | None, list[Any]]:
+    """(highest rowid read, node key, rows) for the rows after ``after``; the first time,
+    the rows of windows that began since the agent started (through the op index)."""
+    if key is None:
+        found = conn.execute("SELECT id FROM nodes WHERE name = ?", (node,)).fetchone()
+        if found is None:  # nothing of this node yet: read from the start next time
+            return 0, None, []
+        key = int(found[0])
+    hi = int(conn.execute("SELECT coalesce(max(rowid), 0) FROM aggregate_data").fetchone()[0])
+    codes = ", ".join(map(str, CALL_CODES))
+    group = "AND bucket >= 0 GROUP BY op, bucket"
+    if after is not None and hi < after:
+        # The table was emptied (pruned) and rowids start again: everything is new.
+        log.info("aggregate rows were pruned below the last one read; reading anew")
+        after = 0
+    if after is None:
+        rows = conn.execute(
+            "SELECT op, bucket, sum(count), sum(sum) FROM aggregate_data "
+            f"WHERE node = ? AND op IN ({codes}) AND ts_ns >= ? AND rowid <= ? {group}",
+            (key, since_ns, hi)).fetchall()
+    elif hi > after:
+        # '+' keeps SQLite on the rowid range instead of the (node, op) index.
+        rows = conn.execute(
+            "SELECT op, bucket, sum(count), sum(sum) FROM aggregate_data "
+            f"WHERE rowid > ? AND rowid <= ? AND +node = ? AND +op IN ({codes}) {group}",
+            (after, hi, key)).fetchall()
+    else:
+        rows = []
+    return hi, key, rows
 
 
 @dataclass
@@ -21,60 +157,106 @@ class Sources:
     db_bytes: Callable[[], int] = field(default=lambda: 0)
     conns: ConnStats = field(default_factory=ConnStats)
     client_refusals: Callable[[], int] = field(default=lambda: 0)
+    nccl_ranks: Callable[[], int] = field(default=lambda: 0)
+    # (matching, group key, ns its ranks have waited) per group of this node's NCCL ranks
+    nccl_waits: Callable[[], list[tuple[str, str, int]]] = field(default=lambda: [])
+    latency: OpLatency = field(default_factory=OpLatency)
+    _registry: tuple[NodeState, CollectorRegistry] | None = field(default=None, repr=False)
+
+    def registry(self, state: NodeState) -> CollectorRegistry:
+        """This agent's registry: its collector and the process collector."""
+        if self._registry is None or self._registry[0] is not state:
+            reg = CollectorRegistry(auto_describe=False)
+            reg.register(AgentCollector(state, self))
+            ProcessCollector(registry=reg)
+            self._registry = (state, reg)
+        return self._registry[1]
 
 
 SOURCES = web.AppKey("metric_sources", Sources)
 
 
-def _line(out: list[str], name: str, kind: str, help_: str, value: float,
-          labels: str = "") -> None:
-    out.append(f"# HELP fleetd_{name} {help_}")
-    out.append(f"# TYPE fleetd_{name} {kind}")
-    out.append(f"fleetd_{name}{labels} {value}")
+def _counter(name: str, help_: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, help_, value=value)
+
+
+def _gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_, value=value)
+
+
+class AgentCollector(Collector):
+    """Everything fleetd's own: read from the sources at each scrape."""
+
+    def __init__(self, state: NodeState, src: Sources) -> None:
+        self.state, self.src = state, src
+
+    def collect(self) -> Iterator[Metric]:
+        state, src = self.state, self.src
+        w, t = src.writer(), src.tracer()
+        build = GaugeMetricFamily("fleetd_build_info", "fleetd's version, 1",
+                                  labels=["version", "python", "schema_version"])
+        build.add_metric([__version__, platform.python_version(), str(SCHEMA_VERSION)], 1)
+        yield build
+        yield _gauge("fleetd_tracing", "1 while the tracer runs, 0 when it does not "
+                     "(--no-trace, or tracing stopped: see the agent's log)",
+                     1 if state.tracing and t.get("running", True) else 0)
+        yield _counter("fleetd_trace_records", "records the tracer decoded from the "
+                       "kernel's ring buffers (rate() gives records/s)", t.get("records", 0))
+        yield _gauge("fleetd_trace_targets", "processes traced now", t.get("targets", 0))
+        yield _gauge("fleetd_trace_probes", "uprobes attached", t.get("probes", 0))
+        yield _counter("fleetd_events_written", "events committed to the database",
+                       w.get("events_written", 0))
+        writer_lost = w.get("queue_dropped", 0) + w.get("failed_rows", 0)
+        # The tracer's count includes the writer's (its drops name writer_queue and
+        # writer_failed); without a tracer only the writer's is known.
+        yield _counter("fleetd_events_lost", "events lost: ring buffers or kernel maps "
+                       "full, writer queue full, failed writes",
+                       max(t.get("lost", 0), writer_lost))
+        yield _gauge("fleetd_writer_queue_rows", "rows waiting for the writer thread",
+                     w.get("queue_rows", 0))
+        yield _counter("fleetd_events_pruned", "oldest events deleted to bound the size",
+                       w.get("pruned_events", 0))
+        yield _gauge("fleetd_db_bytes", "bytes of the database holding data", src.db_bytes())
+        yield _counter("fleetd_tls_handshake_failures", "TLS handshakes that failed or "
+                       "timed out", src.conns.handshake_failures)
+        yield _counter("fleetd_client_cert_refusals", "verified certificates refused as "
+                       "clients (node certificates, no client role)", src.client_refusals())
+        yield _gauge("fleetd_connections_open", "connections open, handshakes included",
+                     src.conns.open)
+        yield _counter("fleetd_connections_refused", "connections closed unread: over the "
+                       "total or per-source cap", src.conns.refused)
+        yield _counter("fleetd_slow_requests_closed", "connections closed because headers "
+                       "or a body did not arrive in time", src.conns.slow_closed)
+        yield _counter("fleetd_queries_failed", "queries refused or failed",
+                       state.query_errors)
+        query = HistogramMetricFamily("fleetd_query_seconds", "time to answer a query")
+        # query_hist is cumulative already: each bucket counts the queries <= its edge.
+        query.add_metric([], [*((repr(float(edge)), float(n)) for edge, n in
+                                zip(QUERY_BUCKETS_S, state.query_hist, strict=True)),
+                              ("+Inf", float(state.queries))], state.query_seconds)
+        yield query
+        yield src.latency.family()
+        yield _gauge("fleetd_nccl_ranks", "traced processes that made NCCL calls",
+                     src.nccl_ranks())
+        waits = GaugeMetricFamily(
+            "fleetd_nccl_wait_seconds", "per communicator or torchrun job of this node's "
+            "ranks: how long ranks have waited for one that did not arrive (or is stopped, "
+            "in D state or dead); 0 when none waits", labels=["matching", "group"])
+        for matching, key, ns in src.nccl_waits():
+            waits.add_metric([matching, key], round(ns / 1e9, 3))
+        yield waits
 
 
 def render(state: NodeState, src: Sources) -> str:
-    out: list[str] = []
-    node = f'{{node="{state.node}"}}'
-    w, t = src.writer(), src.tracer()
-    _line(out, "events_written_total", "counter", "events committed to the database",
-          w.get("events_written", 0), node)
-    _line(out, "events_per_second", "gauge", "events/s recorded over the last interval",
-          t.get("events_per_s", 0.0), node)
-    _line(out, "events_lost_total", "counter",
-          "events lost: ring buffers full, writer queue full, failed writes",
-          t.get("lost", 0) + w.get("queue_dropped", 0) + w.get("failed_rows", 0), node)
-    _line(out, "writer_queue_rows", "gauge", "rows waiting for the writer thread",
-          w.get("queue_rows", 0), node)
-    _line(out, "events_pruned_total", "counter", "oldest events deleted to bound the size",
-          w.get("pruned_events", 0), node)
-    _line(out, "db_bytes", "gauge", "bytes of the database holding data", src.db_bytes(), node)
-    _line(out, "tls_handshake_failures_total", "counter",
-          "TLS handshakes that failed or timed out", src.conns.handshake_failures, node)
-    _line(out, "client_cert_refusals_total", "counter",
-          "verified certificates refused as clients (node certificates, no client role)",
-          src.client_refusals(), node)
-    _line(out, "connections_open", "gauge", "connections open, handshakes included",
-          src.conns.open, node)
-    _line(out, "connections_refused_total", "counter",
-          "connections closed unread: over the total or per-source cap",
-          src.conns.refused, node)
-    _line(out, "slow_requests_closed_total", "counter",
-          "connections closed because headers or a body did not arrive in time",
-          src.conns.slow_closed, node)
-    _line(out, "queries_failed_total", "counter", "queries refused or failed",
-          state.query_errors, node)
-    out.append("# HELP fleetd_query_seconds time to answer a query")
-    out.append("# TYPE fleetd_query_seconds histogram")
-    # query_hist is cumulative already: each bucket counts the queries <= its edge.
-    for edge, n in zip(QUERY_BUCKETS_S, state.query_hist, strict=True):
-        out.append(f'fleetd_query_seconds_bucket{{node="{state.node}",le="{edge}"}} {n}')
-    out.append(f'fleetd_query_seconds_bucket{{node="{state.node}",le="+Inf"}} {state.queries}')
-    out.append(f"fleetd_query_seconds_sum{node} {state.query_seconds:.6f}")
-    out.append(f"fleetd_query_seconds_count{node} {state.queries}")
-    return "\n".join(out) + "\n"
+    """The Prometheus text format (what a scrape without an Accept header gets)."""
+    return generate_latest(src.registry(state)).decode()
 
 
 async def metrics(request: web.Request) -> web.StreamResponse:
-    text = render(request.app[STATE], request.app[SOURCES])
-    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+    state, src = request.app[STATE], request.app[SOURCES]
+    await src.latency.refresh(request.app[READERS], state.node,
+                              int(state.started * 1e9), client_of(request))
+    # The text format, or OpenMetrics when the scraper asks for it.
+    encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+    return web.Response(body=encode(src.registry(state)),
+                        headers={"Content-Type": content_type})

@@ -70,15 +70,31 @@ _DRIVER = [
     ("cuStreamSynchronize", None, None),
     ("cuGraphLaunch", None, None),
 ]
+# a1 of a collective is the root (broadcast, reduce) or -1; of send/recv the peer rank.
 _NCCL = [
-    "ncclAllReduce",
-    "ncclBroadcast",
-    "ncclReduce",
-    "ncclAllGather",
-    "ncclReduceScatter",
-    "ncclSend",
-    "ncclRecv",
+    ("ncclAllReduce", "count", "peer"),
+    ("ncclBroadcast", "count", "peer"),
+    ("ncclReduce", "count", "peer"),
+    ("ncclAllGather", "count", "peer"),
+    ("ncclReduceScatter", "count", "peer"),
+    ("ncclSend", "count", "peer"),
+    ("ncclRecv", "count", "peer"),
+    # Communicators and groups (codes 407..): rank identity, per docs/schema.md.
+    ("ncclCommInitRank", "nranks", "rank"),
+    ("ncclCommInitRankConfig", "nranks", "rank"),
+    ("ncclCommInitAll", "ndev", None),
+    ("ncclCommSplit", "color", "key"),
+    ("ncclGroupStart", None, None),
+    ("ncclGroupEnd", None, None),
+    ("ncclCommDestroy", None, None),
+    ("ncclCommAbort", None, None),
 ]
+# Collectives share one sequence counter per (process, communicator); send and recv
+# count per (process, communicator, op, peer).
+NCCL_COLLECTIVES = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather",
+                    "ncclReduceScatter")
+NCCL_P2P = ("ncclSend", "ncclRecv")
+NCCL_INITS = ("ncclCommInitRank", "ncclCommInitRankConfig")
 
 
 # The one op only imported traces have: a runtime call fleetd has no probe for.
@@ -96,8 +112,8 @@ def _build() -> list[Op]:
         ops.append(Op(200 + i, name, "graph", "call"))
     for i, (name, a0, a1) in enumerate(_DRIVER):
         ops.append(Op(300 + i, name, "driver", "call", a0, a1))
-    for i, name in enumerate(_NCCL):
-        ops.append(Op(400 + i, name, "nccl", "call", "count", "peer"))
+    for i, (name, a0, a1) in enumerate(_NCCL):
+        ops.append(Op(400 + i, name, "nccl", "call", a0, a1))
     ops += [
         # peer: who took the CPU when the thread left it; a1: who gave it back.
         Op(500, "off_cpu", "sched", "interval", "prev_state", "ran_before"),

@@ -87,9 +87,28 @@ def _v1_to_v2(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Lay
     return out
 
 
+_V3_COLUMNS: dict[str, tuple[str, ...]] = {
+    "process_data": ("job",),
+    "session_data": ("updated_ns", "emitted_events", "accounted_events", "end_reason"),
+}
+
+
+def _v2_to_v3(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Layout:
+    """Present a version-2 file's processes and sessions with the columns version 3
+    added (NULL)."""
+    out = dict(layout)
+    for table, cols in _V3_COLUMNS.items():
+        view = f"{schema_name}_v3_{table}"
+        nulls = ", ".join(f"NULL AS {c}" for c in cols)
+        conn.execute(f"CREATE TEMP VIEW IF NOT EXISTS {view} AS SELECT *, {nulls} "
+                     f"FROM {layout[table]}")
+        out[table] = f"temp.{view}"
+    return out
+
+
 # UPGRADES[v] presents a version-v file as version v + 1; the next migration in
 # schema.MIGRATIONS adds its step here.
-UPGRADES: dict[int, Upgrade] = {1: _v1_to_v2}
+UPGRADES: dict[int, Upgrade] = {1: _v1_to_v2, 2: _v2_to_v3}
 
 
 # ---- what a merge reports --------------------------------------------------------------

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from fleetd.store.catalog import OPS, SOURCES
 
 APPLICATION_ID = 0x666C7464  # "fltd": tells our files from any other SQLite file
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SEQ_BITS = 40
 SEQ_MASK = (1 << SEQ_BITS) - 1
 
@@ -314,8 +314,35 @@ FROM session_data s JOIN nodes n ON n.id = s.node
 WHERE json_extract(s.targets, '$.import') IS NOT NULL;
 """
 
+# Version 3: the job a process belongs to (torchrun's TORCHELASTIC_RUN_ID, else
+# MASTER_ADDR:MASTER_PORT), so that ranks of one job match across nodes when no NCCL
+# communicator exists. Older files read as before; their processes have no job.
+# Sessions gain what a crash leaves behind: at each commit the writer records the
+# kernel's emitted count and the events it accounted for (stored, or counted as lost),
+# so the next session can close a killed one as crashed with what it lost.
+_V3 = """
+ALTER TABLE process_data ADD COLUMN job TEXT;
+ALTER TABLE session_data ADD COLUMN updated_ns INTEGER;
+ALTER TABLE session_data ADD COLUMN emitted_events INTEGER;
+ALTER TABLE session_data ADD COLUMN accounted_events INTEGER;
+ALTER TABLE session_data ADD COLUMN end_reason TEXT;
+DROP VIEW sessions;
+CREATE VIEW sessions AS
+SELECT n.name || ':' || s.seq AS id, n.name AS node, s.seq, s.host, s.kernel, s.boot_id,
+       s.started_ns, s.ended_ns, s.mono_offset_ns, s.clock_error_ns, s.clock_samples, s.rank,
+       s.local_rank, s.world_size, s.tool_version, s.schema_version, s.lost_events,
+       s.dropped_stacks, s.sampled_out, s.drops, s.targets, s.headers_route, s.command,
+       s.end_reason, s.updated_ns, s.emitted_events, s.accounted_events
+FROM session_data s JOIN nodes n ON n.id = s.node;
+DROP VIEW processes;
+CREATE VIEW processes AS
+SELECT n.name AS node, p.pid, p.ppid, p.comm, p.exe, p.cmdline, p.rank, p.local_rank,
+       p.world_size, p.start_ns, p.exit_ns, p.exit_code, p.job
+FROM process_data p JOIN nodes n ON n.id = p.node;
+"""
+
 # Index i holds the SQL that takes a database from version i to i + 1.
-MIGRATIONS: tuple[str, ...] = (_V1, _V2)
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3)
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 

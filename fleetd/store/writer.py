@@ -12,12 +12,14 @@ write failed (disk full), are counted in :class:`WriterStats`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ _EVENT_SQL = (
 _ARGS_SQL = "INSERT INTO event_args(id, args) VALUES (?, ?)"
 _PROCESS_COLS = (
     "pid", "ppid", "comm", "exe", "cmdline", "rank", "local_rank", "world_size",
-    "start_ns", "exit_ns", "exit_code",
+    "start_ns", "exit_ns", "exit_code", "job",
 )
 # Later facts fill in what earlier ones lacked, never blank out what is known.
 _PROCESS_SQL = (
@@ -60,8 +62,22 @@ _SESSION_COLS = (
     "host", "kernel", "boot_id", "started_ns", "ended_ns", "mono_offset_ns", "clock_error_ns",
     "clock_samples", "rank", "local_rank", "world_size", "tool_version", "schema_version",
     "lost_events", "dropped_stacks", "sampled_out", "drops", "targets", "headers_route",
-    "command",
+    "command", "end_reason",
 )
+# A session still open whose tracer is gone (kill -9, a crash, a reboot) is closed at
+# its last commit, as crashed, counting as lost what the kernel had emitted by then that
+# the file neither holds nor counted as lost.
+_CLOSE_CRASHED = """
+UPDATE session_data SET
+    ended_ns = coalesce(updated_ns, started_ns),
+    end_reason = 'crashed',
+    lost_events = lost_events + max(0, coalesce(emitted_events - accounted_events, 0)),
+    drops = json_set(coalesce(drops, '{}'), '$.crash',
+                     max(0, coalesce(emitted_events - accounted_events, 0)))
+WHERE node = ? AND seq = ? AND ended_ns IS NULL
+"""
+_PROGRESS_SQL = ("UPDATE session_data SET updated_ns = ?, emitted_events = ?, "
+                 "accounted_events = ? WHERE node = ? AND seq = ?")
 
 
 @dataclass
@@ -73,6 +89,7 @@ class WriterStats:
     pruned_events: int = 0
     last_error: str | None = None
     queue_rows: int = 0  # rows waiting right now
+    used_bytes: int = 0  # of the main file, as of the last commit (read by other threads)
 
 
 @dataclass
@@ -114,6 +131,9 @@ class BatchWriter:
         self._lo = self.node_key << SEQ_BITS
         self._hi = self._lo + SEQ_MASK
         self._next_seq = self._max_seq("event_data", "id") + 1
+        # (session seq, the kernel's emitted count, events accounted for before it began)
+        self._tracking: tuple[int, Callable[[], int], int] | None = None
+        self.crashed_sessions = self._close_dead_sessions()
         self._next_session = self._scalar(
             "SELECT coalesce(max(seq), 0) FROM session_data WHERE node = ?", self.node_key
         ) + 1
@@ -172,6 +192,18 @@ class BatchWriter:
     def update_session(self, seq: int, fields: Mapping[str, Any]) -> None:
         _check_session_fields(fields)
         self._put(_Item("session", dict(fields), extra={"seq": seq, "new": False}), 1)
+
+    def track_session(self, seq: int | None, emitted: Callable[[], int] | None = None) -> None:
+        """With every commit of events, record how far session ``seq`` got: when, the
+        kernel's emitted count (``emitted()``, called on the writer thread) and the
+        events accounted for since now (stored, or counted as lost). A session killed
+        before its stop is closed from these by the next one. None stops tracking."""
+        self._tracking = (None if seq is None or emitted is None
+                          else (seq, emitted, self._accounted()))
+
+    def _accounted(self) -> int:
+        st = self.stats
+        return st.events_written + st.queue_dropped + st.failed_rows
 
     def add_chains(self, chains: Iterable[Mapping[str, Any]]) -> None:
         """New chain versions; a chain whose ``key`` exists gets the next version."""
@@ -249,6 +281,8 @@ class BatchWriter:
             conn.execute("BEGIN")
             for item in batch:
                 events += self._write(item)
+            if events and self._tracking is not None:
+                self._record_progress(self._tracking, events)
             conn.execute("COMMIT")
             self.stats.events_written += events
             self.stats.batches += 1
@@ -264,6 +298,8 @@ class BatchWriter:
                 self._space.notify_all()
         if self.max_bytes is not None:
             self._prune_if_needed()
+        with contextlib.suppress(sqlite3.Error):
+            self.stats.used_bytes = self.used_bytes()
 
     def _write(self, item: _Item) -> int:
         conn, node = self._conn, self.node_key
@@ -288,6 +324,35 @@ class BatchWriter:
             for chain in item.rows:
                 self._write_chain(chain)
         return 0
+
+    def _close_dead_sessions(self) -> list[int]:
+        """Close this node's sessions whose tracer died before stopping them."""
+        rows = self._conn.execute(
+            "SELECT seq, boot_id, started_ns, json_extract(targets, '$.tracer_pid') "
+            "FROM session_data WHERE node = ? AND ended_ns IS NULL", (self.node_key,)
+        ).fetchall()
+        dead = [int(seq) for seq, boot, started, pid in rows
+                if tracer_gone(boot, started, pid)]
+        if dead:
+            with self._conn:
+                for seq in dead:
+                    self._conn.execute(_CLOSE_CRASHED, (self.node_key, seq))
+            log.warning("node %s: closed session(s) %s, whose tracer died before stopping "
+                        "them (killed or crashed); their losses are counted", self.node,
+                        ", ".join(map(str, dead)))
+        return dead
+
+    def _record_progress(self, tracking: tuple[int, Callable[[], int], int], events: int
+                         ) -> None:
+        seq, emitted, base = tracking
+        try:
+            count = int(emitted())
+        except Exception as exc:  # noqa: BLE001 - the tracer is stopping: skip the mark
+            log.debug("emitted count unavailable: %s", exc)
+            return
+        accounted = self._accounted() + events - base  # this commit's events included
+        self._conn.execute(_PROGRESS_SQL, (time.time_ns(), count, accounted, self.node_key,
+                                           seq))
 
     def _write_session(self, fields: dict[str, Any], seq: int, new: bool) -> None:
         values = {k: _jsonish(v) for k, v in fields.items()}
@@ -385,6 +450,38 @@ class BatchWriter:
     @property
     def next_seq(self) -> int:
         return self._next_seq
+
+
+def tracer_gone(boot_id: str | None, started_ns: int | None, pid: Any) -> bool:
+    """Whether the tracer of an open session is no longer running: another boot, or no
+    process with its pid that started before the session. A session that does not say
+    which process traced it (files from other writers) is never judged."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    if boot_id and boot_id != _boot_id():
+        return True
+    start = _process_start_ns(pid)
+    # btime is whole seconds: a second of margin keeps a live tracer from looking new.
+    return start is None or (started_ns is not None and start > started_ns + 10**9)
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _process_start_ns(pid: int) -> int | None:
+    """A process's start on the wall clock (to the clock tick), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text()
+                     .splitlines() if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return None
+    ticks = int(stat.rsplit(")", 1)[1].split()[19])
+    return btime * 10**9 + ticks * 10**9 // os.sysconf("SC_CLK_TCK")
 
 
 def _check_session_fields(fields: Mapping[str, Any]) -> None:

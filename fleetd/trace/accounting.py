@@ -189,6 +189,7 @@ def progress_fields(drops: dict[str, int], counters: Mapping[str, int], clock: C
     }
     if final:
         fields["ended_ns"] = time.time_ns()
+        fields["end_reason"] = "stopped"
     return fields
 
 

@@ -49,10 +49,12 @@ class AgentTracer:
         if self.tracer.bpf is not None:
             self.summary = sm = self.tracer.stop()
             # One line an operator (and bench/agent_load.py) can read: loss is either
-            # counted in the session record, or it is a bug shown here.
-            log.warning("trace session %d ended: %d events written, %d lost (counted), "
-                        "%d unreported", sm.session, sm.events_written, sm.lost_total,
-                        sm.unreported_loss)
+            # counted in the session record, or it is a bug shown here. An ordinary stop
+            # is information; a loss is a warning.
+            level = logging.WARNING if sm.lost_total or sm.unreported_loss else logging.INFO
+            log.log(level, "trace session %d ended: %d events written, %d lost (counted), "
+                    "%d unreported", sm.session, sm.events_written, sm.lost_total,
+                    sm.unreported_loss)
 
     def stats(self) -> dict[str, Any]:
         if self.tracer.bpf is None:

@@ -37,7 +37,7 @@ HIST_SIZE = 6 * 8 + 2 * 8 * NBUCKETS
 COUNTERS = (
     "lost_cuda", "lost_driver", "lost_nccl", "lost_sched", "lost_sys", "calls_full",
     "hist_full", "sampled_out", "stack_lost", "emitted", "sample_tick", "state_full",
-    "wake_tick", "stack_tick", "py_stack_lost",
+    "wake_tick", "stack_tick", "py_stack_lost", "wake_stacks", "wake_stacks_skipped",
 )
 LAYERS = ("cuda", "driver", "nccl", "host")
 HOST_PARTS = ("sched", "mem", "block", "irq", "syscall")
@@ -64,6 +64,9 @@ class ProgramOptions:
     stacks: bool = False
     stack_sample: int = 100  # 1 in N kept calls carries a stack (0: only slow ones)
     stack_slow_ns: int = 1_000_000  # ... and every call at least this long
+    # With stacks: a wakeup by a followed Python thread carries the waker's stack, at most
+    # once per (waker, woken) thread pair per this many ns (None: never).
+    wake_stack_ns: int | None = 20_000_000
     ring_pages: int = 256  # per ring buffer; a power of two
     thresholds_ns: dict[str, int] = field(default_factory=lambda: {
         "offcpu": 50_000, "runq": 50_000, "irq": 20_000, "syscall": 1_000_000,
@@ -149,6 +152,8 @@ def cflags(opts: ProgramOptions) -> list[str]:
         f"-DFL_STACK_SAMPLE_N={opts.stack_sample}",
         f"-DFL_STACK_SLOW_NS={opts.stack_slow_ns}ull",
         f"-DFL_PY_FRAMES={PY_FRAMES}",
+        f"-DFL_WAKE_STACKS={int(opts.wake_stack_ns is not None)}",
+        f"-DFL_WAKE_STACK_NS={opts.wake_stack_ns or 0}ull",
         f"-DFL_RB_PAGES={opts.ring_pages}",
         f"-DFL_OFFCPU_MIN_NS={th['offcpu']}ull",
         f"-DFL_RUNQ_MIN_NS={th['runq']}ull",

@@ -281,7 +281,8 @@ def _libs_check(libs: list[Library]) -> Check:
     if not libs:
         return Check("cuda-libraries", WARN, "no libcudart/libcuda/libnccl found",
                      "fleetd trace --pid PID finds what the process maps; or pass "
-                     "--cuda-lib PATH; or pip install nvidia-cuda-runtime-cu12 for tests")
+                     "--cuda-lib PATH; or pip install nvidia-cuda-runtime-cu12 "
+                     "nvidia-nccl-cu12 for tests")
     status = OK if "cudart" in kinds else WARN
     fix = "" if status == OK else "no CUDA runtime found: runtime probes will not attach"
     return Check("cuda-libraries", status,

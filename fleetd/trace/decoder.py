@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetd.store.catalog import BY_NAME
+from fleetd.store.catalog import BY_NAME, NCCL_COLLECTIVES, NCCL_INITS, NCCL_P2P
 from fleetd.store.schema import EventRow
 from fleetd.store.syscalls import NR
 from fleetd.trace.bpfsrc import PYFRAME, PYSTACK_HEAD, REC
@@ -26,9 +26,19 @@ _RAN_BEFORE = {BY_NAME[n].code for n in ("off_cpu", "runq_wait")}
 OP_FORK, OP_EXEC, OP_EXIT = (BY_NAME[n].code for n in ("fork", "exec", "exit"))
 OP_BLOCK = BY_NAME["block_io"].code
 OP_OFF_CPU = BY_NAME["off_cpu"].code
+OP_WAKEUP = BY_NAME["wakeup"].code
 FUTEX_RET = NR["futex"] + 1  # an off-CPU record's ret: the syscall it slept in + 1
 _NCCL_TYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32",
                "float64", "bfloat16", "fp8e4m3", "fp8e5m2")
+_NCCL_REDOPS = ("sum", "prod", "max", "min", "avg")  # ncclRedOp_t 0..4; custom ops beyond
+# Collectives and send/recv (their record layout is bpf/nccl.bpf.c's), those with a
+# reduction op, communicator creation with an id, and the calls that end a communicator.
+_NCCL_CALLS = {BY_NAME[n].code for n in (*NCCL_COLLECTIVES, *NCCL_P2P)}
+_NCCL_REDUCING = {BY_NAME[n].code for n in ("ncclAllReduce", "ncclReduce", "ncclReduceScatter")}
+_NCCL_INITS = {BY_NAME[n].code for n in NCCL_INITS}
+OP_NCCL_SPLIT = BY_NAME["ncclCommSplit"].code
+_NCCL_ENDS = {BY_NAME[n].code for n in ("ncclCommDestroy", "ncclCommAbort")}
+_NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking init hands out its communicator
 WHY_SLOW = 2
 
 # op code -> names of x0, x1, x3 (x2 is only used by launches); a handle is kept only
@@ -72,7 +82,9 @@ class Lifecycle:
 @dataclass(slots=True)
 class StackRef:
     """A record that asked for its stack: the native stack id (-1: not walked) and the
-    Python frames read in the kernel, (code object, instruction pointer) innermost first."""
+    Python frames read in the kernel, (code object, instruction pointer) innermost first.
+    ``pid`` is the process the stack belongs to: the record's own, or for a wakeup the
+    waker's."""
 
     row: int
     pid: int
@@ -98,6 +110,26 @@ def _hex(v: int) -> str:
     return f"{v:#x}"
 
 
+_M64 = (1 << 64) - 1
+
+
+def nccl_id_hash(unique_id: bytes) -> int:
+    """The hash of a 128-byte ``ncclUniqueId`` that the BPF side computes at
+    communicator creation (bpf/nccl.bpf.c, fl_nccl_id_hash): FNV-1a over its sixteen
+    little-endian 64-bit words, then the splitmix64 finalizer. Stored as 16 hex digits
+    (``comm_hash``); equal on every rank that was handed the same id."""
+    if len(unique_id) != 128:
+        raise ValueError(f"an ncclUniqueId has 128 bytes, not {len(unique_id)}")
+    h = 0xCBF29CE484222325
+    for i in range(0, 128, 8):
+        h = ((h ^ int.from_bytes(unique_id[i:i + 8], "little")) * 0x100000001B3) & _M64
+    h ^= h >> 30
+    h = (h * 0xBF58476D1CE4E5B9) & _M64
+    h ^= h >> 27
+    h = (h * 0x94D049BB133111EB) & _M64
+    return h ^ (h >> 31)
+
+
 def launch_args(x0: int, x1: int, x2: int, x3: int) -> dict[str, Any]:
     """Unpack the launch extras (layout documented in bpf/cuda.bpf.c)."""
     args: dict[str, Any] = {
@@ -118,6 +150,9 @@ class Decoder:
         self.to_wall = to_wall
         self._tids: set[int] = set()
         self._peer_comm: dict[int, str] = {}
+        # (pid, communicator handle) -> (comm_hash, rank, nranks), from the traced init
+        # that created the handle; collectives on it carry them.
+        self.comms: dict[tuple[int, int], tuple[str, int, int]] = {}
         self.records = 0
 
     def decode(self, blobs: Iterable[bytes]) -> Batch:
@@ -133,10 +168,15 @@ class Decoder:
                 self._tids.add(tid)
                 out.new_tids.append((tid, pid))
             if len(blob) > size:  # a stacked record: its Python frames follow
-                out.stacks.append(_stack_ref(i, pid, stack, blob, size))
+                # A wakeup carries its waker's stack: symbolized in the waker's process.
+                owner = peer_pid if op == OP_WAKEUP and peer_pid else pid
+                out.stacks.append(_stack_ref(i, owner, stack, blob, size))
             if func and op in _LAUNCHES:
                 out.kernels.append((i, pid, op, func))
-            args = self._extras(op, a1, x0, x1, x2, x3)
+            if op in _NCCL:
+                args = self._nccl(pid, op, ret, a0, a1, x0, x1, x2, x3)
+            else:
+                args = self._extras(op, x0, x1, x2, x3)
             if flags & WHY_SLOW and median and op < 500:
                 args = args or {}
                 args["median_ns"] = median
@@ -162,18 +202,9 @@ class Decoder:
         self.records += len(rows)
         return out
 
-    def _extras(self, op: int, a1: int, x0: int, x1: int, x2: int,
-                x3: int) -> dict[str, Any] | None:
+    def _extras(self, op: int, x0: int, x1: int, x2: int, x3: int) -> dict[str, Any] | None:
         if op in _LAUNCHES:
             return launch_args(x0, x1, x2, x3)
-        if op in _NCCL:
-            args: dict[str, Any] = {
-                "dtype": _NCCL_TYPES[x0] if x0 < len(_NCCL_TYPES) else int(x0),
-                "comm": _hex(x1),
-            }
-            if x3:
-                args["stream"] = _hex(x3)
-            return args
         names = _EXTRAS.get(op)
         if names is None:
             return None
@@ -182,6 +213,40 @@ class Decoder:
             if name and value:
                 args[name] = value if name == "mode" else _hex(value)
         return args or None
+
+    def _nccl(self, pid: int, op: int, ret: int, a0: int, a1: int, x0: int, x1: int,
+              x2: int, x3: int) -> dict[str, Any] | None:
+        """The args of an NCCL record (layout in bpf/nccl.bpf.c; keys in docs/schema.md)."""
+        if op in _NCCL_CALLS:
+            dtype = x0 & 0xFFFFFFFF
+            args: dict[str, Any] = {
+                "dtype": _NCCL_TYPES[dtype] if dtype < len(_NCCL_TYPES) else dtype,
+                "comm": _hex(x1),
+            }
+            if x3:
+                args["stream"] = _hex(x3)
+            if op in _NCCL_REDUCING:
+                redop = x0 >> 32
+                args["redop"] = _NCCL_REDOPS[redop] if redop < len(_NCCL_REDOPS) else redop
+            if x2:
+                args["seq"] = x2
+            known = self.comms.get((pid, x1)) if x1 else None
+            if known is not None:
+                args["comm_hash"], args["rank"], args["nranks"] = known
+            return args
+        if op in _NCCL_INITS:
+            args = {"comm": _hex(x1)}
+            if x0:
+                args["comm_hash"] = f"{x0:016x}"
+                if x1 and ret in (0, _NCCL_IN_PROGRESS):
+                    self.comms[(pid, x1)] = (args["comm_hash"], a1, a0)
+            return args
+        if op == OP_NCCL_SPLIT:
+            return {"parent": _hex(x0), "color": a0, "key": a1, "comm": _hex(x1)}
+        if op in _NCCL_ENDS:
+            self.comms.pop((pid, x1), None)
+            return {"comm": _hex(x1)}
+        return None  # group start/end, init-all: nothing beyond the columns
 
     def _peer(self, out: Batch, tid: int, pid: int | None, comm_b: bytes,
               own_pid: int | None) -> None:

@@ -3,8 +3,10 @@
 Uprobes bind to a file's inode, so we attach to the exact file a target process has
 mapped (read from /proc/PID/maps, opened through /proc/PID/root so that a process in
 a container resolves to its own file), not to some other copy. When tracing
-system-wide, the usual places are searched: venv ``nvidia/*/lib`` directories,
-torch's ``lib`` directory, and the dynamic linker cache. ``--cuda-lib`` overrides.
+system-wide (or before a named target has loaded CUDA), the usual places are searched:
+venv ``nvidia/*/lib`` directories (the wheels' ``nvidia/cuda_runtime/lib/libcudart.so.12``
+and ``nvidia/nccl/lib/libnccl.so.2``), torch's ``lib`` directory, and the dynamic linker
+cache. ``--cuda-lib`` overrides.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetd.store.catalog import BY_NAME
+from fleetd.store.catalog import BY_NAME, OPS
 from fleetd.trace.libs import Library, exported_functions
 
 log = logging.getLogger("fleetd.trace.probes")
@@ -109,11 +109,9 @@ SPECS: tuple[ProbeSpec, ...] = (
     _drv("cuCtxSynchronize"),
     _drv("cuStreamSynchronize", ("cuStreamSynchronize",), ("cuStreamSynchronize_ptsz",)),
     _drv("cuGraphLaunch", ("cuGraphLaunch",), ("cuGraphLaunch_ptsz",)),
-    # NCCL
-    *(ProbeSpec(op, "nccl", ((op,),), True) for op in (
-        "ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather",
-        "ncclReduceScatter", "ncclSend", "ncclRecv",
-    )),
+    # NCCL: every call is a record (collectives are compared rank by rank, failed
+    # ones included; communicator and group calls are rare).
+    *(ProbeSpec(op.name, "nccl", ((op.name,),), True) for op in OPS if op.source == "nccl"),
 )
 assert all(s.op in BY_NAME for s in SPECS), "probe spec names must be catalog ops"
 

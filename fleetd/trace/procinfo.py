@@ -1,7 +1,8 @@
 """Facts about traced processes, read from /proc while they are alive.
 
 Rank, local rank and world size come from torchrun's environment variables (RANK,
-LOCAL_RANK, WORLD_SIZE) in /proc/PID/environ. Every read tolerates the process
+LOCAL_RANK, WORLD_SIZE) in /proc/PID/environ, and so does the job the rank belongs to
+(TORCHELASTIC_RUN_ID, else MASTER_ADDR:MASTER_PORT). Every read tolerates the process
 having exited in the meantime: a missing fact is None, never an exception.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,13 +89,27 @@ def _int(v: str | None) -> int | None:
         return None
 
 
-def rank_info(pid: int) -> dict[str, int | None]:
-    env = environ(pid)
+def _ranks(env: Mapping[str, str]) -> dict[str, int | None]:
     return {
         "rank": _int(env.get("RANK")),
         "local_rank": _int(env.get("LOCAL_RANK")),
         "world_size": _int(env.get("WORLD_SIZE")),
     }
+
+
+def rank_info(pid: int) -> dict[str, int | None]:
+    return _ranks(environ(pid))
+
+
+def job_of(env: Mapping[str, str]) -> str | None:
+    """The torchrun job a process belongs to: TORCHELASTIC_RUN_ID (torchrun's
+    ``--rdzv-id``; its default ``none`` names no job), else ``MASTER_ADDR:MASTER_PORT``
+    when both are set, else None. Ranks of one job share it on every node."""
+    run_id = env.get("TORCHELASTIC_RUN_ID", "").strip()
+    if run_id and run_id.lower() != "none":
+        return run_id
+    addr, port = env.get("MASTER_ADDR", "").strip(), env.get("MASTER_PORT", "").strip()
+    return f"{addr}:{port}" if addr and port else None
 
 
 def process_row(pid: int) -> dict[str, Any]:
@@ -105,9 +121,11 @@ def process_row(pid: int) -> dict[str, Any]:
         exe = None
     raw = _read(f"/proc/{pid}/cmdline")
     cmdline = " ".join(a for a in raw.split("\0") if a) if raw else None
+    env = environ(pid)
     return {
         "pid": pid, "ppid": ppid_of(pid), "comm": comm(pid), "exe": exe,
-        "cmdline": cmdline, "start_ns": start_wall_ns(pid), **rank_info(pid),
+        "cmdline": cmdline, "start_ns": start_wall_ns(pid), **_ranks(env),
+        "job": job_of(env),
     }
 
 

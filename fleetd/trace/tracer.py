@@ -72,6 +72,9 @@ class TraceConfig:
     stacks: bool = False
     stack_sample: int = 100  # with stacks: 1 in N kept calls carries one ...
     stack_slow_ns: int = 1_000_000  # ... and every call at least this long
+    # ... and the waker's on a wakeup by a followed Python thread, at most once per
+    # (waker, woken) thread pair per this many ns (None: never)
+    wake_stack_ns: int | None = 20_000_000
     ring_pages: int = 256
     thresholds_ns: dict[str, int] = field(default_factory=lambda: {
         "offcpu": 50_000, "runq": 50_000, "irq": 20_000, "syscall": 1_000_000,
@@ -148,7 +151,8 @@ class Tracer:
             sample_n=self.cfg.sample, slow_k=self.cfg.slow_k,
             slow_min_ns=self.cfg.slow_min_ns, err_burst=self.cfg.err_burst,
             stacks=self.cfg.stacks, stack_sample=self.cfg.stack_sample,
-            stack_slow_ns=self.cfg.stack_slow_ns, ring_pages=self.cfg.ring_pages,
+            stack_slow_ns=self.cfg.stack_slow_ns, wake_stack_ns=self.cfg.wake_stack_ns,
+            ring_pages=self.cfg.ring_pages,
             thresholds_ns=dict(self.cfg.thresholds_ns),
         )
         self.bpf, self.route = compile_program(opts)
@@ -280,7 +284,12 @@ class Tracer:
         fields = accounting.opening_fields(self.clock, accounting.rank_of(self.targets),
                                            self._targets_json(), self.route, self.cfg.command)
         self.session = self.writer.begin_session(fields)
+        self.writer.track_session(self.session, self._emitted)
         self.writer.add_processes(procinfo.process_row(p) for p in self.targets)
+
+    def _emitted(self) -> int:
+        """The kernel's count of records it handed to the ring buffers (writer thread)."""
+        return accounting.read_counters(self.bpf)["emitted"]
 
     # ---- poll -------------------------------------------------------------------------
 
@@ -478,6 +487,12 @@ class Tracer:
         fields = accounting.progress_fields(d, self.counters(), self.clock,
                                             self._targets_json(), final=final)
         fields["dropped_stacks"] = self._stack_drops()
+        if self.cfg.stacks and self.cfg.wake_stack_ns is not None:
+            c = self.counters()
+            # Not losses: how many wakeups got their waker's stack, and how many the
+            # per-pair rate limit left without one (by design, as sampled_out).
+            fields["drops"] = {**fields["drops"], "wake_stacks": c["wake_stacks"],
+                               "wake_stacks_skipped": c["wake_stacks_skipped"]}
         self.writer.update_session(self.session, fields)
 
     def _warn(self, msg: str) -> None:
@@ -501,6 +516,9 @@ class Tracer:
         self._write_aggregates(now)
         counters = self.counters()
         self._update_session(final=True)
+        # The BPF side goes away below: no commit may still be reading its counters.
+        self.writer.track_session(None)
+        self.writer.flush()
         drops = self.drops()
         self._cleanup_bpf()
         if self._writer_given is None:

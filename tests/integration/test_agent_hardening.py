@@ -83,10 +83,13 @@ def _mem_mb(pid: int) -> dict[str, float]:
 
 
 def _metric(a: Agent, pki: Pki, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
     _, _, text = request(a.url, client_ssl(pki), path="/metrics")
-    for line in text.decode().splitlines():
-        if line.startswith(f"fleetd_{name}{{"):
-            return float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text.decode()):
+        for sample in family.samples:
+            if sample.name == f"fleetd_{name}":
+                return float(sample.value)
     raise AssertionError(f"no series {name}")
 
 

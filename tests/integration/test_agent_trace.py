@@ -4,6 +4,7 @@ drains; kill -9 loses at most the unflushed tail and leaves a sound database."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -135,6 +136,34 @@ def test_kill_9_keeps_everything_flushed_and_a_sound_file(
         status, res, _ = request(a.url, client_ssl(pki), "POST", "/api/v1/query",
                                  json={"sql": "SELECT count(*) FROM events"})
         assert status == 200 and res["rows"] == [[kept]]
+    # A served copy is never modified: the killed session is still open.
+    with sqlite3.connect(db) as c:
+        assert c.execute("SELECT ended_ns, end_reason FROM session_data").fetchall() == [
+            (None, None)]
+    # Tracing again closes it as crashed, with what the kernel had emitted by its last
+    # commit and the file does not hold counted as lost.
+    with agent(db, "gpu-01", pki, "--pid", str(workload.pid), "--sample", "1") as a:
+        _wait_tracing(a, pki, tmp_path)
+        a.stop()
+    with sqlite3.connect(db) as c:
+        rows = c.execute("SELECT seq, ended_ns, updated_ns, end_reason, lost_events, "
+                         "emitted_events, accounted_events, json_extract(drops, '$.crash') "
+                         "FROM session_data ORDER BY seq").fetchall()
+    (s1, ended, updated, reason, lost, emitted, accounted, crash), second = rows
+    print(f"killed session: {reason}, kept {kept} events, emitted {emitted}, accounted "
+          f"{accounted}, lost_events {lost}, drops.crash {crash}")
+    assert (s1, reason, ended) == (1, "crashed", updated) and updated is not None
+    # Nothing was refused by the writer's queue, so what it accounted for is exactly
+    # what the file holds of that session.
+    assert accounted == kept and emitted >= accounted
+    assert crash == emitted - accounted and lost >= crash
+    assert second[3] == "stopped" and second[4] == 0
+    out = subprocess.run([sys.executable, "-m", "fleetd", "overview", "--db", str(db),
+                          "--format", "json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    [node] = json.loads(out.stdout)["nodes"]
+    assert node["crashed_sessions"] == 1
+    assert [x["end_reason"] for x in node["sessions"]] == ["crashed", "stopped"]
 
 
 def test_tls_handshake_failures_are_counted(tmp_path: Path, pki: Pki) -> None:

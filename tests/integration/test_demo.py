@@ -1,7 +1,8 @@
 """`fleetd demo`, the README's first command: three real agents on loopback, mTLS, eBPF.
 
 It must name node-3 (whose CPU it shares with a busy loop) as the straggler with the hog
-as culprit, write a timeline that validates and a merged database of the three nodes,
+as culprit, and the NCCL job's rank on node-3 as the late rank, write a timeline that
+validates and a merged database of the three nodes,
 and leave nothing running, also when interrupted.
 """
 
@@ -33,7 +34,12 @@ def test_demo_names_the_straggler_and_writes_its_files(tmp_path: Path) -> None:
                            "--duration", "8s"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
+    (tmp_path / "demo.out").write_text(out)
     assert "STRAGGLER node-3" in out, out[-3000:]
+    # The NCCL job's rank on node-3 arrives last at the collectives, for the same reason.
+    assert "STRAGGLER rank 2 on node-3" in out, out[-3000:]
+    section = out[out.index("STRAGGLER rank 2 on node-3"):]
+    assert "culprit cpu-hog" in section.splitlines()[1]
     assert "[HIGH] cpu_contention on node-3" in out
     assert "culprit: cpu-hog" in out
     s = validate(load(tmp_path / "fleet-demo.json"))
@@ -54,7 +60,7 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
         seen += proc.stdout.readline()
     assert "[3/7]" in seen, seen
     kids = _children_of(proc.pid)
-    assert len(kids) >= 7  # 3 workloads, the hog, 3 agents
+    assert len(kids) >= 10  # 3 workloads, 3 ranks, the hog, 3 agents
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=90)
     assert proc.returncode == 130, err

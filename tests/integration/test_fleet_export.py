@@ -23,17 +23,21 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import orjson
 import perfetto_check
 import pytest
 from agents import Agent, Pki, agent, make_pki
 from synth import MAIN, cpu_hog
 
 from fleetd.export.fleet import LINE_WARNINGS, _events
+from fleetd.store.catalog import op_code
 
 from conftest import FLEETD, REPO, assert_one_line_error, build_db
 
 NODES = ["gpu-01", "gpu-02", "gpu-03"]
 ROWS = {"gpu-02": 300, "gpu-03": 200}
+STACK = 0x5EED
+FRAMES = ["cudaLaunchKernel", "train_step (train_loop.py:42)", "main (train_loop.py:90)"]
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 SHIFT_NS = 2_500_000_000
 FAKED = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "+2.5s", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
@@ -55,6 +59,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def dbs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("dbs")
     out = {"gpu-01": cpu_hog(d / "gpu-01.db")}
+    with sqlite3.connect(out["gpu-01"]) as c:  # a few launches with a recorded stack
+        c.execute("INSERT INTO stacks VALUES (?, ?)", (STACK, orjson.dumps(FRAMES).decode()))
+        c.execute("UPDATE event_data SET stack = ? WHERE op = ? AND id % 40 = 0",
+                  (STACK, op_code("cudaLaunchKernel")))
     # cpu_hog writes node "gpu-01" itself; the others are named as served.
     out.update({n: build_db(d / f"{n}.db", node=n, n=k) for n, k in ROWS.items()})
     return out
@@ -188,6 +196,10 @@ def test_chains_arrows_names_and_counters_come_through_as_from_the_file(
     counters = {e["name"] for e in live["traceEvents"] if e["ph"] == "C"}
     assert counters == {"CUDA calls/s (stored events)", "CUDA calls/s (all, from histograms)"}
     assert by_node(live)["gpu-01"]["label"] == by_node(file_trace)["gpu-01"]["label"]
+    # Slices with a stack carry its frames, from the node as from the file.
+    framed = [[e["args"]["frames"] for e in t["traceEvents"] if "frames" in e.get("args", {})]
+              for t in (live, file_trace)]
+    assert framed[0] and framed[0] == framed[1] and framed[0][0] == FRAMES
     # Chain modes: none, and stored (this node stores none).
     for mode in ("none", "stored"):
         t, _, _ = export(pki, nodes_arg(fleet[:1]), tmp_path / f"{mode}.json", "--chains", mode)

@@ -44,7 +44,7 @@ from fleetd.security import tls
 
 from conftest import FLEETD, REPO
 
-FLEET_TOOLS = {"get_check", "query_fleet", "export_timeline"}
+FLEET_TOOLS = {"get_check", "query_fleet", "check_hang", "export_timeline"}
 HTTP_RE = re.compile(r"listening on (https://127\.0\.0\.1:\d+/mcp)")
 
 
@@ -145,6 +145,16 @@ def test_fleet_tools_and_health(pki: Pki, fleet: list[Agent]) -> None:
     assert [(n["node"], n["status"], n["tracing"]) for n in got["nodes"]] == [
         ("gpu-01", "ok", False), ("gpu-02", "ok", False)]
     assert got["this_machine"]["checks"]
+
+
+def test_check_hang_without_ranks_and_with_a_dead_node(pki: Pki, fleet: list[Agent]) -> None:
+    got = call(fleet_server(pki, nodes_arg(fleet, dead_address())), "check_hang",
+               {"hang_after_s": 5})
+    assert list(got)[:3] == ["status", "answered", "warnings"]
+    assert got["status"] == "partial" and got["hang_status"] == "ok"
+    assert got["hangs"] == [] and got["ranks"] == 0 and got["hang_after_s"] == 5
+    assert got["verdict"] == "no hang: no traced process has made NCCL calls"
+    assert any("refused" in w for w in got["warnings"])
 
 
 def test_overview_prepends_status_warnings_and_skew(pki: Pki, fleet: list[Agent],

@@ -7,6 +7,12 @@ the wheel is built from the sdist (so a file the sdist forgets is missing from t
 wheel too), and the fresh venv gets the wheel alone (``--no-deps --no-index``); its
 dependencies come from the project venv through a .pth file, appended after the fresh
 venv's own site-packages so that the installed fleetd, not the checkout, is imported.
+
+The fresh venv is also the laptop install of issue #19 (item 11): no system site
+packages and no BCC (the project venv links bcc in through a .pth file of its own, which
+a path in another .pth never runs). The client commands run there, load nothing
+outside the wheel's own dependencies (the ``agent`` extra and the test extra not
+included), and the agent says in one line how to get BCC.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import sysconfig
 import tarfile
 import zipfile
@@ -92,6 +99,7 @@ def fresh(built: Built, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
     site = run(venv / "bin" / "python", "-c",
                "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
     Path(site, "project-venv-deps.pth").write_text(deps + "\n")
+    assert "include-system-site-packages = false" in (venv / "pyvenv.cfg").read_text()
     yield venv
 
 
@@ -137,3 +145,105 @@ def test_the_installed_wheel_loads_its_own_bpf_sources_and_configs(fresh: Path,
     for name in ("fleetd.h", "common.bpf.c", "cuda.bpf.c", "host.bpf.c", "proc.bpf.c"):
         assert f"/* ---- {name} ---- */" in program
     assert '#include "' not in program  # every local include was inlined
+
+
+# ---- the laptop install: the client without bcc, root or the agent extra --------------
+
+# Runs client commands in one interpreter of the fresh venv, then names every module
+# they loaded that belongs to no distribution the wheel requires (its dependencies
+# without extras, and theirs): what a `pip install fleetd` would lack.
+CLIENT_PROBE = """
+import contextlib, io, json, sys
+from fleetd.cli.main import main
+
+db, work = sys.argv[1], sys.argv[2]
+runs = [["--help"], ["explain", "--db", db, "--format", "json"],
+        ["explain", "--db", db, "--format", "html", "-o", work + "/r.html"],
+        ["ops", "--db", db], ["query", "--db", db, "SELECT count(*) FROM events"],
+        ["merge", db, "-o", work + "/m.db"], ["export", "--db", db, "-o", work + "/t.json"],
+        ["certs", "--dir", work + "/pki", "init-ca"], ["certs", "--help"]]
+codes = []
+for argv in runs:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            codes.append(main(argv))
+        except SystemExit as exc:
+            codes.append(exc.code)
+import fleetd.mcp.server, fleetd.mcp.https  # the MCP tools and their HTTPS transport
+loaded = {m.split(".")[0] for m in list(sys.modules)}
+
+import importlib.metadata as md, re
+from packaging.requirements import Requirement
+
+def norm(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+need, todo = set(), [("fleetd", frozenset())]
+while todo:
+    name, extras = todo.pop()
+    for text in md.requires(name) or []:
+        req = Requirement(text)
+        if req.marker and not any(req.marker.evaluate({"extra": e})
+                                  for e in {"", *extras}):
+            continue
+        if norm(req.name) not in need:
+            need.add(norm(req.name))
+            todo.append((req.name, frozenset(req.extras)))
+owners = md.packages_distributions()
+outside, unknown = set(), set()
+for top in loaded - set(sys.stdlib_module_names) - {"fleetd", "__main__", "packaging"}:
+    dists = {norm(d) for d in owners.get(top, [])}
+    # Unowned private names are the runtime's own: multiprocessing's __mp_main__,
+    # Cython's shared runtime modules, an extension's registered submodule.
+    if not dists:
+        if not top.startswith("_") and top != "cython_runtime":
+            unknown.add(top)
+    elif not dists & need:
+        outside.add(top + " (" + ", ".join(sorted(dists)) + ")")
+print(json.dumps({"codes": codes, "outside": sorted(outside), "unknown": sorted(unknown),
+                  "bcc": "bcc" in loaded, "elftools": "elftools" in loaded,
+                  "need": sorted(need)}))
+"""
+
+
+def test_the_client_runs_without_bcc_root_or_the_agent_extra(fresh: Path,
+                                                             tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "tests"))
+    import synth
+
+    bin_ = fresh / "bin"
+    no_bcc = in_fresh(tmp_path, bin_ / "python", "-c",
+                      "import importlib.util as u; print(u.find_spec('bcc') is None)")
+    assert no_bcc.stdout.strip() == "True"  # what a laptop has
+    db = synth.cpu_hog(tmp_path / "node.db")
+    assert "explain" in in_fresh(tmp_path, bin_ / "fleetd", "--help").stdout
+    assert "init-ca" in in_fresh(tmp_path, bin_ / "fleetd", "certs", "--help").stdout
+    report = json.loads(in_fresh(tmp_path, bin_ / "fleetd", "explain", "--db", db,
+                                 "--format", "json").stdout)
+    assert [(c["severity"], c["root_cause"]) for c in report["chains"]][0] == \
+        ("HIGH", "cpu_contention")
+    work = tmp_path / "work"
+    work.mkdir()
+    got = json.loads(in_fresh(tmp_path, bin_ / "python", "-c", CLIENT_PROBE, db,
+                              work).stdout)
+    assert got["codes"] == [0] * 9, got
+    assert {"aiohttp", "cryptography", "mcp", "orjson", "rich"} <= set(got["need"])
+    assert "pyelftools" not in got["need"]  # the agent extra
+    assert not got["bcc"] and not got["elftools"], got
+    assert got["outside"] == [] and got["unknown"] == [], got
+
+
+def test_the_agent_without_bcc_says_how_to_install_it(fresh: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "FLEETD_DB")}
+    for cmd in (["agent"], ["agent", "--all", "--db", str(tmp_path / "a.db")],
+                ["trace", "--pid", "1", "--db", str(tmp_path / "t.db")]):
+        proc = subprocess.run([fresh / "bin" / "fleetd", *cmd], capture_output=True,
+                              text=True, timeout=60, cwd=tmp_path, env=env)
+        assert proc.returncode == 1, proc
+        assert "Traceback" not in proc.stderr
+        first, hint = proc.stderr.splitlines()
+        assert first.startswith(f"fleetd: error: fleetd {cmd[0]} needs BCC's Python "
+                                "module, which is not installed here"), proc.stderr
+        assert "apt-get install python3-bpfcc" in hint and "pip install bcc" in hint
+    # Checked before anything starts: no database file, no port.
+    assert not list(tmp_path.glob("*.db"))

@@ -129,6 +129,21 @@ def test_launches_are_named_after_the_demangled_host_stub(sampled: Any) -> None:
     assert names == [(DEMANGLED, made["calls"]["cudaLaunchKernel"])]
 
 
+def test_ops_by_kernel_names_the_launched_kernel(sampled: Any) -> None:
+    db, made, _ = sampled
+    out = subprocess.run([FLEETD, "ops", "--db", str(db), "--by", "kernel", "--format", "ndjson"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    by_name = {r["kernel"]: r for r in rows}
+    assert set(by_name) == {DEMANGLED}
+    row = by_name[DEMANGLED]
+    # Every launch was stored (sample=1), so the estimate is the stored count.
+    assert row["op"] == "cudaLaunchKernel" and row["stats_from"] == "events"
+    assert row["count"] == row["est_calls"] == made["calls"]["cudaLaunchKernel"]
+    assert row["p50_ns"] > 0
+
+
 def test_folded_output_parses_as_folded_stacks(sampled: Any) -> None:
     db, made, _ = sampled
     out = subprocess.run([FLEETD, "stacks", "--db", str(db), "--format", "folded"],

@@ -4,7 +4,9 @@ Each case runs a real workload under ``fleetd trace`` on this machine: the refer
 workload with a pure-Python thread beside the feeding thread (the interpreter lock), or
 fed through a ``multiprocessing.Queue`` by too few producers (data starvation), each
 with its counterpart that must stay free of that chain; and a native program whose two
-threads share a pthread mutex, the feeding one calling the real CUDA runtime.
+threads share a pthread mutex, the feeding one calling the real CUDA runtime. With
+``--stacks`` the interpreter-lock holder is also named by the line it was running when
+it let the lock go, from its stack taken at its wakeups of the feeding thread.
 """
 
 from __future__ import annotations
@@ -12,13 +14,26 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
-from recorder import BASE, FLEETD, Scenario, StderrLog, compact, explain, problems, record
+from recorder import (
+    BASE,
+    FLEETD,
+    WORKLOAD,
+    Scenario,
+    StderrLog,
+    compact,
+    explain,
+    problems,
+    record,
+    wait_for_libcudart,
+)
 
 from conftest import REPO
 
@@ -62,6 +77,96 @@ def test_interpreter_lock_contention_names_the_holder_thread(tmp_path: Path) -> 
     assert any("multiprocessing" in f for f in c["fixes"])
     assert not report["quiet"]
     _assert_adds_up(report)
+
+
+def _line_of(fragment: str) -> int:
+    """The workload's source line holding ``fragment`` (exactly one)."""
+    hits = [i for i, line in enumerate(WORKLOAD.read_text().splitlines(), 1)
+            if fragment in line]
+    assert len(hits) == 1, hits
+    return hits[0]
+
+
+@pytest.fixture(scope="module")
+def gil_stacks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The interpreter-lock scenario traced by ``fleetd trace --stacks``; the database
+    and ``fleetd explain``'s report."""
+    tmp = tmp_path_factory.mktemp("gil-stacks")
+    go, db = tmp / "go", tmp / "gil-stacks.db"
+    cpu = max(os.sched_getaffinity(0))  # one CPU, as the recorder's scenarios
+    wl = subprocess.Popen([sys.executable, str(WORKLOAD), "--duration", f"{SECONDS:g}",
+                           "--go-file", str(go), *BASE, "--gil-thread"],
+                          stdout=subprocess.PIPE, text=True,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    tracer = None
+    try:
+        wait_for_libcudart(wl.pid)
+        tracer = subprocess.Popen([FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db),
+                                   "--node", "gil-stacks", "--stacks"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        log = StderrLog(tracer)
+        assert log.tracing(90), log.text(1)
+        go.touch()
+        wl.communicate(timeout=SECONDS + 120)
+        tracer.wait(60)
+        assert wl.returncode == 0 and tracer.returncode == 0, log.text()
+    finally:
+        for p in (wl, tracer):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+    compact(db)
+    return db, explain(db)
+
+
+def test_the_interpreter_lock_holder_is_named_by_its_line(
+        gil_stacks: tuple[Path, dict[str, Any]]) -> None:
+    _, report = gil_stacks
+    [c] = _chains(report, "lock_contention")
+    culprit = c["culprit"]
+    assert culprit["thread"] == "py-busy" and c["detail"]["gil"] is True
+    # The background thread lets the lock go at its inner loop's backward jump: the
+    # loop body's line, in its own function, read from its frames at its wakeups.
+    where = f"_gil_hog (train_loop.py:{_line_of('x = (x + i * i) % 1_000_003')})"
+    assert culprit["where"] == where, (culprit, c["detail"])
+    assert culprit["stack"][0] == where.replace("train_loop.py", str(WORKLOAD))
+    assert any(f.startswith("Thread.run (") for f in culprit["stack"])
+    assert c["detail"]["holder_where"] == where
+    assert c["detail"]["holder_stacks"] >= 3 and c["detail"]["holder_where_share"] > 0.5
+    assert f"py-busy (tid {culprit['tid']}) of the same process in {where}" in c["summary"]
+    [holder] = [e for e in c["evidence"] if e["kind"] == "holder"]
+    assert holder["where"] == where and where in holder["text"]
+    assert holder["stack"] == culprit["stack"]
+
+
+def test_waker_stacks_are_rate_limited_and_counted(
+        gil_stacks: tuple[Path, dict[str, Any]]) -> None:
+    """The cost guard: at most one waker stack per (waker, woken) thread pair every
+    20 ms, so most wakeups carry none; what was taken and skipped is in the session."""
+    db, _ = gil_stacks
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT tid, peer, ts_ns, stack FROM events WHERE op = 'wakeup' "
+                            "ORDER BY ts_ns").fetchall()
+        drops_text, dropped = conn.execute("SELECT drops, dropped_stacks FROM sessions"
+                                           ).fetchone()
+        python_frames = conn.execute(
+            "SELECT count(*) FROM events e JOIN stacks s ON s.hash = e.stack WHERE "
+            "e.op = 'wakeup' AND s.frames LIKE '%train_loop.py:%'").fetchone()[0]
+    stacked: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for tid, peer, ts, stack in rows:
+        if stack:
+            stacked[(tid, peer)].append(ts)
+    n_stacked = sum(map(len, stacked.values()))
+    assert 0 < n_stacked < len(rows) / 2, (n_stacked, len(rows))
+    assert python_frames >= 0.9 * n_stacked  # the waker's Python frames, read in the kernel
+    gaps = [b - a for ts in stacked.values() for a, b in zip(ts, ts[1:], strict=False)]
+    assert gaps and min(gaps) >= 19_900_000, sorted(gaps)[:5]
+    drops = json.loads(drops_text)
+    # Taken stacks reach their wakeup record (the sleep they belong to is always stored);
+    # a few may still be in flight when the tracer stops.
+    assert n_stacked <= drops["wake_stacks"] <= n_stacked + dropped + 5, (drops, n_stacked)
+    assert drops["wake_stacks_skipped"] > 0
+    assert all(drops[k] == 0 for k in ("sched", "sys", "state_full")), drops
 
 
 def test_without_the_background_thread_there_is_no_lock_chain(tmp_path: Path) -> None:

@@ -77,3 +77,33 @@ def test_window_bounds_and_errors(tmp_path: Path) -> None:
             resolve_window(conn, from_=str(T0 + 10**9), to=str(T0))
     finally:
         conn.close()
+
+
+def test_kernel_stats_name_each_kernel_and_scale_the_sample(tmp_path: Path) -> None:
+    from fleetd.store.writer import BatchWriter
+
+    tl = Timeline(sample=4)
+    tl.process(MAIN, "python3")
+    kernels = []
+    for i in range(400):  # gemm twice as often as the copy kernel, all under the slow cut
+        before = len(tl.events)
+        tl.call("cudaLaunchKernel", T0 + i * MS, (20 if i % 3 else 5) * US)
+        if len(tl.events) > before:
+            kernels.append((len(tl.events) - 1, "gemm" if i % 3 else "copy"))
+    path = tl.write(tmp_path / "k.db")
+    with BatchWriter(path, "gpu-01") as w:  # the same launches again, with their names
+        w.add_events([(ts + 1, *rest) for ts, *rest in (tl.events[i] for i, _ in kernels)],
+                     [(j, {"kernel": name}) for j, (_, name) in enumerate(kernels)])
+    conn = open_reader(path)
+    try:
+        rows = {r["kernel"]: r for r in op_stats(conn, resolve_window(conn), by="kernel")}
+    finally:
+        conn.close()
+    # 100 stored unnamed launches from the first write, 100 named from the second.
+    assert set(rows) == {"gemm", "copy", "(unnamed)"}
+    gemm, copy = rows["gemm"], rows["copy"]
+    assert gemm["count"] + copy["count"] == 100 and gemm["stats_from"] == "sample"
+    assert gemm["p50_ns"] == 20 * US and copy["p50_ns"] == 5 * US
+    # 400 calls counted by the histogram over 200 stored: each stored launch stands for 2.
+    assert gemm["est_calls"] == 2 * gemm["count"]
+    assert gemm["total_ns"] > copy["total_ns"]

@@ -106,6 +106,21 @@ def test_lock_wait_blames_the_waker(tmp_path: Path) -> None:
     assert d_items and all(e["state"] == "D" for e in d_items)
 
 
+def test_spike_evidence_names_the_launched_kernel(tmp_path: Path) -> None:
+    import sqlite3
+
+    from fleetd.store.catalog import op_code
+
+    path = build("lock_wait", tmp_path)
+    with sqlite3.connect(path) as c:  # the tracer names launches in their args
+        c.execute("INSERT OR IGNORE INTO event_args SELECT id, '{\"kernel\":\"gemm<float>\"}' "
+                  "FROM event_data WHERE op = ?", (op_code("cudaLaunchKernel"),))
+    c_ = _top(explain(path), "lock_wait")
+    spikes = [e for e in c_["evidence"] if e["kind"] == "spike"]
+    assert spikes and all(e["kernel"] == "gemm<float>" for e in spikes)
+    assert all(e["text"].startswith("cudaLaunchKernel of gemm<float> took ") for e in spikes)
+
+
 def test_block_io_stall_between_calls(tmp_path: Path) -> None:
     report = explain(build("block_stall", tmp_path))
     c = report["chains"][0]

@@ -15,7 +15,7 @@ from conftest import REPO
 def test_shipped_example_loads_with_paths_resolved() -> None:
     cfg = load_config(REPO / "configs" / "fleetd.yaml")
     assert cfg.node == "gpu-01" and cfg.limits.max_rows == 10000
-    assert cfg.tls.client_ca == REPO / "configs" / ".." / "certs" / "ca.pem"
+    assert cfg.tls.client_ca == REPO / "configs" / "tls" / "ca.pem"
     assert [n.name for n in cfg.fleet.nodes] == ["gpu-01", "gpu-02"]
     assert cfg.store.max_bytes == 10 * 1024**3
 

@@ -88,3 +88,43 @@ def test_reader_never_creates_a_file(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="does not exist"):
         open_reader(path)
     assert not path.exists()
+
+
+def _version_2_file(path: Path) -> Path:
+    """A file as fleetd wrote it before schema 3: its processes have no job."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    for sql in schema.MIGRATIONS[:2]:
+        for stmt in schema._statements(sql):
+            conn.execute(stmt)
+    schema.seed_catalog(conn)
+    conn.execute(f"PRAGMA application_id = {schema.APPLICATION_ID}")
+    conn.execute("PRAGMA user_version = 2")
+    conn.execute("INSERT INTO nodes(id, name, uid, created_ns) VALUES (1, 'old', 'u-old', 1)")
+    conn.execute("INSERT INTO process_data(node, pid, comm, rank, world_size) "
+                 "VALUES (1, 42, 'train', 3, 8)")
+    conn.close()
+    return path
+
+
+def test_version_2_files_stay_readable_and_gain_the_job_column(tmp_path: Path) -> None:
+    old = _version_2_file(tmp_path / "v2.db")
+    reader = open_reader(old)  # read as it is: the processes view without job
+    assert reader.execute("SELECT pid, rank FROM processes").fetchall() == [(42, 3)]
+    reader.close()
+    from fleetd.store.merge import merge
+
+    merged = tmp_path / "merged.db"
+    merge([old], merged)
+    with sqlite3.connect(merged) as c:
+        assert c.execute("SELECT pid, rank, world_size, job FROM processes").fetchall() == [
+            (42, 3, 8, None)]
+    conn = open_writer(old)  # a writer migrates it forward, keeping the rows
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == schema.SCHEMA_VERSION == 3
+    assert conn.execute("SELECT pid, comm, rank, job FROM processes").fetchall() == [
+        (42, "train", 3, None)]
+    conn.close()
+    with BatchWriter(old, "old") as w:
+        w.add_processes([{"pid": 42, "job": "run-1"}, {"pid": 43, "rank": 0, "job": "run-1"}])
+    with sqlite3.connect(old) as c:
+        assert c.execute("SELECT pid, rank, job FROM processes ORDER BY pid").fetchall() == [
+            (42, 3, "run-1"), (43, 0, "run-1")]

@@ -119,3 +119,49 @@ def test_pruning_drops_oldest_first_and_bounds_size(tmp_path: Path) -> None:
     assert kept + stats.pruned_events == total
     assert last == total  # the newest events survive
     assert first == stats.pruned_events + 1  # exactly the oldest ones went
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid  # reaped: no process has this pid now (until the kernel reuses it)
+
+
+def test_a_session_whose_tracer_died_is_closed_as_crashed_on_the_next_open(
+        tmp_path: Path) -> None:
+    import os
+    import time
+
+    db = tmp_path / "w.db"
+    emitted = iter(range(1000, 10**6, 1000))
+    with BatchWriter(db, "gpu-01") as w:
+        started = time.time_ns()
+        dead = w.begin_session({"started_ns": started, "mono_offset_ns": 0,
+                                "tool_version": "t", "schema_version": 3,
+                                "targets": {"tracer_pid": _dead_pid()}})
+        live = w.begin_session({"started_ns": started, "mono_offset_ns": 0,
+                                "tool_version": "t", "schema_version": 3,
+                                "targets": {"tracer_pid": os.getpid()}})
+        unknown = w.begin_session({"started_ns": started, "mono_offset_ns": 0,
+                                   "tool_version": "t", "schema_version": 3})
+        w.track_session(dead, lambda: next(emitted))
+        w.add_events(synthetic_events(300))
+        w.flush()
+        w.add_events(synthetic_events(200))
+        w.flush()
+    with sqlite3.connect(db) as c:
+        assert c.execute("SELECT emitted_events, accounted_events FROM session_data "
+                         "WHERE seq = ?", (dead,)).fetchone() == (2000, 500)
+    # Reopened as a restarted tracer would: only the session whose tracer is gone closes.
+    w2 = BatchWriter(db, "gpu-01")
+    w2.close()
+    assert w2.crashed_sessions == [dead]
+    with sqlite3.connect(db) as c:
+        rows = dict((r[0], r[1:]) for r in c.execute(
+            "SELECT seq, end_reason, ended_ns = updated_ns, lost_events, "
+            "json_extract(drops, '$.crash') FROM session_data"))
+    assert rows[dead] == ("crashed", 1, 1500, 1500)
+    assert rows[live][0] is None and rows[unknown][0] is None

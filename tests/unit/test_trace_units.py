@@ -20,13 +20,14 @@ import pytest
 
 from fleetd.errors import FleetdError, UsageError
 from fleetd.store.catalog import BY_NAME, IMPORTED_CALL, OPS
-from fleetd.trace import clock, headers, libs, probes
+from fleetd.trace import clock, headers, libs, probes, procinfo
 from fleetd.trace.bpfsrc import REC, ProgramOptions, cflags, probe_wrappers, source_text
-from fleetd.trace.decoder import Decoder, launch_args
+from fleetd.trace.decoder import Decoder, launch_args, nccl_id_hash
 
 from conftest import FLEETD, REPO
 
 WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
+NCCL_WORKLOAD = REPO / "tests" / "workloads" / "nccl_ranks.py"
 
 
 def _workload_module() -> ModuleType:
@@ -34,6 +35,15 @@ def _workload_module() -> ModuleType:
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
     sys.modules["train_loop"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _nccl_ranks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("nccl_ranks", NCCL_WORKLOAD)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["nccl_ranks"] = mod
     spec.loader.exec_module(mod)
     return mod
 
@@ -89,6 +99,135 @@ def test_decoder_sched_peers_lifecycle_and_slow_calls() -> None:
     assert args[5] == {"stream": "0x10", "median_ns": 1234}
     assert args[6] == {"rw": "WS"}
     assert len(b.rows) == 7 and all(len(r) == 11 for r in b.rows)
+
+
+def test_a_stacked_wakeup_is_the_wakers_stack() -> None:
+    """A wakeup that carries a stack (its Python frames appended as to a CUDA record)
+    carries the waker's: symbolized in the waker's process, not the woken one's."""
+    from fleetd.trace.bpfsrc import PYFRAME, PYSTACK_HEAD
+
+    frames = PYSTACK_HEAD.pack(2, 1) + PYFRAME.pack(0x10, 0x20) + PYFRAME.pack(0x30, 0x40)
+    d = Decoder(lambda mono: mono)
+    b = d.decode([
+        _rec("wakeup", pid=7, tid=8, peer=42, peer_pid=40, stack=5, comm=b"py-busy") + frames,
+        _rec("wakeup", pid=7, tid=8, peer=43, peer_pid=40, comm=b"py-busy"),
+        _rec("cudaStreamSynchronize", pid=7, tid=8, peer_pid=40, stack=6) + frames,
+    ])
+    assert [(r.row, r.pid, r.native, r.py, r.py_status) for r in b.stacks] == [
+        (0, 40, 5, [(0x10, 0x20), (0x30, 0x40)], 1), (2, 7, 6, [(0x10, 0x20), (0x30, 0x40)], 1)]
+
+
+def test_waker_stacks_are_on_with_stacks_and_rate_limited() -> None:
+    """The cost guard reaches C: on with stacks, one stack per thread pair per 20 ms by
+    default; the counters it keeps line up with bpf/fleetd.h."""
+    from fleetd.trace.bpfsrc import COUNTERS
+
+    on = cflags(ProgramOptions(tracer_pid=1, stacks=True))
+    assert "-DFL_WAKE_STACKS=1" in on and "-DFL_WAKE_STACK_NS=20000000ull" in on
+    off = cflags(ProgramOptions(tracer_pid=1, stacks=True, wake_stack_ns=None))
+    assert "-DFL_WAKE_STACKS=0" in off
+    header = (REPO / "bpf" / "fleetd.h").read_text()
+    index = {int(n): name for name, n in re.findall(r"#define (FL_C_\w+) (\d+)", header)}
+    assert index[COUNTERS.index("wake_stacks")] == "FL_C_WAKE_STACK"
+    assert index[COUNTERS.index("wake_stacks_skipped")] == "FL_C_WAKE_STACK_SKIP"
+    n = int(re.search(r"#define FL_NCOUNTERS (\d+)", header).group(1))  # type: ignore[union-attr]
+    assert len(COUNTERS) <= n and sorted(index) == list(range(len(COUNTERS)))
+
+
+def _nccl(op: str, **kw: int) -> bytes:
+    return _rec(op, a1=kw.pop("a1", -1), **kw)
+
+
+def test_decoder_nccl_collectives_carry_dtype_redop_seq_and_stream() -> None:
+    d = Decoder(lambda mono: mono)
+    comm = 0x5555_0000_1000
+    b = d.decode([
+        _nccl("ncclAllReduce", a0=1000, ret=4, bytes=4000, x0=7 | 2 << 32, x1=comm, x2=3,
+              x3=0xABC),
+        _nccl("ncclReduce", a0=8, a1=1, x0=9 | 4 << 32, x2=4),
+        _nccl("ncclReduceScatter", a0=8, x0=7 | 99 << 32, x2=5),  # a custom op: raw
+        _nccl("ncclBroadcast", a0=8, a1=0, x0=42 | 1 << 32, x2=6),  # no redop on broadcast
+        _nccl("ncclSend", a0=16, a1=2, x0=0, x2=1),
+        _nccl("ncclAllGather", a0=8, x0=7, x2=0),  # the sequence map was full: no seq
+    ])
+    args = dict(b.args)
+    assert args[0] == {"dtype": "float32", "comm": "0x555500001000", "stream": "0xabc",
+                       "redop": "max", "seq": 3}
+    assert args[1] == {"dtype": "bfloat16", "comm": "0x0", "redop": "avg", "seq": 4}
+    assert args[2]["redop"] == 99 and args[3] == {"dtype": 42, "comm": "0x0", "seq": 6}
+    assert args[4] == {"dtype": "int8", "comm": "0x0", "seq": 1}
+    assert args[5] == {"dtype": "float32", "comm": "0x0"}
+    assert b.rows[0][5:10] == (4, 4000, 0, 1000, -1)  # ret, bytes, peer, count, root -1
+    assert b.rows[1][9] == 1  # the root in a1
+
+
+def test_decoder_nccl_communicators_name_their_collectives() -> None:
+    d = Decoder(lambda mono: mono)
+    comm, h = 0x7F00_0000_2000, 0x0123_4567_89AB_CDEF
+    b = d.decode([
+        _nccl("ncclCommInitRank", a0=4, a1=2, x0=h, x1=comm),
+        _nccl("ncclAllReduce", a0=1, x0=7, x1=comm, x2=1),
+        _nccl("ncclAllReduce", pid=8, a0=1, x0=7, x1=comm, x2=1),  # another process
+        _nccl("ncclCommInitRankConfig", pid=9, ret=1, a0=4, a1=3, x0=h, x1=0),  # failed
+        _nccl("ncclAllReduce", pid=9, a0=1, x0=7, x1=0, x2=1),
+        _nccl("ncclCommSplit", a0=1, a1=5, x0=comm, x1=0x9000),
+        _nccl("ncclGroupStart"), _nccl("ncclGroupEnd"), _nccl("ncclCommInitAll", a0=8),
+        _nccl("ncclCommDestroy", x1=comm),
+        _nccl("ncclBroadcast", a0=1, a1=0, x0=7, x1=comm, x2=2),  # after destroy
+    ])
+    args = dict(b.args)
+    assert args[0] == {"comm": "0x7f0000002000", "comm_hash": "0123456789abcdef"}
+    assert b.rows[0][8:10] == (4, 2)  # nranks, rank
+    assert args[1]["comm_hash"] == "0123456789abcdef" and (args[1]["rank"],
+                                                           args[1]["nranks"]) == (2, 4)
+    assert "comm_hash" not in args[2]  # the handle is per process
+    assert args[3] == {"comm": "0x0", "comm_hash": "0123456789abcdef"}
+    assert "comm_hash" not in args[4]  # a failed init creates nothing: NULL is never named
+    assert args[5] == {"parent": "0x7f0000002000", "color": 1, "key": 5, "comm": "0x9000"}
+    assert 6 not in args and 7 not in args and 8 not in args and b.rows[8][8] == 8
+    assert args[9] == {"comm": "0x7f0000002000"}
+    assert "comm_hash" not in args[10]
+    # An in-progress (non-blocking) init hands out its communicator too.
+    b = d.decode([_nccl("ncclCommInitRankConfig", ret=7, a0=2, a1=0, x0=h, x1=0x10),
+                  _nccl("ncclSend", a0=1, a1=1, x0=7, x1=0x10, x2=1)])
+    assert dict(b.args)[1]["rank"] == 0
+
+
+def test_nccl_unique_id_hash_is_fixed() -> None:
+    # The same function runs in BPF (bpf/nccl.bpf.c): changing either breaks matching
+    # of ranks recorded by different fleetd versions.
+    assert f"{nccl_id_hash(bytes(range(128))):016x}" == "d9fac8c1b98f6bbd"
+    assert f"{nccl_id_hash(bytes(128)):016x}" == "68752350ae1d483f"
+    with pytest.raises(ValueError, match="128 bytes"):
+        nccl_id_hash(b"short")
+    c = " ".join((REPO / "bpf" / "nccl.bpf.c").read_text().split())
+    for const in ("0xcbf29ce484222325ull", "0x100000001b3ull", "0xbf58476d1ce4e5b9ull",
+                  "0x94d049bb133111ebull", "h ^= h >> 30;", "h ^= h >> 27;", "h ^= h >> 31;"):
+        assert const in c
+
+
+def test_nccl_ops_keep_their_codes() -> None:
+    names = ["ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather",
+             "ncclReduceScatter", "ncclSend", "ncclRecv", "ncclCommInitRank",
+             "ncclCommInitRankConfig", "ncclCommInitAll", "ncclCommSplit", "ncclGroupStart",
+             "ncclGroupEnd", "ncclCommDestroy", "ncclCommAbort"]
+    assert [BY_NAME[n].code for n in names] == list(range(400, 415))
+    assert (BY_NAME["ncclCommInitRank"].a0, BY_NAME["ncclCommInitRank"].a1) == ("nranks",
+                                                                                "rank")
+    assert all(s.always for s in probes.SPECS if s.kind == "nccl")
+    assert {s.op for s in probes.SPECS_BY_KIND["nccl"]} == set(names)
+
+
+def test_job_comes_from_the_torchrun_environment() -> None:
+    assert procinfo.job_of({"TORCHELASTIC_RUN_ID": "job-7", "MASTER_ADDR": "10.0.0.1",
+                            "MASTER_PORT": "29500"}) == "job-7"
+    # torchrun's default run id names no job: the rendezvous address does.
+    assert procinfo.job_of({"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "10.0.0.1",
+                            "MASTER_PORT": "29500"}) == "10.0.0.1:29500"
+    assert procinfo.job_of({"MASTER_ADDR": "10.0.0.1"}) is None
+    assert procinfo.job_of({}) is None
+    row = procinfo.process_row(os.getpid())
+    assert "job" in row and {"rank", "local_rank", "world_size"} <= set(row)
 
 
 # ---- BPF source and probe specs ---------------------------------------------------------------
@@ -157,6 +296,17 @@ def test_libraries_are_found_where_a_process_maps_them() -> None:
     assert libs.kind_of("/x/libcuda.so.1") == "cuda" and libs.kind_of("libnccl.so.2") == "nccl"
     assert libs.kind_of("/x/libcudart_static.a") is None
     assert libs.mapped_libraries(2**22 + 7) == []  # a pid that cannot exist
+
+
+def test_the_nccl_wheel_is_found_like_the_runtime_wheel() -> None:
+    nccl = _nccl_ranks().find_nccl()
+    assert Path(nccl).name == "libnccl.so.2"
+    found = {lib.ino: lib for lib in libs.search_usual_places()}
+    lib = found[os.stat(nccl).st_ino]
+    assert (lib.kind, lib.found_by) == ("nccl", "venv")
+    ex = libs.exported_functions(nccl)
+    for spec in probes.SPECS_BY_KIND["nccl"]:
+        assert probes.planned_symbols(spec, ex.offsets), spec.op
 
 
 def test_cuda_lib_override_is_validated(tmp_path: Path) -> None:
@@ -290,3 +440,34 @@ def test_workload_cli_prints_one_json_summary(tmp_path: Path) -> None:
     s = json.loads(r.stdout)
     assert s["calls"]["cudaLaunchKernel"] == 6 and s["blocked_s"] > 0
     assert s["elapsed_s"] >= 3 * 0.002
+
+
+# ---- the multi-rank NCCL workload ----------------------------------------------------------
+
+def test_nccl_workload_ranks_run_in_lockstep_and_report_their_calls() -> None:
+    r = subprocess.run([sys.executable, str(NCCL_WORKLOAD), "--spawn", "2", "--steps", "7",
+                        "--ops", "allreduce,broadcast", "--extra-ms-rank", "1:2"],
+                       capture_output=True, text=True, timeout=60, check=True)
+    ranks = {d["rank"]: d for d in map(json.loads, r.stdout.splitlines())}
+    assert sorted(ranks) == [0, 1]
+    a, b = ranks[0], ranks[1]
+    assert a["job"] == b["job"] and a["unique_id"] == b["unique_id"]
+    assert len(bytes.fromhex(a["unique_id"])) == 128
+    assert a["counts"] == {"ncclCommInitRank": 1, "ncclAllReduce": 4, "ncclBroadcast": 3,
+                           "ncclCommDestroy": 1}
+    assert a["init"]["ret"] != 0 or a["init"]["comm"] != "0x0"
+    colls = [c for c in b["calls"] if c["op"] in ("ncclAllReduce", "ncclBroadcast")]
+    assert [c["count"] for c in colls] == [1024 + i for i in range(7)]
+    assert [c.get("root") for c in colls if c["op"] == "ncclBroadcast"] == [1, 1, 1]
+    assert b["elapsed_s"] >= 7 * 0.002  # the extra compute of rank 1
+
+
+def test_nccl_workload_rank_without_coordinator_exits_instead_of_hanging() -> None:
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "9", "TORCHELASTIC_RUN_ID": "lonely"}  # nobody listens on 9
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(NCCL_WORKLOAD), "--barrier-timeout", "1"],
+                       env=env, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 3 and time.monotonic() - t0 < 20, r
+    s = json.loads(r.stdout)
+    assert s["job"] == "lonely" and "coordinator" in s["error"]

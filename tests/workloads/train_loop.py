@@ -146,6 +146,8 @@ class Workload:
         self._workers: list[int] = []
         self._queue: Any = None
         self._stop = threading.Event()
+        self._go = threading.Event()
+        self._gil: threading.Thread | None = None
         self._func = ctypes.c_void_p(ctypes.addressof(self._host))  # any non-null "kernel"
         if cfg.kernel:  # a real function as the kernel: its symbol names the launches
             lib, _, sym = cfg.kernel.rpartition(":")
@@ -326,10 +328,19 @@ class Workload:
                     os._exit(0)
             self._workers.append(pid)
 
+    def start_gil_thread(self) -> None:
+        """The GIL-holding thread, idle until :meth:`start_helpers` lets it go: started
+        before the go signal, a tracer that attaches in between knows it from the start
+        (stacks: it reads the interpreter's thread list when it starts)."""
+        if self.cfg.gil_thread and self._gil is None:
+            self._gil = threading.Thread(target=_gil_hog, args=(self._go, self._stop),
+                                         daemon=True)
+            self._gil.start()
+
     def start_helpers(self, until_s: float) -> None:
         """The GIL-holding thread and the queue producers, when asked for."""
-        if self.cfg.gil_thread:
-            threading.Thread(target=_gil_hog, args=(self._stop,), daemon=True).start()
+        self.start_gil_thread()
+        self._go.set()
         if self.cfg.producer_ms > 0:
             import multiprocessing as mp
 
@@ -356,6 +367,7 @@ class Workload:
         c = self.cfg
         if self.cu is not None:
             self._rec("cuInit", self.cu.cuInit(0))
+        self.start_gil_thread()
         if c.go_file:
             while not os.path.exists(c.go_file):
                 time.sleep(0.005)
@@ -417,11 +429,13 @@ def _set_thread_name(name: bytes) -> None:
         ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # PR_SET_NAME: this thread's comm
 
 
-def _gil_hog(stop: threading.Event) -> None:
+def _gil_hog(go: threading.Event, stop: threading.Event) -> None:
     """Pure-Python arithmetic without pause: it holds the interpreter lock except when
     the interpreter makes it let go (every switch interval), as a metrics or logging
-    thread doing CPU work in Python would."""
+    thread doing CPU work in Python would. The interpreter lets go at the inner loop's
+    backward jump, so the last line is where it releases the lock (tests assert it)."""
     _set_thread_name(b"py-busy")
+    go.wait()
     x = 0
     while not stop.is_set():
         for i in range(10_000):

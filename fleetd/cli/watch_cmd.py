@@ -1,0 +1,213 @@
+"""``fleetd watch``: poll the fleet's NCCL ranks and name the rank a hung job waits for.
+
+Every ``--interval`` it asks each agent for its ranks' last collectives and process
+states (``GET /api/v1/ranks``, over one client session kept for the whole watch) and
+judges them as one job (:mod:`fleetd.fleet.hang`). While nothing hangs it shows a
+status line on a terminal and stays quiet in a pipe; on a hang it prints the verdict
+and exits 6. A node that does not answer is a warning (printed when it starts or
+stops failing), never a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from fleetd.cli.fleet_args import add_fleet_args, fleet_options, seconds
+from fleetd.errors import UsageError
+
+log = logging.getLogger("fleetd.watch")
+
+EXIT_OK = 0
+EXIT_NO_ANSWER = 4  # no node answered any poll
+EXIT_HANG = 6  # a hang (or a job that died while watched) was found
+POLL_TIMEOUT_S = 3.0  # per poll, unless --timeout says otherwise (at least the interval)
+
+
+@dataclass(frozen=True, slots=True)
+class WatchSpec:
+    hang_after_s: float
+    interval_s: float
+    once: bool
+    for_s: float | None
+    fmt: str
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "watch",
+        help="watch the fleet's NCCL ranks; name the rank a hung job waits for (exit 6)",
+        description="Poll every agent's NCCL ranks (their last collective per communicator, "
+        "last send/receive per peer, last CUDA call and process state) every --interval "
+        "and judge them as one fleet. When some ranks of a communicator or torchrun job "
+        "have entered collective N and another rank has not within --hang-after (or no "
+        "rank has progressed for that long while one is stopped, in D state or dead, or a "
+        "send has had no matching receive), print the verdict: which rank (node, pid) "
+        "never arrived, where it is instead, its top causal chain, and the ranks waiting "
+        "on it; then exit 6. A job that dies while watched is reported the same way. A "
+        "node that does not answer within --timeout (here 3 s by default, or the interval "
+        "when longer) is a warning, not a hang. Exit status: 0 no hang (--once, --for), "
+        "6 a hang, 4 no node ever answered, 2 a usage mistake.",
+    )
+    p.add_argument("--hang-after", default="15s", metavar="DURATION",
+                   help="how long ranks may wait for one that has not arrived (default 15s)")
+    p.add_argument("--interval", default="1s", metavar="DURATION",
+                   help="time between polls (default 1s)")
+    p.add_argument("--once", action="store_true",
+                   help="poll once, print the verdict (hang or not) and exit")
+    p.add_argument("--for", dest="for_", metavar="DURATION",
+                   help="stop after watching this long without a hang (exit 0)")
+    p.add_argument("--format", default="table", help="output format: table|json")
+    add_fleet_args(p, skew=False)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fleetd.runner import run_loop
+
+    if args.format not in ("table", "json"):
+        raise UsageError(f"unknown format {args.format!r} for watch", "use table or json")
+    spec = WatchSpec(
+        hang_after_s=seconds(args.hang_after, "--hang-after"),
+        interval_s=seconds(args.interval, "--interval"),
+        once=bool(args.once),
+        for_s=seconds(args.for_, "--for") if args.for_ else None,
+        fmt=args.format)
+    opts = fleet_options(args)
+    if not args.timeout:  # one slow node must not hold a poll back for 10 s
+        per_poll = max(POLL_TIMEOUT_S, spec.interval_s)
+        client = dataclasses.replace(
+            opts.client, timeout_s=min(opts.client.timeout_s, per_poll),
+            connect_timeout_s=min(opts.client.connect_timeout_s, per_poll))
+        opts = dataclasses.replace(opts, client=client)
+    code: int = run_loop(watch(opts, spec, sys.stdout, sys.stderr))
+    return code
+
+
+async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
+    """Poll until a hang, --once, --for or Ctrl-C; returns the exit status."""
+    from fleetd.fleet.client import FleetClient
+    from fleetd.fleet.hang import poll
+
+    live = _tty(err)
+    started = time.monotonic()
+    shown: set[str] = set()
+    answered_ever = False
+    polls = 0
+    result: dict[str, Any] = {}
+    async with FleetClient(opts.client) as client:
+        while True:
+            t0 = time.monotonic()
+            # A job that died while we watched is a finding; one that died before is not.
+            within = spec.hang_after_s if spec.once else max(
+                spec.hang_after_s, t0 - started + 2 * spec.interval_s)
+            answer, result = await poll(opts, client, spec.hang_after_s,
+                                        deaths_within_s=within)
+            polls += 1
+            answered_ever = answered_ever or bool(answer.answered)
+            warnings = result["warnings"]
+            fresh = [w for w in warnings if w not in shown]
+            if fresh and live:
+                err.write("\r\x1b[K")
+            for w in fresh:
+                print(f"fleetd: warning: {w}", file=err)
+            shown = set(warnings)
+            if result["status"] == "hang":
+                if live:
+                    err.write("\r\x1b[K")
+                print_verdict(result, spec.fmt, out)
+                return EXIT_HANG
+            code = EXIT_OK if answered_ever else EXIT_NO_ANSWER
+            if spec.once:
+                print_verdict(result, spec.fmt, out)
+                return code
+            watched = time.monotonic() - started
+            line = status_line(result, len(answer.answered), len(answer.outcomes), watched)
+            if live:
+                err.write(f"\r\x1b[K{line}")
+                err.flush()
+            else:
+                log.debug("%s", line)
+            if spec.for_s is not None and watched >= spec.for_s:
+                if live:
+                    err.write("\r\x1b[K")
+                if spec.fmt == "json":
+                    print_verdict(result, spec.fmt, out)
+                log.info("no hang in %d poll(s) over %.1f s", polls, watched)
+                return code
+            pause = spec.interval_s - (time.monotonic() - t0)
+            if spec.for_s is not None:
+                pause = min(pause, spec.for_s - (time.monotonic() - started))
+            await asyncio.sleep(max(0.0, pause))
+
+
+def status_line(result: dict[str, Any], answered: int, total: int, watched: float) -> str:
+    groups = result.get("groups") or []
+    what = "; ".join(f"{g['group']} at collective {g['seq']}" for g in groups[:2])
+    if len(groups) > 2:
+        what += f" and {len(groups) - 2} more"
+    return (f"fleetd: watching {answered}/{total} node(s), {result.get('ranks', 0)} rank(s)"
+            f"{': ' + what if what else ''}; no hang ({watched:.0f} s)")
+
+
+def print_verdict(result: dict[str, Any], fmt: str, out: TextIO) -> None:
+    from fleetd.cli.output import dumps
+
+    if fmt == "json":
+        out.write(dumps(result).decode() + "\n")
+        out.flush()
+        return
+    if result["status"] != "hang":
+        out.write(f"{result['verdict']} ({result['ranks']} rank(s) on "
+                  f"{len(result['nodes'])} node(s))\n")
+        return
+    for i, h in enumerate(result["hangs"]):
+        if i:
+            out.write("\n")
+        out.write(f"HANG ({h['kind']}, {h['matching']} matching): {h['summary']}\n")
+        out.write(_culprit_table(h))
+        out.write(_waiting_table(h))
+        for c in h["culprits"]:
+            chain = c.get("top_chain")
+            if chain and chain.get("summary"):
+                out.write(f"top chain of {c['node']} pid {c['pid']}: [{chain.get('severity')}] "
+                          f"{chain.get('root_cause')}: {chain['summary']}\n")
+    out.flush()
+
+
+def _culprit_table(h: dict[str, Any]) -> str:
+    from fleetd.cli.output import table
+
+    rows = []
+    for c in h["culprits"]:
+        lc = c.get("last_call") or {}
+        last = f"{lc['op']} {lc['age_s']:.1f} s ago" if lc else None
+        rows.append([c["node"], c["pid"], c["rank"], c["state"], c.get("wchan"),
+                     c.get("exit_code"), c["seq"], last])
+    title = "never arrived" if h["kind"] in ("collective", "p2p") else "stuck"
+    if h["kind"] == "exited":
+        title = "died first"
+    return f"{title}:\n" + table(["node", "pid", "rank", "state", "wchan", "exit_code",
+                                   "last_seq", "last_call"], rows)
+
+
+def _waiting_table(h: dict[str, Any]) -> str:
+    from fleetd.cli.output import table
+
+    rows = [[w["node"], w["pid"], w["rank"], w["state"], w["op"], w["seq"], w["age_s"]]
+            for w in h["waiting"]]
+    title = "exited after it" if h["kind"] == "exited" else "waiting"
+    return f"{title}:\n" + table(["node", "pid", "rank", "state", "op", "seq", "for_s"], rows)
+
+
+def _tty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -1,0 +1,305 @@
+"""Collective arrivals from every node, checked, then compared in this machine's clock.
+
+Each node answers ``GET /api/v1/collectives`` with its NCCL collective calls in the window
+(rows of :data:`~fleetd.analyze.collectives.ARRIVAL_COLUMNS`) and the processes that made
+them. The answer is untrusted: a node of another version, a broken one or an impostor
+with a valid certificate may send anything up to the client's body limit, and the
+matching groups by its strings and sorts by its numbers. So every row is rebuilt here
+from checked values (types, ranges, the op one of the five collectives, the
+communicator's hash and pointer as hex of the documented width, process names made
+printable and cut), rows beyond the limit asked for are cut, and lists are capped. One
+bad value rejects that node's arrivals (:class:`BadReply`): for ``fleetd collectives``
+the node then counts as failed; for ``fleetd explain`` it is a warning, and its chains
+and profile are still used. The other nodes are compared without it.
+
+Clocks: a node's arrivals move by the fleet's measured offset, with its error bound
+(half the best round trip); a node whose offset is unknown (or not corrected, with
+``--no-clock-correction``) compares as unknown or with the whole offset as its error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fleetd.analyze import collectives as coll
+from fleetd.analyze.window import WindowSpec
+from fleetd.fleet.client import INT64_MAX, Failure, FleetClient, NodeFailed, printable
+from fleetd.fleet.combine import NodeWarning
+from fleetd.fleet.fanout import (
+    FleetAnswer,
+    FleetOptions,
+    NodeWork,
+    Plan,
+    Request,
+    fan_out,
+    send_all,
+)
+from fleetd.fleet.targets import Target
+from fleetd.runner import run_loop
+
+if TYPE_CHECKING:
+    from fleetd.fleet.queries import FleetResult
+
+PATH = "/api/v1/collectives"
+MAX_PROCESSES = 65_536  # processes per node that made collective calls
+MAX_WARNINGS = 100
+MAX_NAME = 64  # a process name (comm is 15 bytes; leave room for a marker)
+MAX_JOB = 256  # a torchrun job identity (a run id, or MASTER_ADDR:MASTER_PORT)
+MAX_TEXT = 1000
+MAX_RANK = 2**31 - 1
+MAX_PID = 2**31 - 1
+INT32 = 2**31
+_HEX = frozenset("0123456789abcdef")
+_COLLECTIVES = frozenset(coll.COLLECTIVES)
+FAILED = "_fleetd_failed"  # the key an optional request's failure is kept under
+KIND = "collectives"  # NodeWarning kind: this node's arrivals could not be used
+EXPLAIN_ROWS = coll.EXPLAIN_ROWS  # the newest calls per node explain --nodes compares
+
+
+BOOT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+class BadReply(ValueError):
+    """The answer breaks the documented shape; the message says where."""
+
+
+def request(window: WindowSpec, offset_ns: int, max_rows: int | None = None) -> Request:
+    params = window.params(offset_ns)
+    if max_rows:
+        params["max_rows"] = str(max_rows)
+    return Request("GET", PATH, params, expect=("columns", "rows"),
+                   check=lambda reply: None)  # checked whole by check_reply
+
+
+def check_reply(reply: Mapping[str, Any], node: str,
+                max_rows: int = coll.DEFAULT_ROWS) -> coll.NodeArrivals:
+    """The node's arrivals rebuilt from checked values; raises :class:`BadReply`."""
+    if reply.get("columns") != list(coll.ARRIVAL_COLUMNS):
+        raise BadReply(f"columns {printable(reply.get('columns'), 200)} are not "
+                       f"{list(coll.ARRIVAL_COLUMNS)}")
+    rows = _list(reply.get("rows"), "rows", None)
+    truncated = _bool(reply.get("truncated", False), "truncated")
+    reason = reply.get("truncated_reason")
+    if reason not in (None, "rows", "bytes"):
+        raise BadReply(f"truncated_reason: {printable(reason, 40)}")
+    if len(rows) > max_rows:  # a node that ignores the limit is cut, and says so
+        rows, truncated, reason = rows[:max_rows], True, "rows"
+    arrivals = [_arrival(r, f"rows[{i}]") for i, r in enumerate(rows)]
+    procs_obj = reply.get("processes", {"columns": list(coll.PROCESS_COLUMNS), "rows": []})
+    if not isinstance(procs_obj, dict) or procs_obj.get("columns") != list(
+            coll.PROCESS_COLUMNS):
+        raise BadReply("processes: expected {columns: "
+                       f"{list(coll.PROCESS_COLUMNS)}, rows: [...]}}")
+    procs: dict[int, coll.Proc] = {}
+    for i, r in enumerate(_list(procs_obj.get("rows"), "processes.rows", MAX_PROCESSES)):
+        p = _proc(r, f"processes.rows[{i}]")
+        procs[p.pid] = p
+    err = reply.get("clock_error_ns")
+    if err is not None:
+        err = _int(err, "clock_error_ns", 0, INT64_MAX)
+    boot = reply.get("boot_id")
+    if boot is not None and not (isinstance(boot, str) and BOOT_ID.fullmatch(boot)):
+        raise BadReply(f"boot_id {printable(boot, 60)} is not a boot id (a UUID)")
+    return coll.NodeArrivals(node, arrivals, procs, err, truncated,
+                             reason if truncated else None, boot)
+
+
+def node_warnings(reply: Mapping[str, Any], node: str) -> list[NodeWarning]:
+    """The node's own window notes, printable and capped (a bad list is ignored: these
+    are words for people, nothing is computed from them)."""
+    got = reply.get("warnings")
+    if not isinstance(got, list):
+        return []
+    return [NodeWarning(node, printable(w, MAX_TEXT), "window")
+            for w in got[:MAX_WARNINGS] if isinstance(w, str)]
+
+
+def _arrival(r: Any, where: str) -> coll.Arrival:
+    if not isinstance(r, list) or len(r) != len(coll.ARRIVAL_COLUMNS):
+        raise BadReply(f"{where}: expected a list of {len(coll.ARRIVAL_COLUMNS)} values")
+    ts, dur, pid, tid, op, ret, nbytes, seq, ptr, chash, rank, nranks = r
+    if op not in _COLLECTIVES:
+        raise BadReply(f"{where}.op: {printable(op, 40)} is not an NCCL collective")
+    rank = None if rank is None else _int(rank, f"{where}.rank", 0, MAX_RANK)
+    nranks = None if nranks is None else _int(nranks, f"{where}.nranks", 1, MAX_RANK)
+    chash = None if chash is None else _hex(chash, f"{where}.comm_hash", exact=16)
+    if (chash is None) != (rank is None) or (rank is None) != (nranks is None):
+        raise BadReply(f"{where}: comm_hash, rank and nranks come together or not at all")
+    if rank is not None and nranks is not None and rank >= nranks:
+        raise BadReply(f"{where}: rank {rank} is not below nranks {nranks}")
+    return coll.Arrival(
+        _int(ts, f"{where}.ts_ns", 0, INT64_MAX), _int(dur, f"{where}.dur_ns", 0, INT64_MAX),
+        _int(pid, f"{where}.pid", 0, MAX_PID), _int(tid, f"{where}.tid", 0, MAX_PID),
+        str(op), _int(ret, f"{where}.ret", -INT32, INT32 - 1),
+        _int(nbytes, f"{where}.bytes", 0, INT64_MAX),
+        None if seq is None else _int(seq, f"{where}.seq", 1, INT64_MAX),
+        None if ptr is None else _hex(ptr, f"{where}.comm_ptr", prefix=True), chash, rank,
+        nranks)
+
+
+def _proc(r: Any, where: str) -> coll.Proc:
+    if not isinstance(r, list) or len(r) != len(coll.PROCESS_COLUMNS):
+        raise BadReply(f"{where}: expected a list of {len(coll.PROCESS_COLUMNS)} values")
+    pid, comm, rank, size, job = r
+    return coll.Proc(
+        _int(pid, f"{where}.pid", 0, MAX_PID),
+        None if comm is None else _text(comm, f"{where}.comm", MAX_NAME),
+        None if rank is None else _int(rank, f"{where}.rank", 0, MAX_RANK),
+        None if size is None else _int(size, f"{where}.world_size", 1, MAX_RANK),
+        None if job is None else _text(job, f"{where}.job", MAX_JOB))
+
+
+def _int(v: Any, where: str, lo: int, hi: int) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise BadReply(f"{where}: expected an integer, got {type(v).__name__} "
+                       f"{printable(v, 40)}")
+    if not lo <= v <= hi:
+        raise BadReply(f"{where}: {printable(v, 40)} is outside [{lo}, {hi}]")
+    return v
+
+
+def _bool(v: Any, where: str) -> bool:
+    if not isinstance(v, bool):
+        raise BadReply(f"{where}: expected true or false, got {printable(v, 40)}")
+    return v
+
+
+def _hex(v: Any, where: str, *, exact: int = 0, prefix: bool = False) -> str:
+    """``exact`` lowercase hex digits, or (``prefix``) ``0x`` and 1 to 16 of them."""
+    if isinstance(v, str):
+        body = v[2:] if prefix and v.startswith("0x") else (None if prefix else v)
+        if body is not None and set(body) <= _HEX and (
+                len(body) == exact if exact else 0 < len(body) <= 16):
+            return v
+    raise BadReply(f"{where}: {printable(v, 40)} is not "
+                   + (f"{exact} lowercase hex digits" if exact else "a 0x... pointer"))
+
+
+def _text(v: Any, where: str, limit: int) -> str:
+    if not isinstance(v, str):
+        raise BadReply(f"{where}: expected a string, got {type(v).__name__}")
+    return printable(v, limit)
+
+
+def _list(v: Any, where: str, limit: int | None) -> list[Any]:
+    if not isinstance(v, list):
+        raise BadReply(f"{where}: expected a list, got {type(v).__name__}")
+    if limit is not None and len(v) > limit:
+        raise BadReply(f"{where}: {len(v)} entries, above the limit of {limit}")
+    return v
+
+
+# ---- clocks --------------------------------------------------------------------------------
+
+
+def same_boot(clocks: dict[str, coll.Clock], parts: Sequence[coll.NodeArrivals]
+              ) -> dict[str, coll.Clock]:
+    """Nodes that report one boot id run on one machine and read one clock (a local
+    fleet, or several agents on a host): they share the offset measured with the
+    smallest error, and compare with each other without error."""
+    boots = {p.node: p.boot_id for p in parts if p.boot_id}
+    best: dict[str, coll.Clock] = {}
+    for node, boot in boots.items():
+        c = clocks.get(node)
+        if c is not None and c.error_ns is not None and (
+                boot not in best or c.error_ns < (best[boot].error_ns or 0)):
+            best[boot] = c
+    out = dict(clocks)
+    for node, boot in boots.items():
+        if node in out and boot in best:
+            out[node] = coll.Clock(best[boot].offset_ns, best[boot].error_ns, boot)
+    return out
+
+
+def clocks(answer: FleetAnswer) -> dict[str, coll.Clock]:
+    """node -> (offset, error) from the fan-out's clock samples: the measured offset and
+    half the best round trip when timestamps are corrected; offset 0 and the offset's size
+    (plus that bound) as the error when they are not; unknown error without a sample."""
+    out: dict[str, coll.Clock] = {}
+    for o in answer.answered:
+        s = o.skew
+        if s is None:
+            out[o.name] = coll.Clock(0, None)
+        elif answer.correct:
+            out[o.name] = coll.Clock(s.correction_ns, math.ceil(s.error_ns))
+        else:
+            out[o.name] = coll.Clock(0, math.ceil(abs(s.offset_ns) + s.error_ns))
+    return out
+
+
+# ---- explain: the arrivals beside chains and profile ------------------------------------
+
+
+def with_arrivals(plan: Plan, window: WindowSpec, max_rows: int | None = None) -> NodeWork:
+    """Per node: the plan's requests (any failure fails the node) and, beside them, its
+    arrivals, whose failure is only remembered (:data:`FAILED`): an agent without the
+    endpoint still has chains and a profile."""
+    async def work(client: FleetClient, t: Target, offset: int) -> list[dict[str, Any]]:
+        extra = asyncio.create_task(_optional(client, t, request(window, offset, max_rows)))
+        try:
+            replies = await send_all(client, t, plan(offset))
+        except BaseException:
+            extra.cancel()
+            raise
+        return [*replies, await extra]
+
+    return work
+
+
+async def _optional(client: FleetClient, t: Target, r: Request) -> dict[str, Any]:
+    try:
+        [reply] = await send_all(client, t, [r])
+    except NodeFailed as exc:
+        return {FAILED: exc.failure.text()}
+    return reply
+
+
+def from_answer(answer: FleetAnswer, index: int, max_rows: int = coll.DEFAULT_ROWS,
+                *, strict: bool = False) -> dict[str, Any]:
+    """The arrival report over the answered nodes' ``index``-th replies. A node whose
+    arrivals are missing or malformed is a warning (``strict``: a failed node), and the
+    others are compared without it."""
+    parts = []
+    for o in answer.answered:
+        assert o.replies is not None
+        reply = o.replies[index] if index < len(o.replies) else {FAILED: "no answer"}
+        why = reply.get(FAILED)
+        if why is None:
+            try:
+                parts.append(check_reply(reply, o.name, max_rows))
+                if strict:
+                    answer.warnings += node_warnings(reply, o.name)
+                continue
+            except BadReply as exc:
+                why = f"{o.target.address}{PATH} answered a malformed reply ({exc})"
+        if strict:
+            o.replies = None
+            o.failure = Failure("bad_json", str(why), "is the agent a different fleetd "
+                                "version? compare /api/v1/health versions")
+            answer.warnings.append(NodeWarning(o.name, o.failure.text(), "bad_json"))
+        else:
+            answer.warnings.append(NodeWarning(
+                o.name, f"collective arrivals not compared: {printable(why, MAX_TEXT)}", KIND))
+    return coll.analyze(parts, same_boot(clocks(answer), parts))
+
+
+def collectives(opts: FleetOptions, window: WindowSpec, max_rows: int | None = None
+                ) -> FleetResult:
+    """``fleetd collectives --nodes``: every node's arrivals compared in one clock; a
+    FleetResult whose ``obj`` is the report with the fleet's warnings and skew."""
+    from fleetd.fleet.queries import FleetResult, raise_if_user_error
+
+    window.validate()
+    limit = max_rows or coll.DEFAULT_ROWS
+    answer: FleetAnswer = run_loop(fan_out(
+        opts, lambda off: [request(window, off, max_rows)], needs_offset=window.absolute))
+    raise_if_user_error(answer)
+    report = from_answer(answer, 0, limit, strict=True)
+    obj = {**report, "window": {"label": window.label()},
+           "nodes": [o.name for o in answer.answered],
+           "warnings": [w.to_json() for w in answer.warnings], "skew": answer.skew_json()}
+    return FleetResult(answer, obj, list(coll.ROW_COLUMNS), coll.rows(report))

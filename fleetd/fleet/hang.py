@@ -1,0 +1,388 @@
+"""Hang verdicts over the fleet: every node's NCCL ranks (``GET /api/v1/ranks``), checked,
+matched across nodes and judged by :mod:`fleetd.analyze.hangs`.
+
+:func:`verdict` is pure: the per-node answers in, the verdict object out (the JSON of
+``fleetd watch --format json`` and of the MCP tool ``check_hang``; docs/json.md). It
+trusts nothing in an answer: every rank is rebuilt from checked values (types, ranges,
+list sizes, strings cleaned and cut), and a node whose answer breaks the shape is left
+out with a warning, never half-used. Only ages enter the judgement (each measured by
+the node's own clock), so clock skew between nodes cannot fake or hide a hang.
+
+:func:`poll` asks the fleet once over an open client (``fleetd watch`` keeps one for all
+its polls) and, when there is a hang, adds the top causal chain of each culprit from its
+node (``GET /api/v1/chains``), best effort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fleetd.analyze.hangs import (
+    P2P_OPS,
+    STATES,
+    Collective,
+    Group,
+    Hang,
+    LastCall,
+    Party,
+    PointToPoint,
+    RankView,
+    judge,
+)
+from fleetd.fleet.client import INT64_MAX, FleetClient, NodeFailed, printable
+from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request, bad_value, fan_out
+
+log = logging.getLogger("fleetd.fleet.hang")
+
+RANKS_PATH = "/api/v1/ranks"
+MAX_RANKS = 4096  # per node
+MAX_COMMS = 256  # communicators per rank
+MAX_P2P = 4096  # send/receive entries per rank
+MAX_TEXT = 256  # a job id, a process name
+MAX_NAME = 64  # an op, a communicator pointer or hash, a wait channel
+INT32 = 2**31
+CHAIN_CULPRITS = 4  # culprits whose top chain is fetched
+CHAIN_TIMEOUT_S = 5.0
+SEVERITIES = ("HIGH", "MEDIUM", "LOW")
+
+
+class BadRanks(ValueError):
+    """A node's ranks answer breaks the documented shape; the message says where."""
+
+
+# ---- checking one node's answer -----------------------------------------------------------
+
+
+def check_ranks_reply(node: str, reply: Mapping[str, Any]) -> list[RankView]:
+    """The node's ranks, rebuilt from checked values; raises :class:`BadRanks`."""
+    ranks = _list(reply.get("ranks"), "ranks", MAX_RANKS)
+    out = [_rank(node, r, f"ranks[{i}]") for i, r in enumerate(ranks)]
+    if len({v.pid for v in out}) != len(out):
+        raise BadRanks("ranks: a pid is listed twice")
+    return out
+
+
+def _rank(node: str, r: Any, where: str) -> RankView:
+    d = _dict(r, where)
+    state = d.get("state")
+    if state not in STATES:
+        raise BadRanks(f"{where}.state: expected one of {', '.join(STATES)}, got {_show(state)}")
+    last = d.get("last_call")
+    colls = _list(d.get("collectives", []), f"{where}.collectives", MAX_COMMS)
+    p2p = _list(d.get("p2p", []), f"{where}.p2p", MAX_P2P)
+    return RankView(
+        node=node, pid=_int(d.get("pid"), f"{where}.pid", 1, INT32 - 1),
+        comm=_opt_text(d.get("comm"), f"{where}.comm", MAX_TEXT),
+        rank=_opt_int(d.get("rank"), f"{where}.rank", 0, INT32 - 1),
+        world_size=_opt_int(d.get("world_size"), f"{where}.world_size", 1, INT32 - 1),
+        job=_opt_text(d.get("job"), f"{where}.job", MAX_TEXT),
+        state=str(state), wchan=_opt_text(d.get("wchan"), f"{where}.wchan", MAX_NAME),
+        exit_code=_opt_int(d.get("exit_code"), f"{where}.exit_code", -INT32, INT32 - 1),
+        exited_age_ns=_opt_int(d.get("exited_age_ns"), f"{where}.exited_age_ns", 0),
+        collectives=[_coll(c, f"{where}.collectives[{i}]") for i, c in enumerate(colls)],
+        last_call=None if last is None else _last(last, f"{where}.last_call"),
+        p2p=[_p2p(p, f"{where}.p2p[{i}]") for i, p in enumerate(p2p)])
+
+
+def _coll(c: Any, where: str) -> Collective:
+    d = _dict(c, where)
+    return Collective(
+        communicator=_text(d.get("communicator"), f"{where}.communicator", MAX_NAME),
+        comm_hash=_opt_text(d.get("comm_hash"), f"{where}.comm_hash", MAX_NAME),
+        rank=_opt_int(d.get("rank"), f"{where}.rank", 0, INT32 - 1),
+        nranks=_opt_int(d.get("nranks"), f"{where}.nranks", 1, INT32 - 1),
+        op=_text(d.get("op"), f"{where}.op", MAX_NAME),
+        seq=_int(d.get("seq"), f"{where}.seq", 0),
+        age_ns=_int(d.get("age_ns"), f"{where}.age_ns", 0),
+        ret=_int(d.get("ret", 0), f"{where}.ret", -INT32, 2 * INT32 - 1))
+
+
+def _p2p(p: Any, where: str) -> PointToPoint:
+    d = _dict(p, where)
+    op = d.get("op")
+    if op not in P2P_OPS:
+        raise BadRanks(f"{where}.op: expected one of {', '.join(P2P_OPS)}, got {_show(op)}")
+    return PointToPoint(
+        communicator=_text(d.get("communicator"), f"{where}.communicator", MAX_NAME),
+        comm_hash=_opt_text(d.get("comm_hash"), f"{where}.comm_hash", MAX_NAME),
+        op=str(op), peer=_int(d.get("peer"), f"{where}.peer", -1, INT32 - 1),
+        seq=_int(d.get("seq"), f"{where}.seq", 1),
+        age_ns=_int(d.get("age_ns"), f"{where}.age_ns", 0),
+        ret=_int(d.get("ret", 0), f"{where}.ret", -INT32, 2 * INT32 - 1))
+
+
+def _last(v: Any, where: str) -> LastCall:
+    d = _dict(v, where)
+    return LastCall(op=_text(d.get("op"), f"{where}.op", MAX_NAME),
+                    age_ns=_int(d.get("age_ns"), f"{where}.age_ns", 0),
+                    ret=_int(d.get("ret", 0), f"{where}.ret", -INT32, 2 * INT32 - 1))
+
+
+def _dict(v: Any, where: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise BadRanks(f"{where}: expected an object, got {type(v).__name__}")
+    return v
+
+
+def _list(v: Any, where: str, limit: int) -> list[Any]:
+    if not isinstance(v, list):
+        raise BadRanks(f"{where}: expected a list, got {type(v).__name__}")
+    if len(v) > limit:
+        raise BadRanks(f"{where}: {len(v)} entries, above the limit of {limit}")
+    return v
+
+
+def _int(v: Any, where: str, lo: int, hi: int = INT64_MAX) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise BadRanks(f"{where}: expected an integer, got {_show(v)}")
+    if not lo <= v <= hi:
+        raise BadRanks(f"{where}: {printable(v, 30)} is outside {lo}..{hi}")
+    return v
+
+
+def _opt_int(v: Any, where: str, lo: int, hi: int = INT64_MAX) -> int | None:
+    return None if v is None else _int(v, where, lo, hi)
+
+
+def _text(v: Any, where: str, limit: int) -> str:
+    if not isinstance(v, str):
+        raise BadRanks(f"{where}: expected a string, got {_show(v)}")
+    return printable(v, limit)
+
+
+def _opt_text(v: Any, where: str, limit: int) -> str | None:
+    return None if v is None else _text(v, where, limit)
+
+
+def _show(v: Any) -> str:
+    return f"{type(v).__name__} {printable(v, 40)!r}"
+
+
+# ---- the verdict --------------------------------------------------------------------------
+
+
+def verdict(replies: Sequence[tuple[str, Mapping[str, Any]]], hang_after_s: float, *,
+            deaths_within_s: float | None = None) -> dict[str, Any]:
+    """The verdict over the nodes' ``GET /api/v1/ranks`` answers, as (node, answer).
+
+    ``status`` is ``hang`` when some group of ranks has waited ``hang_after_s`` or longer
+    (or died while watched: ``deaths_within_s``, default ``hang_after_s``), else ``ok``.
+    """
+    if not (math.isfinite(hang_after_s) and hang_after_s > 0):
+        raise ValueError(f"hang_after_s must be a positive number, not {hang_after_s!r}")
+    views: list[RankView] = []
+    warnings: list[str] = []
+    nodes: list[str] = []
+    for node, reply in replies:
+        try:
+            views += check_ranks_reply(node, reply)
+            nodes.append(node)
+        except BadRanks as exc:
+            warnings.append(f"node {node}: malformed ranks answer, left out ({exc})")
+    within = None if deaths_within_s is None else int(deaths_within_s * 1e9)
+    hangs, groups = judge(views, int(hang_after_s * 1e9), within)
+    found = [_hang_json(h) for h in hangs]
+    for g in groups:
+        if g.missing() and len(g.missing()) <= 64:
+            warnings.append(f"{g.label}: rank(s) {_ranks(g.missing())} of {g.size} not seen "
+                            "(their node did not answer, or they are not traced)")
+    return {
+        "status": "hang" if found else "ok",
+        "hang_after_s": hang_after_s,
+        "verdict": found[0]["summary"] if found else _quiet(views, groups),
+        "hangs": found,
+        "groups": [_group_json(g) for g in groups],
+        "ranks": len(views),
+        "nodes": nodes,
+        "warnings": warnings,
+    }
+
+
+def _quiet(views: Sequence[RankView], groups: Sequence[Group]) -> str:
+    if not views:
+        return "no hang: no traced process has made NCCL calls"
+    if not groups:
+        return (f"no hang: {len(views)} NCCL rank(s), none matched with another "
+                "(no shared communicator or torchrun job)")
+    parts = [f"{g.label} at collective {g.max_seq}" for g in groups[:3]]
+    more = f" and {len(groups) - 3} more" if len(groups) > 3 else ""
+    return f"no hang: {'; '.join(parts)}{more}"
+
+
+def _s(ns: int | None) -> float | None:
+    return None if ns is None else round(ns / 1e9, 3)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _group_json(g: Group) -> dict[str, Any]:
+    return {"group": g.label, "matching": g.matching, "key": g.key, "size": g.size,
+            "ranks": sorted(g.members), "seq": g.max_seq,
+            "progress_s": _s(g.progress_age_ns), "missing_ranks": g.missing()[:64]}
+
+
+def _party_json(p: Party) -> dict[str, Any]:
+    v = p.view
+    lc = v.last_call
+    out: dict[str, Any] = {
+        "node": v.node, "pid": v.pid, "comm": v.comm, "rank": p.rank, "job": v.job,
+        "state": v.state, "wchan": v.wchan, "seq": p.seq, "op": p.op,
+        "age_s": _s(p.age_ns),
+        "last_call": None if lc is None else {"op": lc.op, "age_s": _s(lc.age_ns),
+                                              "ret": lc.ret},
+    }
+    if v.state == "exited":
+        out["exit_code"] = v.exit_code
+        out["exited_s_ago"] = _s(v.exited_age_ns)
+    return out
+
+
+def _who(p: Party) -> str:
+    v = p.view
+    state = v.state
+    if v.wchan and v.state in ("sleeping", "d_state", "stopped"):
+        state += f" in {v.wchan}"
+    if v.state == "exited":
+        state = ("exited, killed by a signal" if v.exit_code is None
+                 else f"exited with status {v.exit_code}")
+    return f"rank {p.rank} ({v.node} pid {v.pid}, {state})"
+
+
+def _where(p: Party) -> str:
+    lc = p.view.last_call
+    at = f"its last collective is {p.seq}" if p.seq else "it has entered no collective"
+    if lc is not None:
+        at += f", its last call {lc.op} {lc.age_ns / 1e9:.1f} s ago"
+    return at
+
+
+def _hang_json(h: Hang) -> dict[str, Any]:
+    g = h.group
+    waited = h.waited_ns / 1e9
+    culprits, waiting = h.culprits, h.waiting
+    n = len(waiting)
+    if h.kind == "collective":
+        who = "; ".join(_who(c) for c in culprits)
+        what = f" ({h.op})" if h.op else ""
+        ahead = max((w.seq or 0) for w in waiting)
+        beyond = f", the furthest at collective {ahead}" if ahead != h.seq else ""
+        summary = (f"{who} never arrived at collective {h.seq}{what} of {g.label}: "
+                   f"{n} rank(s) have waited {waited:.1f} s{beyond}; "
+                   + "; ".join(_where(c) for c in culprits))
+    elif h.kind == "stalled":
+        who = "; ".join(_who(c) for c in culprits)
+        summary = (f"{who}: no rank of {g.label} has entered a collective for "
+                   f"{waited:.1f} s; {n} rank(s) wait after collective {h.seq - 1}; "
+                   + "; ".join(_where(c) for c in culprits))
+    elif h.kind == "exited":
+        c = culprits[0]
+        summary = (f"{_who(c)} died {waited:.1f} s ago at collective {c.seq} of {g.label}, "
+                   f"and the other {n} rank(s) exited after it")
+    else:
+        c, w = culprits[0], waiting[0]
+        way = "to" if h.op == "ncclSend" else "from"
+        summary = (f"{_who(c)} has not made {h.peer_op} #{h.seq} matching rank {w.rank}'s: "
+                   f"rank {w.rank} ({w.view.node} pid {w.view.pid}) has waited {waited:.1f} s "
+                   f"since its {h.op} #{w.seq} {way} rank {c.rank} of {g.label}")
+    out: dict[str, Any] = {
+        "kind": h.kind, "matching": g.matching, "group": g.label, "key": g.key,
+        "seq": h.seq, "op": h.op, "waited_s": round(waited, 3), "summary": summary,
+        "culprits": [_party_json(c) for c in culprits],
+        "waiting": [_party_json(w) for w in waiting],
+    }
+    if h.kind == "p2p":
+        out["peer_op"] = h.peer_op
+    if g.missing():
+        out["missing_ranks"] = g.missing()[:64]
+    return out
+
+
+# ---- asking the fleet ---------------------------------------------------------------------
+
+
+def _check(reply: dict[str, Any]) -> None:
+    try:
+        check_ranks_reply("?", reply)
+    except BadRanks as exc:
+        raise bad_value(RANKS_PATH, f"a malformed ranks answer ({exc})") from None
+
+
+async def poll(opts: FleetOptions, client: FleetClient, hang_after_s: float, *,
+               deaths_within_s: float | None = None, chains: bool = True
+               ) -> tuple[FleetAnswer, dict[str, Any]]:
+    """Ask every node once for its ranks and judge them; with a hang, fetch the top chain
+    of each culprit's process from its node (``chains``). Clock offsets are not sampled:
+    the verdict uses ages only."""
+    quick = dataclasses.replace(opts, skew_samples=0)
+    request = Request("GET", RANKS_PATH, expect=("ranks",), check=_check)
+    answer = await fan_out(quick, lambda _off: [request], client=client)
+    # No offsets are sampled, so "clock offset unknown" says nothing here.
+    answer.warnings = [w for w in answer.warnings if w.kind != "skew"]
+    replies = [(o.name, o.replies[0]) for o in answer.answered if o.replies]
+    result = verdict(replies, hang_after_s, deaths_within_s=deaths_within_s)
+    if chains and result["hangs"]:
+        await add_chains(answer, client, result, hang_after_s)
+    result["warnings"] = [f"node {w.node}: {w.error}" for w in answer.warnings] + \
+        result["warnings"]
+    return answer, result
+
+
+async def add_chains(answer: FleetAnswer, client: FleetClient, result: dict[str, Any],
+                     hang_after_s: float) -> None:
+    """Each culprit's top causal chain over the last minutes, from its node (best effort:
+    a node that cannot say in time leaves ``top_chain`` null)."""
+    targets = {o.name: o.target for o in answer.answered}
+    culprits = [c for h in result["hangs"] for c in h["culprits"]]
+    wanted = list(dict.fromkeys((c["node"], c["pid"]) for c in culprits))[:CHAIN_CULPRITS]
+    since = f"{max(60, int(hang_after_s * 3))}s"
+    found: dict[tuple[str, int], dict[str, Any] | None] = {}
+
+    async def one(node: str, pid: int) -> None:
+        target = targets.get(node)
+        if target is None:
+            return
+        try:
+            async with asyncio.timeout(CHAIN_TIMEOUT_S):
+                reply = await client.get(target, "/api/v1/chains",
+                                         {"since": since, "pid": str(pid), "top_n": "1"})
+        except (NodeFailed, TimeoutError) as exc:
+            log.info("no chain for %s pid %d: %s", node, pid, exc)
+            return
+        found[(node, pid)] = top_chain(reply)
+
+    client.restart_deadline()
+    await asyncio.gather(*(one(n, p) for n, p in wanted))
+    for c in culprits:
+        c["top_chain"] = found.get((c["node"], c["pid"]))
+
+
+def top_chain(reply: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The first chain of a node's ``/api/v1/chains`` answer, reduced to checked fields."""
+    chains = reply.get("chains")
+    if not isinstance(chains, list) or not chains or not isinstance(chains[0], dict):
+        return None
+    c = chains[0]
+    severity = c.get("severity")
+    out: dict[str, Any] = {
+        "severity": severity if severity in SEVERITIES else None,
+        "root_cause": printable(c["root_cause"], MAX_NAME)
+        if isinstance(c.get("root_cause"), str) else None,
+        "summary": printable(c["summary"], 1000) if isinstance(c.get("summary"), str)
+        else None,
+    }
+    culprit = c.get("culprit")
+    if isinstance(culprit, dict):
+        pid = culprit.get("pid")
+        comm = culprit.get("comm")
+        out["culprit"] = {
+            "pid": pid if isinstance(pid, int) and not isinstance(pid, bool)
+            and 0 < pid < INT32 else None,
+            "comm": printable(comm, MAX_TEXT) if isinstance(comm, str) else None}
+    return out

@@ -1,0 +1,473 @@
+"""Each traced NCCL rank's last calls, kept in memory: ``GET /api/v1/ranks`` and the hang
+gauge of ``/metrics``.
+
+The tracer hands its decoded batches to the agent's writer; :class:`ObservedWriter` (the
+writer the agent gives the tracer) shows every batch to a :class:`RankBook` on the
+way. The book keeps, per process that made NCCL calls, its last collective per
+communicator, its last send/receive per peer and its last CUDA or NCCL call, plus the
+rank identity and exit facts of the process rows. A poll then costs a copy of that
+state and two small ``/proc`` reads per rank, never a database query, and it does not
+wait for a reader slot (like ``health``), so heavy queries cannot delay it.
+
+What the book holds is what the tracer saw since the agent started; it is bounded
+(:data:`MAX_RANKS` processes, :data:`MAX_COMMS` communicators and :data:`MAX_PEERS`
+send/receive entries per process; the least recently active process goes first).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from fleetd.analyze.hangs import (
+    COLLECTIVE_OPS,
+    INIT_OPS,
+    P2P_OPS,
+    Collective,
+    LastCall,
+    PointToPoint,
+    RankView,
+    waits,
+)
+from fleetd.node.api import STATE, json_response
+from fleetd.store.catalog import BY_CODE, BY_NAME
+from fleetd.store.schema import EventRow
+from fleetd.store.writer import BatchWriter
+
+log = logging.getLogger("fleetd.node.ranks")
+
+MAX_RANKS = 512  # processes with NCCL calls
+MAX_COMMS = 64  # communicators per process
+MAX_PEERS = 256  # (communicator, op, peer) send/receive entries per process
+MAX_IDENTITIES = 4096  # process rows remembered for ranks not seen yet
+NCCL_LO, NCCL_HI = 400, 499  # NCCL's op codes; below them: CUDA runtime, graph, driver
+
+_CODES = {name: op.code for name, op in BY_NAME.items() if op.source == "nccl"}
+_COLLECTIVES = frozenset(_CODES[n] for n in COLLECTIVE_OPS if n in _CODES)
+_P2P_OPS = frozenset(_CODES[n] for n in P2P_OPS if n in _CODES)
+_INITS = frozenset(_CODES[n] for n in INIT_OPS if n in _CODES)
+_STATES = {"R": "running", "S": "sleeping", "I": "sleeping", "D": "d_state", "T": "stopped",
+           "t": "stopped", "Z": "exited", "X": "exited", "x": "exited"}
+_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
+        "MASTER_PORT")
+
+
+def op_name(code: int) -> str:
+    op = BY_CODE.get(code)
+    return op.name if op is not None else f"op{code}"
+
+
+@dataclass(slots=True)
+class _Comm:
+    communicator: str
+    comm_hash: str | None = None
+    rank: int | None = None
+    nranks: int | None = None
+    op: int = 0
+    seq: int = 0
+    ts_ns: int = 0
+    dur_ns: int = 0
+    ret: int = 0
+    calls: int = 0
+
+
+@dataclass(slots=True)
+class _P2P:
+    communicator: str
+    comm_hash: str | None
+    op: int
+    peer: int
+    seq: int
+    ts_ns: int
+    dur_ns: int
+    ret: int
+    calls: int = 1
+
+
+@dataclass(slots=True)
+class _Proc:
+    pid: int
+    start_ticks: int | None
+    tid: int = 0  # the thread of its last NCCL call: its state is the rank's
+    comms: dict[str, _Comm] = field(default_factory=dict)
+    p2p: dict[tuple[str, int, int], _P2P] = field(default_factory=dict)
+    last: tuple[int, int, int, int] | None = None  # ts_ns, dur_ns, op, ret
+    active_ns: int = 0
+
+
+@dataclass(slots=True)
+class _Identity:
+    comm: str | None = None
+    rank: int | None = None
+    local_rank: int | None = None
+    world_size: int | None = None
+    job: str | None = None
+    exit_ns: int | None = None
+    exit_code: int | None = None
+
+
+class RankBook:
+    """The ranks' last calls, fed by the tracer's thread, read by the agent's loop."""
+
+    def __init__(self, proc_root: Path = Path("/proc")) -> None:
+        self.proc_root = proc_root
+        self._lock = threading.Lock()
+        self._procs: dict[int, _Proc] = {}
+        self._idents: dict[int, _Identity] = {}
+        self.dropped = 0  # processes forgotten to stay under MAX_RANKS
+        self.failures = 0  # batches the book could not read (never the writer's loss)
+
+    # ---- the tracer's side ------------------------------------------------------------
+
+    def observe(self, rows: Sequence[EventRow],
+                args: Sequence[tuple[int, Mapping[str, Any]]] = ()) -> None:
+        """Take note of a batch on its way to the writer; never raises."""
+        try:
+            self._observe(rows, args)
+        except Exception:  # the book must never cost the database a batch
+            self.failures += 1
+            if self.failures == 1:
+                log.exception("NCCL rank book: a batch could not be read")
+
+    def _observe(self, rows: Sequence[EventRow],
+                 args: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
+        nccl = [(rows[i], a) for i, a in args if NCCL_LO <= rows[i][4] <= NCCL_HI]
+        procs = self._procs
+        if not nccl and not procs:
+            return
+        new = {r[2] for r, _ in nccl if r[2] not in procs}
+        found = {pid: self._first_sight(pid) for pid in new}  # /proc reads, unlocked
+        with self._lock:
+            for pid, (ticks, ident) in found.items():
+                self._admit(pid, ticks, ident)
+            for row, a in nccl:
+                p = self._procs.get(row[2])
+                if p is not None:
+                    self._nccl(p, row, a)
+        if procs:
+            self._last_calls(rows)
+
+    def _last_calls(self, rows: Sequence[EventRow]) -> None:
+        procs = self._procs
+        # The one pass over every row, kept to a comprehension with two tests: each
+        # rank's last CUDA runtime/driver row in the batch (rings are drained one after
+        # the other, so "last" is exact per ring and within one poll across them).
+        last = {r[2]: r for r in rows if r[4] < NCCL_LO and r[2] in procs}
+        if not last:
+            return
+        with self._lock:
+            for pid, r in last.items():
+                p = procs.get(pid)
+                if p is not None and (p.last is None or r[0] >= p.last[0]):
+                    p.last = (r[0], r[1], r[4], r[5])
+                    p.active_ns = max(p.active_ns, r[0])
+
+    def _nccl(self, p: _Proc, row: EventRow, a: Mapping[str, Any]) -> None:
+        ts, dur, _pid, tid, op, ret = row[:6]
+        ptr = _text(a.get("comm")) or "0x0"
+        hashed = _text(a.get("comm_hash"))
+        p.tid = tid
+        p.active_ns = max(p.active_ns, ts)
+        if p.last is None or ts >= p.last[0]:
+            p.last = (ts, dur, op, ret)
+        if op in _COLLECTIVES:
+            c = self._comm(p, ptr)
+            if c is None:
+                return
+            seq = a.get("seq")
+            c.calls += 1
+            # Numbered by the tracer (in the kernel) per (process, communicator); an older
+            # tracer without it: counted here.
+            seq = seq if isinstance(seq, int) and seq > 0 else c.seq + 1
+            if seq >= c.seq:
+                c.op, c.seq, c.ts_ns, c.dur_ns, c.ret = op, seq, ts, dur, ret
+            if hashed:
+                c.comm_hash = hashed
+                c.rank, c.nranks = _int(a.get("rank")), _int(a.get("nranks"))
+        elif op in _P2P_OPS:
+            peer = row[9]
+            key = (ptr, op, peer)
+            e = p.p2p.get(key)
+            seq = a.get("seq")
+            if e is None:
+                if len(p.p2p) >= MAX_PEERS:
+                    return
+                n = seq if isinstance(seq, int) and seq > 0 else 1
+                p.p2p[key] = _P2P(ptr, hashed, op, peer, n, ts, dur, ret)
+                return
+            e.calls += 1
+            n = seq if isinstance(seq, int) and seq > 0 else e.seq + 1
+            if n >= e.seq:
+                e.seq, e.ts_ns, e.dur_ns, e.ret = n, ts, dur, ret
+                e.comm_hash = hashed or e.comm_hash
+        elif op in _INITS and ret == 0 and hashed and ptr != "0x0":
+            # A communicator created: the rank sits before its collective 1 until then.
+            c = self._comm(p, ptr)
+            if c is not None and c.seq == 0:
+                c.op, c.ts_ns, c.dur_ns, c.ret = op, ts, dur, ret
+                c.comm_hash, c.rank, c.nranks = hashed, row[9], row[8]
+
+    def _comm(self, p: _Proc, ptr: str) -> _Comm | None:
+        c = p.comms.get(ptr)
+        if c is None:
+            if len(p.comms) >= MAX_COMMS:
+                return None
+            c = p.comms[ptr] = _Comm(ptr)
+        return c
+
+    def _first_sight(self, pid: int) -> tuple[int | None, _Identity]:
+        """The process's start time (to notice a reused pid) and its torchrun identity,
+        read once, when its first NCCL call is seen."""
+        fields = _stat(self.proc_root / str(pid) / "stat")
+        ticks = _int_text(fields[19]) if fields and len(fields) > 19 else None
+        env = _environ(self.proc_root / str(pid) / "environ")
+        job = env.get("TORCHELASTIC_RUN_ID") or (
+            f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+            if env.get("MASTER_ADDR") and env.get("MASTER_PORT") else None)
+        return ticks, _Identity(rank=_int_text(env.get("RANK")),
+                                local_rank=_int_text(env.get("LOCAL_RANK")),
+                                world_size=_int_text(env.get("WORLD_SIZE")), job=job)
+
+    def _admit(self, pid: int, ticks: int | None, env: _Identity) -> None:
+        if pid in self._procs:
+            return
+        if len(self._procs) >= MAX_RANKS:
+            oldest = min(self._procs.values(), key=lambda x: x.active_ns)
+            del self._procs[oldest.pid]
+            self.dropped += 1
+        self._procs[pid] = _Proc(pid, ticks)
+        known = self._idents.setdefault(pid, _Identity())
+        for k in ("rank", "local_rank", "world_size", "job"):
+            if getattr(known, k) is None:
+                setattr(known, k, getattr(env, k))
+
+    def observe_processes(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        """Process rows (rank identity from the environment, exits); never raises."""
+        try:
+            with self._lock:
+                for r in rows:
+                    pid = r.get("pid")
+                    if not isinstance(pid, int):
+                        continue
+                    ident = self._idents.get(pid)
+                    if ident is None:
+                        if len(self._idents) >= MAX_IDENTITIES:
+                            self._forget_identity()
+                        ident = self._idents[pid] = _Identity()
+                    for k in ("comm", "rank", "local_rank", "world_size", "job"):
+                        if r.get(k) is not None:
+                            setattr(ident, k, r[k])
+                    if r.get("exit_ns") is not None:
+                        ident.exit_ns, ident.exit_code = r["exit_ns"], r.get("exit_code")
+        except Exception:
+            self.failures += 1
+            log.exception("NCCL rank book: process rows could not be read")
+
+    def _forget_identity(self) -> None:
+        for pid in self._idents:
+            if pid not in self._procs:
+                del self._idents[pid]
+                return
+
+    # ---- the loop's side --------------------------------------------------------------
+
+    def snapshot(self, node: str, now_ns: int | None = None) -> list[dict[str, Any]]:
+        """Every rank as ``GET /api/v1/ranks`` lists it (docs/api.md), most recently
+        active first, with its process state read now."""
+        with self._lock:
+            procs = [(_copy(p), self._idents.get(p.pid) or _Identity())
+                     for p in self._procs.values()]
+        now = time.time_ns() if now_ns is None else now_ns
+        procs.sort(key=lambda x: -x[0].active_ns)
+        return [self._rank_json(p, ident, now) for p, ident in procs]
+
+    def _rank_json(self, p: _Proc, ident: _Identity, now: int) -> dict[str, Any]:
+        state, code, wchan = self.proc_state(p)
+        exited = state == "exited"
+        out: dict[str, Any] = {
+            "pid": p.pid, "comm": ident.comm, "rank": ident.rank,
+            "local_rank": ident.local_rank, "world_size": ident.world_size, "job": ident.job,
+            "state": state, "state_code": code, "wchan": wchan,
+            "exit_code": ident.exit_code if exited else None,
+            "exited_age_ns": max(0, now - ident.exit_ns) if exited and ident.exit_ns
+            else None,
+            "collectives": [],
+            "last_call": None,
+            "p2p": [],
+        }
+        for c in sorted(p.comms.values(), key=lambda c: -c.ts_ns):
+            out["collectives"].append({
+                "communicator": c.communicator, "comm_hash": c.comm_hash, "rank": c.rank,
+                "nranks": c.nranks, "op": op_name(c.op), "seq": c.seq, "ts_ns": c.ts_ns,
+                "age_ns": max(0, now - c.ts_ns), "dur_ns": c.dur_ns, "ret": c.ret,
+                "calls": c.calls})
+        if p.last is not None:
+            ts, dur, op, ret = p.last
+            out["last_call"] = {"op": op_name(op), "ts_ns": ts, "age_ns": max(0, now - ts),
+                                "dur_ns": dur, "ret": ret}
+        for e in sorted(p.p2p.values(), key=lambda e: -e.ts_ns):
+            out["p2p"].append({
+                "communicator": e.communicator, "comm_hash": e.comm_hash, "op": op_name(e.op),
+                "peer": e.peer, "seq": e.seq, "ts_ns": e.ts_ns, "age_ns": max(0, now - e.ts_ns),
+                "dur_ns": e.dur_ns, "ret": e.ret, "calls": e.calls})
+        return out
+
+    def proc_state(self, p: _Proc) -> tuple[str, str | None, str | None]:
+        """(state, the letter of /proc/PID/stat, wait channel) of the thread that made the
+        rank's last NCCL call (its process when that thread is gone). A pid that now
+        belongs to another process (a different start time) has exited."""
+        base = self.proc_root / str(p.pid)
+        fields = _stat(base / "stat")
+        if not fields or len(fields) < 20:
+            return "exited", None, None
+        if p.start_ticks is not None and _int_text(fields[19]) != p.start_ticks:
+            return "exited", None, None
+        task = base / "task" / str(p.tid) if p.tid and p.tid != p.pid else base
+        tfields = _stat(task / "stat") if task is not base else fields
+        if not tfields:
+            task, tfields = base, fields
+        code = tfields[0]
+        if fields[0] in ("Z", "X", "x"):
+            code = fields[0]  # the process is dead, whatever its thread's record says
+        state = _STATES.get(code, "unknown")
+        wchan = None
+        if state not in ("running", "exited"):
+            text = _read(task / "wchan")
+            wchan = text.strip() if text and text.strip() not in ("", "0") else None
+        return state, code, wchan
+
+    def views(self, node: str) -> list[RankView]:
+        """The ranks as :mod:`fleetd.analyze.hangs` judges them (the agent's gauge)."""
+        return [view_of(node, r) for r in self.snapshot(node)]
+
+    def count(self) -> int:
+        return len(self._procs)
+
+
+def _copy(p: _Proc) -> _Proc:
+    return _Proc(p.pid, p.start_ticks, p.tid,
+                 {k: _Comm(c.communicator, c.comm_hash, c.rank, c.nranks, c.op, c.seq,
+                           c.ts_ns, c.dur_ns, c.ret, c.calls) for k, c in p.comms.items()},
+                 {k: _P2P(e.communicator, e.comm_hash, e.op, e.peer, e.seq, e.ts_ns,
+                          e.dur_ns, e.ret, e.calls) for k, e in p.p2p.items()},
+                 p.last, p.active_ns)
+
+
+def view_of(node: str, r: Mapping[str, Any]) -> RankView:
+    """One rank of the agent's own answer as a :class:`RankView`."""
+    last = r["last_call"]
+    return RankView(
+        node=node, pid=r["pid"], comm=r["comm"], rank=r["rank"], world_size=r["world_size"],
+        job=r["job"], state=r["state"], wchan=r["wchan"], exit_code=r["exit_code"],
+        exited_age_ns=r["exited_age_ns"],
+        collectives=[Collective(c["communicator"], c["comm_hash"], c["rank"], c["nranks"],
+                                c["op"], c["seq"], c["age_ns"], c["ret"])
+                     for c in r["collectives"]],
+        last_call=LastCall(last["op"], last["age_ns"], last["ret"]) if last else None,
+        p2p=[PointToPoint(e["communicator"], e["comm_hash"], e["op"], e["peer"], e["seq"],
+                          e["age_ns"], e["ret"]) for e in r["p2p"]])
+
+
+# ---- /proc ------------------------------------------------------------------------------
+
+
+def _read(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4096).decode(errors="replace")
+    except OSError:
+        return None
+
+
+def _stat(path: Path) -> list[str] | None:
+    """The fields of a /proc stat file after the command name (which may hold spaces)."""
+    text = _read(path)
+    if not text or ")" not in text:
+        return None
+    return text.rsplit(")", 1)[1].split()
+
+
+def _environ(path: Path) -> dict[str, str]:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(256 * 1024)
+    except OSError:
+        return {}
+    out: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        name = key.decode(errors="replace")
+        if sep and name in _ENV:
+            out[name] = value.decode(errors="replace")[:256]
+    return out
+
+
+def _int_text(v: str | None) -> int | None:
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _text(v: Any) -> str | None:
+    return v[:64] if isinstance(v, str) and v else None
+
+
+# ---- wiring -----------------------------------------------------------------------------
+
+
+class ObservedWriter(BatchWriter):
+    """The agent's batch writer, showing every batch of events and process rows to the
+    rank book before queueing it."""
+
+    def __init__(self, path: Path, node: str, book: RankBook, **kw: Any) -> None:
+        super().__init__(path, node, **kw)
+        self.book = book
+
+    def add_events(self, rows: Sequence[EventRow],
+                   args: Sequence[tuple[int, Mapping[str, Any]]] = ()) -> bool:
+        self.book.observe(rows, args)
+        return super().add_events(rows, args)
+
+    def add_processes(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        listed = list(rows)
+        self.book.observe_processes(listed)
+        super().add_processes(listed)
+
+
+RANKBOOK = web.AppKey("rankbook", RankBook)
+
+
+async def ranks(request: web.Request) -> web.StreamResponse:
+    """``GET /api/v1/ranks``: every traced NCCL rank's last calls and process state."""
+    st = request.app[STATE]
+    book = request.app[RANKBOOK]
+    now = time.time_ns()
+    found = book.snapshot(st.node, now)
+    return json_response({"node": st.node, "now_ns": now, "tracing": st.tracing,
+                          "ranks": found, "dropped": book.dropped})
+
+
+def local_waits(book: RankBook, node: str) -> Callable[[], list[tuple[str, str, int]]]:
+    """For /metrics: per group of this node's ranks (matching, key), how long its ranks
+    have waited (ns; 0 when nobody waits)."""
+    def measure() -> list[tuple[str, str, int]]:
+        if not book.count():
+            return []
+        return [(g.matching, g.key, ns) for g, ns in waits(book.views(node))]
+
+    return measure
+
+
+ROUTES = [web.get("/api/v1/ranks", ranks)]

@@ -1,0 +1,265 @@
+"""Hangs caught in seconds (issue #15, item 4): one real agent on loopback with
+certificates from `fleetd certs`, tracing four ranks of tests/workloads/nccl_ranks.py
+(the real libnccl, in lockstep over a TCP barrier), and `fleetd watch` against it.
+
+- one rank SIGSTOPped: `fleetd watch --hang-after 10s` exits 6 within 20 s of the stop,
+  naming the rank, its node and pid, state `stopped`, and the collective number;
+- one rank killed: named `exited`;
+- a quiet run: no hang (bounded with --for);
+- without tracing (no root needed): the endpoint answers empty, is not held up by a
+  flood of slow queries, and `watch` treats a dead node as a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+import pytest
+from agents import Agent, Pki, agent, client_ssl, make_pki, request
+
+from conftest import FLEETD, REPO, build_db
+
+WORKLOAD = REPO / "tests" / "workloads" / "nccl_ranks.py"
+RANKS = 4
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def tracing(test: F) -> F:
+    """Real BPF on real ranks: root, and never skipped in CI (conftest)."""
+    marked = pytest.mark.skipif(os.geteuid() != 0, reason="tracing needs root")(test)
+    return pytest.mark.bpf(pytest.mark.slow(marked))  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"), ["n1"], ["laptop", "desk"])
+
+
+def tls_args(pki: Pki) -> list[str]:
+    cert, key = pki.pair("laptop")
+    return ["--ca-cert", str(pki.ca), "--client-cert", str(cert), "--client-key", str(key)]
+
+
+def watch(pki: Pki, nodes: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([FLEETD, "watch", "--nodes", nodes, *tls_args(pki), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def address(a: Agent) -> str:
+    return f"{a.node}={a.url.removeprefix('https://')}"
+
+
+@dataclass
+class Job:
+    launcher: subprocess.Popen[str]
+    pids: list[int]  # by rank
+    agent: Agent
+
+
+@contextmanager
+def traced_job(tmp_path: Path, pki: Pki) -> Iterator[Job]:
+    """Four ranks under one agent; yields once every rank has made a few collectives."""
+    go, said = tmp_path / "go", tmp_path / "ranks.out"
+    with said.open("w") as out:  # a file: the ranks' summaries never block on a pipe
+        launcher = subprocess.Popen(
+            [sys.executable, str(WORKLOAD), "--spawn", str(RANKS), "--seconds", "120",
+             "--compute-ms", "2", "--go-file", str(go), "--barrier-timeout", "150"],
+            stdout=out, text=True, start_new_session=True)
+    try:
+        _wait(lambda: '"pids"' in said.read_text(), "the ranks ready", 30)
+        ready = json.loads(said.read_text().splitlines()[0])
+        assert ready["event"] == "ready", ready
+        pids = _by_rank(ready["pids"])
+        with agent(tmp_path / "n1.db", "n1", pki,
+                   *(a for p in pids for a in ("--pid", str(p)))) as a:
+            _wait(lambda: request(a.url, client_ssl(pki))[1]["tracing"], "tracing")
+            go.touch()
+            _wait(lambda: _all_ranks_past(a, pki, 5), "four ranks past collective 5")
+            yield Job(launcher, pids, a)
+    finally:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with suppress(ProcessLookupError):
+                os.killpg(launcher.pid, sig)
+        launcher.wait(20)
+
+
+def _by_rank(pids: list[int]) -> list[int]:
+    out = {}
+    for pid in pids:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = next(int(e[5:]) for e in env if e.startswith(b"RANK="))
+        out[rank] = pid
+    return [out[r] for r in range(RANKS)]
+
+
+def _wait(cond: Any, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not reached within {timeout} s: {what}")
+
+
+def _all_ranks_past(a: Agent, pki: Pki, seq: int) -> bool:
+    status, body, _ = request(a.url, client_ssl(pki), path="/api/v1/ranks")
+    assert status == 200, body
+    seqs = [max((c["seq"] for c in r["collectives"]), default=0) for r in body["ranks"]]
+    return len(seqs) == RANKS and min(seqs) >= seq
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"watch still running after {timeout} s: {err}") from None
+    return proc.returncode, out, err
+
+
+# ---- with real ranks ----------------------------------------------------------------------
+
+
+@tracing
+def test_a_stopped_rank_is_named_within_20_s(tmp_path: Path, pki: Pki) -> None:
+    with traced_job(tmp_path, pki) as job:
+        # The endpoint, as a user reads it: four ranks of one torchrun job.
+        _, body, _ = request(job.agent.url, client_ssl(pki), path="/api/v1/ranks")
+        got = {r["pid"]: r for r in body["ranks"]}
+        assert set(got) == set(job.pids) and body["tracing"] is True
+        r2 = got[job.pids[2]]
+        assert (r2["rank"], r2["world_size"]) == (2, RANKS) and r2["job"]
+        assert r2["collectives"][0]["op"].startswith("nccl") and r2["last_call"] is not None
+        assert r2["state"] in ("running", "sleeping")
+
+        w = watch(pki, address(job.agent), "--hang-after", "10s", "--format", "json",
+                  "--for", "60s")
+        time.sleep(2)  # the watch is polling a healthy job
+        os.kill(job.pids[2], signal.SIGSTOP)
+        stopped = time.monotonic()
+        code, out, err = _finish(w, 40)
+        took = time.monotonic() - stopped
+        print(f"SIGSTOP to verdict: {took:.1f} s")
+        assert code == 6, err
+        assert took < 20
+        v = json.loads(out)
+        assert v["status"] == "hang"
+        h = v["hangs"][0]
+        [c] = h["culprits"]
+        assert (c["node"], c["pid"], c["rank"], c["state"]) == ("n1", job.pids[2], 2,
+                                                                 "stopped")
+        assert h["kind"] in ("collective", "stalled") and h["waited_s"] >= 10
+        # The collective the others wait in (or, all having finished N, wait after).
+        assert h["seq"] == c["seq"] + 1
+        assert {x["pid"] for x in h["waiting"]} == {job.pids[r] for r in (0, 1, 3)}
+        if h["kind"] == "collective":
+            assert all(x["seq"] == h["seq"] for x in h["waiting"])
+        else:
+            assert all(x["seq"] == c["seq"] for x in h["waiting"])
+        assert f"rank 2 (n1 pid {job.pids[2]}, stopped" in h["summary"]
+        # The table names the same, and the gauge of /metrics shows the wait.
+        once = subprocess.run([FLEETD, "watch", "--nodes", address(job.agent),
+                               *tls_args(pki), "--hang-after", "10s", "--once"],
+                              capture_output=True, text=True, timeout=60)
+        assert once.returncode == 6 and "stopped" in once.stdout
+        assert str(job.pids[2]) in once.stdout and f"collective {h['seq']}" in once.stdout
+        _, _, metrics = request(job.agent.url, client_ssl(pki), path="/metrics")
+        gauge = [x for x in metrics.decode().splitlines()
+                 if x.startswith("fleetd_nccl_wait_seconds{")]
+        assert gauge and float(gauge[0].rsplit(" ", 1)[1]) >= 10
+
+
+@tracing
+def test_a_rank_that_exits_is_named_exited(tmp_path: Path, pki: Pki) -> None:
+    with traced_job(tmp_path, pki) as job:
+        w = watch(pki, address(job.agent), "--hang-after", "10s", "--format", "json",
+                  "--for", "60s")
+        time.sleep(2)
+        os.kill(job.pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        code, out, err = _finish(w, 40)
+        assert code == 6, err
+        assert time.monotonic() - killed < 20
+        h = json.loads(out)["hangs"][0]
+        [c] = h["culprits"]
+        assert (c["pid"], c["rank"], c["state"]) == (job.pids[1], 1, "exited")
+        assert c["exit_code"] is None  # killed by a signal
+        assert "exited, killed by a signal" in h["summary"]
+
+
+@tracing
+def test_a_quiet_run_has_no_hang(tmp_path: Path, pki: Pki) -> None:
+    with traced_job(tmp_path, pki) as job:
+        w = watch(pki, address(job.agent), "--hang-after", "3s", "--interval", "0.5s",
+                  "--for", "6s", "--format", "json")
+        code, out, err = _finish(w, 40)
+        assert code == 0, out + err
+        v = json.loads(out)
+        assert v["status"] == "ok" and v["hangs"] == [] and v["ranks"] == RANKS
+        [g] = v["groups"]
+        assert (g["matching"], g["ranks"], g["size"]) == ("torchrun", [0, 1, 2, 3], RANKS)
+        assert g["seq"] > 5 and g["progress_s"] < 3
+        assert v["verdict"].startswith("no hang: job ")
+
+
+# ---- without tracing -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Agent]:
+    d = tmp_path_factory.mktemp("served")
+    with ExitStack() as stack:
+        yield stack.enter_context(agent(build_db(d / "n1.db", "n1", 400), "n1", pki,
+                                        "--no-trace"))
+
+
+def test_no_ranks_and_a_dead_node_is_a_warning(served: Agent, pki: Pki) -> None:
+    status, body, _ = request(served.url, client_ssl(pki), path="/api/v1/ranks")
+    assert status == 200 and body["ranks"] == [] and body["tracing"] is False
+    assert body["node"] == "n1" and isinstance(body["now_ns"], int)
+    w = watch(pki, f"{address(served)},dead=127.0.0.1:9", "--once")
+    code, out, err = _finish(w, 60)
+    assert code == 0, err
+    assert out.startswith("no hang: no traced process has made NCCL calls")
+    assert "fleetd: warning: node dead: refused" in err
+    w = watch(pki, "dead=127.0.0.1:9", "--once", "--format", "json")
+    code, out, _ = _finish(w, 60)
+    assert code == 4 and json.loads(out)["status"] == "ok"
+
+
+def test_the_ranks_endpoint_does_not_wait_behind_slow_queries(served: Agent,
+                                                              pki: Pki) -> None:
+    runaway = {"sql": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
+                      "SELECT count(*) FROM c", "timeout_s": 3}
+    clients = [client_ssl(pki, "laptop"), client_ssl(pki, "desk")]
+
+    async def go() -> float:
+        async with aiohttp.ClientSession() as s:
+            async def ask(ctx: Any) -> int:
+                async with s.post(served.url + "/api/v1/query", ssl=ctx, json=runaway) as r:
+                    await r.read()
+                    return r.status
+            flood = [asyncio.create_task(ask(ctx)) for ctx in clients for _ in range(4)]
+            await asyncio.sleep(0.5)  # every reader slot is taken now
+            t0 = time.monotonic()
+            async with s.get(served.url + "/api/v1/ranks", ssl=clients[0]) as r:
+                assert r.status == 200
+            took = time.monotonic() - t0
+            await asyncio.gather(*flood)
+            return took
+
+    assert asyncio.run(go()) < 0.5
