@@ -33,7 +33,7 @@ from fleetd.ingest.session import (
     open_sqlite,
 )
 from fleetd.store.catalog import BY_NAME
-from fleetd.store.imports import ANNOTATION_KINDS, GPU_KINDS, STATE_NOT_RECORDED
+from fleetd.store.imports import ANNOTATION_KINDS, GPU_KINDS, GPU_PID, STATE_NOT_RECORDED
 
 KERNELS = "CUPTI_ACTIVITY_KIND_KERNEL"
 RUNTIME = ("CUPTI_ACTIVITY_KIND_RUNTIME", "CUPTI_ACTIVITY_KIND_DRIVER")
@@ -248,11 +248,12 @@ def _rows(ex: _Export, batch: Any, names: Names, offset: int, launches: dict[int
         coll = nccl_collective(name) if kind == "kernel" else None
         # A synchronization has no stream of its own (nsys writes 2^32 - 1).
         st = _int(stream, "streamId", ex.src)
-        batch.gpu.append((s + offset, max(0, e - s), _pid(_int(gpid, "globalPid", ex.src)),
-                          _int(dev, "deviceId", ex.src), -1 if st == 0xFFFFFFFF else st,
-                          code, names(name), c, launches.get(c, -1) if c else -1,
+        batch.gpu.append((s + offset, max(0, e - s), _int(dev, "deviceId", ex.src),
+                          -1 if st == 0xFFFFFFFF else st, code, names(name), c,
                           _int(nbytes, "bytes", ex.src), names(coll) if coll else 0,
-                          *(_int(d, "grid/block", ex.src) for d in dims)))
+                          *(_int(d, "grid/block", ex.src) for d in dims),
+                          _pid(_int(gpid, "globalPid", ex.src)),
+                          launches.get(c, -1) if c else -1))
         n += 1
     return n
 
@@ -339,7 +340,7 @@ def _sched(ex: _Export, batch: Any, offset: int, parsed: Parsed) -> None:
 
 def _processes(ex: _Export, batch: Any) -> None:
     """Names of the processes and threads the rows mention (not the whole machine)."""
-    pids = {r[2] for r in batch.events} | {r[2] for r in batch.gpu}
+    pids = {r[2] for r in batch.events} | {r[GPU_PID] for r in batch.gpu}
     procs: dict[int, str | None] = dict.fromkeys(pids)
     if ex.has("PROCESSES"):
         for pid, name in ex.rows("SELECT pid, name FROM PROCESSES"):

@@ -1,11 +1,23 @@
-"""Writing one imported profiler file (nsys, Kineto) into a node database, all or nothing.
+"""Writing imported profiler files (nsys, Kineto) into a node database, all or nothing.
 
 The batch writer is made for a tracer: a queue, many small commits, rows dropped and
-counted when the disk cannot keep up. An import is the opposite case: the whole file is
-parsed before the database is touched, and its rows must land in one transaction or not
-at all, so that a failed import leaves nothing behind and a repeated one adds nothing.
-This module is that one transaction. It shares the row layouts (event fields, process
-and thread upserts) with :mod:`fleetd.store.writer`.
+counted when the disk cannot keep up. An import is the opposite case: every file is
+parsed before the database is touched, and their rows must land in one transaction or
+not at all, so that a failed import leaves nothing behind and a repeated one adds
+nothing. This module is that one transaction (one session per file). It shares the row
+layouts (event fields, process and thread upserts) with :mod:`fleetd.store.writer`.
+
+Speed: the rows go to ``executemany`` as the readers built them, many rows to one
+statement, flattened in C: ids are left to SQLite, which numbers a row one past the
+table's largest id, after the first row of a table is given its id (that takes ids
+``first, first + 1, ...`` exactly when no other node's rows have larger ids, checked
+before and after; otherwise each row gets its id from Python); constants of the import
+(session, the seq of the first launch call) are written into the statement. Into a file
+this import creates (nothing else reads it yet, and a failed import removes it), the
+``ts_ns`` indexes are built once after the rows are in rather than kept up row by row,
+and the transaction uses the rollback journal rather than the WAL, which would write
+every page twice (pages a transaction adds to a file need no journal; fsyncs as usual);
+the file is switched back to WAL afterwards, as every writer opens it.
 
 Identity of an import: the sha256 of the source file, kept in the session's ``targets``
 JSON (``{"import": {"sha256": ...}}``) and seen through the ``imports`` view. A file whose
@@ -14,9 +26,12 @@ hash is already in the database is not imported again, under any node.
 
 from __future__ import annotations
 
+import re
 import sqlite3
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +39,8 @@ import orjson
 
 from fleetd.errors import StoreError, UsageError
 from fleetd.store.db import ensure_node, open_writer
-from fleetd.store.schema import SCHEMA_VERSION, SEQ_BITS, SEQ_MASK, EventRow
-from fleetd.store.writer import _EVENT_SQL, _PROCESS_COLS, _PROCESS_SQL, _TASK_SQL
+from fleetd.store.schema import EVENT_FIELDS, SCHEMA_VERSION, SEQ_BITS, SEQ_MASK, EventRow
+from fleetd.store.writer import _PROCESS_COLS, _PROCESS_SQL, _TASK_SQL
 
 GPU_KINDS: dict[str, int] = {"kernel": 1, "memcpy": 2, "memset": 3, "sync": 4}
 ANNOTATION_KINDS: dict[str, int] = {"step": 1, "nvtx": 2, "user_annotation": 3, "cpu_op": 4}
@@ -34,23 +49,27 @@ ANNOTATION_KINDS: dict[str, int] = {"step": 1, "nvtx": 2, "user_annotation": 3, 
 # Far above the kernel's own report bits (0x01..0x100), so ``a0 & 255`` reads are unchanged.
 STATE_NOT_RECORDED = 1 << 16
 
-# (ts_ns, dur_ns, pid, device, stream, kind, name, correlation, launch, bytes, collective,
-#  grid_x, grid_y, grid_z, block_x, block_y, block_z); launch is an index into the
-# batch's events (-1: none), turned into that event's seq when written.
+# (ts_ns, dur_ns, device, stream, kind, name, correlation, bytes, collective, grid_x,
+#  grid_y, grid_z, block_x, block_y, block_z, pid, launch); launch is an index into the
+# batch's events (-1: none), turned into that event's seq when written. pid and launch
+# come last: a reader knows them only once every launch call is read and ordered, and
+# then adds them to the rest of the row in one tuple concatenation.
 GpuRow = tuple[int, int, int, int, int, int, int, int, int, int, int,
                int, int, int, int, int, int]
+GPU_KIND, GPU_PID, GPU_LAUNCH = 4, 15, 16  # positions in a GpuRow
 # (ts_ns, dur_ns, pid, tid, kind, name)
 AnnotationRow = tuple[int, int, int, int, int, int]
 
-_GPU_SQL = (
-    "INSERT INTO gpu_data(id, session, ts_ns, dur_ns, pid, device, stream, kind, name, "
-    "correlation, launch, bytes, collective, grid_x, grid_y, grid_z, block_x, block_y, "
-    "block_z) VALUES (" + ", ".join("?" * 19) + ")"
-)
-_ANNOTATION_SQL = (
-    "INSERT INTO annotation_data(id, session, ts_ns, dur_ns, pid, tid, kind, name) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-)
+_GPU_COLS = (
+    "ts_ns, dur_ns, pid, device, stream, kind, name, correlation, launch, bytes, collective, "
+    "grid_x, grid_y, grid_z, block_x, block_y, block_z")
+_ANNOTATION_COLS = "ts_ns, dur_ns, pid, tid, kind, name"
+# The tables whose indexes a bulk load into a new file builds at the end.
+_BULK_TABLES = ("event_data", "gpu_data", "annotation_data")
+# Rows per INSERT statement (fewer when SQLite allows fewer parameters): 16 to 256 took
+# 40-50% less time than one row per statement (executemany and SQLite pay per statement).
+ROWS_PER_INSERT = 64
+_PARAM = re.compile(r"\?(\d+)")
 _SESSION_SQL = (
     "INSERT INTO session_data(node, seq, host, started_ns, ended_ns, mono_offset_ns, "
     "clock_error_ns, rank, local_rank, world_size, tool_version, schema_version, targets, "
@@ -89,78 +108,195 @@ class ImportOutcome:
     session: int  # the import's session seq (the earlier one for a repeated file)
     added: dict[str, int]  # table -> rows written; all zero for a repeated file
     already: bool  # the file was imported before
+    timings: dict[str, float] = field(default_factory=dict)  # insert, index: seconds
 
 
 def write_import(path: Path, batch: ImportBatch) -> ImportOutcome:
-    """Write ``batch`` into the database at ``path`` in one transaction; a database this
-    call created is removed again when the write fails."""
+    """Write one batch: :func:`write_imports` of one."""
+    return write_imports(path, [batch])[0]
+
+
+def write_imports(path: Path, batches: Sequence[ImportBatch]) -> list[ImportOutcome]:
+    """Write every batch, each as its own session, in one transaction: all of them or
+    nothing (a database this call created is removed again when the write fails).
+
+    A value no SQLite integer holds (a damaged file: a time or an id past 2^63) is
+    refused here, where binding it fails, for nothing in the transaction is kept then;
+    checking every value beforehand would cost a pass over every row."""
+    if not batches:
+        return []
     created = not path.exists()
     if not created:
-        _check_before_opening(path, batch.node)
+        for node in dict.fromkeys(batch.node for batch in batches):
+            _check_before_opening(path, node)
     done = False
+    t0 = time.perf_counter()
     conn = open_writer(path)
     try:
-        outcome = _write(conn, batch)
+        if created:
+            conn.execute("PRAGMA journal_mode=DELETE")
+        outcomes = _write(conn, batches, created, t0)
+        if created:
+            t1 = time.perf_counter()
+            conn.execute("PRAGMA journal_mode=WAL")
+            _add_time(outcomes[-1], "insert", time.perf_counter() - t1)
         done = True
-        return outcome
+        return outcomes
     except sqlite3.Error as exc:
         raise StoreError(f"writing the import into {path} failed: {exc}",
                          "check the free space and that no other writer holds the file") from exc
     finally:
         conn.close()
         if created and not done:
-            for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm"),
+                      Path(f"{path}-journal")):
                 p.unlink(missing_ok=True)
 
 
-def _write(conn: sqlite3.Connection, batch: ImportBatch) -> ImportOutcome:
+def _write(conn: sqlite3.Connection, batches: Sequence[ImportBatch], fresh: bool,
+           t0: float) -> list[ImportOutcome]:
+    """The one transaction. Timings: each batch's rows under its own "insert" (the first
+    batch's with opening the file, the last one's with the commit); "index", of the last
+    batch, the indexes built after a bulk load into a new file."""
     conn.execute("BEGIN IMMEDIATE")
     try:
-        seen = _find(conn, str(batch.source.get("sha256", "")))
-        if seen is not None:
-            conn.execute("ROLLBACK")
-            return ImportOutcome(seen[0], seen[1], {}, True)
-        _refuse_recorded_node(conn, batch.node)
-        key = ensure_node(conn, batch.node, batch.host)
-        session = _next(conn, "SELECT coalesce(max(seq), 0) FROM session_data WHERE node = ?",
-                        key)
-        conn.execute(_SESSION_SQL, (
-            key, session, batch.host, batch.started_ns, batch.ended_ns, batch.offset_ns,
-            batch.clock_error_ns, batch.rank, batch.local_rank, batch.world_size,
-            batch.tool_version, SCHEMA_VERSION,
-            orjson.dumps({"import": batch.source}).decode(), batch.command))
-        added = _rows(conn, key, session, batch)
+        indexes = _drop_indexes(conn) if fresh else []
+        outcomes = [_write_one(conn, batch) for batch in batches]
+        outcomes[0].timings["insert"] += time.perf_counter() - t0 - sum(
+            o.timings["insert"] for o in outcomes)
+        t1 = time.perf_counter()
+        for sql in indexes:
+            conn.execute(sql)
+        t2 = time.perf_counter()
         conn.execute("COMMIT")
-        return ImportOutcome(batch.node, session, added, False)
+        _add_time(outcomes[-1], "index", t2 - t1)
+        _add_time(outcomes[-1], "insert", time.perf_counter() - t2)
+        return outcomes
     except BaseException:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
 
 
+def _write_one(conn: sqlite3.Connection, batch: ImportBatch) -> ImportOutcome:
+    t0 = time.perf_counter()
+    seen = _find(conn, str(batch.source.get("sha256", "")))
+    if seen is not None:
+        return ImportOutcome(seen[0], seen[1], {}, True,
+                             {"insert": time.perf_counter() - t0})
+    _refuse_recorded_node(conn, batch.node)
+    key = ensure_node(conn, batch.node, batch.host)
+    session = _next(conn, "SELECT coalesce(max(seq), 0) FROM session_data WHERE node = ?",
+                    key)
+    try:
+        conn.execute(_SESSION_SQL, (
+            key, session, batch.host, batch.started_ns, batch.ended_ns, batch.offset_ns,
+            batch.clock_error_ns, batch.rank, batch.local_rank, batch.world_size,
+            batch.tool_version, SCHEMA_VERSION,
+            orjson.dumps({"import": batch.source}).decode(), batch.command))
+        added = _rows(conn, key, session, batch)
+    except OverflowError as exc:  # sqlite3: "Python int too large to convert to SQLite"
+        raise UsageError(f"{batch.source.get('path')}: holds a value (a time, an id or a "
+                         "size) beyond the 64-bit integers fleetd stores, so the file is "
+                         "damaged or not a trace; nothing was imported",
+                         "profile again, or export the report again") from exc
+    return ImportOutcome(batch.node, session, added, False,
+                         {"insert": time.perf_counter() - t0})
+
+
+def _add_time(outcome: ImportOutcome, stage: str, seconds: float) -> None:
+    outcome.timings[stage] = outcome.timings.get(stage, 0.0) + seconds
+
+
 def _rows(conn: sqlite3.Connection, key: int, session: int, batch: ImportBatch
           ) -> dict[str, int]:
     lo = key << SEQ_BITS
     ev0 = lo + _max_seq(conn, "event_data", lo) + 1
-    conn.executemany(_EVENT_SQL, ((ev0 + i, *r) for i, r in enumerate(batch.events)))
+    _bulk(conn, "event_data", ", ".join(EVENT_FIELDS),
+          [f"?{i}" for i in range(1, len(EVENT_FIELDS) + 1)], ev0, batch.events)
     conn.executemany("INSERT INTO event_args(id, args) VALUES (?, ?)",
                      ((ev0 + i, orjson.dumps(a).decode()) for i, a in batch.event_args))
     conn.executemany("INSERT OR IGNORE INTO gpu_names(hash, name) VALUES (?, ?)",
                      batch.names.items())
-    first_ev = ev0 & SEQ_MASK
-    g0 = lo + _max_seq(conn, "gpu_data", lo) + 1
-    conn.executemany(_GPU_SQL, (
-        (g0 + i, session, *r[:8], first_ev + r[8] if r[8] >= 0 else 0, *r[9:])
-        for i, r in enumerate(batch.gpu)))
-    a0 = lo + _max_seq(conn, "annotation_data", lo) + 1
-    conn.executemany(_ANNOTATION_SQL, ((a0 + i, session, *r)
-                                       for i, r in enumerate(batch.annotations)))
+    first_ev = int(ev0 & SEQ_MASK)
+    # the columns of gpu_data (_GPU_COLS) from a GpuRow; launch: an index into the batch's
+    # events (-1: none) -> that event's seq (0: none)
+    pid, launch = f"?{GPU_PID + 1}", f"?{GPU_LAUNCH + 1}"
+    gpu_values = ["?1", "?2", pid, "?3", "?4", "?5", "?6", "?7",
+                  f"CASE WHEN {launch} >= 0 THEN {launch} + {first_ev} ELSE 0 END",
+                  *(f"?{i}" for i in range(8, GPU_PID + 1))]
+    _bulk(conn, "gpu_data", f"session, {_GPU_COLS}", [str(int(session)), *gpu_values],
+          lo + _max_seq(conn, "gpu_data", lo) + 1, batch.gpu)
+    _bulk(conn, "annotation_data", f"session, {_ANNOTATION_COLS}",
+          [str(int(session)), *(f"?{i}" for i in range(1, 7))],
+          lo + _max_seq(conn, "annotation_data", lo) + 1, batch.annotations)
     conn.executemany(_PROCESS_SQL, ((key, *(p.get(c) for c in _PROCESS_COLS))
                                     for p in batch.processes))
     conn.executemany(_TASK_SQL, ((key, *t) for t in batch.tasks))
     return {"events": len(batch.events), "gpu": len(batch.gpu),
             "annotations": len(batch.annotations), "processes": len(batch.processes),
             "threads": len(batch.tasks)}
+
+
+def _bulk(conn: sqlite3.Connection, table: str, cols: str, values: list[str], first: int,
+          rows: Sequence[tuple[int, ...]]) -> None:
+    """Insert ``rows`` (bound as ?1.. in ``values``) with ids first, first + 1, ...
+
+    When no row of the table has a larger id than ``first`` (a file of one node, or this
+    node the last one added), the first row gets its id and SQLite numbers the others
+    (one past the largest id), ROWS_PER_INSERT rows to a statement: the rows' values are
+    bound from one flat tuple per statement, and the per-statement cost of executemany
+    and SQLite (the larger part of a row's cost, one row at a time) is paid once per
+    ROWS_PER_INSERT rows. Otherwise every row is given its id here, a row at a time."""
+    if not rows:
+        return
+    width = len(rows[0])
+    insert = f"INSERT INTO {table}(id, {cols}) VALUES "
+    one = ", ".join(values)
+    explicit = f"{insert}(?{width + 1}, {one})"  # the id bound after the row's values
+    top = conn.execute(f"SELECT max(id) FROM {table}").fetchone()[0]
+    if top is not None and top >= first:
+        conn.executemany(explicit, ((*r, first + i) for i, r in enumerate(rows)))
+        return
+    conn.execute(explicit, (*rows[0], first))
+    per = max(1, min(ROWS_PER_INSERT,
+                     conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // width))
+    whole = 1 + (len(rows) - 1) // per * per  # rows[1:whole] go per rows at a time
+    if whole > 1:
+        many = insert + ", ".join(f"(NULL, {_renumbered(one, j * width)})" for j in range(per))
+        conn.executemany(many, _flat(rows, 1, whole, per * width))
+    conn.executemany(f"{insert}(NULL, {one})", islice(rows, whole, None))
+    last = conn.execute(f"SELECT id, ts_ns FROM {table} WHERE id = (SELECT max(id) FROM "
+                        f"{table})").fetchone()
+    if tuple(last) != (first + len(rows) - 1, rows[-1][0]):  # never seen: see above
+        raise StoreError(f"{table}: row ids {first}.. did not come out in order ({last})",
+                         "report this as a fleetd bug")
+
+
+def _renumbered(sql: str, offset: int) -> str:
+    """``sql`` with every parameter ?N as ?(N + offset)."""
+    return _PARAM.sub(lambda m: f"?{int(m.group(1)) + offset}", sql)
+
+
+def _flat(rows: Sequence[tuple[int, ...]], start: int, stop: int, size: int
+          ) -> Iterator[tuple[int, ...]]:
+    """The values of rows[start:stop] in tuples of ``size`` (whole rows), made in C."""
+    values = chain.from_iterable(islice(rows, start, stop))
+    while block := tuple(islice(values, size)):
+        yield block
+
+
+def _drop_indexes(conn: sqlite3.Connection) -> list[str]:
+    """Drop the bulk-loaded tables' own indexes, returning the SQL that makes them again
+    (as the schema wrote it): built once at the end, an index costs a sort of its keys
+    instead of a B-tree descent per row."""
+    found = conn.execute(
+        "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL AND "
+        f"tbl_name IN ({', '.join('?' * len(_BULK_TABLES))}) ORDER BY rowid",
+        _BULK_TABLES).fetchall()
+    for name, _ in found:
+        conn.execute(f'DROP INDEX "{name}"')
+    return [str(sql) for _, sql in found]
 
 
 def _check_before_opening(path: Path, node: str) -> None:
@@ -227,6 +363,7 @@ def imported_sessions(conn: sqlite3.Connection) -> list[Mapping[str, Any]]:
     return [dict(zip(cols, r, strict=True)) for r in cur]
 
 
-__all__: Sequence[str] = ("ANNOTATION_KINDS", "GPU_KINDS", "STATE_NOT_RECORDED", "ImportBatch",
+__all__: Sequence[str] = ("ANNOTATION_KINDS", "GPU_KIND", "GPU_KINDS", "GPU_LAUNCH", "GPU_PID",
+                          "STATE_NOT_RECORDED", "ImportBatch",
                           "ImportOutcome",
-                          "write_import", "imported_sessions")
+                          "write_import", "write_imports", "imported_sessions")
