@@ -14,7 +14,9 @@ from fleetd.store.db import default_db_path, open_reader
 from fleetd.store.timeparse import parse_duration
 
 if TYPE_CHECKING:
-    from fleetd.export.perfetto import NodeStats
+    from collections.abc import Callable
+
+    from fleetd.export.perfetto import NodeStats, Written
 
 EXPORT_FORMATS = ("perfetto",)
 
@@ -89,8 +91,11 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout:
         raise UsageError(f"--timeout {args.timeout!r} only applies to live nodes",
                          "add --nodes HOST:PORT,... (or --config), or drop --timeout")
-    with stage(f"exporting {args.db or 'the database'}"):
-        stats, warnings = export_db(args, out)
+    from fleetd.export.perfetto import Written
+
+    written = Written()
+    with stage(f"exporting {args.db or 'the database'}", count=_count(written)):
+        stats, warnings = export_db(args, out, written)
     _wrote(out, stats)
     for w in warnings:
         print(f"fleetd: warning: {w}", file=sys.stderr)
@@ -106,8 +111,11 @@ def run_fleet(args: argparse.Namespace, out: Path | None) -> int:
     xopts = FleetExportOptions(WindowSpec(args.since, args.from_, args.to), args.pid,
                                args.limit_per_node, args.chains, not args.no_skew_correct,
                                offsets)
-    with stage("exporting the fleet's timelines"):
-        done = export_fleet(fleet_options(args), xopts, out)
+    from fleetd.export.perfetto import Written
+
+    written = Written()
+    with stage("exporting the fleet's timelines", count=_count(written)):
+        done = export_fleet(fleet_options(args), xopts, out, written)
     _wrote(out, done.stats)
     report(done.answer, args.show_skew)
     for w in done.warnings:
@@ -124,7 +132,12 @@ def _wrote(out: Path | None, stats: list[NodeStats]) -> None:
           "open it in https://ui.perfetto.dev", file=sys.stderr if out is None else sys.stdout)
 
 
-def export_db(args: argparse.Namespace, out: Path | None) -> tuple[list[NodeStats], list[str]]:
+def _count(written: Written) -> Callable[[], str]:
+    return lambda: f"{written.events:,} trace events written"
+
+
+def export_db(args: argparse.Namespace, out: Path | None, written: Written | None = None
+              ) -> tuple[list[NodeStats], list[str]]:
     """Export the database named by ``--db`` (or the default one)."""
     from fleetd.analyze.window import WindowSpec
     from fleetd.export.local import LocalOptions, local_traces
@@ -140,7 +153,7 @@ def export_db(args: argparse.Namespace, out: Path | None) -> tuple[list[NodeStat
         traces, origin, warnings = local_traces(conn, opts)
         meta = {"source": str(path.name), "window": window.to_json()}
         with open_output(out) as stream:
-            stats = write_trace(traces, stream, origin_ns=origin, meta=meta)
+            stats = write_trace(traces, stream, origin_ns=origin, meta=meta, written=written)
     finally:
         conn.close()
     return stats, warnings

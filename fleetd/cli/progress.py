@@ -12,7 +12,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
@@ -21,8 +21,10 @@ TICK_S = 1.0
 
 
 @contextmanager
-def stage(what: str, out: TextIO | None = None) -> Iterator[None]:
-    """Show ``what`` while the body runs."""
+def stage(what: str, out: TextIO | None = None,
+          count: Callable[[], str] | None = None) -> Iterator[None]:
+    """Show ``what`` while the body runs; ``count`` adds a running figure to the line
+    (``120,000 events``), read each tick."""
     stream = out if out is not None else sys.stderr
     if not _tty(stream):
         log.info("%s...", what)
@@ -34,7 +36,8 @@ def stage(what: str, out: TextIO | None = None) -> Iterator[None]:
     def tick() -> None:
         while True:
             elapsed = int(time.monotonic() - started)
-            stream.write(f"\r\x1b[Kfleetd: {what}... {elapsed} s" if elapsed
+            figure = f", {count()}" if count is not None else ""
+            stream.write(f"\r\x1b[Kfleetd: {what}... {elapsed} s{figure}" if elapsed
                          else f"\r\x1b[Kfleetd: {what}...")
             stream.flush()
             if done.wait(TICK_S):

@@ -43,7 +43,7 @@ from fleetd.export.model import (
     event_from_api,
 )
 from fleetd.export.output import check_output, open_output
-from fleetd.export.perfetto import NodeStats, write_trace
+from fleetd.export.perfetto import NodeStats, Written, write_trace
 from fleetd.export.pull import NodePull, PullSpec, Span, pull
 from fleetd.fleet.fanout import EXIT_NO_ANSWER, FleetAnswer, FleetOptions
 from fleetd.store.clockinfo import SessionClock, session_clock
@@ -80,7 +80,7 @@ class FleetExport:
 
 
 def export_fleet(opts: FleetOptions, xopts: FleetExportOptions,
-                 out: Path | None) -> FleetExport:
+                 out: Path | None, written: Written | None = None) -> FleetExport:
     """Pull every node and write one timeline to ``out`` (stdout for None)."""
     span = Span.of(xopts.window, time.time_ns())
     if out is not None:
@@ -110,7 +110,7 @@ def export_fleet(opts: FleetOptions, xopts: FleetExportOptions,
                      else time.time_ns())
         with open_output(out) as stream:
             stats = write_trace(traces, stream, origin_ns=origin,
-                                meta=_meta(answer, span, warnings))
+                                meta=_meta(answer, span, warnings), written=written)
     return FleetExport(answer, stats, warnings)
 
 

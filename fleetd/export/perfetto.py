@@ -105,19 +105,29 @@ def _stats_json(s: NodeStats) -> dict[str, Any]:
     return d
 
 
+class Written:
+    """How many trace events are written so far: a progress line reads it while the
+    exporter runs (ints are replaced whole, so another thread reads a valid count)."""
+
+    def __init__(self) -> None:
+        self.events = 0
+
+
 class _Sink:
     """Comma-separated JSON lines, written in chunks."""
 
-    def __init__(self, out: ByteSink) -> None:
+    def __init__(self, out: ByteSink, written: Written | None = None) -> None:
         self.out = out
         self.buf: list[str] = []
         self.first = True
+        self.written = written or Written()
 
     def flush(self) -> None:
         if self.buf:
             text = ",\n".join(self.buf)
             self.out.write(text.encode() if self.first else (",\n" + text).encode())
             self.first = False
+            self.written.events += len(self.buf)
             self.buf.clear()
 
 
@@ -156,9 +166,11 @@ def sort_nodes(nodes: Iterable[NodeTrace]) -> list[NodeTrace]:
 
 
 def write_trace(nodes: Sequence[NodeTrace], out: ByteSink, *, origin_ns: int,
-                meta: Mapping[str, Any] | None = None) -> list[NodeStats]:
-    """Write one timeline of ``nodes`` to ``out``; per-node statistics come back."""
-    sink = _Sink(out)
+                meta: Mapping[str, Any] | None = None, written: Written | None = None
+                ) -> list[NodeStats]:
+    """Write one timeline of ``nodes`` to ``out``; per-node statistics come back.
+    ``written`` counts the trace events as they go out (for a progress line)."""
+    sink = _Sink(out, written)
     out.write(b'{"displayTimeUnit":"ns","traceEvents":[\n')
     ids = FlowIds()
     stats = [_NodeExporter(sink, node, pid, origin_ns, ids).run()

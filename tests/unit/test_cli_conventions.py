@@ -263,6 +263,38 @@ def test_fetch_libcuda_uses_the_configured_apt_sources(tmp_path: Path) -> None:
 # ---- 6: long work says what it is doing -----------------------------------------------
 
 
+def test_export_counts_its_events_on_a_terminal(tmp_path: Path) -> None:
+    """The live line of a long export carries the trace events written so far, and the
+    count it reads is the file's own."""
+    import io
+    import time as _time
+
+    from fleetd.cli.progress import stage
+    from fleetd.export.perfetto import Written
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    shown, written = Tty(), Written()
+    with stage("exporting x", shown, count=lambda: f"{written.events:,} trace events written"):
+        written.events = 12345
+        _time.sleep(1.3)
+    assert "fleetd: exporting x... 1 s, 12,345 trace events written" in shown.getvalue()
+    out = tmp_path / "q.json"
+    proc = fleetd("export", "--db", str(SCENARIOS / "quiet.db"), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    import argparse
+
+    from fleetd.cli.export_cmd import export_db  # the count the line reads, on the file
+    args = argparse.Namespace(db=SCENARIOS / "quiet.db", since=None, from_=None, to=None,
+                              pid=None, limit_per_node=None, chains="auto",
+                              no_skew_correct=False, offset=[])
+    counted = Written()
+    export_db(args, tmp_path / "again.json", counted)
+    assert counted.events == len(json.loads(out.read_text())["traceEvents"])
+
+
 def test_long_work_logs_its_stages_in_pipes(tmp_path: Path) -> None:
     """In a pipe or a log: one INFO line per stage with -v, no carriage returns; on a
     terminal the same stage is a live line (fleetd/cli/progress.py)."""
