@@ -161,6 +161,9 @@ class NodeArrivals:
     truncated: bool = False
     truncated_reason: str | None = None  # rows | bytes
     boot_id: str | None = None  # the one boot all its sessions ran in
+    # wall minus CLOCK_MONOTONIC of the node's timestamps (its last session's mapping):
+    # nodes of one boot share the monotonic clock, so this aligns them exactly.
+    mono_offset_ns: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The body of ``GET /api/v1/collectives`` (docs/api.md), less node, window and
@@ -169,6 +172,7 @@ class NodeArrivals:
                 "processes": {"columns": list(PROCESS_COLUMNS),
                               "rows": [p.row() for p in self.procs.values()]},
                 "clock_error_ns": self.clock_error_ns, "boot_id": self.boot_id,
+                "mono_offset_ns": self.mono_offset_ns,
                 "truncated": self.truncated, "truncated_reason": self.truncated_reason}
 
 
@@ -202,8 +206,8 @@ def read_arrivals(sl: NodeSlice, max_rows: int | None = None, max_bytes: int | N
     out.reverse()
     pids = {a.pid for a in out}
     procs = {p.pid: p for p in _processes(conn, node.key) if p.pid in pids}
-    error, boot = _clock_error(conn, node.key)
-    return NodeArrivals(node.name, out, procs, error, reason is not None, reason, boot)
+    error, boot, mono = _clock_error(conn, node.key)
+    return NodeArrivals(node.name, out, procs, error, reason is not None, reason, boot, mono)
 
 
 def _arrival(ts: int, dur: int, pid: int, tid: int, op: str, ret: int, nbytes: int,
@@ -254,9 +258,11 @@ def _processes(conn: sqlite3.Connection, node_key: int) -> list[Proc]:
     return out
 
 
-def _clock_error(conn: sqlite3.Connection, node_key: int) -> tuple[int | None, str | None]:
+def _clock_error(conn: sqlite3.Connection, node_key: int
+                 ) -> tuple[int | None, str | None, int | None]:
     """The largest clock error bound the node's sessions recorded (None when unknown),
-    and the boot they all share (None when they do not, or do not say)."""
+    the boot they all share (None when they do not, or do not say) and, with it, the
+    wall-minus-monotonic offset of the last session."""
     sessions = []
     for row in conn.execute(f"SELECT {SESSION_CLOCK_COLUMNS} FROM session_data WHERE node = ?",
                             (node_key,)):
@@ -265,10 +271,38 @@ def _clock_error(conn: sqlite3.Connection, node_key: int) -> tuple[int | None, s
         except (TypeError, ValueError):
             continue
     if not sessions:
-        return None, None
+        return None, None, None
     boots = {s.boot_id for s in sessions}
     boot = boots.pop() if len(boots) == 1 else None
-    return NodeClock("", "", sessions, None, None).error_ns, boot
+    mono = max(sessions, key=lambda s: s.seq).mono_offset_ns if boot else None
+    return NodeClock("", "", sessions, None, None).error_ns, boot, mono
+
+
+def one_machine(clocks: Mapping[str, Clock], parts: Sequence[NodeArrivals]
+                ) -> dict[str, Clock]:
+    """Nodes that ran in one boot of one machine share its monotonic clock: each is
+    placed against the one of them measured best (smallest error) by the difference of
+    their wall-minus-monotonic offsets, which is exact (a node whose wall clock was set
+    apart, or faked, is still placed right), and they compare with each other without
+    error (one ``domain``)."""
+    out = dict(clocks)
+    best: dict[str, NodeArrivals] = {}
+    for p in parts:
+        c = clocks.get(p.node)
+        if p.boot_id is None or p.mono_offset_ns is None or c is None or c.error_ns is None:
+            continue
+        b = best.get(p.boot_id)
+        if b is None or c.error_ns < (clocks[b.node].error_ns or 0):
+            best[p.boot_id] = p
+    for p in parts:
+        ref = best.get(p.boot_id or "")
+        if ref is None or p.mono_offset_ns is None or p.node not in out:
+            continue
+        rc = clocks[ref.node]
+        assert ref.mono_offset_ns is not None
+        out[p.node] = Clock(rc.offset_ns + p.mono_offset_ns - ref.mono_offset_ns,
+                            rc.error_ns, p.boot_id)
+    return out
 
 
 def local_clocks(parts: Sequence[NodeArrivals]) -> tuple[dict[str, Clock], list[str]]:
@@ -278,10 +312,10 @@ def local_clocks(parts: Sequence[NodeArrivals]) -> tuple[dict[str, Clock], list[
     clocks: dict[str, Clock] = {}
     unknown = []
     for p in parts:
-        clocks[p.node] = Clock(0, p.clock_error_ns if p.clock_error_ns is not None else 0,
-                               p.boot_id)
+        clocks[p.node] = Clock(0, p.clock_error_ns if p.clock_error_ns is not None else 0)
         if p.clock_error_ns is None and p.arrivals:
             unknown.append(p.node)
+    clocks = one_machine(clocks, parts)
     warnings = []
     if unknown and sum(1 for p in parts if p.arrivals) > 1:
         warnings.append(f"clock error of {', '.join(unknown)} unknown (no trace session "
@@ -645,10 +679,14 @@ def straggler_entries(report: Mapping[str, Any], chains: Sequence[dict[str, Any]
     in; the reason ends with its node's top host chain."""
     out = []
     for s in report.get("stragglers") or []:
+        peers = sorted({int(r["pid"]) for c in report.get("communicators") or []
+                        if c.get("key") == s["communicator"] for r in c["ranks"]
+                        if r["pid"] != s["pid"]})
         out.append({"node": s["node"], "score": round(1 - s["share_last"], 4),
                     "flagged": True, "metric": "collective_arrival",
-                    "reason": s["reason"] + _top_host_chain(s["node"], s["pid"], chains),
-                    "rank": s["rank"], "pid": s["pid"], "comm": s["comm"],
+                    "reason": s["reason"] + _top_host_chain(s["node"], s["pid"], chains,
+                                                            peers),
+                    "rank": s["rank"], "pid": s["pid"], "comm": s["comm"], "peers": peers,
                     "communicator": s["communicator"], "matching": s["matching"],
                     "share_last": s["share_last"], "judged": s["judged"],
                     "lateness_p50_ns": s["lateness_p50_ns"],
@@ -656,17 +694,22 @@ def straggler_entries(report: Mapping[str, Any], chains: Sequence[dict[str, Any]
     return out
 
 
-def host_chains(node: str, pid: int | None, chains: Sequence[dict[str, Any]]
-                ) -> list[dict[str, Any]]:
-    """The node's host chains (most severe first as given), the process's own first."""
+def host_chains(node: str, pid: int | None, chains: Sequence[dict[str, Any]],
+                peers: Iterable[int] = ()) -> list[dict[str, Any]]:
+    """The node's host chains (most severe first as given), the process's own first.
+    A chain whose culprit is another rank of the job (``peers``: their pids) is left
+    out: a rank waiting for its peers' data is the collective itself, not a cause."""
+    others = set(peers)
     mine = [c for c in chains if c.get("node") == node
-            and c.get("root_cause") not in HOST_CHAIN_EXCLUDED]
+            and c.get("root_cause") not in HOST_CHAIN_EXCLUDED
+            and (c.get("culprit") or {}).get("pid") not in others]
     own = [c for c in mine if (c.get("victim") or {}).get("pid") == pid]
     return own + [c for c in mine if c not in own]
 
 
-def _top_host_chain(node: str, pid: int, chains: Sequence[dict[str, Any]]) -> str:
-    mine = host_chains(node, pid, chains)
+def _top_host_chain(node: str, pid: int, chains: Sequence[dict[str, Any]],
+                    peers: Iterable[int]) -> str:
+    mine = host_chains(node, pid, chains, peers)
     if not mine:
         return "; no host chain on its node"
     c = mine[0]

@@ -317,7 +317,7 @@ def render_fleet(report: dict[str, Any], out: TextIO) -> None:
                       f"last in {s['share_last']:.0%} of {s['judged']} collectives, median "
                       f"{_dur(s['lateness_p50_ns'])} late\n  {s['reason']}\n"
                       "  why (its node's top host chains):\n")
-            theirs = host_chains(s["node"], s["pid"], report["chains"])
+            theirs = host_chains(s["node"], s["pid"], report["chains"], s.get("peers") or ())
         else:
             out.write(f"\nSTRAGGLER {s['node']}: score {s['score']:.2f} on {s['metric']}\n"
                       f"  {s['reason']}\n  why (its top chains):\n")

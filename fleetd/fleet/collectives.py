@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from fleetd.analyze import collectives as coll
@@ -104,8 +104,11 @@ def check_reply(reply: Mapping[str, Any], node: str,
     boot = reply.get("boot_id")
     if boot is not None and not (isinstance(boot, str) and BOOT_ID.fullmatch(boot)):
         raise BadReply(f"boot_id {printable(boot, 60)} is not a boot id (a UUID)")
+    mono = reply.get("mono_offset_ns")
+    if mono is not None:
+        mono = _int(mono, "mono_offset_ns", -INT64_MAX, INT64_MAX)
     return coll.NodeArrivals(node, arrivals, procs, err, truncated,
-                             reason if truncated else None, boot)
+                             reason if truncated else None, boot, mono if boot else None)
 
 
 def node_warnings(reply: Mapping[str, Any], node: str) -> list[NodeWarning]:
@@ -196,25 +199,6 @@ def _list(v: Any, where: str, limit: int | None) -> list[Any]:
 # ---- clocks --------------------------------------------------------------------------------
 
 
-def same_boot(clocks: dict[str, coll.Clock], parts: Sequence[coll.NodeArrivals]
-              ) -> dict[str, coll.Clock]:
-    """Nodes that report one boot id run on one machine and read one clock (a local
-    fleet, or several agents on a host): they share the offset measured with the
-    smallest error, and compare with each other without error."""
-    boots = {p.node: p.boot_id for p in parts if p.boot_id}
-    best: dict[str, coll.Clock] = {}
-    for node, boot in boots.items():
-        c = clocks.get(node)
-        if c is not None and c.error_ns is not None and (
-                boot not in best or c.error_ns < (best[boot].error_ns or 0)):
-            best[boot] = c
-    out = dict(clocks)
-    for node, boot in boots.items():
-        if node in out and boot in best:
-            out[node] = coll.Clock(best[boot].offset_ns, best[boot].error_ns, boot)
-    return out
-
-
 def clocks(answer: FleetAnswer) -> dict[str, coll.Clock]:
     """node -> (offset, error) from the fan-out's clock samples: the measured offset and
     half the best round trip when timestamps are corrected; offset 0 and the offset's size
@@ -284,7 +268,7 @@ def from_answer(answer: FleetAnswer, index: int, max_rows: int = coll.DEFAULT_RO
         else:
             answer.warnings.append(NodeWarning(
                 o.name, f"collective arrivals not compared: {printable(why, MAX_TEXT)}", KIND))
-    return coll.analyze(parts, same_boot(clocks(answer), parts))
+    return coll.analyze(parts, coll.one_machine(clocks(answer), parts))
 
 
 def collectives(opts: FleetOptions, window: WindowSpec, max_rows: int | None = None

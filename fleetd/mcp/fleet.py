@@ -243,7 +243,7 @@ class FleetBackend:
         why: dict[str, list[dict[str, Any]]] = {}
         for s in ranked:  # a rank named by collective arrival first: its node's host chains
             if s.get("flagged") and s["node"] not in why:
-                mine = (host_chains(s["node"], s.get("pid"), chains)
+                mine = (host_chains(s["node"], s.get("pid"), chains, s.get("peers") or ())
                         if s.get("metric") == "collective_arrival"
                         else [c for c in chains if c.get("node") == s["node"]])
                 why[s["node"]] = [compact_chain(c, evidence_n)

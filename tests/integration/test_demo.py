@@ -43,7 +43,9 @@ def test_demo_names_the_straggler_and_writes_its_files(tmp_path: Path) -> None:
     assert "[HIGH] cpu_contention on node-3" in out
     assert "culprit: cpu-hog" in out
     s = validate(load(tmp_path / "fleet-demo.json"))
-    assert sorted(s.processes.values()) == ["node-1", "node-2", "node-3"]
+    # Each node's track names the rank it ran (torchrun's RANK of its processes).
+    assert sorted(s.processes.values()) == ["node-1 (rank 0)", "node-2 (rank 1)",
+                                            "node-3 (rank 2)"]
     with sqlite3.connect(f"file:{tmp_path / 'fleet-demo.db'}?mode=ro", uri=True) as c:
         nodes = [r[0] for r in c.execute("SELECT DISTINCT node FROM events ORDER BY 1")]
     assert nodes == ["node-1", "node-2", "node-3"]

@@ -426,16 +426,19 @@ def test_a_torchrun_process_with_two_communicators_numbers_each(tmp_path: Path) 
 
 def test_nodes_on_one_boot_share_one_clock() -> None:
     from fleetd.analyze import collectives as coll
-    from fleetd.fleet.collectives import same_boot
 
     boot, other = "0" * 8 + "-1111-2222-3333-" + "4" * 12, "f" * 8 + "-1111-2222-3333-" + "4" * 12
-    parts = [coll.NodeArrivals(n, [], {}, None, boot_id=b)
-             for n, b in (("a", boot), ("b", boot), ("c", other))]
-    measured = {"a": coll.Clock(300_000, 900_000), "b": coll.Clock(-200_000, 400_000),
+    # a and b run on one machine; b's wall clock is set 2.5 s ahead (as libfaketime does):
+    # their wall-minus-monotonic offsets say so exactly. c is another machine.
+    mono = {"a": 1_000_000_000, "b": 3_500_000_000, "c": 7}
+    parts = [coll.NodeArrivals(n, [], {}, None, boot_id=bt, mono_offset_ns=mono[n])
+             for n, bt in (("a", boot), ("b", boot), ("c", other))]
+    measured = {"a": coll.Clock(300_000, 900_000), "b": coll.Clock(2_499_800_000, 400_000),
                 "c": coll.Clock(2_500_000_000, 500_000)}
-    got = same_boot(measured, parts)
-    # a and b: one clock, the better measurement for both, no error between them.
-    assert got["a"] == got["b"] == coll.Clock(-200_000, 400_000, boot)
+    got = coll.one_machine(measured, parts)
+    # Placed against b (the better measurement) by the monotonic offsets: exact.
+    assert got["b"] == coll.Clock(2_499_800_000, 400_000, boot)
+    assert got["a"] == coll.Clock(2_499_800_000 - 2_500_000_000, 400_000, boot)
     assert coll.combined_error("a", "b", got) == 0
     assert coll.combined_error("a", "c", got) == 900_000
     assert got["c"] == coll.Clock(2_500_000_000, 500_000, other)

@@ -34,6 +34,11 @@ def row(ts: int, pid: int, op: int, ret: int = 0, a0: int = 0, a1: int = 0,
 @pytest.fixture
 def sleepers() -> Any:
     procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    deadline = time.monotonic() + 10
+    for p in procs:  # past exec and into its sleep: a process just started is running
+        while Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "S":
+            assert time.monotonic() < deadline, "sleep never slept"
+            time.sleep(0.01)
     yield [p.pid for p in procs]
     for p in procs:
         if p.poll() is None:
