@@ -53,6 +53,7 @@ from fleetd.analyze.chains import Chain
 from fleetd.analyze.data import in_list, name_of
 from fleetd.analyze.model import NodeSlice
 from fleetd.analyze.rules import Context, rule_chain
+from fleetd.analyze.stragglers import chain_brief
 from fleetd.store.catalog import BY_NAME, OPS
 from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS, NodeClock, session_clock
 from fleetd.store.timeparse import format_ns
@@ -712,11 +713,7 @@ def _top_host_chain(node: str, pid: int, chains: Sequence[dict[str, Any]],
     mine = host_chains(node, pid, chains, peers)
     if not mine:
         return "; no host chain on its node"
-    c = mine[0]
-    culprit = c.get("culprit") or {}
-    who = (f", culprit {culprit.get('comm')} pid {culprit.get('pid')}"
-           if culprit.get("comm") else "")
-    return f"; top host chain on {node}: {c.get('root_cause')} ({c.get('severity')}){who}"
+    return f"; top host chain on {node}: {chain_brief(mine[0])}"
 
 
 # ---- failed NCCL calls: a chain and a warning ------------------------------------------

@@ -201,10 +201,12 @@ def _fmt(m: Metric, v: float) -> str:
 
 def _top_chain(node: str, chains: Sequence[Mapping[str, Any]]) -> str:
     mine = [c for c in chains if c.get("node") == node]
-    if not mine:
-        return ""
-    c = mine[0]
+    return f"; top chain: {chain_brief(mine[0])}" if mine else ""
+
+
+def chain_brief(c: Mapping[str, Any]) -> str:
+    """A chain in a reason: ``cpu_contention (HIGH), culprit cpu-hog pid 42``."""
     culprit = c.get("culprit") or {}
     who = (f", culprit {culprit.get('comm')} pid {culprit.get('pid')}"
            if culprit.get("comm") else "")
-    return f"; top chain: {c.get('root_cause')} ({c.get('severity')}){who}"
+    return f"{c.get('root_cause')} ({c.get('severity')}){who}"

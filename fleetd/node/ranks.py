@@ -40,6 +40,7 @@ from fleetd.node.api import STATE, json_response
 from fleetd.store.catalog import BY_CODE, BY_NAME
 from fleetd.store.schema import EventRow
 from fleetd.store.writer import BatchWriter
+from fleetd.trace.procinfo import job_of, ranks_of
 
 log = logging.getLogger("fleetd.node.ranks")
 
@@ -228,12 +229,10 @@ class RankBook:
         fields = _stat(self.proc_root / str(pid) / "stat")
         ticks = _int_text(fields[19]) if fields and len(fields) > 19 else None
         env = _environ(self.proc_root / str(pid) / "environ")
-        job = env.get("TORCHELASTIC_RUN_ID") or (
-            f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-            if env.get("MASTER_ADDR") and env.get("MASTER_PORT") else None)
-        return ticks, _Identity(rank=_int_text(env.get("RANK")),
-                                local_rank=_int_text(env.get("LOCAL_RANK")),
-                                world_size=_int_text(env.get("WORLD_SIZE")), job=job)
+        # The same reading of torchrun's environment as the tracer's process rows.
+        r = ranks_of(env)
+        return ticks, _Identity(rank=r["rank"], local_rank=r["local_rank"],
+                                world_size=r["world_size"], job=job_of(env))
 
     def _admit(self, pid: int, ticks: int | None, env: _Identity) -> None:
         if pid in self._procs:

@@ -89,7 +89,8 @@ def _int(v: str | None) -> int | None:
         return None
 
 
-def _ranks(env: Mapping[str, str]) -> dict[str, int | None]:
+def ranks_of(env: Mapping[str, str]) -> dict[str, int | None]:
+    """rank, local_rank and world_size from torchrun's environment (None: unset)."""
     return {
         "rank": _int(env.get("RANK")),
         "local_rank": _int(env.get("LOCAL_RANK")),
@@ -98,7 +99,7 @@ def _ranks(env: Mapping[str, str]) -> dict[str, int | None]:
 
 
 def rank_info(pid: int) -> dict[str, int | None]:
-    return _ranks(environ(pid))
+    return ranks_of(environ(pid))
 
 
 def job_of(env: Mapping[str, str]) -> str | None:
@@ -124,7 +125,7 @@ def process_row(pid: int) -> dict[str, Any]:
     env = environ(pid)
     return {
         "pid": pid, "ppid": ppid_of(pid), "comm": comm(pid), "exe": exe,
-        "cmdline": cmdline, "start_ns": start_wall_ns(pid), **_ranks(env),
+        "cmdline": cmdline, "start_ns": start_wall_ns(pid), **ranks_of(env),
         "job": job_of(env),
     }
 
