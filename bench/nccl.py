@@ -28,7 +28,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -37,8 +36,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fleetd.store.writer import BatchWriter  # noqa: E402
-from fleetd.trace.tracer import TraceConfig, Tracer  # noqa: E402
+from _traced import Traced  # noqa: E402
 
 LOOP_RANKS = int(os.environ.get("BENCH_LOOP_RANKS", "1"))
 HANG_RANKS = 2
@@ -104,32 +102,6 @@ def collectives_per_s(workers: list[Worker]) -> float:
     for w in workers:
         w.send(op="loop", seconds=LOOP_S)
     return sum(w._read()["calls"] for w in workers) / LOOP_S
-
-
-class Traced:
-    """The real Tracer on the workers (default settings), polled by a thread."""
-
-    def __init__(self, db: Path, pids: list[int]) -> None:
-        self.writer = BatchWriter(db, "bench")
-        self.tracer = Tracer(TraceConfig(db=db, node="bench", pids=pids), writer=self.writer)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.summary: Any = None
-
-    def __enter__(self) -> Traced:
-        self.tracer.start()
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.tracer.poll(50)
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.summary = self.tracer.stop()
-        self.writer.close()
 
 
 def tight_loop(tmp: Path) -> tuple[float, float, dict[str, Any]]:

@@ -32,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,11 +39,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fleetd.store.writer import BatchWriter  # noqa: E402
+from _traced import Traced  # noqa: E402
+
 from fleetd.trace.bpfsrc import compile_source, detach_all  # noqa: E402
 from fleetd.trace.libs import exported_functions, mapped_libraries  # noqa: E402
 from fleetd.trace.probes import link_uprobe_multi  # noqa: E402
-from fleetd.trace.tracer import TraceConfig, Tracer  # noqa: E402
 
 REPS = 3
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
@@ -106,40 +105,6 @@ class Worker:
         self.proc.wait(timeout=10)
 
 
-class Traced:
-    """The real Tracer on the worker, polled by a background thread."""
-
-    def __init__(self, db: Path, pid: int, **overrides: Any) -> None:
-        cfg = TraceConfig(db=db, node="bench", pids=[pid], **overrides)
-        self.writer = BatchWriter(db, "bench")
-        self.tracer = Tracer(cfg, writer=self.writer)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Traced:
-        self.tracer.start()
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.tracer.poll(50)
-
-    def drain(self) -> None:
-        """Wait until the rings are empty and everything read is committed."""
-        last = -1
-        while last != self.tracer.decoder.records:
-            last = self.tracer.decoder.records
-            time.sleep(0.15)
-        self.writer.flush()
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.summary = self.tracer.stop()
-        self.writer.close()
-
-
 def ns_per_call(worker: Worker) -> float:
     return float(statistics.median(worker.ask(op="loop", n=LOOP_N)["ns"] / LOOP_N
                                    for _ in range(REPS)))
@@ -180,14 +145,14 @@ def workload_ratio(worker: Worker, tmp: Path, cfg: dict[str, Any], **trace: Any
         r = worker.ask(op="run", seconds=WORKLOAD_S, cfg=cfg)
         plain.append(r["steps_per_s"])
         calls.append(r["calls_per_s"])
-        with Traced(tmp / f"w{i}.db", worker.pid, **trace):
+        with Traced(tmp / f"w{i}.db", [worker.pid], **trace):
             traced.append(worker.ask(op="run", seconds=WORKLOAD_S, cfg=cfg)["steps_per_s"])
     return statistics.median(plain), statistics.median(traced), statistics.median(calls)
 
 
 def events_per_s(worker: Worker, tmp: Path, base_ns: float) -> tuple[float, Any]:
     n = max(10_000, int(EVENTS_S * 1e9 / (base_ns + 4000)))
-    with Traced(tmp / "events.db", worker.pid, sample=1, ring_pages=4096) as t:
+    with Traced(tmp / "events.db", [worker.pid], sample=1, ring_pages=4096) as t:
         t0 = time.perf_counter()
         worker.ask(op="loop", n=n)
         t.drain()
@@ -212,7 +177,7 @@ def main() -> int:
             for r in range(ROUNDS):
                 base = ns_per_call(worker)
                 empty = empty_pair(worker)
-                with Traced(tmp / f"loop{r}.db", worker.pid) as t:
+                with Traced(tmp / f"loop{r}.db", [worker.pid]) as t:
                     traced = ns_per_call(worker)
                 unreported += t.summary.unreported_loss
                 ratios.append((traced - base) / (empty - base))
