@@ -1,28 +1,45 @@
-"""Query latency under load while the agent traces: 50 concurrent mTLS clients.
+"""Agent throughput while it traces: small queries/s at saturation, p99 latency at half
+of that rate, health p99 while saturated, and the tracer's unreported loss.
 
-One run, on loopback, as root (the agent traces the reference workload with BPF):
-1. baseline: one client, sequential queries, while the agent traces;
-2. load: 50 clients querying as fast as they can for a fixed time, same queries;
-3. SIGTERM: the agent drains, and its trace summary says how many events were lost
-   and whether any loss went unreported (must be 0).
+One run, on loopback, as root (the agent traces the reference workload with BPF, every
+call kept). The load comes from a separate generator process (this file with ``--gen``)
+on keep-alive mTLS connections, so its CPU is its own and is printed: on two cores
+shared by the workload, the agent and the generator, a generator that took a core
+would cap the figure it claims to measure.
 
-Last line: BENCH agent_load p99_ms=X unreported_loss=N
+1. idle: the agent's CPU while it only traces (the part of its CPU no query costs);
+2. saturation: closed-loop clients (2, 4, 8, ... each sending its next query when the
+   last is answered) until queries/s stops rising by 5%; the best rate is Q. Meanwhile
+   this process probes ``/api/v1/health`` every 20 ms on its own connection: H is the
+   p99 of those probes while saturated;
+3. half load: an open-loop generator paced at Q/2 queries/s, latency counted from each
+   query's scheduled time (so a stall cannot hide the queries it delayed): P is p99;
+4. SIGTERM: the agent drains; its trace summary says how many events were lost and how
+   many of those went unreported (must be 0).
+
+Last line: BENCH agent_load qps_saturated=Q p99_ms_half_load=P
+health_p99_ms_saturated=H unreported_loss=U
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import resource
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import orjson
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -31,13 +48,133 @@ from fleetd.security import tls  # noqa: E402
 
 FLEETD = str(REPO / ".venv" / "bin" / "fleetd")
 WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
-CLIENTS = 50
-LOAD_S = float(os.environ.get("BENCH_LOAD_S", "20"))
+STEP_S = float(os.environ.get("BENCH_STEP_S", "3"))
+HALF_S = float(os.environ.get("BENCH_HALF_S", "8"))
+STEPS = (2, 4, 8, 16, 32)
+PROBE_EVERY_S = 0.02
+GEN_CONNECTIONS = 32
+OPEN_GIVE_UP_S = 5.0  # an open-loop query not answered by then counts as this late
+# Small queries: a few rows each, over the recent window the tracer is writing into.
 QUERIES = [
-    "SELECT op, count(*), avg(dur_ns) FROM events WHERE ts_ns > ? GROUP BY op",
-    "SELECT id, op, dur_ns FROM events WHERE ts_ns > ? ORDER BY ts_ns DESC LIMIT 50",
-    "SELECT count(*) FROM event_data WHERE ts_ns > ?",
+    ("SELECT id, op, dur_ns FROM events WHERE ts_ns > ? ORDER BY ts_ns DESC LIMIT 20", 1.0),
+    ("SELECT count(*) FROM event_data WHERE ts_ns > ?", 1.0),
+    ("SELECT op, count(*), avg(dur_ns) FROM events WHERE ts_ns > ? GROUP BY op", 0.1),
 ]
+
+
+# ---- the generator process ------------------------------------------------------------
+
+
+def _body(i: int) -> dict[str, Any]:
+    sql, window_s = QUERIES[i % len(QUERIES)]
+    return {"sql": sql, "params": [time.time_ns() - int(window_s * 1e9)]}
+
+
+async def _one(s: aiohttp.ClientSession, url: str, i: int, sql_ms: list[float]) -> int:
+    async with s.post(url + "/api/v1/query", json=_body(i)) as r:
+        raw = await r.read()
+        if r.status == 200:
+            sql_ms.append(float(orjson.loads(raw)["elapsed_ms"]))  # the SQL on the node
+        return r.status
+
+
+async def _closed(s: aiohttp.ClientSession, url: str, clients: int, seconds: float
+                  ) -> dict[str, Any]:
+    lat: list[float] = []
+    sql_ms: list[float] = []
+    errors: dict[str, int] = {}
+    until = time.monotonic() + seconds
+
+    async def client(k: int) -> None:
+        i = k
+        while time.monotonic() < until:
+            t = time.perf_counter()
+            status = await _one(s, url, i, sql_ms)
+            i += 1
+            if status == 200:
+                lat.append(time.perf_counter() - t)
+            else:
+                errors[str(status)] = errors.get(str(status), 0) + 1
+
+    t0 = time.time()
+    await asyncio.gather(*(client(k) for k in range(clients)))
+    return {"clients": clients, "start": t0, "end": time.time(), "lat": lat,
+            "sql_ms": sql_ms, "errors": errors}
+
+
+async def _open(s: aiohttp.ClientSession, url: str, rate: float, seconds: float
+                ) -> dict[str, Any]:
+    lat: list[float] = []
+    sql_ms: list[float] = []
+    sent_late: list[float] = []
+    errors: dict[str, int] = {}
+    loop = asyncio.get_running_loop()
+    start = loop.time() + 0.05
+    n = int(rate * seconds)
+
+    async def one(i: int, due: float) -> None:
+        # How late the generator itself sent it (its own loop, or the machine not
+        # running it): part of the latency, but not the agent's part.
+        sent_late.append(loop.time() - due)
+        try:
+            status = await asyncio.wait_for(_one(s, url, i, sql_ms), OPEN_GIVE_UP_S)
+        except TimeoutError:
+            # Counted in the latencies at the give-up time (a lower bound), so an
+            # overloaded run shows in p99 instead of leaving the sample.
+            lat.append(OPEN_GIVE_UP_S)
+            errors["gave_up"] = errors.get("gave_up", 0) + 1
+            return
+        if status == 200:
+            lat.append(loop.time() - due)  # from when it was due: no coordinated omission
+        else:
+            errors[str(status)] = errors.get(str(status), 0) + 1
+
+    tasks = []
+    for i in range(n):
+        due = start + i / rate
+        await asyncio.sleep(max(0.0, due - loop.time()))
+        tasks.append(asyncio.create_task(one(i, due)))
+    await asyncio.gather(*tasks)
+    return {"rate": rate, "lat": lat, "sql_ms": sql_ms, "errors": errors,
+            "sent_late": sent_late}
+
+
+async def _generate(url: str, d: Path, plan: dict[str, Any]) -> dict[str, Any]:
+    ctx = tls.client_context(d / "ca.pem", d / "bench-client.pem", d / "bench-client.key")
+    # Under the agent's 64 connections per source, with room for the health prober.
+    conn = aiohttp.TCPConnector(ssl=ctx, limit=GEN_CONNECTIONS)
+    out: dict[str, Any] = {}
+    async with aiohttp.ClientSession(connector=conn) as s:
+        await asyncio.gather(*(_one(s, url, i, []) for i in range(8)))  # connections made
+        c0 = resource.getrusage(resource.RUSAGE_SELF)
+        w0 = time.monotonic()
+        if plan["mode"] == "closed":
+            steps = []
+            best = 0.0
+            for clients in STEPS:
+                step = await _closed(s, url, clients, plan["seconds"])
+                qps = len(step["lat"]) / (step["end"] - step["start"])
+                steps.append(step)
+                if qps < best * 1.05 and len(steps) >= 3:
+                    break  # no longer rising: saturated
+                best = max(best, qps)
+            out["steps"] = steps
+        else:
+            out["half"] = await _open(s, url, plan["rate"], plan["seconds"])
+        c1 = resource.getrusage(resource.RUSAGE_SELF)
+        out["cpu_s"] = c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
+        out["wall_s"] = time.monotonic() - w0
+    return out
+
+
+def generator_main(url: str, d: str, plan: str) -> None:
+    import uvloop
+
+    result = uvloop.run(_generate(url, Path(d), json.loads(plan)))
+    sys.stdout.write(json.dumps(result))
+
+
+# ---- the bench ------------------------------------------------------------------------
 
 
 def certs(d: Path) -> None:
@@ -72,41 +209,90 @@ def start(d: Path) -> tuple[subprocess.Popen[str], subprocess.Popen[str], str, P
     return wl, agent, f"https://{m.group(1)}", log
 
 
-async def client(session: aiohttp.ClientSession, url: str, ctx: object, until: float,
-                 lat: list[float], errors: list[int]) -> None:
-    i = 0
-    while time.monotonic() < until:
-        sql = QUERIES[i % len(QUERIES)]
-        i += 1
-        since = time.time_ns() - 5_000_000_000
-        t = time.perf_counter()
-        async with session.post(url + "/api/v1/query", ssl=ctx,
-                                json={"sql": sql, "params": [since]}) as r:
-            await r.read()
-            if r.status == 200:
-                lat.append(time.perf_counter() - t)
-            else:
-                errors.append(r.status)
+def wal_size(d: Path) -> float:
+    """MB in the database's write-ahead log: readers that never pause can keep SQLite
+    from restarting it, and every read then searches a longer log."""
+    wal = d / "bench.db-wal"
+    return wal.stat().st_size / 1e6 if wal.exists() else 0.0
 
 
-async def measure(url: str, ctx: object, clients: int, seconds: float
-                  ) -> tuple[list[float], list[int]]:
-    lat: list[float] = []
-    errors: list[int] = []
-    conn = aiohttp.TCPConnector(limit=clients)
-    async with aiohttp.ClientSession(connector=conn) as s:
-        until = time.monotonic() + seconds
-        await asyncio.gather(*(client(s, url, ctx, until, lat, errors) for _ in range(clients)))
-    return lat, errors
+def threads_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each of the agent's threads, by thread id: whether one thread (the
+    event loop, or one holding the interpreter lock) is the limit."""
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        out[task.name] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
 
 
-def p99(xs: list[float]) -> float:
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def generate(url: str, d: Path, plan: dict[str, Any]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, __file__, "--gen", url, str(d), json.dumps(plan)],
+                          capture_output=True, text=True, timeout=110)
+    if proc.returncode != 0:
+        raise SystemExit(f"load generator failed:\n{proc.stderr}")
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+class Prober:
+    """GET /api/v1/health every PROBE_EVERY_S on one keep-alive connection, in a
+    thread of this (otherwise idle) process: (wall time, seconds) per probe."""
+
+    def __init__(self, url: str, ctx: Any) -> None:
+        self.url, self.ctx = url, ctx
+        self.samples: list[tuple[float, float]] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.ctx)) as s:
+            while not self._stop.is_set():
+                t, w = time.perf_counter(), time.time()
+                try:
+                    async with s.get(self.url + "/api/v1/health",
+                                     timeout=aiohttp.ClientTimeout(total=10)) as r:
+                        await r.read()
+                        ok = r.status == 200
+                except (aiohttp.ClientError, TimeoutError):
+                    ok = False
+                took = time.perf_counter() - t
+                if ok:
+                    self.samples.append((w, took))
+                else:
+                    self.failures += 1
+                await asyncio.sleep(max(0.0, PROBE_EVERY_S - took))
+
+    def __enter__(self) -> Prober:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(15)
+
+
+def p99_ms(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=100)[98] * 1000 if len(xs) >= 2 else float("nan")
+
+
+def p50_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1000 if xs else float("nan")
 
 
 def main() -> None:
     if os.geteuid() != 0:
         raise SystemExit("bench/agent_load.py traces with BPF: run it as root")
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         certs(d)
@@ -115,8 +301,22 @@ def main() -> None:
             ctx = tls.client_context(d / "ca.pem", d / "bench-client.pem",
                                      d / "bench-client.key")
             time.sleep(2)  # let the store fill a little
-            base, base_err = asyncio.run(measure(url, ctx, 1, 5))
-            load, load_err = asyncio.run(measure(url, ctx, CLIENTS, LOAD_S))
+            c0, t0 = cpu_s(agent.pid), time.monotonic()
+            time.sleep(2)
+            idle_cores = (cpu_s(agent.pid) - c0) / (time.monotonic() - t0)
+            with Prober(url, ctx) as probe:
+                c0, t0 = cpu_s(agent.pid), time.monotonic()
+                th0 = threads_cpu_s(agent.pid)
+                sat = generate(url, d, {"mode": "closed", "seconds": STEP_S})
+                sat_cores = (cpu_s(agent.pid) - c0) / (time.monotonic() - t0)
+                th1 = threads_cpu_s(agent.pid)
+                sat_wall = time.monotonic() - t0
+            wal_mb = [wal_size(d)]
+            rates = [len(s["lat"]) / (s["end"] - s["start"]) for s in sat["steps"]]
+            best = max(range(len(rates)), key=lambda i: rates[i])
+            q = rates[best]
+            half = generate(url, d, {"mode": "open", "rate": q / 2, "seconds": HALF_S})
+            wal_mb.append(wal_size(d))
         finally:
             agent.send_signal(signal.SIGTERM)
             rc = agent.wait(60)
@@ -127,17 +327,47 @@ def main() -> None:
     if rc != 0 or not m:
         raise SystemExit(f"agent exited {rc} without a trace summary:\n{text}")
     written, lost, unreported = (int(g) for g in m.groups())
-    busy = sum(1 for s in load_err if s == 429)
-    print(f"baseline: 1 client, {len(base)} queries, p50 {statistics.median(base) * 1000:.1f} ms,"
-          f" p99 {p99(base):.1f} ms, errors {len(base_err)}")
-    print(f"load: {CLIENTS} clients x {LOAD_S:.0f} s, {len(load)} answered "
-          f"({len(load) / LOAD_S:.0f}/s), {busy} refused as busy, other errors "
-          f"{len(load_err) - busy}, p50 {statistics.median(load) * 1000:.1f} ms, "
-          f"p99 {p99(load):.1f} ms ({p99(load) / p99(base):.1f}x the baseline p99)")
+    answered = sum(len(s["lat"]) for s in sat["steps"])
+    print(f"machine: {os.cpu_count()} cores, load average {load[0]:.1f} before and "
+          f"{os.getloadavg()[0]:.1f} after (other processes share these cores)")
+    print(f"agent idle while tracing: {idle_cores:.2f} cores")
+    for s, rate in zip(sat["steps"], rates, strict=True):
+        print(f"closed loop, {s['clients']:2d} clients: {rate:6.1f} queries/s, "
+              f"p50 {p50_ms(s['lat']):.1f} ms, p99 {p99_ms(s['lat']):.1f} ms "
+              f"(SQL on the node p50 {statistics.median(s['sql_ms'] or [0]):.2f} ms, "
+              f"p99 {p99_ms([x / 1000 for x in s['sql_ms']]):.2f} ms), "
+              f"errors {s['errors'] or 0}")
+    # Health probes while saturated: the steps from the best one on.
+    lo = sat["steps"][best]["start"]
+    hi = sat["steps"][-1]["end"]
+    health = [took for w, took in probe.samples if lo <= w <= hi]
+    extra_ms = (sat_cores - idle_cores) / max(1e-9, answered / sat["wall_s"]) * 1000
+    print(f"saturated at {q:.1f} queries/s with {sat['steps'][best]['clients']} clients; "
+          f"agent {sat_cores:.2f} cores ({extra_ms:.2f} ms of CPU per query beyond tracing);"
+          f" generator {sat['cpu_s'] / sat['wall_s']:.2f} cores "
+          f"({sat['cpu_s'] / max(1, answered) * 1000:.2f} ms per query)")
+    per_thread = sorted(((th1.get(k, 0) - th0.get(k, 0)) / sat_wall, k) for k in th1)
+    print(f"agent while saturated: its busiest thread {per_thread[-1][0]:.2f} cores, all "
+          f"{sum(c for c, _ in per_thread):.2f}")
+    print(f"health while saturated: {len(health)} probes, p50 {p50_ms(health):.1f} ms, "
+          f"p99 {p99_ms(health):.1f} ms, failed {probe.failures}")
+    h = half["half"]
+    print(f"half load, open loop at {h['rate']:.1f}/s for {HALF_S:g} s: {len(h['lat'])} "
+          f"answered, p50 {p50_ms(h['lat']):.1f} ms, p99 {p99_ms(h['lat']):.1f} ms "
+          f"(SQL p50 {statistics.median(h['sql_ms'] or [0]):.2f} ms, "
+          f"p99 {p99_ms([x / 1000 for x in h['sql_ms']]):.2f} ms), "
+          f"errors {h['errors'] or 0}; generator {half['cpu_s'] / half['wall_s']:.2f} cores, "
+          f"sent late by p50 {p50_ms(h['sent_late']):.1f} ms, p99 "
+          f"{p99_ms(h['sent_late']):.1f} ms")
     print(f"tracer meanwhile: {written} events written, {lost} lost and counted, "
-          f"{unreported} unreported")
-    print(f"BENCH agent_load p99_ms={p99(load):.1f} unreported_loss={unreported}")
+          f"{unreported} unreported; WAL {wal_mb[0]:.1f} MB after saturation, "
+          f"{wal_mb[1]:.1f} MB after half load")
+    print(f"BENCH agent_load qps_saturated={q:.1f} p99_ms_half_load={p99_ms(h['lat']):.1f} "
+          f"health_p99_ms_saturated={p99_ms(health):.1f} unreported_loss={unreported}")
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 5 and sys.argv[1] == "--gen":
+        generator_main(*sys.argv[2:])
+    else:
+        main()

@@ -79,6 +79,19 @@ class FleetConfig:
 
 
 @dataclass
+class RelayConfig:
+    """This agent relaying a client's fan-out to its peers (docs/fleet.md "Relays")."""
+
+    enabled: bool = False  # serve POST /api/v1/relay; off: a relay request gets 403
+    max_targets: int = 64  # peers one relayed request may name
+    timeout_s: float = 30.0  # ceiling on one relayed fan-out (a client may only lower it)
+    concurrency: int = 64  # requests to peers in flight at once, per relayed request
+    ca: Path | None = None  # CA the peers' certificates chain to; default tls.client_ca
+    token_file: Path | None = None  # bearer token the peers require, if they do
+    max_answer_bytes: int = 64 * 1024 * 1024  # the merged answer; nodes beyond it fail
+
+
+@dataclass
 class Config:
     node: str | None = None  # node name (default: hostname); ':' is not allowed
     listen: str = "127.0.0.1:7600"  # host:port of the agent's API
@@ -88,6 +101,7 @@ class Config:
     trace: TraceConfig = field(default_factory=TraceConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
 
 
 def discover_config(env: dict[str, str] | None = None) -> Path | None:

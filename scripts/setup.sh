@@ -11,8 +11,11 @@ say() { printf '[setup] %s\n' "$*"; }
 
 # --- Debian packages ---------------------------------------------------------------
 # gcc and libc6-dev build the native two-thread mutex workload of the wait-reason tests;
-# chromium loads `fleetd explain --format html` pages headless in the tests.
-APT_PKGS=(python3-bpfcc libbpfcc iproute2 libfaketime procps gcc libc6-dev chromium)
+# chromium loads `fleetd explain --format html` pages headless in the tests;
+# default-jre-headless is the Java runtime of the test extra's pyspark
+# (tests/integration/test_lake_spark.py reads a fleetd lake with Spark in local mode).
+APT_PKGS=(python3-bpfcc libbpfcc iproute2 libfaketime procps gcc libc6-dev chromium
+          default-jre-headless)
 # BCC compiles against kernel headers; a distribution kernel ships them, ours may not.
 # Debian's linux-headers-amd64 is the fallback that fleetd's header route can use.
 if [ ! -e "/lib/modules/$(uname -r)/build/include" ] && [ "$(uname -m)" = x86_64 ]; then

@@ -13,6 +13,7 @@ from fleetd.errors import UsageError
 
 if TYPE_CHECKING:
     from fleetd.node.agent import AgentSettings, TracerFactory
+    from fleetd.node.lake import LakeSettings
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,7 +45,39 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--no-host", action="store_true", help="no host tracepoints")
     p.add_argument("--max-db-bytes", type=byte_size, metavar="SIZE",
                    help="prune the oldest events beyond this size, e.g. 10G, 512M")
+    p.add_argument("--parquet-dir", type=Path, metavar="DIR",
+                   help="keep a Parquet lake here too (local or a mounted shared "
+                   "filesystem): a closed segment every --parquet-every (docs/scale-out.md)")
+    p.add_argument("--parquet-every", default="10m", metavar="DURATION",
+                   help="close a lake segment this often (default 10m; at least 1s)")
+    p.add_argument("--parquet-keep-days", type=float, metavar="DAYS",
+                   help="remove lake files of dates older than this many days")
+    p.add_argument("--parquet-max-bytes", type=byte_size, metavar="SIZE",
+                   help="remove the oldest lake files beyond this total size, e.g. 50G")
     p.set_defaults(func=run)
+
+
+def _lake(args: argparse.Namespace) -> LakeSettings | None:
+    """--parquet-*: the agent's lake, or None; every value checked before it starts."""
+    from fleetd.node.lake import LakeSettings
+    from fleetd.store.lake import Retention
+    from fleetd.store.timeparse import parse_duration
+
+    rest = [f for f, v in (("--parquet-keep-days", args.parquet_keep_days),
+                           ("--parquet-max-bytes", args.parquet_max_bytes)) if v is not None]
+    if args.parquet_dir is None:
+        if rest:
+            raise UsageError(f"{rest[0]} needs --parquet-dir", "add --parquet-dir DIR")
+        return None
+    every_s = parse_duration(args.parquet_every) / 1e9
+    if every_s < 1:
+        raise UsageError(f"--parquet-every {args.parquet_every!r} is under a second",
+                         "close segments every few minutes, e.g. --parquet-every 10m")
+    if args.parquet_keep_days is not None and args.parquet_keep_days <= 0:
+        raise UsageError(f"--parquet-keep-days {args.parquet_keep_days:g} must be positive",
+                         "e.g. --parquet-keep-days 30")
+    return LakeSettings(args.parquet_dir, every_s,
+                        Retention(args.parquet_keep_days, args.parquet_max_bytes))
 
 
 def _settings(args: argparse.Namespace, cfg: Config) -> AgentSettings:
@@ -76,9 +109,42 @@ def _settings(args: argparse.Namespace, cfg: Config) -> AgentSettings:
         store_max_bytes=args.max_db_bytes or cfg.store.max_bytes,
         **hardening(cfg),  # connection caps, deadlines, reader shares, relay nodes
     )
+    settings.lake = _lake(args)
     if tracing:
         settings.tracer = _tracer_factory(args, cfg, settings)
+    _relaying(cfg, settings)
     return settings
+
+
+def _relaying(cfg: Config, s: AgentSettings) -> None:
+    """The relay route (refusing unless relay.enabled) and, on every agent, the rules
+    for requests a relay forwards (fleetd/relay.py)."""
+    from fleetd.fleet.client import ClientOptions
+    from fleetd.relay import RelaySettings, relay_routes, relayed_middleware
+    from fleetd.security.tls import client_context, load_token
+
+    r = cfg.relay
+    client = None
+    if r.enabled:
+        if not (s.tls_cert and s.tls_key):
+            raise UsageError("relay.enabled needs this node's certificate, to present to "
+                             "its peers", "pass --tls-cert and --tls-key (fleetd certs "
+                             "issue-node NAME), or set relay.enabled: false")
+        ca = r.ca or s.client_ca
+        if ca is None:
+            raise UsageError("relay.enabled needs the fleet CA, to verify its peers",
+                             "set relay.ca (or tls.client_ca / --client-ca) to the fleet's "
+                             "ca.pem")
+        client = ClientOptions(ssl=client_context(ca, s.tls_cert, s.tls_key,
+                                                  session_cache=False),  # no ~/.cache
+                               token=load_token(r.token_file) if r.token_file else None,
+                               timeout_s=r.timeout_s, concurrency=max(1, r.concurrency),
+                               has_client_cert=True)
+    s.extra_routes.extend(relay_routes(RelaySettings(
+        node=s.node, enabled=r.enabled, client=client, limits=s.limits,
+        max_targets=max(1, r.max_targets), timeout_s=r.timeout_s,
+        max_answer_bytes=max(1, r.max_answer_bytes))))
+    s.extra_middlewares.append(relayed_middleware(s.relay_nodes))
 
 
 def _tracer_factory(args: argparse.Namespace, cfg: Config, s: AgentSettings) -> TracerFactory:
@@ -104,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
 
     # A daemon's life cycle (a stop, the final flush) belongs in its log at the default
     # verbosity; -v adds everyone else's info lines, -vv debug.
-    for name in ("fleetd.node.agent", "fleetd.trace.agent"):
+    for name in ("fleetd.node.agent", "fleetd.trace.agent", "fleetd.relay"):
         lifecycle = logging.getLogger(name)
         if lifecycle.getEffectiveLevel() > logging.INFO:
             lifecycle.setLevel(logging.INFO)

@@ -49,6 +49,10 @@ def add_window(p: argparse.ArgumentParser) -> None:
     p.add_argument("--since", help="the last 30s, 5m, 2h, 1d (counted back from now)")
     p.add_argument("--from", dest="from_", metavar="TIME", help="from TIME (ISO 8601, epoch)")
     p.add_argument("--to", metavar="TIME", help="up to TIME")
+    p.add_argument("--lake", type=Path, metavar="DIR",
+                   help="analyze a Parquet lake instead of a database: the window's date "
+                   "partitions are copied into a temporary database first "
+                   "(docs/scale-out.md)")
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -106,6 +110,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def open_analysis(args: argparse.Namespace) -> Iterator[tuple[Path, Analysis]]:
     """The database the command names (``--db``, else the default) and the analyzer
     facade over it in the command's window; the connection closes on exit."""
+    if getattr(args, "lake", None) is not None:
+        from fleetd.cli.lake_args import materialized
+
+        with materialized(args) as copy:
+            lake_conn = open_reader(copy)
+            try:
+                yield args.lake, Analysis.of(lake_conn,
+                                             WindowSpec(args.since, args.from_, args.to))
+            finally:
+                lake_conn.close()
+        return
     path: Path = args.db or default_db_path()
     conn = open_reader(path)
     try:

@@ -16,9 +16,10 @@ from fleetd.store.timeparse import parse_duration
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from fleetd.export.parquet import LakeExport
     from fleetd.export.perfetto import NodeStats, Written
 
-EXPORT_FORMATS = ("perfetto",)
+EXPORT_FORMATS = ("perfetto", "parquet")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -34,11 +35,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "one (fleetd merge), or live agents (--nodes/--config: each node's events streamed "
         "over mTLS, its clock skew corrected).",
     )
-    p.add_argument("--format", default="perfetto", help="output format: perfetto")
+    p.add_argument("--format", default="perfetto",
+                   help="output format: perfetto (a timeline file), or parquet (-o is a lake "
+                   "directory: Hive-partitioned Parquet for DuckDB, Spark, Trino; see "
+                   "docs/scale-out.md)")
     p.add_argument("--db", type=Path,
                    help="database file (default: $FLEETD_DB, else a per-user path)")
     p.add_argument("-o", "--output", required=True, metavar="trace.json[.gz]",
-                   help="output file (gzip when it ends in .gz; '-' for stdout)")
+                   help="output file (gzip when it ends in .gz; '-' for stdout); with "
+                   "--format parquet, the lake directory")
     p.add_argument("--since", help="the last 30s, 5m, 2h, 1d (counted back from now)")
     p.add_argument("--from", dest="from_", metavar="TIME", help="from TIME (ISO 8601, epoch)")
     p.add_argument("--to", metavar="TIME", help="up to TIME")
@@ -85,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if args.limit_per_node is not None and args.limit_per_node <= 0:
         raise UsageError(f"invalid --limit-per-node {args.limit_per_node}",
                          "use a positive number of events")
+    if args.format == "parquet":
+        return run_parquet(args)
     out = None if args.output == "-" else Path(args.output)
     if fleet_mode(args):
         return run_fleet(args, out)
@@ -157,3 +164,52 @@ def export_db(args: argparse.Namespace, out: Path | None, written: Written | Non
     finally:
         conn.close()
     return stats, warnings
+
+
+def run_parquet(args: argparse.Namespace) -> int:
+    """``--format parquet``: the database (or the live nodes) into the lake at -o DIR."""
+    for flag, value in (("--pid", args.pid), ("--limit-per-node", args.limit_per_node),
+                        ("--offset", args.offset or None)):
+        if value is not None:
+            raise UsageError(f"{flag} does not apply to --format parquet",
+                             "the lake keeps every event; filter when you query it "
+                             "(fleetd query --lake DIR \"SELECT ... WHERE pid = ...\")")
+    if args.output == "-":
+        raise UsageError("--format parquet writes a directory, not stdout",
+                         "pass -o DIR (a new directory, or a lake written before)")
+    root = Path(args.output)
+    from fleetd.cli.lake_args import lake_pruning_window
+
+    since, until = lake_pruning_window(args)
+    if fleet_mode(args):
+        from fleetd.export.parquet import export_fleet_lake
+
+        with stage(f"exporting the fleet into {root}"):
+            done, answer = export_fleet_lake(fleet_options(args), root, since_ns=since,
+                                             until_ns=until, correct=not args.no_skew_correct)
+        _wrote_lake(done)
+        report(answer, args.show_skew)
+        return answer.exit_code
+    if args.timeout:
+        raise UsageError(f"--timeout {args.timeout!r} only applies to live nodes",
+                         "add --nodes HOST:PORT,... (or --config), or drop --timeout")
+    from fleetd.export.parquet import export_lake
+
+    path: Path = args.db or default_db_path()
+    conn = open_reader(path)
+    try:
+        with stage(f"exporting {path} into {root}"):
+            done = export_lake(conn, root, since_ns=since, until_ns=until,
+                               correct=not args.no_skew_correct)
+    finally:
+        conn.close()
+    _wrote_lake(done)
+    return 0
+
+
+def _wrote_lake(done: LakeExport) -> None:
+    tables = sorted({t for per in done.rows.values() for t in per})
+    counts = ", ".join(f"{t} {sum(p.get(t, 0) for p in done.rows.values()):,}" for t in tables)
+    print(f"wrote lake {done.root}: {len(done.rows)} node(s); rows: {counts or 'none'}")
+    for w in done.warnings:
+        print(f"fleetd: warning: {w}", file=sys.stderr)

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from fleetd.fleet.fanout import FleetAnswer, FleetOptions
 
 FLEET_FLAGS = ("nodes", "config", "ca_cert", "client_cert", "client_key", "token_file",
-               "show_skew", "clock_skew_threshold", "no_skew_correct")
+               "show_skew", "clock_skew_threshold", "no_skew_correct", "relay_via",
+               "fanout_degree")
 _FLAG_NAMES = {"no_skew_correct": "--no-clock-correction"}  # dest -> the flag's one name
 
 
@@ -40,7 +41,8 @@ def add_fleet_args(p: argparse.ArgumentParser, *, timeout: bool = True,
     g = p.add_argument_group(
         "fleet", "ask every node's agent (in parallel, over mTLS) instead of a local --db")
     g.add_argument("--nodes", metavar="HOST:PORT,...",
-                   help="the agents to ask; an entry may be NAME=HOST:PORT")
+                   help="the agents to ask; an entry may be NAME=HOST:PORT; @FILE reads them "
+                   "from a file (a fleetd.yaml with fleet.nodes, or one per line)")
     g.add_argument("--config", type=Path, metavar="CONFIG",
                    help="fleetd.yaml whose fleet: section lists nodes and certificates "
                    "(default: $FLEETD_CONFIG, ~/.config/fleetd/fleetd.yaml, "
@@ -53,6 +55,13 @@ def add_fleet_args(p: argparse.ArgumentParser, *, timeout: bool = True,
                    help="its private key ($FLEETD_CLIENT_KEY)")
     g.add_argument("--token-file", type=Path, metavar="FILE",
                    help="bearer token, if the agents require one ($FLEETD_TOKEN_FILE)")
+    g.add_argument("--relay-via", metavar="NODE,...",
+                   help="ask these agents to relay to the other nodes, which are split "
+                   "evenly between them (a node of --nodes by NAME or HOST:PORT, or another "
+                   "HOST:PORT); see docs/fleet.md, Relays")
+    g.add_argument("--fanout-degree", type=int, metavar="K",
+                   help="relay automatically: the first node of every group of K asks the "
+                   "other K-1 (a two-level tree)")
     if timeout:
         g.add_argument("--timeout", metavar="DURATION",
                        help="time for the whole fan-out; slower nodes become warnings "
@@ -73,7 +82,8 @@ def fleet_mode(args: argparse.Namespace) -> bool:
     """True when the command should ask the fleet; refuses --db together with it. A
     config found without --config is put in ``args.config`` when it decides."""
     wanted = bool(getattr(args, "nodes", None) or getattr(args, "config", None))
-    if not wanted and not getattr(args, "db", None) and not os.environ.get("FLEETD_DB"):
+    on_disk = getattr(args, "db", None) or getattr(args, "lake", None)  # a file or a lake
+    if not wanted and not on_disk and not os.environ.get("FLEETD_DB"):
         found = _discovered_fleet()
         if found is not None:
             args.config = found
@@ -81,6 +91,9 @@ def fleet_mode(args: argparse.Namespace) -> bool:
     if wanted and getattr(args, "db", None):
         raise UsageError("--db reads a local database; --nodes/--config ask the fleet",
                          "use one of them (merge copied databases with fleetd merge)")
+    if wanted and getattr(args, "lake", None):
+        raise UsageError("--lake reads a Parquet lake; --nodes/--config ask the fleet",
+                         "use one of them (fill a lake with fleetd export --format parquet)")
     if not wanted:
         local = getattr(args, "local_flags", ())  # flags the command also uses on a file
         given = [_FLAG_NAMES.get(f, f"--{f.replace('_', '-')}") for f in FLEET_FLAGS
@@ -131,6 +144,7 @@ def fleet_options(args: argparse.Namespace) -> FleetOptions:
     from fleetd.config import FleetConfig, load_config
     from fleetd.fleet.client import ClientOptions
     from fleetd.fleet.fanout import FleetOptions
+    from fleetd.fleet.relayed import plan_routes
     from fleetd.fleet.targets import from_config, parse_nodes
     from fleetd.security import tls
 
@@ -142,6 +156,8 @@ def fleet_options(args: argparse.Namespace) -> FleetOptions:
         args.config = discover_config()
     fleet = load_config(args.config).fleet if args.config else FleetConfig()
     targets = parse_nodes(args.nodes) if args.nodes else from_config(fleet, str(args.config))
+    routes = plan_routes(targets, getattr(args, "relay_via", None),
+                         getattr(args, "fanout_degree", None))
     # Values first, certificates after: a typo is reported before any file is read.
     timeout_text = getattr(args, "timeout", None)
     timeout = seconds(timeout_text, "--timeout") if timeout_text else fleet.timeout_s
@@ -165,7 +181,7 @@ def fleet_options(args: argparse.Namespace) -> FleetOptions:
         concurrency=max(1, fleet.concurrency), has_client_cert=cert is not None)
     return FleetOptions(tuple(targets), client,
                         correct=not getattr(args, "no_skew_correct", False),
-                        skew_threshold_ms=threshold)
+                        skew_threshold_ms=threshold, relays=routes)
 
 
 def report(answer: FleetAnswer, show_skew: bool, out: TextIO = sys.stderr) -> None:

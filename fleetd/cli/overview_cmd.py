@@ -26,6 +26,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--since", help="the last 30s, 5m, 2h, 1d (counted back from now)")
     p.add_argument("--from", dest="from_", metavar="TIME", help="from TIME (ISO 8601, epoch)")
     p.add_argument("--to", metavar="TIME", help="up to TIME")
+    p.add_argument("--lake", type=Path, metavar="DIR",
+                   help="analyze a Parquet lake (its window copied into a temporary "
+                   "database first; docs/scale-out.md)")
     p.add_argument("--format", default="table", help=f"output format: {'|'.join(FORMATS)}")
     add_fleet_args(p)
     p.set_defaults(func=run)

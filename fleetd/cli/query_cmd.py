@@ -39,6 +39,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--db", type=Path, help="database file (default: $FLEETD_DB, else a per-user path)"
     )
+    p.add_argument("--lake", type=Path, metavar="DIR",
+                   help="run on DuckDB over a Parquet lake (fleetd export --format parquet, "
+                   "fleetd agent --parquet-dir) instead of a database: the same views and "
+                   "columns; --since/--from/--to also prune its date partitions when SQL is "
+                   "given (docs/scale-out.md)")
     p.add_argument("--param", action="append", default=[], metavar="VALUE",
                    help="bind a value to the next ? in the SQL (repeatable)")
     p.add_argument("--op", help="shortcut: events of this op, e.g. cudaLaunchKernel")
@@ -143,6 +148,8 @@ def build_sql_times(args: argparse.Namespace) -> tuple[str, list[Any], set[int]]
 
 def run(args: argparse.Namespace) -> int:
     fmt = check_format(args.format)
+    if args.lake is not None:
+        return run_lake(args, fmt)
     if fleet_mode(args):
         return run_fleet(args, fmt)
     if args.reduce:
@@ -155,6 +162,33 @@ def run(args: argparse.Namespace) -> int:
         result = db.query(sql, params, limits)
         hint = _empty_hint(db, args) if not result.rows and args.since else None
     _print(result, fmt, hint)
+    return 0
+
+
+def run_lake(args: argparse.Namespace, fmt: str) -> int:
+    """``--lake DIR``: the statement on DuckDB over the lake's Parquet files."""
+    from fleetd.store.lakesql import Pruning, open_lake
+
+    for flag, given in (("--db", args.db is not None), ("--reduce", bool(args.reduce)),
+                        ("--nodes/--config", fleet_mode(args))):
+        if given:
+            raise UsageError(f"--lake and {flag} do not go together",
+                             "query the lake (--lake DIR) or a database/fleet, not both")
+    from fleetd.cli.lake_args import lake_pruning_window
+
+    since, until = lake_pruning_window(args)
+    if args.sql:
+        if args.op is not None or args.pid is not None:
+            raise UsageError("give either SQL or the --op/--pid shortcuts, not both",
+                             "put the condition in your SQL's WHERE clause")
+        # With SQL, the time flags only choose which date partitions DuckDB reads.
+        sql, params = args.sql, list(args.param)
+    else:
+        sql, params = build_sql(args)
+    limits = Limits.local(timeout_s=_local_timeout(args.timeout), max_rows=_local_rows(args.limit))
+    with open_lake(args.lake, limits, Pruning(None, since, until)) as db:
+        result = db.query(sql, params, limits)
+    _print(result, fmt, None)
     return 0
 
 

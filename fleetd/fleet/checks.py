@@ -15,11 +15,13 @@ from typing import Any
 
 from fleetd.checks import FAIL, OK, WARN, Check, Finding, row
 from fleetd.fleet import skew
-from fleetd.fleet.client import FleetClient, NodeFailed
+from fleetd.fleet.client import FleetClient, NodeFailed, clock_samples
 from fleetd.fleet.fanout import FleetOptions
 from fleetd.fleet.targets import Target
 from fleetd.runner import run_loop
 from fleetd.store.schema import SCHEMA_VERSION
+
+CLOCK_SAMPLES = 5  # /api/v1/time requests per node: the best round trip is the network's
 
 
 def node_checks(opts: FleetOptions) -> list[Check]:
@@ -47,8 +49,10 @@ async def _one(client: FleetClient, target: Target, threshold_ms: float) -> Chec
                      f.hint or "see the agent's log", group="nodes",
                      data={"address": target.address, "failure": f.kind})
     connect_ms = (time.perf_counter() - started) * 1e3
-    samples, _, _ = await skew.sample(client, target)
-    return _judge(name, target, health, connect_ms, skew.estimate(samples), threshold_ms)
+    with clock_samples() as clock:  # the answers' stamps, on the now open connection
+        await skew.sample(client, target, CLOCK_SAMPLES)
+    est = skew.estimate([skew.Sample(*s) for s in clock.stamps])
+    return _judge(name, target, health, connect_ms, est, threshold_ms)
 
 
 def _judge(name: str, target: Target, health: dict[str, Any], connect_ms: float,

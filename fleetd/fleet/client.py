@@ -2,6 +2,15 @@
 a deadline for the whole fan-out, retries for idempotent reads, and every way a node
 can fail turned into a :class:`Failure` with a reason and a fix.
 
+One TLS connection per node, kept alive: every request to a node (its query, a clock
+sample) rides on it, so a command pays at most one handshake per node, and none with a
+session ticket from an earlier command (``fleetd.security.sessions``). Every answer is
+also a clock sample: the agent stamps its receive and send times in headers
+(``X-Fleetd-Recv-Ns``, ``X-Fleetd-Send-Ns``), and a request made under :func:`clock_samples`
+records (t0, t1, t2, t3) for the skew estimate. t0 is taken when the request is handed
+to its connection (:class:`_StampedRequest`), so neither the handshake nor a wait for the
+node's one connection counts as time on the wire.
+
 Failures are values, not exceptions, because a failed node is an expected outcome of a
 fan-out: the answer is still made of the nodes that did answer.
 """
@@ -15,14 +24,18 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 
+from fleetd.fleet import stream
 from fleetd.fleet.targets import Target
+from fleetd.security.tls import DIALING, Dial
 
 log = logging.getLogger("fleetd.fleet.client")
 
@@ -39,6 +52,61 @@ ERROR_BODY_BYTES = 64 * 1024  # of a streamed request's error answer, enough for
 READ_PIECE = 64 * 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 NAME_CHARS = 253  # a node's self-reported name, as at most a host name
+RECV_HEADER, SEND_HEADER = "X-Fleetd-Recv-Ns", "X-Fleetd-Send-Ns"
+# An idle connection is kept this long, so a long-running client (MCP server, watch)
+# asks again without a handshake; under the agent's own keep-alive (75 s, aiohttp's).
+KEEPALIVE_S = 60.0
+
+# (t0, t1, t2, t3) of a stamped answer.
+Stamp = tuple[int, int, int, int]
+
+
+@dataclass(slots=True)
+class ClockLog:
+    """The stamped answers of one node's exchanges (see :func:`clock_samples`)."""
+
+    stamps: list[Stamp]
+    # One of them went over a connection made for it: its request waited at the node
+    # for the end of the handshake (certificate checks, tickets), after t0.
+    new_connection: bool = False
+
+
+_CLOCK: ContextVar[ClockLog | None] = ContextVar("fleetd_clock_samples", default=None)
+
+
+@contextmanager
+def clock_samples(log_to: ClockLog | None = None) -> Iterator[ClockLog]:
+    """Requests made in this context (and tasks it starts) log their stamps in
+    ``log_to`` (a new log without one)."""
+    got = log_to if log_to is not None else ClockLog([])
+    token = _CLOCK.set(got)
+    try:
+        yield got
+    finally:
+        _CLOCK.reset(token)
+
+
+def current_clock() -> ClockLog | None:
+    """The log that requests made here record their stamps in, if any."""
+    return _CLOCK.get()
+
+
+def stamp_of(headers: Mapping[str, str], t0: int, t3: int) -> Stamp | None:
+    """The exchange as a clock sample, when the node stamped it with two ordered
+    integer nanosecond times (anything else is no clock reading)."""
+    t1 = _ns(headers.get(RECV_HEADER))
+    t2 = _ns(headers.get(SEND_HEADER))
+    if t1 is None or t2 is None or t2 < t1:
+        return None
+    return t0, t1, t2, t3
+
+
+def _ns(text: str | None) -> int | None:
+    # Digits only (no sign, no exponent, no '_'), and few enough to parse cheaply.
+    if text is None or not 0 < len(text) <= 19 or not text.isascii() or not text.isdigit():
+        return None
+    value = int(text)
+    return value if value <= INT64_MAX else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +149,28 @@ class ClientOptions:
     retries: int = len(RETRY_BACKOFF_S)
     has_client_cert: bool = False  # for hints: is an mTLS rejection about a missing cert?
     max_answer_bytes: int = MAX_BODY_BYTES  # per request, counted as the body streams in
+    headers: tuple[tuple[str, str], ...] = ()  # on every request (a relay's marker)
+
+
+class _StampedRequest(aiohttp.ClientRequest):
+    """Notes when the request goes out on its (ready) connection: a sample's t0. A body
+    is written by a task of its own, with the headers held back to go out with it, so
+    a request with a body is re-stamped when that task starts (until then the loop may
+    be busy with other nodes' handshakes, which is no time on the wire)."""
+
+    async def send(self, conn: Any) -> aiohttp.ClientResponse:
+        _stamp_sent()
+        return await super().send(conn)
+
+    async def write_bytes(self, *args: Any, **kwargs: Any) -> None:
+        _stamp_sent()
+        await super().write_bytes(*args, **kwargs)
+
+
+def _stamp_sent() -> None:
+    dial = DIALING.get()
+    if dial is not None:
+        dial.sent_ns = time.time_ns()
 
 
 class FleetClient:
@@ -96,11 +186,17 @@ class FleetClient:
         headers = {"Accept": "application/json", "User-Agent": "fleetd-fleet-client"}
         if self.opts.token:
             headers["Authorization"] = f"Bearer {self.opts.token}"
-        # limit=0: the semaphore is the only cap, so a request never waits in aiohttp's
-        # pool, where the wait would be charged to its connect timeout.
-        connector = aiohttp.TCPConnector(ssl=self.opts.ssl, limit=0, enable_cleanup_closed=False)
+        headers.update(self.opts.headers)
+        # limit=0: the semaphore is the only overall cap. limit_per_host=1: one
+        # connection per node, so its requests (query, clock sample) share one handshake;
+        # a second request waits for it in the pool, which is charged to the deadline,
+        # not to the connect timeout (see _timeout: sock_connect, not connect).
+        connector = aiohttp.TCPConnector(ssl=self.opts.ssl, limit=0, limit_per_host=1,
+                                         keepalive_timeout=KEEPALIVE_S,
+                                         enable_cleanup_closed=False)
         self._session = aiohttp.ClientSession(connector=connector, headers=headers,
-                                              timeout=aiohttp.ClientTimeout(total=None))
+                                              timeout=aiohttp.ClientTimeout(total=None),
+                                              request_class=_StampedRequest)
         self.restart_deadline()
         return self
 
@@ -110,7 +206,20 @@ class FleetClient:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._session is not None:
+            self.keep_tickets(save=True)  # while the connections (and tickets) live
             await self._session.close()
+
+    def keep_tickets(self, *, save: bool = False) -> None:
+        """Remember the session tickets of the connections made so far (in memory, for
+        reconnecting later in this process); with ``save``, also in the per-user cache
+        for the next command. Never fails: a lost ticket costs one full handshake."""
+        sessions = getattr(self.opts.ssl, "sessions", None)
+        if sessions is None:
+            return
+        try:
+            sessions.flush() if save else sessions.collect()
+        except Exception as exc:
+            log.debug("keeping TLS session tickets failed: %r", exc)
 
     def remaining(self) -> float:
         return self.deadline - asyncio.get_running_loop().time()
@@ -128,15 +237,21 @@ class FleetClient:
         session = self._need_session()
         async with self._sem:
             timeout = self._timeout()
+            dial = Dial(target.host, target.port)
+            token = DIALING.set(dial)
             t0 = time.time_ns()
             try:
                 async with session.get(target.url(path), timeout=timeout) as resp:
-                    body = await _read_capped(resp, TIME_BODY_BYTES)
                     t3 = time.time_ns()
+                    _record(resp, dial, t0, t3)
+                    t0 = dial.sent_ns or t0
+                    body = await _read_capped(resp, TIME_BODY_BYTES)
             except NodeFailed:
                 raise
             except Exception as exc:
                 raise NodeFailed(classify(exc, target, self.opts)) from None
+            finally:
+                DIALING.reset(token)
         if resp.status != 200:
             raise NodeFailed(http_failure(resp.status, body))
         return t0, t3, body
@@ -151,9 +266,13 @@ class FleetClient:
                                         connect=min(self.opts.connect_timeout_s, idle_s))
         got = 0
         async with self._sem:
+            dial = Dial(target.host, target.port)
+            token = DIALING.set(dial)
+            t0 = time.time_ns()
             try:
                 async with session.get(target.url(path), params=params,
                                        timeout=timeout) as resp:
+                    _record(resp, dial, t0, time.time_ns())
                     if resp.status >= 400:
                         raw = await resp.content.read(ERROR_BODY_BYTES)
                         raise NodeFailed(http_failure(resp.status, raw))
@@ -175,6 +294,8 @@ class FleetClient:
                                       f"answer after {got} bytes ({failure.message})",
                                       "did the agent restart or crash? see its log")
                 raise NodeFailed(failure) from None
+            finally:
+                DIALING.reset(token)
         return got
 
     def _need_session(self) -> aiohttp.ClientSession:
@@ -184,7 +305,10 @@ class FleetClient:
 
     def _timeout(self) -> aiohttp.ClientTimeout:
         left = max(0.001, self.remaining())
-        return aiohttp.ClientTimeout(total=left, connect=min(self.opts.connect_timeout_s, left))
+        # sock_connect: TCP plus the TLS handshake, without the wait for the node's one
+        # pooled connection (which only the deadline bounds).
+        return aiohttp.ClientTimeout(total=left,
+                                     sock_connect=min(self.opts.connect_timeout_s, left))
 
     async def _request(self, method: str, target: Target, path: str, *,
                        params: dict[str, str] | None = None, body: bytes | None = None,
@@ -209,17 +333,27 @@ class FleetClient:
                     params: dict[str, str] | None, body: bytes | None) -> dict[str, Any]:
         session = self._need_session()
         headers = {"Content-Type": "application/json"} if body is not None else None
+        if path == stream.QUERY_PATH:  # rows line by line, never the whole body at once
+            headers = {**(headers or {}), "Accept": stream.NDJSON}
         async with self._sem:
+            dial = Dial(target.host, target.port)
+            token = DIALING.set(dial)
+            t0 = time.time_ns()
             try:
                 async with session.request(method, target.url(path), params=params, data=body,
                                            headers=headers, timeout=self._timeout()) as resp:
+                    _record(resp, dial, t0, time.time_ns())
                     cap = ERROR_BODY_BYTES if resp.status >= 400 else self.opts.max_answer_bytes
+                    if resp.status < 400 and stream.is_ndjson(resp):
+                        return await stream.read_answer(resp, cap)
                     raw = await _read_capped(resp, cap)
                     status = resp.status
             except NodeFailed:
                 raise
             except Exception as exc:
                 raise NodeFailed(classify(exc, target, self.opts)) from None
+            finally:
+                DIALING.reset(token)
         if status >= 400:
             raise NodeFailed(http_failure(status, raw))
         reply = parse_json(raw)
@@ -229,6 +363,16 @@ class FleetClient:
                                      f"{self.opts.timeout_s:g} s timeout to read",
                                      "lower --limit or narrow the query"))
         return reply
+
+
+def _record(resp: aiohttp.ClientResponse, dial: Dial, t0: int, t3: int) -> None:
+    """Add this answer's clock sample to the collecting context's log, if any."""
+    got = _CLOCK.get()
+    if got is not None:
+        stamp = stamp_of(resp.headers, dial.sent_ns or t0, t3)
+        if stamp is not None:
+            got.stamps.append(stamp)
+            got.new_connection = got.new_connection or dial.connected
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:

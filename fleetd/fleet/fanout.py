@@ -1,8 +1,9 @@
 """Ask every node at once and collect an answer made of the nodes that answered.
 
-Per node, one task: clock samples (``/api/v1/time``) run beside the node's requests, so
-skew estimation adds no latency; only a request that must be expressed in the node's
-own clock (an absolute time window) waits for the offset first. Every task lives under
+Per node, one task on one connection: every answer is also a clock sample (the agent
+stamps its receive and send times in headers), so skew estimation adds no request and no
+latency; only a request that must be expressed in the node's own clock (an absolute
+time window) waits for one ``/api/v1/time`` sample first. Every task lives under
 the client's deadline, so a node that hangs (SIGSTOP, a dead link) costs at most the
 timeout and becomes a warning, never a delay of the whole answer beyond it.
 """
@@ -10,43 +11,56 @@ timeout and becomes a warning, never a delay of the whole answer beyond it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from fleetd.errors import UsageError
 from fleetd.fleet import skew as skewmod
 from fleetd.fleet.client import (
     INT64_MAX,
     INT64_MIN,
     NAME_CHARS,
     ClientOptions,
+    ClockLog,
     Failure,
     FleetClient,
     NodeFailed,
+    clock_samples,
     printable,
 )
 from fleetd.fleet.combine import NodeWarning
 from fleetd.fleet.skew import Skew
 from fleetd.fleet.targets import Target
 
+if TYPE_CHECKING:
+    from fleetd.fleet.relayed import RelayRoute
+
 log = logging.getLogger("fleetd.fleet.fanout")
 
 EXIT_COMPLETE = 0
 EXIT_PARTIAL = 3  # some nodes answered, the others are listed in the warnings
 EXIT_NO_ANSWER = 4  # no node answered
+# A node's query answer whose clock sample is worse than this (half its round trip)
+# is followed by one /api/v1/time sample on the same connection.
+EXTRA_SAMPLE_ABOVE_NS = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
 class FleetOptions:
     targets: tuple[Target, ...]
     client: ClientOptions
-    skew_samples: int = skewmod.SAMPLES  # 0: do not estimate skew
+    skew_samples: int = skewmod.SAMPLES  # 0: do not estimate skew; else estimate it
     correct: bool = True  # shift node timestamps into our clock
     skew_threshold_ms: float = 10.0
+    keep_warm: bool = False  # reuse this thread's open client (see session())
+    relays: tuple[RelayRoute, ...] = ()  # ask through peer relays (fleet/relayed.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +141,10 @@ async def fan_out(opts: FleetOptions, plan: Plan, *, needs_offset: bool = False,
     Without ``client`` a new session is made and closed (what one CLI command does);
     a long-running caller passes its own open client to keep connections warm.
     """
+    if opts.relays:
+        from fleetd.fleet.relayed import fan_out_relayed
+        return await fan_out_relayed(opts, plan, needs_offset=needs_offset, client=client)
+
     async def work(c: FleetClient, t: Target, offset: int) -> list[dict[str, Any]]:
         return await send_all(c, t, plan(offset))
 
@@ -137,13 +155,31 @@ async def fan_out_work(opts: FleetOptions, work: NodeWork, *, needs_offset: bool
                        client: FleetClient | None = None) -> FleetAnswer:
     """:func:`fan_out` with a coroutine per node instead of a list of requests; it runs
     under the same deadline, clock sampling, naming and failure handling."""
+    if opts.relays:  # a relay runs plans only (fan_out), not work that depends on replies
+        raise UsageError("this command cannot go through relays yet",
+                         "drop --relay-via/--fanout-degree (relays serve query, ops, "
+                         "overview, stacks, graphs and gpu)")
     if client is None:
-        async with FleetClient(opts.client) as own:
+        async with session(opts.client, warm=opts.keep_warm) as own:
             return await fan_out_work(opts, work, needs_offset=needs_offset, client=own)
     started = time.perf_counter()
     client.restart_deadline()
-    outcomes = await asyncio.gather(
-        *(_node(client, opts, t, work, needs_offset and opts.correct) for t in opts.targets))
+    offset_first = needs_offset and opts.correct
+    # A fan-out wider than the cap on requests in flight keeps this loop busy from start
+    # to end: a second sample would be read as late as the first, so none is added.
+    extra = len(opts.targets) <= client.opts.concurrency
+    tasks = [asyncio.ensure_future(_node(client, opts, t, work, offset_first, extra))
+             for t in opts.targets]
+    if opts.skew_samples > 0 and extra:
+        # Extra clock samples wait until every node has answered (or half the time is
+        # gone, so that a hung node delays nobody's): this loop is then idle (no
+        # handshakes, no answers to parse), so a sample's round trip is the network's
+        # and the node's, not our own backlog.
+        await asyncio.wait(tasks, timeout=max(0.0, client.remaining() / 2))
+        await asyncio.gather(*(_settle_clock(client, task) for task in tasks
+                               if not (task.done() and task.result().settled)))
+    outcomes = [n.out for n in await asyncio.gather(*tasks)]
+    client.keep_tickets()  # a later reconnect in this process resumes instead
     answer = FleetAnswer(list(outcomes), correct=opts.correct)
     _name_nodes(answer)
     answer.warnings = _warnings(answer, opts)
@@ -153,45 +189,120 @@ async def fan_out_work(opts: FleetOptions, work: NodeWork, *, needs_offset: bool
     return answer
 
 
+# ---- warm clients for long-running callers --------------------------------------------
+
+_WARM = threading.local()  # per thread (run_loop keeps one loop per thread): its clients
+
+
+@contextlib.asynccontextmanager
+async def session(client_opts: ClientOptions, *, warm: bool) -> AsyncIterator[FleetClient]:
+    """A client for one fan-out. ``warm`` (``FleetOptions.keep_warm``, set by
+    long-running callers such as the MCP server, whose tools run the sync fan-outs of
+    ``fleetd.fleet.queries`` on worker threads): the one this thread keeps open for these
+    options, so connections and TLS sessions stay warm from one call to the next; else
+    a new one, closed afterwards (one CLI command)."""
+    if not warm:
+        async with FleetClient(client_opts) as own:
+            yield own
+        return
+    loop = asyncio.get_running_loop()
+    pool: dict[ClientOptions, FleetClient] = getattr(_WARM, "clients", {})
+    if getattr(_WARM, "loop", None) is not loop:
+        pool = {}  # a new loop: the old loop's connections cannot be used on it
+        _WARM.loop, _WARM.clients = loop, pool
+    client = pool.get(client_opts)
+    if client is None:
+        client = pool[client_opts] = await FleetClient(client_opts).__aenter__()
+    yield client
+
+
+@dataclass(slots=True)
+class _Node:
+    out: NodeOutcome
+    clock: ClockLog  # the stamps of its exchanges, for its skew estimate
+    failure: Failure | None = None  # why a clock sample failed
+    settled: bool = False  # its skew is estimated (or it failed): no extra sample
+
+
 async def _node(client: FleetClient, opts: FleetOptions, t: Target, work: NodeWork,
-                offset_first: bool) -> NodeOutcome:
+                offset_first: bool, extra: bool = True) -> _Node:
+    """The node's work. Every stamped answer of this node is a clock sample
+    (client.clock_samples); one /api/v1/time sample is taken first when the work needs
+    the offset (times of ours moved into the node's clock), and after the whole fan-out
+    when the work's samples are not good enough (:func:`_settle_clock`)."""
     out = NodeOutcome(t, t.name)
-    sampler = (asyncio.create_task(skewmod.sample(client, t, opts.skew_samples))
-               if opts.skew_samples else None)
-    try:
-        async with asyncio.timeout_at(client.deadline):
-            offset = 0
-            if offset_first and sampler is not None:
-                _take_samples(out, await sampler)
-                offset = out.correction_ns
-            out.replies = await work(client, t, offset)
-    except NodeFailed as exc:
-        out.failure = exc.failure
-    except TimeoutError:
-        out.failure = Failure(
-            "timeout", f"no answer from {t.address} within the {client.opts.timeout_s:g} s "
-            "timeout", "is the agent hung or overloaded? raise --timeout if it is just slow")
-    if sampler is None or out.failure is not None or offset_first:
-        if sampler is not None and not sampler.done():
-            sampler.cancel()
-        return out
-    try:
-        # The node answered; its samples are normally done by now.
-        async with asyncio.timeout_at(client.deadline):
-            _take_samples(out, await sampler)
-    except TimeoutError:
-        out.skew_failure = Failure("timeout", "clock samples did not finish in time")
-    return out
+    node = _Node(out, ClockLog([]))
+    with clock_samples(node.clock):
+        try:
+            async with asyncio.timeout_at(client.deadline):
+                offset = 0
+                if offset_first and opts.skew_samples > 0:
+                    node.failure = await _extra_sample(client, t, out)
+                    _estimate(out, node.clock, node.failure)
+                    offset = out.correction_ns
+                out.replies = await work(client, t, offset)
+        except NodeFailed as exc:
+            out.failure = exc.failure
+        except TimeoutError:
+            out.failure = Failure(
+                "timeout", f"no answer from {t.address} within the "
+                f"{client.opts.timeout_s:g} s timeout",
+                "is the agent hung or overloaded? raise --timeout if it is just slow")
+    if out.failure is not None or opts.skew_samples <= 0:
+        node.settled = True
+    elif (offset_first or not extra or node.failure is not None
+          or not _worth_a_sample(node.clock)):
+        # The usual case: no sample to add (and never a second extra one).
+        _estimate(out, node.clock, node.failure)
+        node.settled = True
+    return node
 
 
-def _take_samples(out: NodeOutcome,
-                  got: tuple[list[skewmod.Sample], str | None, Failure | None]) -> None:
-    samples, name, failure = got
-    out.skew = skewmod.estimate(samples)
+async def _settle_clock(client: FleetClient, task: asyncio.Future[_Node]) -> None:
+    """The node's skew from its samples, after one more when they are not good enough."""
+    node = await task
+    out = node.out
+    if node.settled:
+        return
+    if _worth_a_sample(node.clock):
+        with clock_samples(node.clock):
+            try:
+                async with asyncio.timeout_at(client.deadline):
+                    node.failure = await _extra_sample(client, out.target, out)
+            except TimeoutError:
+                node.failure = Failure("timeout", "the clock sample did not finish in time")
+    _estimate(out, node.clock, node.failure)
+
+
+def _worth_a_sample(clock: ClockLog) -> bool:
+    """No stamped answer, or only answers over a connection made for them whose round
+    trip leaves the offset uncertain by more than EXTRA_SAMPLE_ABOVE_NS: such a request
+    waited at the node for the end of its handshake, so one more exchange on the now
+    open connection usually does much better. On a warm connection another sample
+    would meet the same delays as the first: none is taken."""
+    best = min((skewmod.Sample(*s).rtt_ns for s in clock.stamps), default=None)
+    if best is None or best < 0:
+        return True
+    return clock.new_connection and best / 2 > EXTRA_SAMPLE_ABOVE_NS
+
+
+async def _extra_sample(client: FleetClient, t: Target, out: NodeOutcome) -> Failure | None:
+    name, failure = await skewmod.sample(client, t)
     if name:
         out.name = name
-    if out.skew is None:
-        out.skew_failure = failure or Failure("skew", "no clock sample")
+    return failure
+
+
+def _estimate(out: NodeOutcome, clock: ClockLog, failure: Failure | None) -> None:
+    samples = [skewmod.Sample(*s) for s in clock.stamps]
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("clock samples of %s (there, back, round trip; ms): %s", out.target.address,
+                  ", ".join(f"{(s.t1 - s.t0) / 1e6:.3f}/{(s.t3 - s.t2) / 1e6:.3f}/"
+                            f"{s.rtt_ns / 1e6:.3f}" for s in samples))
+    out.skew = skewmod.estimate(samples)
+    out.skew_failure = None if out.skew is not None else (
+        failure or Failure("skew", "no clock sample (the node's answers carry no "
+                           "X-Fleetd-Recv-Ns/X-Fleetd-Send-Ns stamps)"))
 
 
 async def send_all(client: FleetClient, t: Target, requests: Sequence[Request]

@@ -1,8 +1,10 @@
 """Clock skew: how far each node's wall clock is from ours, and correcting for it.
 
-Each sample is one ``GET /api/v1/time``, NTP-style: t0 (we send, our clock), t1 (the
-node received it, its clock), t2 (the node answered, its clock), t3 (we received the
-answer, our clock). Then::
+Each sample is one exchange with a node, NTP-style: t0 (we send, our clock), t1 (the
+node received it, its clock, header ``X-Fleetd-Recv-Ns``), t2 (the node answered, its
+clock, ``X-Fleetd-Send-Ns``), t3 (we received the answer's headers, our clock). Every
+answer carries the two stamps, so the query itself is a sample; ``GET /api/v1/time`` is
+asked only when the offset is needed before the query. Then::
 
     offset = ((t1 - t0) + (t2 - t3)) / 2      # node clock minus our clock
     rtt    = (t3 - t0) - (t2 - t1)            # time on the wire and in both stacks
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,20 +32,22 @@ from typing import Any
 import orjson
 
 from fleetd.fleet.client import (
-    INT64_MAX,
     NAME_CHARS,
+    ClockLog,
     Failure,
     FleetClient,
     NodeFailed,
+    current_clock,
     printable,
-    valid_int,
 )
 from fleetd.fleet.targets import Target
 from fleetd.store.timeparse import format_ns
 
 log = logging.getLogger("fleetd.fleet.skew")
 
-SAMPLES = 5  # per node; the first also pays for the TCP and TLS handshakes
+# Estimate skew (1) or not (0). The samples are the stamps on a node's answers (see
+# fleetd.fleet.client), plus at most one /api/v1/time request per node.
+SAMPLES = 1
 KEEP = 3
 KEEP_RTT_FACTOR = 1.5
 
@@ -104,40 +109,43 @@ def estimate(samples: Sequence[Sample]) -> Skew | None:
                 used=len(kept))
 
 
-async def sample(client: FleetClient, target: Target, n: int = SAMPLES
-                 ) -> tuple[list[Sample], str | None, Failure | None]:
-    """Up to n samples, one after another on one connection: (samples, node name, failure).
+async def sample(client: FleetClient, target: Target, n: int = 1
+                 ) -> tuple[str | None, Failure | None]:
+    """Up to n ``GET /api/v1/time``, one after another on the node's connection:
+    (node name, failure). The samples themselves are the answers' stamps, which the
+    client collects (:func:`fleetd.fleet.client.clock_samples`).
 
     A failed sample ends the series (the node is probably down, and the query to it
     reports why); the samples taken so far still count.
     """
-    samples: list[Sample] = []
     name: str | None = None
+    clock = current_clock()
     for _ in range(n):
         try:
-            t0, t3, body = await client.get_raw(target, "/api/v1/time")
+            stamped = len(clock.stamps) if clock is not None else 0
+            t0 = time.time_ns()
+            _, _, body = await client.get_raw(target, "/api/v1/time")
+            t3 = time.time_ns()
             obj = orjson.loads(body)
-            samples.append(_sample(t0, obj, t3))
             node = obj.get("node")
             name = printable(node, NAME_CHARS) if isinstance(node, str) and node else name
+            if clock is not None and len(clock.stamps) == stamped:
+                _body_stamp(clock, obj, t0, t3)
         except NodeFailed as exc:
-            return samples, name, exc.failure
+            return name, exc.failure
         except (orjson.JSONDecodeError, AttributeError, ValueError) as exc:
-            return samples, name, Failure("bad_json", f"bad /api/v1/time answer: "
-                                          f"{printable(exc, 200)}")
-    return samples, name, None
+            return name, Failure("bad_json", f"bad /api/v1/time answer: "
+                                 f"{printable(exc, 200)}")
+    return name, None
 
 
-def _sample(t0: int, obj: dict[str, Any], t3: int) -> Sample:
-    """A sample from a node's answer, whose times must be integer ns the node can have
-    taken: anything else (1e300, a string, t2 before t1) is not a clock reading."""
-    t1 = valid_int(obj.get("t1_ns"), 0, INT64_MAX)
-    t2 = valid_int(obj.get("t2_ns"), 0, INT64_MAX)
-    if t1 is None or t2 is None or t2 < t1:
-        raise ValueError(f"t1_ns={printable(obj.get('t1_ns'), 40)}, "
-                         f"t2_ns={printable(obj.get('t2_ns'), 40)} are not two ordered "
-                         "integer nanosecond times")
-    return Sample(t0, t1, t2, t3)
+def _body_stamp(clock: ClockLog, obj: dict[str, Any], t0: int, t3: int) -> None:
+    """An agent older than the header stamps (or a proxy that drops them) still puts its
+    receive and send times in the /time body: the sample is taken from there."""
+    t1, t2 = obj.get("t1_ns"), obj.get("t2_ns")
+    if (isinstance(t1, int) and isinstance(t2, int) and not isinstance(t1, bool)
+            and not isinstance(t2, bool) and 0 < t1 <= t2 < 1 << 63):
+        clock.stamps.append((t0, t1, t2, t3))
 
 
 # ---- correction -----------------------------------------------------------------------

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from fleetd.config import FleetConfig, parse_hostport
+import yaml
+
+from fleetd.config import FleetConfig, load_config, parse_hostport
 from fleetd.errors import ConfigError, UsageError
 
 
@@ -25,8 +28,16 @@ class Target:
         return f"https://{self.address}{path}"
 
 
+# A node list is a few bytes per node: 16 MiB holds far more than any fleet, and bounds
+# what a mistyped path (a disk image, /dev/zero) can cost.
+NODES_FILE_MAX = 16 << 20
+
+
 def parse_nodes(text: str) -> list[Target]:
-    """``HOST:PORT,...``; an entry may carry a name: ``gpu-01=10.0.0.11:7600``."""
+    """``HOST:PORT,...``; an entry may carry a name: ``gpu-01=10.0.0.11:7600``.
+    ``@FILE`` reads the list from a file (a thousand nodes do not fit a command line)."""
+    if text.startswith("@"):
+        return _from_file(Path(text[1:]), text)
     targets = []
     for raw in text.split(","):
         item = raw.strip()
@@ -55,6 +66,40 @@ def from_config(fleet: FleetConfig, source: str) -> list[Target]:
         raise ConfigError(f"{source} lists no fleet nodes",
                          "add fleet.nodes to the config, or pass --nodes HOST:PORT,...")
     return _unique(targets)
+
+
+def _from_file(path: Path, shown: str) -> list[Target]:
+    """A fleetd.yaml with a ``fleet.nodes`` list, or plain text: entries separated by
+    commas or newlines, ``#`` starting a comment."""
+    fix = "give --nodes @FILE a fleetd.yaml with fleet.nodes, or one NAME=HOST:PORT per line"
+    try:
+        with path.open("rb") as f:
+            raw = f.read(NODES_FILE_MAX + 1)
+    except OSError as exc:
+        raise UsageError(f"--nodes {shown!r}: cannot read {str(path)!r}: {exc.strerror}",
+                         fix) from None
+    if len(raw) > NODES_FILE_MAX:
+        raise UsageError(f"--nodes {shown!r}: {str(path)!r} is larger than "
+                         f"{NODES_FILE_MAX >> 20} MiB", fix)
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError:
+        raise UsageError(f"--nodes {shown!r}: {str(path)!r} is not text", fix) from None
+    if _is_fleet_yaml(text):
+        return from_config(load_config(path).fleet, str(path))
+    entries = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    listed = ",".join(e for e in entries if e)
+    if not listed:
+        raise UsageError(f"--nodes {shown!r}: {str(path)!r} lists no node", fix)
+    return parse_nodes(listed)
+
+
+def _is_fleet_yaml(text: str) -> bool:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    return isinstance(doc, dict) and "fleet" in doc
 
 
 def _hostport(addr: str, shown: str) -> tuple[str, int]:

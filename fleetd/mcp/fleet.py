@@ -5,12 +5,14 @@ how many nodes answered, one line per node warning (unreachable, timed out, refu
 renamed, clock skew above the threshold) and one skew line per node. An assistant reads
 those first, so a missing node is never mistaken for a healthy one.
 
-The fleet operations are synchronous (each runs its own event loop), which suits the
-worker threads the MCP SDK runs synchronous tools on.
+The fleet operations are synchronous (each runs on its thread's event loop), which suits
+the worker threads the MCP SDK runs synchronous tools on; each thread keeps its client
+and connections warm between calls (``FleetOptions.keep_warm``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,13 @@ from fleetd.analyze.stacks import NOTE_NO_STACKS, op_code
 from fleetd.analyze.window import WindowSpec
 from fleetd.errors import FleetdError, UsageError
 from fleetd.fleet import queries
-from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request, fan_out
+from fleetd.fleet.fanout import (
+    FleetAnswer,
+    FleetOptions,
+    Request,
+    fan_out,
+    session,
+)
 from fleetd.fleet.queries import QuerySpec
 from fleetd.mcp.local import (
     compact_chain,
@@ -48,6 +56,11 @@ HEALTH_KEYS = ("status", "version", "schema_version", "tracing", "uptime_s", "tr
 class FleetBackend:
     opts: FleetOptions
     export_dir: Path = field(default_factory=default_export_dir)  # for export_timeline
+
+    def __post_init__(self) -> None:
+        # A server asks again and again: keep each worker thread's connections (and TLS
+        # sessions) open between tool calls instead of a handshake per node per call.
+        self.opts = dataclasses.replace(self.opts, keep_warm=True)
 
     def health(self) -> dict[str, Any]:
         """Every node's /health: reachable, version, tracing, probes and libraries."""
@@ -110,11 +123,10 @@ class FleetBackend:
     def hang(self, hang_after_s: float) -> dict[str, Any]:
         """Every node's NCCL ranks polled once and judged as ``fleetd watch`` judges them
         (fleetd/fleet/hang.py): the rank a hung job waits for, or no hang."""
-        from fleetd.fleet.client import FleetClient
         from fleetd.fleet.hang import poll
 
         async def go() -> tuple[FleetAnswer, dict[str, Any]]:
-            async with FleetClient(self.opts.client) as client:
+            async with session(self.opts.client, warm=True) as client:  # this thread's warm client
                 return await poll(self.opts, client, hang_after_s)
 
         answer, result = run_loop(go())

@@ -31,6 +31,7 @@ from fleetd.errors import ConfigError
 from fleetd.node.analysis import ROUTES as ANALYSIS_ROUTES
 from fleetd.node.api import NodeState, make_app
 from fleetd.node.conns import ConnLimits, Gate, GuardedHandler
+from fleetd.node.lake import LakeSettings, lake_ctx
 from fleetd.node.metrics import SOURCES, Sources, metrics
 from fleetd.node.ranks import RANKBOOK, ObservedWriter, RankBook, local_waits
 from fleetd.node.ranks import ROUTES as RANK_ROUTES
@@ -76,7 +77,9 @@ class AgentSettings:
     tracer: TracerFactory | None = None  # None: serve the database only
     self_signed_dir: Path | None = None
     extra_routes: list[web.RouteDef] = field(default_factory=list)
+    extra_middlewares: list[Any] = field(default_factory=list)  # run after the token's
     ready: Callable[[dict[str, Any]], None] | None = None  # told where it listens
+    lake: LakeSettings | None = None  # --parquet-dir: a Parquet segment per interval
 
 
 WRITER = web.AppKey("writer", BatchWriter)
@@ -168,6 +171,7 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
     app = make_app(state, readers, max_body_bytes=s.max_body_bytes,
                    extra_routes=[web.get("/metrics", metrics), *ANALYSIS_ROUTES,
                                  *RANK_ROUTES, *s.extra_routes])
+    app.middlewares.extend(s.extra_middlewares)  # e.g. the relay rules (fleetd.relay)
     sources = Sources(db_bytes=lambda: s.db.stat().st_size)
     app[SOURCES] = sources
     book = app[RANKBOOK] = RankBook()  # fed by the writer the tracer writes into
@@ -204,8 +208,10 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
         state.tracing = False
         await asyncio.get_running_loop().run_in_executor(None, tracer.stop)
 
-    # Order matters: the writer outlives the tracer that feeds it.
-    app.cleanup_ctx.extend([readers_ctx, writer_ctx, tracer_ctx])
+    # Order matters: the writer outlives the tracer that feeds it, and the lake closes
+    # its last segment after the writer's last commit.
+    lake = [lake_ctx(s.lake, s.db, s.node)] if s.lake is not None else []
+    app.cleanup_ctx.extend([readers_ctx, *lake, writer_ctx, tracer_ctx])
     return app
 
 

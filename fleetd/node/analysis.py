@@ -18,7 +18,7 @@ from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
 from fleetd.analyze.stacks import op_code
 from fleetd.analyze.window import WindowSpec
 from fleetd.errors import FleetdError, QueryError
-from fleetd.node.api import INT64_MAX, READERS, STATE, client_of, json_response
+from fleetd.node.api import INT64_MAX, READERS, STATE, client_of, encode
 
 MAX_TOP_N = 1000  # stacks per answer
 MAX_FRAMES = 128  # frames per stack
@@ -55,12 +55,13 @@ async def _run(request: web.Request, job: Job) -> web.StreamResponse:
     node = request.app[STATE].node
     spec = WindowSpec.from_params(request.query)
 
-    def go(conn: sqlite3.Connection) -> dict[str, Any]:
-        return job(Analysis(conn, spec.resolve_request(conn), node), node)
+    def go(conn: sqlite3.Connection) -> bytes:
+        # Encoded on the reader thread: a large answer's JSON would stall the loop,
+        # and with it every light request (health, time, metrics).
+        return encode(job(Analysis(conn, spec.resolve_request(conn), node), node))
 
-    result = await readers.run(lambda db: db.analyze(go, ANALYSIS_TIMEOUT_S),
-                               client_of(request))
-    return json_response(result)
+    raw = await readers.run(lambda db: db.analyze(go, ANALYSIS_TIMEOUT_S), client_of(request))
+    return web.Response(body=raw, content_type="application/json")
 
 
 async def chains(request: web.Request) -> web.StreamResponse:

@@ -8,6 +8,7 @@ Analysis endpoints (ops, chains, overview, profile) are plugged in by the agent 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -20,11 +21,12 @@ from aiohttp import web
 
 from fleetd import __version__
 from fleetd.errors import FleetdError, QueryError
+from fleetd.node import stamps
 from fleetd.node.conns import GuardedHandler
 from fleetd.node.readers import ReaderPool
 from fleetd.security.certs import peer_role
 from fleetd.security.tls import client_refusal, token_ok
-from fleetd.store.guard import Limits, QueryResult, SafeDB
+from fleetd.store.guard import STREAM_CHUNK_BYTES, Limits, QueryResult, SafeDB
 from fleetd.store.schema import SCHEMA_VERSION
 
 log = logging.getLogger("fleetd.node.api")
@@ -41,6 +43,8 @@ EVENT_COLUMNS = (
 )
 EVENTS_PAGE = 2_000
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what SQLite stores and compares
+NDJSON = "application/x-ndjson"
+STREAM_STALL_S = 10.0  # a streamed answer's client must take each piece within this
 _CLOSE = "fleetd.close"  # request key: answer, then close the connection
 CLIENT = "fleetd.client"  # request key: who asks, for the per-client reader share
 QUERY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -69,10 +73,13 @@ READERS = web.AppKey("readers", ReaderPool)
 STATE = web.AppKey("state", NodeState)
 
 
+def encode(obj: Any) -> bytes:
+    """An answer's JSON body (blobs as hex)."""
+    return orjson.dumps(obj, default=_plain)
+
+
 def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(
-        body=orjson.dumps(obj, default=_plain), status=status, content_type="application/json"
-    )
+    return web.Response(body=encode(obj), status=status, content_type="application/json")
 
 
 def error_response(code: str, message: str, hint: str | None = None) -> web.Response:
@@ -180,12 +187,24 @@ def _identify(request: web.Request, conn: GuardedHandler | None,
     ssl_object = request.transport.get_extra_info("ssl_object") if request.transport else None
     der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
     if der:
-        refusal = client_refusal(der, relay)
-        peer = f"cert:{peer_role(der).name}"
+        peer, refusal = _judge(der, relay)
     if conn is not None:
         conn.peer, conn.refusal = peer, refusal
     request[CLIENT] = peer
     return refusal
+
+
+@functools.lru_cache(maxsize=256)
+def _judge(der: bytes, relay: frozenset[str]) -> tuple[str, str | None]:
+    """(who, why refused or None) for a certificate the handshake verified. Cached by
+    its bytes: parsing it is about 0.2 ms a time, paid by every new connection, and the
+    verdict depends on nothing else."""
+    refusal = client_refusal(der, relay)
+    try:
+        name = peer_role(der).name
+    except ValueError:
+        name = "?"
+    return f"cert:{name}", refusal
 
 
 def client_of(request: web.Request) -> str:
@@ -264,20 +283,89 @@ async def query(request: web.Request) -> web.StreamResponse:
     if not isinstance(params, list | dict):
         raise QueryError('field "params" must be a list or an object', None, code="bad_request")
     limits = _limits_from(body, readers.limits)
+    if NDJSON in request.headers.get("Accept", ""):
+        return await _query_stream(request, sql, params, limits)
     started = time.perf_counter()
+    node = st.node
+
+    def answer(db: SafeDB) -> bytes:
+        # Encoded on the reader thread too: a 16 MB answer is tens of milliseconds of
+        # orjson that would otherwise stall every other request on the loop.
+        result: QueryResult = db.query(sql, params, limits)
+        return encode({
+            "node": node, "columns": result.columns, "rows": result.rows,
+            "truncated": result.truncated, "truncated_reason": result.truncated_reason,
+            "elapsed_ms": round(result.elapsed_ms, 3),
+        })
+
     try:
-        result: QueryResult = await readers.run(lambda db: db.query(sql, params, limits),
-                                                client_of(request))
+        raw = await readers.run(answer, client_of(request))
     except QueryError:
         st.query_errors += 1
         raise
     finally:
         _observe(st, time.perf_counter() - started)
-    return json_response({
-        "node": st.node, "columns": result.columns, "rows": result.rows,
-        "truncated": result.truncated, "truncated_reason": result.truncated_reason,
-        "elapsed_ms": round(result.elapsed_ms, 3),
-    })
+    return web.Response(body=raw, content_type="application/json")
+
+
+async def _query_stream(request: web.Request, sql: str, params: list[Any] | dict[str, Any],
+                        limits: Limits) -> web.StreamResponse:
+    """The query's answer as NDJSON (docs/api.md): a header object, one array per row,
+    a trailer object. An error before the first row is an ordinary JSON error; one
+    after it is the trailer's ``error``, since the status has left by then. Lines are
+    sent in pieces of about STREAM_CHUNK_BYTES, so a small answer leaves in one write."""
+    st, readers = request.app[STATE], request.app[READERS]
+    started = time.perf_counter()
+    resp: web.StreamResponse | None = None
+    pending = b""  # lines not sent yet: a small answer leaves in one write, with its end
+    end: dict[str, Any] = {"end": True, "rows": 0, "truncated": False,
+                           "truncated_reason": None}
+    try:
+        async with contextlib.aclosing(readers.stream(
+                lambda db: db.stream(sql, params, limits), client_of(request))) as items:
+            async for last, item in items:
+                if last:
+                    end.update(rows=item.rows, truncated=item.truncated,
+                               truncated_reason=item.truncated_reason,
+                               elapsed_ms=round(item.elapsed_ms, 3))
+                elif resp is None:
+                    resp = web.StreamResponse(headers={"Content-Type": NDJSON})
+                    await resp.prepare(request)
+                    pending = orjson.dumps({
+                        "node": st.node, "columns": item,
+                        "limits": {"max_rows": limits.max_rows, "max_bytes": limits.max_bytes,
+                                   "timeout_s": limits.timeout_s}}) + b"\n"
+                else:
+                    end["rows"] += item.count(b"\n")  # for the trailer of a failed stream
+                    pending += item
+                    if len(pending) >= STREAM_CHUNK_BYTES:
+                        await _send(request, resp, pending)
+                        pending = b""
+    except QueryError as exc:
+        st.query_errors += 1
+        if resp is None:
+            raise
+        end["error"] = {"code": exc.code, "message": exc.message, "hint": exc.hint}
+    finally:
+        _observe(st, time.perf_counter() - started)
+    assert resp is not None  # the generator yields its columns before anything else
+    end.setdefault("elapsed_ms", round((time.perf_counter() - started) * 1000, 3))
+    await resp.write_eof(pending + orjson.dumps(end) + b"\n")
+    return resp
+
+
+async def _send(request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
+    """One piece of a streamed answer. A client that stops reading must not hold a
+    reader thread (and its snapshot of the database) for ever: past STREAM_STALL_S
+    without room to write, the connection is cut."""
+    try:
+        async with asyncio.timeout(STREAM_STALL_S):
+            await resp.write(data)
+    except TimeoutError:
+        log.info("cutting a streamed answer to %s: it stopped reading", client_of(request))
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError("the client stopped reading") from None
 
 
 def _observe(st: NodeState, seconds: float) -> None:
@@ -322,15 +410,12 @@ async def events(request: web.Request) -> web.StreamResponse:
     while limit is None or sent < limit:
         page = EVENTS_PAGE if limit is None else min(EVENTS_PAGE, limit - sent)
         fetch = functools.partial(_events_page, cursor=cursor, until=until, page=page, pid=pid)
-        rows, cols = await readers.run(fetch, who)
-        if not rows:
+        n, cursor, lines = await readers.run(fetch, who)
+        if not n:
             break
-        await resp.write(b"".join(orjson.dumps(dict(zip(cols, r, strict=True))) + b"\n"
-                                  for r in rows))
-        sent += len(rows)
-        last = rows[-1]
-        cursor = (last[2], last[-1])  # (ts_ns, rowkey) of the last row sent
-        if len(rows) < page:
+        await resp.write(lines)
+        sent += n
+        if n < page:
             break
     await resp.write_eof()
     return resp
@@ -338,7 +423,8 @@ async def events(request: web.Request) -> web.StreamResponse:
 
 def _events_page(
     db: SafeDB, cursor: tuple[int, int], until: int, page: int, pid: int | None
-) -> tuple[list[tuple[Any, ...]], list[str]]:
+) -> tuple[int, tuple[int, int], bytes]:
+    """(rows, the cursor after them, their NDJSON lines), encoded on the reader thread."""
     # Keyset paging on (ts_ns, rowkey); the range on ts_ns keeps it on the index.
     where = "ts_ns >= ? AND ts_ns < ? AND (ts_ns > ? OR rowkey > ?)"
     params: list[Any] = [cursor[0], until, cursor[0], cursor[1]]
@@ -348,7 +434,13 @@ def _events_page(
     sql = f"SELECT {EVENT_COLUMNS} FROM events WHERE {where} ORDER BY ts_ns, rowkey LIMIT ?"
     params.append(page)
     res = db.query(sql, params, db.limits.lowered(max_rows=page))
-    return res.rows, res.columns
+    if not res.rows:
+        return 0, cursor, b""
+    cols = res.columns
+    lines = b"".join(encode(dict(zip(cols, r, strict=True))) + b"\n"
+                     for r in res.rows)
+    last = res.rows[-1]
+    return len(res.rows), (last[2], last[-1]), lines  # (ts_ns, rowkey) of the last row
 
 
 async def not_found(request: web.Request) -> web.StreamResponse:
@@ -369,6 +461,7 @@ def make_app(
     )
     app[STATE] = state
     app[READERS] = readers
+    stamps.install(app)  # clock headers on every answer, resumed-handshake count
     app.add_routes([
         web.get("/api/v1/health", health),
         web.get("/api/v1/time", clock),

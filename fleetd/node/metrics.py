@@ -10,7 +10,7 @@ The CUDA and NCCL latency histograms are the tracer's in-kernel ones (``aggregat
 log2 buckets per op, written once per aggregation window). :class:`OpLatency` keeps
 their running totals since the agent started: each scrape reads only the rows written
 since the previous one (a range of rowids), on a reader thread of the agent's pool,
-never on the event loop.
+never on the event loop, and on its light lane, never behind the clients' queries.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ from prometheus_client.registry import Collector
 
 from fleetd import __version__
 from fleetd.errors import FleetdError
-from fleetd.node.api import QUERY_BUCKETS_S, READERS, STATE, NodeState, client_of
+from fleetd.node.api import QUERY_BUCKETS_S, READERS, STATE, NodeState
 from fleetd.node.conns import ConnStats
 from fleetd.node.readers import ReaderPool
+from fleetd.node.stamps import HANDSHAKES, Handshakes
 from fleetd.store.catalog import BY_CODE, OPS
 from fleetd.store.schema import SCHEMA_VERSION
 
@@ -67,9 +68,10 @@ class OpLatency:
         self._node_key: int | None = None
         self._lock: asyncio.Lock | None = None
 
-    async def refresh(self, readers: ReaderPool, node: str, since_ns: int, who: str) -> None:
-        """Add the rows written since the last refresh. On failure the totals stay as
-        they were (a counter that lags one scrape is still a counter)."""
+    async def refresh(self, readers: ReaderPool, node: str, since_ns: int) -> None:
+        """Add the rows written since the last refresh, on the pool's light lane (a
+        scrape never waits for a query's slot). On failure the totals stay as they
+        were (a counter that lags one scrape is still a counter)."""
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -79,8 +81,8 @@ class OpLatency:
                 return _read_new(conn, node, key, after, since_ns)
 
             try:
-                hi, key, rows = await readers.run(
-                    lambda db: db.analyze(read, READ_TIMEOUT_S), who)
+                hi, key, rows = await readers.run_light(
+                    lambda db: db.analyze(read, READ_TIMEOUT_S))
             except (FleetdError, sqlite3.Error) as exc:
                 self.failures += 1
                 level = logging.WARNING if self.failures == 1 else logging.DEBUG
@@ -161,6 +163,7 @@ class Sources:
     # (matching, group key, ns its ranks have waited) per group of this node's NCCL ranks
     nccl_waits: Callable[[], list[tuple[str, str, int]]] = field(default=lambda: [])
     latency: OpLatency = field(default_factory=OpLatency)
+    handshakes: Handshakes = field(default_factory=Handshakes)  # the app's, at a scrape
     _registry: tuple[NodeState, CollectorRegistry] | None = field(default=None, repr=False)
 
     def registry(self, state: NodeState) -> CollectorRegistry:
@@ -219,6 +222,10 @@ class AgentCollector(Collector):
         yield _gauge("fleetd_db_bytes", "bytes of the database holding data", src.db_bytes())
         yield _counter("fleetd_tls_handshake_failures", "TLS handshakes that failed or "
                        "timed out", src.conns.handshake_failures)
+        yield _counter("fleetd_tls_handshakes", "TLS connections that made a request",
+                       src.handshakes.total)
+        yield _counter("fleetd_tls_resumed_handshakes", "of those, the ones that resumed "
+                       "a session (no certificates exchanged)", src.handshakes.resumed)
         yield _counter("fleetd_client_cert_refusals", "verified certificates refused as "
                        "clients (node certificates, no client role)", src.client_refusals())
         yield _gauge("fleetd_connections_open", "connections open, handshakes included",
@@ -254,8 +261,8 @@ def render(state: NodeState, src: Sources) -> str:
 
 async def metrics(request: web.Request) -> web.StreamResponse:
     state, src = request.app[STATE], request.app[SOURCES]
-    await src.latency.refresh(request.app[READERS], state.node,
-                              int(state.started * 1e9), client_of(request))
+    src.handshakes = request.app.get(HANDSHAKES, src.handshakes)
+    await src.latency.refresh(request.app[READERS], state.node, int(state.started * 1e9))
     # The text format, or OpenMetrics when the scraper asks for it.
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))
     return web.Response(body=encode(src.registry(state)),

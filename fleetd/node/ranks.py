@@ -38,7 +38,7 @@ from fleetd.analyze.hangs import (
 )
 from fleetd.node.api import STATE, json_response
 from fleetd.store.catalog import BY_CODE, BY_NAME
-from fleetd.store.schema import EventRow
+from fleetd.store.schema import EventArgs, EventRow
 from fleetd.store.writer import BatchWriter
 from fleetd.trace.procinfo import job_of, ranks_of
 
@@ -128,7 +128,7 @@ class RankBook:
     # ---- the tracer's side ------------------------------------------------------------
 
     def observe(self, rows: Sequence[EventRow],
-                args: Sequence[tuple[int, Mapping[str, Any]]] = ()) -> None:
+                args: Sequence[tuple[int, EventArgs]] = ()) -> None:
         """Take note of a batch on its way to the writer; never raises."""
         try:
             self._observe(rows, args)
@@ -138,8 +138,10 @@ class RankBook:
                 log.exception("NCCL rank book: a batch could not be read")
 
     def _observe(self, rows: Sequence[EventRow],
-                 args: Sequence[tuple[int, Mapping[str, Any]]]) -> None:
-        nccl = [(rows[i], a) for i, a in args if NCCL_LO <= rows[i][4] <= NCCL_HI]
+                 args: Sequence[tuple[int, EventArgs]]) -> None:
+        # NCCL args always come as mappings; only repeated launches come as text.
+        nccl = [(rows[i], a) for i, a in args
+                if NCCL_LO <= rows[i][4] <= NCCL_HI and not isinstance(a, str)]
         procs = self._procs
         if not nccl and not procs:
             return
@@ -435,7 +437,7 @@ class ObservedWriter(BatchWriter):
         self.book = book
 
     def add_events(self, rows: Sequence[EventRow],
-                   args: Sequence[tuple[int, Mapping[str, Any]]] = ()) -> bool:
+                   args: Sequence[tuple[int, EventArgs]] = ()) -> bool:
         self.book.observe(rows, args)
         return super().add_events(rows, args)
 

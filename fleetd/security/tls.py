@@ -24,6 +24,14 @@ The fleet client does::
     async with session.get(f"https://127.0.0.1:{port}/api/v1/health", ssl=ctx) as resp: ...
 
 With a CA and a pin together, both the chain and the pin must match.
+
+Resumption. Every client context is a :class:`ClientContext`: asyncio makes its
+connections through ``wrap_bio``, where the context offers the TLS 1.3 session ticket
+it holds for the node being dialled (the fleet client names the node in
+:data:`DIALING` around each request) and registers the connection so that its ticket is
+kept afterwards, in memory and in the per-user cache of :mod:`fleetd.security.sessions`.
+A resumed handshake skips the certificates; the pin check still runs on the
+certificate the session carries.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ import ipaddress
 import logging
 import ssl
 import stat
+from contextvars import ContextVar
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -41,7 +51,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
 from fleetd.errors import ConfigError
-from fleetd.security import certs
+from fleetd.security import certs, sessions
+from fleetd.security.sessions import Sessions
 
 log = logging.getLogger("fleetd.security.tls")
 
@@ -123,6 +134,22 @@ def _pin_of(context: ssl.SSLContext) -> str:
     return pin
 
 
+@dataclass(slots=True)
+class Dial:
+    """The node a client is about to ask, set in :data:`DIALING` around a request so
+    that the context's ``wrap_bio`` (called by asyncio with no such argument) knows
+    which node a new connection is for, and offers that node's ticket. The client also
+    notes in it when the request went out (a clock sample's t0)."""
+
+    host: str
+    port: int
+    sent_ns: int = 0  # wall clock when the request was handed to the connection
+    connected: bool = False  # a new connection was made (and its handshake done) for it
+
+
+DIALING: ContextVar[Dial | None] = ContextVar("fleetd_tls_dialing", default=None)
+
+
 class _PinnedSSLObject(ssl.SSLObject):
     def do_handshake(self) -> None:
         super().do_handshake()  # raises SSLWantRead/WriteError until it is complete
@@ -135,7 +162,33 @@ class _PinnedSSLSocket(ssl.SSLSocket):
         check_pinned(self, _pin_of(self.context))
 
 
-class PinnedContext(ssl.SSLContext):
+class ClientContext(ssl.SSLContext):
+    """A client context that resumes TLS sessions: in ``wrap_bio`` it offers the ticket
+    :attr:`sessions` holds for the node being dialled (:data:`DIALING`) and registers the
+    connection so that its own ticket can be kept (:meth:`Sessions.flush`)."""
+
+    sessions: Sessions | None = None
+
+    def wrap_bio(self, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO,
+                 server_side: bool = False, server_hostname: str | bytes | None = None,
+                 session: ssl.SSLSession | None = None) -> ssl.SSLObject:
+        obj = super().wrap_bio(incoming, outgoing, server_side, server_hostname, session)
+        dial = DIALING.get()
+        if dial is None or server_side:
+            return obj
+        dial.connected = True
+        if self.sessions is not None and session is None:
+            try:
+                name = (server_hostname.decode("ascii", "replace")
+                        if isinstance(server_hostname, bytes) else server_hostname)
+                self.sessions.prepare(self, obj, sessions.key(dial.host, dial.port, name,
+                                                              self.sessions.identity))
+            except Exception as exc:  # never let resumption cost a connection
+                sessions.disable(f"offering a session failed: {exc!r}")
+        return obj
+
+
+class PinnedContext(ClientContext):
     """A client context whose handshakes fail unless the peer matches ``pinned_sha256``."""
 
     sslobject_class = _PinnedSSLObject
@@ -242,9 +295,14 @@ def client_context(
     key: Path | None,
     *,
     pinned_sha256: str | None = None,
+    resume: bool = True,
+    session_cache: bool = True,
 ) -> ssl.SSLContext:
     """The fleet client's context: TLS 1.3, server verified against ``ca`` (with host
-    names) and/or ``pinned_sha256``; ``cert``/``key`` presented for mTLS."""
+    names) and/or ``pinned_sha256``; ``cert``/``key`` presented for mTLS. With
+    ``resume``, sessions are resumed within the process and, with ``session_cache``,
+    across commands through the per-user cache (:mod:`fleetd.security.sessions`); a
+    daemon (an agent relaying to its peers) keeps them in memory only."""
     if ca is None and pinned_sha256 is None:
         raise ConfigError(
             "no way to verify the server: neither a CA nor a pinned fingerprint is set",
@@ -256,13 +314,13 @@ def client_context(
             f"(got cert={str(cert) if cert else None!r}, key={str(key) if key else None!r})",
             "pass both, e.g. certs/NAME.pem and certs/NAME.key from `fleetd certs issue-client`",
         )
-    context: ssl.SSLContext
+    context: ClientContext
     if pinned_sha256 is not None:
         pinned = PinnedContext(ssl.PROTOCOL_TLS_CLIENT)
         pinned.pinned_sha256 = normalize_fingerprint(pinned_sha256)
         context = pinned
     else:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context = ClientContext(ssl.PROTOCOL_TLS_CLIENT)
     _tls13(context)
     if ca is not None:
         ca = Path(ca)
@@ -281,7 +339,20 @@ def client_context(
             cert, key, "client", "issue a new one: fleetd certs issue-client NAME --force"
         )
         _load_chain(context, cert, key)
+    if resume:
+        context.sessions = _sessions_for(ca, cert, pinned_sha256, session_cache)
     return context
+
+
+def _sessions_for(ca: Path | None, cert: Path | None, pin: str | None,
+                  on_disk: bool) -> Sessions:
+    """Tickets per fleet CA (the cache directory) and per client identity (the key)."""
+    ca_fp = fingerprint(Path(ca).read_bytes()) if ca is not None else None
+    cert_fp = fingerprint(Path(cert).read_bytes()) if cert is not None else "-"
+    identity = f"{cert_fp}/{normalize_fingerprint(pin) if pin else '-'}".replace(":", "")
+    base = sessions.default_dir() if on_disk else None
+    scope = (ca_fp or f"pin-{normalize_fingerprint(pin or '')}").replace(":", "")
+    return Sessions(identity, sessions.SessionCache(base / scope) if base else None)
 
 
 # --- the loopback self-signed certificate ---------------------------------------------

@@ -13,7 +13,8 @@ merged file gives every node its own key. The views print them as ``node:seq``.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fleetd.store.catalog import OPS, SOURCES
 
@@ -27,6 +28,8 @@ EVENT_FIELDS: tuple[str, ...] = (
     "ts_ns", "dur_ns", "pid", "tid", "op", "ret", "bytes", "peer", "a0", "a1", "stack",
 )
 EventRow = tuple[int, int, int, int, int, int, int, int, int, int, int]
+# An event's args: a mapping, or its JSON text already made (repeated kernel launches).
+EventArgs = Mapping[str, Any] | str
 
 _V1 = """
 CREATE TABLE meta (

@@ -246,7 +246,8 @@ class KernelNames:
         # Only the launches' own args: building a map of every row's would cost a pass
         # over the whole batch for each one.
         wanted = {row for row, _, _, _ in batch.kernels}
-        args = {row: a for row, a in batch.args if row in wanted}
+        # (A launch whose args came finished from the decoder's cache has its name.)
+        args = {row: a for row, a in batch.args if row in wanted and isinstance(a, dict)}
         for row, pid, op, func in batch.kernels:
             name = self.name(pid, op, func)
             if name is None:

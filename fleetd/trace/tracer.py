@@ -2,7 +2,8 @@
 
 Life cycle: ``start()`` checks the environment, compiles (header ladder), fills the
 in-kernel target set, attaches uprobes to every CUDA library the targets map and
-opens one ring buffer per layer; ``poll()`` drains the rings into the batch writer
+opens one ring buffer per layer, mapped into this process (:mod:`fleetd.trace.ringbuf`);
+``poll()`` takes what the rings hold in bulk, decodes it in bulk into the batch writer
 and, about once a second, does the bookkeeping (new targets from fork/cgroup/
 system-wide discovery, newly mapped libraries, clock re-sampling, in-kernel
 histograms into aggregate rows, session counters); ``stop()`` freezes the BPF side,
@@ -18,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -47,12 +49,17 @@ from fleetd.trace.libs import (
     search_usual_places,
 )
 from fleetd.trace.probes import Attacher, AttachReport
+from fleetd.trace.ringbuf import Chunk, RingReader
 from fleetd.trace.stacks import KernelNames, PythonTargets, StackResolver, WaitChannels
 from fleetd.trace.symbols import FunctionSymbols, LockNames
 
 log = logging.getLogger("fleetd.trace.tracer")
 
 GPU_LAYERS = ("cuda", "driver", "nccl")
+# Bytes taken from one ring per poll: bounds a batch (and the time it holds the GIL)
+# when a ring is full; whatever is left is taken on the next poll, at once.
+DRAIN_BYTES = 4 << 20
+STAGES = ("poll", "decode", "enrich", "queue")
 _ORIGIN = {1: "named", 2: "cgroup", 3: "cuda-user", 4: "child"}
 
 
@@ -125,6 +132,13 @@ class Tracer:
         self.exited: dict[int, int | None] = {}  # pid -> exit code
         self._pending: list[bytes] = []
         self.ring_counts: dict[str, int] = {}
+        # Rings mapped into this process and read in bulk (ringbuf); empty when BCC's
+        # per-record callbacks are used instead (a ring that cannot be mapped).
+        self._readers: dict[str, RingReader] = {}
+        self._epoll: select.epoll | None = None
+        # CPU ns this thread spent per stage of the hot path (STAGES; the writer's
+        # commits are in WriterStats.commit_cpu_ns): where each event's time goes.
+        self.stage_ns: dict[str, int] = dict.fromkeys(STAGES, 0)
         self.hist = accounting.Histograms()
         self._last_maint = 0.0
         self._last_maps_scan = 0.0
@@ -264,10 +278,35 @@ class Tracer:
             self._warn(f"{failed} probes failed to attach; the rest are active")
 
     def _open_rings(self, opts: ProgramOptions) -> None:
-        for ring in opts.rings():
-            name = RINGS[ring]
+        rings = opts.rings()
+        for ring in rings:
             self.ring_counts[ring] = 0
-            self.bpf[name.encode()].open_ring_buffer(self._make_callback(ring))
+        try:
+            if os.environ.get("FLEETD_NO_RING_MMAP"):
+                raise OSError("disabled by FLEETD_NO_RING_MMAP")
+            self._map_rings(rings)
+            return
+        except OSError as exc:  # no mmap of ring buffers here: BCC's callbacks instead
+            self._unmap_rings()
+            log.info("ring buffers not mappable (%s); reading them record by record", exc)
+        for ring in rings:
+            self.bpf[RINGS[ring].encode()].open_ring_buffer(self._make_callback(ring))
+
+    def _map_rings(self, rings: list[str]) -> None:
+        ep = self._epoll = select.epoll()
+        for ring in rings:
+            table = self.bpf[RINGS[ring].encode()]
+            reader = RingReader(table.map_fd, int(table.max_entries))
+            self._readers[ring] = reader
+            ep.register(reader.fd, select.EPOLLIN)
+
+    def _unmap_rings(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+        if self._epoll is not None:
+            self._epoll.close()
+            self._epoll = None
 
     def _make_callback(self, ring: str) -> Callable[[Any, int, int], int]:
         pending, counts, string_at = self._pending, self.ring_counts, ctypes.string_at
@@ -295,35 +334,71 @@ class Tracer:
 
     def poll(self, timeout_ms: int = 100) -> int:
         """Wait up to ``timeout_ms`` for records, store them; returns how many."""
-        self.bpf.ring_buffer_poll(timeout_ms)
-        # The BPF side wakes us only every few hundred records (fl_submit): drain
-        # whatever arrived without a wakeup too.
-        self.bpf.ring_buffer_consume()
-        n = self._flush_pending()
+        if self._epoll is not None:
+            if not self.backlog():
+                # The BPF side wakes us only every few hundred records (fl_submit), so
+                # a quiet ring is also drained when the wait times out.
+                self._epoll.poll(timeout_ms / 1000)
+            n = self._drain_rings()
+        else:
+            self.bpf.ring_buffer_poll(timeout_ms)
+            # Records that arrived without a wakeup too.
+            self.bpf.ring_buffer_consume()
+            n = self._flush_pending()
         if time.monotonic() - self._last_maint >= 1.0:
             self._maintain()
         return n
+
+    def backlog(self) -> int:
+        """Bytes waiting in the mapped rings (0 when read through BCC's callbacks)."""
+        return sum(r.available() for r in self._readers.values())
+
+    def _drain_rings(self, max_bytes: int | None = DRAIN_BYTES) -> int:
+        """Take what every mapped ring holds, decode it in bulk and store it."""
+        clock, st = time.thread_time_ns, self.stage_ns
+        t0 = clock()
+        chunks: list[Chunk] = []
+        for ring, reader in self._readers.items():
+            self.ring_counts[ring] += reader.drain(chunks, max_bytes)
+        t1 = clock()
+        st["poll"] += t1 - t0
+        if not chunks:
+            return 0
+        batch = self.decoder.decode_bulk(chunks)
+        st["decode"] += clock() - t1
+        self._store(batch)
+        return len(batch.rows)
 
     def _flush_pending(self) -> int:
         if not self._pending:
             return 0
         blobs = self._pending[:]
         del self._pending[:]
+        t0 = time.thread_time_ns()
         batch = self.decoder.decode(blobs)
+        self.stage_ns["decode"] += time.thread_time_ns() - t0
         self._store(batch)
         return len(blobs)
 
     def _store(self, batch: Batch) -> None:
         w = self.writer
         assert w is not None
+        clock, st = time.thread_time_ns, self.stage_ns
+        t0 = clock()
         if batch.stacks and self._stacks is not None:
             self._stacks.resolve(batch, w)
         if batch.kernels and self._kernels is not None:
             self._kernels.resolve(batch)
+        self.decoder.remember_launches(batch)
         if batch.kstack_ids and self._wchan is not None:
             self._wchan.resolve(batch)
         self._locks.resolve(batch)
+        t1 = clock()
+        st["enrich"] += t1 - t0
+        # Args may be finished JSON text (repeated launches), which add_events takes
+        # as it is; its signature names only the dicts other callers pass.
         w.add_events(batch.rows, batch.args)
+        st["queue"] += clock() - t1
         if batch.tasks:
             w.add_tasks(batch.tasks)
         seen = [(tid, pid, procinfo.comm(pid, tid)) for tid, pid in batch.new_tids]
@@ -510,8 +585,12 @@ class Tracer:
         # what the kernel says it emitted matches what we drained.
         self.bpf[b"fl_ctl"][ctypes.c_int(0)] = ctypes.c_uint64(1)
         time.sleep(0.02)
-        self.bpf.ring_buffer_consume()
-        self._flush_pending()
+        if self._readers:
+            while self._drain_rings():
+                pass
+        else:
+            self.bpf.ring_buffer_consume()
+            self._flush_pending()
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         self._write_aggregates(now)
         counters = self.counters()
@@ -549,6 +628,7 @@ class Tracer:
     def _cleanup_bpf(self) -> None:
         if self.bpf is None:
             return
+        self._unmap_rings()  # before the maps' fds close
         try:
             if self.attacher is not None:
                 self.attacher.close()

@@ -340,7 +340,11 @@ def test_node_certificates_and_roleless_ones_are_refused_as_clients(node: Agent,
         status, res, _ = request(node.url, _as(pki, name), "POST", "/api/v1/query", json=q)
         assert status == 403 and res["error"]["code"] == "forbidden" and why in \
             res["error"]["message"], res
-    # gpu-02 is listed under tls.relay_nodes: its node certificate may query.
-    assert request(node.url, _as(pki, "gpu-02"), "POST", "/api/v1/query", json=q)[0] == 200
+    # gpu-02 is listed under tls.relay_nodes: its node certificate may forward a client's
+    # query (marked with the client it forwards for), never ask on its own behalf.
+    status, res, _ = request(node.url, _as(pki, "gpu-02"), "POST", "/api/v1/query", json=q)
+    assert status == 403 and "may only forward" in res["error"]["message"], res
+    assert request(node.url, _as(pki, "gpu-02"), "POST", "/api/v1/query", json=q,
+                   headers={"X-Fleetd-Relayed-For": "cert:laptop"})[0] == 200
     assert request(node.url, client_ssl(pki), "POST", "/api/v1/query", json=q)[0] == 200
     assert _metric(node, pki, "client_cert_refusals_total") - before == 2

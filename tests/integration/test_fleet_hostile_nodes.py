@@ -184,6 +184,39 @@ def test_values_json_cannot_carry_fail_only_their_node(pki: Pki, good: Agent) ->
     assert obj["warnings"]
 
 
+_ND_HEAD = b'{"node":"x","columns":["n"],"limits":{"max_rows":10000}}\n'
+
+
+def _ndjson(*pieces: bytes, forever: bytes = b"") -> Handler:
+    """A node streaming NDJSON (docs/api.md) that breaks it in one way."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        for piece in pieces:
+            await resp.write(piece)
+        for _ in range(32_000 if forever else 0):  # 2 GB if the client kept reading
+            await resp.write(forever)
+        await resp.write_eof()
+        return resp
+    return handler
+
+
+@pytest.mark.parametrize(("handler", "said"), [
+    (_ndjson(_ND_HEAD, b"[1]\n[2]\n"), "without its trailer"),
+    (_ndjson(_ND_HEAD, b"[1]\n[2,\x1b[2J\n"), "not JSON"),
+    (_ndjson(_ND_HEAD, b"[1]\n", b'{"end":true,"rows":1}\n', b"[3]\n"), "after the trailer"),
+    (_ndjson(_ND_HEAD, b'["' + b"A" * 100, forever=b"A" * 65000), "byte limit"),
+], ids=["cut", "garbled", "after-end", "endless-line"])
+def test_a_broken_ndjson_stream_fails_only_its_node(pki: Pki, good: Agent, handler: Handler,
+                                                    said: str) -> None:
+    with hostile_node(pki, handler) as evil:
+        proc, took, peak = ask(pki, good, evil, "--format", "json")
+    obj = _good_rows_kept(proc)
+    assert any(said in w["error"] for w in obj["warnings"]), obj["warnings"]
+    assert "\x1b" not in proc.stdout + proc.stderr
+    assert took < 15 and peak < 400, (took, peak)
+
+
 def test_certs_issues_node_and_client_kinds_distinctly(tmp_path: Path) -> None:
     # `fleetd certs` issues the two kinds distinctly: the role is in the subject.
     pki = make_pki(tmp_path / "c", ["n1"], ["c1"])

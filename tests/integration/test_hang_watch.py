@@ -2,10 +2,10 @@
 certificates from `fleetd certs`, tracing four ranks of tests/workloads/nccl_ranks.py
 (the real libnccl, in lockstep over a TCP barrier), and `fleetd watch` against it.
 
-- one rank SIGSTOPped: `fleetd watch --hang-after 10s` exits 6 within 20 s of the stop,
-  naming the rank, its node and pid, state `stopped`, and the collective number;
-- one rank killed: named `exited`;
-- a quiet run: no hang (bounded with --for);
+- one job, three states: first quiet (no hang, bounded with --for); then one rank
+  SIGSTOPped: `fleetd watch --hang-after 10s` exits 6 within 20 s of the stop, naming the
+  rank, its node and pid, state `stopped`, and the collective number; then that rank
+  killed: named `exited`;
 - without tracing (no root needed): the endpoint answers empty, is not held up by a
   flood of slow queries, and `watch` treats a dead node as a warning.
 """
@@ -135,85 +135,94 @@ def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]
 
 
 @tracing
-def test_a_stopped_rank_is_named_within_20_s(tmp_path: Path, pki: Pki) -> None:
+def test_quiet_then_a_stopped_rank_then_the_same_rank_killed(tmp_path: Path, pki: Pki) -> None:
+    """One traced job for the three states a watcher must tell apart (each job costs an
+    agent start and a BPF compile): quiet, a stopped rank, then that rank exited."""
     with traced_job(tmp_path, pki) as job:
-        # The endpoint, as a user reads it: four ranks of one torchrun job.
-        _, body, _ = request(job.agent.url, client_ssl(pki), path="/api/v1/ranks")
-        got = {r["pid"]: r for r in body["ranks"]}
-        assert set(got) == set(job.pids) and body["tracing"] is True
-        r2 = got[job.pids[2]]
-        assert (r2["rank"], r2["world_size"]) == (2, RANKS) and r2["job"]
-        assert r2["collectives"][0]["op"].startswith("nccl") and r2["last_call"] is not None
-        assert r2["state"] in ("running", "sleeping")
-
-        w = watch(pki, address(job.agent), "--hang-after", "10s", "--format", "json",
-                  "--for", "60s")
-        time.sleep(2)  # the watch is polling a healthy job
-        os.kill(job.pids[2], signal.SIGSTOP)
-        stopped = time.monotonic()
-        code, out, err = _finish(w, 40)
-        took = time.monotonic() - stopped
-        print(f"SIGSTOP to verdict: {took:.1f} s")
-        assert code == 6, err
-        assert took < 20
-        v = json.loads(out)
-        assert v["status"] == "hang"
-        h = v["hangs"][0]
-        [c] = h["culprits"]
-        assert (c["node"], c["pid"], c["rank"], c["state"]) == ("n1", job.pids[2], 2,
-                                                                 "stopped")
-        assert h["kind"] in ("collective", "stalled") and h["waited_s"] >= 10
-        # The collective the others wait in (or, all having finished N, wait after).
-        assert h["seq"] == c["seq"] + 1
-        assert {x["pid"] for x in h["waiting"]} == {job.pids[r] for r in (0, 1, 3)}
-        if h["kind"] == "collective":
-            assert all(x["seq"] == h["seq"] for x in h["waiting"])
-        else:
-            assert all(x["seq"] == c["seq"] for x in h["waiting"])
-        assert f"rank 2 (n1 pid {job.pids[2]}, stopped" in h["summary"]
-        # The table names the same, and the gauge of /metrics shows the wait.
-        once = subprocess.run([FLEETD, "watch", "--nodes", address(job.agent),
-                               *tls_args(pki), "--hang-after", "10s", "--once"],
-                              capture_output=True, text=True, timeout=60)
-        assert once.returncode == 6 and "stopped" in once.stdout
-        assert str(job.pids[2]) in once.stdout and f"collective {h['seq']}" in once.stdout
-        _, _, metrics = request(job.agent.url, client_ssl(pki), path="/metrics")
-        gauge = [x for x in metrics.decode().splitlines()
-                 if x.startswith("fleetd_nccl_wait_seconds{")]
-        assert gauge and float(gauge[0].rsplit(" ", 1)[1]) >= 10
+        _quiet(job, pki)
+        verdict = _stopped(job, pki)
+        _exited(job, pki, verdict)
 
 
-@tracing
-def test_a_rank_that_exits_is_named_exited(tmp_path: Path, pki: Pki) -> None:
-    with traced_job(tmp_path, pki) as job:
-        w = watch(pki, address(job.agent), "--hang-after", "10s", "--format", "json",
-                  "--for", "60s")
-        time.sleep(2)
-        os.kill(job.pids[1], signal.SIGKILL)
-        killed = time.monotonic()
-        code, out, err = _finish(w, 40)
-        assert code == 6, err
-        assert time.monotonic() - killed < 20
-        h = json.loads(out)["hangs"][0]
-        [c] = h["culprits"]
-        assert (c["pid"], c["rank"], c["state"]) == (job.pids[1], 1, "exited")
-        assert c["exit_code"] is None  # killed by a signal
-        assert "exited, killed by a signal" in h["summary"]
+def _quiet(job: Job, pki: Pki) -> None:
+    w = watch(pki, address(job.agent), "--hang-after", "3s", "--interval", "0.5s",
+              "--for", "6s", "--format", "json")
+    code, out, err = _finish(w, 40)
+    assert code == 0, out + err
+    v = json.loads(out)
+    assert v["status"] == "ok" and v["hangs"] == [] and v["ranks"] == RANKS
+    [g] = v["groups"]
+    assert (g["matching"], g["ranks"], g["size"]) == ("torchrun", [0, 1, 2, 3], RANKS)
+    assert g["seq"] > 5 and g["progress_s"] < 3
+    assert v["verdict"].startswith("no hang: job ")
 
 
-@tracing
-def test_a_quiet_run_has_no_hang(tmp_path: Path, pki: Pki) -> None:
-    with traced_job(tmp_path, pki) as job:
-        w = watch(pki, address(job.agent), "--hang-after", "3s", "--interval", "0.5s",
-                  "--for", "6s", "--format", "json")
-        code, out, err = _finish(w, 40)
-        assert code == 0, out + err
-        v = json.loads(out)
-        assert v["status"] == "ok" and v["hangs"] == [] and v["ranks"] == RANKS
-        [g] = v["groups"]
-        assert (g["matching"], g["ranks"], g["size"]) == ("torchrun", [0, 1, 2, 3], RANKS)
-        assert g["seq"] > 5 and g["progress_s"] < 3
-        assert v["verdict"].startswith("no hang: job ")
+def _stopped(job: Job, pki: Pki) -> dict[str, Any]:
+    # The endpoint, as a user reads it: four ranks of one torchrun job.
+    _, body, _ = request(job.agent.url, client_ssl(pki), path="/api/v1/ranks")
+    got = {r["pid"]: r for r in body["ranks"]}
+    assert set(got) == set(job.pids) and body["tracing"] is True
+    r2 = got[job.pids[2]]
+    assert (r2["rank"], r2["world_size"]) == (2, RANKS) and r2["job"]
+    assert r2["collectives"][0]["op"].startswith("nccl") and r2["last_call"] is not None
+    assert r2["state"] in ("running", "sleeping")
+
+    w = watch(pki, address(job.agent), "--hang-after", "10s", "--format", "json",
+              "--for", "60s")
+    time.sleep(2)  # the watch is polling a healthy job
+    os.kill(job.pids[2], signal.SIGSTOP)
+    stopped = time.monotonic()
+    code, out, err = _finish(w, 40)
+    took = time.monotonic() - stopped
+    print(f"SIGSTOP to verdict: {took:.1f} s")
+    assert code == 6, err
+    assert took < 20
+    v: dict[str, Any] = json.loads(out)
+    assert v["status"] == "hang"
+    h = v["hangs"][0]
+    [c] = h["culprits"]
+    assert (c["node"], c["pid"], c["rank"], c["state"]) == ("n1", job.pids[2], 2, "stopped")
+    assert h["kind"] in ("collective", "stalled") and h["waited_s"] >= 10
+    # The collective the others wait in (or, all having finished N, wait after).
+    assert h["seq"] == c["seq"] + 1
+    assert {x["pid"] for x in h["waiting"]} == {job.pids[r] for r in (0, 1, 3)}
+    if h["kind"] == "collective":
+        assert all(x["seq"] == h["seq"] for x in h["waiting"])
+    else:
+        assert all(x["seq"] == c["seq"] for x in h["waiting"])
+    assert f"rank 2 (n1 pid {job.pids[2]}, stopped" in h["summary"]
+    # The table names the same, and the gauge of /metrics shows the wait.
+    once = subprocess.run([FLEETD, "watch", "--nodes", address(job.agent),
+                           *tls_args(pki), "--hang-after", "10s", "--once"],
+                          capture_output=True, text=True, timeout=60)
+    assert once.returncode == 6 and "stopped" in once.stdout
+    assert str(job.pids[2]) in once.stdout and f"collective {h['seq']}" in once.stdout
+    _, _, metrics = request(job.agent.url, client_ssl(pki), path="/metrics")
+    gauge = [x for x in metrics.decode().splitlines()
+             if x.startswith("fleetd_nccl_wait_seconds{")]
+    assert gauge and float(gauge[0].rsplit(" ", 1)[1]) >= 10
+    return v
+
+
+def _exited(job: Job, pki: Pki, before: dict[str, Any]) -> None:
+    """The stopped rank killed: the same hang, its culprit now named exited."""
+    os.kill(job.pids[2], signal.SIGKILL)
+    _wait(lambda: _state_of(job, pki, job.pids[2]) == "exited", "rank 2 seen exited", 20)
+    once = subprocess.run([FLEETD, "watch", "--nodes", address(job.agent), *tls_args(pki),
+                           "--hang-after", "10s", "--once", "--format", "json"],
+                          capture_output=True, text=True, timeout=60)
+    assert once.returncode == 6, once.stderr
+    h = json.loads(once.stdout)["hangs"][0]
+    [c] = h["culprits"]
+    assert (c["pid"], c["rank"], c["state"]) == (job.pids[2], 2, "exited")
+    assert c["exit_code"] is None  # killed by a signal
+    assert "exited, killed by a signal" in h["summary"]
+    assert h["seq"] == before["hangs"][0]["seq"]
+
+
+def _state_of(job: Job, pki: Pki, pid: int) -> str | None:
+    _, body, _ = request(job.agent.url, client_ssl(pki), path="/api/v1/ranks")
+    return next((r["state"] for r in body["ranks"] if r["pid"] == pid), None)
 
 
 # ---- without tracing -------------------------------------------------------------------

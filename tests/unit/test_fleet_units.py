@@ -134,6 +134,24 @@ def test_parse_nodes_names_and_addresses() -> None:
             parse_nodes(bad)
 
 
+def test_nodes_from_a_file(tmp_path: Path) -> None:
+    listed = tmp_path / "nodes.txt"
+    listed.write_text("# rack 1\ngpu-01=10.0.0.1:7600\n\n10.0.0.2:7600, 10.0.0.3:7600  # spare\n")
+    assert [t.name for t in parse_nodes(f"@{listed}")] == [
+        "gpu-01", "10.0.0.2:7600", "10.0.0.3:7600"]
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("fleet:\n  nodes:\n    - {name: a, address: 10.0.0.9:7600}\n")
+    [t] = parse_nodes(f"@{fleet}")
+    assert (t.name, t.host, t.port) == ("a", "10.0.0.9", 7600)
+    (tmp_path / "empty").write_text("# nothing\n")
+    (tmp_path / "bin").write_bytes(b"\xff\xfe\x00")
+    for bad, says in (("missing", "cannot read"), ("empty", "lists no node"),
+                      ("bin", "is not text")):
+        with pytest.raises(UsageError, match=says) as err:
+            parse_nodes(f"@{tmp_path / bad}")
+        assert str(tmp_path / bad) in str(err.value)
+
+
 # ---- stragglers -----------------------------------------------------------------------
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hostile import HOSTILE
@@ -82,3 +84,43 @@ def test_a_request_may_lower_limits_but_never_raise_them() -> None:
     for bad in (0, -1, "5", True):
         with pytest.raises(UsageError):
             ceiling.lowered(max_rows=bad)  # type: ignore[arg-type]
+
+
+def _drain(gen: Any) -> tuple[list[str], list[list[Any]], Any, int]:
+    """(columns, rows, end, largest piece) of a SafeDB.stream generator."""
+    columns, rows, biggest = next(gen), [], 0
+    while True:
+        try:
+            piece = next(gen)
+        except StopIteration as stop:
+            return columns, rows, stop.value, biggest
+        biggest = max(biggest, len(piece))
+        rows += [json.loads(line) for line in piece.splitlines()]
+
+
+def test_stream_gives_the_rows_of_query_in_bounded_pieces(guarded: SafeDB) -> None:
+    sql = "SELECT id, op, dur_ns, hex(randomblob(20)) FROM events ORDER BY rowkey"
+    whole = guarded.query("SELECT id, op, dur_ns FROM events ORDER BY rowkey")
+    columns, rows, end, biggest = _drain(guarded.stream(sql, chunk_bytes=2000))
+    assert columns[:3] == whole.columns and [tuple(r[:3]) for r in rows] == whole.rows
+    assert end.rows == len(rows) and not end.truncated
+    assert biggest < 2000 + 200  # a piece is one row past the chunk size at most
+
+
+@pytest.mark.parametrize(("limits", "reason"), [({"max_rows": 7}, "rows"),
+                                                ({"max_bytes": 10_000}, "bytes")])
+def test_stream_is_cut_by_the_same_limits(guarded: SafeDB, limits: dict[str, int],
+                                          reason: str) -> None:
+    lim = guarded.limits.lowered(**limits)
+    sql = "SELECT hex(randomblob(1000)) FROM event_data"
+    _, rows, end, _ = _drain(guarded.stream(sql, limits=lim))
+    cut = guarded.query(sql, limits=lim)
+    assert end.truncated and end.truncated_reason == reason == cut.truncated_reason
+    assert end.rows == len(rows) == len(cut.rows)
+
+
+def test_stream_refuses_writes_before_its_columns(guarded: SafeDB) -> None:
+    with pytest.raises(QueryError) as err:
+        next(guarded.stream("DELETE FROM event_data"))
+    assert err.value.code == "forbidden"
+    assert guarded.query("SELECT 1").rows == [(1,)]  # the connection is usable after
