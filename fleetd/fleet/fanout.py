@@ -50,6 +50,9 @@ EXIT_NO_ANSWER = 4  # no node answered
 # A node's query answer whose clock sample is worse than this (half its round trip)
 # is followed by one /api/v1/time sample on the same connection.
 EXTRA_SAMPLE_ABOVE_NS = 1_000_000
+# Up to this many extra samples are taken one after another (a few ms each, on open
+# connections); more go in parallel, where the deadline matters more than the error.
+SERIAL_SAMPLES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,8 +179,14 @@ async def fan_out_work(opts: FleetOptions, work: NodeWork, *, needs_offset: bool
         # handshakes, no answers to parse), so a sample's round trip is the network's
         # and the node's, not our own backlog.
         await asyncio.wait(tasks, timeout=max(0.0, client.remaining() / 2))
-        await asyncio.gather(*(_settle_clock(client, task) for task in tasks
-                               if not (task.done() and task.result().settled)))
+        unsettled = [t for t in tasks if not (t.done() and t.result().settled)]
+        if len(unsettled) <= SERIAL_SAMPLES:
+            # One at a time: a sample's answer is then the only thing this loop reads,
+            # so its round trip (hence its error) is not stretched by the others'.
+            for task in unsettled:
+                await _settle_clock(client, task)
+        else:
+            await asyncio.gather(*(_settle_clock(client, t) for t in unsettled))
     outcomes = [n.out for n in await asyncio.gather(*tasks)]
     client.keep_tickets()  # a later reconnect in this process resumes instead
     answer = FleetAnswer(list(outcomes), correct=opts.correct)
