@@ -87,19 +87,68 @@ static __always_inline void fl_count(u32 idx)
         *v += 1; /* per-CPU slot: no atomics needed */
 }
 
-/* A task the host layer follows: a named/discovered tgid, or one in a traced cgroup. */
-static __always_inline int fl_is_target(u32 tgid)
+/* A direct-mapped front of fl_targets. The host tracepoints fire for every task on the
+ * machine and nearly all are not targets: one array read (inlined by the JIT, one
+ * cache line) answers them instead of a hash lookup (two or three lines). A slot holds
+ * tgid + 1 when that target wrote it last (a sure yes), 0 when no target ever mapped
+ * there (a sure no), anything else: ask fl_targets. A target is added to the hash
+ * first, then its slot written; removing one writes 1 first, then deletes it, so no
+ * slot ever reads as a sure answer the hash would contradict. User space follows the
+ * same order (tracer.py). */
+#ifndef FL_SLOTS
+#define FL_SLOTS 65536 /* a power of two */
+#endif
+BPF_ARRAY(fl_target_slots, u64, FL_SLOTS);
+
+static __always_inline u64 *fl_slot(u32 tgid)
+{
+    u32 i = tgid & (FL_SLOTS - 1);
+    return fl_target_slots.lookup(&i);
+}
+
+static __always_inline void fl_target_add(u32 tgid, u32 origin)
+{
+    if (fl_targets.update(&tgid, &origin)) {
+        fl_count(FL_C_STATE_FULL);
+        return;
+    }
+    u64 *s = fl_slot(tgid);
+    if (s)
+        *s = (u64)tgid + 1;
+}
+
+static __always_inline void fl_target_remove(u32 tgid)
+{
+    u64 *s = fl_slot(tgid);
+    if (s && *s)
+        *s = 1;
+    fl_targets.delete(&tgid);
+}
+
+/* A named, discovered or already adopted target (no cgroup test: for events that do
+ * not run in the task's own context). */
+static __always_inline int fl_known_target(u32 tgid)
 {
     if (tgid == FL_TRACER_PID || tgid == 0)
         return 0;
-    if (fl_targets.lookup(&tgid))
+    u64 *s = fl_slot(tgid);
+    u64 v = s ? *s : 1;
+    if (v == (u64)tgid + 1)
+        return 1;
+    return v != 0 && fl_targets.lookup(&tgid) != 0;
+}
+
+/* A task the host layer follows: a named/discovered tgid, or one in a traced cgroup. */
+static __always_inline int fl_is_target(u32 tgid)
+{
+    if (fl_known_target(tgid))
         return 1;
 #if FL_CGROUPS
+    if (tgid == FL_TRACER_PID || tgid == 0)
+        return 0;
     u64 cg = bpf_get_current_cgroup_id();
     if (fl_cgroups.lookup(&cg)) {
-        u32 origin = 2;
-        if (fl_targets.update(&tgid, &origin))
-            fl_count(FL_C_STATE_FULL);
+        fl_target_add(tgid, 2);
         return 1;
     }
 #endif
@@ -115,9 +164,7 @@ static __always_inline int fl_is_cuda_target(u32 tgid)
 #if FL_SYSTEM_WIDE
     if (tgid == FL_TRACER_PID || tgid == 0)
         return 0;
-    u32 origin = 3;
-    if (fl_targets.update(&tgid, &origin))
-        fl_count(FL_C_STATE_FULL);
+    fl_target_add(tgid, 3);
     return 1;
 #else
     return 0;

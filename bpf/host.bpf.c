@@ -380,7 +380,7 @@ TRACEPOINT_PROBE(block, block_rq_complete)
         return 0;
     u64 now = bpf_ktime_get_ns();
     u64 dur = now - b->ts;
-    int target = b->pid != FL_TRACER_PID && fl_targets.lookup(&b->pid) != 0;
+    int target = fl_known_target(b->pid);
     /* Requests of other processes count too (pid 0 = the rest of the system): a
      * checkpoint writer or a noisy neighbour saturating the disk is a cause. */
     fl_hist_add(target ? b->pid : 0, OP_BLOCK_IO, dur, -1);
@@ -479,6 +479,15 @@ TRACEPOINT_PROBE(raw_syscalls, sys_enter)
     if (!fl_is_target(id >> 32))
         return 0;
     u32 tid = (u32)id;
+    /* The thread's entry is reused in place (a hash update allocates and frees an
+     * element each time; a lookup does not) and marked done with ts = 0. */
+    struct fl_sysc *p = fl_sysc.lookup(&tid);
+    if (p) {
+        p->nr = args->id;
+        p->arg0 = args->args[0];
+        p->ts = bpf_ktime_get_ns();
+        return 0;
+    }
     struct fl_sysc s = {};
     s.nr = args->id;
     s.arg0 = args->args[0];
@@ -491,9 +500,11 @@ TRACEPOINT_PROBE(raw_syscalls, sys_enter)
 TRACEPOINT_PROBE(raw_syscalls, sys_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
+    if (!fl_known_target(id >> 32))
+        return 0; /* every task's syscalls come here: the cheap test first */
     u32 tid = (u32)id;
     struct fl_sysc *s = fl_sysc.lookup(&tid);
-    if (!s)
+    if (!s || !s->ts)
         return 0;
     u64 now = bpf_ktime_get_ns();
     u64 dur = now - s->ts;
@@ -508,7 +519,7 @@ TRACEPOINT_PROBE(raw_syscalls, sys_exit)
             fl_submit(r);
         }
     }
-    fl_sysc.delete(&tid);
+    s->ts = 0;
     return 0;
 }
 #endif

@@ -69,9 +69,7 @@ TRACEPOINT_PROBE(sched, sched_process_fork)
     if (f & FL_CLONE_THREAD)
         return 0; /* a new thread of a target: already covered by its tgid */
     u32 child = args->child_pid;
-    u32 origin = 4;
-    if (fl_targets.update(&child, &origin))
-        fl_count(FL_C_STATE_FULL);
+    fl_target_add(child, 4);
     struct fl_rec *r = fl_reserve(FL_C_LOST_SYS);
     if (!r)
         return 0;
@@ -126,6 +124,6 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     }
     fl_exitcode.delete(&tgid);
     /* A reused pid must not inherit target status. */
-    fl_targets.delete(&tgid);
+    fl_target_remove(tgid);
     return 0;
 }

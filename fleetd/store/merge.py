@@ -106,9 +106,14 @@ def _v2_to_v3(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Lay
     return out
 
 
+def _v3_to_v4(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Layout:
+    """Version 4 changed a view only: a version-3 file's tables read as they are."""
+    return dict(layout)
+
+
 # UPGRADES[v] presents a version-v file as version v + 1; the next migration in
 # schema.MIGRATIONS adds its step here.
-UPGRADES: dict[int, Upgrade] = {1: _v1_to_v2, 2: _v2_to_v3}
+UPGRADES: dict[int, Upgrade] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
 
 
 # ---- what a merge reports --------------------------------------------------------------

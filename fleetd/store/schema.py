@@ -19,7 +19,7 @@ from typing import Any
 from fleetd.store.catalog import OPS, SOURCES
 
 APPLICATION_ID = 0x666C7464  # "fltd": tells our files from any other SQLite file
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SEQ_BITS = 40
 SEQ_MASK = (1 << SEQ_BITS) - 1
 
@@ -344,8 +344,33 @@ SELECT n.name AS node, p.pid, p.ppid, p.comm, p.exe, p.cmdline, p.rank, p.local_
 FROM process_data p JOIN nodes n ON n.id = p.node;
 """
 
+# Version 4: the events view looks names up with scalar subqueries instead of LEFT
+# JOINs. SQLite drops an unused LEFT JOIN only from a plain SELECT, never under GROUP
+# BY, so ``SELECT op, count(*) FROM events GROUP BY op`` paid four index lookups per
+# row for columns it never read (1.6 ms against 0.9 ms on 2,000 events); a subquery runs
+# only for a column the query reads. The rows are the same: each lookup is on a key.
+_V4 = """
+DROP VIEW events;
+CREATE VIEW events AS
+SELECT n.name || ':' || (e.id & 1099511627775) AS id,
+       n.name AS node, e.ts_ns, e.dur_ns, e.pid, e.tid,
+       (SELECT p.comm FROM process_data p WHERE p.node = n.id AND p.pid = e.pid) AS comm,
+       (SELECT t.comm FROM task_data t WHERE t.node = n.id AND t.tid = e.tid) AS thread,
+       o.source AS source, o.name AS op, e.ret, e.bytes, e.peer,
+       (SELECT t.pid FROM task_data t WHERE e.peer != 0 AND t.node = n.id AND t.tid = e.peer)
+           AS peer_pid,
+       (SELECT t.comm FROM task_data t WHERE e.peer != 0 AND t.node = n.id AND t.tid = e.peer)
+           AS peer_comm,
+       e.a0, e.a1, e.stack, (SELECT x.args FROM event_args x WHERE x.id = e.id) AS args,
+       (SELECT p.rank FROM process_data p WHERE p.node = n.id AND p.pid = e.pid) AS rank,
+       e.op AS op_code, e.id AS rowkey
+FROM event_data e
+JOIN nodes n ON n.id = (e.id >> 40)
+JOIN ops o ON o.code = e.op;
+"""
+
 # Index i holds the SQL that takes a database from version i to i + 1.
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3)
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4)
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 

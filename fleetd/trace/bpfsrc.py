@@ -135,6 +135,11 @@ def _inline(text: str, seen: set[str] | None = None) -> str:
     return re.sub(r'^#include "([^"]+)"\s*$', repl, text, flags=re.M)
 
 
+# Slots of the target filter in front of fl_targets (bpf/common.bpf.c); a power of two.
+# The tracer writes slot pid % TARGET_SLOTS after the hash entry.
+TARGET_SLOTS = 65536
+
+
 def cflags(opts: ProgramOptions) -> list[str]:
     th = opts.thresholds_ns
     flags = [f"-D{cflag_name(op)}={op.code}" for op in OPS]
@@ -142,6 +147,7 @@ def cflags(opts: ProgramOptions) -> list[str]:
         f"-DFL_REC_SIZE={REC.size}",
         f"-DFL_HIST_SIZE={HIST_SIZE}",
         f"-DFL_TRACER_PID={opts.tracer_pid}",
+        f"-DFL_SLOTS={TARGET_SLOTS}",
         f"-DFL_SYSTEM_WIDE={int(opts.system_wide)}",
         f"-DFL_CGROUPS={int(opts.cgroups)}",
         f"-DFL_SAMPLE_N={opts.sample_n}",

@@ -33,6 +33,7 @@ from fleetd.trace import accounting, procinfo
 from fleetd.trace.bpfsrc import (
     HOST_PARTS,
     RINGS,
+    TARGET_SLOTS,
     ProgramOptions,
     compile_program,
     detach_all,
@@ -225,13 +226,16 @@ class Tracer:
         return libs
 
     def _fill_targets(self, named: list[int]) -> None:
-        t = self.bpf[b"fl_targets"]
+        t, slots = self.bpf[b"fl_targets"], self.bpf[b"fl_target_slots"]
         pids = {p: 1 for p in named}
         if self.cfg.follow_children:
             for child in procinfo.descendants(named):
                 pids.setdefault(child, 4)
         for pid, origin in pids.items():
+            # The hash first, then the slot that answers "is it a target" without it
+            # (the order bpf/common.bpf.c relies on; FL_SLOTS there).
             t[ctypes.c_uint32(pid)] = ctypes.c_uint32(origin)
+            slots[ctypes.c_int(pid % TARGET_SLOTS)] = ctypes.c_uint64(pid + 1)
             self.targets[pid] = _ORIGIN[origin]
         if self.cfg.cgroups:
             cg = self.bpf[b"fl_cgroups"]

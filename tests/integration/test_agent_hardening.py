@@ -147,9 +147,20 @@ def test_a_flood_of_silent_connections_does_not_lock_clients_out(node: Agent,
     finally:
         for s in flood:
             s.close()
-    assert _metric(node, pki, "connections_refused_total") - refused0 >= 100
-    time.sleep(1.5)  # the flood's handshakes time out (1 s) and are counted
-    assert _metric(node, pki, "tls_handshake_failures_total") - failed0 >= 15
+    # Every flood connection ends as refused (over a cap) or as a failed handshake (it
+    # was held, or still queued for accept when the flood closed, then sent nothing);
+    # which of the two depends on how far the accept loop got, so the test bounds each
+    # side and checks the sum. Handshakes time out after 1 s.
+    deadline = time.monotonic() + 5
+    while True:
+        refused = _metric(node, pki, "connections_refused_total") - refused0
+        failed = _metric(node, pki, "tls_handshake_failures_total") - failed0
+        if refused + failed >= len(flood) - 5 or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert len(flood) >= 100, len(flood)
+    assert refused >= 50 and failed >= 15, (refused, failed)
+    assert refused + failed >= len(flood) - 5, (refused, failed, len(flood))
     assert _metric(node, pki, "connections_open") <= 2
 
 
