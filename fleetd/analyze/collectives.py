@@ -698,12 +698,24 @@ def straggler_entries(report: Mapping[str, Any], chains: Sequence[dict[str, Any]
 def host_chains(node: str, pid: int | None, chains: Sequence[dict[str, Any]],
                 peers: Iterable[int] = ()) -> list[dict[str, Any]]:
     """The node's host chains (most severe first as given), the process's own first.
-    A chain whose culprit is another rank of the job (``peers``: their pids) is left
-    out: a rank waiting for its peers' data is the collective itself, not a cause."""
+    Another rank of the job (``peers``: their pids) is never the culprit: a rank
+    waiting for its peers' data is the collective itself, not a cause. A chain whose
+    top culprit is a peer names its first other culprit instead (ranks sharing a
+    machine's CPUs outrank a hog in the rank's own CPU quota by time alone), and is
+    left out when it has none."""
     others = set(peers)
-    mine = [c for c in chains if c.get("node") == node
-            and c.get("root_cause") not in HOST_CHAIN_EXCLUDED
-            and (c.get("culprit") or {}).get("pid") not in others]
+    mine = []
+    for c in chains:
+        if c.get("node") != node or c.get("root_cause") in HOST_CHAIN_EXCLUDED:
+            continue
+        if (c.get("culprit") or {}).get("pid") in others:
+            rest = [x for x in c.get("culprits") or ()
+                    if isinstance(x, dict) and x.get("pid") not in others]
+            if not rest:
+                continue
+            c = {**c, "culprit": {k: rest[0][k] for k in ("pid", "comm", "self", "tid",
+                                                         "thread") if k in rest[0]}}
+        mine.append(c)
     own = [c for c in mine if (c.get("victim") or {}).get("pid") == pid]
     return own + [c for c in mine if c not in own]
 

@@ -442,3 +442,26 @@ def test_nodes_on_one_boot_share_one_clock() -> None:
     assert coll.combined_error("a", "b", got) == 0
     assert coll.combined_error("a", "c", got) == 900_000
     assert got["c"] == coll.Clock(2_500_000_000, 500_000, other)
+
+
+def test_a_peer_rank_is_never_a_host_chains_culprit_but_the_next_one_is() -> None:
+    # The shape measured in CI: ranks sharing the machine's two cores outrank, by time,
+    # the hog in the late rank's own CPU quota.
+    def who(pid: int, comm: str) -> dict[str, Any]:
+        return {"pid": pid, "comm": comm, "self": False, "tid": pid, "thread": comm}
+
+    chains = [
+        {"node": "h2", "root_cause": "cpu_contention", "severity": "HIGH",
+         "victim": {"pid": 12}, "culprit": who(10, "python"),
+         "culprits": [{**who(10, "python"), "share": 0.7}, {**who(13, "python")},
+                      {**who(99, "fleetd-hog"), "share": 0.1}]},
+        {"node": "h2", "root_cause": "cpu_contention", "severity": "LOW",
+         "victim": {"pid": 12}, "culprit": who(11, "python"),
+         "culprits": [who(11, "python")]},  # only peers: left out
+        {"node": "h1", "root_cause": "cpu_contention", "severity": "HIGH",
+         "victim": {"pid": 5}, "culprit": who(7, "other")},  # another node
+    ]
+    got = coll.host_chains("h2", 12, chains, peers=[10, 11, 13])
+    assert [c["culprit"] for c in got] == [who(99, "fleetd-hog")]
+    assert chains[0]["culprit"]["pid"] == 10  # the report's own chain is left as it was
+    assert coll.host_chains("h2", 12, chains, peers=[]) == chains[:2]
