@@ -21,6 +21,7 @@ import hashlib
 import logging
 import sqlite3
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -615,6 +616,17 @@ def _detail(group: list[Spike], factor: float) -> dict[str, Any]:
             "baseline_ns": group[0].baseline_ns, "kind": group[0].kind,
             "excess_ns": sum(s.excess_ns for s in group),
             "host_ns": dict(sorted(causes.items()))}
+
+
+def culprit_json(top: Mapping[str, Any]) -> dict[str, Any]:
+    """A ranked culprit as a chain's JSON shows it; a thread culprit also names its
+    thread. (Also applied to culprits a node sent, so ``self`` may be missing.)"""
+    out = {"pid": top["pid"], "comm": top["comm"], "self": top.get("self", False)}
+    if top.get("tid") is not None:
+        out["tid"], out["thread"] = top["tid"], top.get("thread")
+    if top.get("where"):  # a lock holder traced with stacks: its line and frames
+        out["where"], out["stack"] = top["where"], top.get("stack") or []
+    return out
 
 
 def evidence_timeline(chain: Chain) -> list[dict[str, Any]]:

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from fleetd.analyze.chains import Chain
+from fleetd.analyze.chains import Chain, culprit_json
 from fleetd.analyze.data import in_list, name_of
 from fleetd.analyze.model import NodeSlice
 from fleetd.analyze.rules import Context, rule_chain
@@ -709,12 +709,11 @@ def host_chains(node: str, pid: int | None, chains: Sequence[dict[str, Any]],
         if c.get("node") != node or c.get("root_cause") in HOST_CHAIN_EXCLUDED:
             continue
         if (c.get("culprit") or {}).get("pid") in others:
-            rest = [x for x in c.get("culprits") or ()
-                    if isinstance(x, dict) and x.get("pid") not in others]
+            rest = [x for x in c.get("culprits") or () if isinstance(x, dict)
+                    and "pid" in x and "comm" in x and x["pid"] not in others]
             if not rest:
                 continue
-            c = {**c, "culprit": {k: rest[0][k] for k in ("pid", "comm", "self", "tid",
-                                                         "thread") if k in rest[0]}}
+            c = {**c, "culprit": culprit_json(rest[0])}
         mine.append(c)
     own = [c for c in mine if (c.get("victim") or {}).get("pid") == pid]
     return own + [c for c in mine if c not in own]

@@ -24,6 +24,7 @@ from fleetd.analyze.chains import (
     NodeView,
     attribute,
     build_chains,
+    culprit_json,
     evidence_timeline,
     find_spikes,
     find_stalls,
@@ -185,7 +186,7 @@ def chain_json(ch: Chain) -> dict[str, Any]:
         "summary": ch.summary,
         "op": ch.op,
         "victim": ch.victim,
-        "culprit": _culprit(top),
+        "culprit": culprit_json(top) if top is not None else None,
         "culprits": ch.culprits[:5],
         "explained": ch.explained,
         "impact": ch.impact,
@@ -198,16 +199,6 @@ def chain_json(ch: Chain) -> dict[str, Any]:
     }
 
 
-def _culprit(top: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The top culprit as the JSON shows it; a thread culprit also names its thread."""
-    if top is None:
-        return None
-    out = {"pid": top["pid"], "comm": top["comm"], "self": top["self"]}
-    if top.get("tid") is not None:
-        out["tid"], out["thread"] = top["tid"], top.get("thread")
-    if top.get("where"):  # a lock holder traced with stacks: its line and frames
-        out["where"], out["stack"] = top["where"], top.get("stack") or []
-    return out
 
 
 def store_chains(path: Path, report: Report) -> int:
