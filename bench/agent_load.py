@@ -171,7 +171,9 @@ def generator_main(url: str, d: str, plan: str) -> None:
     import uvloop
 
     result = uvloop.run(_generate(url, Path(d), json.loads(plan)))
-    sys.stdout.write(json.dumps(result))
+    # To a file, not stdout: the event loop leaves stdout non-blocking, and a result of
+    # over 128 KiB (the pipe's size) was cut there, silently.
+    (Path(d) / "gen-result.json").write_text(json.dumps(result))
 
 
 # ---- the bench ------------------------------------------------------------------------
@@ -239,7 +241,7 @@ def generate(url: str, d: Path, plan: dict[str, Any]) -> dict[str, Any]:
                           capture_output=True, text=True, timeout=110)
     if proc.returncode != 0:
         raise SystemExit(f"load generator failed:\n{proc.stderr}")
-    result: dict[str, Any] = json.loads(proc.stdout)
+    result: dict[str, Any] = json.loads((d / "gen-result.json").read_text())
     return result
 
 

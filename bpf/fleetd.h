@@ -23,7 +23,7 @@
 #define FL_C_LOST_NCCL 2
 #define FL_C_LOST_SCHED 3
 #define FL_C_LOST_SYS 4      /* proc, block, irq, syscall */
-#define FL_C_CALLS_FULL 5    /* call start not kept: in-flight map full */
+#define FL_C_CALLS_FULL 5    /* call start lost: its in-flight slot taken by another */
 #define FL_C_HIST_FULL 6     /* histogram map full: the call is missing from aggregates */
 #define FL_C_SAMPLED_OUT 7   /* kept only in histograms, by design */
 #define FL_C_STACK_LOST 8
@@ -98,13 +98,19 @@ struct fl_pyoffs {
 
 /* A call in flight, keyed by tid << 32 | op. */
 struct fl_call {
-    u64 ts;
+    u64 ts;     /* 0: no call in flight in this slot */
+    u64 key;    /* tid << 32 | op of the call that holds the slot */
     u64 sp;     /* stack pointer at entry: stack arguments are read only if emitted */
     u64 func;   /* launches: the kernel function */
     u64 bytes;
     s64 a0;
     s64 a1;
     u64 x[4];
+};
+
+struct fl_bucket {
+    u64 count;
+    u64 sum;
 };
 
 /* Per (tgid, op): latency histogram plus the state behind emit decisions. */
@@ -116,8 +122,8 @@ struct fl_hist {
     u64 err_window;  /* start of the current error-budget window, ns */
     u32 err_in_window;
     s32 last_err;
-    u64 b_count[FL_NBUCKETS];
-    u64 b_sum[FL_NBUCKETS];
+    /* A bucket's count beside its sum: one cache line per call, not two. */
+    struct fl_bucket b[FL_NBUCKETS];
 };
 
 #ifdef FL_REC_SIZE

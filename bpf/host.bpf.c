@@ -4,7 +4,8 @@
  * state the task left in, wakeups with the waker, run-queue waits), FL_MEM (page
  * allocations, aggregated in the kernel), FL_BLOCK (block requests with latency and
  * bytes), FL_IRQ (hard/soft interrupts that preempted a traced thread), FL_SYSCALL
- * (system calls slower than a threshold). Everything goes into the in-kernel
+ * (system calls slower than a threshold; FL_NR_URETPROBE, the syscall our own
+ * uretprobes return through, is never counted). Everything goes into the in-kernel
  * histograms; individual records only above the thresholds below.
  * With FL_STACKS (and FL_WAKE_STACKS), a wakeup of a traced thread by a Python thread
  * fleetd follows carries the waker's stack, taken at the wakeup, at most once per
@@ -36,6 +37,9 @@
 #endif
 #ifndef FL_IRQ_MIN_NS
 #define FL_IRQ_MIN_NS 20000
+#endif
+#ifndef FL_NR_URETPROBE
+#define FL_NR_URETPROBE -1
 #endif
 #ifndef FL_SYSCALL_MIN_NS
 #define FL_SYSCALL_MIN_NS 1000000
@@ -475,6 +479,10 @@ TRACEPOINT_PROBE(irq, softirq_exit)
 #if FL_SYSCALL
 TRACEPOINT_PROBE(raw_syscalls, sys_enter)
 {
+    /* Our own uretprobes return through this syscall: one per traced call, never the
+     * program's latency, and the costliest thing these probes would otherwise do. */
+    if (args->id == FL_NR_URETPROBE)
+        return 0;
     u64 id = bpf_get_current_pid_tgid();
     if (!fl_is_target(id >> 32))
         return 0;
@@ -499,6 +507,8 @@ TRACEPOINT_PROBE(raw_syscalls, sys_enter)
 
 TRACEPOINT_PROBE(raw_syscalls, sys_exit)
 {
+    if (args->id == FL_NR_URETPROBE)
+        return 0;
     u64 id = bpf_get_current_pid_tgid();
     if (!fl_known_target(id >> 32))
         return 0; /* every task's syscalls come here: the cheap test first */

@@ -105,8 +105,8 @@ class Histograms:
 
     def _delta(self, key: tuple[int, int], v: Any) -> _Totals:
         """What one histogram gained since the last window (all of it the first time)."""
-        now: _Totals = ([int(v.b_count[i]) for i in range(NBUCKETS)],
-                        [int(v.b_sum[i]) for i in range(NBUCKETS)],
+        now: _Totals = ([int(v.b[i].count) for i in range(NBUCKETS)],
+                        [int(v.b[i].sum) for i in range(NBUCKETS)],
                         int(v.count), int(v.sum), int(v.errors))
         prev = self._prev.get(key)
         self._prev[key] = now

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.resources
 import logging
+import platform
 import re
 import struct
 from collections.abc import Iterable
@@ -140,6 +141,12 @@ def _inline(text: str, seen: set[str] | None = None) -> str:
 TARGET_SLOTS = 65536
 
 
+# The uretprobe syscall (x86_64, Linux 6.11+): a uretprobe's trampoline returns through
+# it instead of a trap, so every traced call that returns makes one. The syscall
+# tracepoints skip it first thing; elsewhere there is no such syscall (-1 never matches).
+NR_URETPROBE = 335 if platform.machine() == "x86_64" else -1
+
+
 def cflags(opts: ProgramOptions) -> list[str]:
     th = opts.thresholds_ns
     flags = [f"-D{cflag_name(op)}={op.code}" for op in OPS]
@@ -166,6 +173,7 @@ def cflags(opts: ProgramOptions) -> list[str]:
         f"-DFL_IRQ_MIN_NS={th['irq']}ull",
         f"-DFL_SYSCALL_MIN_NS={th['syscall']}ull",
         f"-DFL_BLOCK_MIN_NS={th['block']}ull",
+        f"-DFL_NR_URETPROBE={NR_URETPROBE}",
     ]
     flags += [f"-DFL_{part.upper()}={int(part in opts.host_parts)}" for part in HOST_PARTS]
     # Headers of another kernel version can warn about things we never use.

@@ -132,12 +132,16 @@ def test_a_flood_of_silent_connections_does_not_lock_clients_out(node: Agent,
                                                                   pki: Pki) -> None:
     refused0 = _metric(node, pki, "connections_refused_total")
     failed0 = _metric(node, pki, "tls_handshake_failures_total")
-    flood = []
+    flood, missed = [], []
     for _ in range(150):  # beyond the cap (40) and the descriptor limit (96)
         try:
             flood.append(socket.create_connection(_hostport(node), timeout=2))
-        except OSError:
-            break
+        except OSError as exc:
+            # A connect can time out when one SYN is lost (its retry comes after 1 s,
+            # CI saw one at the 53rd): go on, the flood only has to reach its size.
+            missed.append(repr(exc))
+            if len(missed) >= 5:
+                break
     try:
         time.sleep(0.2)
         # Another source is served at once, while the flood still holds its connections.
@@ -158,7 +162,7 @@ def test_a_flood_of_silent_connections_does_not_lock_clients_out(node: Agent,
         if refused + failed >= len(flood) - 5 or time.monotonic() > deadline:
             break
         time.sleep(0.25)
-    assert len(flood) >= 100, len(flood)
+    assert len(flood) >= 100, (len(flood), missed)
     assert refused >= 50 and failed >= 15, (refused, failed)
     assert refused + failed >= len(flood) - 5, (refused, failed, len(flood))
     assert _metric(node, pki, "connections_open") <= 2

@@ -135,6 +135,18 @@ def test_every_runtime_call_is_recorded_once(full_trace: Traced) -> None:
     assert t.summary["events_written"] == t.summary["records"]
 
 
+def test_our_uretprobes_return_syscall_is_not_the_programs(full_trace: Traced) -> None:
+    """On x86_64 since Linux 6.11 every uretprobe returns through a syscall (335): one
+    per traced call. It is the tracer's, not the workload's, so the syscall histogram
+    must not count it (it did: one 'syscall' per CUDA call, and its probes' cost)."""
+    t, wl = full_trace, full_trace.workload
+    calls = sum(wl["calls"].values())
+    syscalls = t.one("SELECT coalesce(sum(count), 0) FROM aggregates WHERE op = 'syscall' "
+                     "AND bucket = -1 AND pid = ?", wl["pid"])
+    assert 0 < syscalls < calls / 2, (syscalls, calls)
+    assert t.one("SELECT count(*) FROM events WHERE op = 'syscall' AND a0 = 335") == 0
+
+
 def test_return_codes_pids_and_tids_are_the_callers(full_trace: Traced) -> None:
     t, wl = full_trace, full_trace.workload
     rets = t.q("SELECT op, ret, count(*) FROM events WHERE source IN ('cuda', 'graph') "
