@@ -200,7 +200,8 @@ def hang_detect(tmp: Path) -> tuple[float, str]:
         verdict = json.loads(out_text)
         first = verdict["hangs"][0]
         culprit = first["culprits"][0]
-        what = (f"{first['kind']} hang at {first['op']} #{first['seq']}: rank "
+        # A stalled job names no op: no rank has entered its next collective.
+        what = (f"{first['kind']} hang at {first['op'] or 'collective'} #{first['seq']}: rank "
                 f"{culprit['rank']} pid {culprit['pid']} {culprit['state']}")
         return took, what
     finally:
