@@ -224,10 +224,10 @@ class EmptyPair:
 
 @contextlib.contextmanager
 def tracer_off(t: Traced) -> Iterator[None]:
-    """No program of the tracer attached for the block: its uprobe links closed and its
-    tracepoints detached (in parallel: each detach waits for an RCU grace period), then
-    attached again as at start. One compiled tracer thus serves every round: compiling
-    it costs seconds on a busy machine, more than the rounds themselves."""
+    """No program of the tracer attached for the block: its uprobe links closed, its
+    tracepoints and raw tracepoints detached (in parallel: each detach waits for an RCU
+    grace period), then attached again as at start. One compiled tracer thus serves
+    every round: compiling it costs seconds on a busy machine, more than the rounds."""
     from concurrent.futures import ThreadPoolExecutor
 
     tr = t.tracer
@@ -238,14 +238,18 @@ def tracer_off(t: Traced) -> Iterator[None]:
                            "here); this benchmark toggles only uprobe_multi links")
     tr.attacher.close()
     tps = list(bpf.tracepoint_fds)
-    with ThreadPoolExecutor(max_workers=len(tps) or 1) as pool:
+    raw = list(bpf.raw_tracepoint_fds)  # the syscall probes
+    with ThreadPoolExecutor(max_workers=len(tps) + len(raw) or 1) as pool:
         list(pool.map(bpf.detach_tracepoint, tps))
+        list(pool.map(bpf.detach_raw_tracepoint, raw))
     time.sleep(SETTLE_S)
     try:
         yield
     finally:
         for tp in tps:
             bpf.attach_tracepoint(tp=tp, fn_name=b"tracepoint__" + tp.replace(b":", b"__"))
+        for tp in raw:
+            bpf.attach_raw_tracepoint(tp=tp, fn_name=b"raw_tracepoint__" + tp)
         for lib in tr.libs.values():
             tr.attacher.attach(lib, tr.cfg.layers)
         time.sleep(SETTLE_S)

@@ -237,6 +237,7 @@ def detach_all(bpf: Any, workers: int = 32) -> None:
 
     jobs: list[tuple[Any, Any]] = [(bpf.detach_uprobe_event, k) for k in list(bpf.uprobe_fds)]
     jobs += [(bpf.detach_tracepoint, k) for k in list(bpf.tracepoint_fds)]
+    jobs += [(bpf.detach_raw_tracepoint, k) for k in list(bpf.raw_tracepoint_fds)]
 
     def one(job: tuple[Any, Any]) -> None:
         fn, key = job
