@@ -479,10 +479,11 @@ TRACEPOINT_PROBE(irq, softirq_exit)
 #if FL_SYSCALL
 /* Raw tracepoints, not the raw_syscalls ones: a tracepoint program gets a record the
  * kernel first builds (copying the arguments out of the registers) for every syscall
- * of every task, where a raw one is called with the registers as they are. That
- * difference is paid on every traced CUDA call too, since its uretprobe returns
- * through a syscall (FL_NR_URETPROBE): 360 ns of the tracer's 2.2 us per call,
- * measured by bench/tracer_overhead.py.
+ * of every task, where a raw one is called with the registers as they are. Every
+ * traced CUDA call pays for syscall probes too, since its uretprobe returns through a
+ * syscall (FL_NR_URETPROBE): the tracer with and without them cost +2,185 and +1,826 ns
+ * per call (bench/tracer_overhead.py's rounds). Raw tracepoints took ~50 ns of that
+ * back; the rest is the kernel's syscall slow path, which any syscall probe turns on.
  *   sys_enter: TP_PROTO(struct pt_regs *regs, long id)
  *   sys_exit:  TP_PROTO(struct pt_regs *regs, long ret) */
 RAW_TRACEPOINT_PROBE(sys_enter)
