@@ -142,8 +142,9 @@ TARGET_SLOTS = 65536
 
 
 # The uretprobe syscall (x86_64, Linux 6.11+): a uretprobe's trampoline returns through
-# it instead of a trap, so every traced call that returns makes one. The syscall
-# tracepoints skip it first thing; elsewhere there is no such syscall (-1 never matches).
+# it instead of a trap, so every traced call that returns makes one. sys_enter skips it
+# first thing, so sys_exit finds no entry for it; elsewhere there is no such syscall
+# (-1 never matches).
 NR_URETPROBE = 335 if platform.machine() == "x86_64" else -1
 
 

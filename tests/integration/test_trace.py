@@ -25,6 +25,8 @@ from typing import Any
 import pytest
 from recorder import StderrLog
 
+from fleetd.trace.bpfsrc import NR_URETPROBE
+
 from conftest import FLEETD, REPO, wait_for_libcudart
 
 WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
@@ -136,7 +138,7 @@ def test_every_runtime_call_is_recorded_once(full_trace: Traced) -> None:
 
 
 def test_our_uretprobes_return_syscall_is_not_the_programs(full_trace: Traced) -> None:
-    """On x86_64 since Linux 6.11 every uretprobe returns through a syscall (335): one
+    """On x86_64 since Linux 6.11 every uretprobe returns through a syscall: one
     per traced call. It is the tracer's, not the workload's, so the syscall histogram
     must not count it (it did: one 'syscall' per CUDA call, and its probes' cost)."""
     t, wl = full_trace, full_trace.workload
@@ -144,7 +146,8 @@ def test_our_uretprobes_return_syscall_is_not_the_programs(full_trace: Traced) -
     syscalls = t.one("SELECT coalesce(sum(count), 0) FROM aggregates WHERE op = 'syscall' "
                      "AND bucket = -1 AND pid = ?", wl["pid"])
     assert 0 < syscalls < calls / 2, (syscalls, calls)
-    assert t.one("SELECT count(*) FROM events WHERE op = 'syscall' AND a0 = 335") == 0
+    assert t.one("SELECT count(*) FROM events WHERE op = 'syscall' AND a0 = ?",
+                 NR_URETPROBE) == 0
 
 
 def test_return_codes_pids_and_tids_are_the_callers(full_trace: Traced) -> None:
