@@ -12,6 +12,7 @@ import ctypes
 import logging
 import os
 import platform
+import re
 from collections.abc import Collection
 from pathlib import Path
 
@@ -290,10 +291,26 @@ def _libs_check(libs: list[Library]) -> Check:
                  + ", ".join(f"{lib.path} [{lib.found_by}]" for lib in libs), fix)
 
 
+def _vanished(lib: Library, what: str) -> Check | None:
+    """A SKIP for a library seen through a process that has exited since it was found.
+
+    CUDA processes come and go on a real node; one that ends during the check took its
+    /proc/PID/root view with it, which says nothing about whether probes attach.
+    """
+    m = re.match(r"/proc/(\d+)/", lib.path)
+    if m is None or os.path.exists(lib.path):
+        return None
+    return Check(f"{what} {Path(lib.path).name}", SKIP,
+                 f"process {m.group(1)} exited during the check; its mapping of "
+                 f"{Path(lib.path).name} is gone", "")
+
+
 def _symbols_check(lib: Library) -> Check:
     try:
         exports = exported_functions(lib.path)
     except (OSError, ValueError) as exc:
+        if (gone := _vanished(lib, "symbols")) is not None:
+            return gone
         return Check(f"symbols {Path(lib.path).name}", FAIL, f"cannot read: {exc}",
                      "is the file a complete shared library?")
     specs = SPECS_BY_KIND[lib.kind]
@@ -325,7 +342,9 @@ def _attach_check(libs: list[Library]) -> list[Check]:
             ok = len(rep.attached.get(lib.path, []))
             failed = rep.failed.get(lib.path, [])
             name = f"probes {Path(lib.path).name}"
-            if failed:
+            if failed and not ok and (gone := _vanished(lib, "probes")) is not None:
+                out.append(gone)
+            elif failed:
                 out.append(Check(name, WARN if ok else FAIL,
                                  f"{ok} attached, {len(failed)} failed: {'; '.join(failed[:3])}",
                                  "check that tracefs is mounted and the file is not on a "

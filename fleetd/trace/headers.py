@@ -16,6 +16,7 @@ another kernel version are good enough. Routes, tried in order:
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import logging
 import os
@@ -23,7 +24,7 @@ import platform
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +128,7 @@ def _debian_merged() -> HeaderRoute | None:
     common, flavour = pair
     target = cache_dir() / "kheaders" / f"merged-{flavour.name}"
     if not (target / ".complete").exists():
-        _build_atomically(target, lambda tmp: _overlay(tmp, [common, flavour]))
+        _build_once(target, lambda tmp: _overlay(tmp, [common, flavour]))
     return HeaderRoute("debian-merged", str(target), f"{common.name} + {flavour.name}")
 
 
@@ -150,19 +151,41 @@ def _overlay(dest: Path, layers: list[Path]) -> None:
             (dest / name).symlink_to(paths[-1].resolve())
 
 
-def _build_atomically(target: Path, build: object) -> None:
+def _build_once(target: Path, build: Callable[[Path], None]) -> None:
+    """Build ``target`` unless it is complete, safely against concurrent tracers.
+
+    Several agents start at once (the demo starts three) and each finds no tree. An
+    exclusive lock beside the tree lets one build it while the others wait; they then
+    find it complete. A complete tree is never removed or replaced: another process may
+    be compiling against it, and BCC crashes (SIGSEGV) when headers vanish mid-compile.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    with _locked(target.parent / f".{target.name}.lock"):
+        if (target / ".complete").exists():
+            return
+        if target.exists():  # left incomplete by a crash: nobody can be using it
+            stale = tempfile.mkdtemp(prefix=target.name + ".stale.", dir=target.parent)
+            target.rename(Path(stale) / "tree")
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+        try:
+            build(tmp)
+            (tmp / ".complete").write_text("ok\n")
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    for old in target.parent.glob(target.name + ".stale.*"):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        assert callable(build)
-        build(tmp)
-        (tmp / ".complete").write_text("ok\n")
-        if target.exists():
-            shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 # ---- generated ----------------------------------------------------------------------
@@ -209,7 +232,7 @@ def _generated() -> HeaderRoute | None:
     release = platform.release()
     target = cache_dir() / "kheaders" / f"generated-{release}"
     if not (target / ".complete").exists():
-        _build_atomically(target, lambda tmp: _write_tiny_tree(tmp, config, release))
+        _build_once(target, lambda tmp: _write_tiny_tree(tmp, config, release))
     return HeaderRoute("generated", str(target), f"tiny tree from {config} + /usr/include")
 
 

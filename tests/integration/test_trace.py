@@ -399,6 +399,25 @@ def test_check_reports_a_working_route_and_attachable_probes() -> None:
         assert c["status"] == "ok" or c["fix"], c
 
 
+def test_check_skips_a_cuda_process_that_exits_during_the_check(tmp_path: Path) -> None:
+    """A library found through /proc/PID/root of a process that then exits: the symbol
+    and probe checks say the process is gone (SKIP), they do not FAIL."""
+    from fleetd.trace import checks as tc
+
+    wl = subprocess.Popen([PY, str(WORKLOAD), "--go-file", str(tmp_path / "never")])
+    try:
+        wait_for_libcudart(wl.pid)
+        libs = [lib for lib in tc._libraries([]) if lib.found_by == f"maps:{wl.pid}"]
+        assert libs, "the workload's libcudart was not found through its maps"
+    finally:
+        wl.kill()
+        wl.wait()
+    found = [tc._symbols_check(lib) for lib in libs] + tc._attach_check(libs)
+    assert not [c for c in found if c.status == "fail"], found
+    skipped = [c for c in found if c.status == "skip"]
+    assert skipped and all(f"process {wl.pid} exited" in c.detail for c in skipped)
+
+
 def test_trace_of_a_pid_that_does_not_exist_fails_clearly(tmp_path: Path) -> None:
     pid = 2**22 + 12345  # above pid_max's default range
     r = subprocess.run([FLEETD, "trace", "--pid", str(pid), "--db", str(tmp_path / "x.db")],
@@ -475,6 +494,26 @@ def test_generated_header_route_compiles_the_programs(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "generated"
     assert (tmp_path / "kheaders").is_dir()
+
+
+@pytest.mark.parametrize("route", ["debian-merged", "generated"])
+def test_three_tracers_build_the_header_tree_at_once(tmp_path: Path, route: str) -> None:
+    """A fresh cache and three compilers started together (as the demo's three agents
+    are): one builds the tree under the lock, the others wait and use it; none finds the
+    tree replaced under its compile."""
+    env = {**os.environ, "FLEETD_HEADERS": route, "FLEETD_CACHE_DIR": str(tmp_path)}
+    code = ("import os\nfrom fleetd.trace.bpfsrc import ProgramOptions, compile_program, "
+            "detach_all\n"
+            "b, r = compile_program(ProgramOptions(tracer_pid=os.getpid()))\n"
+            "print(r.name)\ndetach_all(b)\n")
+    procs = [subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+        assert out.strip() == route
+    trees = [d.name for d in (tmp_path / "kheaders").iterdir() if d.is_dir()]
+    assert len(trees) == 1 and (tmp_path / "kheaders" / trees[0] / ".complete").exists()
 
 
 def test_bpf_record_layout_matches_the_decoder() -> None:
