@@ -209,19 +209,22 @@ def test_python_frames_of_every_installed_interpreter(tmp_path: Path) -> None:
             continue
         p = subprocess.Popen([exe, str(script)])
         try:
-            deadline = time.monotonic() + 10
-            interp = None
-            while time.monotonic() < deadline:
-                interp = pyframes.find_interpreter(p.pid)
-                if interp is not None and interp.runtime:
-                    mem = pyframes.Memory(p.pid)
-                    states = pyframes.thread_states(interp, mem)
-                    if states:
-                        break
+            # Walk until the script's own frame is on top: under load the walk can land
+            # while the interpreter is still importing (importlib's frames on top).
+            deadline = time.monotonic() + 15
+            interp, names = None, []
+            while time.monotonic() < deadline and not names[:1] == [f"nap ({script}:4)"]:
                 time.sleep(0.1)
+                interp = pyframes.find_interpreter(p.pid)
+                if interp is None or not interp.runtime or interp.layout is None:
+                    continue
+                mem = pyframes.Memory(p.pid)
+                try:
+                    states = pyframes.thread_states(interp, mem)
+                    names = _walk(interp, mem, states[p.pid]) if p.pid in states else []
+                finally:
+                    mem.close()
             assert interp is not None and interp.layout is not None, exe
-            names = _walk(interp, mem, states[p.pid])
-            mem.close()
         finally:
             p.kill()
             p.wait()
