@@ -180,6 +180,14 @@ def _host(args: argparse.Namespace, groups: Sequence[str]) -> list[Check]:
     wanted = [g for g in groups if g in ("host", "cuda")]
     if not wanted:
         return []
+    from fleetd.errors import TraceError
+    from fleetd.trace.require import require_tracing
+
+    try:
+        require_tracing("tracing")
+    except TraceError as exc:  # a client-only install: say so once per group, no more
+        return [Check(g, SKIP, f"node side not installed here: {exc.message}",
+                      exc.hint or "", group=g) for g in wanted]
     from fleetd.trace.checks import run_checks
 
     return run_checks(args.cuda_lib, attach=not args.no_attach, groups=wanted, skips=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import re
 import shlex
@@ -24,6 +25,7 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fleetd.errors import FleetdError, TraceError, UsageError
 from fleetd.store.timeparse import parse_duration
@@ -299,6 +301,8 @@ def run(args: argparse.Namespace) -> int:
                "FROM events WHERE source = 'cuda' GROUP BY op ORDER BY calls DESC"])
         _say("\n[5/7] which node is the straggler, and why")
         _show([*_fleetd(), "explain", "--nodes", nodes, *tls], check=False)
+        verdict = _explain_json([*_fleetd(), "explain", "--nodes", nodes, *tls,
+                                 "--format", "json"], out / "fleet-demo-explain.json")
         _say("\n[6/7] the fleet as one Perfetto timeline, straight from the agents")
         trace.unlink(missing_ok=True)
         _show([*_fleetd(), "export", "--format", "perfetto", "--nodes", nodes, *tls,
@@ -309,14 +313,63 @@ def run(args: argparse.Namespace) -> int:
     for f in (merged, Path(f"{merged}-wal"), Path(f"{merged}-shm")):
         f.unlink(missing_ok=True)
     _show([*_fleetd(), "merge", *(str(d / f"{n}.db") for n in NODES), "-o", str(merged)])
-    _say(f"""
-Done. Written:
-  {merged}   all three nodes in one database
-  {trace}   open it at https://ui.perfetto.dev (or chrome://tracing)
-
-Next:
-  .venv/bin/fleetd explain --db {merged}
-  .venv/bin/fleetd query --db {merged} "SELECT node, op, count(*) FROM events GROUP BY 1, 2"
-  .venv/bin/fleetd ops --db {merged} --per-process
-  README.md: deploy agents to real nodes with certificates (fleetd certs).""")
+    _say("")
+    for line in summary_lines(verdict, [merged, trace, out / "fleet-demo-explain.json"]):
+        _say(line)
     return 0
+
+
+def _explain_json(cmd: list[str], dest: Path) -> dict[str, Any]:
+    """The fleet explain as JSON, kept in ``dest``; {} when it could not be had."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        doc = json.loads(proc.stdout) if proc.returncode == 0 else {}
+    except ValueError:
+        doc = {}
+    if isinstance(doc, dict) and doc:
+        dest.write_text(json.dumps(doc, indent=1) + "\n")
+        return doc
+    return {}
+
+
+def _top_chains(verdict: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each node's first chain (the list comes most severe first)."""
+    top: dict[str, dict[str, Any]] = {}
+    for chain in verdict.get("chains") or []:
+        if isinstance(chain, dict) and isinstance(chain.get("node"), str):
+            top.setdefault(chain["node"], chain)
+    return top
+
+
+def _culprit_text(chain: dict[str, Any]) -> str:
+    c = chain.get("culprit")
+    if not isinstance(c, dict):
+        return "no culprit process"
+    return f"culprit {c.get('comm', '?')} pid {c.get('pid', '?')}"
+
+
+def summary_lines(verdict: dict[str, Any], files: list[Path]) -> list[str]:
+    """At most 12 lines: who is late, each node's top cause, the files, what next."""
+    lines = ["Summary (the full explain is above, and as JSON in the file below):"]
+    ranks = [s for s in verdict.get("stragglers") or []
+             if isinstance(s, dict) and s.get("metric") == "collective_arrival"]
+    nodes = [s for s in verdict.get("stragglers") or []
+             if isinstance(s, dict) and s.get("flagged") and s.get("metric") !=
+             "collective_arrival"]
+    if ranks:
+        r = ranks[0]
+        lines.append(f"  straggler: rank {r.get('rank')} on {r.get('node')} (pid {r.get('pid')}), "
+                     f"last in {float(r.get('share_last') or 0):.0%} of the collectives")
+    if nodes:
+        lines.append(f"  straggler node: {nodes[0].get('node')} ({nodes[0].get('metric')})")
+    if not ranks and not nodes:
+        lines.append("  no straggler named (see the explain above)")
+    for node, chain in sorted(_top_chains(verdict).items())[:3]:
+        lines.append(f"  {node}: [{chain.get('severity')}] {chain.get('root_cause')}, "
+                     f"{_culprit_text(chain)}")
+    lines.append("  written: " + ", ".join(str(f) for f in files[:2]))
+    lines.append(f"           {files[2]}" if len(files) > 2 else "")
+    lines.append("  next: .venv/bin/fleetd explain --db " + str(files[0]))
+    lines.append("        .venv/bin/fleetd ops --db " + str(files[0]) + " --per-process")
+    lines.append("        README.md: agents on real nodes with certificates (fleetd certs)")
+    return [line for line in lines if line][:12]

@@ -185,7 +185,9 @@ def run(args: argparse.Namespace) -> int:
     from fleetd.trace.tracer import Tracer
 
     tracer = Tracer(cfg)
-    tracer.start()
+    t0 = time.monotonic()
+    tracer.start(lambda msg: print(f"fleetd: starting ({time.monotonic() - t0:.1f}s): {msg}",
+                                   file=sys.stderr, flush=True))
     _announce(tracer, cfg, sys.stderr)
     stop = _Stop()
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -29,7 +29,7 @@ class AgentTracer:
         self.error: str | None = None
 
     def start(self) -> None:
-        self.tracer.start()
+        self.tracer.start(lambda msg: log.info("tracer starting: %s", msg))
         self._last = (time.monotonic(), 0)
         self._thread = threading.Thread(target=self._run, name="fleetd-trace", daemon=True)
         self._thread.start()

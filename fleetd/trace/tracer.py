@@ -16,11 +16,13 @@ says, and how losses and histograms are counted, is :mod:`fleetd.trace.accountin
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import select
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +47,7 @@ from fleetd.trace.libs import (
     LAYER_OF_KIND,
     Library,
     all_mapped_libraries,
+    exported_functions,
     mapped_libraries,
     override_libraries,
     search_usual_places,
@@ -156,21 +159,36 @@ class Tracer:
 
     # ---- start ------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compile, attach, open the rings and the database; ``progress`` hears each
+        stage (BCC's compile takes seconds: a user should see what is happening).
+
+        The compile runs on its own thread (BCC's C++ releases the GIL) while this one
+        finds the libraries, reads their symbols and opens the database."""
+        say = progress or (lambda _msg: None)
         _preflight()
         named = self._check_pids()
+        opts = self._program_options()
+        say(f"compiling the BPF programs ({len(opts.layers)} layers)")
+        compiled: list[tuple[Any, HeaderRoute]] = []
+        failure: list[BaseException] = []
+        worker = threading.Thread(target=_compile_into, args=(opts, compiled, failure),
+                                  name="fleetd-compile", daemon=True)
+        worker.start()
         libs = self._initial_libraries()
-        opts = ProgramOptions(
-            tracer_pid=os.getpid(), layers=self.cfg.layers, host_parts=self.cfg.host_parts,
-            system_wide=self.cfg.system_wide, cgroups=bool(self.cfg.cgroups),
-            sample_n=self.cfg.sample, slow_k=self.cfg.slow_k,
-            slow_min_ns=self.cfg.slow_min_ns, err_burst=self.cfg.err_burst,
-            stacks=self.cfg.stacks, stack_sample=self.cfg.stack_sample,
-            stack_slow_ns=self.cfg.stack_slow_ns, wake_stack_ns=self.cfg.wake_stack_ns,
-            ring_pages=self.cfg.ring_pages,
-            thresholds_ns=dict(self.cfg.thresholds_ns),
-        )
-        self.bpf, self.route = compile_program(opts)
+        say(f"reading the symbols of {len(libs)} CUDA librar{'y' if len(libs) == 1 else 'ies'}")
+        _prefetch_symbols(libs)
+        if self.writer is None:
+            self.writer = BatchWriter(self.cfg.db, self.cfg.node, host=socket.gethostname(),
+                                      max_bytes=self.cfg.max_db_bytes)
+        worker.join()
+        if failure:
+            if self._writer_given is None:
+                self.writer.close()  # nothing was written; the file stays as it was
+                self.writer = None
+            raise failure[0]
+        self.bpf, self.route = compiled[0]
+        say(f"compiled (headers: {self.route.name}); attaching probes")
         self.attacher = Attacher(self.bpf)
         try:
             self._fill_targets(named)
@@ -185,10 +203,6 @@ class Tracer:
                 self._refresh_python()
             self._kernels = KernelNames(self.bpf, symbols)
             self._wchan = _wait_channels(self.bpf)
-            if self.writer is None:
-                self.writer = BatchWriter(self.cfg.db, self.cfg.node,
-                                          host=socket.gethostname(),
-                                          max_bytes=self.cfg.max_db_bytes)
             self._begin_session()
         except BaseException:
             self._cleanup_bpf()
@@ -196,6 +210,18 @@ class Tracer:
         self._started_mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         self.hist.window_start = self._started_mono
         self._last_maint = time.monotonic()
+
+    def _program_options(self) -> ProgramOptions:
+        return ProgramOptions(
+            tracer_pid=os.getpid(), layers=self.cfg.layers, host_parts=self.cfg.host_parts,
+            system_wide=self.cfg.system_wide, cgroups=bool(self.cfg.cgroups),
+            sample_n=self.cfg.sample, slow_k=self.cfg.slow_k,
+            slow_min_ns=self.cfg.slow_min_ns, err_burst=self.cfg.err_burst,
+            stacks=self.cfg.stacks, stack_sample=self.cfg.stack_sample,
+            stack_slow_ns=self.cfg.stack_slow_ns, wake_stack_ns=self.cfg.wake_stack_ns,
+            ring_pages=self.cfg.ring_pages,
+            thresholds_ns=dict(self.cfg.thresholds_ns),
+        )
 
     def _check_pids(self) -> list[int]:
         for pid in self.cfg.pids:
@@ -643,6 +669,21 @@ class Tracer:
 
 
 # ---- helpers ------------------------------------------------------------------------------
+
+def _compile_into(opts: ProgramOptions, out: list[tuple[Any, HeaderRoute]],
+                  failure: list[BaseException]) -> None:
+    try:
+        out.append(compile_program(opts))
+    except BaseException as exc:  # handed to the starting thread, which raises it
+        failure.append(exc)
+
+
+def _prefetch_symbols(libs: list[Library]) -> None:
+    """Read each library's exports now (cached), so attaching later does not wait."""
+    for lib in libs:
+        with contextlib.suppress(OSError, ValueError):  # the attach reports it, by name
+            exported_functions(lib.path)
+
 
 def _preflight() -> None:
     """Root, tracefs (mounted if missing), and the BPF syscall: fail with a fix."""

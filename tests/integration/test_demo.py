@@ -30,8 +30,11 @@ def _children_of(pid: int) -> list[int]:
 
 
 def test_demo_names_the_straggler_and_writes_its_files(tmp_path: Path) -> None:
+    # A fresh header cache, as on a new machine: the three agents build it at once.
+    env = {**os.environ, "FLEETD_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run([FLEETD, "demo", "--dir", str(tmp_path / "d"), "--out", str(tmp_path),
-                           "--duration", "8s"], capture_output=True, text=True, timeout=300)
+                           "--duration", "8s"], capture_output=True, text=True, timeout=300,
+                          env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     (tmp_path / "demo.out").write_text(out)
@@ -42,6 +45,12 @@ def test_demo_names_the_straggler_and_writes_its_files(tmp_path: Path) -> None:
     assert "culprit cpu-hog" in section.splitlines()[1]
     assert "[HIGH] cpu_contention on node-3" in out
     assert "culprit: cpu-hog" in out
+    summary = out[out.rindex("Summary ("):].rstrip("\n").splitlines()
+    assert len(summary) <= 12, summary
+    assert "straggler: rank 2 on node-3" in summary[1], summary
+    assert any(line.startswith("  node-3: [HIGH] cpu_contention, culprit cpu-hog")
+               for line in summary), summary
+    assert (tmp_path / "fleet-demo-explain.json").exists()
     s = validate(load(tmp_path / "fleet-demo.json"))
     # Each node's track names the rank it ran (torchrun's RANK of its processes).
     assert sorted(s.processes.values()) == ["node-1 (rank 0)", "node-2 (rank 1)",

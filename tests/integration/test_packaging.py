@@ -247,3 +247,21 @@ def test_the_agent_without_bcc_says_how_to_install_it(fresh: Path, tmp_path: Pat
         assert "apt-get install python3-bpfcc" in hint and "pip install bcc" in hint
     # Checked before anything starts: no database file, no port.
     assert not list(tmp_path.glob("*.db"))
+
+
+def test_check_on_a_client_install_says_the_node_side_is_not_installed(
+        fresh: Path, tmp_path: Path) -> None:
+    """The laptop install the README describes: `fleetd check` reports the node-side
+    groups as not installed here, with the install hint, never a traceback."""
+    proc = subprocess.run([fresh / "bin" / "fleetd", "check", "--format", "json",
+                           "--db", str(tmp_path / "c.db")],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert "Traceback" not in proc.stderr, proc.stderr
+    checks = {c["name"]: c for c in json.loads(proc.stdout)["checks"]}
+    for group in ("host", "cuda"):
+        assert checks[group]["status"] == "skip", checks
+        assert "node side not installed here" in checks[group]["detail"]
+        assert "python3-bpfcc" in checks[group]["fix"]
+    assert all(c["status"] != "fail" for c in checks.values() if c["group"] in
+               ("host", "cuda")), checks
