@@ -8,8 +8,10 @@ handlers so that ``fleetd --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -57,7 +59,38 @@ class Parser(argparse.ArgumentParser):
     line, then where to look (argparse would print the whole usage block first)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"fleetd: error: {message}\n  hint: see '{self.prog} --help'\n")
+        self.exit(2, f"fleetd: error: {message}{_did_you_mean(message)}\n"
+                     f"  hint: see '{self.prog} --help'\n")
+
+    def unknown(self, extras: Sequence[str]) -> NoReturn:
+        """Arguments this (sub)command does not take, with the closest options it has."""
+        options = [o for o in self._option_string_actions if o.startswith("--")]
+        close = [m for e in extras if e.startswith("-")
+                 for m in difflib.get_close_matches(e.split("=")[0], options, n=1)]
+        tip = f" (did you mean {', '.join(close)}?)" if close else ""
+        self.exit(2, f"fleetd: error: unrecognized arguments: {' '.join(extras)}{tip}\n"
+                     f"  hint: see '{self.prog} --help'\n")
+
+
+def _did_you_mean(message: str) -> str:
+    """argparse's "invalid choice: 'explian' (choose from ...)" gets the nearest name."""
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if m is None:
+        return ""
+    choices = re.findall(r"'([^']*)'", m.group(2)) or [c.strip() for c in m.group(2).split(",")]
+    close = difflib.get_close_matches(m.group(1), choices, n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _deepest(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Parser:
+    """The sub-command parser that ``args`` was parsed by (``certs issue-node`` too)."""
+    found = parser
+    while True:
+        subs = [a for a in found._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if not subs or name not in subs[0].choices:
+            return found if isinstance(found, Parser) else Parser()
+        found = subs[0].choices[name]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +132,9 @@ def _setup_logging(verbosity: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _deepest(parser, args).unknown(extras)
     _setup_logging(args.verbose)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
