@@ -29,8 +29,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "Each side is a fleetd database or a trace file fleetd import reads (imported into "
         "a temporary database).",
     )
+    p.add_argument("sides", nargs="*", type=Path, metavar="BASELINE TARGET",
+                   help="the two timelines: fleetd diff A.json.gz B.json.gz")
     p.add_argument("--db", action="append", type=Path, default=[], metavar="PATH",
-                   required=True, help="baseline, then target (give --db twice)")
+                   help="a side given as an option instead (--db BASELINE --db TARGET)")
     p.add_argument("--steps", action="store_true",
                    help="measure whole profiler steps only (ProfilerStep ranges)")
     p.add_argument("--top", type=positive("--top"), default=10, metavar="N",
@@ -44,9 +46,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.format not in FORMATS:
         raise UsageError(f"unknown format {args.format!r}", "use one of: table, json")
+    args.db = [*args.sides, *args.db]
     if len(args.db) != 2:
-        raise UsageError(f"fleetd diff takes two --db, got {len(args.db)}",
-                         "fleetd diff --db BASELINE --db TARGET")
+        raise UsageError(f"fleetd diff compares two timelines, got {len(args.db)}",
+                         "fleetd diff BASELINE TARGET (each a fleetd database or a trace "
+                         "file: .sqlite, .json, .json.gz)")
     with tempfile.TemporaryDirectory(prefix="fleetd-diff-") as tmp:
         base = _report(args.db[0], Path(tmp) / "baseline.db", args.steps)
         target = _report(args.db[1], Path(tmp) / "target.db", args.steps)

@@ -88,13 +88,14 @@ def test_databases_diff_like_their_files(capsys: pytest.CaptureFixture[str],
     from_dbs = _diff(capsys, *dbs)
     for key in ("metrics", "steps", "kernels", "regressions"):
         assert from_files[key] == from_dbs[key]
-    rc = main(["diff", "--db", str(dbs[0]), "--db", str(dbs[1])])
+    rc = main(["diff", str(dbs[0]), str(dbs[1])])  # positional, as a user types it
     table = capsys.readouterr().out
     assert rc == 0 and "ProfilerStep#551" in table and "regressions, largest first" in table
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--db", "RANK0"], "takes two --db"),
+    (["--db", "RANK0"], "compares two timelines, got 1"),
+    (["RANK0", "RANK0", "RANK0"], "compares two timelines, got 3"),
     (["--db", "RANK0", "--db", "BAD"], "not a trace fleetd can import"),
     (["--db", "RANK0", "--db", "RANK0", "--format", "xml"], "unknown format"),
 ])
