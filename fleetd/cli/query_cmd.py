@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     with SafeDB(path) as db:
         result = db.query(sql, params, limits)
         hint = _empty_hint(db, args) if not result.rows and args.since else None
-    _print(result, fmt, hint)
+    _print(result, fmt, hint, args.limit)
     return 0
 
 
@@ -188,7 +188,7 @@ def run_lake(args: argparse.Namespace, fmt: str) -> int:
     limits = Limits.local(timeout_s=_local_timeout(args.timeout), max_rows=_local_rows(args.limit))
     with open_lake(args.lake, limits, Pruning(None, since, until)) as db:
         result = db.query(sql, params, limits)
-    _print(result, fmt, None)
+    _print(result, fmt, None, args.limit)
     return 0
 
 
@@ -211,9 +211,12 @@ def run_fleet(args: argparse.Namespace, fmt: str) -> int:
     return result.exit_code
 
 
-def _print(result: QueryResult, fmt: str, hint: str | None) -> None:
+def _print(result: QueryResult, fmt: str, hint: str | None, asked: int | None) -> None:
     warnings = list(result.warnings)
-    if result.truncated:
+    # Stopping at the --limit the user gave is what was asked for: no warning (JSON's
+    # "truncated" still says more rows existed).
+    theirs = bool(asked) and result.truncated_reason == "rows" and len(result.rows) == asked
+    if result.truncated and not theirs:
         warnings.append(
             f"result truncated at {len(result.rows)} rows (limit on {result.truncated_reason}); "
             "narrow the query or raise --limit"
