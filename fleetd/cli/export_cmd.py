@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("-o", "--output", required=True, metavar="trace.json[.gz]",
                    help="output file (gzip when it ends in .gz; '-' for stdout); with "
                    "--format parquet, the lake directory")
+    p.add_argument("--force", action="store_true",
+                   help="let -o overwrite an existing timeline file (a lake directory is "
+                   "extended, never overwritten)")
     p.add_argument("--since", help="the last 30s, 5m, 2h, 1d (counted back from now)")
     p.add_argument("--from", dest="from_", metavar="TIME", help="from TIME (ISO 8601, epoch)")
     p.add_argument("--to", metavar="TIME", help="up to TIME")
@@ -93,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "parquet":
         return run_parquet(args)
     out = None if args.output == "-" else Path(args.output)
+    if out is not None and out.exists() and not args.force:
+        raise UsageError(f"{str(out)!r} exists",
+                         "pass --force to overwrite it, or write elsewhere with -o")
     if fleet_mode(args):
         return run_fleet(args, out)
     if args.timeout:

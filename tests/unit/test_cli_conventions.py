@@ -154,13 +154,14 @@ def _on_terminal(*args: str, env: dict[str, str]) -> str:
 
 def test_tables_use_the_terminal_and_stay_plain_in_pipes() -> None:
     piped = fleetd("overview", "--db", str(CLUSTER)).stdout
-    assert "…" not in piped and "(55.9% of wall)" in piped and "\x1b[" not in piped
+    assert "…" not in piped and "\x1b[" not in piped
+    assert "(60.2% of wall time preempted or queued for a CPU)" in piped
     shown = _on_terminal("overview", "--db", str(CLUSTER), env={})
     assert "\x1b[1;31m" in shown  # HIGH in red
     assert all(len(line) <= 100 for line in shown.replace("\x1b", "").splitlines()
                if "[" not in line)
     words = re.sub(r"\x1b\[[0-9;]*m", "", shown).split()
-    assert "(55.9%" in words and "wall)" in words  # wrapped to the width, never cut
+    assert "(60.2%" in words and "CPU)" in words  # wrapped to the width, never cut
     plain = _on_terminal("overview", "--db", str(CLUSTER), env={"NO_COLOR": "1"})
     assert "\x1b[1;31m" not in plain and "\x1b[31m" not in plain
 
@@ -180,8 +181,12 @@ def test_flags_have_one_name_and_old_names_still_work(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr
     for flag in ("--no-clock-correction", "--no-skew-correct"):
         proc = fleetd("export", "--db", str(SCENARIOS / "quiet.db"), "-o",
-                      str(tmp_path / "t.json"), flag)
+                      str(tmp_path / "t.json"), flag, "--force")
         assert proc.returncode == 0, proc.stderr
+    # Every -o file output is refused when it exists, unless --force (explain's html too).
+    again = fleetd("export", "--db", str(SCENARIOS / "quiet.db"), "-o", str(tmp_path / "t.json"))
+    assert_one_line_error(again, "t.json' exists")
+    assert "--force" in again.stderr
     sized = fleetd("trace", "--pid", "1", "--max-db-bytes", "10x")
     assert_one_line_error(sized, "invalid size '10x'")
     assert "--max-db-bytes" not in fleetd("trace", "--pid", "1", "--max-db-bytes", "10G",
