@@ -8,12 +8,13 @@ handlers so that ``fleetd --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import logging
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 from fleetd import __version__
@@ -103,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)"
     )
+    parser.add_argument("--wide", action="store_true", default=False,
+                        help="tables and text at full width (no column left out, no cell "
+                        "shortened, no line wrapped)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -117,6 +121,10 @@ def _verbose_anywhere(p: argparse.ArgumentParser) -> None:
     if "-v" not in p._option_string_actions:  # a parent parser shared by several
         p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
                        help="more log output (-vv for debug)")
+    if "--wide" not in p._option_string_actions:
+        p.add_argument("--wide", action="store_true", default=argparse.SUPPRESS,
+                       help="tables and text at full width: no column left out, no cell "
+                       "shortened, no line wrapped")
     for action in p._actions:
         if isinstance(action, argparse._SubParsersAction):
             for nested in action.choices.values():
@@ -130,6 +138,27 @@ def _setup_logging(verbosity: int) -> None:
     )
 
 
+@contextlib.contextmanager
+def _fitted_stdout(args: argparse.Namespace) -> Iterator[None]:
+    """Text output (``--format table``) wrapped to the output's width; JSON, CSV,
+    scripts (completion) and files pass as written."""
+    from fleetd.cli import output
+
+    output.set_wide(bool(getattr(args, "wide", False)))
+    width = output.output_width(sys.stdout)
+    if width is None or getattr(args, "format", None) != "table":
+        yield
+        return
+    real = sys.stdout
+    wrapped = output.Wrapped(real, width)
+    sys.stdout = wrapped
+    try:
+        yield
+    finally:
+        sys.stdout = real
+        wrapped.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
@@ -140,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return int(args.func(args) or 0)
+        with _fitted_stdout(args):
+            return int(args.func(args) or 0)
     except FleetdError as exc:
         print(f"fleetd: error: {exc.message}", file=sys.stderr)
         if exc.hint:

@@ -4,16 +4,25 @@ JSON shapes are stable and documented in docs/json.md. Blobs are written as hex
 strings; the table format shows ``*ts_ns`` columns as UTC times for reading, every
 other format keeps the raw integers for machines.
 
-A table on a terminal is drawn with ``rich``: it fits the terminal's width (long cells
-wrap instead of being cut), severities are coloured and ``NO_COLOR`` turns colour off.
-In a pipe or a file, and for results too large to lay out at once, the plain writer
-prints every cell in full, aligned, without escape codes.
+A table fits the output's width (``COLUMNS``, else the terminal's; a pipe or a file
+without ``COLUMNS`` has no limit): numbers and identifiers are never cut or split, the
+longest text columns are shortened with an ellipsis first, and when that is not enough
+the rightmost columns are left out and a note says how many (``--wide`` shows every
+cell in full, ``--format json`` too). On a terminal it is drawn with ``rich``
+(severities coloured, ``NO_COLOR`` turns colour off); elsewhere, and for results too
+large to lay out at once, the plain writer prints it aligned, without escape codes.
+Prose lines (explain, gpu, check) are wrapped to the same width at spaces, with a
+hanging indent (:class:`Wrapped`).
 """
 
 from __future__ import annotations
 
 import csv
+import io
+import os
+import re
 import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
@@ -27,6 +36,168 @@ from fleetd.store.timeparse import format_ns
 FORMATS = ("table", "json", "csv", "ndjson")
 RICH_MAX_ROWS = 2_000  # beyond this a terminal gets the plain writer: rich lays out all rows
 SEVERITY_STYLE = {"HIGH": "bold red", "MEDIUM": "yellow", "LOW": "cyan"}
+ELLIPSIS = "…"
+MIN_TEXT = 8  # a text column is never shortened below this (or its header)
+# Columns that name things a user types back (a node, an op, a process): shortened only
+# after every other text column.
+_NAMES = ("node", "op", "comm", "thread", "name", "check", "metric")
+# Left out first when a table cannot fit (before any column from the right): figures
+# that restate others or say where a figure came from.
+_DROP_FIRST = ("stats_from", "events", "calls_per_s", "source", "mean", "total",
+               "lost_events", "sessions", "crashed", "thread", "other", "in_cuda")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_wide = False
+
+
+def set_wide(wide: bool) -> None:
+    """``--wide``: every cell in full, whatever the width (set once by the CLI)."""
+    global _wide
+    _wide = wide
+
+
+def output_width(out: TextIO) -> int | None:
+    """The width to fit: ``COLUMNS``, else the terminal's; None (no limit) for a pipe
+    or a file without ``COLUMNS``, and with ``--wide``."""
+    if _wide:
+        return None
+    env = os.environ.get("COLUMNS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    if _is_terminal(out):
+        try:
+            return os.get_terminal_size(out.fileno()).columns
+        except (OSError, ValueError, io.UnsupportedOperation):
+            return None
+    return None
+
+
+def fit_columns(columns: Sequence[str], cells: list[list[str]], numeric: list[bool],
+                width: int | None, gap: int = 2) -> tuple[list[int], list[int]]:
+    """(indices of the columns shown, their widths) for a table ``width`` wide.
+
+    Free text gives up width first, the widest column first; then the rightmost columns
+    are left out (never the first); names (node, op, comm...) are shortened only when
+    one column is left. Numbers, with or without a unit (``4.01 ms``, ``≥ 5.01 ms``,
+    ``15.8%``), are never shortened."""
+    natural = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    shown = list(range(len(columns)))
+    widths = list(natural)
+    if width is None:
+        return shown, widths
+    whole = [numeric[i] or _all_numbers(cells, i) for i in range(len(columns))]
+    while True:
+        excess = sum(widths[i] for i in shown) + gap * (len(shown) - 1) - width
+        if excess <= 0:
+            break
+        free = [i for i in shown if not whole[i] and columns[i] not in _NAMES
+                and widths[i] > max(MIN_TEXT, len(columns[i]))]
+        if free:
+            i = max(free, key=lambda j: widths[j])
+            widths[i] = max(MIN_TEXT, len(columns[i]), widths[i] - excess)
+        elif len(shown) > 1:
+            droppable = [i for i in shown[1:] if columns[i] in _DROP_FIRST]
+            shown.remove(min(droppable, key=lambda j: _DROP_FIRST.index(columns[j]))
+                         if droppable else shown[-1])
+        else:
+            widths[0] = max(MIN_TEXT, width) if not whole[0] else widths[0]
+            break
+    return shown, [widths[i] for i in shown]
+
+
+_NUMBER = re.compile(r"^[≥≤<>~]?\s*[-+]?\d[\d.,:]*(\s*[a-zA-Zµ%/*]{0,4})?[*%]?$")
+
+
+def _all_numbers(cells: list[list[str]], i: int) -> bool:
+    """A column of numbers written as text (human units, percentages, times)."""
+    values = [r[i] for r in cells if r[i]]
+    return bool(values) and all(_NUMBER.match(v) for v in values)
+
+
+def clip(text: str, width: int) -> str:
+    """``text`` in ``width`` characters: cut at a space where one is near, so the
+    ellipsis never stands for half a number or a name."""
+    if len(text) <= width:
+        return text
+    cut = text[: max(0, width - 1)]
+    space = cut.rfind(" ")
+    if text[len(cut)] != " " and space >= len(cut) // 2:
+        cut = cut[: space + 1]
+    return cut + ELLIPSIS
+
+
+def _hidden_note(hidden: int) -> str:
+    return (f" ({hidden} column{'s' if hidden != 1 else ''} left out to fit: --wide or "
+            "--format json for all)") if hidden else ""
+
+
+class Wrapped(io.TextIOBase):
+    """A text stream that wraps each line longer than ``width`` at spaces, with a
+    hanging indent; a number or a word is never split, a line that fits passes as it is
+    (tables drawn to fit pass untouched)."""
+
+    def __init__(self, inner: TextIO, width: int) -> None:
+        self.inner, self.width, self._pending = inner, width, ""
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        for line in lines:
+            self.inner.write(self._wrap(line) + "\n")
+        return len(text)
+
+    def _wrap(self, line: str) -> str:
+        if len(_ANSI.sub("", line)) <= self.width:
+            return line
+        plain = _ANSI.sub("", line)
+        lead = plain[: len(plain) - len(plain.lstrip(" "))]
+        if plain.lstrip().startswith("- "):
+            return self._wrap_clauses(plain, lead + "  ")
+        return "\n".join(textwrap.wrap(plain, self.width, subsequent_indent=lead + "  ",
+                                        break_long_words=False, break_on_hyphens=False))
+
+    def _wrap_clauses(self, line: str, indent: str) -> str:
+        """A fix (``- ...``) holds commands to paste: it breaks after a clause's
+        punctuation (``, `` ``; `` ``: ``) where it can, and never inside parentheses."""
+        out = [""]
+        for part in self._pieces(line, len(indent)):
+            joined = f"{out[-1]} {part}" if out[-1].strip() else out[-1] + part
+            if len(joined) <= self.width or not out[-1].strip():
+                out[-1] = joined
+            else:
+                out.append(indent + part)
+        return "\n".join(out)
+
+    def _pieces(self, line: str, indent: int) -> list[str]:
+        """Whole clauses where they fit a line, else words with parenthesised groups
+        kept together."""
+        pieces: list[str] = []
+        for clause in re.split(r"(?<=[,;:]) ", line):
+            if len(clause) + indent <= self.width:
+                pieces.append(clause)
+                continue
+            depth = 0
+            for word in clause.split(" "):
+                if depth > 0:
+                    pieces[-1] += " " + word
+                else:
+                    pieces.append(word)
+                depth = max(0, depth + word.count("(") - word.count(")"))
+        return pieces
+
+    def flush(self) -> None:
+        if self._pending:
+            self.inner.write(self._wrap(self._pending))
+            self._pending = ""
+        self.inner.flush()
+
+    def isatty(self) -> bool:
+        return _is_terminal(self.inner)
+
+    def fileno(self) -> int:
+        return self.inner.fileno()
+
+    def writable(self) -> bool:
+        return True
 
 
 def print_notes(obj: Mapping[str, Any], found: bool, fmt: str) -> None:
@@ -83,7 +254,7 @@ def write_rows(
     elif len(rows) <= RICH_MAX_ROWS and _is_terminal(out):
         _rich_table(columns, rows, out)
     else:
-        out.write(table(columns, rows))
+        out.write(table(columns, rows, out))
 
 
 def _is_terminal(out: TextIO) -> bool:
@@ -99,18 +270,23 @@ def _rich_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], out: Text
     from rich.table import Table
     from rich.text import Text
 
-    # Console reads the terminal's width and honours NO_COLOR and TERM=dumb itself.
-    console = Console(file=out, highlight=False, soft_wrap=False)
+    # Console honours NO_COLOR and TERM=dumb itself; the cells are fitted here, so it
+    # never has to wrap one (rich would fold a number across lines).
+    console = Console(file=out, highlight=False, soft_wrap=True)
     grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
     cells = _cells(columns, rows)
     numeric = _numeric(columns, rows)
-    for i, c in enumerate(columns):
-        grid.add_column(c, justify="right" if numeric[i] else "left", overflow="fold")
+    # rich puts a space of padding each side of a column and one between: 3 per gap.
+    shown, widths = fit_columns(columns, cells, numeric, output_width(out), gap=3)
+    for i, w in zip(shown, widths, strict=True):
+        grid.add_column(clip(columns[i], w), justify="right" if numeric[i] else "left",
+                        no_wrap=True, overflow="ellipsis", min_width=w, max_width=w)
     for r in cells:
-        grid.add_row(*(Text(v, style=_severity_style(c, v)) for c, v in zip(columns, r,
-                                                                             strict=True)))
+        grid.add_row(*(Text(clip(r[i], w), style=_severity_style(columns[i], r[i]))
+                       for i, w in zip(shown, widths, strict=True)))
     console.print(grid)
-    console.print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})", style="dim")
+    console.print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})"
+                  + _hidden_note(len(columns) - len(shown)), style="dim")
 
 
 def _severity_style(column: str, text: str) -> str:
@@ -182,22 +358,26 @@ def _numeric(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[bool
             for i in range(len(columns))]
 
 
-def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """An aligned text table; numbers right-aligned."""
+def table(columns: Sequence[str], rows: Sequence[Sequence[Any]],
+          out: TextIO | None = None) -> str:
+    """An aligned text table, numbers right-aligned, fitted to ``out``'s width
+    (default: standard output's)."""
     if not columns:
         return "(no columns)\n"
     cells = _cells(columns, rows)
     numeric = _numeric(columns, rows)
-    widths = [len(c) for c in columns]
-    for r in cells:
-        for i, v in enumerate(r):
-            widths[i] = max(widths[i], len(v))
+    shown, widths = fit_columns(columns, cells, numeric,
+                                output_width(out if out is not None else sys.stdout))
+
     def line(vals: Sequence[str]) -> str:
-        parts = [
-            v.rjust(widths[i]) if numeric[i] else v.ljust(widths[i]) for i, v in enumerate(vals)
-        ]
+        parts = []
+        for i, w in zip(shown, widths, strict=True):
+            v = clip(vals[i], w)
+            parts.append(v.rjust(w) if numeric[i] else v.ljust(w))
         return "  ".join(parts).rstrip() + "\n"
-    out = [line(list(columns)), line(["-" * w for w in widths])]
-    out += [line(r) for r in cells]
-    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})\n")
-    return "".join(out)
+    out_lines = [line(list(columns)), line(["-" * len(c) for c in columns])]
+    out_lines[1] = "  ".join("-" * w for w in widths) + "\n"
+    out_lines += [line(r) for r in cells]
+    out_lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})"
+                     + _hidden_note(len(columns) - len(shown)) + "\n")
+    return "".join(out_lines)

@@ -81,7 +81,9 @@ def test_ops_table_says_what_its_numbers_are() -> None:
     header, _, *rows = proc.stdout.splitlines()
     assert "_ns" not in header and " max " in f" {header} "
     hardirq = next(r for r in rows if r.split()[1] == "hardirq")
-    assert "≥ 8.2 us" in hardirq  # a histogram's max is a lower bound, and says so
+    # A histogram's max is a lower bound (its highest bucket's mean), and says so; the
+    # percentiles scaled from the buckets never pass it.
+    assert "≥ 10.6 us" in hardirq
     ops = [r.split()[1] for r in rows[:-1]]
     sources = {r.split()[1]: r.split()[2] for r in rows[:-1]}
     # Syscalls by name, one row each (this recording has wait4 and clone), no lump.
@@ -160,8 +162,11 @@ def test_tables_use_the_terminal_and_stay_plain_in_pipes() -> None:
     assert "\x1b[1;31m" in shown  # HIGH in red
     assert all(len(line) <= 100 for line in shown.replace("\x1b", "").splitlines()
                if "[" not in line)
-    words = re.sub(r"\x1b\[[0-9;]*m", "", shown).split()
-    assert "(60.2%" in words and "CPU)" in words  # wrapped to the width, never cut
+    # Long text is shortened with an ellipsis at a word (--wide or json for all of it),
+    # never wrapped into a second line nor cut inside a number.
+    text = re.sub(r"\x1b\[[0-9;]*m", "", shown)
+    assert "…" in text and "(3 rows)" in text
+    assert not re.search(r"\d…", text)
     plain = _on_terminal("overview", "--db", str(CLUSTER), env={"NO_COLOR": "1"})
     assert "\x1b[1;31m" not in plain and "\x1b[31m" not in plain
 
