@@ -320,6 +320,32 @@ def tklqt_reading(queue_p50: float | None, kernel_p50: float | None) -> str:
     return "GPU-bound" if queue_p50 > kernel_p50 else "CPU-bound"
 
 
+# Spelled out where a table shows them first (the JSON keeps the short names).
+TKLQT_WORDS = "TKLQT (total kernel launch and queuing time)"
+M_WORDS = ("M1-M5 (the nsys host-overhead metrics: M1 GPU idle, M2 launch-bound, "
+           "M3 exposed host preparation, M4 GPU utilization, M5 NCCL share)")
+
+
+def one_verdict(host_overhead: str, reading: str) -> str:
+    """The one sentence ``gpu`` and ``explain`` both print for a rank.
+
+    M1-M5 decide (they measure the GPU's idle time and what the host did in it); the
+    TKLQT reading only qualifies: kernels can queue behind long ones in a burst while
+    the GPU still idles between bursts, which is not a contradiction but where the
+    idle time sits."""
+    if host_overhead == "YES":
+        why = ("; launched kernels also queue behind running ones (TKLQT reads "
+               "GPU-bound), so the idle time sits between bursts of work"
+               if reading == "GPU-bound" else "")
+        return f"host-bound: the GPU waits for the host (M1-M5){why}"
+    if reading == "GPU-bound":
+        return "GPU-bound: the host keeps the GPU fed and kernels queue behind running ones"
+    if reading == "CPU-bound":
+        return ("no host overhead by M1-M5; kernels start as soon as they are launched "
+                "(TKLQT reads CPU-bound): the GPU keeps up with a host that keeps up")
+    return "no host overhead by M1-M5 (TKLQT could not be read: no kernels)"
+
+
 def rank_report(r: Rank, steps: Sequence[tuple[str, int, int]], steps_only: bool,
                 thresholds: Mapping[str, float], window: Window,
                 prep: Sequence[Interval] = ()) -> dict[str, Any]:
@@ -346,7 +372,7 @@ def rank_report(r: Rank, steps: Sequence[tuple[str, int, int]], steps_only: bool
     reading = tklqt_reading(b["queue_delay_ns"]["p50"], percentile(durs, 50) if durs else None)
     return {"node": r.node, "pid": r.pid, "rank": r.rank, "device": r.device,
             "start_ns": lo, "end_ns": hi, **b,
-            "tklqt_reading": reading,
+            "tklqt_reading": reading, "summary": one_verdict(v["host_overhead"], reading),
             "verdict": v, "steps": per_step}
 
 

@@ -10,12 +10,11 @@ from typing import Any
 
 from fleetd.cli.explain_cmd import add_window, open_analysis, positive
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
-from fleetd.cli.output import dumps, print_notes, table
+from fleetd.cli.output import dumps, human_ns, print_notes, table
 
 FORMATS = ("table", "json")
-RANK_COLUMNS = ["node", "pid", "rank", "device", "window_ms", "idle%", "compute%", "comm%",
-                "memcpy%", "kernels", "delay_p50_us", "delay_p95_us", "tklqt_ms",
-                "host_overhead"]
+RANK_COLUMNS = ["node", "pid", "rank", "device", "window", "idle%", "compute%", "comm%",
+                "memcpy%", "kernels", "delay_p50", "delay_p95", "tklqt", "host_overhead"]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -72,23 +71,15 @@ def _run_fleet(args: argparse.Namespace, limits: dict[str, float]) -> int:
     return result.exit_code
 
 
-def _ms(ns: Any) -> str:
-    return "" if ns is None else f"{ns / 1e6:.2f}"
-
-
-def _us(ns: Any) -> str:
-    return "" if ns is None else f"{ns / 1e3:.1f}"
-
-
 def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:
     if args.format == "json":
         sys.stdout.write(dumps(obj).decode() + "\n")
         return
     ranks = obj.get("ranks") or []
-    rows = [[r["node"], r["pid"], r.get("rank"), r["device"], _ms(r["window_ns"]),
+    rows = [[r["node"], r["pid"], r.get("rank"), r["device"], human_ns(r["window_ns"]),
              f"{r['idle_pct']:.1f}", f"{r['compute_pct']:.1f}", f"{r['comm_pct']:.1f}",
-             f"{r['memcpy_pct']:.1f}", r["kernels"], _us(r["launch_delay_ns"]["p50"]),
-             _us(r["launch_delay_ns"]["p95"]), _ms(r["tklqt_ns"]),
+             f"{r['memcpy_pct']:.1f}", r["kernels"], human_ns(r["launch_delay_ns"]["p50"]),
+             human_ns(r["launch_delay_ns"]["p95"]), human_ns(r["tklqt_ns"]),
              r["verdict"]["host_overhead"]] for r in ranks]
     print(table(RANK_COLUMNS, rows))
     for r in ranks:
@@ -98,31 +89,34 @@ def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"SLOWEST RANK {s['node']} pid {s['pid']} (rank {s.get('rank')}): {s['reason']}\n")
     kernels = (obj.get("kernels") or [])[: args.top]
     if kernels:
-        print(table(["kernel", "count", "total_ms", "mean_us", "p50_us", "p99_us", "share%"],
-                    [[_short(k["name"]), k["count"], _ms(k["total_ns"]), _us(k["mean_ns"]),
-                      _us(k["p50_ns"]), _us(k["p99_ns"]), f"{k['share_pct']:.1f}"]
-                     for k in kernels]))
+        print(table(["kernel", "count", "total", "mean", "p50", "p99", "share%"],
+                    [[_short(k["name"]), k["count"], human_ns(k["total_ns"]),
+                      human_ns(k["mean_ns"]), human_ns(k["p50_ns"]), human_ns(k["p99_ns"]),
+                      f"{k['share_pct']:.1f}"] for k in kernels]))
     print_notes(obj, bool(ranks), "table")
 
 
 def _verdict(r: dict[str, Any]) -> None:
+    from fleetd.analyze.gpu import M_WORDS, TKLQT_WORDS, one_verdict
+
     v = r["verdict"]
     m = v["metrics"]
     figures = "  ".join(f"{k} {m[k]:.3f}" for k in ("M1", "M2", "M3a", "M3b", "M3c", "M4",
                                                       "M5") if m.get(k) is not None)
-    print(f"{r['node']} pid {r['pid']} device {r['device']}: host overhead "
-          f"{v['host_overhead']}  ({figures})")
+    summary = one_verdict(v["host_overhead"], r["tklqt_reading"])  # never a node's text
+    print(f"{r['node']} pid {r['pid']} device {r['device']}: {summary}")
+    print(f"  host overhead {v['host_overhead']} by {M_WORDS}: {figures}")
     for line in v["evidence"] + v.get("phases", []) + v["caveats"]:
         print(f"  - {line}")
     why = (r.get("m3") or {}).get("reason")
     if why:
         print(f"  M3 (exposed host prep) not computed: {why}")
-    print(f"  launch delay mean {_us(r['launch_delay_ns']['mean'])} us, queue delay p50 "
-          f"{_us(r['queue_delay_ns']['p50'])} us, TKLQT {_ms(r['tklqt_ns'])} ms: "
-          f"{r['tklqt_reading']}")
+    print(f"  {TKLQT_WORDS} {human_ns(r['tklqt_ns'])}, reading {r['tklqt_reading']}: launch "
+          f"delay mean {human_ns(r['launch_delay_ns']['mean'])}, queue delay p50 "
+          f"{human_ns(r['queue_delay_ns']['p50'])}")
     for s in r.get("steps") or []:
-        print(f"  step {s['name']}: {_ms(s['step_ns'])} ms, GPU idle {s['idle_pct']:.1f}%, "
-              f"{s['launches']} launches, TKLQT {_ms(s['tklqt_ns'])} ms, host overhead "
+        print(f"  step {s['name']}: {human_ns(s['step_ns'])}, GPU idle {s['idle_pct']:.1f}%, "
+              f"{s['launches']} launches, TKLQT {human_ns(s['tklqt_ns'])}, host overhead "
               f"{s['host_overhead']}")
     print()
 

@@ -8,7 +8,7 @@ import sys
 
 from fleetd.cli.explain_cmd import add_common, open_analysis
 from fleetd.cli.fleet_args import fleet_mode, fleet_options, report
-from fleetd.cli.output import FORMATS, check_format, write_rows
+from fleetd.cli.output import FORMATS, check_format, human_ns, write_rows
 
 _NS_COLUMNS = ("total_ns", "mean_ns", "p50_ns", "p95_ns", "p99_ns", "max_ns")
 
@@ -87,10 +87,4 @@ def table_view(cols: list[str], rows: list[list[object]],
 
 
 def _duration(value: object) -> object:
-    if not isinstance(value, int):
-        return value
-    if value >= 1_000_000_000:
-        return f"{value / 1e9:.2f} s"
-    if value >= 1_000_000:
-        return f"{value / 1e6:.2f} ms"
-    return f"{value / 1e3:.1f} us"
+    return human_ns(value) if isinstance(value, int) else value

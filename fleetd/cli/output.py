@@ -46,6 +46,10 @@ _NAMES = ("node", "op", "comm", "thread", "name", "check", "metric")
 _DROP_FIRST = ("stats_from", "events", "calls_per_s", "source", "mean", "total",
                "lost_events", "sessions", "crashed", "thread", "other", "in_cuda")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# A number and its unit, or a metric and its value, stay on one line when text wraps.
+_GLUE = re.compile(r"(?<=\d) (?=(?:ns|us|ms|s|min|h|MB|GB|KiB|MiB|GiB|%)\b)|(?<=\bM\d) (?=\d)"
+                   r"|(?<=\bM\d[abc]) (?=\d)")
+_NBSP = "\u00a0"
 _wide = False
 
 
@@ -113,6 +117,18 @@ def _all_numbers(cells: list[list[str]], i: int) -> bool:
     return bool(values) and all(_NUMBER.match(v) for v in values)
 
 
+def human_ns(value: object) -> object:
+    """A duration in nanoseconds as tables show it (``4.01 ms``); other values as they
+    are. JSON, CSV and NDJSON keep the integers."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return value
+    if value >= 1_000_000_000:
+        return f"{value / 1e9:.2f} s"
+    if value >= 1_000_000:
+        return f"{value / 1e6:.2f} ms"
+    return f"{value / 1e3:.1f} us"
+
+
 def clip(text: str, width: int) -> str:
     """``text`` in ``width`` characters: cut at a space where one is near, so the
     ellipsis never stands for half a number or a name."""
@@ -148,12 +164,14 @@ class Wrapped(io.TextIOBase):
     def _wrap(self, line: str) -> str:
         if len(_ANSI.sub("", line)) <= self.width:
             return line
-        plain = _ANSI.sub("", line)
+        plain = _GLUE.sub(_NBSP, _ANSI.sub("", line))
         lead = plain[: len(plain) - len(plain.lstrip(" "))]
         if plain.lstrip().startswith("- "):
-            return self._wrap_clauses(plain, lead + "  ")
-        return "\n".join(textwrap.wrap(plain, self.width, subsequent_indent=lead + "  ",
-                                        break_long_words=False, break_on_hyphens=False))
+            text = self._wrap_clauses(plain, lead + "  ")
+        else:
+            text = "\n".join(textwrap.wrap(plain, self.width, subsequent_indent=lead + "  ",
+                                            break_long_words=False, break_on_hyphens=False))
+        return text.replace(_NBSP, " ")
 
     def _wrap_clauses(self, line: str, indent: str) -> str:
         """A fix (``- ...``) holds commands to paste: it breaks after a clause's

@@ -15,6 +15,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fleetd.analyze.gpu import one_verdict
+
 MAX_RANKS = 1024  # processes x devices per node
 MAX_STEPS = 10_000  # profiler steps per rank
 MAX_KERNELS = 10_000  # kernel names per node
@@ -65,6 +67,8 @@ def _rank(r: Any, where: str) -> dict[str, Any]:
     out["tklqt_reading"] = _choice(d.get("tklqt_reading", "unknown"), _READINGS,
                                    f"{where}.tklqt_reading")
     out["verdict"] = _verdict(d.get("verdict"), f"{where}.verdict")
+    # Written here from the checked fields, never taken from the node's text.
+    out["summary"] = one_verdict(out["verdict"]["host_overhead"], out["tklqt_reading"])
     out["steps"] = [_step(s, f"{where}.steps[{i}]")
                     for i, s in enumerate(_list(d.get("steps", []), f"{where}.steps",
                                                 MAX_STEPS))]
