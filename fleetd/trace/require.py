@@ -1,7 +1,7 @@
 """What tracing needs beyond the client's install, checked before anything starts.
 
-The client commands (query, explain, ops, merge, export, import, mcp, certs) install
-with ``pip``/``pipx`` and never import BCC. ``fleetd agent`` and ``fleetd trace`` need
+Every command but those in :data:`NODE_COMMANDS` is a client command: it installs with
+``pip``/``pipx`` and never imports BCC. ``fleetd agent`` and ``fleetd trace`` need
 BCC's Python module, which comes from the OS (Debian's ``python3-bpfcc``, never the
 unrelated PyPI name ``bcc``), and the ``agent`` extra (pyelftools). Without them they
 stop here with one line and how to install them, before a port is bound or a database
@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from fleetd.errors import TraceError
 
+# The commands that trace (the demo starts agents); every other one is the client's.
+NODE_COMMANDS = ("trace", "agent", "demo")
+
 BCC_HINT = (
     "install BCC from the OS: sudo apt-get install python3-bpfcc libbpfcc (Debian, "
     "Ubuntu), then run fleetd from a venv that sees it (python3 -m venv "
     "--system-site-packages, or scripts/setup.sh in a checkout); `pip install bcc` is an "
-    "unrelated package. The client commands (query, explain, merge, export, mcp, certs) "
-    "need none of this"
+    f"unrelated package. Every command but {', '.join(NODE_COMMANDS[:-1])} and "
+    f"{NODE_COMMANDS[-1]} needs none of this"
 )
 EXTRA_HINT = "pip install 'fleetd[agent]' (the node side's Python dependencies)"
 
