@@ -212,8 +212,8 @@ def test_python_frames_of_every_installed_interpreter(tmp_path: Path) -> None:
             # Walk until the script's own frame is on top: under load the walk can land
             # while the interpreter is still importing (importlib's frames on top).
             deadline = time.monotonic() + 15
-            interp, names = None, []
-            while time.monotonic() < deadline and not names[:1] == [f"nap ({script}:4)"]:
+            interp, names = None, list[str]()
+            while time.monotonic() < deadline and names[:1] != [f"nap ({script}:4)"]:
                 time.sleep(0.1)
                 interp = pyframes.find_interpreter(p.pid)
                 if interp is None or not interp.runtime or interp.layout is None:
@@ -221,7 +221,8 @@ def test_python_frames_of_every_installed_interpreter(tmp_path: Path) -> None:
                 mem = pyframes.Memory(p.pid)
                 try:
                     states = pyframes.thread_states(interp, mem)
-                    names = _walk(interp, mem, states[p.pid]) if p.pid in states else []
+                    names = (pyframes.walk(interp, mem, states[p.pid])
+                             if p.pid in states else [])
                 finally:
                     mem.close()
             assert interp is not None and interp.layout is not None, exe
@@ -231,18 +232,3 @@ def test_python_frames_of_every_installed_interpreter(tmp_path: Path) -> None:
         assert names[:2] == [f"nap ({script}:4)", f"<module> ({script}:6)"], (exe, names)
         tried += 1
     assert tried >= 1
-
-
-def _walk(interp: Any, mem: Any, tstate: int) -> list[str]:
-    """The user-space twin of the kernel's walk (a sleeping process holds still)."""
-    lay = interp.layout
-    frame = mem.u64(mem.u64(tstate + lay.tstate_frame) + lay.cframe_frame)
-    out = []
-    while frame and len(out) < 64:
-        from fleetd.trace.pyframes import frame_name
-
-        name = frame_name(interp, mem, mem.u64(frame + lay.frame_code),
-                          mem.u64(frame + lay.frame_instr))
-        out.append(name or "?")
-        frame = mem.u64(frame + lay.frame_previous)
-    return out
