@@ -83,6 +83,9 @@ class RelayConfig:
     """This agent relaying a client's fan-out to its peers (docs/fleet.md "Relays")."""
 
     enabled: bool = False  # serve POST /api/v1/relay; off: a relay request gets 403
+    # The only nodes this relay forwards to (NAME=HOST:PORT, or {name, address}): a
+    # client names them, the relay dials the address listed here and no other.
+    peers: list[FleetNode] = field(default_factory=list)
     max_targets: int = 64  # peers one relayed request may name
     timeout_s: float = 30.0  # ceiling on one relayed fan-out (a client may only lower it)
     concurrency: int = 64  # requests to peers in flight at once, per relayed request

@@ -9,6 +9,14 @@ Rules (docs/fleet.md "Relays"):
 
 * Off unless ``relay.enabled`` is true in this agent's fleetd.yaml (403 otherwise); the
   peers accept the relay's node certificate only when it is in their ``tls.relay_nodes``.
+* Only to the fleet: the relay forwards to the nodes its own ``relay.peers`` lists, and
+  to no other address. A client names a target (by name, or by an address that is
+  listed); the relay dials the address its configuration gives for it. A target it
+  does not list fails, named, and is never contacted: a relay is not a port scanner.
+* A peer that could not be reached is reported to the client as ``unreachable``, one
+  kind and one message whether the connection was refused, timed out or met something
+  that does not speak TLS: the client learns nothing about ports. The relay's own log
+  keeps the reason.
 * Only a client with a certificate may use a relay; a node certificate may not (that
   would be a relayed request relayed again), and neither may a request that already
   carries the relay marker.
@@ -23,16 +31,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from fleetd.config import FleetNode
+from fleetd.errors import ConfigError
 from fleetd.fleet import skew as skewmod
 from fleetd.fleet.client import MAX_BODY_BYTES, ClientOptions, Failure, printable
-from fleetd.fleet.fanout import FleetOptions, Request, fan_out
+from fleetd.fleet.fanout import FleetOptions, NodeOutcome, Request, fan_out
 from fleetd.fleet.relayed import (
     MAX_REQUESTS,
     MAX_SHIFTS,
@@ -61,10 +71,16 @@ _HINT_ENABLE = ("set relay: {enabled: true} in the fleetd.yaml of the agents tha
                 "nodes directly (drop --relay-via/--fanout-degree)")
 
 
+# Failures that happen before a peer answers as an agent: they would tell a client what
+# is listening where, so a relay reports them all as one kind.
+_CONNECTION_KINDS = frozenset({"refused", "unreachable", "tls", "timeout", "disconnected"})
+
+
 @dataclass(frozen=True)
 class RelaySettings:
     node: str
     enabled: bool = False
+    peers: tuple[Target, ...] = ()  # relay.peers: the only nodes it forwards to
     client: ClientOptions | None = None  # TLS as this node (its cert, the fleet CA)
     limits: Limits = field(default_factory=Limits)  # ceilings: nothing forwarded goes above
     max_targets: int = 64
@@ -167,9 +183,37 @@ async def relay(request: web.Request, s: RelaySettings) -> web.StreamResponse:
     return await _run(job, s, who)
 
 
+def relay_peers(nodes: Sequence[FleetNode], source: str = "relay.peers"
+                ) -> tuple[Target, ...]:
+    """The targets of ``relay.peers`` (``NAME=HOST:PORT`` or ``{name, address}``);
+    ConfigError naming a bad entry."""
+    from fleetd.config import parse_hostport
+
+    out: dict[str, Target] = {}
+    for i, node in enumerate(nodes):
+        if not node.address:
+            raise ConfigError(f"{source}[{i}] has no address",
+                              "list each peer as NAME=HOST:PORT, e.g. gpu-02=10.0.0.12:7600")
+        host, port = parse_hostport(node.address, f"{source}[{i}]")
+        t = Target(node.name or Target("", host, port).address, host, port)
+        out.setdefault(t.address, t)
+    return tuple(out.values())
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """One target of a relay request: the key the client reads the answer by, and the
+    listed peer it resolved to (None: not a peer of this relay, never contacted)."""
+
+    address: str
+    name: str
+    peer: Target | None
+
+
 @dataclass(frozen=True)
 class _Job:
-    targets: tuple[Target, ...]
+    targets: tuple[Target, ...]  # the listed peers to ask, each once
+    asked: tuple[_Asked, ...]
     requests: list[dict[str, Any]]
     timeout_s: float
     skew_samples: int
@@ -184,7 +228,8 @@ def _job(body: Any, s: RelaySettings) -> _Job:
                            "max_answer_bytes"}
     if unknown:
         raise _Bad(f"unknown field(s) {sorted(unknown)} in the relay request")
-    targets = _targets(body.get("targets"), s.max_targets)
+    wanted = _targets(body.get("targets"), s.max_targets, s.peers)
+    targets = tuple({a.peer.address: a.peer for a in wanted if a.peer is not None}.values())
     requests = [_request(r, s.limits) for r in _list(body.get("requests"), "requests",
                                                       MAX_REQUESTS)]
     timeout = min(_number(body.get("timeout_s", s.timeout_s), "timeout_s"), s.timeout_s)
@@ -204,7 +249,7 @@ def _job(body: Any, s: RelaySettings) -> _Job:
     query = next((r.get("body") for r in requests if r["path"] == "/api/v1/query"), None) or {}
     limits = {k: query[k] for k in ("max_rows", "max_bytes", "timeout_s") if k in query}
     text = ";".join(f"{k}={v}" for k, v in {**limits, "fanout_timeout_s": timeout}.items())
-    return _Job(targets, requests, timeout, samples, cap, text)
+    return _Job(targets, wanted, requests, timeout, samples, cap, text)
 
 
 def _list(value: Any, what: str, most: int) -> list[Any]:
@@ -223,22 +268,38 @@ def _number(value: Any, what: str) -> float:
     return float(value)
 
 
-def _targets(value: Any, most: int) -> tuple[Target, ...]:
+def _targets(value: Any, most: int, peers: Sequence[Target]) -> tuple[_Asked, ...]:
+    """Each requested target resolved against ``peers``: by name first, else by its
+    address when that is a listed one. The request's address is only ever a key to
+    look up, never dialed."""
     from fleetd.config import parse_hostport
-    from fleetd.errors import ConfigError
 
-    out: dict[str, Target] = {}
+    by_name = {p.name: p for p in peers}
+    by_address = {p.address: p for p in peers}
+    out: dict[str, _Asked] = {}
     for item in _list(value, "targets", most):
         address = item.get("address") if isinstance(item, dict) else None
         name = item.get("name") if isinstance(item, dict) else None
-        if not isinstance(address, str):
-            raise _Bad(f"target {printable(item, 80)} has no address")
-        try:
-            host, port = parse_hostport(address, "target address")
-        except ConfigError as exc:
-            raise _Bad(exc.message, exc.hint or "use HOST:PORT") from None
-        label = printable(name, 253) if isinstance(name, str) and name else address
-        out.setdefault(address, Target(label, host, port))
+        if not isinstance(name, str) or not name:
+            name = None
+        if address is None and name is None:
+            raise _Bad(f"target {printable(item, 80)} has neither a name nor an address")
+        key = None
+        if address is not None:
+            if not isinstance(address, str):
+                raise _Bad(f"target {printable(item, 80)} has an address that is not a "
+                           "string")
+            try:
+                host, port = parse_hostport(address, "target address")
+            except ConfigError as exc:
+                raise _Bad(exc.message, exc.hint or "use HOST:PORT") from None
+            key = Target("", host, port).address
+        peer = by_name.get(name) if name is not None else None
+        if peer is None and key is not None:
+            peer = by_address.get(key)
+        label = printable(name, 253) if name is not None else printable(address, 253)
+        wire = address if isinstance(address, str) else (peer.address if peer else label)
+        out.setdefault(wire, _Asked(wire, label, peer))
     return tuple(out.values())
 
 
@@ -330,28 +391,57 @@ async def _run(job: _Job, s: RelaySettings, who: str) -> web.StreamResponse:
         connect_timeout_s=min(s.client.connect_timeout_s, job.timeout_s),
         concurrency=s.client.concurrency, retries=s.client.retries, has_client_cert=True,
         max_answer_bytes=min(MAX_BODY_BYTES, job.max_answer_bytes), headers=headers)
-    opts = FleetOptions(job.targets, client, skew_samples=job.skew_samples)
     started = time.perf_counter()
-    answer = await fan_out(opts, _plan(job.requests),
-                           needs_offset=any(r["shift"] for r in job.requests))
+    outcomes: dict[str, NodeOutcome] = {}
+    answered = 0
+    if job.targets:
+        opts = FleetOptions(job.targets, client, skew_samples=job.skew_samples)
+        answer = await fan_out(opts, _plan(job.requests),
+                               needs_offset=any(r["shift"] for r in job.requests))
+        outcomes = {o.target.address: o for o in answer.outcomes}
+        answered = len(answer.answered)
     parts, used = [], 0
-    for o in answer.outcomes:
-        entry: dict[str, Any] = {
-            "address": o.target.address, "name": o.name, "replies": o.replies,
-            "failure": failure_wire(o.failure) if o.failure else None,
-            "skew": skew_wire(o.skew) if o.skew else None,
-            "skew_failure": failure_wire(o.skew_failure) if o.skew_failure else None}
+    for a in job.asked:
+        o = outcomes.get(a.peer.address) if a.peer is not None else None
+        if o is None:
+            entry: dict[str, Any] = {"address": a.address, "name": a.name,
+                                     "failure": failure_wire(_not_a_peer(a, s))}
+        else:
+            entry = {"address": a.address, "name": o.name, "replies": o.replies,
+                     "failure": failure_wire(_told(o.failure, o, s)) if o.failure else None,
+                     "skew": skew_wire(o.skew) if o.skew else None,
+                     "skew_failure": failure_wire(_told(o.skew_failure, o, s))
+                     if o.skew_failure else None}
         part = orjson.dumps(entry)
         if used + len(part) > job.max_answer_bytes:
-            part = orjson.dumps({"address": o.target.address, "name": o.name,
+            part = orjson.dumps({"address": a.address, "name": entry["name"],
                                  "failure": failure_wire(Failure(
                                      "too_large", f"answer of {len(part)} bytes would take "
                                      f"the relay's merged answer past {job.max_answer_bytes}"
                                      " bytes", "lower --limit, or relay through more nodes"))})
         used += len(part)
         parts.append(part)
-    log.info("relayed for %s: %d of %d node(s) answered in %.3f s", who,
-             len(answer.answered), len(answer.outcomes), time.perf_counter() - started)
+    log.info("relayed for %s: %d of %d node(s) answered in %.3f s", who, answered,
+             len(job.asked), time.perf_counter() - started)
     head = orjson.dumps({"relay": s.node, "for": who})[:-1]
     return web.Response(body=head + b',"nodes":[' + b",".join(parts) + b"]}",
                         content_type="application/json")
+
+
+def _not_a_peer(a: _Asked, s: RelaySettings) -> Failure:
+    log.info("not forwarding to %s: relay.peers does not list it", a.name)
+    return Failure("relay", f"{a.name} is not one of relay {s.node}'s peers (relay.peers in "
+                   "its fleetd.yaml); it was not contacted",
+                   "list the node under relay.peers on that relay, or ask it directly")
+
+
+def _told(f: Failure, o: NodeOutcome, s: RelaySettings) -> Failure:
+    """What a client is told of a peer's failure: a connection that failed any way
+    (refused, timed out, not TLS, cut) is one kind and one message, so that a relay
+    says nothing about ports; the reason goes to the relay's log."""
+    if f.kind not in _CONNECTION_KINDS:
+        return f
+    log.info("peer %s (%s) failed: %s", o.name, o.target.address, f.text())
+    return Failure("unreachable", f"{o.name} could not be reached from relay {s.node} (or "
+                   "did not answer in time)", "see that relay's log for the reason; check "
+                   "the node, or ask it directly")

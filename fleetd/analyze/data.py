@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from fleetd.analyze.window import Window
 from fleetd.store.catalog import BY_CODE, BY_NAME, OPS
+from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS, SessionClock, node_boot, session_clock
 from fleetd.store.schema import SEQ_BITS
 
 MAX_AGG_WINDOW_NS = 3600 * 10**9  # aggregate windows are flushed far more often than this
@@ -104,8 +105,13 @@ class Hist:
         for b, (c, s) in (other.buckets or {}).items():
             self.add_bucket(b, c, s)
 
-    def quantile(self, q: float) -> int | None:
-        """Interpolated inside the bucket; exact to within the bucket's factor of two."""
+    def quantile(self, q: float, hi: int | None = None) -> int | None:
+        """Interpolated inside the bucket; exact to within the bucket's factor of two.
+
+        Never outside what the buckets prove about the smallest and largest value
+        (:meth:`bounds`), nor above ``hi`` (a larger proven maximum, the largest stored
+        call, replaces the buckets' own): a p99 above the reported max is never shown.
+        """
         if not self.buckets:
             return None
         n = sum(c for c, _ in self.buckets.values())
@@ -113,25 +119,52 @@ class Hist:
             return None
         target = q * n
         seen = 0
+        value: int | None = None
         for b in sorted(self.buckets):
             c, s = self.buckets[b]
             if c and seen + c >= target:
                 if c == 1:
-                    return s
-                lo, hi = (0, 2) if b == 0 else (1 << b, 1 << (b + 1))
+                    value = s
+                    break
+                lo, up = _bucket_range(b)
                 # The bucket's mean is known: spread its values evenly around it, inside
                 # the bucket, rather than over the whole factor of two.
                 mean = s / c
-                half = max(0.0, min(mean - lo, hi - mean))
+                half = max(0.0, min(mean - lo, up - mean))
                 frac = (target - seen) / c
-                return int(mean - half + frac * 2 * half)
+                value = int(mean - half + frac * 2 * half)
+                break
             seen += c
-        return None
+        if value is None:
+            return None
+        low, high = self.bounds()
+        if hi is not None:
+            high = hi if high is None else max(high, hi)
+        if high is not None:
+            value = min(value, high)
+        return max(value, low) if low is not None else value
 
     def top(self) -> int | None:
-        """A lower bound for the largest value (the start of the highest bucket used)."""
+        """The start of the highest bucket used (whether a stored call outranks it)."""
         used = [b for b, (c, _) in (self.buckets or {}).items() if c]
         return (1 << max(used)) if used else None
+
+    def bounds(self) -> tuple[int | None, int | None]:
+        """(low, high): every value is at least ``low`` (the lowest bucket's start) and
+        the largest is at least ``high`` (the highest bucket's mean, or its start if
+        larger: some value of a bucket is at least their mean). (None, None) without
+        buckets."""
+        buckets = self.buckets or {}
+        used = sorted(b for b, (c, _) in buckets.items() if c > 0)
+        if not used:
+            return None, None
+        c, s = buckets[used[-1]]
+        return _bucket_range(used[0])[0], max(_bucket_range(used[-1])[0], int(s // c))
+
+
+def _bucket_range(b: int) -> tuple[int, int]:
+    """[lo, hi) of log2 bucket ``b``; bucket 0 also holds 0."""
+    return (0, 2) if b == 0 else (1 << b, 1 << (b + 1))
 
 
 def histograms(
@@ -213,3 +246,89 @@ def tasks(conn: sqlite3.Connection, node: Node) -> dict[int, tuple[int | None, s
             "SELECT tid, pid, comm FROM task_data WHERE node = ?", (node.key,)
         )
     }
+
+
+# ---- the ranks of one job --------------------------------------------------------------
+
+NCCL_CODES: tuple[int, ...] = tuple(o.code for o in OPS if o.source == "nccl")
+
+
+def job_peers(conn: sqlite3.Connection, node: Node, win: Window) -> dict[int, frozenset[int]]:
+    """pid -> the other ranks of its job: processes with the same torchrun identity
+    (job and world size, as collective arrival matches ranks; a process of the same rank,
+    a DataLoader worker that inherited its parent's environment, is not another rank) or
+    an NCCL communicator in common (the ``comm_hash`` of their calls in the window).
+
+    Ranks are looked up in this node's process table and, when its sessions ran in one
+    boot, in those of the file's other nodes of that boot (nodes recorded side by side
+    on one machine: one pid namespace), so a rank traced by another node is known here.
+    A rank waiting for a peer rank is the collective's wait, not a cause of its own."""
+    keys = [node.key, *_same_boot_nodes(conn, node)]
+    ident: dict[int, tuple[str | None, int, int]] = {}
+    for key in keys:
+        for pid, rank, size, job in _rank_rows(conn, key):
+            if isinstance(pid, int) and isinstance(rank, int) and isinstance(size, int) \
+                    and 0 <= rank < size:
+                ident.setdefault(pid, (None if job is None else str(job), size, rank))
+    peers: dict[int, set[int]] = {}
+    groups: dict[tuple[str | None, int], list[tuple[int, int]]] = {}
+    for pid, (job, size, rank) in ident.items():
+        groups.setdefault((job, size), []).append((pid, rank))
+    for members in groups.values():
+        for pid, rank in members:
+            others = {p for p, r in members if r != rank}
+            if others:
+                peers.setdefault(pid, set()).update(others)
+    by_comm: dict[str, set[int]] = {}
+    for key in keys:
+        n = Node(key, "")
+        for pid, args in conn.execute(
+                "SELECT e.pid, x.args FROM event_data e JOIN event_args x ON x.id = e.id "
+                "WHERE e.ts_ns >= ? AND e.ts_ns < ? AND e.id BETWEEN ? AND ? AND e.op IN "
+                f"{in_list(NCCL_CODES)} AND instr(x.args, 'comm_hash') > 0",
+                (win.start_ns, win.end_ns, n.lo, n.hi)):
+            comm = _comm_hash(args)
+            if comm is not None and isinstance(pid, int):
+                by_comm.setdefault(comm, set()).add(pid)
+    for pids in by_comm.values():
+        for pid in pids if len(pids) > 1 else ():
+            peers.setdefault(pid, set()).update(pids - {pid})
+    return {pid: frozenset(p) for pid, p in peers.items()}
+
+
+def _rank_rows(conn: sqlite3.Connection, key: int) -> list[tuple[object, ...]]:
+    """(pid, rank, world_size, job) of a node's processes that have a rank (job NULL in
+    a file from before the column)."""
+    cols = {str(r[1]) for r in conn.execute("PRAGMA table_info(process_data)")}
+    job = "job" if "job" in cols else "NULL"
+    return conn.execute(f"SELECT pid, rank, world_size, {job} FROM process_data WHERE "
+                        "node = ? AND rank IS NOT NULL", (key,)).fetchall()
+
+
+def _same_boot_nodes(conn: sqlite3.Connection, node: Node) -> list[int]:
+    """The file's other nodes whose sessions all ran in the one boot this node's did
+    (:func:`fleetd.store.clockinfo.node_boot`, as clock alignment reads it)."""
+    sessions: dict[int, list[SessionClock] | None] = {}
+    for key, *row in conn.execute(f"SELECT node, {SESSION_CLOCK_COLUMNS} FROM session_data"):
+        got = sessions.setdefault(key, [])
+        if got is None:
+            continue
+        try:
+            got.append(session_clock(row))
+        except ValueError:  # an unreadable session: that node's boot is not known
+            sessions[key] = None
+    boots = {k: node_boot(v)[0] for k, v in sessions.items() if v}
+    mine = boots.get(node.key)
+    if mine is None:
+        return []
+    return sorted(k for k, b in boots.items() if b == mine and k != node.key)
+
+
+def _comm_hash(args: object) -> str | None:
+    """The ``comm_hash`` of an NCCL call's args (their JSON is not trusted)."""
+    try:
+        d = json.loads(args) if isinstance(args, str) else None
+    except ValueError:
+        return None
+    v = d.get("comm_hash") if isinstance(d, dict) else None
+    return v if isinstance(v, str) and v else None

@@ -9,8 +9,12 @@ call. So each row says where its numbers come from:
   intervals above a threshold are stored); count and total are exact, percentiles are
   interpolated inside log2 buckets (within a factor of two, usually much closer).
   Percentiles over the stored events would be wrong here: the always-emitted slow calls
-  would dominate them. ``max_ns`` is then a lower bound (the start of the highest
-  bucket used, or the largest stored call if that is larger): ``max_exact`` says so.
+  would dominate them. ``max_ns`` is then a lower bound (the mean of the highest bucket
+  used, or the largest stored call if that is larger): ``max_exact`` says so. The
+  interpolated percentiles never leave what is known: at least the lowest bucket's
+  start, at most ``max_ns`` (:meth:`~fleetd.analyze.data.Hist.quantile`, the one place
+  percentiles are scaled from buckets, for ops, overview, explain, the node API, MCP
+  and the HTML report alike).
 
 Syscalls get one row per syscall (``futex``, ``read``...), from the stored events, which
 hold the calls slower than the tracer's threshold; sleeps the program asked for
@@ -117,9 +121,10 @@ def _row(
     sampled = h is not None and h.count > len(durs)
     if sampled and h is not None:
         count, total = h.count, h.total
-        qs = [h.quantile(q) for q in (0.5, 0.95, 0.99)]
         top = h.top()
-        mx = max(int(durs[-1]) if durs else 0, top or 0) or None
+        mx = max(int(durs[-1]) if durs else 0, h.bounds()[1] or 0) or None
+        # Scaled inside their buckets, clamped to what is known: never above ``mx``.
+        qs = [h.quantile(q, mx) for q in (0.5, 0.95, 0.99)]
         # Exact only when a stored call is the largest and outranks the top bucket.
         exact = bool(durs) and top is not None and int(durs[-1]) >= 2 * top
         if qs[0] is None and durs:  # totals without buckets: the best we have

@@ -120,12 +120,18 @@ def _relaying(cfg: Config, s: AgentSettings) -> None:
     """The relay route (refusing unless relay.enabled) and, on every agent, the rules
     for requests a relay forwards (fleetd/relay.py)."""
     from fleetd.fleet.client import ClientOptions
-    from fleetd.relay import RelaySettings, relay_routes, relayed_middleware
+    from fleetd.relay import RelaySettings, relay_peers, relay_routes, relayed_middleware
     from fleetd.security.tls import client_context, load_token
 
     r = cfg.relay
     client = None
+    peers = relay_peers(r.peers)
     if r.enabled:
+        if not peers:
+            raise UsageError("relay.enabled needs relay.peers: the nodes this agent may "
+                             "forward to (it forwards to no other address)",
+                             "list them in its fleetd.yaml: relay: {peers: [gpu-02=HOST:PORT, "
+                             "...]} (docs/fleet.md, Relays)")
         if not (s.tls_cert and s.tls_key):
             raise UsageError("relay.enabled needs this node's certificate, to present to "
                              "its peers", "pass --tls-cert and --tls-key (fleetd certs "
@@ -141,7 +147,7 @@ def _relaying(cfg: Config, s: AgentSettings) -> None:
                                timeout_s=r.timeout_s, concurrency=max(1, r.concurrency),
                                has_client_cert=True)
     s.extra_routes.extend(relay_routes(RelaySettings(
-        node=s.node, enabled=r.enabled, client=client, limits=s.limits,
+        node=s.node, enabled=r.enabled, peers=peers, client=client, limits=s.limits,
         max_targets=max(1, r.max_targets), timeout_s=r.timeout_s,
         max_answer_bytes=max(1, r.max_answer_bytes))))
     s.extra_middlewares.append(relayed_middleware(s.relay_nodes))

@@ -31,8 +31,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--db", type=Path,
                    help="database file (default: $FLEETD_DB, else a per-user path)")
     p.add_argument("--export-dir", type=Path, metavar="DIR",
-                   help="where export_timeline writes (default: fleetd-mcp-exports-UID in the "
-                   "temporary directory)")
+                   help="where export_timeline writes (default: $XDG_CACHE_HOME/fleetd/"
+                   "mcp-exports, i.e. ~/.cache/...); made 0700, and refused when it is a "
+                   "symlink, someone else's, or writable by group or others")
     p.add_argument("--max-result-kb", type=int, default=64, metavar="KB",
                    help="cap on one tool answer; longer lists are cut (default 64)")
     h = p.add_argument_group("http", "serve Streamable HTTP instead of stdio (TLS 1.3 "

@@ -14,7 +14,7 @@ from typing import TextIO
 
 from fleetd.cli.output import table
 from fleetd.errors import UsageError
-from fleetd.store.clockinfo import fmt_ns
+from fleetd.store.clockinfo import boot_groups
 from fleetd.store.merge import DEFAULT_CLOCK_THRESHOLD_NS, MergeReport, Progress, merge
 from fleetd.store.timeparse import parse_duration
 
@@ -119,7 +119,18 @@ def _summary(report: MergeReport, out: TextIO) -> None:
              r.added.get("events", 0), r.added.get("stacks", 0), r.added.get("sessions", 0),
              r.added.get("chains", 0), r.added.get("aggregates", 0)] for r in report.inputs]
     out.write(table(cols, rows))
-    clocks = [[c.name, c.first_ns, c.last_ns, "unknown" if c.error_ns is None
-               else f"±{fmt_ns(c.error_ns)}", len(c.sessions)] for c in report.nodes]
-    out.write("\n" + table(["node", "first_ts_ns", "last_ts_ns", "clock error", "sessions"],
+    # Nodes of one boot read one clock: aligned exactly, whatever each clock's error.
+    # (Their sessions are counted in the table above: this one fits 100 columns.)
+    shared = boot_groups(report.nodes)
+    clocks = [[c.name, c.first_ns, c.last_ns, c.describe_error(),
+               _one_clock(shared.get(c.name, []))] for c in report.nodes]
+    out.write("\n" + table(["node", "first_ts_ns", "last_ts_ns", "clock", "same boot as"],
                            clocks))
+
+
+def _one_clock(others: list[str], shown: int = 3) -> str:
+    """``node-2, node-3``: the nodes that ran in this node's boot (one clock)."""
+    if not others:
+        return "-"
+    more = f" +{len(others) - shown}" if len(others) > shown else ""
+    return f"{', '.join(others[:shown])}{more}"

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Iterable, Iterator, Sequence
 
 from fleetd.export.model import ClockFix, EventRow, Piece
-from fleetd.store.clockinfo import SessionClock
+from fleetd.store.clockinfo import SessionClock, session_errors
 
 log = logging.getLogger("fleetd.export.clockfix")
 
@@ -25,16 +25,23 @@ MAX_REORDER_NS = 100_000_000
 
 
 def recorded_fix(sessions: Sequence[SessionClock], offset_ns: int = 0,
-                 source: str = "") -> tuple[ClockFix, list[str]]:
-    """The correction a node's sessions allow, plus warnings about what it cannot fix."""
+                 source: str = "", measured_error_ns: int | None = None
+                 ) -> tuple[ClockFix, list[str]]:
+    """The correction a node's sessions allow, plus warnings about what it cannot fix.
+
+    ``measured_error_ns``: the error of an offset the fleet client measured (half its
+    best round trip), which is then the error of the node's corrected times: the
+    recorded bounds are the kernel's, of that clock against true time (16 s when it is
+    not synchronised), and say nothing about a clock measured against ours."""
     pieces: list[Piece] = []
     for s in sessions:
         for (m0, o0, _), (m1, o1, _) in zip(s.samples, s.samples[1:], strict=False):
             if o1 != o0 and m1 > m0:
                 pieces.append(Piece(m0 + o0, m1 + o0, o1 - o0))
     pieces.sort(key=lambda p: p.start_ns)
-    errors = [s.error_ns for s in sessions if s.error_ns is not None]
-    errors += [e for s in sessions for _, _, e in s.samples]
+    errors = session_errors(sessions)
+    if measured_error_ns is not None:
+        errors = [measured_error_ns]
     warnings: list[str] = []
     if pieces and max(abs(p.jump_ns) for p in pieces) > MAX_REORDER_NS:
         worst = max(pieces, key=lambda p: abs(p.jump_ns))

@@ -187,12 +187,12 @@ def _clock(p: NodePull, answer: FleetAnswer, xopts: FleetExportOptions,
                       if on)
     if not xopts.correct_clock:
         return ClockFix(offset, source or "none")
-    fix, notes = recorded_fix(sessions, offset, source)
+    # A measured offset is only as good as half the best round trip, and that is all
+    # its error: the node's recorded bound is its clock against true time.
+    measured = round(o.skew.error_ns) if fleet and o.skew is not None else None
+    fix, notes = recorded_fix(sessions, offset, source, measured)
     for n in notes:
         note(n)
-    if fleet and o.skew is not None:
-        # The measured offset is only as good as half the best round trip.
-        fix = replace(fix, error_ns=(fix.error_ns or 0) + round(o.skew.error_ns))
     return fix
 
 

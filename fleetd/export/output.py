@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import secrets
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from fleetd.errors import UsageError
 from fleetd.export.model import ByteSink
+from fleetd.security.private_dir import create_file
 
 GZIP_LEVEL = 6  # most of the size gain of 9 at a fraction of the time
 
@@ -33,9 +35,12 @@ def open_output(path: Path | None) -> Iterator[ByteSink]:
         sys.stdout.flush()
         return
     check_output(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # A new name, created here and never through a link (O_EXCL | O_NOFOLLOW): a
+    # directory shared with other users cannot redirect the write.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = create_file(tmp, 0o666)
     try:
-        with open(tmp, "wb") as raw:
+        with open(fd, "wb") as raw:
             if path.name.endswith(".gz"):
                 # mtime=0 and no file name inside: the same trace gives the same bytes.
                 with gzip.GzipFile(filename="", mode="wb", fileobj=raw,

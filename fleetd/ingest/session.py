@@ -25,13 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from fleetd import __version__
-from fleetd.errors import UsageError
+from fleetd.errors import FleetdError, UsageError
+from fleetd.store import foreign
 from fleetd.store.catalog import BY_NAME
 from fleetd.store.db import validate_node_name
 from fleetd.store.imports import ImportBatch, ImportOutcome, write_imports
 
 MAX_FILE_BYTES = 8 << 30  # an nsys export or a compressed Kineto file
-MAX_JSON_BYTES = 2 << 30  # a Kineto file once decompressed: parsed in memory
+# A Kineto file's JSON text, plain or once decompressed: read a piece at a time, so this
+# bounds the time and the scratch space an import takes, not its memory.
+MAX_JSON_BYTES = 8 << 30
+READ_BYTES = 1 << 20  # JSON text read (or decompressed) at a time
+GZIP_RATIO = 100  # the most a gzipped trace may expand (past GZIP_RATIO_FLOOR bytes)
+GZIP_RATIO_FLOOR = 32 << 20
 MAX_EVENTS = 50_000_000
 MAX_NAME_CHARS = 4096  # kernel and annotation names (templated C++ names run long)
 FORMATS = ("auto", "nsys", "kineto")
@@ -189,41 +195,129 @@ def _detect(head: bytes) -> str | None:
     return None
 
 
-def read_json_bytes(path: Path) -> bytes:
-    """The file's JSON text, gunzipped when needed, refused above MAX_JSON_BYTES."""
+def json_chunks(path: Path, limit: int = MAX_JSON_BYTES) -> Iterator[bytes]:
+    """The file's JSON text READ_BYTES at a time, gunzipped when it is gzip (several
+    members too), whatever the file's size: the caller holds what it keeps.
+
+    One limit for plain and gzipped files alike: more than ``limit`` bytes of text (at
+    most MAX_JSON_BYTES) is refused. A gzip stream that expands more than GZIP_RATIO
+    times its compressed bytes read so far, past the first GZIP_RATIO_FLOOR bytes, is
+    refused at that point: traces compress 10-30x, and a few MB of gzip that expand to
+    gigabytes of whitespace or repeated junk (a compression bomb) then fail in well under
+    a second instead of after minutes of decompressing."""
+    limit = min(limit, MAX_JSON_BYTES)
     try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
+        f = path.open("rb")
     except OSError as exc:
         raise UsageError(f"{path}: cannot be read ({exc})",
                          "check that the file is readable") from exc
-    if not raw.startswith(b"\x1f\x8b"):
-        return raw
-    out = bytearray()
-    d = zlib.decompressobj(wbits=31)
+    with f:
+        data = _read(f, path)
+        if not data.startswith(b"\x1f\x8b"):
+            total = 0
+            while data:
+                total += len(data)
+                if total > limit:
+                    raise _too_big(path, limit, "")
+                yield data
+                data = _read(f, path)
+            return
+        yield from _gunzip(f, path, data, limit)
+
+
+def _read(f: Any, path: Path) -> bytes:
     try:
-        for i in range(0, len(raw), 1 << 20):
-            out += d.decompress(raw[i:i + (1 << 20)], MAX_JSON_BYTES + 1 - len(out))
-            if len(out) > MAX_JSON_BYTES or d.unconsumed_tail:
-                raise UsageError(f"{path}: more than {MAX_JSON_BYTES} bytes once "
-                                 "decompressed", "import a shorter profiling window")
+        return bytes(f.read(READ_BYTES))
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot be read ({exc})",
+                         "check that the file is readable") from exc
+
+
+def _too_big(path: Path, limit: int, how: str) -> UsageError:
+    return UsageError(f"{path}: more than {limit} bytes{how}, above the limit for one trace",
+                      "import a shorter profiling window (or split the trace)")
+
+
+def _gunzip(f: Any, path: Path, data: bytes, limit: int) -> Iterator[bytes]:
+    d = zlib.decompressobj(wbits=31)
+    read_in = len(data)  # compressed bytes read from the file
+    total = 0
+    while True:
+        if not data and not d.eof:
+            # what zlib still holds of the input given (output was cut at READ_BYTES)
+            data = b""
+            out = _inflate(d, path, b"")
+            if not out:
+                data = _read(f, path)
+                if not data:
+                    raise UsageError(f"{path}: truncated gzip file (the compressed stream "
+                                     "ends early)", "copy the file again in full; it was "
+                                     "cut short")
+                read_in += len(data)
+                out = _inflate(d, path, data)
+                data = d.unconsumed_tail
+        else:
+            out = _inflate(d, path, data)
+            data = d.unconsumed_tail
+        total += len(out)
+        if total > limit:
+            raise _too_big(path, limit, " once decompressed")
+        if total > max(GZIP_RATIO_FLOOR, GZIP_RATIO * (read_in - len(data))):
+            raise UsageError(f"{path}: expands more than {GZIP_RATIO}x when decompressed "
+                             f"({total} bytes from {read_in - len(data)} compressed), which "
+                             "no profiler trace does: a compression bomb or a damaged file",
+                             "import the trace as the profiler wrote it")
+        if out:
+            yield out
+        if d.eof:  # the end of a gzip member: another may follow (as gzip -c a b > c)
+            data = d.unused_data
+            if not data:
+                data = _read(f, path)
+                read_in += len(data)
+            if data[:2] != b"\x1f\x8b":
+                return  # no further member: trailing bytes are ignored, as before
+            d = zlib.decompressobj(wbits=31)
+
+
+def _inflate(d: Any, path: Path, data: bytes) -> bytes:
+    try:
+        return bytes(d.decompress(data, READ_BYTES))
     except zlib.error as exc:
         raise UsageError(f"{path}: corrupt gzip data ({exc})",
                          "copy the file again; it was damaged") from exc
-    if not d.eof:
-        raise UsageError(f"{path}: truncated gzip file (the compressed stream ends early)",
-                         "copy the file again in full; it was cut short")
-    return bytes(out)
 
 
-def open_sqlite(path: Path) -> sqlite3.Connection:
-    """An imported SQLite file, read-only and never modified (no -wal/-shm made)."""
+def read_json_bytes(path: Path, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The file's whole JSON text, gunzipped when needed, refused above ``limit``."""
+    return b"".join(json_chunks(path, limit))
+
+
+def open_sqlite(path: Path, text: Callable[[bytes], str] | None = None) -> sqlite3.Connection:
+    """An imported SQLite file: read-only and never modified (``immutable``: no -wal/-shm
+    made), its schema untrusted and its values capped (:mod:`fleetd.store.foreign`, whose
+    :class:`~fleetd.store.foreign.Watch` the reader runs its statements under). ``text``
+    is the text factory (:class:`~fleetd.store.foreign.LenientText` for exports, whose
+    strings are not always UTF-8)."""
+    def unreadable(exc: FleetdError) -> UsageError:
+        return UsageError(f"{path}: not a readable SQLite file "
+                          f"({exc.message.removeprefix(f'{path}: ')})",
+                          "export the report again with 'nsys export --type sqlite'")
+
     try:
-        conn = sqlite3.connect(f"file:{path.absolute()}?mode=ro&immutable=1", uri=True)
-        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-    except sqlite3.Error as exc:
-        raise UsageError(f"{path}: not a readable SQLite file ({exc})",
-                         "export the report again with 'nsys export --type sqlite'") from exc
+        conn = foreign.connect(path, immutable=True)
+    except FleetdError as exc:
+        raise unreadable(exc) from None
+    if text is not None:
+        conn.text_factory = text
+    try:
+        with foreign.Watch(path).guard(conn):
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except FleetdError as exc:
+        conn.close()
+        raise unreadable(exc) from None
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 

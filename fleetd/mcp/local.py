@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import sqlite3
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from fleetd.analyze.stacks import json_or_text, op_code
 from fleetd.analyze.window import Window, WindowSpec
 from fleetd.errors import UsageError
 from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
+from fleetd.security.private_dir import private_dir, user_cache_base
 from fleetd.store.catalog import SOURCES
 from fleetd.store.db import open_reader
 from fleetd.store.guard import Limits, SafeDB
@@ -45,8 +45,10 @@ SHARE_KEYS = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "sleeping_ns", "i
 
 
 def default_export_dir() -> Path:
-    # Per user: the directory is made 0700, so another user's would not be writable.
-    return Path(tempfile.gettempdir()) / f"fleetd-mcp-exports-{os.getuid()}"
+    """``$XDG_CACHE_HOME/fleetd/mcp-exports`` (``~/.cache/...``): under a directory this
+    user owns, never a name in ``/tmp`` that another user could create first. It is
+    made private (0700) when the first export is written (:func:`export_path`)."""
+    return user_cache_base() / "fleetd" / "mcp-exports"
 
 
 @dataclass(slots=True)
@@ -248,12 +250,24 @@ def export_path(directory: Path, name: str | None, stem: str) -> Path:
         raise UsageError(f"export name {name!r} is not allowed",
                          "give a plain file name ending in .json or .json.gz (letters, digits,"
                          " '.', '_', '-'); files are written into the server's export directory")
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private_export_dir(directory)
     path = directory / name
-    if path.exists():
+    if os.path.lexists(path):
         raise UsageError(f"{path} exists already", "choose another name; exports never "
                          "overwrite a file")
     return path
+
+
+def private_export_dir(directory: Path) -> Path:
+    """The export directory, made (0700) or checked: a real directory of this user's
+    that nobody else may write, under one the user owns (the per-user cache for the
+    default; the parent of a ``--export-dir``). A symlink, another owner or group/other
+    write is refused with one line (fleetd/security/private_dir.py)."""
+    default = default_export_dir()
+    base = user_cache_base() if directory == default else None
+    return private_dir(directory, base=base, what="MCP export directory",
+                       hint="remove it, or start fleetd mcp with --export-dir DIR (a "
+                       "directory of yours that nobody else can write)")
 
 
 def export_answer(path: Path, stats: list[Any], warnings: list[str]) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from fleetd.mcp import prompts
 from fleetd.mcp.fleet import ACTIONS, FleetBackend
 from fleetd.mcp.local import LocalBackend
 from fleetd.mcp.safety import NAMES_KEY, clean, fit, scrub
+from fleetd.security.private_dir import UnsafePathError
 
 log = logging.getLogger("fleetd.mcp.server")
 
@@ -76,7 +77,10 @@ Since = Annotated[str | None, Field(
 Start = Annotated[str | None, Field(
     description="window start: ISO 8601 (2025-06-15T15:06:40Z), epoch s/ns, or now-10m")]
 End = Annotated[str | None, Field(description="window end, same forms as start")]
-Pid = Annotated[int | None, Field(gt=0, description="only this process id")]
+# Every integer argument has an upper bound: a number past 64 bits (pid 2**70) is a tool
+# error from the SDK's validation, never an OverflowError inside SQLite.
+INT64_MAX = 2**63 - 1
+Pid = Annotated[int | None, Field(gt=0, le=INT64_MAX, description="only this process id")]
 NodeName = Annotated[str | None, Field(
     description="only this node (a merged database holds several; get_trace_stats lists them)")]
 Severity = Annotated[Literal["HIGH", "MEDIUM", "LOW"], Field(
@@ -103,6 +107,12 @@ class Answers:
         except FleetdError as exc:
             log.info("%s refused: %s", tool, exc.message)
             return error_result(_code(exc), exc.message, exc.hint)
+        except OverflowError:
+            # A number the schema let through but SQLite or the C library cannot hold:
+            # the caller's mistake, said as such, not a traceback on the server's stderr.
+            log.info("%s refused: a number out of range", tool)
+            return error_result("bad_request", "a number in the arguments is out of range "
+                                "(past 64 bits)", "pass numbers between -2**63 and 2**63-1")
         result = finish(payload, self.settings.max_result_bytes)
         log.info("%s answered in %.3f s", tool, time.perf_counter() - started)
         return result
@@ -132,6 +142,7 @@ def _code(exc: FleetdError) -> str:
         return exc.code
     kinds: list[tuple[type[FleetdError], str]] = [
         (UsageError, "bad_request"), (StoreError, "store"), (ConfigError, "config"),
+        (UnsafePathError, "unsafe_path"),
         (NetworkError, "network"), (TraceError, "trace")]
     return next((code for cls, code in kinds if isinstance(exc, cls)), "error")
 
@@ -212,7 +223,8 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
     def get_causal_chains(
         top_n: Annotated[int, Field(ge=1, le=50, description="chains to return")] = 5,
         since: Since = None, start: Start = None, end: End = None,
-        pid: Annotated[int | None, Field(gt=0, description="only chains whose victim is "
+        pid: Annotated[int | None, Field(gt=0, le=INT64_MAX, description="only chains whose "
+                                         "victim is "
                                          "this process (culprits may be any process)")] = None,
         min_severity: Severity = "LOW",
         evidence_n: Annotated[int, Field(ge=0, le=100, description="evidence items per "
@@ -400,7 +412,7 @@ def _export_tool(server: MCPServer, backend: LocalBackend | FleetBackend,
             "default: made from the database name (fleet mode: 'fleet') and the time")] = None,
         since: Since = None, start: Start = None, end: End = None, pid: Pid = None,
         limit_per_node: Annotated[int | None, Field(
-            gt=0, description="at most this many events per node")] = None,
+            gt=0, le=INT64_MAX, description="at most this many events per node")] = None,
         chains: Annotated[Literal["auto", "stored", "computed", "none"], Field(
             description="causal chain markers: stored ones else computed (auto), only "
             "stored, always computed, or none")] = "auto",

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleetd.errors import FleetdError
+from fleetd.security.private_dir import UnsafePathError, open_regular
 from fleetd.store.db import open_reader
 from fleetd.store.lake import (
     KEYED,
@@ -32,7 +34,6 @@ from fleetd.store.lake import (
     TABLES,
     Retention,
     apply_retention,
-    atomic_bytes,
     chunks,
     clean_temporaries,
     escape_value,
@@ -40,12 +41,15 @@ from fleetd.store.lake import (
     key_span,
     lake_files,
     read_node,
+    write_bytes,
     write_node,
 )
+from fleetd.store.lakefs import read_small
 
 log = logging.getLogger("fleetd.node.lake")
 
-
+STATE_DIR = "_state"
+STATE_MAX_BYTES = 64 * 1024  # a few keys of JSON
 
 @dataclass(slots=True)
 class LakeSettings:
@@ -74,19 +78,25 @@ class SegmentCloser:
         init_lake(settings.root)
         # A temporary file of this node is a segment a killed agent never closed.
         clean_temporaries(settings.root, node, older_than_s=0)
-        self._state_path = settings.root / "_state" / f"agent-{escape_value(node)}.json"
+        self._state_name = f"agent-{escape_value(node)}.json"
         self.after = self._recover()
 
     def _recover(self) -> dict[str, int]:
         """Where the last closed segment ended: the larger of the state file and the
-        closed files' own row keys, per table."""
+        closed files' own row keys, per table. The state file is read only when it is a
+        small regular file in the lake's own ``_state`` directory (a link or a FIFO
+        there is ignored: the closed files still say where to go on)."""
         after = dict.fromkeys(KEYED, 0)
         try:
-            saved = json.loads(self._state_path.read_text())
+            raw = read_small(self.s.root, (STATE_DIR,), self._state_name, STATE_MAX_BYTES)
+            saved = json.loads(raw)
             for k in KEYED:
                 after[k] = max(after[k], int(saved.get(k, 0)))
-        except (OSError, ValueError, TypeError, AttributeError):
-            pass
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError,
+                FleetdError) as exc:
+            if not isinstance(exc, FileNotFoundError):
+                log.warning("lake: state file %s/%s unusable (%s); resuming from the closed "
+                            "files", STATE_DIR, self._state_name, type(exc).__name__)
         for k, v in _max_keys(self.s.root, self.node).items():
             after[k] = max(after[k], v)
         return after
@@ -124,8 +134,8 @@ class SegmentCloser:
         return written
 
     def _save(self) -> None:
-        self._state_path.parent.mkdir(exist_ok=True)
-        atomic_bytes(self._state_path, json.dumps(self.after).encode())
+        write_bytes(self.s.root, (STATE_DIR,), self._state_name,
+                    json.dumps(self.after).encode())
 
     def retire(self) -> int:
         removed = apply_retention(self.s.root, self.s.retention)
@@ -152,13 +162,15 @@ def _max_keys(root: Path, node: str) -> dict[str, int]:
         if f.node != node:
             continue
         try:
-            meta = pq.ParquetFile(f.path).metadata
+            fd, _ = open_regular(f.path)  # never through a link swapped in since listing
+            with open(fd, "rb") as fh:
+                meta = pq.ParquetFile(fh).metadata
             col = meta.schema.names.index("rowkey")
             for i in range(meta.num_row_groups):
                 st = meta.row_group(i).column(col).statistics
                 if st is not None and st.has_min_max:
                     out[f.table] = max(out.get(f.table, 0), int(st.max))
-        except (OSError, ValueError, pa.ArrowException):
+        except (OSError, ValueError, pa.ArrowException, UnsafePathError):
             log.warning("lake: %s is unreadable; its rows will be written again", f.path)
     return out
 

@@ -18,8 +18,11 @@ level, and every connection simply makes a full handshake.
 The cache (:class:`SessionCache`): one file per fleet CA,
 ``$XDG_CACHE_HOME/fleetd/tls-sessions/<CA fingerprint>/sessions.json`` (or
 ``$FLEETD_TLS_SESSION_CACHE``, ``off`` to disable), directory 0700 and file 0600 since a
-ticket is a secret (whoever holds it resumes as this client); a directory or file that
-another user owns or that others may write is not used. At most :data:`MAX_ENTRIES`
+ticket is a secret (whoever holds it resumes as this client). The directories are made
+and checked by :func:`fleetd.security.private_dir.private_dir` (the rule for every
+directory fleetd creates in a shared place): a symlink, another owner, or group/other
+access refuses the cache, which then costs a full handshake; files are opened with
+``O_NOFOLLOW`` and never read when they are not regular. At most :data:`MAX_ENTRIES`
 entries and :data:`MAX_BYTES` bytes, the oldest dropped first; an entry past its ticket
 lifetime is dropped on reading. A corrupt file is removed and costs one full handshake
 per node. Entries are keyed by node address, server name and the client's identity
@@ -47,6 +50,14 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from fleetd.security.private_dir import (
+    DENY_ALL,
+    UnsafePathError,
+    open_regular,
+    private_dir,
+    user_cache_base,
+)
 
 log = logging.getLogger("fleetd.security.sessions")
 
@@ -190,37 +201,64 @@ def default_dir() -> Path | None:
     env = os.environ.get(CACHE_ENV)
     if env is not None:
         return None if env.strip().lower() in ("", "off", "0", "no") else Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "fleetd" / "tls-sessions"
+    return user_cache_base() / "fleetd" / "tls-sessions"
 
 
-def _private(path: Path, *, directory: bool) -> bool:
-    """Ours and not writable (nor, for a file, readable) by anyone else."""
-    try:
-        st = path.lstat()
-    except OSError:
-        return False
+def default_base(directory: Path) -> Path:
+    """The directory the user owns that a cache ``directory`` goes under: the per-user
+    cache (for the default), the parent of ``$FLEETD_TLS_SESSION_CACHE``, else the
+    directory's parent."""
+    cache = user_cache_base()
+    if directory.is_relative_to(cache / "fleetd"):
+        return cache
+    env = default_dir()
+    if env is not None and directory.is_relative_to(env) and directory != env:
+        return env.parent
+    return directory.parent
+
+
+def _private(st: os.stat_result, *, directory: bool) -> bool:
+    """Ours and neither readable nor writable by anyone else."""
     kind_ok = stat.S_ISDIR(st.st_mode) if directory else stat.S_ISREG(st.st_mode)
     mode = stat.S_IMODE(st.st_mode)
-    return kind_ok and st.st_uid == os.geteuid() and not mode & 0o077
+    return kind_ok and st.st_uid == os.geteuid() and not mode & DENY_ALL
+
+
+def _private_dir(path: Path) -> bool:
+    try:
+        return _private(path.lstat(), directory=True)  # lstat: a symlink is not private
+    except OSError:
+        return False
 
 
 class SessionCache:
-    """One fleet CA's tickets on disk, keyed by :func:`key`."""
+    """One fleet CA's tickets on disk, keyed by :func:`key`. ``base``: the directory
+    the user owns that the cache goes under (default: the parent of ``directory``)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, base: Path | None = None) -> None:
         self.dir = directory
+        self.base = base if base is not None else default_base(directory)
         self.file = directory / FILE_NAME
 
     def load(self) -> dict[str, Entry]:
-        if not self.file.exists():
+        refused = ("not using TLS session cache %s: %s (it must be this user's own regular "
+                   "file in a directory of this user's; chmod 700 the directory, 600 the "
+                   "file)")
+        try:
+            fd, st = open_regular(self.file)  # never through a link, never a FIFO
+        except FileNotFoundError:
             return {}
-        if not (_private(self.dir, directory=True) and _private(self.file, directory=False)):
-            log.warning("not using TLS session cache %s: it must be owned by this user "
-                        "and private (chmod 700 the directory, 600 the file)", self.file)
+        except UnsafePathError as exc:
+            log.warning(refused, self.file, exc.message)
+            return {}
+        except OSError as exc:
+            log.warning(refused, self.file, exc.strerror or exc)
             return {}
         try:
-            with self.file.open("rb") as fh:
+            with open(fd, "rb") as fh:
+                if not (_private_dir(self.dir) and _private(st, directory=False)):
+                    log.warning(refused, self.file, "others may read or write it")
+                    return {}
                 raw = fh.read(MAX_BYTES + 1)
             return _parse(raw, time.time())
         except (OSError, ValueError, TypeError, KeyError, orjson.JSONDecodeError) as exc:
@@ -234,16 +272,19 @@ class SessionCache:
         if not fresh:
             return
         try:
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if not _private(self.dir, directory=True):
-                log.warning("not writing TLS session cache %s: the directory is not "
-                            "private to this user (chmod 700 it)", self.dir)
-                return
-            with (self.dir / ".lock").open("a") as lock:
-                os.chmod(lock.name, 0o600)
+            private_dir(self.dir, base=self.base, deny=DENY_ALL, what="TLS session cache")
+        except UnsafePathError as exc:
+            log.warning("not writing the TLS session cache: %s", exc.message)
+            return
+        try:
+            lock = os.open(self.dir / ".lock", os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                           | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 merged = {**self.load(), **fresh}
                 self._write(_bounded(merged))
+            finally:
+                os.close(lock)
         except OSError as exc:
             log.debug("cannot write TLS session cache %s: %s", self.file, exc)
 

@@ -6,6 +6,7 @@ not an empty database.
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 import time
@@ -14,7 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fleetd.errors import StoreError
-from fleetd.store.schema import APPLICATION_ID, SCHEMA_VERSION, migrate
+from fleetd.store import foreign
+from fleetd.store.schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION, migrate
 
 BUSY_TIMEOUT_S = 5.0
 
@@ -30,7 +32,7 @@ def default_db_path() -> Path:
     return Path(base) / "fleetd" / "fleetd.db"
 
 
-def _translate(path: Path, exc: sqlite3.Error) -> StoreError:
+def _translate(path: Path, exc: sqlite3.Error | UnicodeDecodeError) -> StoreError:
     text = str(exc)
     if "not a database" in text or "malformed" in text:
         return StoreError(
@@ -48,6 +50,9 @@ def _translate(path: Path, exc: sqlite3.Error) -> StoreError:
             f"cannot open {path} ({text})",
             "check that the file and its directory exist and are readable",
         )
+    if isinstance(exc, UnicodeDecodeError) or "decode to UTF-8" in text:
+        return StoreError(f"{path}: holds text that is not UTF-8 where fleetd reads names "
+                          f"({text[:120]})", "the file is damaged: copy it again")
     return StoreError(f"{path}: {text}")
 
 
@@ -87,13 +92,15 @@ def open_writer(path: Path) -> sqlite3.Connection:
         raise _translate(path, exc) from exc
     try:
         version = check_identity(conn, path)
+        if version:
+            check_store_shape(conn, path, version)
         conn.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode: a power loss may lose the last transactions, never corrupts.
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=OFF")
         if version < SCHEMA_VERSION:
             migrate(conn, version)
-    except sqlite3.Error as exc:
+    except (sqlite3.Error, UnicodeDecodeError) as exc:
         conn.close()
         raise _translate(path, exc) from exc
     except StoreError:
@@ -130,15 +137,23 @@ def open_reader(path: Path) -> sqlite3.Connection:
 
 
 def _connect_ro(path: Path, extra: str) -> tuple[sqlite3.Connection, int]:
-    uri = f"file:{_quote_uri_path(path)}?mode=ro{extra}"
+    """A reader of a file that may come from anywhere (a copy off another machine is
+    opened the same way as the agent's own file): its schema is untrusted
+    (``trusted_schema=OFF``), its tables must be tables, and fleetd's views are read as
+    this fleetd defines them (:func:`check_store_shape`)."""
+    uri = f"file:{foreign.uri_path(path)}?mode=ro{extra}"
     try:
         conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
     except sqlite3.Error as exc:
         raise _translate(path, exc) from exc
     try:
+        conn.execute("PRAGMA trusted_schema=OFF")
+        version = check_identity(conn, path)
+        if version:
+            check_store_shape(conn, path, version, shadow_views=True)
         conn.execute("PRAGMA query_only=1")
-        return conn, check_identity(conn, path)
-    except sqlite3.Error as exc:
+        return conn, version
+    except (sqlite3.Error, UnicodeDecodeError) as exc:
         conn.close()
         raise _translate(path, exc) from exc
     except StoreError:
@@ -146,10 +161,34 @@ def _connect_ro(path: Path, extra: str) -> tuple[sqlite3.Connection, int]:
         raise
 
 
-def _quote_uri_path(path: Path) -> str:
-    # '?' and '#' would end the path part of a URI; '%' starts an escape.
-    s = str(path.absolute())
-    return s.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
+@functools.cache
+def store_schema(version: int) -> tuple[dict[str, str], dict[str, str]]:
+    """(tables, views) of a version-``version`` node database as this fleetd creates it:
+    name -> the SQL SQLite keeps for it."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        for script in MIGRATIONS[:version]:
+            conn.executescript(script)
+        rows = conn.execute("SELECT type, name, sql FROM sqlite_master "
+                            "WHERE type IN ('table', 'view') ORDER BY rowid").fetchall()
+    finally:
+        conn.close()
+    return ({str(n): str(q) for t, n, q in rows if t == "table"},
+            {str(n): str(q) for t, n, q in rows if t == "view"})
+
+
+def check_store_shape(conn: sqlite3.Connection, path: Path, version: int, *,
+                      schema: str = "main", shadow_views: bool = False) -> None:
+    """Refuse a node database whose tables are not plain tables, or that holds a trigger
+    (fleetd writes none). With ``shadow_views``, fleetd's own views are created on the
+    connection as TEMP views with this fleetd's definitions, which SQLite resolves before
+    the file's: a file's own ``events`` may be any query (one that never ends), and with
+    ``trusted_schema=OFF`` the file's views could not call json_extract anyway."""
+    tables, views = store_schema(min(version, SCHEMA_VERSION))
+    foreign.check_tables(conn, path, tables, schema=schema, all_triggers=True, known=tables)
+    if shadow_views:
+        for sql in views.values():
+            conn.execute(sql.replace("CREATE VIEW", "CREATE TEMP VIEW", 1))
 
 
 def present_tables(conn: sqlite3.Connection, names: Iterable[str]) -> list[str]:
@@ -175,10 +214,19 @@ def ensure_node(conn: sqlite3.Connection, name: str, host: str | None = None) ->
     return int(cur.lastrowid or 0)
 
 
+NODE_NAME_RULE = ("a node name is 1 to 253 printable characters without ':' (ids are "
+                  "written node:seq)")
+
+
+def node_name_ok(name: object) -> bool:
+    return (isinstance(name, str) and 0 < len(name) <= 253 and ":" not in name
+            and name.isprintable())
+
+
 def validate_node_name(name: str) -> None:
-    if not name or ":" in name or len(name) > 253 or not name.isprintable():
+    if not node_name_ok(name):
         raise StoreError(
-            f"invalid node name {name!r}",
+            f"invalid node name {name!r}: {NODE_NAME_RULE}",
             "use a non-empty printable name without ':' (ids are written node:seq)",
         )
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import sqlite3
 import sys
 import time
@@ -57,6 +58,8 @@ DENIED_FUNCTIONS = frozenset({
     "load_extension", "readfile", "writefile", "edit", "fts3_tokenizer", "zipfile",
     "sqlite_dbpage",
 })
+_PRIMABLE = NAMED_PRAGMAS | READ_PRAGMAS
+_PRAGMA_FUNCTION = re.compile(r"pragma_(\w+)", re.IGNORECASE)
 _ALLOWED_ACTIONS = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE})
 _PROGRESS_EVERY = 2_000  # VM instructions between deadline checks: ~tens of microseconds
 _MAX_COLUMNS = 256  # result columns: bounds one row to this many values under the limit
@@ -221,6 +224,7 @@ class SafeDB:
         self.limits = limits or Limits()
         self.conn = conn if conn is not None else open_reader(path)
         self._auth = _Authorizer()
+        self._primed: set[str] = set()
         self.conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
         self.conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, self.limits.max_value_bytes)
         self.conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, self.limits.max_sql_chars)
@@ -326,6 +330,7 @@ class SafeDB:
         errors inside become :class:`QueryError` that say what to do."""
         _check_sql_text(sql, lim)
         _check_params(params)
+        self._prime_pragmas(sql)
         self._auth.denied = None
         run = _Run(self.conn, sql, params, time.monotonic() + lim.timeout_s)
         self.conn.set_progress_handler(run.progress, _PROGRESS_EVERY)
@@ -340,6 +345,25 @@ class SafeDB:
         finally:
             self.conn.set_progress_handler(None, 0)
             self.conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, self.limits.max_value_bytes)
+
+    def _prime_pragmas(self, sql: str) -> None:
+        """Let read-only pragma functions (``pragma_table_info('events')``) work as the
+        PRAGMA statements do. SQLite builds a pragma function's table on its first use
+        on a connection and authorizes that as an UPDATE of sqlite_master, which the
+        authorizer refuses; so the allowed ones the SQL names are built here first, the
+        authorizer off for that one empty SELECT. The authorizer then judges each call
+        as it judges the PRAGMA (``pragma_journal_mode('wal')`` stays refused)."""
+        names = {m.lower() for m in _PRAGMA_FUNCTION.findall(sql)} & _PRIMABLE
+        new = names - self._primed
+        if not new:
+            return
+        self.conn.set_authorizer(None)
+        try:
+            for name in sorted(new):
+                self.conn.execute(f"SELECT * FROM pragma_{name} LIMIT 0").fetchall()
+        finally:
+            self.conn.set_authorizer(self._auth)
+        self._primed |= new
 
     def analyze(self, fn: Callable[[sqlite3.Connection], T], timeout_s: float) -> T:
         """Run the project's own read-only analysis under a deadline, on this connection.

@@ -247,7 +247,11 @@ def _bulk(conn: sqlite3.Connection, table: str, cols: str, values: list[str], fi
     (one past the largest id), ROWS_PER_INSERT rows to a statement: the rows' values are
     bound from one flat tuple per statement, and the per-statement cost of executemany
     and SQLite (the larger part of a row's cost, one row at a time) is paid once per
-    ROWS_PER_INSERT rows. Otherwise every row is given its id here, a row at a time."""
+    ROWS_PER_INSERT rows. Otherwise every row is given its id here, a row at a time.
+
+    ``rows`` is iterated once, front to back (besides ``len``, ``rows[0]`` and
+    ``rows[-1]``): a reader may hand rows it reads from a scratch file as they are
+    written, so that a large import never holds them all."""
     if not rows:
         return
     width = len(rows[0])
@@ -255,17 +259,18 @@ def _bulk(conn: sqlite3.Connection, table: str, cols: str, values: list[str], fi
     one = ", ".join(values)
     explicit = f"{insert}(?{width + 1}, {one})"  # the id bound after the row's values
     top = conn.execute(f"SELECT max(id) FROM {table}").fetchone()[0]
+    them = iter(rows)
     if top is not None and top >= first:
-        conn.executemany(explicit, ((*r, first + i) for i, r in enumerate(rows)))
+        conn.executemany(explicit, ((*r, first + i) for i, r in enumerate(them)))
         return
-    conn.execute(explicit, (*rows[0], first))
+    conn.execute(explicit, (*next(them), first))
     per = max(1, min(ROWS_PER_INSERT,
                      conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // width))
     whole = 1 + (len(rows) - 1) // per * per  # rows[1:whole] go per rows at a time
     if whole > 1:
         many = insert + ", ".join(f"(NULL, {_renumbered(one, j * width)})" for j in range(per))
-        conn.executemany(many, _flat(rows, 1, whole, per * width))
-    conn.executemany(f"{insert}(NULL, {one})", islice(rows, whole, None))
+        conn.executemany(many, _flat(them, whole - 1, per * width))
+    conn.executemany(f"{insert}(NULL, {one})", them)
     last = conn.execute(f"SELECT id, ts_ns FROM {table} WHERE id = (SELECT max(id) FROM "
                         f"{table})").fetchone()
     if tuple(last) != (first + len(rows) - 1, rows[-1][0]):  # never seen: see above
@@ -278,10 +283,11 @@ def _renumbered(sql: str, offset: int) -> str:
     return _PARAM.sub(lambda m: f"?{int(m.group(1)) + offset}", sql)
 
 
-def _flat(rows: Sequence[tuple[int, ...]], start: int, stop: int, size: int
+def _flat(rows: Iterator[tuple[int, ...]], count: int, size: int
           ) -> Iterator[tuple[int, ...]]:
-    """The values of rows[start:stop] in tuples of ``size`` (whole rows), made in C."""
-    values = chain.from_iterable(islice(rows, start, stop))
+    """The values of the next ``count`` rows in tuples of ``size`` (whole rows), made in
+    C; the rows after them are left in ``rows``."""
+    values = chain.from_iterable(islice(rows, count))
     while block := tuple(islice(values, size)):
         yield block
 

@@ -14,6 +14,9 @@ hidden temporary name in its final directory and renamed into place: readers (an
 crash) see a whole file or none. File names are deterministic per session and segment,
 so writing the same rows again replaces a file instead of adding a second copy.
 
+The files themselves (the marker, listing only what is really the lake's, writing
+without following a link) are :mod:`fleetd.store.lakefs`.
+
 Ids (``node:seq``) are not stored: they are ``node || ':' || (rowkey & 2^40-1)``,
 computed by the views (lakesql.py, docs/scale-out.md), which saves a third of a file.
 """
@@ -21,31 +24,35 @@ computed by the views (lakesql.py, docs/scale-out.md), which saves a third of a 
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
-import os
-import re
 import sqlite3
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fleetd.errors import StoreError
+from fleetd.store import lakefs
 from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS, SessionClock, session_clock
+from fleetd.store.lakefs import LAKE_FORMAT as LAKE_FORMAT
+from fleetd.store.lakefs import LAKE_VERSION as LAKE_VERSION
+from fleetd.store.lakefs import MARKER as MARKER
+from fleetd.store.lakefs import LakeFile as LakeFile
+from fleetd.store.lakefs import escape_value as escape_value
+from fleetd.store.lakefs import init_lake as init_lake
+from fleetd.store.lakefs import partition_dir as partition_dir
+from fleetd.store.lakefs import partition_parts
+from fleetd.store.lakefs import read_marker as read_marker
+from fleetd.store.lakefs import unescape_value as unescape_value
+from fleetd.store.lakefs import write_bytes as write_bytes
 
 log = logging.getLogger("fleetd.store.lake")
 
-LAKE_VERSION = 1
-MARKER = "_fleetd_lake.json"
-LAKE_FORMAT = "fleetd-lake"
 SEQ_MASK = (1 << 40) - 1
 # A clock that stepped more than this between two samples is left as recorded, as the
 # timeline export does (fleetd/export/clockfix.py): a step is not drift.
 MAX_INTERPOLATED_JUMP_NS = 100_000_000
-_TMP_PREFIX = ".tmp-"
 COMPRESSION = "zstd"
 
 I64, STR, F64 = "int64", "string", "double"
@@ -110,169 +117,45 @@ def arrow_schema(table: LakeTable) -> Any:
     return pa.schema([(n, types[k]) for n, k in table.columns])
 
 
-# --- layout -------------------------------------------------------------------------
+# --- layout and files (fleetd/store/lakefs.py) ----------------------------------------
 
-_SAFE = re.compile(r"[A-Za-z0-9._-]")
-
-
-def escape_value(value: str) -> str:
-    """A partition value as Hive writes it: every other character %XX (UTF-8), which
-    DuckDB, Spark and Trino all decode."""
-    return "".join(c if _SAFE.fullmatch(c) else "".join(f"%{b:02X}" for b in c.encode())
-                   for c in value)
-
-
-def unescape_value(text: str) -> str:
-    from urllib.parse import unquote
-
-    return unquote(text)
-
-
-def partition_dir(root: Path, table: str, node: str, date: str | None) -> Path:
-    d = root / f"table={table}" / f"node={escape_value(node)}"
-    return d / f"date={date}" if date is not None else d
+DATED = {name: t.date_column is not None for name, t in TABLES.items()}
 
 
 def day_of(ns: int) -> str:
     return dt.datetime.fromtimestamp(ns / 1e9, dt.UTC).strftime("%Y-%m-%d")
 
 
-def init_lake(root: Path) -> None:
-    """Create the lake directory and its marker, or check an existing one."""
-    root.mkdir(parents=True, exist_ok=True)
-    marker = root / MARKER
-    if marker.exists():
-        read_marker(root)
-        return
-    if any(p for p in root.iterdir() if not p.name.startswith(".")):
-        raise StoreError(f"{str(root)!r} is not empty and is not a fleetd lake (no {MARKER})",
-                         "write the lake into a new or empty directory")
-    atomic_bytes(marker, json.dumps({"format": LAKE_FORMAT, "version": LAKE_VERSION,
-                                      "created_ns": time.time_ns()}).encode())
-
-
-def read_marker(root: Path) -> int:
-    """The lake's schema version, after checking that ``root`` is a lake we can read."""
-    if not root.is_dir():
-        raise StoreError(f"lake {str(root)!r} does not exist or is not a directory",
-                         "pass --lake DIR, a directory written by fleetd export --format "
-                         "parquet or by fleetd agent --parquet-dir")
-    marker = root / MARKER
-    try:
-        meta = json.loads(marker.read_text())
-        fmt, version = meta["format"], meta["version"]
-    except FileNotFoundError:
-        raise StoreError(f"{str(root)!r} is not a fleetd lake (it has no {MARKER})",
-                         "pass a directory written by fleetd export --format parquet or "
-                         "fleetd agent --parquet-dir") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise StoreError(f"{str(marker)!r} is unreadable ({exc})",
-                         "the lake's marker file is damaged; re-export the lake") from None
-    if fmt != LAKE_FORMAT or not isinstance(version, int):
-        raise StoreError(f"{str(marker)!r} does not describe a fleetd lake "
-                         f"(format={fmt!r}, version={version!r})", "re-export the lake")
-    if version > LAKE_VERSION:
-        raise StoreError(f"lake {str(root)!r} has schema version {version}, newer than this "
-                         f"fleetd understands ({LAKE_VERSION})",
-                         "upgrade fleetd on this machine to read it")
-    return version
-
-
-@dataclass(frozen=True, slots=True)
-class LakeFile:
-    table: str
-    node: str
-    date: str | None
-    path: Path
-    size: int
-    mtime: float
-
-
-def lake_files(root: Path, tables: Sequence[str] | None = None) -> list[LakeFile]:
-    """Every closed Parquet file of the lake (temporary files are never listed)."""
-    out: list[LakeFile] = []
-    for tdir in sorted(root.glob("table=*")):
-        table = tdir.name.partition("=")[2]
-        if table not in TABLES or (tables is not None and table not in tables):
-            continue
-        for ndir in sorted(tdir.glob("node=*")):
-            node = unescape_value(ndir.name.partition("=")[2])
-            dated = TABLES[table].date_column is not None
-            dirs = sorted(ndir.glob("date=*")) if dated else [ndir]
-            for d in dirs:
-                date = d.name.partition("=")[2] if dated else None
-                for f in sorted(d.glob("part-*.parquet")):
-                    try:
-                        st = f.stat()
-                    except FileNotFoundError:
-                        continue  # removed by retention while we listed
-                    out.append(LakeFile(table, node, date, f, st.st_size, st.st_mtime))
-    return out
-
-
-# --- writing ------------------------------------------------------------------------
-
-def atomic_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_parquet(path: Path, table: Any) -> int:
-    """Write ``table`` to ``path`` atomically (temporary name, fsync, rename); its size."""
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{_TMP_PREFIX}{uuid.uuid4().hex}-{path.name}")
-    try:
-        # Monotonic integers (row keys, start times) shrink to a byte or two with delta
-        # encoding; everything else dictionary + zstd.
-        delta = [c for c in ("rowkey", "ts_ns", "ts_recorded_ns") if c in table.column_names]
-        pq.write_table(table, tmp, compression=COMPRESSION, use_dictionary=[
-            c for c in table.column_names if c not in delta],
-            column_encoding=dict.fromkeys(delta, "DELTA_BINARY_PACKED"),
-            write_statistics=True)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path.stat().st_size
-
-
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some shared filesystems refuse fsync on a directory; the rename stands
-    finally:
-        os.close(fd)
+def lake_files(root: Path, tables: Sequence[str] | None = None,
+               warnings: list[str] | None = None) -> list[LakeFile]:
+    """Every closed Parquet file of the lake (temporary files are never listed); a
+    link, a FIFO, a bad partition is left out and named in ``warnings`` (logged when
+    None)."""
+    return lakefs.list_files(root, DATED, tables, warnings)
 
 
 def clean_temporaries(root: Path, node: str | None = None, older_than_s: float = 3600.0
                       ) -> int:
-    """Remove temporary files a crashed writer left (of one node, or all); readers never
-    list them anyway."""
-    n = 0
-    now = time.time()
-    nodes = f"node={escape_value(node)}" if node is not None else "node=*"
-    for f in root.glob(f"table=*/{nodes}/**/{_TMP_PREFIX}*"):
-        try:
-            if now - f.stat().st_mtime > older_than_s:
-                f.unlink()
-                n += 1
-        except FileNotFoundError:
-            pass
-    return n
+    """Remove temporary files a crashed writer left (of one node, or all)."""
+    return lakefs.clean_temporaries(root, DATED, node, older_than_s)
+
+
+def write_parquet(root: Path, parts: Sequence[str], name: str, table: Any) -> int:
+    """Write ``table`` to ``root/parts.../name`` atomically (a new temporary name,
+    fsync, rename; never through a link); its size."""
+    import pyarrow.parquet as pq
+
+    # Monotonic integers (row keys, start times) shrink to a byte or two with delta
+    # encoding; everything else dictionary + zstd.
+    delta = [c for c in ("rowkey", "ts_ns", "ts_recorded_ns") if c in table.column_names]
+
+    def write(fh: Any) -> None:
+        pq.write_table(table, fh, compression=COMPRESSION, use_dictionary=[
+            c for c in table.column_names if c not in delta],
+            column_encoding=dict.fromkeys(delta, "DELTA_BINARY_PACKED"),
+            write_statistics=True)
+
+    return lakefs.write_file(root, parts, name, write)
 
 
 # --- reading a node database --------------------------------------------------------
@@ -657,17 +540,18 @@ def write_node(root: Path, rows: NodeRows, tags: dict[str, str] | None = None
             continue
         counts[name] = data.num_rows
         if t.date_column is None:
-            write_parquet(partition_dir(root, name, rows.node, None) / "part-all.parquet", data)
+            write_parquet(root, partition_parts(name, rows.node, None), "part-all.parquet",
+                          data)
             continue
         scol = _session_column(t)
         for date, part in split_by_day(data, t.date_column):
-            d = partition_dir(root, name, rows.node, date)
+            d = partition_parts(name, rows.node, date)
             if scol is None:
-                write_parquet(d / "part-all.parquet", part)
+                write_parquet(root, d, "part-all.parquet", part)
                 continue
             for seq in sorted(x or 0 for x in pc.unique(part.column(scol)).to_pylist()):
                 sub = part.filter(pc.equal(part.column(scol), seq)) if pc.count_distinct(
                     part.column(scol)).as_py() > 1 else part
                 tag = (tags or {}).get(name, "")
-                write_parquet(d / f"part-s{seq:06d}{tag}.parquet", sub)
+                write_parquet(root, d, f"part-s{seq:06d}{tag}.parquet", sub)
     return counts

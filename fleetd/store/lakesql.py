@@ -7,6 +7,10 @@ statement written for one node's database runs unchanged here. Each view has the
 view's columns in the same order, then the lake's own (``date``, the partition; on
 ``events`` also ``ts_recorded_ns`` and ``session``).
 
+Only the lake's own regular files are read: listing never follows a link and leaves out,
+with a warning, what is not a part file of a valid partition (fleetd/store/lakefs.py);
+each file's footer is read through a descriptor that refuses a link or a FIFO.
+
 The guard mirrors :class:`fleetd.store.guard.SafeDB`: exactly one SELECT statement; no
 file access outside the lake (DuckDB's ``enable_external_access`` off, the lake the one
 allowed directory, the configuration locked); a deadline that interrupts the query; a
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetd.errors import QueryError, StoreError
+from fleetd.security.private_dir import UnsafePathError, open_regular
 from fleetd.store.catalog import OPS, SOURCES
 from fleetd.store.guard import Limits, Params, QueryResult, wire_bytes
 from fleetd.store.lake import (
@@ -112,10 +117,17 @@ def check_files(files: Sequence[LakeFile]) -> tuple[list[LakeFile], list[str]]:
     warnings: list[str] = []
     for f in files:
         try:
-            schema = pq.read_schema(f.path)
+            fd, _ = open_regular(f.path)  # still a regular file, not a link or a FIFO
+            with open(fd, "rb") as fh:
+                schema = pq.read_schema(fh)
+        except UnsafePathError as exc:
+            warnings.append(f"{exc.message} and was left out; remove it")
+            continue
         except (OSError, pa.ArrowException) as exc:
+            why = (exc.strerror if isinstance(exc, OSError) and exc.strerror
+                   else str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
             warnings.append(f"{f.path} is not a readable Parquet file and was left out "
-                            f"({str(exc)[:200]}); remove it or re-export that segment")
+                            f"({why}); remove it or re-export that segment")
             continue
         missing = [n for n, _ in TABLES[f.table].columns if n not in schema.names]
         if missing:
@@ -151,12 +163,15 @@ class LakeDB:
                  pruning: Pruning | None = None, threads: int | None = None) -> None:
         import duckdb
 
-        self.root = root.absolute()
+        # The real path: DuckDB's allowed directory and every file listed under it.
+        self.root = root.resolve()
         self.limits = limits or Limits()
         self.version = read_marker(self.root)
         prune = pruning or Pruning()
-        listed = [f for f in lake_files(self.root) if prune.keeps(f)]
-        self.files, self.warnings = check_files(listed)
+        skipped: list[str] = []
+        listed = [f for f in lake_files(self.root, warnings=skipped) if prune.keeps(f)]
+        self.files, unreadable = check_files(listed)
+        self.warnings = skipped + unreadable
         self.nodes = sorted({f.node for f in self.files})
         self.conn = duckdb.connect(":memory:")
         try:

@@ -9,7 +9,10 @@ catalogue of each input.
 
 Safety rules, each with a reason:
 
-- Inputs are attached read-only (``mode=ro``); nothing is ever written to them.
+- Inputs are attached read-only (``mode=ro``); nothing is ever written to them. They
+  are untrusted (:mod:`fleetd.store.foreign`): their tables must be plain tables, their
+  schema runs no function SQLite does not mark harmless, every statement has a deadline
+  and ends at once on Ctrl-C or SIGTERM, and SQLite's heap is capped while they are read.
 - Node identity is the pair (name, uid). The same pair twice is the same node: its rows
   are inserted "or ignore" by id, so merging a file again adds nothing. The same name
   with another uid is another machine, refused, because its ids would collide.
@@ -42,8 +45,9 @@ from pathlib import Path
 import orjson
 
 from fleetd.errors import StoreError
+from fleetd.store import foreign
 from fleetd.store.clockinfo import NodeClock
-from fleetd.store.db import open_writer
+from fleetd.store.db import check_store_shape, open_writer
 from fleetd.store.mergeplan import (
     SEQ_BITS,
     Existing,
@@ -222,6 +226,7 @@ def _connect_temp(tmp: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(f"file:{_uri_path(tmp)}", uri=True, isolation_level=None)
     for pragma in _TEMP_PRAGMAS:
         conn.execute(pragma)
+    foreign.harden(conn, attach=1)  # an input is attached to it, one at a time
     return conn
 
 
@@ -289,7 +294,9 @@ def _copy_source(conn: sqlite3.Connection, src: Source, seen: set[int],
                  step: _Stepper) -> InputReport:
     report = InputReport(src.path, src.version, [n.name for n in src.nodes], src.forced)
     try:
-        with _attached(conn, src.path):
+        with _attached(conn, src.path), foreign.Watch(src.path).guard(conn, explain_all=False):
+            # Checked again as attached: the file may have changed since it was planned.
+            check_store_shape(conn, src.path, src.version, schema="src")
             layout = source_layout(conn, "src", src.version, UPGRADES)
             conn.execute("BEGIN")
             add = report.added

@@ -7,6 +7,13 @@ its key in the output, and refuses the conflicts: one name for two machines, or 
 names for one. It only reads, inputs and an existing output alike, so whatever would
 make a merge fail is found here, before a temporary output exists; writing the output
 is :mod:`fleetd.store.merge`'s part.
+
+An input is a file copied off a machine nobody here controls, read through
+:mod:`fleetd.store.foreign`'s rules (plain tables only, a deadline on every statement,
+Ctrl-C that ends one at once, SQLite's heap capped), and every id, node key, name and
+timestamp it hands to Python is checked for type and range before it is used: a node
+name must follow the node-name rule (``evil:node`` would read as node ``evil``), an id
+must carry a node key fleetd can have written, a time must be an integer.
 """
 
 from __future__ import annotations
@@ -19,18 +26,30 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fleetd.errors import StoreError, UsageError
-from fleetd.store import schema
+from fleetd.store import foreign, schema
 from fleetd.store.clockinfo import (
     SESSION_CLOCK_COLUMNS,
+    BadClockRecord,
     NodeClock,
     clock_warnings,
     session_clock,
 )
-from fleetd.store.db import check_identity, open_reader, validate_node_name
+from fleetd.store.db import (
+    NODE_NAME_RULE,
+    check_identity,
+    node_name_ok,
+    open_reader,
+    validate_node_name,
+)
 
 log = logging.getLogger("fleetd.store.mergeplan")
 
 SEQ_BITS = schema.SEQ_BITS
+# Node keys an id can carry: ``key << SEQ_BITS`` and ``(key + 1) << SEQ_BITS`` must both
+# fit in a signed 64-bit integer (an id at 2**63 - 1 has key 2**23 - 1, one too many).
+MAX_NODE_KEY = (1 << (63 - SEQ_BITS)) - 2
+MAX_NODES = 65_536  # node keys one input may hold
+_INT64 = (-(2**63), 2**63 - 1)
 
 TABLES: tuple[str, ...] = (
     "meta", "nodes", "sources", "ops", "session_data", "process_data", "task_data",
@@ -152,43 +171,140 @@ def source_layout(conn: sqlite3.Connection, schema_name: str, version: int,
 
 
 def _read_source(path: Path, upgrades: Upgrades) -> Source:
-    conn = open_reader(path)  # refuses missing, corrupt, foreign, newer and empty files
+    conn = open_reader(path)  # refuses missing, corrupt, foreign, newer and empty files,
+    # and those whose tables are views, virtual tables or computed, or that hold triggers
+    conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, foreign.MAX_VALUE_BYTES)
     try:
-        version = check_identity(conn, path)
-        if version < schema.SCHEMA_VERSION:
-            # TEMP views only; the file stays read-only through mode=ro.
-            conn.execute("PRAGMA query_only=0")
-        layout = source_layout(conn, "main", version, upgrades)
-        nodes = [NodeIdentity(int(k), str(n), str(u), m, h, int(c or 0)) for k, n, u, m, h, c in
-                 conn.execute(f"SELECT id, name, uid, machine_id, host, created_ns "
-                              f"FROM {layout['nodes']} ORDER BY id")]
-        src = Source(path, version, nodes)
-        data_keys = _data_keys(conn, layout)
-        src.orphan_keys = sorted(data_keys - {n.key for n in nodes}) if nodes else []
-        if not nodes:
-            src.nodes = _anonymous_nodes(conn, layout, path, data_keys)
-        alone = len(src.nodes) == 1 and not src.orphan_keys
-        src.clocks = [_node_clock(conn, layout, n, str(path), alone) for n in src.nodes]
-        src.span_ids = sum(_id_span(conn, layout, n.key) for n in src.nodes)
-        return src
-    except sqlite3.Error as exc:
-        raise StoreError(f"cannot read {path}: {exc}",
-                         "if the file was copied off a node, copy it again") from exc
+        with foreign.Watch(path).guard(conn):
+            return _plan_source(conn, path, upgrades)
     finally:
         conn.close()
 
 
-def _data_keys(conn: sqlite3.Connection, layout: Layout) -> set[int]:
-    """Node keys that own rows. Events by their id range; the small tables in full."""
+def _plan_source(conn: sqlite3.Connection, path: Path, upgrades: Upgrades) -> Source:
+    version = check_identity(conn, path)
+    if version < schema.SCHEMA_VERSION:
+        # TEMP views only; the file stays read-only through mode=ro.
+        conn.execute("PRAGMA query_only=0")
+    layout = source_layout(conn, "main", version, upgrades)
+    nodes = _identities(conn, layout, path)
+    src = Source(path, version, nodes)
+    data_keys = _data_keys(conn, layout, path)
+    src.orphan_keys = sorted(data_keys - {n.key for n in nodes}) if nodes else []
+    if not nodes:
+        src.nodes = _anonymous_nodes(conn, layout, path, data_keys)
+    alone = len(src.nodes) == 1 and not src.orphan_keys
+    for n in src.nodes:
+        _check_sessions(conn, layout, n, path)
+    src.clocks = [_node_clock(conn, layout, n, str(path), alone) for n in src.nodes]
+    src.span_ids = sum(_id_span(conn, layout, n.key) for n in src.nodes)
+    return src
+
+
+# ---- values from the file, checked before use -----------------------------------------
+
+
+def _bad(path: Path, what: str, value: object, want: str) -> StoreError:
+    shown = repr(value) if not isinstance(value, str | bytes) else repr(value[:60])
+    return StoreError(f"{path}: {what} holds {shown} ({type(value).__name__}), {want}",
+                      "the file was damaged or not written by fleetd: copy it off the node "
+                      "again")
+
+
+def _int(value: object, path: Path, what: str, lo: int = _INT64[0],
+         hi: int = _INT64[1]) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi:
+        return value
+    want = "not an integer" if not isinstance(value, int) else f"outside {lo}..{hi}"
+    raise _bad(path, what, value, want)
+
+
+def _key(value: object, path: Path, what: str) -> int:
+    return _int(value, path, what, 0, MAX_NODE_KEY)
+
+
+def _id_key(value: object, path: Path, what: str) -> int:
+    """The node key of an id (``key << SEQ_BITS | seq``), refused when the id is not an
+    integer or carries a key no node can have."""
+    ident = _int(value, path, what)
+    if 0 <= ident >> SEQ_BITS <= MAX_NODE_KEY:
+        return ident >> SEQ_BITS
+    raise _bad(path, what, value, f"an id whose node key {ident >> SEQ_BITS} is outside "
+               f"0..{MAX_NODE_KEY} (ids are node_key << {SEQ_BITS} | seq)")
+
+
+def _text(value: object, path: Path, what: str, *, optional: bool = True,
+          limit: int = 253) -> str | None:
+    """A short text of the file, stored again: control characters become '?'."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise _bad(path, what, value, "not text")
+    text = value[:limit]
+    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
+
+
+def _identities(conn: sqlite3.Connection, layout: Layout, path: Path) -> list[NodeIdentity]:
+    out: list[NodeIdentity] = []
+    for k, n, u, m, h, c in conn.execute(
+            f"SELECT id, name, uid, machine_id, host, created_ns FROM {layout['nodes']} "
+            f"ORDER BY id LIMIT {MAX_NODES + 1}"):
+        if len(out) == MAX_NODES:
+            raise StoreError(f"{path}: more than {MAX_NODES} nodes",
+                             "merge files of fewer nodes, one merge at a time")
+        if not isinstance(n, str):
+            raise _bad(path, "nodes.name", n, "not text")
+        uid = _text(u, path, f"nodes.uid of node {n!r}", optional=False, limit=128)
+        if not uid or uid != u:
+            raise _bad(path, f"nodes.uid of node {n!r}", u, "not a printable identity")
+        out.append(NodeIdentity(_key(k, path, "nodes.id"), n, uid,
+                                _text(m, path, "nodes.machine_id"), _text(h, path, "nodes.host"),
+                                _int(c or 0, path, "nodes.created_ns")))
+    return out
+
+
+def _data_keys(conn: sqlite3.Connection, layout: Layout, path: Path) -> set[int]:
+    """Node keys that own rows. Events by the keys their ids carry, found by seeking from
+    one key's range to the next (one b-tree seek per key present, whatever the ids); the
+    small tables in full. Every key is checked, and their number bounded."""
     keys: set[int] = set()
-    # min and max in separate statements: each is then one b-tree seek, not a scan.
-    lo = conn.execute(f"SELECT min(id) FROM {layout['event_data']}").fetchone()[0]
-    hi = conn.execute(f"SELECT max(id) FROM {layout['event_data']}").fetchone()[0]
-    if lo is not None:
-        keys.update(range(int(lo) >> SEQ_BITS, (int(hi) >> SEQ_BITS) + 1))
+    events = layout["event_data"]
+    seek = f"SELECT min(id) FROM {events} WHERE id >= ?"
+    first = conn.execute(f"SELECT min(id) FROM {events}").fetchone()[0]
+    while first is not None:
+        key = _id_key(first, path, "event_data.id")
+        keys.add(key)
+        _check_key_count(keys, path)
+        first = conn.execute(seek, ((key + 1) << SEQ_BITS,)).fetchone()[0]
+    top = conn.execute(f"SELECT max(id) FROM {events}").fetchone()[0]
+    if top is not None:
+        _id_key(top, path, "event_data.id")
     for table in ("session_data", "process_data", "task_data", "chain_data", "aggregate_data"):
-        keys.update(int(k) for (k,) in conn.execute(f"SELECT DISTINCT node FROM {layout[table]}"))
+        for (k,) in conn.execute(f"SELECT DISTINCT node FROM {layout[table]} "
+                                 f"LIMIT {MAX_NODES + 1}"):
+            keys.add(_key(k, path, f"{table}.node"))
+            _check_key_count(keys, path)
     return keys
+
+
+MAX_SESSIONS = 1_000_000  # trace sessions of one node (each is read into memory)
+
+
+def _check_sessions(conn: sqlite3.Connection, layout: Layout, node: NodeIdentity,
+                    path: Path) -> None:
+    n = conn.execute(f"SELECT count(*) FROM (SELECT 1 FROM {layout['session_data']} "
+                     f"WHERE node = ? LIMIT {MAX_SESSIONS + 1})", (node.key,)).fetchone()[0]
+    if n > MAX_SESSIONS:
+        raise StoreError(f"{path}: node {node.name!r} has more than {MAX_SESSIONS} trace "
+                         "sessions", "the file was damaged or not written by fleetd: copy "
+                         "it off the node again")
+
+
+def _check_key_count(keys: set[int], path: Path) -> None:
+    if len(keys) > MAX_NODES:
+        raise StoreError(f"{path}: rows of more than {MAX_NODES} node keys",
+                         "the file was damaged or not written by fleetd: copy it off the "
+                         "node again")
 
 
 def _anonymous_nodes(conn: sqlite3.Connection, layout: Layout, path: Path,
@@ -202,15 +318,16 @@ def _anonymous_nodes(conn: sqlite3.Connection, layout: Layout, path: Path,
             f"({sorted(data_keys)[:5]}), so its rows cannot be given one node name",
             "merge it with the fleetd release that recorded it, which knows its nodes",
         )
-    key = data_keys.pop()
+    key = min(data_keys)
     # A uid derived from content: merging the same file again under the same name is
     # recognised as the same node, a different file under that name is not.
     first = conn.execute(f"SELECT * FROM {layout['event_data']} ORDER BY id LIMIT 1").fetchone()
     sess = conn.execute(f"SELECT seq, started_ns, boot_id FROM {layout['session_data']} "
                         "ORDER BY node, seq LIMIT 1").fetchone()
     digest = hashlib.sha256(repr((first, sess)).encode()).hexdigest()[:32]
-    created = int(sess[1]) if sess else int(first[1]) if first else 0
-    return [NodeIdentity(key, "", f"content-{digest}", None, None, created)]
+    created = sess[1] if sess else first[1] if first else 0
+    return [NodeIdentity(key, "", f"content-{digest}", None, None,
+                         _int(created, path, "the first session's started_ns"))]
 
 
 def _id_span(conn: sqlite3.Connection, layout: Layout, key: int) -> int:
@@ -222,9 +339,13 @@ def _id_span(conn: sqlite3.Connection, layout: Layout, key: int) -> int:
 
 def _node_clock(conn: sqlite3.Connection, layout: Layout, node: NodeIdentity,
                 where: str, single: bool) -> NodeClock:
-    sessions = [session_clock(r) for r in conn.execute(
-        f"SELECT {SESSION_CLOCK_COLUMNS} FROM {layout['session_data']} WHERE node = ? "
-        "ORDER BY seq", (node.key,))]
+    try:
+        sessions = [session_clock(r) for r in conn.execute(
+            f"SELECT {SESSION_CLOCK_COLUMNS} FROM {layout['session_data']} WHERE node = ? "
+            "ORDER BY seq", (node.key,))]
+    except BadClockRecord as exc:
+        raise BadClockRecord(f"{where}: node {node.name or '(unnamed)'!r}: {exc}",
+                             exc.hint) from exc
     if single:
         # All events are this node's: the timestamp index answers min and max at once.
         first, last = (conn.execute(f"SELECT {f}(ts_ns) FROM {layout['event_data']}")
@@ -243,19 +364,34 @@ def _existing_output(output: Path, upgrades: Upgrades) -> Existing:
     if not output.exists() or output.stat().st_size == 0:
         return Existing()
     conn = open_reader(output)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, foreign.MAX_VALUE_BYTES)
     try:
-        ex = Existing(fresh=False)
-        version = check_identity(conn, output)
-        if version < schema.SCHEMA_VERSION:
-            conn.execute("PRAGMA query_only=0")  # TEMP views only; the file is mode=ro
-        layout = source_layout(conn, "main", version, upgrades)
-        for key, name, uid in conn.execute("SELECT id, name, uid FROM nodes ORDER BY id"):
-            ex.names[str(name)] = (str(uid), int(key))
-            ident = NodeIdentity(int(key), str(name), str(uid))
-            ex.clocks.append(_node_clock(conn, layout, ident, f"{output} (existing)", False))
-        return ex
+        with foreign.Watch(output).guard(conn):
+            ex = Existing(fresh=False)
+            version = check_identity(conn, output)
+            if version < schema.SCHEMA_VERSION:
+                conn.execute("PRAGMA query_only=0")  # TEMP views only; the file is mode=ro
+            layout = source_layout(conn, "main", version, upgrades)
+            for ident in _identities(conn, layout, output):
+                _check_name(ident.name, output, "the output")
+                ex.names[ident.name] = (ident.uid, ident.key)
+                _check_sessions(conn, layout, ident, output)
+                ex.clocks.append(_node_clock(conn, layout, ident, f"{output} (existing)",
+                                             False))
+            return ex
     finally:
         conn.close()
+
+
+def _check_name(name: str, path: Path, what: str) -> None:
+    """The node-name rule, for a name read from a file (``evil:node`` would be read back
+    as node ``evil``, seq ``node:1``; a control character would reach every terminal)."""
+    if not node_name_ok(name):
+        raise StoreError(
+            f"{what} {path} names a node {name[:80]!r}, which breaks the node-name rule: "
+            f"{NODE_NAME_RULE}",
+            f"rename it while merging: --force-node {path}=NEW-NAME" if what == "input"
+            else "merge into a new output file")
 
 
 def _apply_forced_names(sources: list[Source], force_nodes: Sequence[str]) -> None:
@@ -280,6 +416,9 @@ def _apply_forced_names(sources: list[Source], force_nodes: Sequence[str]) -> No
     for src, name in zip(anonymous, plain, strict=False):
         _rename(src, name)
     for src in sources:
+        for node in src.nodes:
+            if node.name:
+                _check_name(node.name, src.path, "input")
         if src.nodes and not src.nodes[0].name:
             raise UsageError(
                 f"{src.path} has no node identity (no nodes row), so its events have no node",

@@ -9,7 +9,9 @@ another kernel version are good enough. Routes, tried in order:
 ``debian-merged``  Debian's linux-headers-<ver>-common overlaid by -<arch>, merged into
                    one tree of symlinks in the cache (BCC takes one directory).
 ``generated``      a tiny tree generated here: kconfig.h from /proc/config.gz, uapi
-                   from /usr/include, stubs for the few kernel-only headers BCC needs.
+                   from /usr/include (or ``$FLEETD_UAPI_INCLUDE``: the offline bundle's
+                   copy on a node without linux-libc-dev), stubs for the few kernel-only
+                   headers BCC needs.
 
 ``FLEETD_HEADERS=<route>`` forces one route (tests and ``fleetd check`` use it).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import gzip
+import hashlib
 import logging
 import os
 import platform
@@ -28,6 +31,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from fleetd.security.private_dir import private_dir, user_cache_base
 
 log = logging.getLogger("fleetd.trace.headers")
 
@@ -46,13 +51,23 @@ class HeaderRoute:
 
 
 def cache_dir() -> Path:
-    """Where generated trees live: $FLEETD_CACHE_DIR, /var/cache/fleetd, ~/.cache/fleetd."""
+    """Where generated trees live: $FLEETD_CACHE_DIR, /var/cache/fleetd, ~/.cache/fleetd.
+
+    Made private to this user (0700) or refused when it exists with another owner, as a
+    symlink or writable by others: BCC compiles whatever headers are found there into
+    programs loaded as root."""
     env = os.environ.get("FLEETD_CACHE_DIR")
     if env:
-        return Path(env)
+        return _private(Path(env), Path(env).parent)
     if os.geteuid() == 0:
-        return Path("/var/cache/fleetd")
-    return Path.home() / ".cache" / "fleetd"
+        return _private(Path("/var/cache/fleetd"), Path("/var/cache"))
+    base = user_cache_base()
+    return _private(base / "fleetd", base)
+
+
+def _private(path: Path, base: Path) -> Path:
+    return private_dir(path, base=base, what="header cache",
+                       hint="remove it, or set FLEETD_CACHE_DIR to a directory of your own")
 
 
 def candidate_routes() -> Iterator[HeaderRoute]:
@@ -159,7 +174,7 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> None:
     find it complete. A complete tree is never removed or replaced: another process may
     be compiling against it, and BCC crashes (SIGSEGV) when headers vanish mid-compile.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(target.parent, base=cache_dir(), what="header cache")
     with _locked(target.parent / f".{target.name}.lock"):
         if (target / ".complete").exists():
             return
@@ -223,20 +238,31 @@ struct pt_regs {
 }
 
 
+def uapi_include() -> Path:
+    """Where the uapi headers are: /usr/include, or $FLEETD_UAPI_INCLUDE (a directory of
+    the same layout: linux/, asm-generic/, x86_64-linux-gnu/asm/)."""
+    return Path(os.environ.get("FLEETD_UAPI_INCLUDE") or "/usr/include")
+
+
 def _generated() -> HeaderRoute | None:
-    if platform.machine() != "x86_64" or not Path("/usr/include/linux").is_dir():
+    usr = uapi_include()
+    if platform.machine() != "x86_64" or not (usr / "linux").is_dir():
         return None
     config = Path("/proc/config.gz")
     if not config.exists():
         return None
     release = platform.release()
-    target = cache_dir() / "kheaders" / f"generated-{release}"
+    name = f"generated-{release}"
+    if usr != Path("/usr/include"):  # the tree links into it: one tree per directory
+        name += "-" + hashlib.sha256(str(usr.resolve()).encode()).hexdigest()[:8]
+    target = cache_dir() / "kheaders" / name
     if not (target / ".complete").exists():
-        _build_once(target, lambda tmp: _write_tiny_tree(tmp, config, release))
-    return HeaderRoute("generated", str(target), f"tiny tree from {config} + /usr/include")
+        _build_once(target, lambda tmp: _write_tiny_tree(tmp, config, release, usr))
+    return HeaderRoute("generated", str(target), f"tiny tree from {config} + {usr}")
 
 
-def _write_tiny_tree(root: Path, config: Path, release: str) -> None:
+def _write_tiny_tree(root: Path, config: Path, release: str,
+                     usr: Path = Path("/usr/include")) -> None:
     inc = root / "include"
     (inc / "linux").mkdir(parents=True)
     (inc / "generated").mkdir()
@@ -266,16 +292,16 @@ def _write_tiny_tree(root: Path, config: Path, release: str) -> None:
         path.write_text(text)
     uapi = inc / "uapi"
     uapi.mkdir()
-    if Path("/usr/include/asm-generic").is_dir():
-        (uapi / "asm-generic").symlink_to("/usr/include/asm-generic")
+    if (usr / "asm-generic").is_dir():
+        (uapi / "asm-generic").symlink_to(usr / "asm-generic")
     # Installed uapi headers drop the _UAPI guard prefix, so /usr/include/linux/bpf.h
     # would redefine everything BCC's own copy (bcc/bpf.h, included first) defines.
     (uapi / "linux").mkdir()
-    for entry in os.scandir("/usr/include/linux"):
+    for entry in os.scandir(usr / "linux"):
         if entry.name != "bpf.h":
             (uapi / "linux" / entry.name).symlink_to(entry.path)
     (uapi / "linux" / "bpf.h").write_text("#include <bcc/bpf.h>\n")
-    arch_asm = Path("/usr/include/x86_64-linux-gnu/asm")
+    arch_asm = usr / "x86_64-linux-gnu" / "asm"
     if arch_asm.is_dir():
         (uapi / "asm").symlink_to(arch_asm)
         (root / "arch/x86/include/uapi").mkdir(parents=True)

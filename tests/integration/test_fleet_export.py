@@ -163,7 +163,8 @@ def test_the_skew_is_corrected_and_recorded(pki: Pki, fleet: list[Agent],
         clock = nodes[name]["clock"]
         assert clock["offset_ns"] == -skew[name]["skew_ns"]
         assert clock["source"].split("+")[0] == "fleet"
-        assert clock["error_ns"] >= skew[name]["error_ns"]
+        # The measured offset's error, not the kernel's bound of the node's clock.
+        assert clock["error_ns"] == skew[name]["error_ns"]
     fixed = nodes["gpu-03"]
     assert fixed["first_ns"] == db_first(dbs["gpu-03"]) + fixed["clock"]["offset_ns"]
     assert "clock: fleet" in str(trace["traceEvents"])

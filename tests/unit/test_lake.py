@@ -298,7 +298,8 @@ def test_a_directory_that_is_not_a_lake(tmp_path: Path) -> None:
 def test_a_lake_of_a_newer_schema_is_refused(tmp_path: Path) -> None:
     (tmp_path / MARKER).write_text(json.dumps({"format": "fleetd-lake",
                                                "version": LAKE_VERSION + 1}))
-    with pytest.raises(StoreError, match=f"schema version {LAKE_VERSION + 1}, newer"):
+    # The version is not printed: nothing read from the marker ever is.
+    with pytest.raises(StoreError, match=f"newer than this fleetd understands \\({LAKE_VERSION}"):
         LakeDB(tmp_path)
 
 

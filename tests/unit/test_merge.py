@@ -344,7 +344,8 @@ def test_progress_is_reported(tmp_path: Path, three: list[Path]) -> None:
 
 def _clock(name: str, error: int | None, first: int, last: int,
            samples: list[tuple[int, int, int]] | None = None) -> NodeClock:
-    sessions = [SessionClock(1, "b", first, last, 0, error, samples or [])]
+    # One boot per node: nodes of one boot share a clock (tests/unit/test_clock_alignment.py).
+    sessions = [SessionClock(1, f"boot-{name}", first, last, 0, error, samples or [])]
     return NodeClock(name, f"{name}.db", sessions if error is not None else [], first, last)
 
 

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from fleetd.config import load_config
-from fleetd.errors import UsageError
-from fleetd.fleet.fanout import Request
+from fleetd.errors import ConfigError, UsageError
+from fleetd.fleet.client import Failure
+from fleetd.fleet.fanout import NodeOutcome, Request
 from fleetd.fleet.queries import QuerySpec, _query_request
 from fleetd.fleet.relayed import (
     RelayRoute,
@@ -22,7 +23,16 @@ from fleetd.fleet.relayed import (
 )
 from fleetd.fleet.skew import Skew
 from fleetd.fleet.targets import parse_nodes
-from fleetd.relay import RelaySettings, _Bad, _job, _lowered, _plan, _request
+from fleetd.relay import (
+    RelaySettings,
+    _Bad,
+    _job,
+    _lowered,
+    _plan,
+    _request,
+    _told,
+    relay_peers,
+)
 from fleetd.store.guard import Limits
 
 NODES = parse_nodes(",".join(f"n{i}=10.0.0.{i}:7600" for i in range(7)))
@@ -154,3 +164,53 @@ def test_relay_is_off_by_default_and_configured_strictly(tmp_path: Path) -> None
     path.write_text("relay:\n  enabled: true\n  max_targets: 8\n  ca: ca.pem\n")
     cfg = load_config(path)
     assert cfg.relay.enabled and cfg.relay.max_targets == 8 and cfg.relay.ca == tmp_path / "ca.pem"
+
+
+# ---- only to the fleet: relay.peers --------------------------------------------------
+
+
+PEERS = parse_nodes("gpu-02=10.0.0.2:7600,gpu-03=[fd00::3]:7600")
+QUERY = {"method": "POST", "path": "/api/v1/query", "body": {"sql": "SELECT 1"}}
+
+
+def test_a_relay_dials_only_the_addresses_its_config_lists() -> None:
+    s = RelaySettings(node="r", peers=tuple(PEERS))
+    job = _job({"targets": [
+        {"name": "gpu-02", "address": "10.9.9.9:22"},  # a listed name: its listed address
+        {"name": "laptop-label", "address": "[fd00::3]:7600"},  # a listed address
+        {"name": "x", "address": "127.0.0.1:6379"},  # neither: never contacted
+        {"name": "gpu-02"},  # a name alone is enough
+    ], "requests": [QUERY]}, s)
+    assert [t.address for t in job.targets] == ["10.0.0.2:7600", "[fd00::3]:7600"]
+    by_key = {a.address: a.peer for a in job.asked}
+    assert by_key["10.9.9.9:22"] == PEERS[0] and by_key["[fd00::3]:7600"] == PEERS[1]
+    assert by_key["127.0.0.1:6379"] is None and by_key["10.0.0.2:7600"] == PEERS[0]
+    # No peers configured: nothing is ever dialed.
+    bare = _job({"targets": [{"address": "10.0.0.2:7600"}], "requests": [QUERY]},
+                RelaySettings(node="r"))
+    assert bare.targets == () and bare.asked[0].peer is None
+
+
+def test_relay_peers_come_from_the_config_and_bad_entries_are_named(tmp_path: Path) -> None:
+    path = tmp_path / "fleetd.yaml"
+    path.write_text("relay:\n  enabled: true\n  peers: [gpu-02=10.0.0.2:7600, "
+                    "{name: gpu-03, address: '10.0.0.3:7600'}, 10.0.0.4:7600]\n")
+    peers = relay_peers(load_config(path).relay.peers)
+    assert [(p.name, p.address) for p in peers] == [
+        ("gpu-02", "10.0.0.2:7600"), ("gpu-03", "10.0.0.3:7600"),
+        ("10.0.0.4:7600", "10.0.0.4:7600")]
+    path.write_text("relay:\n  peers: [gpu-02=nowhere]\n")
+    with pytest.raises(ConfigError, match=r"relay.peers\[0\]"):
+        relay_peers(load_config(path).relay.peers)
+
+
+@pytest.mark.parametrize("kind", ["refused", "unreachable", "tls", "timeout", "disconnected"])
+def test_a_relay_tells_a_client_nothing_about_ports(kind: str) -> None:
+    s = RelaySettings(node="r", peers=tuple(PEERS))
+    o = NodeOutcome(PEERS[0], "gpu-02")
+    told = _told(Failure(kind, f"10.0.0.2:7600 {kind} detail", "hint"), o, s)
+    assert (told.kind, told.message) == (
+        "unreachable", "gpu-02 could not be reached from relay r (or did not answer in time)")
+    # An answer from the agent itself (an HTTP error) is the node's own, and passes.
+    http = Failure("http", "HTTP 403: refused", status=403, code="forbidden")
+    assert _told(http, o, s) is http

@@ -148,3 +148,32 @@ def test_turned_off_by_the_environment(pki: Path, monkeypatch: pytest.MonkeyPatc
     assert ctx.sessions is not None and ctx.sessions.cache is None  # in-process only
     plain = tls.client_context(pki / "ca.pem", None, None, resume=False)
     assert isinstance(plain, ssl.SSLContext) and getattr(plain, "sessions", None) is None
+
+
+def test_a_cache_directory_someone_else_made_is_neither_used_nor_written_through(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Issue 29, item 5: the ticket cache follows the private-directory rule
+    # (fleetd/security/private_dir.py): a symlink, another owner, group/other access.
+    entry = {"k": sessions.Entry(b"x" * 10, 2**40, 1.0)}
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (tmp_path / "linked").symlink_to(target)
+    linked = sessions.SessionCache(tmp_path / "linked")
+    linked.store(entry)
+    assert list(target.iterdir()) == [] and linked.load() == {}
+    assert "is a symbolic link" in caplog.text
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    shared.chmod(0o750)  # group may read: a ticket is a secret
+    sessions.SessionCache(shared).store(entry)
+    assert list(shared.iterdir()) == [] and "group or others may read or write" in caplog.text
+    if os.geteuid() == 0:
+        foreign = tmp_path / "foreign"
+        foreign.mkdir(mode=0o700)
+        os.chown(foreign, 54321, 54321)
+        sessions.SessionCache(foreign).store(entry)
+        assert list(foreign.iterdir()) == [] and "owned by uid 54321" in caplog.text
+    ok = sessions.SessionCache(tmp_path / "fresh" / "ca")  # made here: 0700, and used
+    ok.store(entry)
+    assert stat.S_IMODE((tmp_path / "fresh" / "ca").stat().st_mode) == 0o700
+    assert list(ok.load()) == ["k"]
