@@ -6,6 +6,11 @@ and, for a communicator the tracer saw created, ``comm_hash``/``rank``/``nranks`
 Each collective instance k starts at ``T0 + k * step``; every rank arrives within a small
 jitter of it, plus its own delay; every call returns when the last rank has arrived (the
 wait a real collective has). A node's clock may be shifted (all its times + skew).
+
+A rank may be traced from a later instance on (``attach``: rank -> the first instance
+its agent saw): its calls before are not recorded and it numbers from 1 there, as an
+agent attached to a running job does. ``nbytes`` gives each instance's bytes (the same
+on every rank; sizes that change from step to step are what the ranks are aligned by).
 """
 
 from __future__ import annotations
@@ -44,7 +49,9 @@ def write_job(directory: Path, ranks: Sequence[Rank], *, n: int = 40, step: int 
               op: str = "ncclAllReduce", skew: dict[str, int] | None = None,
               clock_error: dict[str, int] | None = None, seed: int = 7,
               one_file: Path | None = None, with_seq: bool = True,
-              comm_ptr: str = COMM_PTR, start: int = T0) -> dict[str, Path]:
+              comm_ptr: str = COMM_PTR, start: int = T0,
+              attach: dict[int, int] | None = None,
+              nbytes: Callable[[int], int] | None = None) -> dict[str, Path]:
     """One database per node (or every node in ``one_file``, as a merged file holds
     them); returns node -> path."""
     rng = random.Random(seed)
@@ -63,16 +70,20 @@ def write_job(directory: Path, ranks: Sequence[Rank], *, n: int = 40, step: int 
         for k in range(n):
             done = max(arrivals[(r.rank, k)] for r in ranks) + 300 * US
             for r in mine:
+                first = (attach or {}).get(r.rank, 0)
+                if k < first:
+                    continue  # not traced yet
                 ts = arrivals[(r.rank, k)]
                 extra: dict[str, Any] = {"dtype": "float32", "comm": comm_ptr,
                                          "redop": "sum"}
                 if with_seq:
-                    extra["seq"] = k + 1
+                    extra["seq"] = k - first + 1
                 if matching == "communicator":
                     extra.update(comm_hash=comm_hash, rank=r.rank, nranks=world)
                 args.append((len(rows), extra))
+                size = nbytes(k) if nbytes is not None else 4096
                 rows.append((ts + shift, done - ts, r.pid, r.pid, op_code(op), r.ret,
-                             4096, 0, 1024, -1, 0))
+                             size, 0, size // 4, -1, 0))
         path = one_file or directory / f"{node}.db"
         with BatchWriter(path, node) as w:
             if clock_error and node in clock_error:

@@ -16,6 +16,17 @@ matched across processes and nodes by a key and a sequence number
   uses several communicators numbers each one's collectives separately; they are told
   apart by the order of their first call (``key#2`` for the second).
 
+The instance is the call's number in one numbering for the whole communicator: with
+``communicator`` matching every rank counts from the communicator's creation (exact);
+with ``torchrun`` matching each agent counts from when it began tracing, so each
+process's numbers are first aligned with the other ranks' from the calls themselves
+(:mod:`fleetd.analyze.align`: op/bytes sequence, then arrival times), and the report
+says how (``alignment``) and how sure; a rank that cannot be aligned for sure is
+compared at its most likely offset, with a note.
+
+Reading one node's calls is :mod:`fleetd.analyze.arrivals`; failed NCCL calls as a
+chain, :mod:`fleetd.analyze.nccl_failures` (both re-exported here).
+
 Arrivals are moved into one clock before they are compared: ``ts - offset`` per node
 (the fleet client's measured skew, or 0 in a local or merged file), and each node has an
 error bound (the skew's, or the largest error its trace sessions recorded). Ranks on one
@@ -38,291 +49,57 @@ ranks is judged, and the communicator is marked ``partial``.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
-import sqlite3
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import orjson
-
-from fleetd.analyze.chains import Chain, culprit_json
-from fleetd.analyze.data import in_list, name_of
-from fleetd.analyze.model import NodeSlice
-from fleetd.analyze.rules import Context, rule_chain
+from fleetd.analyze import align
+from fleetd.analyze.align import Alignment
+from fleetd.analyze.arrivals import (
+    ARRIVAL_COLUMNS,
+    COLLECTIVE_CODES,
+    COLLECTIVES,
+    DEFAULT_ROWS,
+    EXPLAIN_ROWS,
+    LOCAL_ROWS,
+    MAX_BYTES,
+    MAX_ROWS,
+    PROCESS_COLUMNS,
+    Arrival,
+    NodeArrivals,
+    Proc,
+    dur_text,
+    local_clocks,
+    one_machine,
+    read_arrivals,
+)
+from fleetd.analyze.chains import culprit_json
+from fleetd.analyze.nccl_failures import NCCL_CODES, failed, failures, nccl_error
 from fleetd.analyze.stragglers import chain_brief
-from fleetd.store.catalog import BY_NAME, OPS
-from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS, NodeClock, session_clock
-from fleetd.store.timeparse import format_ns
+from fleetd.store.clockinfo import Clock, combined_error
+
+__all__ = [  # the arrival side and the failures, used from here by older callers
+    "ARRIVAL_COLUMNS", "COLLECTIVES", "COLLECTIVE_CODES", "DEFAULT_ROWS", "EXPLAIN_ROWS",
+    "LOCAL_ROWS", "MAX_BYTES", "MAX_ROWS", "NCCL_CODES", "PROCESS_COLUMNS", "Arrival",
+    "Clock", "NodeArrivals", "Proc", "analyze", "combined_error", "failures", "host_chains",
+    "local_clocks", "nccl_error", "one_machine", "read_arrivals", "rows",
+    "straggler_entries", "torchrun_key",
+]
 
 log = logging.getLogger("fleetd.analyze.collectives")
-
-COLLECTIVES = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather",
-               "ncclReduceScatter")
-COLLECTIVE_CODES: tuple[int, ...] = tuple(BY_NAME[n].code for n in COLLECTIVES)
-NCCL_CODES: tuple[int, ...] = tuple(o.code for o in OPS if o.source == "nccl")
 
 # The straggler rule (docs/explain.md, "Collective arrival").
 MIN_INSTANCES = 5  # judged instances of a communicator before anyone is named
 MIN_LAST_SHARE = 0.5  # unambiguously last in at least this share of them
 MIN_LATENESS_NS = 1_000_000  # and a median lateness of at least 1 ms: not scheduling noise
-
-# What one node hands over (GET /api/v1/collectives, and a local read).
-MAX_ROWS = 200_000
-DEFAULT_ROWS = 100_000
-EXPLAIN_ROWS = 20_000  # per node for explain --nodes: a few MB each, thousands of instances
-LOCAL_ROWS = 1_000_000  # a local or merged file: bounded only by memory
-MAX_BYTES = 16 * 1024 * 1024
-ARRIVAL_COLUMNS = ("ts_ns", "dur_ns", "pid", "tid", "op", "ret", "bytes", "seq", "comm_ptr",
-                   "comm_hash", "rank", "nranks")
-PROCESS_COLUMNS = ("pid", "comm", "rank", "world_size", "job")
-
-# ncclResult_t. ncclInProgress is what a non-blocking communicator answers while an
-# operation runs: not a failure.
-NCCL_RESULTS = {
-    0: "ncclSuccess", 1: "ncclUnhandledCudaError", 2: "ncclSystemError",
-    3: "ncclInternalError", 4: "ncclInvalidArgument", 5: "ncclInvalidUsage",
-    6: "ncclRemoteError", 7: "ncclInProgress",
-}
-NOT_FAILED = (0, 7)
-# A failed NCCL call that held its rank this long before returning is a stall.
-FAILED_STALL_NS = 100_000_000
-CREATES = ("ncclCommInit", "ncclCommSplit")  # ops that create a communicator (name prefixes)
+ALIGN_CALLS = 4096  # calls per stretch of a process's numbers that its offset is found from
 
 COMMUNICATOR, TORCHRUN = "communicator", "torchrun"
-
-class Clock(NamedTuple):
-    """A node's clock against the reference clock."""
-
-    offset_ns: int  # node clock minus reference
-    error_ns: int | None  # bound on that offset, None when unknown
-    # Nodes in one domain read one clock (one machine, one boot: a local fleet, or
-    # nodes recorded side by side), so their times compare with no error at all.
-    domain: str | None = None
-
-
-def nccl_error(ret: int) -> str:
-    """``ncclInvalidArgument`` for 4; an unknown code as ``ncclResult 42``."""
-    return NCCL_RESULTS.get(ret, f"ncclResult {ret}")
-
-
-def failed(ret: int) -> bool:
-    return ret not in NOT_FAILED
-
-
-# ---- one node's arrivals ----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """One collective call as recorded (the node's own clock)."""
-
-    ts_ns: int
-    dur_ns: int
-    pid: int
-    tid: int
-    op: str
-    ret: int
-    bytes: int
-    seq: int | None
-    comm_ptr: str | None
-    comm_hash: str | None
-    rank: int | None  # in the communicator (args), with comm_hash
-    nranks: int | None
-
-    def row(self) -> list[Any]:
-        return [self.ts_ns, self.dur_ns, self.pid, self.tid, self.op, self.ret, self.bytes,
-                self.seq, self.comm_ptr, self.comm_hash, self.rank, self.nranks]
-
-
-@dataclass(frozen=True, slots=True)
-class Proc:
-    pid: int
-    comm: str | None
-    rank: int | None
-    world_size: int | None
-    job: str | None
-
-    def row(self) -> list[Any]:
-        return [self.pid, self.comm, self.rank, self.world_size, self.job]
-
-
-@dataclass(slots=True)
-class NodeArrivals:
-    """What one node contributes: its collective calls in the window (oldest first), the
-    processes that made them, and its own clock error bound."""
-
-    node: str
-    arrivals: list[Arrival]
-    procs: dict[int, Proc]
-    clock_error_ns: int | None = None
-    truncated: bool = False
-    truncated_reason: str | None = None  # rows | bytes
-    boot_id: str | None = None  # the one boot all its sessions ran in
-    # wall minus CLOCK_MONOTONIC of the node's timestamps (its last session's mapping):
-    # nodes of one boot share the monotonic clock, so this aligns them exactly.
-    mono_offset_ns: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """The body of ``GET /api/v1/collectives`` (docs/api.md), less node, window and
-        warnings."""
-        return {"columns": list(ARRIVAL_COLUMNS), "rows": [a.row() for a in self.arrivals],
-                "processes": {"columns": list(PROCESS_COLUMNS),
-                              "rows": [p.row() for p in self.procs.values()]},
-                "clock_error_ns": self.clock_error_ns, "boot_id": self.boot_id,
-                "mono_offset_ns": self.mono_offset_ns,
-                "truncated": self.truncated, "truncated_reason": self.truncated_reason}
-
-
-def read_arrivals(sl: NodeSlice, max_rows: int | None = None, max_bytes: int | None = None
-                  ) -> NodeArrivals:
-    """The node's collective calls in the window, oldest first: the newest ``max_rows``
-    (and at most about ``max_bytes`` of JSON) when given (the node API), all of them
-    otherwise (a local file is the user's own)."""
-    conn, node, win = sl.conn, sl.node, sl.window
-    rows = conn.execute(
-        "SELECT e.ts_ns, e.dur_ns, e.pid, e.tid, e.op, e.ret, e.bytes, x.args "
-        "FROM event_data e LEFT JOIN event_args x ON x.id = e.id "
-        "WHERE e.ts_ns >= ? AND e.ts_ns < ? AND e.id BETWEEN ? AND ? "
-        f"AND e.op IN {in_list(COLLECTIVE_CODES)} ORDER BY e.ts_ns DESC, e.id DESC LIMIT ?",
-        (win.start_ns, win.end_ns, node.lo, node.hi,
-         -1 if max_rows is None else max_rows + 1))
-    out: list[Arrival] = []
-    size, reason = 0, None
-    for ts, dur, pid, tid, op, ret, nbytes, args in rows:
-        if max_rows is not None and len(out) >= max_rows:
-            reason = "rows"
-            break
-        a = _arrival(int(ts), int(dur), int(pid), int(tid), name_of(int(op)), int(ret),
-                     int(nbytes), args)
-        if max_bytes is not None:
-            size += len(orjson.dumps(a.row())) + 1
-            if size > max_bytes:
-                reason = "bytes"
-                break
-        out.append(a)
-    out.reverse()
-    pids = {a.pid for a in out}
-    procs = {p.pid: p for p in _processes(conn, node.key) if p.pid in pids}
-    error, boot, mono = _clock_error(conn, node.key)
-    return NodeArrivals(node.name, out, procs, error, reason is not None, reason, boot, mono)
-
-
-def _arrival(ts: int, dur: int, pid: int, tid: int, op: str, ret: int, nbytes: int,
-             args: Any) -> Arrival:
-    d: dict[str, Any] = {}
-    if args:
-        try:
-            loaded = orjson.loads(args)
-        except orjson.JSONDecodeError:
-            loaded = None
-        d = loaded if isinstance(loaded, dict) else {}
-    comm_hash = _hex(d.get("comm_hash"), 16, exact=True)
-    rank, nranks = _nat(d.get("rank")), _nat(d.get("nranks"))
-    if comm_hash is None or rank is None or not nranks or rank >= nranks:
-        comm_hash, rank, nranks = None, None, None
-    seq = _nat(d.get("seq"))
-    return Arrival(ts, max(0, dur), pid, tid, op, ret, max(0, nbytes),
-                   seq if seq else None, _hex(d.get("comm"), 16), comm_hash, rank, nranks)
-
-
-def _hex(v: Any, digits: int, *, exact: bool = False) -> str | None:
-    """``0x7f..`` (a pointer, up to ``digits`` hex digits) or ``digits`` hex chars."""
-    if not isinstance(v, str):
-        return None
-    body = v if exact else v.removeprefix("0x")
-    ok = (len(body) == digits if exact else 0 < len(body) <= digits) and all(
-        c in "0123456789abcdefABCDEF" for c in body)
-    return v.lower() if ok else None
-
-
-def _nat(v: Any) -> int | None:
-    """A non-negative integer that fits an int32 (ranks, sizes) or int64 (seq)."""
-    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63:
-        return v
-    return None
-
-
-def _processes(conn: sqlite3.Connection, node_key: int) -> list[Proc]:
-    """The node's processes with their torchrun identity (``job`` where the file has it)."""
-    cols = {str(r[1]) for r in conn.execute("PRAGMA table_info(process_data)")}
-    job = "job" if "job" in cols else "NULL"
-    out = []
-    for pid, comm, rank, size, jb in conn.execute(
-            f"SELECT pid, comm, rank, world_size, {job} FROM process_data WHERE node = ?",
-            (node_key,)):
-        out.append(Proc(int(pid), None if comm is None else str(comm),
-                        _nat(rank), _nat(size) or None, None if jb is None else str(jb)))
-    return out
-
-
-def _clock_error(conn: sqlite3.Connection, node_key: int
-                 ) -> tuple[int | None, str | None, int | None]:
-    """The largest clock error bound the node's sessions recorded (None when unknown),
-    the boot they all share (None when they do not, or do not say) and, with it, the
-    wall-minus-monotonic offset of the last session."""
-    sessions = []
-    for row in conn.execute(f"SELECT {SESSION_CLOCK_COLUMNS} FROM session_data WHERE node = ?",
-                            (node_key,)):
-        try:
-            sessions.append(session_clock(row))
-        except (TypeError, ValueError):
-            continue
-    if not sessions:
-        return None, None, None
-    boots = {s.boot_id for s in sessions}
-    boot = boots.pop() if len(boots) == 1 else None
-    mono = max(sessions, key=lambda s: s.seq).mono_offset_ns if boot else None
-    return NodeClock("", "", sessions, None, None).error_ns, boot, mono
-
-
-def one_machine(clocks: Mapping[str, Clock], parts: Sequence[NodeArrivals]
-                ) -> dict[str, Clock]:
-    """Nodes that ran in one boot of one machine share its monotonic clock: each is
-    placed against the one of them measured best (smallest error) by the difference of
-    their wall-minus-monotonic offsets, which is exact (a node whose wall clock was set
-    apart, or faked, is still placed right), and they compare with each other without
-    error (one ``domain``)."""
-    out = dict(clocks)
-    best: dict[str, NodeArrivals] = {}
-    for p in parts:
-        c = clocks.get(p.node)
-        if p.boot_id is None or p.mono_offset_ns is None or c is None or c.error_ns is None:
-            continue
-        b = best.get(p.boot_id)
-        if b is None or c.error_ns < (clocks[b.node].error_ns or 0):
-            best[p.boot_id] = p
-    for p in parts:
-        ref = best.get(p.boot_id or "")
-        if ref is None or p.mono_offset_ns is None or p.node not in out:
-            continue
-        rc = clocks[ref.node]
-        assert ref.mono_offset_ns is not None
-        out[p.node] = Clock(rc.offset_ns + p.mono_offset_ns - ref.mono_offset_ns,
-                            rc.error_ns, p.boot_id)
-    return out
-
-
-def local_clocks(parts: Sequence[NodeArrivals]) -> tuple[dict[str, Clock], list[str]]:
-    """Clocks of a local or merged file: each node as recorded (offset 0), with the error
-    its sessions recorded; unknown errors count as 0, with a warning when several nodes
-    are compared."""
-    clocks: dict[str, Clock] = {}
-    unknown = []
-    for p in parts:
-        clocks[p.node] = Clock(0, p.clock_error_ns if p.clock_error_ns is not None else 0)
-        if p.clock_error_ns is None and p.arrivals:
-            unknown.append(p.node)
-    clocks = one_machine(clocks, parts)
-    warnings = []
-    if unknown and sum(1 for p in parts if p.arrivals) > 1:
-        warnings.append(f"clock error of {', '.join(unknown)} unknown (no trace session "
-                        "recorded): arrivals across nodes are compared as recorded")
-    return clocks, warnings
-
 
 # ---- matching and judging ------------------------------------------------------------
 
@@ -358,6 +135,21 @@ class _Comm:
     instances: dict[int, dict[int, _Hit]] = field(default_factory=lambda: defaultdict(dict))
     ranks: dict[int, _RankStats] = field(default_factory=lambda: defaultdict(_RankStats))
     duplicates: int = 0
+    # The calls as numbered, per stretch of one process's numbers (see _Stretch), until
+    # they are aligned into instances.
+    calls: dict[_Stretch, list[tuple[int, _Hit]]] = field(default_factory=dict)
+    alignment: Alignment[_Stretch] | None = None
+
+
+class _Stretch(NamedTuple):
+    """One process's calls of one communicator whose numbers run on (they start again
+    when its agent restarts): the unit that gets one offset."""
+
+    rank: int
+    node: str
+    pid: int
+    comm_ptr: str | None
+    part: int  # 0, then 1 after the numbers started again, ...
 
 
 def analyze(parts: Sequence[NodeArrivals], clocks: Mapping[str, Clock] | None = None
@@ -376,13 +168,12 @@ def analyze(parts: Sequence[NodeArrivals], clocks: Mapping[str, Clock] | None = 
         warnings += more
     procs = {(p.node, pid): pr for p in parts for pid, pr in p.procs.items()}
     comms: dict[tuple[str, str], _Comm] = {}
-    unmatched = 0
-    missing_seq = 0
-    events = 0
+    unmatched = missing_seq = events = 0
     for part in parts:
         offset = clocks.get(part.node, (0, None))[0]
         ordinal = _ordinals(part.arrivals)
         counters: Counter[tuple[int, str | None]] = Counter()
+        last: dict[tuple[str, int, str | None], tuple[int, int]] = {}  # -> (stretch, seq)
         for a in part.arrivals:
             events += 1
             seq = a.seq
@@ -405,12 +196,15 @@ def analyze(parts: Sequence[NodeArrivals], clocks: Mapping[str, Clock] | None = 
             st.bytes += a.bytes
             st.failures += failed(a.ret)
             st.who[(part.node, a.pid)] += 1
-            inst = c.instances[seq]
-            if rank in inst:
-                c.duplicates += 1
-                if hit.t >= inst[rank].t:
-                    continue
-            inst[rank] = hit
+            proc_key = (key, a.pid, a.comm_ptr)
+            index, before = last.get(proc_key, (0, 0))
+            if seq <= before:
+                index += 1  # the numbers started again
+            last[proc_key] = (index, seq)
+            c.calls.setdefault(_Stretch(rank, part.node, a.pid, a.comm_ptr, index),
+                               []).append((seq, hit))
+    for c in comms.values():
+        _instances(c, clocks)
     if missing_seq:
         warnings.append(f"{missing_seq} collective call(s) carry no sequence number (recorded "
                         "before the tracer numbered them): numbered per process in time "
@@ -432,6 +226,7 @@ def analyze(parts: Sequence[NodeArrivals], clocks: Mapping[str, Clock] | None = 
     kinds = sorted({c["matching"] for c in out})
     return {
         "matching": kinds[0] if len(kinds) == 1 else "mixed" if kinds else None,
+        "alignment": _overall(out),
         "verdict": _verdict(out, stragglers, events),
         "communicators": out,
         "stragglers": stragglers,
@@ -443,6 +238,80 @@ def analyze(parts: Sequence[NodeArrivals], clocks: Mapping[str, Clock] | None = 
                    for n, c in sorted((n, Clock(*c)) for n, c in clocks.items())},
         "notes": warnings,
     }
+
+
+def _instances(c: _Comm, clocks: Mapping[str, Clock]) -> None:
+    """The communicator's calls matched into instances by their aligned numbers: as
+    numbered where every rank counts from the communicator's creation, else aligned
+    from the calls (:mod:`fleetd.analyze.align`)."""
+    if c.matching == COMMUNICATOR:
+        c.alignment = align.communicator(list(c.calls))
+    else:
+        c.alignment = align.align(_for_alignment(c.calls),
+                                  lambda a, b: combined_error(a.node, b.node, clocks))
+    for k, calls in c.calls.items():
+        shift = c.alignment.offsets.get(k, 0)
+        for seq, hit in calls:
+            inst = c.instances[seq + shift]
+            old = inst.get(k.rank)
+            if old is not None:
+                c.duplicates += 1
+                if hit.t >= old.t:
+                    continue
+            inst[k.rank] = hit
+    c.calls = {}
+
+
+def _for_alignment(calls: Mapping[_Stretch, Sequence[tuple[int, _Hit]]]
+                   ) -> dict[_Stretch, list[align.Call]]:
+    """Per stretch, at most :data:`ALIGN_CALLS` of its calls, one run of numbers each:
+    those up to the end of the time every stretch was traced (an offset holds for a
+    whole stretch, so a few thousand calls side by side decide it as well as a million),
+    else (stretches that do not all overlap) its newest ones."""
+    start = max(v[0][1].t for v in calls.values())
+    end = min(v[-1][1].t for v in calls.values())
+    out = {}
+    for k, v in calls.items():
+        stop = len(v)
+        if start <= end:
+            stop = bisect.bisect_right(v, end + align.MAX_APART_NS, key=lambda x: x[1].t)
+        out[k] = [align.Call(seq, h.t, h.op, h.bytes)
+                  for seq, h in v[max(0, stop - ALIGN_CALLS):stop]]
+    return out
+
+
+def _alignment_json(c: _Comm, nranks: int | None, warnings: list[str]) -> dict[str, Any]:
+    """How the ranks' numbers were matched: method, confidence, and per stretch of a
+    process's calls its offset (added to its numbers) and how it was found."""
+    al = c.alignment
+    assert al is not None
+    stretches = []
+    for k in sorted(al.offsets, key=lambda k: (k.rank, k.node, k.pid, k.part)):
+        p = al.pairs.get(k)
+        stretches.append({"rank": k.rank, "node": k.node, "pid": k.pid,
+                          "offset": al.offsets[k], "confidence": al.confidence_of(k),
+                          **({"by": p.by, "pairs": p.pairs, "residual_ns": p.residual_ns,
+                              "runner_up_ns": p.runner_up_ns, "reason": p.reason or None}
+                             if p is not None else {})})
+    unsure = sorted({k.rank for k in al.offsets if not al.sure(k)})
+    if unsure:
+        why = "; ".join(sorted({p.reason for k, p in al.pairs.items()
+                                if k.rank in unsure and p.reason}))
+        warnings.append(f"{c.matching} {c.key}: the collective numbers of rank(s) "
+                        f"{_ranges(unsure)} could not be aligned with the others for sure "
+                        f"({why or 'ambiguous'}): compared at the most likely offset")
+    return {"method": al.method, "confidence": al.confidence, "by": al.by(),
+            "text": al.describe(), "renumbered": sum(1 for o in al.offsets.values() if o),
+            "stretches": stretches[:4 * (nranks or 64)]}
+
+
+def _overall(comms: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The weakest alignment over the communicators (None without any)."""
+    found = [c["alignment"] for c in comms]
+    if not found:
+        return None
+    worst = max(found, key=lambda a: align.CONFIDENCES.index(a["confidence"]))
+    return {k: worst[k] for k in ("method", "confidence", "by", "text")}
 
 
 def _ordinals(arrivals: Iterable[Arrival]) -> dict[tuple[int, str | None], int]:
@@ -486,18 +355,6 @@ def percentile(xs: Sequence[int], q: float) -> int | None:
         return None
     s = sorted(xs)
     return s[max(0, math.ceil(q * len(s)) - 1)]
-
-
-def combined_error(a: str, b: str, clocks: Mapping[str, Clock]) -> int | None:
-    """The bound on the error of comparing a time of node ``a`` with one of node ``b``:
-    0 on one node (one clock), else the sum of both bounds (None when one is unknown)."""
-    if a == b:
-        return 0
-    ca, cb = Clock(*clocks.get(a, (0, None))), Clock(*clocks.get(b, (0, None)))
-    if ca.domain is not None and ca.domain == cb.domain:
-        return 0
-    ea, eb = ca.error_ns, cb.error_ns
-    return None if ea is None or eb is None else ea + eb
 
 
 def _ambiguous(inst: Mapping[int, _Hit], hits: Sequence[tuple[int, int]],
@@ -560,6 +417,7 @@ def _report(c: _Comm, clocks: Mapping[str, Clock], procs: Mapping[tuple[str, int
     straggler, verdict = _decide(c, len(complete), ambiguous, ranks)
     return {
         "key": c.key, "matching": c.matching, "job": c.job, "nranks": nranks,
+        "alignment": _alignment_json(c, nranks, warnings),
         "ranks_seen": len(seen), "instances": len(c.instances), "judged": len(complete),
         "ambiguous": ambiguous, "incomplete": len(c.instances) - len(complete),
         "partial": partial, "op_mismatch": mismatched,
@@ -604,12 +462,12 @@ def _decide(c: _Comm, judged: int, ambiguous: int, ranks: list[dict[str, Any]]
     late = top["lateness_p50_ns"] or 0
     if late < MIN_LATENESS_NS:
         return None, (f"{where}: rank {top['rank']} is last in {share:.0%} of {judged} "
-                      f"collectives but only {_dur(late)} late (median), under the "
-                      f"{_dur(MIN_LATENESS_NS)} bar")
+                      f"collectives but only {dur_text(late)} late (median), under the "
+                      f"{dur_text(MIN_LATENESS_NS)} bar")
     reason = (f"rank {top['rank']} ({top['comm'] or 'pid'} pid {top['pid']} on "
               f"{top['node']}) arrived last in {share:.0%} of {judged} collectives of "
-              f"{where}, a median {_dur(late)} after the others (p99 "
-              f"{_dur(top['lateness_p99_ns'] or 0)})")
+              f"{where}, a median {dur_text(late)} after the others (p99 "
+              f"{dur_text(top['lateness_p99_ns'] or 0)})")
     straggler = {"communicator": c.key, "matching": c.matching, "rank": top["rank"],
                  "node": top["node"], "pid": top["pid"], "comm": top["comm"],
                  "share_last": round(share, 4), "last": top["last"], "judged": judged,
@@ -640,14 +498,6 @@ def _ranges(xs: list[int]) -> str:
             groups.append([x, x])
     text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in groups[:8])
     return text + (", ..." if len(groups) > 8 else "")
-
-
-def _dur(ns: int) -> str:
-    if abs(ns) >= 1_000_000_000:
-        return f"{ns / 1e9:.2f} s"
-    if abs(ns) >= 1_000_000:
-        return f"{ns / 1e6:.1f} ms"
-    return f"{ns / 1e3:.0f} us"
 
 
 # ---- the CLI's rows and the explain entries ------------------------------------------
@@ -725,73 +575,3 @@ def _top_host_chain(node: str, pid: int, chains: Sequence[dict[str, Any]],
     if not mine:
         return "; no host chain on its node"
     return f"; top host chain on {node}: {chain_brief(mine[0])}"
-
-
-# ---- failed NCCL calls: a chain and a warning ------------------------------------------
-
-
-def failures(ctx: Context) -> tuple[list[Chain], list[str]]:
-    """One ``nccl_failures`` chain per process whose NCCL calls returned an error, and a
-    warning line for each: count per op and return code, with the NCCL error name."""
-    v = ctx.view
-    win = v.win
-    where = ("WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? "
-             f"AND op IN {in_list(NCCL_CODES)}")
-    params = (win.start_ns, win.end_ns, v.node.lo, v.node.hi)
-    calls: Counter[int] = Counter()
-    errors: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
-    for pid, op, ret, n, first in v.conn.execute(
-            f"SELECT pid, op, ret, count(*), min(ts_ns) FROM event_data {where} "
-            "GROUP BY pid, op, ret", params):
-        calls[int(pid)] += int(n)
-        if failed(int(ret)):
-            errors[int(pid)].append((int(op), int(ret), int(n), int(first)))
-    chains, warnings = [], []
-    for pid, errs in sorted(errors.items()):
-        # A failed communicator creation explains the failures after it: it leads.
-        errs.sort(key=lambda e: (not name_of(e[0]).startswith(CREATES), -e[2], e[0], e[1]))
-        n_failed = sum(e[2] for e in errs)
-        by_error = [{"op": name_of(op), "ret": ret, "error": nccl_error(ret), "count": n}
-                    for op, ret, n, _ in errs]
-        items = [{"kind": "nccl_error", "op": name_of(op), "ret": ret,
-                  "error": nccl_error(ret), "count": n, "ts_ns": first,
-                  "time": format_ns(first),
-                  "text": f"{name_of(op)} returned {ret} {nccl_error(ret)} {n} time(s), "
-                          f"first at {format_ns(first)[11:]}"}
-                 for op, ret, n, first in errs[:8]]
-        items += _failed_calls(ctx, pid, where, params)
-        share = n_failed / max(1, calls[pid])
-        blocked = _longest_failed(ctx, pid, where, params)
-        detail = {"failed": n_failed, "calls": calls[pid], "by_error": by_error,
-                  "longest_failed_ns": blocked}
-        # Failing at once costs the job nothing by itself (the warning says it); failing
-        # after holding the rank (a timed-out init, a collective that hung then broke)
-        # is a stall the failure explains: then it weighs as the share that failed.
-        impact = share if blocked >= FAILED_STALL_NS else 0.0
-        ch = rule_chain(ctx, "nccl_failures", pid, name_of(errs[0][0]), 1.0, impact, items,
-                        detail)
-        chains.append(ch)
-        listed = ", ".join(f"{e['op']} ret {e['ret']} {e['error']} x{e['count']}"
-                           for e in by_error[:5])
-        warnings.append(f"{v.node.name}: {n_failed} of {calls[pid]} NCCL call(s) of "
-                        f"{v.names.get(pid) or 'pid'} (pid {pid}) failed: {listed}")
-    return chains, warnings
-
-
-def _longest_failed(ctx: Context, pid: int, where: str, params: tuple[int, ...]) -> int:
-    row = ctx.view.conn.execute(
-        f"SELECT max(dur_ns) FROM event_data {where} AND pid = ? "
-        f"AND ret NOT IN {in_list(NOT_FAILED)}", (*params, pid)).fetchone()
-    return int(row[0] or 0)
-
-
-def _failed_calls(ctx: Context, pid: int, where: str, params: tuple[int, ...]
-                  ) -> list[dict[str, Any]]:
-    v = ctx.view
-    rows = v.conn.execute(
-        f"SELECT id, ts_ns, dur_ns, tid, op, ret FROM event_data {where} AND pid = ? "
-        f"AND ret NOT IN {in_list(NOT_FAILED)} ORDER BY ts_ns LIMIT 3", (*params, pid))
-    return [{"kind": "call", "id": v.node.event_id(k), "ts_ns": ts, "time": format_ns(ts),
-             "dur_ns": dur, "tid": tid, "op": name_of(op),
-             "text": f"{name_of(op)} returned {ret} {nccl_error(ret)} after {_dur(dur)}"}
-            for k, ts, dur, tid, op, ret in rows]

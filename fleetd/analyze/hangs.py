@@ -9,15 +9,26 @@ call's entry), so clock skew between nodes never enters a verdict.
 Ranks are matched into groups as the NCCL record contract says: by communicator (the
 hash of NCCL's unique id, with the rank from the communicator's creation) where the
 records carry one, else by the torchrun job (job id and world size, with the process's
-RANK). A group of ranks is judged three ways:
+RANK). Each agent numbers a rank's collectives from when it began tracing it, so before
+numbers are compared they are aligned (:mod:`fleetd.analyze.align`): counted from the
+communicator's creation where the agents saw it (exact), else from each rank's last
+collectives (op, bytes and age) that the agent keeps; a rank whose offset cannot be
+decided is ``ambiguous``, and no verdict rests on its number. A group of ranks is judged
+three ways:
 
-* **collective**: some ranks have entered collective N and a live one of them has been
-  in it longer than the limit, while other ranks are still before N: those never
-  arrived; the ranks at N wait for them, stuck at the first collective a culprit has
-  not entered (N itself unless the leaders queued more).
-* **stalled**: no rank of the group has entered a collective for longer than the limit
-  while one of them is stopped, in D state or dead (exited, not cleanly), and another
-  one is alive and not stopped (so someone is waiting, e.g. in the job's own barrier).
+* **stuck**: a rank is stopped, in D state or dead (exited, not cleanly) while another
+  one is alive and waiting, and the group has waited longer than the limit: the stuck
+  ranks are the culprits, whatever the numbers say, and every other rank is a waiter
+  (a rank blocked inside a collective, sleeping or spinning there, waits for the
+  others; it is never the cause). The hang is a **collective** one when the aligned
+  numbers show live ranks past the stuck one's last collective (they entered one it did
+  not: the wait counts from the first of them), else **stalled** (no rank has entered a
+  collective for longer than the limit; they wait after it, e.g. in their barrier).
+* **collective** without a stuck rank: some live ranks have entered collective N and
+  one of them has been in it longer than the limit, while other live ranks are still
+  before N (aligned numbers, none of them ambiguous): those never arrived (busy
+  elsewhere, or blocked outside NCCL); the ranks at N wait for them, stuck at the first
+  collective a culprit has not entered (N itself unless the leaders queued more).
 * **exited**: every rank of the group is dead, not all of them cleanly (exit status 0),
   the first of them recently: the rank that died first (the others followed it).
 * **p2p**: the k-th ``ncclSend`` from a to b has no k-th ``ncclRecv`` at b (or the k-th
@@ -32,6 +43,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from fleetd.analyze import align
+from fleetd.analyze.align import Alignment
 from fleetd.analyze.collectives import torchrun_key
 
 COLLECTIVE_OPS = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather",
@@ -41,6 +54,16 @@ P2P_OPS = ("ncclSend", "ncclRecv")
 INIT_OPS = ("ncclCommInitRank", "ncclCommInitRankConfig")
 STATES = ("running", "sleeping", "stopped", "d_state", "exited", "unknown")
 STUCK = frozenset({"stopped", "d_state", "exited"})
+
+
+@dataclass(frozen=True, slots=True)
+class Recent:
+    """One of a rank's last collectives on a communicator, as its agent numbered it."""
+
+    seq: int
+    age_ns: int
+    op: str
+    bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +78,7 @@ class Collective:
     seq: int  # per (process, communicator) collective number, from 1
     age_ns: int  # the node's now minus the call's entry
     ret: int = 0
+    recent: tuple[Recent, ...] = ()  # its last collectives before, oldest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +131,8 @@ class RankView:
 
 @dataclass(slots=True)
 class Member:
-    """A rank in a group, at its last collective there (seq 0: created, none yet)."""
+    """A rank in a group, at its last collective there (seq 0: created, none yet).
+    ``seq`` is in the group's numbering once aligned; ``recorded`` as its agent has it."""
 
     view: RankView
     rank: int
@@ -115,6 +140,13 @@ class Member:
     op: str
     age_ns: int
     communicator: str | None = None
+    recent: tuple[Recent, ...] = ()
+    recorded: int = -1  # the number as recorded (-1: the same as seq)
+    sure: bool = True  # its alignment is not ambiguous
+
+    def __post_init__(self) -> None:
+        if self.recorded < 0:
+            self.recorded = self.seq
 
 
 @dataclass(slots=True)
@@ -123,6 +155,7 @@ class Group:
     key: str  # the comm_hash, or "JOB/WORLD_SIZE"
     size: int | None  # nranks / world_size, when known
     members: dict[int, Member] = field(default_factory=dict)  # by rank
+    alignment: Alignment[int] | None = None  # how the members' numbers were aligned
 
     @property
     def label(self) -> str:
@@ -146,6 +179,10 @@ class Group:
             return []
         return [r for r in range(self.size) if r not in self.members]
 
+    def unsure(self) -> list[int]:
+        """Ranks whose collective numbers could not be aligned with the others'."""
+        return sorted(r for r, m in self.members.items() if not m.sure)
+
 
 @dataclass(slots=True)
 class Party:
@@ -156,6 +193,7 @@ class Party:
     seq: int | None  # its last collective (or p2p call) number in the group
     op: str | None
     age_ns: int | None  # how long ago it entered that call
+    recorded: int | None = None  # that collective's number as its agent recorded it
 
 
 @dataclass(slots=True)
@@ -192,8 +230,10 @@ def _add(groups: dict[tuple[str, str], Group], matching: str, key: str, size: in
         g.members[m.rank] = m
 
 
-def build_groups(views: Iterable[RankView]) -> list[Group]:
-    """Ranks matched by communicator hash, else by torchrun job; a group needs 2 ranks."""
+def build_groups(views: Iterable[RankView], age_error_ns: int | None = 0) -> list[Group]:
+    """Ranks matched by communicator hash, else by torchrun job, a group needs 2 ranks;
+    each group's collective numbers aligned (``age_error_ns``: the bound on comparing
+    ages reported by different nodes, None when unknown)."""
     groups: dict[tuple[str, str], Group] = {}
     for v in views:
         plain: list[Collective] = []
@@ -202,7 +242,7 @@ def build_groups(views: Iterable[RankView]) -> list[Group]:
                 rank = c.rank if c.rank is not None else v.rank
                 if rank is not None:
                     _add(groups, "communicator", c.comm_hash, c.nranks,
-                         Member(v, rank, c.seq, c.op, c.age_ns, c.communicator))
+                         Member(v, rank, c.seq, c.op, c.age_ns, c.communicator, c.recent))
             else:
                 plain.append(c)
         if v.job and v.rank is not None and v.world_size:
@@ -212,46 +252,93 @@ def build_groups(views: Iterable[RankView]) -> list[Group]:
                 # communicator pointer: the one it used last stands for the rank.
                 c = min(plain, key=lambda x: x.age_ns)
                 _add(groups, "torchrun", key, v.world_size,
-                     Member(v, v.rank, c.seq, c.op, c.age_ns, c.communicator))
+                     Member(v, v.rank, c.seq, c.op, c.age_ns, c.communicator, c.recent))
             elif not v.collectives and v.last_call is not None:
                 # An NCCL caller of the job with no collective yet: before collective 1.
                 _add(groups, "torchrun", key, v.world_size,
                      Member(v, v.rank, 0, v.last_call.op, v.last_call.age_ns))
-    return [g for g in groups.values() if len(g.members) >= 2]
+    out = [g for g in groups.values() if len(g.members) >= 2]
+    for g in out:
+        _align(g, age_error_ns)
+    return out
+
+
+def _align(g: Group, age_error_ns: int | None) -> None:
+    """Put the members' numbers into one numbering: as counted from the communicator's
+    creation (communicator matching), else aligned from their recent collectives (times
+    as minus their ages); without those (an older agent) as recorded."""
+    ranks = list(g.members)
+    if g.matching == "communicator":
+        g.alignment = align.communicator(ranks)
+        return
+    before = [r for r, m in g.members.items() if m.seq == 0 and not m.recent]
+    calls = {r: [align.Call(x.seq, -x.age_ns, x.op, x.bytes) for x in m.recent]
+             for r, m in g.members.items() if r not in before}
+    if not calls or not all(calls.values()):
+        g.alignment = align.as_numbered(ranks)
+        return
+    al = align.align(calls, lambda a, b: age_error_ns)
+    g.alignment = al
+    for r, m in g.members.items():
+        if r in before:  # created, no collective yet: before everyone's first
+            al.offsets[r] = 0
+            continue
+        m.seq = m.recorded + al.offsets.get(r, 0)
+        m.sure = al.sure(r)
 
 
 # ---- judging ----------------------------------------------------------------------------
 
 
 def _party(m: Member) -> Party:
-    return Party(m.view, m.rank, m.seq, m.op, m.age_ns)
+    return Party(m.view, m.rank, m.seq, m.op, m.age_ns, m.recorded)
 
 
 def assess(g: Group) -> Hang | None:
     """What the group's ranks wait for right now, however short the wait; None when
-    nobody waits."""
+    nobody waits (or when who waits for whom rests on numbers that could not be
+    aligned)."""
+    members = list(g.members.values())
+    stuck = sorted((m for m in members if m.view.stuck), key=lambda m: m.rank)
+    alive = sorted((m for m in members
+                    if not m.view.dead and m.view.state not in ("stopped", "d_state")),
+                   key=lambda m: m.rank)
+    if stuck and alive:
+        return _stuck(g, stuck, alive)
     top = g.max_seq
-    low = min(m.seq for m in g.members.values())
-    leaders = [m for m in g.members.values() if m.seq == top and not m.view.dead]
+    low = min(m.seq for m in members)
+    leaders = [m for m in members if m.seq == top and not m.view.dead]
     if low < top and leaders and top > 0:
+        behind = sorted((m for m in members if m.seq == low), key=lambda m: m.rank)
+        waiting = sorted((m for m in members if m.seq > low and not m.view.dead),
+                         key=lambda m: m.rank)
+        if not all(m.sure for m in (*behind, *waiting)):
+            return None  # who is behind rests on an ambiguous alignment
         first = max(leaders, key=lambda m: m.age_ns)  # the earliest arrival at the top
         # The job is stuck at the first collective the furthest-behind ranks have not
         # entered; every rank past it waits there (ranks may have queued later ones
         # already, as asynchronous NCCL calls allow).
-        behind = sorted((m for m in g.members.values() if m.seq == low),
-                        key=lambda m: m.rank)
-        waiting = sorted((m for m in g.members.values() if m.seq > low and not m.view.dead),
-                         key=lambda m: m.rank)
         return Hang("collective", g, low + 1, first.op if low + 1 == top else None,
                     first.age_ns, [_party(m) for m in behind], [_party(m) for m in waiting])
-    stuck = sorted((m for m in g.members.values() if m.view.stuck), key=lambda m: m.rank)
-    alive = sorted((m for m in g.members.values()
-                    if not m.view.dead and m.view.state not in ("stopped", "d_state")),
-                   key=lambda m: m.rank)
-    if stuck and alive:
-        return Hang("stalled", g, top + 1, None, g.progress_age_ns,
-                    [_party(m) for m in stuck], [_party(m) for m in alive])
     return None
+
+
+def _stuck(g: Group, stuck: list[Member], alive: list[Member]) -> Hang:
+    """A stopped, D-state or dead rank holds the job: it is the culprit and every live
+    rank waits, whatever their numbers (one blocked inside a collective included). When
+    the aligned numbers show live ranks past the stuck ranks' last collective, they wait
+    in the next one (since the first of them entered it); else after it, since the
+    group's last progress."""
+    low = min(m.seq for m in stuck)
+    top = max(m.seq for m in alive)
+    sure = all(m.sure for m in (*stuck, *alive))
+    if sure and top > low:
+        leaders = [m for m in alive if m.seq == top]
+        first = max(leaders, key=lambda m: m.age_ns)
+        return Hang("collective", g, low + 1, first.op if low + 1 == top else None,
+                    first.age_ns, [_party(m) for m in stuck], [_party(m) for m in alive])
+    return Hang("stalled", g, max(low, top) + 1 if sure else g.max_seq + 1, None,
+                g.progress_age_ns, [_party(m) for m in stuck], [_party(m) for m in alive])
 
 
 def p2p_waits(g: Group) -> list[Hang]:
@@ -304,15 +391,15 @@ def died(g: Group, within_ns: int) -> Hang | None:
                 [_party(m) for m in rest])
 
 
-def judge(views: Sequence[RankView], hang_after_ns: int, deaths_within_ns: int | None = None
-          ) -> tuple[list[Hang], list[Group]]:
+def judge(views: Sequence[RankView], hang_after_ns: int, deaths_within_ns: int | None = None,
+          age_error_ns: int | None = 0) -> tuple[list[Hang], list[Group]]:
     """Every hang that has lasted at least ``hang_after_ns``, worst first, and the groups.
 
     A group whose ranks are all dead (not all cleanly) is reported too when its first
     death is at most ``deaths_within_ns`` old (default: ``hang_after_ns``): a job that
     died while it was being watched, not one that died long before.
     """
-    groups = build_groups(views)
+    groups = build_groups(views, age_error_ns)
     within = hang_after_ns if deaths_within_ns is None else deaths_within_ns
     found: list[Hang] = []
     for g in groups:

@@ -75,6 +75,9 @@ def _write(obj: dict[str, Any], columns: list[str], values: list[list[Any]], fmt
         out.write(f"{c['matching']} {c['key']}: {c['instances']} instance(s), {c['judged']} "
                   f"judged, {c['ambiguous']} ambiguous, {c['incomplete']} incomplete"
                   f"{' (partial: not every rank seen)' if c['partial'] else ''}\n")
+        al = c.get("alignment")
+        if al:
+            out.write(f"  matched by {al['text']}\n")
     out.write(f"verdict: {obj.get('verdict')}\n")
     for note in obj.get("notes") or []:
         out.write(f"note: {note}\n")

@@ -171,6 +171,10 @@ def print_verdict(result: dict[str, Any], fmt: str, out: TextIO) -> None:
         if i:
             out.write("\n")
         out.write(f"HANG ({h['kind']}, {h['matching']} matching): {h['summary']}\n")
+        al = h.get("alignment")
+        if al and al.get("ambiguous_ranks"):
+            out.write(f"ambiguous: the numbers of rank(s) "
+                      f"{', '.join(map(str, al['ambiguous_ranks']))} could not be aligned\n")
         out.write(_culprit_table(h))
         out.write(_waiting_table(h))
         for c in h["culprits"]:

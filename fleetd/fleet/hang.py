@@ -1,12 +1,15 @@
 """Hang verdicts over the fleet: every node's NCCL ranks (``GET /api/v1/ranks``), checked,
-matched across nodes and judged by :mod:`fleetd.analyze.hangs`.
+matched across nodes, their collective numbers aligned, and judged by
+:mod:`fleetd.analyze.hangs`.
 
 :func:`verdict` is pure: the per-node answers in, the verdict object out (the JSON of
 ``fleetd watch --format json`` and of the MCP tool ``check_hang``; docs/json.md). It
 trusts nothing in an answer: every rank is rebuilt from checked values (types, ranges,
 list sizes, strings cleaned and cut), and a node whose answer breaks the shape is left
 out with a warning, never half-used. Only ages enter the judgement (each measured by
-the node's own clock), so clock skew between nodes cannot fake or hide a hang.
+the node's own clock), so clock skew between nodes cannot fake or hide a hang; ages of
+different nodes are compared (to align the ranks' numbers) within the time one poll
+took, the most their "now"s can differ.
 
 :func:`poll` asks the fleet once over an open client (``fleetd watch`` keeps one for all
 its polls) and, when there is a hang, adds the top causal chain of each culprit from its
@@ -19,6 +22,7 @@ import asyncio
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,6 +36,7 @@ from fleetd.analyze.hangs import (
     Party,
     PointToPoint,
     RankView,
+    Recent,
     judge,
 )
 from fleetd.fleet.client import INT64_MAX, FleetClient, NodeFailed, printable
@@ -43,6 +48,7 @@ RANKS_PATH = "/api/v1/ranks"
 MAX_RANKS = 4096  # per node
 MAX_COMMS = 256  # communicators per rank
 MAX_P2P = 4096  # send/receive entries per rank
+MAX_RECENT = 256  # recent collectives per communicator of a rank
 MAX_TEXT = 256  # a job id, a process name
 MAX_NAME = 64  # an op, a communicator pointer or hash, a wait channel
 INT32 = 2**31
@@ -91,6 +97,7 @@ def _rank(node: str, r: Any, where: str) -> RankView:
 
 def _coll(c: Any, where: str) -> Collective:
     d = _dict(c, where)
+    recent = _list(d.get("recent", []), f"{where}.recent", MAX_RECENT)
     return Collective(
         communicator=_text(d.get("communicator"), f"{where}.communicator", MAX_NAME),
         comm_hash=_opt_text(d.get("comm_hash"), f"{where}.comm_hash", MAX_NAME),
@@ -99,7 +106,16 @@ def _coll(c: Any, where: str) -> Collective:
         op=_text(d.get("op"), f"{where}.op", MAX_NAME),
         seq=_int(d.get("seq"), f"{where}.seq", 0),
         age_ns=_int(d.get("age_ns"), f"{where}.age_ns", 0),
-        ret=_int(d.get("ret", 0), f"{where}.ret", -INT32, 2 * INT32 - 1))
+        ret=_int(d.get("ret", 0), f"{where}.ret", -INT32, 2 * INT32 - 1),
+        recent=tuple(_recent(x, f"{where}.recent[{i}]") for i, x in enumerate(recent)))
+
+
+def _recent(v: Any, where: str) -> Recent:
+    if not isinstance(v, list) or len(v) != 4:
+        raise BadRanks(f"{where}: expected [seq, age_ns, op, bytes]")
+    seq, age, op, nbytes = v
+    return Recent(_int(seq, f"{where}.seq", 1), _int(age, f"{where}.age_ns", 0),
+                  _text(op, f"{where}.op", MAX_NAME), _int(nbytes, f"{where}.bytes", 0))
 
 
 def _p2p(p: Any, where: str) -> PointToPoint:
@@ -167,11 +183,14 @@ def _show(v: Any) -> str:
 
 
 def verdict(replies: Sequence[tuple[str, Mapping[str, Any]]], hang_after_s: float, *,
-            deaths_within_s: float | None = None) -> dict[str, Any]:
+            deaths_within_s: float | None = None, age_error_s: float | None = 0.0
+            ) -> dict[str, Any]:
     """The verdict over the nodes' ``GET /api/v1/ranks`` answers, as (node, answer).
 
     ``status`` is ``hang`` when some group of ranks has waited ``hang_after_s`` or longer
     (or died while watched: ``deaths_within_s``, default ``hang_after_s``), else ``ok``.
+    ``age_error_s``: how far apart the nodes' "now"s may be (the poll's duration; None
+    when unknown), the error of comparing their ages when ranks are aligned.
     """
     if not (math.isfinite(hang_after_s) and hang_after_s > 0):
         raise ValueError(f"hang_after_s must be a positive number, not {hang_after_s!r}")
@@ -185,12 +204,18 @@ def verdict(replies: Sequence[tuple[str, Mapping[str, Any]]], hang_after_s: floa
         except BadRanks as exc:
             warnings.append(f"node {node}: malformed ranks answer, left out ({exc})")
     within = None if deaths_within_s is None else int(deaths_within_s * 1e9)
-    hangs, groups = judge(views, int(hang_after_s * 1e9), within)
+    err = None if age_error_s is None else int(age_error_s * 1e9)
+    hangs, groups = judge(views, int(hang_after_s * 1e9), within, err)
     found = [_hang_json(h) for h in hangs]
     for g in groups:
         if g.missing() and len(g.missing()) <= 64:
             warnings.append(f"{g.label}: rank(s) {_ranks(g.missing())} of {g.size} not seen "
                             "(their node did not answer, or they are not traced)")
+        if g.unsure():
+            warnings.append(f"{g.label}: the collective numbers of rank(s) "
+                            f"{_ranks(g.unsure()[:64])} could not be aligned with the others' "
+                            f"({_why_unsure(g)}): no rank is named from its number (a "
+                            "stopped, D-state or dead rank still is)")
     return {
         "status": "hang" if found else "ok",
         "hang_after_s": hang_after_s,
@@ -201,6 +226,25 @@ def verdict(replies: Sequence[tuple[str, Mapping[str, Any]]], hang_after_s: floa
         "nodes": nodes,
         "warnings": warnings,
     }
+
+
+def _why_unsure(g: Group) -> str:
+    al = g.alignment
+    if al is None:
+        return "ambiguous"
+    why = sorted({p.reason for r, p in al.pairs.items() if r in g.unsure() and p.reason})
+    return "; ".join(why) or "ambiguous"
+
+
+def alignment_json(g: Group) -> dict[str, Any] | None:
+    """How the group's collective numbers were matched (docs/json.md, ``watch``)."""
+    al = g.alignment
+    if al is None:
+        return None
+    return {"method": al.method, "confidence": al.confidence, "by": al.by(),
+            "text": al.describe(),
+            "offsets": {str(r): al.offsets.get(r, 0) for r in sorted(g.members)},
+            "ambiguous_ranks": g.unsure()}
 
 
 def _quiet(views: Sequence[RankView], groups: Sequence[Group]) -> str:
@@ -225,7 +269,8 @@ def _ranks(ranks: Sequence[int]) -> str:
 def _group_json(g: Group) -> dict[str, Any]:
     return {"group": g.label, "matching": g.matching, "key": g.key, "size": g.size,
             "ranks": sorted(g.members), "seq": g.max_seq,
-            "progress_s": _s(g.progress_age_ns), "missing_ranks": g.missing()[:64]}
+            "progress_s": _s(g.progress_age_ns), "missing_ranks": g.missing()[:64],
+            "alignment": alignment_json(g)}
 
 
 def _party_json(p: Party) -> dict[str, Any]:
@@ -233,8 +278,8 @@ def _party_json(p: Party) -> dict[str, Any]:
     lc = v.last_call
     out: dict[str, Any] = {
         "node": v.node, "pid": v.pid, "comm": v.comm, "rank": p.rank, "job": v.job,
-        "state": v.state, "wchan": v.wchan, "seq": p.seq, "op": p.op,
-        "age_s": _s(p.age_ns),
+        "state": v.state, "wchan": v.wchan, "seq": p.seq, "recorded_seq": p.recorded,
+        "op": p.op, "age_s": _s(p.age_ns),
         "last_call": None if lc is None else {"op": lc.op, "age_s": _s(lc.age_ns),
                                               "ret": lc.ret},
     }
@@ -291,11 +336,14 @@ def _hang_json(h: Hang) -> dict[str, Any]:
         summary = (f"{_who(c)} has not made {h.peer_op} #{h.seq} matching rank {w.rank}'s: "
                    f"rank {w.rank} ({w.view.node} pid {w.view.pid}) has waited {waited:.1f} s "
                    f"since its {h.op} #{w.seq} {way} rank {c.rank} of {g.label}")
+    if h.kind != "p2p" and g.alignment is not None:
+        summary += f" ({g.alignment.describe()})"
     out: dict[str, Any] = {
         "kind": h.kind, "matching": g.matching, "group": g.label, "key": g.key,
         "seq": h.seq, "op": h.op, "waited_s": round(waited, 3), "summary": summary,
         "culprits": [_party_json(c) for c in culprits],
         "waiting": [_party_json(w) for w in waiting],
+        "alignment": alignment_json(g),
     }
     if h.kind == "p2p":
         out["peer_op"] = h.peer_op
@@ -322,11 +370,15 @@ async def poll(opts: FleetOptions, client: FleetClient, hang_after_s: float, *,
     the verdict uses ages only."""
     quick = dataclasses.replace(opts, skew_samples=0)
     request = Request("GET", RANKS_PATH, expect=("ranks",), check=_check)
+    started = time.monotonic()
     answer = await fan_out(quick, lambda _off: [request], client=client)
+    # Every node's "now" falls inside the poll: their ages compare within its length.
+    spread = time.monotonic() - started
     # No offsets are sampled, so "clock offset unknown" says nothing here.
     answer.warnings = [w for w in answer.warnings if w.kind != "skew"]
     replies = [(o.name, o.replies[0]) for o in answer.answered if o.replies]
-    result = verdict(replies, hang_after_s, deaths_within_s=deaths_within_s)
+    result = verdict(replies, hang_after_s, deaths_within_s=deaths_within_s,
+                     age_error_s=spread)
     if chains and result["hangs"]:
         await add_chains(answer, client, result, hang_after_s)
     result["warnings"] = [f"node {w.node}: {w.error}" for w in answer.warnings] + \

@@ -4,8 +4,10 @@ gauge of ``/metrics``.
 The tracer hands its decoded batches to the agent's writer; :class:`ObservedWriter` (the
 writer the agent gives the tracer) shows every batch to a :class:`RankBook` on the
 way. The book keeps, per process that made NCCL calls, its last collective per
-communicator, its last send/receive per peer and its last CUDA or NCCL call, plus the
-rank identity and exit facts of the process rows. A poll then costs a copy of that
+communicator (with its :data:`RECENT` collectives before it: number, time, op and bytes,
+what the fleet client aligns the ranks' numbers by, :mod:`fleetd.analyze.align`), its
+last send/receive per peer and its last CUDA or NCCL call, plus the rank identity and
+exit facts of the process rows. A poll then costs a copy of that
 state and two small ``/proc`` reads per rank, never a database query, and it does not
 wait for a reader slot (like ``health``), so heavy queries cannot delay it.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +37,7 @@ from fleetd.analyze.hangs import (
     LastCall,
     PointToPoint,
     RankView,
+    Recent,
     waits,
 )
 from fleetd.node.api import STATE, json_response
@@ -48,6 +52,10 @@ MAX_RANKS = 512  # processes with NCCL calls
 MAX_COMMS = 64  # communicators per process
 MAX_PEERS = 256  # (communicator, op, peer) send/receive entries per process
 MAX_IDENTITIES = 4096  # process rows remembered for ranks not seen yet
+# Collectives kept per communicator of a process (number, entry, op, bytes): enough for
+# the fleet client to align ranks whose agents attached at different moments (a few
+# steps of a job's op/size sequence), about 2.5 KB per communicator in an answer.
+RECENT = 64
 NCCL_LO, NCCL_HI = 400, 499  # NCCL's op codes; below them: CUDA runtime, graph, driver
 
 _CODES = {name: op.code for name, op in BY_NAME.items() if op.source == "nccl"}
@@ -77,6 +85,9 @@ class _Comm:
     dur_ns: int = 0
     ret: int = 0
     calls: int = 0
+    # (seq, ts_ns, op, bytes) of its last collectives, oldest first
+    recent: deque[tuple[int, int, int, int]] = field(
+        default_factory=lambda: deque(maxlen=RECENT))
 
 
 @dataclass(slots=True)
@@ -191,6 +202,11 @@ class RankBook:
             seq = seq if isinstance(seq, int) and seq > 0 else c.seq + 1
             if seq >= c.seq:
                 c.op, c.seq, c.ts_ns, c.dur_ns, c.ret = op, seq, ts, dur, ret
+            if not c.recent or seq > c.recent[-1][0]:
+                c.recent.append((seq, ts, op, row[6]))
+            elif seq < c.recent[0][0] and c.recent[-1][1] < ts:
+                c.recent.clear()  # numbered afresh (a new tracer): the old numbers go
+                c.recent.append((seq, ts, op, row[6]))
             if hashed:
                 c.comm_hash = hashed
                 c.rank, c.nranks = _int(a.get("rank")), _int(a.get("nranks"))
@@ -303,12 +319,19 @@ class RankBook:
             "last_call": None,
             "p2p": [],
         }
+        # The recent calls of the communicator a torchrun-matched rank is judged by (its
+        # latest one without a hash); one with a hash counts from its creation and needs
+        # none. So an answer carries at most RECENT of them per rank.
+        plain = max((c for c in p.comms.values() if not c.comm_hash),
+                    key=lambda c: c.ts_ns, default=None)
         for c in sorted(p.comms.values(), key=lambda c: -c.ts_ns):
             out["collectives"].append({
                 "communicator": c.communicator, "comm_hash": c.comm_hash, "rank": c.rank,
                 "nranks": c.nranks, "op": op_name(c.op), "seq": c.seq, "ts_ns": c.ts_ns,
                 "age_ns": max(0, now - c.ts_ns), "dur_ns": c.dur_ns, "ret": c.ret,
-                "calls": c.calls})
+                "calls": c.calls,
+                "recent": [[n, max(0, now - ts), op_name(o), b] for n, ts, o, b in c.recent]
+                if c is plain else []})
         if p.last is not None:
             ts, dur, op, ret = p.last
             out["last_call"] = {"op": op_name(op), "ts_ns": ts, "age_ns": max(0, now - ts),
@@ -355,7 +378,8 @@ class RankBook:
 def _copy(p: _Proc) -> _Proc:
     return _Proc(p.pid, p.start_ticks, p.tid,
                  {k: _Comm(c.communicator, c.comm_hash, c.rank, c.nranks, c.op, c.seq,
-                           c.ts_ns, c.dur_ns, c.ret, c.calls) for k, c in p.comms.items()},
+                           c.ts_ns, c.dur_ns, c.ret, c.calls, deque(c.recent, RECENT))
+                  for k, c in p.comms.items()},
                  {k: _P2P(e.communicator, e.comm_hash, e.op, e.peer, e.seq, e.ts_ns,
                           e.dur_ns, e.ret, e.calls) for k, e in p.p2p.items()},
                  p.last, p.active_ns)
@@ -369,7 +393,8 @@ def view_of(node: str, r: Mapping[str, Any]) -> RankView:
         job=r["job"], state=r["state"], wchan=r["wchan"], exit_code=r["exit_code"],
         exited_age_ns=r["exited_age_ns"],
         collectives=[Collective(c["communicator"], c["comm_hash"], c["rank"], c["nranks"],
-                                c["op"], c["seq"], c["age_ns"], c["ret"])
+                                c["op"], c["seq"], c["age_ns"], c["ret"],
+                                tuple(Recent(*x) for x in c.get("recent", ())))
                      for c in r["collectives"]],
         last_call=LastCall(last["op"], last["age_ns"], last["ret"]) if last else None,
         p2p=[PointToPoint(e["communicator"], e["comm_hash"], e["op"], e["peer"], e["seq"],
