@@ -99,20 +99,38 @@ def _cuda_checks(overrides: list[str], attach: bool, host: list[Check],
 
 
 def _python_check() -> Check:
-    """Which installed CPythons `fleetd trace --stacks` reads Python frames of."""
+    """Which installed CPythons `fleetd trace --stacks` reads Python frames of, and of
+    each running Python process: its version and whether its frames are read (and why
+    not). Interpreters older than the oldest supported version are listed, not warned
+    about: no layout is planned for them. A running process that cannot be read warns."""
     from fleetd.trace import pyframes
 
     found = {p: pyframes.support_of(p) for p in pyframes.installed_interpreters()}
-    bad = {p: why for p, why in found.items() if why}
+    running = pyframes.running_interpreters() if os.geteuid() == 0 else {}
     data = {"supported": pyframes.SUPPORTED,
-            "interpreters": {p: why or "ok" for p, why in found.items()}}
+            "interpreters": {p: why or "ok" for p, why in found.items()},
+            "processes": {str(pid): pyframes.describe(i) for pid, i in sorted(running.items())}}
+    old = {p: why for p, why in found.items() if why and _too_old(p)}
+    bad = {p: why for p, why in found.items() if why and p not in old}
+    bad.update({f"pid {pid}": i.problem for pid, i in running.items() if i.problem})
+    ok = [p for p, why in found.items() if not why]
+    procs = ", ".join(f"pid {pid} {pyframes.brief(i)}" for pid, i in sorted(running.items()))
+    parts = [f"Python frames readable for {', '.join(ok) or 'none installed'}"]
+    if old:
+        parts.append(f"native stacks only for {', '.join(old)} (before 3.10)")
+    if procs:
+        parts.append(f"running: {procs}")
     if not bad:
-        return Check("python stacks", OK, f"Python frames readable for {', '.join(found)}",
-                     data=data)
+        return Check("python stacks", OK, "; ".join(parts), data=data)
     return Check("python stacks", WARN,
-                 "; ".join(f"{p}: {why}" for p, why in bad.items()),
+                 "; ".join([*(f"{p}: {why}" for p, why in bad.items()), *parts[-1:] * bool(procs)]),
                  f"stacks of these interpreters are native only; Python frames are read for "
                  f"CPython {pyframes.SUPPORTED}", data=data)
+
+
+def _too_old(path: str) -> bool:
+    m = re.search(r"python(\d)\.(\d+)", os.path.basename(path))
+    return m is not None and (int(m.group(1)), int(m.group(2))) < (3, 10)
 
 
 def _root() -> Check:

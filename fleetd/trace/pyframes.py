@@ -565,5 +565,15 @@ def describe(interp: Interpreter) -> str:
     how = interp.note or ("offsets from its _Py_DebugOffsets"
                           if interp.layout.source == "_Py_DebugOffsets"
                           else "offsets from fleetd's table")
-    lock = "free-threaded: no interpreter lock" if interp.free_threaded else "GIL located"
-    return f"{interp.label}: Python frames supported ({how}; {lock})"
+    lock = ("no interpreter lock (free-threaded: its locks are ordinary locks)"
+            if interp.free_threaded else
+            "interpreter lock per interpreter" if interp.layout.gil_in_interp
+            else "interpreter lock in _PyRuntime")
+    return f"{interp.label}: Python frames read ({how}); {lock}"
+
+
+def brief(interp: Interpreter) -> str:
+    """One process's interpreter in a few words: version, and how (or whether) read."""
+    if interp.problem or interp.layout is None:
+        return f"{interp.label} (native stacks only)"
+    return f"{interp.label} (frames via {interp.layout.source})"

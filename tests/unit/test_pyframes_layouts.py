@@ -170,3 +170,29 @@ def test_interpreter_lock_is_named_inside_pyruntime(exe: str) -> None:
     finally:
         p.kill()
         p.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="lists other processes' interpreters: needs root")
+def test_check_lists_running_python_processes() -> None:
+    from fleetd.trace.checks import _python_check
+
+    want = {"3.12": "CPython 3.12: Python frames read (offsets from fleetd's table)",
+            "3.13": "CPython 3.13: Python frames read (offsets from its _Py_DebugOffsets)",
+            "3.9": "CPython 3.9: no Python frames (CPython 3.9 is not supported"}
+    procs = {}
+    try:
+        for v in want:
+            exe = pyenv_python(v)
+            if exe is not None:
+                procs[v] = subprocess.Popen([exe, "-c", "import time; time.sleep(30)"])
+        if not procs:
+            pytest.skip("none of pyenv's 3.9, 3.12, 3.13 here")
+        time.sleep(1.0)  # mapped libpython
+        check = _python_check()
+        for v, p in procs.items():
+            assert check.data["processes"][str(p.pid)].startswith(want[v]), check.data
+            assert f"pid {p.pid} CPython {v} (" in check.detail
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
