@@ -1,0 +1,151 @@
+"""Which container, pod and CPU limit a process runs under, read from the kernel alone.
+
+GPU jobs mostly run in containers, and a Kubernetes CPU limit is a CFS quota: the
+kernel lets the cgroup run ``quota`` of every ``period`` and then keeps its threads off
+the CPU, runnable, while the CPU may sit idle. Users think in pods, not pids, so each
+traced process is named by its cgroup, container and pod, without the Kubernetes API:
+
+* ``/proc/PID/cgroup`` gives the cgroup path per hierarchy (v2's unified ``0::`` line,
+  v1 lines per controller, both on machines that mount them side by side).
+* The container id and pod uid are in that path, as the container runtimes write it:
+  cgroupfs driver ``/kubepods/burstable/pod<uid>/<id>``, systemd driver
+  ``/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid with _>.slice/
+  cri-containerd-<id>.scope`` (``crio-<id>.scope`` for CRI-O, ``docker-<id>.scope`` for
+  Docker), plain Docker ``/docker/<id>``.
+* The pod's name is its hostname (``HOSTNAME`` in the process's environment, which the
+  kubelet sets to the pod name); its namespace is the service-account file the kubelet
+  mounts into the pod (``/proc/PID/root/var/run/secrets/kubernetes.io/serviceaccount/
+  namespace``), when the pod has one. What cannot be read is left None and shown so.
+* The CPU limit: v2 ``cpu.max`` (``max 100000`` = none), v1 ``cpu.cfs_quota_us`` and
+  ``cpu.cfs_period_us`` (-1 = none); throttling from ``cpu.stat`` (``nr_periods``,
+  ``nr_throttled``, ``throttled_usec`` on v2, ``throttled_time`` in ns on v1).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_ID = r"([0-9a-f]{64})"
+# (runtime, pattern) in the order tried; each captures the container id.
+_RUNTIMES = (
+    ("containerd", re.compile(rf"cri-containerd-{_ID}\.scope")),
+    ("cri-o", re.compile(rf"crio-(?:conmon-)?{_ID}\.scope")),
+    ("docker", re.compile(rf"docker-{_ID}\.scope")),
+    ("docker", re.compile(rf"/docker/{_ID}(?:/|$)")),
+    ("kubernetes", re.compile(rf"/pod[0-9a-f_-]{{36}}(?:\.slice)?/{_ID}(?:/|$)")),
+)
+_POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_]"
+                      r"[0-9a-f]{12})")
+_QOS = re.compile(r"kubepods[-/.](?:slice/kubepods-)?(besteffort|burstable)")
+SA_NAMESPACE = "var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a process runs: its cgroup and, when the path says so, container and pod."""
+
+    cgroup: str  # the path that carries the CPU controller (v2's, else v1 cpu's)
+    runtime: str | None = None  # containerd, cri-o, docker, kubernetes (cgroupfs)
+    container_id: str | None = None
+    pod_uid: str | None = None
+    qos: str | None = None  # besteffort, burstable, guaranteed (Kubernetes QoS class)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuLimit:
+    quota_us: int | None  # None: no limit
+    period_us: int
+    periods: int = 0  # cpu.stat: enforcement periods elapsed
+    throttled_periods: int = 0  # periods in which the cgroup ran out of quota
+    throttled_ns: int = 0  # time its threads were kept off the CPU for it
+
+    @property
+    def cpus(self) -> float | None:
+        """The limit in CPUs (Kubernetes' 250m is 0.25)."""
+        return None if self.quota_us is None else self.quota_us / self.period_us
+
+
+def parse_proc_cgroup(text: str) -> dict[str, str]:
+    """``/proc/PID/cgroup`` as controller -> path; v2's unified line is the key ``""``."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if not controllers:
+            out.setdefault("", path)
+        for c in controllers.split(","):
+            if c:
+                out[c.removeprefix("name=")] = path
+    return out
+
+
+def placement_of_path(path: str) -> Placement:
+    """Runtime, container id, pod uid and QoS class as the cgroup path spells them."""
+    runtime = container = None
+    for name, pattern in _RUNTIMES:
+        m = pattern.search(path)
+        if m:
+            runtime, container = name, m.group(1)
+            break
+    pod = _POD_UID.search(path)
+    qos = _QOS.search(path)
+    qos_class = qos.group(1) if qos else ("guaranteed" if pod and "kubepods" in path
+                                           else None)
+    return Placement(cgroup=path, runtime=runtime, container_id=container,
+                     pod_uid=pod.group(1).replace("_", "-") if pod else None, qos=qos_class)
+
+
+def cpu_path(groups: dict[str, str]) -> str:
+    """The cgroup path whose CPU controller limits the process (v1 ``cpu``, else v2)."""
+    return groups.get("cpu") or groups.get("cpu,cpuacct") or groups.get("", "/")
+
+
+def parse_cpu_max(text: str) -> tuple[int | None, int]:
+    """v2 ``cpu.max``: ``"max 100000"`` or ``"25000 100000"`` -> (quota_us, period_us)."""
+    quota, _, period = text.strip().partition(" ")
+    return (None if quota == "max" else int(quota)), int(period or 100000)
+
+
+def parse_cpu_stat(text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            out[key] = int(value)
+    return out
+
+
+def cpu_limit(groups: dict[str, str], root: Path = CGROUP_ROOT) -> CpuLimit | None:
+    """The CPU quota and throttling counters of the process's cgroup; None when the
+    cgroup's files cannot be read (another mount namespace, no CPU controller)."""
+    try:
+        if "cpu" in groups or "cpu,cpuacct" in groups:
+            base = root / "cpu" / cpu_path(groups).lstrip("/")
+            quota = int((base / "cpu.cfs_quota_us").read_text())
+            period = int((base / "cpu.cfs_period_us").read_text())
+            stat = parse_cpu_stat((base / "cpu.stat").read_text())
+            throttled = stat.get("throttled_time", 0)  # v1: nanoseconds
+            return CpuLimit(None if quota < 0 else quota, period, stat.get("nr_periods", 0),
+                            stat.get("nr_throttled", 0), throttled)
+        base = root / groups.get("", "/").lstrip("/")
+        q, period = parse_cpu_max((base / "cpu.max").read_text())
+        stat = parse_cpu_stat((base / "cpu.stat").read_text())
+        return CpuLimit(q, period, stat.get("nr_periods", 0), stat.get("nr_throttled", 0),
+                        stat.get("throttled_usec", 0) * 1000)
+    except (OSError, ValueError):
+        return None
+
+
+def pod_name_and_namespace(pid: int, env: dict[str, str]) -> tuple[str | None, str | None]:
+    """The pod's name (its hostname) and namespace (its service-account file)."""
+    name = env.get("HOSTNAME") or None
+    try:
+        ns = Path(f"/proc/{pid}/root/{SA_NAMESPACE}").read_text().strip() or None
+    except OSError:
+        ns = None
+    return name, ns
