@@ -83,14 +83,17 @@ struct fl_rec_py {
 };
 
 /* Where one CPython version keeps the current frame and the frame's fields, filled
- * per process by user space (fleetd/trace/pyframes.py). */
-#define FL_PY_DIRECT 0xffffffffu /* tstate_frame already is the current frame (3.13+) */
+ * per process by user space (fleetd/trace/pyframes.py: a measured table for 3.10-3.12,
+ * the process's own _Py_DebugOffsets from 3.13). */
+#define FL_PY_DIRECT 0xffffffffu /* tstate_frame already is the current frame (3.10, 3.13+) */
 struct fl_pyoffs {
-    u32 tstate_frame;  /* PyThreadState: cframe (3.11, 3.12) or current_frame (3.13) */
+    u32 tstate_frame;  /* PyThreadState: frame (3.10), cframe (3.11, 3.12), current_frame (3.13) */
     u32 cframe_frame;  /* _PyCFrame.current_frame, or FL_PY_DIRECT */
-    u32 code;          /* _PyInterpreterFrame: f_code (f_executable in 3.13) */
-    u32 previous;
-    u32 instr;         /* prev_instr (3.11, 3.12) or instr_ptr (3.13) */
+    u32 code;          /* _PyInterpreterFrame: f_code (f_executable in 3.13); 3.10's PyFrameObject */
+    u32 previous;      /* previous (f_back in 3.10) */
+    u32 instr;         /* prev_instr (3.11, 3.12), instr_ptr (3.13); 3.10: f_lasti, an int
+                        * index (the 8-byte read takes f_lineno too: user space keeps the
+                        * low half) */
     u32 owner;         /* the owner byte */
     u32 owner_skip;    /* owner value of frames that are no Python code (C-stack shims) */
     u32 pad;

@@ -1,19 +1,21 @@
 """Python frames of CUDA calls: which interpreter a process runs, where its threads'
 frame chains start, and what a (code object, instruction) pair means as file:line.
 
-The walk itself happens in the kernel at the call (bpf/common.bpf.c ``fl_py_walk``): it
-needs, per process, where this CPython version keeps a thread's current frame and a
-frame's fields (:class:`Layout`), and per thread the address of its ``PyThreadState``.
-A thread calling into CUDA through ctypes (or any extension that releases the GIL) is
-not the interpreter's "current" thread, so the thread states are found here instead,
-by reading the interpreter's thread list from ``_PyRuntime`` (an exported symbol of the
-executable or of libpython) and filed by native thread id.
+CPython 3.10 to 3.13 (docs/python-frames.md). The walk itself happens in the kernel at
+the call (bpf/common.bpf.c ``fl_py_walk``): it needs, per process, where this CPython
+version keeps a thread's current frame and a frame's fields (:class:`Layout`), and per
+thread the address of its ``PyThreadState``. A thread calling into CUDA through ctypes
+(or any extension that releases the GIL) is not the interpreter's "current" thread, so
+the thread states are found here instead, by reading the interpreter's thread list
+from ``_PyRuntime`` (an exported symbol of the executable or of libpython) and filed
+by native thread id. :func:`walk` is the same walk from user space.
 
 Code objects outlive the calls that ran them, so their names and line tables are read
 from the process's memory after the event, once per code object.
 
-The offsets are those of the x86-64 builds, measured with ``offsetof`` against each
-version's own headers (a small C program compiled with gcc).
+Where the offsets come from: up to 3.12 a table (:data:`LAYOUTS`) measured on x86-64
+with ``offsetof`` against each version's own headers; from 3.13 the interpreter's own
+``_Py_DebugOffsets`` (:mod:`fleetd.trace.pydebug`), read from the running process.
 """
 
 from __future__ import annotations
