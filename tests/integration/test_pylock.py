@@ -21,7 +21,8 @@ from test_pyversions import interpreters
 
 from conftest import REPO
 
-pytestmark = [pytest.mark.bpf, pytest.mark.slow,
+# The bpf mark is per interpreter (test_pyversions.interpreters).
+pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="records with eBPF: needs root")]
 
 SECONDS = 4.0
