@@ -318,10 +318,13 @@ def thread_states(interp: Interpreter, mem: Memory) -> dict[int, int]:
             return {}
     out = {}
     for pthread, t in states:
-        if pthread:
-            tid = struct.unpack("<i", mem.read(pthread + interp.tid_offset, 4))[0]
-            if tid > 0:
-                out[tid] = t
+        try:  # a thread that has just exited may have its struct pthread unmapped
+            tid = struct.unpack("<i", mem.read(pthread + interp.tid_offset, 4))[0] \
+                if pthread else 0
+        except OSError:
+            continue
+        if tid > 0:
+            out[tid] = t
     return out
 
 

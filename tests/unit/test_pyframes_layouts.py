@@ -196,3 +196,29 @@ def test_check_lists_running_python_processes() -> None:
         for p in procs.values():
             p.kill()
             p.wait()
+
+
+def test_313_layout_choice_falls_back_to_the_file_and_refuses_unknown_tables() -> None:
+    exe = pyenv_python("3.13")
+    if exe is None:
+        pytest.skip("CPython 3.13: no pyenv build here")
+    path = str(next(Path(exe).resolve().parent.parent.glob("lib/libpython3.13.so*"), exe))
+    image = pyframes._load(path, ("STT_OBJECT",))
+    assert image is not None
+    runtime = pyframes._symbol(image, "_PyRuntime")
+    assert runtime is not None
+
+    def unreadable(n: int) -> bytes:
+        raise OSError("process gone")
+
+    interp = pyframes.Interpreter(0, (3, 13), path)
+    pyframes._choose_layout(interp, unreadable,
+                            lambda n: pyframes._file_bytes(path, runtime, n))
+    assert interp.layout is not None and interp.layout.source == "_Py_DebugOffsets"
+    assert interp.hexversion >> 16 == 0x030D and interp.problem is None
+    # A 3.14 process: its table is refused with the reason, not read with 3.13's layout.
+    newer = pydebug.COOKIE + (0x030E00F0).to_bytes(8, "little") + bytes(1024)
+    interp = pyframes.Interpreter(0, (3, 14), path)
+    pyframes._choose_layout(interp, lambda n: newer[:n], lambda n: newer[:n])
+    assert interp.layout is None
+    assert "laid out differently" in (interp.problem or ""), interp.problem
