@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from fleetd.analyze.chains import Chain
+from fleetd.analyze.chains import COLUMN_WORDS, Chain
 from fleetd.analyze.data import TRACER_MARK
 
 # Processes that poll the NVIDIA driver (NVML ioctls on /dev/nvidia*) and so take driver
@@ -275,8 +275,9 @@ def _data_starvation_summary(ch: Chain, who: str, by: str | None) -> str:
 
 
 def _dataloader_summary(ch: Chain, who: str, by: str | None) -> str:
-    return (f"{ch.detail['workers']} DataLoader workers took the CPU from {who} for "
-            f"{ch.impact:.1%} of wall time{'; most: ' + by if by else ''}")
+    return (f"{who} lost {ch.impact:.1%} of its time preempted or queued for a CPU; its "
+            f"{ch.detail['workers']} DataLoader workers ran for {ch.explained:.0%} of the "
+            f"time it was preempted{'; most: ' + by if by else ''}")
 
 
 def _gpu_idle_summary(ch: Chain, who: str, by: str | None) -> str:
@@ -426,22 +427,38 @@ CAUSES: Mapping[str, Cause] = MappingProxyType({c.name: c for c in _ALL})
 
 def summary(ch: Chain) -> str:
     """The chain's one-line summary."""
-    v, c, d = ch.victim, (ch.culprits[0] if ch.culprits else None), ch.detail
+    v, c = ch.victim, (ch.culprits[0] if ch.culprits else None)
     cause = CAUSES.get(ch.root_cause)
     who = f"{v['comm']} (pid {v['pid']}, tid {v['tid']})"
     by = f"{c['comm']} (pid {c['pid']})" if c else None
     if ch.spikes:
-        n = d.get("spikes_scaled", len(ch.spikes))
-        if d.get("kind") == "stall":
-            head = f"{who} stalled {n} time(s) between CUDA calls, worst {_ms(d['worst_ns'])}"
-        else:
-            head = (f"{ch.op} in {who} spiked {n} time(s) to {_ms(d['worst_ns'])} "
-                    f"(usual {_ms(d['baseline_ns'])})")
         why = cause.why(by) if cause is not None and cause.why is not None else ch.root_cause
-        return f"{head}: {why} for {ch.explained:.0%} of the extra time ({ch.impact:.1%} of wall)"
+        return f"{_spike_head(ch, who)}: {why} for {ch.explained:.0%} of the extra time " \
+               f"({_share(ch)})"
     if cause is not None and cause.summary is not None:
         return cause.summary(ch, who, by)
     return f"{ch.root_cause} in {who}"
+
+
+def _spike_head(ch: Chain, who: str) -> str:
+    """What the thread went through: stalls between calls, slow calls, or both."""
+    d = ch.detail
+    n = d.get("spikes_scaled", len(ch.spikes))
+    stalls, calls = d.get("stalls"), d.get("slow_calls")
+    worst = _ms(d["worst_ns"])
+    if stalls and calls:
+        return (f"{who} stalled {stalls} time(s) between CUDA calls and {calls} CUDA call(s) "
+                f"spiked, worst {worst}")
+    if d.get("kind") == "stall":
+        return f"{who} stalled {n} time(s) between CUDA calls, worst {worst}"
+    return f"{ch.op} in {who} spiked {n} time(s) to {worst} (usual {_ms(d['baseline_ns'])})"
+
+
+def _share(ch: Chain) -> str:
+    """The chain's lost share, and of what: its thread's time in the breakdown column
+    of its cause (chains.account), or, where there is none, what its spikes cost."""
+    words = COLUMN_WORDS.get(str(ch.detail.get("share_of")))
+    return f"{ch.impact:.1%} of wall time {words}" if words else f"{ch.impact:.1%} of wall"
 
 
 def fixes(ch: Chain) -> list[str]:

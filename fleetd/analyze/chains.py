@@ -9,9 +9,12 @@ preemption) and to block I/O overlapping its D-state waits, never to whole-windo
 A *stall* is the same analysis for a long off-CPU interval of a GPU-feeding thread
 between two calls (a checkpoint fsync in the loop delays the next launch, not a call).
 
-Spikes of one thread and op with the same cause form one chain; its culprit is the task
-that took the CPU (sched_switch next task) or that woke the victim from a D-state wait
-(sched_waking waker), ranked by the time it accounts for.
+Spikes and stalls of one thread with the same cause form one chain; its culprit is the
+task that took the CPU (sched_switch next task) or that woke the victim from a D-state
+wait (sched_waking waker), ranked by the time it accounts for. How much time the cause
+cost is not read from the spikes (the stored calls are a sample, and short waits make no
+spike): :func:`account` gives each chain its thread's share of wall time in the
+breakdown column of its cause, the same figure ``fleetd explain``'s breakdown prints.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from fleetd.analyze.data import (
     name_of,
 )
 from fleetd.analyze.frames import top_python_frame
+from fleetd.analyze.waits import reason
 from fleetd.analyze.window import Window
 from fleetd.store.timeparse import format_ns
 
@@ -77,6 +81,7 @@ class Ev:
     a0: int = 0
     a1: int = 0
     nbytes: int = 0
+    ret: int = 0  # off-CPU records: the syscall the thread slept in, + 1 (waits.reason)
 
     @property
     def end(self) -> int:
@@ -99,6 +104,10 @@ class Spike:
     evidence: list[dict[str, Any]] = field(default_factory=list)
     root_cause: str = "unexplained"
     explained_ns: int = 0
+    scale: float = 1.0  # stored calls are a sample: slow calls of its op per stored one
+    # Sleeps (S state) inside the spike by wait reason (waits.REASONS): which breakdown
+    # column a lock_wait of sleeps is part of.
+    sleep_why: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     @property
     def excess_ns(self) -> int:
@@ -148,7 +157,7 @@ class NodeView:
     def host_events(self, tid: int, t0: int, t1: int) -> list[Ev]:
         """Off-CPU, wakeup and IRQ events of one thread starting in [t0, t1)."""
         rows = self.conn.execute(
-            "SELECT id, ts_ns, dur_ns, pid, tid, op, peer, a0, a1 FROM event_data "
+            "SELECT id, ts_ns, dur_ns, pid, tid, op, peer, a0, a1, 0, ret FROM event_data "
             "WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND tid = ? "
             f"AND op IN {in_list(HOST_CODES)} ORDER BY ts_ns",
             (t0, t1, self.node.lo, self.node.hi, tid),
@@ -168,6 +177,25 @@ class NodeView:
             (self.win.start_ns, self.win.end_ns, self.node.lo, self.node.hi, tid, OFF_CPU),
         )
         return {int(peer): int(n) for peer, n in rows}
+
+    def cpu_takers(self, tid: int) -> dict[int, int]:
+        """Who held the CPU while ``tid`` was runnable, over all its recorded run-queue
+        time (the breakdown's ``runq`` column): a preemption goes to the task that ran
+        instead, the queued tail of a sleep to the task that ran until it got the CPU
+        back. The same attribution as a spike's, for the whole window."""
+        out: dict[int, int] = defaultdict(int)
+        for op, a0, peer, a1, dur in self.conn.execute(
+            "SELECT op, a0, peer, a1, dur_ns FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
+            "AND id BETWEEN ? AND ? AND tid = ? AND op IN (?, ?)",
+            (self.win.start_ns, self.win.end_ns, self.node.lo, self.node.hi, tid, OFF_CPU,
+             RUNQ),
+        ):
+            state = task_state(int(a0 or 0))
+            if op == OFF_CPU and state == "R" and peer:
+                out[int(peer)] += int(dur)
+            elif op == RUNQ and state != "R" and a1:
+                out[int(a1)] += int(dur)
+        return out
 
     def wait_channel(self, ev: Ev) -> str | None:
         """The kernel function a D-state wait slept in, when the tracer recorded it."""
@@ -270,8 +298,8 @@ def find_stalls(view: NodeView, feeding: dict[int, int]) -> list[Spike]:
     # Off the CPU between calls: preempted or in D state; and, after a voluntary sleep
     # (the thread's own choice), the run-queue wait before it could run again.
     rows = view.conn.execute(
-        "SELECT id, ts_ns, dur_ns, pid, tid, op, peer, a0, a1 FROM event_data WHERE ts_ns >= ? "
-        f"AND ts_ns < ? AND id BETWEEN ? AND ? AND op IN ({OFF_CPU}, {RUNQ}) "
+        "SELECT id, ts_ns, dur_ns, pid, tid, op, peer, a0, a1, 0, ret FROM event_data WHERE "
+        f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND op IN ({OFF_CPU}, {RUNQ}) "
         f"AND tid IN {in_list(feeding)} AND dur_ns >= ? ORDER BY dur_ns DESC "
         f"LIMIT {MAX_STALLS * 4}",
         (win.start_ns, win.end_ns, node.lo, node.hi, STALL_MIN_NS),
@@ -391,7 +419,13 @@ def _off_cpu(view: NodeView, spike: Spike, e: Ev, wakes: list[tuple[int, int]]) 
             return
         spike.cause_ns["d_state"] += slept
     else:
+        why = reason(e.ret)
         spike.cause_ns["sleep"] += slept
+        spike.sleep_why[why] += slept
+        if why == "timer":
+            # A sleep the thread asked for ends by its own timer: the task that happened
+            # to be on the CPU when it fired is no culprit.
+            waker, by = 0, None
     if waker:
         spike.culprit_ns[("wake", waker)] += slept
     wchan = view.wait_channel(e) if state == "D" else None
@@ -533,22 +567,35 @@ def severity(explained: float, impact: float) -> str:
 
 def build_chains(view: NodeView, spikes: list[Spike], scale: dict[tuple[int, int], float],
                  span_ns: int) -> list[Chain]:
-    """Group classified spikes per (thread, op, cause) and measure each group."""
-    groups: dict[tuple[int, int, str | None, str, str], list[Spike]] = defaultdict(list)
+    """Group classified spikes per (thread, cause) and measure each group.
+
+    One chain per thread and cause, whichever calls or stalls the time showed up in: the
+    lost share a chain states is its thread's whole time for that reason (``account``),
+    so two chains of one cause on one thread would state it twice. Unexplained spikes
+    stay per op (GPU-side time of one op says nothing about another's)."""
+    groups: dict[tuple[int, int, str, str | None], list[Spike]] = defaultdict(list)
     for s in spikes:
-        groups[(s.call.pid, s.call.tid, s.op, s.root_cause, s.kind)].append(s)
+        if s.kind == "call" and s.op:
+            s.scale = scale.get((s.call.pid, code(s.op)), 1.0)
+        groups[(s.call.pid, s.call.tid, s.root_cause,
+                s.op if s.root_cause == "unexplained" else None)].append(s)
     chains: list[Chain] = []
-    for (pid, tid, op, root, kind), group in groups.items():
+    for (pid, tid, root, _), group in groups.items():
         victim = {"pid": pid, "tid": tid, "comm": view.names.get(pid) or view.who(tid)["comm"],
                   "thread": view.tasks.get(tid, (None, None))[1]}
-        factor = scale.get((pid, code(op)), 1.0) if op and kind == "call" else 1.0
+        by_op: dict[tuple[str, str | None], int] = defaultdict(int)
+        for s in group:
+            by_op[(s.kind, s.op)] += s.excess_ns
+        kind, op = max(by_op.items(), key=lambda kv: (kv[1], str(kv[0])))[0]
+        factor = max((s.scale for s in group if s.op == op and s.kind == kind), default=1.0)
         ch = Chain(view.node.name, root, victim, op, group, span_ns, factor)
         excess = sum(s.excess_ns for s in group)
         ch.explained = round(sum(s.explained_ns for s in group) / max(1, excess), 3)
-        ch.impact = round(min(1.0, excess * factor / max(1, span_ns)), 4)
+        ch.impact = round(min(1.0, sum(s.excess_ns * s.scale for s in group)
+                              / max(1, span_ns)), 4)
         ch.culprits = _rank_culprits(view, group, root, pid)
         ch.severity = "LOW" if root == "unexplained" else severity(ch.explained, ch.impact)
-        ch.detail = _detail(group, factor)
+        ch.detail = _detail(group, kind, op)
         chains.append(ch)
     return chains
 
@@ -562,21 +609,27 @@ def _rank_culprits(view: NodeView, group: list[Spike], root: str, victim_pid: in
     roles = _ROLES.get(root, ())
     by_pid: dict[int, dict[str, Any]] = {}
     total = 0
-    for s in group:
-        for (role, tid), ns in s.culprit_ns.items():
-            if role not in roles or tid == 0:
-                continue
-            who = view.who(tid)
-            pid = int(who["pid"])
-            if pid == 0 or (root == "lock_wait" and pid == victim_pid and role == "wake"
-                            and s.op in SYNC_OPS):
-                continue
-            entry = by_pid.setdefault(pid, {"pid": pid, "comm": who["comm"], "tids": set(),
-                                            "ns": 0, "by_tid": defaultdict(int)})
-            entry["tids"].add(tid)
-            entry["by_tid"][tid] += ns
-            entry["ns"] += ns
-            total += ns
+    taken: list[tuple[tuple[str, int], int, str | None]] = [
+        (key, ns, s.op) for s in group for key, ns in s.culprit_ns.items()]
+    if root == "cpu_contention" and group:
+        # The chain states all of the thread's run-queue time: its culprits are who held
+        # the CPU in all of it, not only in the spikes (the same attribution).
+        taken = [(("cpu", tid), ns, None)
+                 for tid, ns in view.cpu_takers(group[0].call.tid).items()] or taken
+    for (role, tid), ns, op in taken:
+        if role not in roles or tid == 0:
+            continue
+        who = view.who(tid)
+        pid = int(who["pid"])
+        if pid == 0 or (root == "lock_wait" and pid == victim_pid and role == "wake"
+                        and op in SYNC_OPS):
+            continue
+        entry = by_pid.setdefault(pid, {"pid": pid, "comm": who["comm"], "tids": set(),
+                                        "ns": 0, "by_tid": defaultdict(int)})
+        entry["tids"].add(tid)
+        entry["by_tid"][tid] += ns
+        entry["ns"] += ns
+        total += ns
     for d in by_pid.values():
         d["share"] = round(d["ns"] / max(1, total), 3)
         d["self"] = d["pid"] == victim_pid
@@ -605,17 +658,108 @@ def _add_presence(view: NodeView, victim_tid: int, by_pid: dict[int, dict[str, A
         d["presence"] = round(counts.get(pid, 0) / max(1, total), 3)
 
 
-def _detail(group: list[Spike], factor: float) -> dict[str, Any]:
+def _detail(group: list[Spike], kind: str, op: str | None) -> dict[str, Any]:
     causes: dict[str, int] = defaultdict(int)
     for s in group:
         for k, v in s.cause_ns.items():
             causes[k] += v
     durs = sorted(s.call.dur for s in group)
-    return {"spikes": len(group), "spikes_scaled": round(len(group) * factor),
-            "worst_ns": durs[-1], "median_spike_ns": durs[len(durs) // 2],
-            "baseline_ns": group[0].baseline_ns, "kind": group[0].kind,
+    stalls = sum(1 for s in group if s.kind == "stall")
+    calls = round(sum(s.scale for s in group if s.kind == "call"))
+    base = [s.baseline_ns for s in group if s.kind == kind and s.op == op]
+    return {"spikes": len(group), "spikes_scaled": stalls + calls, "stalls": stalls,
+            "slow_calls": calls, "worst_ns": durs[-1], "median_spike_ns": durs[len(durs) // 2],
+            "baseline_ns": base[0] if base else group[0].baseline_ns, "kind": kind,
+            "ops": sorted({str(s.op) for s in group if s.op}),
             "excess_ns": sum(s.excess_ns for s in group),
             "host_ns": dict(sorted(causes.items()))}
+
+
+# ---- the lost share: from the complete accounting ---------------------------------
+
+# The breakdown column (fleetd.analyze.breakdown, per thread) that holds each root
+# cause's time. The breakdown counts every recorded wait of the thread, so a chain states
+# its lost share from there; the spikes, stalls and sleeps the analyzers read are where
+# the time showed up and who caused it (evidence and culprits), not how much of it there
+# was: CUDA calls are a sample, and a wait's cause is known only for some waits.
+REASON_COLUMN: Mapping[str, str] = {
+    "cpu_contention": "runq", "dataloader_oversubscription": "runq",
+    "block_io": "d_state", "lock_wait": "d_state", "irq_preemption": "irq",
+    "lock_contention": "lock", "data_starvation": "data",
+}
+# How each column reads in a summary: "(12.0% of wall time <this>)".
+COLUMN_WORDS: Mapping[str, str] = {
+    "runq": "preempted or queued for a CPU", "d_state": "in D state",
+    "irq": "in interrupts", "lock": "waiting for locks", "data": "waiting for input",
+    "timer": "in sleeps of its own", "gpu_sync": "waiting for the GPU",
+    "other": "in other waits",
+}
+
+
+def column_of(ch: Chain) -> str | None:
+    """The breakdown column ``ch`` states its share from (None: a cause that is no
+    wait, such as host_sync, or an unexplained chain)."""
+    if ch.detail.get("share_of"):
+        return str(ch.detail["share_of"])
+    col = REASON_COLUMN.get(ch.root_cause)
+    if ch.root_cause == "lock_wait" and ch.spikes:
+        host = ch.detail.get("host_ns") or {}
+        if int(host.get("sleep", 0)) > int(host.get("d_state", 0)):
+            # Sleeps woken by another process: a futex (lock), a pipe or socket (data).
+            why: dict[str, int] = defaultdict(int)
+            for s in ch.spikes:
+                for k, v in s.sleep_why.items():
+                    why[k] += v
+            col = max(why.items(), key=lambda kv: kv[1])[0] if why else "other"
+    return col
+
+
+def thread_share(threads: list[dict[str, Any]], tid: int, col: str) -> float | None:
+    """The share of its wall time thread ``tid`` spent in breakdown column ``col``."""
+    row = next((t for t in threads if int(t["tid"]) == tid), None)
+    if row is None or not int(row["wall_ns"]):
+        return None
+    return min(1.0, int(row[f"{col}_ns"]) / int(row["wall_ns"]))
+
+
+def account(chains: list[Chain], threads: list[dict[str, Any]]) -> list[Chain]:
+    """Each chain's lost share from its victim thread's breakdown column, one chain per
+    thread and column.
+
+    Chains of one thread whose causes fall in the same column (a block_io and a
+    lock_wait chain both in D state; a lock_contention rule and a lock_wait spike chain
+    both on futexes) would state the same time twice: the one whose own evidence
+    accounts for the most time keeps the column, the others are listed in its
+    ``detail.also``. ``impact`` becomes the column's share (``detail.share``, of
+    ``detail.share_of``), what the chain's own records measured stays beside it
+    (``detail.estimate``), and the severity is taken again from the share.
+    """
+    out: list[Chain] = []
+    groups: dict[tuple[int, str], list[Chain]] = defaultdict(list)
+    for ch in chains:
+        col = column_of(ch) if ch.root_cause != "unexplained" else None
+        tid = int(ch.victim.get("tid") or 0)
+        if col is None or thread_share(threads, tid, col) is None:
+            out.append(ch)
+            continue
+        groups[(tid, col)].append(ch)
+    for (tid, col), group in groups.items():
+        group.sort(key=lambda c: (-float(c.detail.get("estimate", c.impact)),
+                                  SEVERITY_RANK[c.severity], c.key))
+        top = group[0]
+        share = thread_share(threads, tid, col) or 0.0
+        top.detail.setdefault("estimate", top.impact)
+        top.detail.update(share=round(share, 6), share_of=col)
+        if len(group) > 1:
+            top.detail["also"] = [
+                {"root_cause": c.root_cause, "op": c.op,
+                 "estimate": c.detail.get("estimate", c.impact),
+                 "culprit": culprit_json(c.culprits[0]) if c.culprits else None}
+                for c in group[1:]]
+        top.impact = round(share, 6)
+        top.severity = severity(top.explained, top.impact)
+        out.append(top)
+    return out
 
 
 def culprit_json(top: Mapping[str, Any]) -> dict[str, Any]:

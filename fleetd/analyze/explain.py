@@ -22,6 +22,7 @@ from fleetd.analyze.chains import (
     Baseline,
     Chain,
     NodeView,
+    account,
     attribute,
     build_chains,
     culprit_json,
@@ -133,6 +134,8 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
     chains += gpu_chains.gpu_idle_rule(ctx)  # imported GPU timelines only
     failed, warnings = collectives.failures(ctx)  # NCCL calls that returned an error
     chains += failed
+    # Every lost share from the per-thread breakdown, one chain per thread and reason.
+    chains = account(chains, threads)
     if pid is not None:
         chains = [c for c in chains if int(c.victim["pid"]) == pid]
         threads = [t for t in threads if t["pid"] == pid]

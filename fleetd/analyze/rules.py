@@ -14,7 +14,10 @@ irq_preemption with their culprits. The rules here add what no single call shows
   while it happens.
 
 Each rule chain gets ``explained`` and ``impact`` in the same sense as a spike chain,
-so one severity function (chains.severity) ranks them all. The rules only find chains;
+so one severity function (chains.severity) ranks them all. A rule whose cause is a
+wait states its lost share from the victim thread's column of the per-thread breakdown
+(:meth:`Context.share`, chains.REASON_COLUMN), the same figure the breakdown shows; the
+records it reads otherwise are its evidence and name its culprits. The rules only find chains;
 their summaries and fixes come from the registry in causes.py.
 """
 
@@ -27,7 +30,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetd.analyze.chains import OFF_CPU, Chain, NodeView, severity, task_state
+from fleetd.analyze.chains import (
+    OFF_CPU,
+    Chain,
+    NodeView,
+    severity,
+    task_state,
+    thread_share,
+)
 from fleetd.analyze.data import (
     ALLOC_OPS,
     CAPTURE_OPS,
@@ -86,6 +96,11 @@ class Context:
     def op_rows(self, pid: int, names: frozenset[str]) -> list[dict[str, Any]]:
         return [r for r in self.ops if r["pid"] == pid and r["op"] in names]
 
+    def share(self, tid: int, column: str) -> float:
+        """The share of its wall time thread ``tid`` spent in breakdown ``column``
+        (``lock``, ``data``, ``runq``...): what a chain of that reason states."""
+        return thread_share(self.threads, tid, column) or 0.0
+
 
 def _victim(ctx: Context, pid: int) -> dict[str, Any]:
     t = ctx.main_thread(pid)
@@ -95,8 +110,15 @@ def _victim(ctx: Context, pid: int) -> dict[str, Any]:
 
 
 def rule_chain(ctx: Context, root: str, pid: int, op: str | None, explained: float,
-                impact: float, evidence: list[dict[str, Any]], detail: dict[str, Any]) -> Chain:
-    ch = Chain(ctx.view.node.name, root, _victim(ctx, pid), op, [], ctx.span_ns,
+                impact: float, evidence: list[dict[str, Any]], detail: dict[str, Any],
+                tid: int | None = None) -> Chain:
+    """A rule's chain on thread ``tid`` of ``pid`` (default: its feeding thread). A rule
+    whose cause is a wait passes as ``impact`` that thread's breakdown column for it
+    (:meth:`Context.share`), named in ``detail['share_of']``."""
+    victim = _victim(ctx, pid)
+    if tid is not None:
+        victim["tid"], victim["thread"] = tid, ctx.view.tasks.get(tid, (None, None))[1]
+    ch = Chain(ctx.view.node.name, root, victim, op, [], ctx.span_ns,
                start_ns=ctx.span[0], end_ns=ctx.span[1])
     ch.explained, ch.impact = round(min(1.0, explained), 3), round(min(1.0, impact), 4)
     ch.severity = severity(ch.explained, ch.impact)
@@ -182,15 +204,19 @@ def dataloader_rule(ctx: Context, chains: list[Chain]) -> list[Chain]:
         if total == 0 or stolen == 0:
             continue
         rate, pages = _page_evidence(ctx, workers)
-        impact = stolen / ctx.span_ns
+        estimate = stolen / ctx.span_ns
         explained = stolen / total
-        if impact < 0.01:
+        if estimate < 0.01:
             continue
-        ch = rule_chain(ctx, "dataloader_oversubscription", pid, None, explained, impact,
+        tid = int(main["tid"])
+        share = ctx.share(tid, "runq")
+        ch = rule_chain(ctx, "dataloader_oversubscription", pid, None, explained, share,
                          [{"kind": "preemption", "ns": stolen, "text":
                            f"{len(workers)} worker processes took the CPU from the GPU thread "
                            f"for {stolen / 1e6:.1f} ms ({explained:.0%} of its preemptions)"},
-                          pages], {"workers": len(workers), "pages_per_s": round(rate, 1)})
+                          pages], {"workers": len(workers), "pages_per_s": round(rate, 1),
+                                   "share": round(share, 6), "share_of": "runq",
+                                   "estimate": round(estimate, 4)}, tid)
         ch.culprits = top
         out.append(ch)
     return out
@@ -236,8 +262,8 @@ def host_sync_rule(ctx: Context, chains: list[Chain]) -> list[Chain]:
 
 def _timed_syncs(ctx: Context, pid: int, chains: list[Chain]) -> Chain | None:
     """Sync calls issued every few launches that take a large share of the thread's time."""
-    known = sum(s.excess_ns * c.scale for c in chains for s in c.spikes
-                if int(c.victim["pid"]) == pid and c.op in SYNC_OPS
+    known = sum(s.excess_ns * s.scale for c in chains for s in c.spikes
+                if int(c.victim["pid"]) == pid and s.op in SYNC_OPS and s.kind == "call"
                 and c.root_cause != "unexplained")
     syncs = ctx.op_rows(pid, SYNC_OPS)
     n = sum(int(r["count"]) for r in syncs)

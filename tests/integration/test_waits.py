@@ -194,7 +194,13 @@ def test_enough_producers_starve_nothing(tmp_path: Path) -> None:
     sc = Scenario("fed", "a fast producer", (*BASE, "--producer-ms", "1"))
     report = explain(record(sc, tmp_path, SECONDS))
     assert not _chains(report, "data_starvation"), [c["summary"] for c in report["chains"]]
-    assert not [c for c in report["chains"] if c["severity"] == "HIGH"], report["verdict"]
+    # The producer shares the feeder's CPU (the recorder pins the workload, and so its
+    # children, to one): each batch it makes preempts the feeder, a real loss the
+    # breakdown counts as run-queue time (4-7 % measured), which may be HIGH. Nothing
+    # else is.
+    other = [c["summary"] for c in report["chains"] if c["severity"] == "HIGH" and not (
+        c["root_cause"] == "cpu_contention" and c["culprit"]["comm"] == "dl-producer")]
+    assert not other, report["verdict"]
 
 
 def test_native_mutex_names_the_holder_thread_and_the_address(tmp_path: Path) -> None:

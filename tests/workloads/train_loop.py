@@ -21,15 +21,17 @@ fresh buffers without pause (CPU and page-allocation pressure),
 cuMemAlloc_v2, cuLaunchKernel, cuMemcpyHtoD_v2, cuCtxSynchronize...).
 
 Waits of the job's own making: ``--gil-thread`` starts a pure-Python thread in the same
-process (native name ``py-busy``) that computes without pause, so the feeding thread
-waits for the interpreter lock; ``--producer-ms MS`` feeds each step from
+process (native name ``py-busy``) that computes without pause (``--gil-duty F``: only
+for that share of every 10 ms, asleep the rest), so the feeding thread waits for the
+interpreter lock; ``--producer-ms MS`` feeds each step from
 ``--producers N`` worker processes (``dl-producer``) through a ``multiprocessing.Queue``,
 each batch costing its producer MS of CPU, so a feeding thread with too few producers
 waits for data.
 
-Prints one JSON summary (calls and return codes per op, pid, tids, steps/s) so
-tests can compare recorded counts with calls made. Usable as a library:
-``Workload(Config(...)).run()``.
+Prints one JSON summary (calls and return codes per op, pid, tids, steps/s, and the
+helpers' ids: the busy thread's tid, the worker and producer pids) so tests can compare
+recorded counts with calls made, and a diagnosis's culprit with the task injected.
+Usable as a library: ``Workload(Config(...)).run()``.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class Config:
     workers: int = 0  # DataLoader-style worker processes
     worker_mb: int = 4  # buffer each worker allocates and fills per item
     gil_thread: bool = False  # a pure-Python CPU thread beside the feeding thread
+    gil_duty: float = 1.0  # the share of every 10 ms that thread computes (1: all of it)
     producer_ms: float = 0.0  # > 0: each step waits for a batch costing a producer this
     producers: int = 1
     kernel: str = ""  # LIB:SYMBOL: launch this exported function (its host stub)
@@ -122,6 +125,9 @@ class Summary:
     returns: dict[str, dict[str, int]] = field(default_factory=dict)
     blocked_s: float = 0.0  # time spent in the D-state injection
     launch_dims: dict[str, list[int]] = field(default_factory=dict)
+    gil_tid: int | None = None  # the busy thread (--gil-thread)
+    worker_pids: list[int] = field(default_factory=list)  # --workers
+    producer_pids: list[int] = field(default_factory=list)  # --producer-ms
 
 
 class Workload:
@@ -148,6 +154,9 @@ class Workload:
         self._stop = threading.Event()
         self._go = threading.Event()
         self._gil: threading.Thread | None = None
+        self._gil_tid: list[int] = []  # the busy thread's native id, once it runs
+        self.worker_pids: list[int] = []
+        self.producer_pids: list[int] = []
         self._func = ctypes.c_void_p(ctypes.addressof(self._host))  # any non-null "kernel"
         if cfg.kernel:  # a real function as the kernel: its symbol names the launches
             lib, _, sym = cfg.kernel.rpartition(":")
@@ -327,14 +336,15 @@ class Workload:
                 finally:
                     os._exit(0)
             self._workers.append(pid)
+            self.worker_pids.append(pid)
 
     def start_gil_thread(self) -> None:
         """The GIL-holding thread, idle until :meth:`start_helpers` lets it go: started
         before the go signal, a tracer that attaches in between knows it from the start
         (stacks: it reads the interpreter's thread list when it starts)."""
         if self.cfg.gil_thread and self._gil is None:
-            self._gil = threading.Thread(target=_gil_hog, args=(self._go, self._stop),
-                                         daemon=True)
+            self._gil = threading.Thread(target=_gil_hog, daemon=True, args=(
+                self._go, self._stop, self.cfg.gil_duty, self._gil_tid))
             self._gil.start()
 
     def start_helpers(self, until_s: float) -> None:
@@ -352,6 +362,7 @@ class Workload:
                 proc.start()
                 assert proc.pid is not None
                 self._workers.append(proc.pid)
+                self.producer_pids.append(proc.pid)
 
     def stop_workers(self) -> None:
         self._stop.set()
@@ -392,6 +403,8 @@ class Workload:
             returns={k: {str(r): n for r, n in v.items()} for k, v in self.returns.items()},
             blocked_s=self.blocked_ns / 1e9,
             launch_dims={"grid": list(c.grid), "block": list(c.block)},
+            gil_tid=self._gil_tid[0] if self._gil_tid else None,
+            worker_pids=list(self.worker_pids), producer_pids=list(self.producer_pids),
         )
 
 
@@ -429,17 +442,36 @@ def _set_thread_name(name: bytes) -> None:
         ctypes.CDLL(None).prctl(15, name, 0, 0, 0)  # PR_SET_NAME: this thread's comm
 
 
-def _gil_hog(go: threading.Event, stop: threading.Event) -> None:
+def _gil_hog(go: threading.Event, stop: threading.Event, duty: float = 1.0,
+             tid: list[int] | None = None) -> None:
     """Pure-Python arithmetic without pause: it holds the interpreter lock except when
     the interpreter makes it let go (every switch interval), as a metrics or logging
     thread doing CPU work in Python would. The interpreter lets go at the inner loop's
-    backward jump, so the last line is where it releases the lock (tests assert it)."""
+    backward jump, so the last line is where it releases the lock (tests assert it).
+    ``duty`` < 1: a lighter thread, computing that share of every 10 ms and sleeping
+    (the lock let go) for the rest."""
     _set_thread_name(b"py-busy")
+    if tid is not None:
+        tid.append(threading.get_native_id())
     go.wait()
+    if duty < 1.0:
+        _gil_pulses(stop, duty)
+        return
     x = 0
     while not stop.is_set():
         for i in range(10_000):
             x = (x + i * i) % 1_000_003
+
+
+def _gil_pulses(stop: threading.Event, duty: float, period_ns: int = 10_000_000) -> None:
+    """The light busy thread: pure Python for ``duty`` of each period, then asleep."""
+    y = 0
+    while not stop.is_set():
+        until = time.perf_counter_ns() + int(max(0.0, duty) * period_ns)
+        while time.perf_counter_ns() < until:
+            for j in range(1_000):
+                y = (y + j * 3) % 999_983
+        time.sleep(max(0.0, 1.0 - duty) * period_ns / 1e9)
 
 
 def _producer(queue: Any, parent: int, index: int, cost_ms: float, until_s: float) -> None:
@@ -491,6 +523,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--worker-mb", type=int, default=4, help="MiB each worker fills per item")
     p.add_argument("--gil-thread", action="store_true",
                    help="a pure-Python CPU thread in this process (interpreter lock waits)")
+    p.add_argument("--gil-duty", type=float, default=1.0,
+                   help="with --gil-thread: the share of every 10 ms the thread computes")
     p.add_argument("--producer-ms", type=float, default=0.0,
                    help="feed each step through a queue; CPU ms per batch per producer")
     p.add_argument("--producers", type=int, default=1, help="producer processes")
@@ -505,6 +539,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         rate=a.rate, sleep_ms=a.sleep_ms, dstate=a.dstate, driver=a.driver,
         cudart=a.cudart, libcuda=a.libcuda, go_file=a.go_file, tmpdir=a.tmpdir,
         workers=a.workers, worker_mb=a.worker_mb, gil_thread=a.gil_thread,
+        gil_duty=a.gil_duty,
         producer_ms=a.producer_ms, producers=a.producers, kernel=a.kernel,
     )
 
