@@ -356,6 +356,31 @@ def _nccl_failures_fixes(ch: Chain) -> list[str]:
     return out
 
 
+def _cpu_throttled_summary(ch: Chain, who: str, by: str | None) -> str:
+    d = ch.detail
+    return (f"{who} was kept off the CPU by its cgroup's CPU quota: {d['cgroup']} allows "
+            f"{d['cpus']:g} CPU ({d['quota_us']} us per {d['period_us']} us) and was "
+            f"throttled in {d['throttled_period_share']:.0%} of its periods "
+            f"({_share(ch)}); no process took that time from it")
+
+
+def _cpu_throttled_fixes(ch: Chain) -> list[str]:
+    d = ch.detail
+    out = []
+    if d.get("pod_uid") or d.get("pod"):
+        out += ["raise or remove the pod's CPU limit (resources.limits.cpu): GPU pods are "
+                "usually best with CPU requests and no CPU limit",
+                "or make it a Guaranteed pod with whole CPUs under the kubelet's static CPU "
+                "manager policy (cpuManagerPolicy: static), so its cores are its own"]
+    else:
+        out.append(f"raise or remove the quota: echo -1 > /sys/fs/cgroup/cpu{d['cgroup']}"
+                   f"/cpu.cfs_quota_us (cgroup v1; on v2 write 'max' to cpu.max), or "
+                   f"CPUQuota= of its systemd unit")
+    out.append("fewer threads inside the quota: OMP_NUM_THREADS, torch.set_num_threads(), "
+               "fewer DataLoader workers: each burns the same quota as the feeding thread")
+    return out
+
+
 # ---- the registry -------------------------------------------------------------------
 
 _ALL = (
@@ -364,6 +389,10 @@ _ALL = (
           "ran",
           ("spike", "stall", "off_cpu", "runq_wait"), _cpu_contention_fixes,
           why=lambda by: "preempted or queued for the CPU" + (f" while {by} ran" if by else "")),
+    Cause("cpu_throttled",
+          "the thread was runnable but held off the CPU by its cgroup's CPU quota (a "
+          "Kubernetes CPU limit), whatever else the CPU did meanwhile",
+          ("cgroup_quota",), _cpu_throttled_fixes, summary=_cpu_throttled_summary),
     Cause("lock_wait",
           "the thread waited in D state (a kernel lock, e.g. a shared file's inode lock) or "
           "slept outside a sync call until another process woke it",

@@ -683,7 +683,7 @@ def _detail(group: list[Spike], kind: str, op: str | None) -> dict[str, Any]:
 # the time showed up and who caused it (evidence and culprits), not how much of it there
 # was: CUDA calls are a sample, and a wait's cause is known only for some waits.
 REASON_COLUMN: Mapping[str, str] = {
-    "cpu_contention": "runq", "dataloader_oversubscription": "runq",
+    "cpu_contention": "runq", "dataloader_oversubscription": "runq", "cpu_throttled": "runq",
     "block_io": "d_state", "lock_wait": "d_state", "irq_preemption": "irq",
     "lock_contention": "lock", "data_starvation": "data",
 }

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fleetd.analyze import causes, collectives, contention, gpu_chains, rules
+from fleetd.analyze import causes, collectives, contention, gpu_chains, rules, throttle
 from fleetd.analyze.chains import (
     MIN_CALLS,
     SEVERITY_RANK,
@@ -136,6 +136,8 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
     chains += failed
     # Every lost share from the per-thread breakdown, one chain per thread and reason.
     chains = account(chains, threads)
+    # The quota's share of the run-queue column, taken from the contention chain's.
+    chains += throttle.throttle_rule(ctx, chains)
     if pid is not None:
         chains = [c for c in chains if int(c.victim["pid"]) == pid]
         threads = [t for t in threads if t["pid"] == pid]

@@ -408,7 +408,8 @@ def _chain(c: dict[str, Any], out: TextIO, tag: bool = False, *, verbose: bool =
         when = format_ns(e["ts_ns"])[11:] if "ts_ns" in e else ""
         indent = "      " if "spike" in e else "    "
         extra = f" [overlap {_dur(e['overlap_ns'])}]" if "overlap_ns" in e else ""
-        out.write(f"{indent}{when:<16} {e['kind']:<10} {e['text']}{extra}\n")
+        at = f"{when:<16} " if when or "spike" in e else ""  # rule items have no time
+        out.write(f"{indent}{at}{e['kind']:<10} {e['text']}{extra}\n")
         if verbose and e.get("stack"):  # innermost first, as recorded
             out.write("".join(f"{indent}{'':<16}   {f}\n" for f in e["stack"]))
     out.write("  fix:\n")

@@ -34,6 +34,7 @@ SOURCES: dict[str, str] = {
     "proc": "process lifecycle",
     "irq": "hard and soft interrupts that preempted a traced thread",
     "syscall": "system calls slower than the threshold",
+    "cgroup": "a traced process's cgroup: CPU quota and throttling, from its own accounting",
 }
 
 _CUDA = [
@@ -127,6 +128,8 @@ def _build() -> list[Op]:
         Op(900, "hardirq", "irq", "interval", "irq", None),
         Op(901, "softirq", "irq", "interval", "vec", None),
         Op(1000, "syscall", "syscall", "interval", "nr", None),
+        # bytes: ns throttled in the interval (cpu.stat); args: cgroup, quota, pod.
+        Op(1100, "cpu_throttle", "cgroup", "interval", "throttled_periods", "periods"),
     ]
     return ops
 

@@ -24,6 +24,7 @@ traced process is named by its cgroup, container and pod, without the Kubernetes
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,3 +150,91 @@ def pod_name_and_namespace(pid: int, env: dict[str, str]) -> tuple[str | None, s
     except OSError:
         ns = None
     return name, ns
+
+
+MAX_MEMBERS = 64  # processes of one cgroup listed with each sample
+
+
+def members(groups: dict[str, str], root: Path = CGROUP_ROOT) -> list[int]:
+    """The processes sharing the cgroup's CPU quota (traced or not: a neighbour inside
+    the quota takes from it), at most MAX_MEMBERS, smallest pids first."""
+    path = cpu_path(groups).lstrip("/")
+    v1 = "cpu" in groups or "cpu,cpuacct" in groups
+    procs = (root / "cpu" / path / "cgroup.procs") if v1 else (root / path / "cgroup.procs")
+    try:
+        pids = sorted(int(x) for x in procs.read_text().split() if x.isdigit())
+    except OSError:
+        return []
+    return pids[:MAX_MEMBERS]
+
+
+def read_groups(pid: int) -> dict[str, str] | None:
+    try:
+        return parse_proc_cgroup(Path(f"/proc/{pid}/cgroup").read_text())
+    except OSError:
+        return None
+
+
+@dataclass(slots=True)
+class _Seen:
+    ts_ns: int
+    limit: CpuLimit
+    pid: int
+    args: dict[str, object]
+
+
+class ThrottleSampler:
+    """Each limited cgroup of the traced processes, sampled about once a second: one
+    ``cpu_throttle`` interval per cgroup per sample with the throttled time and periods
+    since the last one (the cgroup's own accounting, exact however the scheduler events
+    were sampled), and the quota, period, container and pod in its args."""
+
+    def __init__(self, code: int, environ: Callable[[int], dict[str, str]]) -> None:
+        self.code = code
+        self._environ = environ
+        self._groups: dict[int, dict[str, str] | None] = {}  # pid -> its cgroups (cached)
+        self._seen: dict[str, _Seen] = {}  # cpu cgroup path -> last sample
+
+    def sample(self, pids: Iterable[int], now_ns: int
+               ) -> list[tuple[tuple[int, ...], dict[str, object]]]:
+        by_path: dict[str, tuple[int, dict[str, str]]] = {}
+        for pid in sorted(pids):
+            if pid not in self._groups:
+                self._groups[pid] = read_groups(pid)
+            groups = self._groups[pid]
+            if groups is not None:
+                by_path.setdefault(cpu_path(groups), (pid, groups))
+        out: list[tuple[tuple[int, ...], dict[str, object]]] = []
+        for path, (pid, groups) in by_path.items():
+            limit = cpu_limit(groups)
+            if limit is None or limit.quota_us is None:
+                continue
+            last = self._seen.get(path)
+            self._seen[path] = _Seen(now_ns, limit, pid, last.args if last else
+                                     self._args(path, pid, groups, limit))
+            if last is None:
+                continue
+            row = (last.ts_ns, now_ns - last.ts_ns, pid, pid, self.code, 0,
+                   max(0, limit.throttled_ns - last.limit.throttled_ns), 0,
+                   max(0, limit.throttled_periods - last.limit.throttled_periods),
+                   max(0, limit.periods - last.limit.periods), 0)
+            out.append((row, {**self._seen[path].args, "quota_us": limit.quota_us,
+                              "period_us": limit.period_us,
+                              "pids": members(groups)}))
+        return out
+
+    def forget(self, pid: int) -> None:
+        self._groups.pop(pid, None)
+
+    def _args(self, path: str, pid: int, groups: dict[str, str],
+              limit: CpuLimit) -> dict[str, object]:
+        place = placement_of_path(path)
+        if place.container_id is None:  # v1 cpu at the root, the container on v2's path
+            place = placement_of_path(groups.get("", path))
+        args: dict[str, object] = {"cgroup": path}
+        if place.container_id:
+            args.update(runtime=place.runtime, container=place.container_id[:12])
+        if place.pod_uid:
+            name, ns = pod_name_and_namespace(pid, self._environ(pid))
+            args.update(pod_uid=place.pod_uid, pod=name, namespace=ns, qos=place.qos)
+        return args

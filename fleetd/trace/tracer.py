@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetd.errors import TraceError, UsageError
+from fleetd.store.catalog import op_code
 from fleetd.store.writer import BatchWriter, WriterStats
 from fleetd.trace import accounting, procinfo
 from fleetd.trace.bpfsrc import (
@@ -40,6 +41,7 @@ from fleetd.trace.bpfsrc import (
     compile_program,
     detach_all,
 )
+from fleetd.trace.cgroups import ThrottleSampler
 from fleetd.trace.clock import ClockMap
 from fleetd.trace.decoder import OP_EXEC, OP_EXIT, OP_FORK, Batch, Decoder, Lifecycle
 from fleetd.trace.headers import HeaderRoute
@@ -153,6 +155,7 @@ class Tracer:
         self._kernels: KernelNames | None = None
         self._wchan: WaitChannels | None = None
         self._locks = LockNames()
+        self._throttle = ThrottleSampler(op_code("cpu_throttle"), procinfo.environ)
         self._proc_comm: dict[int, str] = {}  # the name each process row was given
         self.warnings: list[str] = []
         self._python_told: set[int] = set()
@@ -210,6 +213,7 @@ class Tracer:
         self._started_mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         self.hist.window_start = self._started_mono
         self._last_maint = time.monotonic()
+        self._sample_cgroups()  # the baseline: the first interval starts here
 
     def _program_options(self) -> ProgramOptions:
         return ProgramOptions(
@@ -485,10 +489,19 @@ class Tracer:
         if time.monotonic() - self._last_maps_scan >= 2.0:
             self._last_maps_scan = time.monotonic()
             self._scan_libraries()
+        self._sample_cgroups()
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         if now - self.hist.window_start >= self.cfg.agg_interval_ns:
             self._write_aggregates(now)
             self._update_session(final=False)
+
+    def _sample_cgroups(self) -> None:
+        """CPU-quota throttling of the targets' cgroups since the last sample."""
+        assert self.writer is not None
+        found = self._throttle.sample(self.live_targets(), time.time_ns())
+        if found:
+            self.writer.add_events([row for row, _ in found],  # type: ignore[misc]
+                                   [(i, args) for i, (_, args) in enumerate(found)])
 
     def _discover_targets(self) -> None:
         """Targets the kernel added (children, cgroup members, CUDA callers)."""
@@ -624,6 +637,7 @@ class Tracer:
             self._flush_pending()
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         self._write_aggregates(now)
+        self._sample_cgroups()
         counters = self.counters()
         self._update_session(final=True)
         # The BPF side goes away below: no commit may still be reading its counters.

@@ -1,0 +1,119 @@
+"""A CPU limit, live: the reference workload alone in a CPU cgroup with a 25% quota (a
+Kubernetes 250m limit) on this machine's cgroup v1 ``cpu`` controller, traced with real
+BPF. The cause is the quota, named with its cgroup and figures; no process is blamed
+for the time the quota kept the thread off the CPU. With a busy loop inside the same
+quota, the quota and the busy loop both show; without a quota, no cpu_throttled chain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from recorder import wait_for_libcudart
+
+from conftest import FLEETD, REPO
+
+pytestmark = [pytest.mark.bpf,
+              pytest.mark.skipif(os.geteuid() != 0, reason="cgroups and BPF need root")]
+
+PY = sys.executable
+WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
+NEIGHBOUR = REPO / "tests" / "workloads" / "neighbour.py"
+CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+STEP = ["--launches", "8", "--memcpy", "1", "--cpu-us", "400", "--gpu-ms", "4"]  # ~45% of a CPU
+
+
+@contextmanager
+def cpu_cgroup(quota_us: int | None) -> Iterator[Path | None]:
+    if quota_us is None:
+        yield None
+        return
+    if not (CPU_ROOT / "cpu.cfs_quota_us").exists():
+        pytest.fail("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
+    d = CPU_ROOT / f"fleetd-test-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    try:
+        (d / "cpu.cfs_period_us").write_text("100000")
+        (d / "cpu.cfs_quota_us").write_text(str(quota_us))
+        yield d
+    finally:
+        for pid in (d / "cgroup.procs").read_text().split():
+            (CPU_ROOT / "cgroup.procs").write_text(pid)  # back to the root, then remove
+        d.rmdir()
+
+
+def _start_in(group: Path | None, argv: list[str]) -> subprocess.Popen[str]:
+    def enter() -> None:
+        os.sched_setaffinity(0, {0})  # one CPU: the quota is a share of one core
+        if group is not None:
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, preexec_fn=enter)
+
+
+def explain_live(tmp_path: Path, quota_us: int | None, hog: bool) -> dict[str, object]:
+    go, db = tmp_path / "go", tmp_path / "t.db"
+    with cpu_cgroup(quota_us) as group:
+        wl = _start_in(group, [PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go),
+                               *STEP])
+        hogp = _start_in(group, [PY, str(NEIGHBOUR), "hog", "--seconds", "30"]) if hog \
+            else None
+        try:
+            wait_for_libcudart(wl.pid)
+            tr = subprocess.Popen([FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db),
+                                   "--duration", "6s"], stderr=subprocess.PIPE, text=True)
+            assert tr.stderr is not None
+            for line in tr.stderr:
+                if line.startswith("fleetd: tracing"):
+                    go.touch()
+                    break
+            tr.communicate(timeout=120)
+            assert tr.returncode == 0
+        finally:
+            for p in (wl, hogp):
+                if p is not None:
+                    p.kill()
+                    p.wait()
+    r = subprocess.run([FLEETD, "explain", "--db", str(db), "--format", "json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return dict(json.loads(r.stdout), pid=wl.pid, hog=hogp.pid if hogp else None)
+
+
+def _chains(report: dict[str, object], root: str) -> list[dict[str, object]]:
+    return [c for c in report["chains"] if c["root_cause"] == root]  # type: ignore[union-attr,index]
+
+
+def test_a_cpu_quota_is_the_cause_and_nobody_is_the_culprit(tmp_path: Path) -> None:
+    report = explain_live(tmp_path, 25_000, hog=False)
+    [ch] = _chains(report, "cpu_throttled")
+    assert ch["severity"] == "HIGH", ch
+    assert ch["culprit"] is None and ch["culprits"] == []
+    d = ch["detail"]
+    assert d["quota_us"] == 25_000 and d["period_us"] == 100_000
+    assert d["cgroup"].startswith("/fleetd-test-") and d["throttled_periods"] > 0
+    assert "quota 25000 us per 100000 us" in json.dumps(ch["evidence"])
+    # Whatever ran while the quota held the thread off took nothing from it.
+    for c in _chains(report, "cpu_contention"):
+        assert c["victim"]["pid"] != report["pid"] or c["culprit"] is None, c
+
+
+def test_a_busy_neighbour_inside_the_quota_shows_beside_it(tmp_path: Path) -> None:
+    report = explain_live(tmp_path, 50_000, hog=True)
+    assert _chains(report, "cpu_throttled"), report["chains"]
+    named = [c for c in report["chains"] if (c.get("culprit") or {}).get("pid") == report["hog"]]
+    also = [a for c in report["chains"] for a in (c["detail"].get("also") or [])
+            if (a.get("culprit") or {}).get("pid") == report["hog"]]
+    assert named or also, report["chains"]
+
+
+def test_without_a_quota_there_is_no_throttling_chain(tmp_path: Path) -> None:
+    report = explain_live(tmp_path, None, hog=False)
+    assert _chains(report, "cpu_throttled") == []
