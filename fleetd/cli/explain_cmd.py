@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     with open_analysis(args) as (path, analysis):
         found = analysis.explain(args.pid, args.per_process)
         _no_such_pid(found, args.pid)
+        _gpu_verdict(found, analysis, args.pid)
         # NCCL collectives of several ranks: the rank the others wait for leads.
         found["collectives"] = analysis.collectives()
         if len(found["nodes"]) > 1 or found["collectives"]["stragglers"]:
@@ -163,6 +164,23 @@ def run(args: argparse.Namespace) -> int:
         for w in found["warnings"]:
             print(f"fleetd: warning: {w}", file=sys.stderr)
     return failed(args, found["chains"], 0)
+
+
+def _gpu_verdict(found: dict[str, Any], analysis: Analysis, pid: int | None) -> None:
+    """An imported GPU timeline's verdict, the one ``fleetd gpu`` prints, joins the
+    report (``gpu``) and leads the verdict when it finds host overhead: one answer for
+    one file, whichever command is asked."""
+    ranks = analysis.gpu(pid).get("ranks") or []
+    if not ranks:
+        return
+    found["gpu"] = [{"node": r["node"], "pid": r["pid"], "rank": r.get("rank"),
+                     "host_overhead": r["verdict"]["host_overhead"],
+                     "summary": r["summary"]} for r in ranks]
+    bound = [g for g in found["gpu"] if g["host_overhead"] == "YES"]
+    if bound and str(found["verdict"]).startswith("quiet"):
+        g = bound[0]
+        found["verdict"] = (f"GPU timeline of {g['node']} pid {g['pid']}: {g['summary']} "
+                            f"(fleetd gpu); the host side: {found['verdict']}")
 
 
 def output_path(args: argparse.Namespace) -> Path | None:
@@ -429,6 +447,14 @@ def _processes(procs: list[dict[str, Any]], out: TextIO) -> None:
             ])
     if not rows:
         out.write("\nno traced threads in the window\n")
+        return
+    if all(not t.get("switches") and not t.get("off_cpu_ns") for p in procs
+           for t in p["threads"]):
+        # An imported trace (or tracing with --no-host) records no scheduler events: a
+        # table would show every thread 100% running, which nothing measured.
+        out.write("\nper-process breakdown: no scheduler data in this recording (imported "
+                  "traces and --no-host record none), so where threads spent their time is "
+                  "unknown\n")
         return
     out.write("\nper-process breakdown (share of wall time; in_cuda overlaps the rest; "
               "* = scaled from histograms):\n")
