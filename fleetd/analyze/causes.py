@@ -75,6 +75,11 @@ def _cpu_contention_fixes(ch: Chain) -> list[str]:
     out = [f"pin {v['comm']} to dedicated cores and keep other work off them: "
            f"taskset -cp <cores> {vp}, or a cgroup cpuset (systemd-run --scope -p "
            "AllowedCPUs=<cores> ...) for the workload and another for the rest"]
+    q = ch.detail.get("quota")
+    if q and cp is not None:  # the culprit spends the victim's own CPU quota
+        out.insert(0, f"move {cn} (pid {cp}) out of the workload's cgroup {q['cgroup']}: "
+                      f"it spends the same {q['cpus']:g}-CPU quota, which ran out in "
+                      f"{q['throttled_period_share']:.0%} of the periods")
     if cp is not None:
         out += [f"lower the priority of {cn} (pid {cp}): renice -n 19 -p {cp}, or run it "
                 f"with chrt --idle 0",
@@ -387,7 +392,7 @@ _ALL = (
     Cause("cpu_contention",
           "the thread was preempted, or runnable but queued for a CPU, while another task "
           "ran",
-          ("spike", "stall", "off_cpu", "runq_wait"), _cpu_contention_fixes,
+          ("spike", "stall", "off_cpu", "runq_wait", "cgroup_quota"), _cpu_contention_fixes,
           why=lambda by: "preempted or queued for the CPU" + (f" while {by} ran" if by else "")),
     Cause("cpu_throttled",
           "the thread was runnable but held off the CPU by its cgroup's CPU quota (a "

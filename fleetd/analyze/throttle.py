@@ -69,20 +69,25 @@ def quotas(ctx: Context) -> list[Quota]:
 
 def throttle_rule(ctx: Context, chains: list[Chain]) -> list[Chain]:
     """A ``cpu_throttled`` chain per feeding thread of a throttled cgroup. Runs after
-    the shares are accounted: the thread's run-queue column is split between the quota
-    and the ``cpu_contention`` chain that held it, so the two stated shares add up to
-    the column; that chain keeps only culprits inside the quota, or, where none is, the
-    time beyond the throttling (or goes when there is none worth a chain)."""
+    the shares are accounted (they are split, never stated twice).
+
+    A busy neighbour *inside* the quota is the cause: alone the thread would fit, and the
+    quota runs out because the neighbour spends it. Its ``cpu_contention`` chain then
+    stays the chain, with the quota named in its evidence and detail. Otherwise the
+    quota is the cause: the thread's run-queue column goes to ``cpu_throttled`` up to the
+    throttled time, whoever ran meanwhile is no culprit, and the contention chain keeps
+    only the time beyond the throttling (or goes when there is none worth a chain)."""
     out: list[Chain] = []
     for q in quotas(ctx):
         share = q.throttled_ns / ctx.span_ns
         if share < MIN_THROTTLED_SHARE:
             continue
         for pid in ctx.gpu_pids():
-            if pid in q.members:
-                ch = _chain(ctx, q, pid, share)
-                out.append(ch)
-                _split_contention(chains, ch, q.members)
+            if pid not in q.members:
+                continue
+            quota = _chain(ctx, q, pid, share)
+            if not _neighbour_spends_it(chains, quota, q):
+                out.append(quota)
     chains[:] = [c for c in chains if not c.detail.get("throttled_away")]
     return out
 
@@ -112,25 +117,31 @@ def _chain(ctx: Context, q: Quota, pid: int, throttled_share: float) -> Chain:
     return ch
 
 
-def _split_contention(chains: list[Chain], quota: Chain, members: set[int]) -> None:
-    """While the quota held the victim off, whoever ran took nothing from it: only a
-    task sharing the quota (a neighbour in the same cgroup) stays a culprit; the rest
-    of the run-queue time, beyond the throttling, stays with the contention chain."""
+def _neighbour_spends_it(chains: list[Chain], quota: Chain, q: Quota) -> bool:
+    """True when a contention chain of the thread names a task inside the quota (it
+    then carries the quota's figures); else those chains lose the throttled time."""
     pid, tid = int(quota.victim["pid"]), int(quota.victim["tid"])
-    for ch in chains:
-        if ch.root_cause != "cpu_contention" or int(ch.victim.get("tid") or 0) != tid:
-            continue
-        inside = [c for c in ch.culprits if int(c.get("pid") or -1) in members
+    mine = [ch for ch in chains
+            if ch.root_cause == "cpu_contention" and int(ch.victim.get("tid") or 0) == tid]
+    for ch in mine:
+        inside = [c for c in ch.culprits if int(c.get("pid") or -1) in q.members
                   and int(c.get("pid") or -1) != pid]
-        rest = max(0.0, ch.impact - quota.impact)
-        if not inside and rest < MIN_THROTTLED_SHARE:
-            ch.detail["throttled_away"] = True
-            continue
         if inside:
             ch.culprits = inside
+            ch.extra_evidence = [*quota.extra_evidence, *ch.extra_evidence]
+            ch.detail["quota"] = {k: quota.detail[k] for k in (
+                "cgroup", "quota_us", "period_us", "cpus", "throttled_share",
+                "throttled_period_share")}
+            return True
+    for ch in mine:
+        rest = max(0.0, ch.impact - quota.impact)
+        if rest < MIN_THROTTLED_SHARE:
+            ch.detail["throttled_away"] = True
+            continue
         ch.detail.update(quota_share=round(quota.impact, 6), share=round(rest, 6))
         ch.impact = round(rest, 6)
         ch.severity = severity(ch.explained, ch.impact)
+    return False
 
 
 def _where(q: Quota) -> str:
