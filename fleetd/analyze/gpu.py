@@ -43,6 +43,7 @@ from fleetd.analyze.model import NodeSlice
 from fleetd.analyze.stragglers import Metric, score_metric
 from fleetd.analyze.window import Window
 from fleetd.errors import UsageError
+from fleetd.store.db import present_tables
 
 KERNEL, MEMCPY, MEMSET = 1, 2, 3
 STEP = 1  # annotation_data.kind of a profiler step
@@ -130,6 +131,8 @@ def phase_limits(thresholds: Mapping[str, float], phase: str) -> dict[str, float
 
 def load_ranks(sl: NodeSlice, pid: int | None = None) -> list[Rank]:
     """The node's kernels, copies and sets in the window, grouped by (pid, device)."""
+    if len(present_tables(sl.conn, ("gpu_data", "gpu_names"))) < 2:
+        return []  # a file of schema 1 has no GPU tables: nothing was imported into it
     node = sl.node
     win = sl.window
     bounds = "" if win.label == WHOLE else "AND g.ts_ns < ? AND g.ts_ns + g.dur_ns > ?"

@@ -453,9 +453,8 @@ class Tracer:
             # that has a process row of ours is that process's main thread too.
             main = tid == pid or (pid is None and tid in self._proc_comm)
             if main and comm and self._proc_comm.get(tid) != comm:
-                first = tid not in self._proc_comm
                 self._proc_comm[tid] = comm
-                renamed.append({"pid": tid, "comm": comm, **(_identity(tid) if first else {})})
+                renamed.append({"pid": tid, "comm": comm})
         if renamed:
             self.writer.add_processes(renamed)
 
@@ -684,16 +683,6 @@ class Tracer:
 
 
 # ---- helpers ------------------------------------------------------------------------------
-
-def _identity(pid: int) -> dict[str, Any]:
-    """The torchrun identity of a process seen first as a waker or a culprit: a rank of
-    the traced job that another node traces must still be known here as a peer rank
-    (waiting for a peer is the collective's wait, never a data-starvation cause)."""
-    env = procinfo.environ(pid)
-    if "RANK" not in env:
-        return {}
-    return {**procinfo.ranks_of(env), "job": procinfo.job_of(env)}
-
 
 def _compile_into(opts: ProgramOptions, out: list[tuple[Any, HeaderRoute]],
                   failure: list[BaseException]) -> None:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
 from fleetd.cli.main import main
+
+from conftest import REPO
 
 RANK0 = REPO / "tests" / "data" / "gpu" / "sampled_rank-0.json.gz"
 

@@ -25,7 +25,6 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -62,24 +61,38 @@ def doc0() -> dict[str, Any]:
     return dict(json.loads(gzip.decompress(RANK0.read_bytes())))
 
 
+# The child reports its own high-water mark (VmHWM of the memory it got at exec): the
+# rusage a parent sees also counts the parent's memory the child had before exec (Linux
+# keeps maxrss across execve), which in a long test run is the test runner's, not ours.
+_PEAK = """
+import atexit, sys
+from pathlib import Path
+out = sys.argv.pop(1)
+def peak():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            Path(out).write_text(line.split()[1])
+atexit.register(peak)
+from fleetd.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def measure(argv: list[str], timeout: float = 300) -> tuple[int, str, float, float]:
     """(exit code, stderr, seconds, peak RSS in MB) of ``fleetd argv`` in a process of
-    its own (its rusage from wait4: its own peak, whatever ran before it)."""
-    with tempfile.TemporaryFile() as err:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "fleetd.cli.main", *argv], cwd=REPO,
-                                stdout=subprocess.DEVNULL, stderr=err)
-        timer = threading.Timer(timeout, proc.kill)
-        timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        seconds = time.perf_counter() - t0
-        err.seek(0)
-        text = err.read().decode(errors="replace")
-    return proc.returncode, text, seconds, usage.ru_maxrss / 1024
+    its own, its peak as that process measured it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        err_path, peak_path = Path(tmp) / "err", Path(tmp) / "peak"
+        with err_path.open("wb") as err:
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-c", _PEAK, str(peak_path), *argv],
+                                  cwd=REPO, stdout=subprocess.DEVNULL, stderr=err,
+                                  timeout=timeout)
+            seconds = time.perf_counter() - t0
+        text = err_path.read_text(errors="replace")
+        assert peak_path.exists(), f"the child did not report its peak: {text[-2000:]}"
+        peak_kb = int(peak_path.read_text())
+    return proc.returncode, text, seconds, peak_kb / 1024
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
