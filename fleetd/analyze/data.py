@@ -279,6 +279,13 @@ def job_peers(conn: sqlite3.Connection, node: Node, win: Window) -> dict[int, fr
             others = {p for p, r in members if r != rank}
             if others:
                 peers.setdefault(pid, set()).update(others)
+    # Processes of a job seen here only as wakers carry the job without a rank; one is a
+    # peer of every rank of the job but the one whose worker it is (its parent).
+    for key in keys:
+        for pid, ppid, size, job in _unranked_rows(conn, key):
+            for member, _rank in groups.get((str(job), int(size)), []):
+                if pid != member and ppid != member and pid not in ident:
+                    peers.setdefault(member, set()).add(int(pid))
     by_comm: dict[str, set[int]] = {}
     for key in keys:
         n = Node(key, "")
@@ -303,6 +310,17 @@ def _rank_rows(conn: sqlite3.Connection, key: int) -> list[tuple[object, ...]]:
     job = "job" if "job" in cols else "NULL"
     return conn.execute(f"SELECT pid, rank, world_size, {job} FROM process_data WHERE "
                         "node = ? AND rank IS NOT NULL", (key,)).fetchall()
+
+
+def _unranked_rows(conn: sqlite3.Connection, key: int) -> list[tuple[int, int, int, str]]:
+    """(pid, ppid, world_size, job) of processes known by their job but not their rank."""
+    cols = {str(r[1]) for r in conn.execute("PRAGMA table_info(process_data)")}
+    if "job" not in cols:
+        return []
+    return [(pid, ppid, size, job) for pid, ppid, size, job in conn.execute(
+        "SELECT pid, ppid, world_size, job FROM process_data WHERE node = ? AND rank IS NULL "
+        "AND job IS NOT NULL AND world_size IS NOT NULL", (key,))
+        if isinstance(pid, int) and isinstance(size, int) and isinstance(job, str)]
 
 
 def _same_boot_nodes(conn: sqlite3.Connection, node: Node) -> list[int]:

@@ -453,8 +453,9 @@ class Tracer:
             # that has a process row of ours is that process's main thread too.
             main = tid == pid or (pid is None and tid in self._proc_comm)
             if main and comm and self._proc_comm.get(tid) != comm:
+                first = tid not in self._proc_comm
                 self._proc_comm[tid] = comm
-                renamed.append({"pid": tid, "comm": comm})
+                renamed.append({"pid": tid, "comm": comm, **(_job_of(tid) if first else {})})
         if renamed:
             self.writer.add_processes(renamed)
 
@@ -683,6 +684,19 @@ class Tracer:
 
 
 # ---- helpers ------------------------------------------------------------------------------
+
+def _job_of(pid: int) -> dict[str, Any]:
+    """The torchrun job of a process seen first as a waker or a culprit, without its
+    rank: a rank that another node traces must be known here as one of the job (a
+    peer's wait is the collective's, never a data-starvation cause), yet must not count
+    among this node's own ranks (tracks, rank books). Its parent tells a worker of the
+    traced rank (which inherits the rank's environment) from a peer."""
+    env = procinfo.environ(pid)
+    if "RANK" not in env:
+        return {}
+    size = procinfo.ranks_of(env)["world_size"]
+    return {"ppid": procinfo.ppid_of(pid), "world_size": size, "job": procinfo.job_of(env)}
+
 
 def _compile_into(opts: ProgramOptions, out: list[tuple[Any, HeaderRoute]],
                   failure: list[BaseException]) -> None:

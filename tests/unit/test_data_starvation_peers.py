@@ -159,3 +159,41 @@ def test_a_peer_known_only_to_a_node_of_the_same_boot(tmp_path: Path) -> None:
     merge([mine, other], apart)
     [chain] = [c for c in _starvation(apart) if c["node"] == "rec-01"]
     assert chain["culprit"]["pid"] == PRODUCER
+
+
+def _with_job(db: Path) -> None:
+    """The recording predates the job column; a file written now has it."""
+    with sqlite3.connect(db) as c:
+        if "job" not in {r[1] for r in c.execute("PRAGMA table_info(process_data)")}:
+            c.execute("ALTER TABLE process_data ADD COLUMN job TEXT")
+
+
+def _job_only(db: Path, pid: int, ppid: int, size: int = 2, job: str = "j1") -> None:
+    """The row the tracer writes for a process it saw only as a waker: its job and world
+    size, its parent, no rank (that process is another node's rank, or a worker)."""
+    _with_job(db)
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE process_data SET rank = NULL, world_size = ?, job = ?, ppid = ? "
+                  "WHERE pid = ?", (size, job, ppid, pid))
+
+
+def test_a_rank_seen_here_only_as_a_waker_is_a_peer(tmp_path: Path) -> None:
+    """The demo's node-1: rank 0 is traced here, rank 2 only wakes it (node-3 traces it)."""
+    db = _copy(tmp_path)
+    _with_job(db)
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE process_data SET rank = 0, world_size = 2, job = 'j1' WHERE pid = ?",
+                  (VICTIM,))
+    _job_only(db, PRODUCER, ppid=1)
+    assert _starvation(db) == []
+
+
+def test_a_worker_of_the_victim_seen_only_as_a_waker_is_still_named(tmp_path: Path) -> None:
+    db = _copy(tmp_path)
+    _with_job(db)
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE process_data SET rank = 0, world_size = 2, job = 'j1' WHERE pid = ?",
+                  (VICTIM,))
+    _job_only(db, PRODUCER, ppid=VICTIM)  # inherits the rank's environment: its worker
+    [chain] = _starvation(db)
+    assert chain["culprit"]["pid"] == PRODUCER
