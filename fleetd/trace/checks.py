@@ -214,6 +214,10 @@ def _bcc() -> Check:
         return Check("bcc", FAIL, f"python module not importable: {exc}",
                      "apt-get install python3-bpfcc libbpfcc, then re-run scripts/setup.sh "
                      "(not `pip install bcc`: an unrelated package)")
+    except OSError as exc:  # the module is there, its libbcc (or what it links) is not
+        return Check("bcc", FAIL, f"libbcc could not be loaded: {exc}",
+                     "install libbcc from the OS (apt-get install libbpfcc), or use a bundle "
+                     "built for this machine's glibc (docs/deploy.md)")
     version = getattr(bcc, "__version__", None) or _bcc_version_from_dpkg()
     return Check("bcc", OK, f"bcc {version or '(version unknown)'} at {Path(bcc.__file__).parent}")
 

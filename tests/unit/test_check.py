@@ -391,3 +391,25 @@ def test_capabilities_are_read_from_capeff(monkeypatch: pytest.MonkeyPatch) -> N
     assert check._capabilities().status == OK
     monkeypatch.setattr(check, "_effective_caps", lambda: 1 << 21)
     assert check._capabilities().status == OK
+
+
+def test_a_libbcc_that_cannot_load_is_a_failed_check_not_a_traceback(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test double of the import only (a libbcc built for another glibc raises OSError
+    from ctypes when BCC's module loads it); the check's handling is the real code."""
+    import builtins
+    import sys
+
+    from fleetd.trace import checks as tc
+
+    real = builtins.__import__
+
+    def failing(name: str, *args: object, **kwargs: object) -> object:
+        if name == "bcc":
+            raise OSError("libbcc.so.0: version `GLIBC_2.38' not found")
+        return real(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.delitem(sys.modules, "bcc", raising=False)
+    monkeypatch.setattr(builtins, "__import__", failing)
+    c = tc._bcc()
+    assert c.status == "fail" and "GLIBC_2.38" in c.detail and "libbpfcc" in c.fix
