@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from fleetd.analyze.data import in_list, name_of
+from fleetd.analyze.data import args_object, in_list, name_of
 from fleetd.analyze.model import NodeSlice
 from fleetd.store.catalog import BY_NAME
 from fleetd.store.clockinfo import (
@@ -142,13 +142,7 @@ def read_arrivals(sl: NodeSlice, max_rows: int | None = None, max_bytes: int | N
 
 def _arrival(ts: int, dur: int, pid: int, tid: int, op: str, ret: int, nbytes: int,
              args: Any) -> Arrival:
-    d: dict[str, Any] = {}
-    if args:
-        try:
-            loaded = orjson.loads(args)
-        except orjson.JSONDecodeError:
-            loaded = None
-        d = loaded if isinstance(loaded, dict) else {}
+    d = args_object(args)
     comm_hash = _hex(d.get("comm_hash"), 16, exact=True)
     rank, nranks = _nat(d.get("rank")), _nat(d.get("nranks"))
     if comm_hash is None or rank is None or not nranks or rank >= nranks:

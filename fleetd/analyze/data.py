@@ -11,6 +11,9 @@ import json
 import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import orjson
 
 from fleetd.analyze.window import Window
 from fleetd.store.catalog import BY_CODE, BY_NAME, OPS
@@ -342,11 +345,20 @@ def _same_boot_nodes(conn: sqlite3.Connection, node: Node) -> list[int]:
     return sorted(k for k, b in boots.items() if b == mine and k != node.key)
 
 
-def _comm_hash(args: object) -> str | None:
-    """The ``comm_hash`` of an NCCL call's args (their JSON is not trusted)."""
+def args_object(raw: object) -> dict[str, Any]:
+    """An event's args as a dict: their JSON is untrusted (a merged or imported file),
+    so anything that is not an object, or not JSON (orjson also bounds its nesting),
+    is ``{}``."""
+    if not isinstance(raw, str | bytes) or not raw:
+        return {}
     try:
-        d = json.loads(args) if isinstance(args, str) else None
-    except ValueError:
-        return None
-    v = d.get("comm_hash") if isinstance(d, dict) else None
+        got = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def _comm_hash(args: object) -> str | None:
+    """The ``comm_hash`` of an NCCL call's args."""
+    v = args_object(args).get("comm_hash")
     return v if isinstance(v, str) and v else None

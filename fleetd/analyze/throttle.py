@@ -12,11 +12,11 @@ take from it: it stays a ``cpu_contention`` culprit beside this chain.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleetd.analyze.chains import Chain, severity
+from fleetd.analyze.data import args_object
 from fleetd.analyze.rules import Context, rule_chain
 from fleetd.store.catalog import op_code
 
@@ -51,7 +51,7 @@ def quotas(ctx: Context) -> list[Quota]:
             "event_args x ON x.id = e.id WHERE e.op = ? AND e.ts_ns >= ? AND e.ts_ns < ? "
             "AND e.id BETWEEN ? AND ?",
             (CPU_THROTTLE, view.win.start_ns, view.win.end_ns, view.node.lo, view.node.hi)):
-        a = _args(args)
+        a = args_object(args)
         path, quota, period = a.get("cgroup"), a.get("quota_us"), a.get("period_us")
         if not isinstance(path, str) or not isinstance(quota, int) or \
                 not isinstance(period, int) or quota <= 0 or period <= 0:
@@ -111,10 +111,8 @@ def _chain(ctx: Context, q: Quota, pid: int, throttled_share: float) -> Chain:
                  f"({q.cpus:g} CPU); throttled in {q.throttled_periods} of {q.periods} "
                  f"periods ({periods:.0%}), {q.throttled_ns / 1e6:.1f} ms in all "
                  f"({throttled_share:.1%} of the window)"}]
-    ch = rule_chain(ctx, "cpu_throttled", pid, None, explained, impact, evidence, detail,
-                    tid=tid)
-    ch.severity = severity(ch.explained, ch.impact)
-    return ch
+    return rule_chain(ctx, "cpu_throttled", pid, None, explained, impact, evidence, detail,
+                      tid=tid)
 
 
 def _neighbour_spends_it(chains: list[Chain], quota: Chain, q: Quota) -> bool:
@@ -152,13 +150,3 @@ def _where(q: Quota) -> str:
     if p.get("container"):
         return f" ({p.get('runtime', 'container')} {p['container']})"
     return ""
-
-
-def _args(text: object) -> dict[str, Any]:
-    if not isinstance(text, str):
-        return {}
-    try:
-        got = json.loads(text)
-    except ValueError:
-        return {}
-    return got if isinstance(got, dict) else {}

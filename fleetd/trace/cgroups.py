@@ -103,7 +103,7 @@ def placement_of_path(path: str) -> Placement:
 
 def cpu_path(groups: dict[str, str]) -> str:
     """The cgroup path whose CPU controller limits the process (v1 ``cpu``, else v2)."""
-    return groups.get("cpu") or groups.get("cpu,cpuacct") or groups.get("", "/")
+    return groups.get("cpu") or groups.get("", "/")
 
 
 def parse_cpu_max(text: str) -> tuple[int | None, int]:
@@ -125,7 +125,7 @@ def cpu_limit(groups: dict[str, str], root: Path = CGROUP_ROOT) -> CpuLimit | No
     """The CPU quota and throttling counters of the process's cgroup; None when the
     cgroup's files cannot be read (another mount namespace, no CPU controller)."""
     try:
-        if "cpu" in groups or "cpu,cpuacct" in groups:
+        if "cpu" in groups:
             base = root / "cpu" / cpu_path(groups).lstrip("/")
             quota = int((base / "cpu.cfs_quota_us").read_text())
             period = int((base / "cpu.cfs_period_us").read_text())
@@ -159,7 +159,7 @@ def members(groups: dict[str, str], root: Path = CGROUP_ROOT) -> list[int]:
     """The processes sharing the cgroup's CPU quota (traced or not: a neighbour inside
     the quota takes from it), at most MAX_MEMBERS, smallest pids first."""
     path = cpu_path(groups).lstrip("/")
-    v1 = "cpu" in groups or "cpu,cpuacct" in groups
+    v1 = "cpu" in groups
     procs = (root / "cpu" / path / "cgroup.procs") if v1 else (root / path / "cgroup.procs")
     try:
         pids = sorted(int(x) for x in procs.read_text().split() if x.isdigit())
@@ -179,7 +179,6 @@ def read_groups(pid: int) -> dict[str, str] | None:
 class _Seen:
     ts_ns: int
     limit: CpuLimit
-    pid: int
     args: dict[str, object]
 
 
@@ -197,11 +196,11 @@ class ThrottleSampler:
 
     def sample(self, pids: Iterable[int], now_ns: int
                ) -> list[tuple[tuple[int, ...], dict[str, object]]]:
+        # Cached per live pid only: an exited pid leaves, so a reused one is read again.
+        self._groups = {p: self._groups[p] if p in self._groups else read_groups(p)
+                        for p in sorted(pids)}
         by_path: dict[str, tuple[int, dict[str, str]]] = {}
-        for pid in sorted(pids):
-            if pid not in self._groups:
-                self._groups[pid] = read_groups(pid)
-            groups = self._groups[pid]
+        for pid, groups in self._groups.items():
             if groups is not None:
                 by_path.setdefault(cpu_path(groups), (pid, groups))
         out: list[tuple[tuple[int, ...], dict[str, object]]] = []
@@ -210,8 +209,8 @@ class ThrottleSampler:
             if limit is None or limit.quota_us is None:
                 continue
             last = self._seen.get(path)
-            self._seen[path] = _Seen(now_ns, limit, pid, last.args if last else
-                                     self._args(path, pid, groups, limit))
+            self._seen[path] = _Seen(now_ns, limit,
+                                     last.args if last else self._args(path, pid, groups))
             if last is None:
                 continue
             row = (last.ts_ns, now_ns - last.ts_ns, pid, pid, self.code, 0,
@@ -223,11 +222,7 @@ class ThrottleSampler:
                               "pids": members(groups)}))
         return out
 
-    def forget(self, pid: int) -> None:
-        self._groups.pop(pid, None)
-
-    def _args(self, path: str, pid: int, groups: dict[str, str],
-              limit: CpuLimit) -> dict[str, object]:
+    def _args(self, path: str, pid: int, groups: dict[str, str]) -> dict[str, object]:
         place = placement_of_path(path)
         if place.container_id is None:  # v1 cpu at the root, the container on v2's path
             place = placement_of_path(groups.get("", path))

@@ -174,7 +174,8 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> None:
     find it complete. A complete tree is never removed or replaced: another process may
     be compiling against it, and BCC crashes (SIGSEGV) when headers vanish mid-compile.
     """
-    private_dir(target.parent, base=cache_dir(), what="header cache")
+    # target is cache_dir()/kheaders/NAME: the cache itself was checked when it was named.
+    private_dir(target.parent, base=target.parent.parent, what="header cache")
     with _locked(target.parent / f".{target.name}.lock"):
         if (target / ".complete").exists():
             return
