@@ -132,16 +132,24 @@ def test_a_flood_of_silent_connections_does_not_lock_clients_out(node: Agent,
                                                                   pki: Pki) -> None:
     refused0 = _metric(node, pki, "connections_refused_total")
     failed0 = _metric(node, pki, "tls_handshake_failures_total")
-    flood, missed = [], []
+    flood: list[socket.socket] = []
+    missed: list[str] = []
+    reset = 0
     for _ in range(150):  # beyond the cap (40) and the descriptor limit (96)
         try:
             flood.append(socket.create_connection(_hostport(node), timeout=2))
+        except ConnectionResetError:
+            # The server refuses a connection over its cap with an RST (linger 0); when it
+            # does so before connect() has looked at the socket, the refusal shows here
+            # (CI saw it from the 53rd on). It still counts as a refused flood connection.
+            reset += 1
         except OSError as exc:
             # A connect can time out when one SYN is lost (its retry comes after 1 s,
             # CI saw one at the 53rd): go on, the flood only has to reach its size.
             missed.append(repr(exc))
             if len(missed) >= 5:
                 break
+    tried = len(flood) + reset
     try:
         time.sleep(0.2)
         # Another source is served at once, while the flood still holds its connections.
@@ -159,12 +167,12 @@ def test_a_flood_of_silent_connections_does_not_lock_clients_out(node: Agent,
     while True:
         refused = _metric(node, pki, "connections_refused_total") - refused0
         failed = _metric(node, pki, "tls_handshake_failures_total") - failed0
-        if refused + failed >= len(flood) - 5 or time.monotonic() > deadline:
+        if refused + failed >= tried - 5 or time.monotonic() > deadline:
             break
         time.sleep(0.25)
-    assert len(flood) >= 100, (len(flood), missed)
+    assert tried >= 100, (len(flood), reset, missed)
     assert refused >= 50 and failed >= 15, (refused, failed)
-    assert refused + failed >= len(flood) - 5, (refused, failed, len(flood))
+    assert refused + failed >= tried - 5, (refused, failed, tried)
     assert _metric(node, pki, "connections_open") <= 2
 
 
