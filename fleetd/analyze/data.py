@@ -88,6 +88,23 @@ def effective_span(conn: sqlite3.Connection, node: Node, win: Window) -> tuple[i
     return max(win.start_ns, int(row[0])), min(win.end_ns, int(row[1]))
 
 
+def active_span(conn: sqlite3.Connection, node: Node, win: Window, pid: int
+                ) -> tuple[int, int]:
+    """From the first to the last stored CUDA/NCCL call of ``pid`` in the window: the time
+    the process was feeding the GPU. Call rates divide by this, so a node whose tracing
+    began before the job (or outlived it) is not called slow for the idle time around it."""
+    codes = sorted(o.code for o in OPS if o.source in CALL_SOURCES)
+    marks = ",".join("?" * len(codes))
+    row = conn.execute(
+        f"SELECT min(ts_ns), max(ts_ns + dur_ns) FROM event_data WHERE ts_ns >= ? AND "
+        f"ts_ns < ? AND id BETWEEN ? AND ? AND pid = ? AND op IN ({marks})",
+        (win.start_ns, win.end_ns, node.lo, node.hi, pid, *codes),
+    ).fetchone()
+    if row is None or row[0] is None:
+        return effective_span(conn, node, win)
+    return max(win.start_ns, int(row[0])), min(win.end_ns, int(row[1]))
+
+
 @dataclass(slots=True)
 class Hist:
     """A log2 latency histogram merged over windows: bucket b holds [2^b, 2^(b+1))."""

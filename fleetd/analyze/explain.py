@@ -34,6 +34,7 @@ from fleetd.analyze.data import (
     CALL_SOURCES,
     LAUNCH_OPS,
     SYNC_OPS,
+    active_span,
     code,
     nodes,
 )
@@ -244,14 +245,16 @@ def node_profile(sl: NodeSlice) -> dict[str, Any]:
     main = max(cuda_time, key=lambda p: cuda_time[p])
     mine = [r for r in ops if r["pid"] == main]
     feeding = [t for t in threads if t["pid"] == main and t["cuda_calls_stored"]]
+    start, end = active_span(sl.conn, sl.node, window, main)
+    active_s = max(1e-9, (end - start) / 1e9)
     return {
         "node": node, "window": window.to_json(), "span_s": round(span_s, 3),
         "main_pid": main, "main_comm": names.get(main),
         "features": {
             "cuda_calls_per_s": round(sum(int(r["count"]) for r in mine
-                                          if r["source"] in CALL_SOURCES) / span_s, 3),
+                                          if r["source"] in CALL_SOURCES) / active_s, 3),
             "launches_per_s": round(sum(int(r["count"]) for r in mine
-                                        if r["op"] in LAUNCH_OPS) / span_s, 3),
+                                        if r["op"] in LAUNCH_OPS) / active_s, 3),
             **_pct(mine, LAUNCH_OPS, "launch"),
             **_pct(mine, SYNC_OPS, "sync"),
             "feeding_threads": len(feeding),
