@@ -189,7 +189,8 @@ def _trace_nodes(runs: list[NodeRun], neighbours: list[tuple[tuple[str, ...], in
         for r, wl in zip(runs, loads, strict=True):
             wait_for_libcudart(wl.pid)
             tr = subprocess.Popen(
-                [FLEETD, "trace", "--pid", str(wl.pid), "--db", str(r.db), "--node", r.node],
+                [FLEETD, "trace", "--pid", str(wl.pid), "--db", str(r.db), "--node", r.node,
+                 "--stacks"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             procs.append(tr)
             log = StderrLog(tr)
@@ -335,7 +336,7 @@ def machine() -> str:
 def write_readme(out_dir: Path, lines: dict[str, str], seconds: float) -> None:
     text = [f"# Recorded scenarios ({out_dir.name})", "",
             "Recorded by `sudo .venv/bin/python tests/recorder.py` "
-            f"({seconds:g} s each, `fleetd trace` defaults) on {machine()}.",
+            f"({seconds:g} s each, `fleetd trace --stacks`) on {machine()}.",
             "Each line: what was run, then what `fleetd explain --db <file>` says. "
             "tests/unit/test_recorded_scenarios.py asserts these diagnoses.", ""]
     for name, line in lines.items():
@@ -379,7 +380,7 @@ def _main_fleet(out: Path, seconds: float, verify: bool) -> int:
         (out / "README.md").write_text(
             f"# A 3-node set and its merge\n\nRecorded by `sudo .venv/bin/python "
             f"tests/recorder.py --fleet` ({seconds:g} s) on {machine()}.\n\n"
-            f"- {nodes}: the reference workload traced by `fleetd trace` on three nodes "
+            f"- {nodes}: the reference workload traced by `fleetd trace --stacks` on three nodes "
             f"(node names; one machine), {FLEET_SLOW}'s CPU shared with a busy loop "
             "(cpu-hog).\n"
             f"- `cluster.db`: `fleetd merge {' '.join(n + '.db' for n in FLEET)} -o cluster.db`."

@@ -126,7 +126,8 @@ def _check_worded(report: dict[str, Any]) -> None:
 @pytest.mark.parametrize("db", [*RECORDED, CLUSTER], ids=lambda p: p.name)
 def test_recorded_chains_are_worded_by_the_registry(db: Path) -> None:
     report = explain(db)
-    assert report["chains"]
+    # The quiet recording may have no chain at all; every other one has its answer.
+    assert report["chains"] or db.name == "quiet.db"
     _check_worded(report)
 
 

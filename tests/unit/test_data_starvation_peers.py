@@ -3,9 +3,9 @@
 arrival reports. A real producer (a DataLoader worker, any process that is not another
 rank) is still named.
 
-Built from the real recording tests/data/scenarios/data_starvation.db: python (pid 10434)
-waits for data from dl-producer (pid 10439, threads 10439 and 10440). Each test gives
-those processes the torchrun identity (or NCCL communicator) of the case it checks.
+Built from the real recording tests/data/scenarios/data_starvation.db: python waits for
+data from dl-producer (two threads); their pids are read from the recording. Each test
+gives those processes the torchrun identity (or NCCL communicator) of the case it checks.
 """
 
 from __future__ import annotations
@@ -27,8 +27,20 @@ from fleetd.store.merge import merge
 from conftest import REPO
 
 RECORDED = REPO / "tests" / "data" / "scenarios" / "data_starvation.db"
-VICTIM, PRODUCER, PRODUCER_THREAD = 10434, 10439, 10440
-PEER, PEER_TID = 10600, 10600  # another rank of the job, added where a test needs one
+
+
+def _recorded_pids() -> tuple[int, int, int]:
+    """(the feeding python, dl-producer, dl-producer's second thread) of the recording."""
+    with sqlite3.connect(f"file:{RECORDED}?mode=ro", uri=True) as c:
+        victim = c.execute("SELECT pid FROM process_data WHERE comm = 'python'").fetchone()[0]
+        producer, thread = c.execute(
+            "SELECT pid, max(tid) FROM task_data WHERE comm = 'dl-producer' AND tid != pid"
+        ).fetchone()
+    return int(victim), int(producer), int(thread)
+
+
+VICTIM, PRODUCER, PRODUCER_THREAD = _recorded_pids()
+PEER = PEER_TID = max(VICTIM, PRODUCER, PRODUCER_THREAD) + 500  # another rank of the job
 
 
 def _copy(tmp_path: Path, name: str = "node.db") -> Path:

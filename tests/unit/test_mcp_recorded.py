@@ -89,8 +89,8 @@ def test_stats_and_sql_agree_with_the_file(rec: dict[str, Path]) -> None:
 def test_the_remaining_tools_answer_truthfully_about_the_recording(
         rec: dict[str, Path], tmp_path: Path) -> None:
     """get_check, get_stacks, graph_lifecycle and export_timeline on the same real file:
-    what it holds (one session of rec-01, no lost events), and what it does not (the
-    recorder traces without --stacks and the workload makes no graph calls)."""
+    what it holds (one session of rec-01, no lost events, the stacks the recorder's
+    --stacks kept), and what it does not (the workload makes no graph calls)."""
     db = rec["cpu_hog"]
     srv = server(db, tmp_path / "exports")
     check = call(srv, "get_check", {})
@@ -98,9 +98,13 @@ def test_the_remaining_tools_answer_truthfully_about_the_recording(
     assert check["recording"]["nodes"] == ["rec-01"] and session["lost_events"] == 0
     assert session["sampled_out"] > 0  # launches kept 1 in 100; the rest in histograms
     stacks = call(srv, "get_stacks", {})
-    assert stacks["stacks"] == [] and stacks["events_without_stack"] == _sql(
-        db, "SELECT count(*) FROM events")
-    assert "no stack was recorded" in stacks["note"]
+    with_stack = _sql(db, "SELECT count(*) FROM events WHERE stack != 0")
+    assert with_stack > 0 and stacks["events_without_stack"] == _sql(
+        db, "SELECT count(*) FROM events") - with_stack
+    assert sum(int(s["events"]) for s in stacks["stacks"]) == with_stack
+    # The recorded stacks lead to the workload's step, through its Python frames.
+    assert any("Workload.step" in str(s["frames"]) for s in stacks["stacks"])
+    assert "note" not in stacks
     graphs = call(srv, "graph_lifecycle", {})
     assert graphs["processes"] == [] and "no CUDA graph call" in graphs["note"]
     out = call(srv, "export_timeline", {"name": "hog.json"})
