@@ -14,6 +14,7 @@
  *   FL_STACK_SLOW_NS   ... and on every call at least this long (kept even if not sampled)
  *   FL_PY_FRAMES       Python frames read per stack (fleetd.h)
  *   FL_CALL_SLOTS      slots of the direct-mapped table of calls in flight
+ *   FL_ONCPU           1: on-CPU sampling (oncpu.bpf.c), which reads Python frames too
  */
 #ifndef FL_COMMON_BPF_C
 #define FL_COMMON_BPF_C
@@ -53,6 +54,11 @@
 #ifndef FL_RB_PAGES
 #define FL_RB_PAGES 256
 #endif
+#ifndef FL_ONCPU
+#define FL_ONCPU 0
+#endif
+/* The Python maps and walk serve the CUDA records' stacks and the on-CPU samples. */
+#define FL_PYTHON (FL_STACKS || FL_ONCPU)
 #define FL_MEDIAN_WARMUP 32
 
 /* tgid -> how it became a target (1 = named, 2 = cgroup, 3 = CUDA user, 4 = child). */
@@ -74,6 +80,8 @@ BPF_RINGBUF_OUTPUT(fl_rb_sched, FL_RB_PAGES);
 BPF_RINGBUF_OUTPUT(fl_rb_sys, FL_RB_PAGES);
 #if FL_STACKS
 BPF_STACK_TRACE(fl_stacks, 4096);
+#endif
+#if FL_PYTHON
 /* tgid -> the frame layout of its CPython; tid -> its PyThreadState. Both filled by
  * user space, which reads the interpreter's thread list (a thread calling through
  * ctypes has released the GIL, so the interpreter's "current" thread is not it). */
@@ -505,6 +513,9 @@ static __always_inline int fl_stack_wanted(u64 dur)
 #endif
 }
 
+#endif
+
+#if FL_PYTHON
 /* The calling thread's Python frames, innermost first, read from the interpreter's
  * frame chain while the call is still on it (this runs before the call returns to
  * the interpreter). Each frame costs three small reads. */

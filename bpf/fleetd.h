@@ -35,6 +35,7 @@
 #define FL_C_PY_LOST 14      /* a Python process's call whose frames could not be read */
 #define FL_C_WAKE_STACK 15   /* wakeups whose waker's stack was taken (host.bpf.c) */
 #define FL_C_WAKE_STACK_SKIP 16 /* ... and those left without one by the rate limit */
+#define FL_C_LOST_CPU 17     /* on-CPU samples the ring had no room for (oncpu.bpf.c) */
 #define FL_NCOUNTERS 18
 
 /* One record per emitted event, for every layer: fixed size keeps decoding cheap. */

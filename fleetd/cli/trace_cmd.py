@@ -82,6 +82,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--stack-slow", metavar="DUR",
                    help="with stacks: every call at least this long is kept with its stack "
                    "(default 1ms, an absolute threshold); implies --stacks")
+    add_cpu_sample_arg(p)
     p.add_argument("--ring-mb", type=int, default=1, metavar="MB",
                    help="size of each ring buffer in MiB, a power of two (default 1)")
     p.add_argument("--max-db-bytes", type=byte_size, metavar="SIZE",
@@ -107,6 +108,25 @@ def _csv(text: str, known: tuple[str, ...], flag: str) -> frozenset[str]:
         raise UsageError(f"{flag}: unknown {', '.join(map(repr, bad))}",
                          f"choose from {','.join(known)}")
     return items
+
+
+CPU_SAMPLE_HZ = 49  # fleetd.trace.oncpu.DEFAULT_HZ (not imported: client installs)
+
+
+def add_cpu_sample_arg(p: argparse.ArgumentParser) -> None:
+    """--cpu-sample-hz, shared by trace and agent."""
+    p.add_argument("--cpu-sample-hz", type=int, default=CPU_SAMPLE_HZ, metavar="N",
+                   help="on-CPU samples of the traced threads per second per CPU, with "
+                   "native and Python stacks and garbage-collection state (fleetd "
+                   f"profile; default {CPU_SAMPLE_HZ}, 0: off)")
+
+
+def cpu_sample_hz(n: int) -> int:
+    """The sampling rate, checked: 0 (off) to 1000 per second."""
+    if not 0 <= n <= 1000:
+        raise UsageError(f"--cpu-sample-hz {n} is out of range",
+                         f"use 0 (off) to 1000; {CPU_SAMPLE_HZ} costs well under 1% of a CPU")
+    return n
 
 
 def _stack_sample(n: int | None) -> int:
@@ -159,6 +179,7 @@ def build_config(args: argparse.Namespace) -> TraceConfig:
             "block": _ns(args.block_min, "--block-min"),
         },
         max_db_bytes=args.max_db_bytes,
+        cpu_sample_hz=cpu_sample_hz(args.cpu_sample_hz),
         command=" ".join(["fleetd", *sys.argv[1:]]) if sys.argv else None,
     )
 

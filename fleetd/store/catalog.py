@@ -35,6 +35,7 @@ SOURCES: dict[str, str] = {
     "irq": "hard and soft interrupts that preempted a traced thread",
     "syscall": "system calls slower than the threshold",
     "cgroup": "a traced process's cgroup: CPU quota and throttling, from its own accounting",
+    "cpu": "on-CPU samples of traced threads (perf CPU clock) and the GC pauses they show",
 }
 
 _CUDA = [
@@ -130,6 +131,12 @@ def _build() -> list[Op]:
         Op(1000, "syscall", "syscall", "interval", "nr", None),
         # bytes: ns throttled in the interval (cpu.stat); args: cgroup, quota, pod.
         Op(1100, "cpu_throttle", "cgroup", "interval", "throttled_periods", "periods"),
+        # One row per (thread, stack) per interval: a0 samples, a1 of them in the garbage
+        # collector, bytes the sampling period (ns); stack: the sampled stack.
+        Op(1200, "cpu_sample", "cpu", "aggregate", "samples", "gc_samples"),
+        # A run of GC samples of one thread: its start, estimated length, the stack that
+        # triggered it; a1 the generation (-1: not known from samples).
+        Op(1201, "gc_pause", "cpu", "interval", "samples", "generation"),
     ]
     return ops
 

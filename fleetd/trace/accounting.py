@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 MAX_TARGETS_JSON = 1000
 # The drops that count as lost events: records the kernel or the writer could not keep.
 LOST_KEYS = ("cuda", "driver", "nccl", "sched", "sys", "calls_full", "writer_queue",
-             "writer_failed")
+             "writer_failed", "cpu")
 
 # (session, ts_ns, dur_ns, pid, op, bucket, count, sum): one row of aggregate_data.
 AggregateRow = tuple[int | None, int, int, int | None, int, int, int, int]

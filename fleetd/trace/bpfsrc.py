@@ -32,6 +32,10 @@ REC = struct.Struct("<QQIIIiQIIqqiI4QQQ16s")
 PY_FRAMES = 32  # FL_PY_FRAMES: a power of two (the BPF side masks the index with it)
 PYSTACK_HEAD = struct.Struct("<II")
 PYFRAME = struct.Struct("<QQ")
+# struct fl_cpu_sample (bpf/oncpu.bpf.c): ts, pid, tid, stack, flags, cpu, pad, then a
+# struct fl_pystack.
+CPU_SAMPLE = struct.Struct("<QIIiIII")
+CPU_SAMPLE_SIZE = CPU_SAMPLE.size + PYSTACK_HEAD.size + PY_FRAMES * PYFRAME.size
 NBUCKETS = 40
 HIST_SIZE = 6 * 8 + 2 * 8 * NBUCKETS
 
@@ -39,6 +43,7 @@ COUNTERS = (
     "lost_cuda", "lost_driver", "lost_nccl", "lost_sched", "lost_sys", "calls_full",
     "hist_full", "sampled_out", "stack_lost", "emitted", "sample_tick", "state_full",
     "wake_tick", "stack_tick", "py_stack_lost", "wake_stacks", "wake_stacks_skipped",
+    "lost_cpu",
 )
 LAYERS = ("cuda", "driver", "nccl", "host")
 HOST_PARTS = ("sched", "mem", "block", "irq", "syscall")
@@ -73,6 +78,8 @@ class ProgramOptions:
         "offcpu": 50_000, "runq": 50_000, "irq": 20_000, "syscall": 1_000_000,
         "block": 10_000_000,
     })
+    cpu_sample_hz: int = 0  # on-CPU samples per second per CPU (oncpu.bpf.c); 0: off
+    cpu_ring_pages: int = 64
 
     def rings(self) -> list[str]:
         """Ring buffers that carry records with these options."""
@@ -83,12 +90,14 @@ class ProgramOptions:
         return out
 
 
-def source_text(layers: Iterable[str]) -> str:
+def source_text(layers: Iterable[str], oncpu: bool = False) -> str:
     """The program: the chosen layers, then proc (which needs host's thread cleanup),
-    then the attachable uprobe programs generated from the probe specs."""
+    the on-CPU sampler if asked, then the attachable uprobe programs generated from the
+    probe specs."""
     wanted = set(layers)
     chosen = [_FILES[name] for name in LAYERS if name in wanted]
-    text = _inline("\n".join(f'#include "{f}"' for f in [*chosen, "proc.bpf.c"]) + "\n")
+    files = [*chosen, "proc.bpf.c", *(["oncpu.bpf.c"] if oncpu else [])]
+    text = _inline("\n".join(f'#include "{f}"' for f in files) + "\n")
     return text + probe_wrappers(wanted)
 
 
@@ -175,6 +184,9 @@ def cflags(opts: ProgramOptions) -> list[str]:
         f"-DFL_SYSCALL_MIN_NS={th['syscall']}ull",
         f"-DFL_BLOCK_MIN_NS={th['block']}ull",
         f"-DFL_NR_URETPROBE={NR_URETPROBE}",
+        f"-DFL_ONCPU={int(opts.cpu_sample_hz > 0)}",
+        f"-DFL_CPU_RB_PAGES={opts.cpu_ring_pages}",
+        f"-DFL_CPU_SAMPLE_SIZE={CPU_SAMPLE_SIZE}",
     ]
     flags += [f"-DFL_{part.upper()}={int(part in opts.host_parts)}" for part in HOST_PARTS]
     # Headers of another kernel version can warn about things we never use.
@@ -191,7 +203,7 @@ def _looks_like_header_problem(text: str) -> bool:
 
 def compile_program(opts: ProgramOptions) -> tuple[Any, HeaderRoute]:
     """Compile and load fleetd's programs; TraceError if no header route works."""
-    return compile_source(source_text(opts.layers), cflags(opts))
+    return compile_source(source_text(opts.layers, opts.cpu_sample_hz > 0), cflags(opts))
 
 
 def compile_source(text: str, flags: list[str] | None = None) -> tuple[Any, HeaderRoute]:

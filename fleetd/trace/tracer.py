@@ -54,6 +54,7 @@ from fleetd.trace.libs import (
     override_libraries,
     search_usual_places,
 )
+from fleetd.trace.oncpu import DEFAULT_HZ, CpuSampler, ring_pages
 from fleetd.trace.probes import Attacher, AttachReport
 from fleetd.trace.ringbuf import Chunk, RingReader
 from fleetd.trace.stacks import KernelNames, PythonTargets, StackResolver, WaitChannels
@@ -97,6 +98,7 @@ class TraceConfig:
     max_db_bytes: int | None = None
     command: str | None = None
     follow_children: bool = True
+    cpu_sample_hz: int = DEFAULT_HZ  # on-CPU samples per second per CPU; 0: off
 
     @property
     def system_wide(self) -> bool:
@@ -154,6 +156,7 @@ class Tracer:
         self._python: PythonTargets | None = None
         self._kernels: KernelNames | None = None
         self._wchan: WaitChannels | None = None
+        self._oncpu: CpuSampler | None = None
         self._locks = LockNames()
         self._throttle = ThrottleSampler(op_code("cpu_throttle"), procinfo.environ)
         self._proc_comm: dict[int, str] = {}  # the name each process row was given
@@ -200,10 +203,15 @@ class Tracer:
             self._require_something_attached()
             self._open_rings(opts)
             symbols = FunctionSymbols()
-            if self.cfg.stacks:
+            if self.cfg.stacks or self.cfg.cpu_sample_hz:
                 self._python = PythonTargets(self.bpf)
+            if self.cfg.stacks and self._python is not None:
                 self._stacks = StackResolver(self.bpf, self._python, symbols)
-                self._refresh_python()
+            if self.cfg.cpu_sample_hz and self._python is not None:
+                self._oncpu = CpuSampler(self.bpf, self._python, symbols,
+                                         self.cfg.cpu_sample_hz, self.clock.to_wall)
+                self._oncpu.attach(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+            self._refresh_python()
             self._kernels = KernelNames(self.bpf, symbols)
             self._wchan = _wait_channels(self.bpf)
             self._begin_session()
@@ -225,6 +233,7 @@ class Tracer:
             stack_slow_ns=self.cfg.stack_slow_ns, wake_stack_ns=self.cfg.wake_stack_ns,
             ring_pages=self.cfg.ring_pages,
             thresholds_ns=dict(self.cfg.thresholds_ns),
+            cpu_sample_hz=self.cfg.cpu_sample_hz, cpu_ring_pages=ring_pages(self.cfg.cpu_sample_hz),
         )
 
     def _check_pids(self) -> list[int]:
@@ -361,8 +370,10 @@ class Tracer:
         self.writer.add_processes(procinfo.process_row(p) for p in self.targets)
 
     def _emitted(self) -> int:
-        """The kernel's count of records it handed to the ring buffers (writer thread)."""
-        return accounting.read_counters(self.bpf)["emitted"]
+        """The kernel's count of records it handed to the ring buffers, and the sample
+        counts made of its samples (writer thread)."""
+        made = self._oncpu.rows_written if self._oncpu is not None else 0
+        return accounting.read_counters(self.bpf)["emitted"] + made
 
     # ---- poll -------------------------------------------------------------------------
 
@@ -379,6 +390,8 @@ class Tracer:
             # Records that arrived without a wakeup too.
             self.bpf.ring_buffer_consume()
             n = self._flush_pending()
+        if self._oncpu is not None:
+            self._oncpu.drain(self.writer)  # type: ignore[arg-type]
         if time.monotonic() - self._last_maint >= 1.0:
             self._maintain()
         return n
@@ -491,6 +504,8 @@ class Tracer:
             self._scan_libraries()
         self._sample_cgroups()
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        if self._oncpu is not None:
+            self._oncpu.maybe_flush(self.writer, now)  # type: ignore[arg-type]
         if now - self.hist.window_start >= self.cfg.agg_interval_ns:
             self._write_aggregates(now)
             self._update_session(final=False)
@@ -535,6 +550,8 @@ class Tracer:
         if self._python is None:
             return
         self._python.refresh(self.live_targets())
+        if self._oncpu is not None:
+            self._oncpu.refresh_gc()
         for pid, why in self._python.problems.items():
             if pid not in self._python_told:
                 self._python_told.add(pid)
@@ -636,6 +653,8 @@ class Tracer:
             self.bpf.ring_buffer_consume()
             self._flush_pending()
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        if self._oncpu is not None:
+            self._oncpu.flush(self.writer, now, final=True)
         self._write_aggregates(now)
         self._sample_cgroups()
         counters = self.counters()
@@ -654,7 +673,7 @@ class Tracer:
         drops["writer_failed"] = stats.failed_rows
         lost = self.lost_total(drops)
         records = self.decoder.records
-        emitted = counters["emitted"]
+        emitted = counters["emitted"] + (self._oncpu.rows_written if self._oncpu else 0)
         return TraceSummary(
             session=self.session, records=records, events_written=stats.events_written,
             lost=drops, lost_total=lost, sampled_out=counters["sampled_out"],

@@ -1,0 +1,71 @@
+/* fleetd: on-CPU sampling of traced threads (user space: fleetd/trace/oncpu.py).
+ *
+ * A software CPU-clock perf event fires FL_CPU_HZ times a second on every CPU; when
+ * the task it interrupts belongs to a traced process, one sample goes to fl_rb_cpu:
+ * the thread, its native user stack (a stack-map id), its Python frames (the same
+ * walk as the CUDA records' stacks, fl_py_walk) and whether its interpreter was
+ * collecting garbage at that moment (the "collecting" flag of the interpreter's GC
+ * state, at an address user space puts in fl_cpu_gc per process). User space counts
+ * the samples per (thread, stack) per interval: what is stored grows with distinct
+ * stacks, not with samples. A sample the ring has no room for is counted
+ * (FL_C_LOST_CPU), never silently dropped.
+ *
+ * Compiled into the same module as the layers (after common.bpf.c), so the target set,
+ * the Python maps and the counters are shared. The consumer is not woken per sample:
+ * it drains the ring on its own poll, which a few dozen samples a second never fill.
+ */
+#ifndef FL_CPU_RB_PAGES
+#define FL_CPU_RB_PAGES 64
+#endif
+#define FL_CPU_GC 1u /* the interpreter was collecting garbage */
+
+struct fl_cpu_sample {
+    u64 ts;      /* CLOCK_MONOTONIC ns */
+    u32 pid;     /* tgid */
+    u32 tid;
+    s32 stack;   /* fl_cpu_stacks id, < 0: not walked (map full) */
+    u32 flags;   /* FL_CPU_* */
+    u32 cpu;
+    u32 pad;
+    struct fl_pystack py;
+};
+
+#ifdef FL_CPU_SAMPLE_SIZE
+_Static_assert(sizeof(struct fl_cpu_sample) == FL_CPU_SAMPLE_SIZE,
+               "fl_cpu_sample layout differs from oncpu.py");
+#endif
+
+BPF_RINGBUF_OUTPUT(fl_rb_cpu, FL_CPU_RB_PAGES);
+BPF_STACK_TRACE(fl_cpu_stacks, 4096);
+/* tgid -> address of its interpreter's GC "collecting" int (0: not a known CPython). */
+BPF_HASH(fl_cpu_gc, u32, u64, 1024);
+
+int fl_cpu_sample(struct bpf_perf_event_data *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32;
+    if (!fl_is_target(tgid) || fl_stopped())
+        return 0;
+    struct fl_cpu_sample *s = fl_rb_cpu.ringbuf_reserve(sizeof(struct fl_cpu_sample));
+    if (!s) {
+        fl_count(FL_C_LOST_CPU);
+        return 0;
+    }
+    s->ts = bpf_ktime_get_ns();
+    s->pid = tgid;
+    s->tid = (u32)id;
+    s->flags = 0;
+    s->cpu = bpf_get_smp_processor_id();
+    s->pad = 0;
+    s->stack = fl_cpu_stacks.get_stackid(ctx, BPF_F_USER_STACK);
+    u64 *gc = fl_cpu_gc.lookup(&tgid);
+    if (gc && *gc) {
+        s32 collecting = 0;
+        bpf_probe_read_user(&collecting, sizeof(collecting), (void *)*gc);
+        if (collecting)
+            s->flags |= FL_CPU_GC;
+    }
+    fl_py_walk(tgid, (u32)id, &s->py);
+    bpf_ringbuf_submit(s, BPF_RB_NO_WAKEUP);
+    return 0;
+}
