@@ -2,8 +2,10 @@
  *
  * Sub-layers, each on unless its -D flag is 0: FL_SCHED (off-CPU intervals with the
  * state the task left in, wakeups with the waker, run-queue waits), FL_MEM (page
- * allocations, aggregated in the kernel), FL_BLOCK (block requests with latency and
- * bytes), FL_IRQ (hard/soft interrupts that preempted a traced thread), FL_SYSCALL
+ * allocations, aggregated in the kernel; with FL_VMSCAN, FL_MEMCG_RECLAIM and
+ * FL_COMPACTION, set where the kernel has those tracepoints, the thread's own direct
+ * reclaim, memcg reclaim and direct compaction stalls), FL_BLOCK (block requests
+ * with latency and bytes), FL_IRQ (hard/soft interrupts that preempted a traced thread), FL_SYSCALL
  * (system calls slower than a threshold; FL_NR_URETPROBE, the syscall our own
  * uretprobes return through, is never counted). Everything goes into the in-kernel
  * histograms; individual records only above the thresholds below.
@@ -22,6 +24,15 @@
 #endif
 #ifndef FL_BLOCK
 #define FL_BLOCK 1
+#endif
+#ifndef FL_VMSCAN
+#define FL_VMSCAN 0
+#endif
+#ifndef FL_MEMCG_RECLAIM
+#define FL_MEMCG_RECLAIM 0
+#endif
+#ifndef FL_COMPACTION
+#define FL_COMPACTION 0
 #endif
 #ifndef FL_IRQ
 #define FL_IRQ 1
@@ -337,6 +348,154 @@ TRACEPOINT_PROBE(kmem, mm_page_alloc)
     u32 order = args->order;
     /* Aggregated only: bucket = order, count = allocations, sum = pages. */
     fl_hist_add(tgid, OP_PAGE_ALLOC, 1ull << (order & 31), order & 31);
+    return 0;
+}
+#endif
+
+#if FL_VMSCAN || FL_MEMCG_RECLAIM || FL_COMPACTION
+/* Memory stalls of a traced thread: direct reclaim (the whole machine short of free
+ * pages), memcg reclaim (its cgroup at its memory limit: every charge over the limit
+ * reclaims first) and direct compaction (a high-order allocation, e.g. a huge page).
+ * The allocating thread does this work itself, on its own CPU time, before its
+ * allocation returns. A thread at its cgroup's limit reclaims thousands of times a
+ * second for tens of microseconds each, so stalls are summed per thread in the kernel
+ * and one mem_reclaim record carries a run of them: ts = the first stall's start,
+ * dur = to the last one's end, bytes = ns actually stalled, a0 = stalls, a1 = pages
+ * reclaimed, ret = the kind. A run is sent once it spans FL_RECLAIM_SPAN_NS, when the
+ * kind changes, or at once for a stall of FL_RECLAIM_SLOW_NS; what is left when
+ * tracing stops the tracer reads from fl_reclaim itself (trace/memory.py). */
+#ifndef FL_RECLAIM_SPAN_NS
+#define FL_RECLAIM_SPAN_NS 10000000ull
+#endif
+#ifndef FL_RECLAIM_SLOW_NS
+#define FL_RECLAIM_SLOW_NS 1000000ull
+#endif
+#define FL_RECLAIM_KINDS 3 /* 0 direct reclaim, 1 memcg reclaim, 2 direct compaction */
+
+struct fl_reclaim_run {
+    u64 begin[FL_RECLAIM_KINDS]; /* start of the stall in progress, per kind (0 = none) */
+    u64 first;    /* the run: first stall's start */
+    u64 last;     /* ... last stall's end */
+    u64 stall_ns;
+    u64 stalls;
+    u64 pages;
+    u32 pid;
+    s32 kind;     /* the run's kind */
+};
+BPF_TABLE("lru_hash", u32, struct fl_reclaim_run, fl_reclaim, 4096);
+
+static __always_inline void fl_reclaim_begin(int kind)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    if (!fl_is_target(tgid) || kind < 0 || kind >= FL_RECLAIM_KINDS)
+        return;
+    struct fl_reclaim_run *r = fl_reclaim.lookup(&tid);
+    if (!r) {
+        struct fl_reclaim_run z = {};
+        z.pid = tgid;
+        z.kind = kind;
+        if (fl_reclaim.update(&tid, &z)) {
+            fl_count(FL_C_STATE_FULL);
+            return;
+        }
+        r = fl_reclaim.lookup(&tid);
+        if (!r)
+            return;
+    }
+    r->begin[kind] = bpf_ktime_get_ns();
+}
+
+/* Send the run as one record; it restarts only when the record was reserved (else the
+ * stop-time read of the map still finds it). */
+static __always_inline void fl_reclaim_flush(u32 tid, struct fl_reclaim_run *r)
+{
+    if (!r->stalls)
+        return;
+    struct fl_rec *rec = fl_reserve(FL_C_LOST_SYS);
+    if (!rec)
+        return;
+    fl_fill(rec, r->first, r->last - r->first, r->pid, tid, OP_MEM_RECLAIM, r->kind);
+    rec->bytes = r->stall_ns;
+    rec->a0 = r->stalls;
+    rec->a1 = r->pages;
+    rec->flags = FL_WHY_ALWAYS;
+    fl_submit(rec);
+    r->stalls = 0;
+    r->stall_ns = 0;
+    r->pages = 0;
+}
+
+static __always_inline void fl_reclaim_end(int kind, u64 pages)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    if (!fl_known_target(id >> 32) || kind < 0 || kind >= FL_RECLAIM_KINDS)
+        return;
+    struct fl_reclaim_run *r = fl_reclaim.lookup(&tid);
+    if (!r || !r->begin[kind])
+        return;
+    if (fl_stopped()) /* frozen: the histograms stop here, and so do the runs */
+        return;
+    u64 now = bpf_ktime_get_ns();
+    u64 start = r->begin[kind];
+    u64 dur = now - start;
+    r->begin[kind] = 0;
+    fl_hist_add(r->pid, OP_MEM_RECLAIM, dur, -1);
+    if (r->stalls && r->kind != kind)
+        fl_reclaim_flush(tid, r);
+    if (!r->stalls) {
+        r->first = start;
+        r->kind = kind;
+    }
+    r->last = now;
+    r->stall_ns += dur;
+    r->stalls += 1;
+    r->pages += pages;
+    if (now - r->first >= FL_RECLAIM_SPAN_NS || dur >= FL_RECLAIM_SLOW_NS)
+        fl_reclaim_flush(tid, r);
+}
+#endif
+
+#if FL_VMSCAN
+TRACEPOINT_PROBE(vmscan, mm_vmscan_direct_reclaim_begin)
+{
+    fl_reclaim_begin(0);
+    return 0;
+}
+
+TRACEPOINT_PROBE(vmscan, mm_vmscan_direct_reclaim_end)
+{
+    fl_reclaim_end(0, args->nr_reclaimed);
+    return 0;
+}
+#endif
+
+#if FL_MEMCG_RECLAIM
+TRACEPOINT_PROBE(vmscan, mm_vmscan_memcg_reclaim_begin)
+{
+    fl_reclaim_begin(1);
+    return 0;
+}
+
+TRACEPOINT_PROBE(vmscan, mm_vmscan_memcg_reclaim_end)
+{
+    fl_reclaim_end(1, args->nr_reclaimed);
+    return 0;
+}
+#endif
+
+#if FL_COMPACTION
+/* compact_zone in the allocating task (kcompactd is never a target): direct compaction. */
+TRACEPOINT_PROBE(compaction, mm_compaction_begin)
+{
+    fl_reclaim_begin(2);
+    return 0;
+}
+
+TRACEPOINT_PROBE(compaction, mm_compaction_end)
+{
+    fl_reclaim_end(2, 0);
     return 0;
 }
 #endif

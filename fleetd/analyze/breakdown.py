@@ -26,6 +26,7 @@ from fleetd.analyze.window import Window
 from fleetd.store.syscalls import X86_64
 
 OFF_CPU, RUNQ, SYSCALL = code("off_cpu"), code("runq_wait"), code("syscall")
+MEM_RECLAIM = code("mem_reclaim")
 HARDIRQ, SOFTIRQ = code("hardirq"), code("softirq")
 SYSCALL_OUTLIERS = 5
 WCHANS = 3  # D-state wait channels listed per thread
@@ -59,6 +60,14 @@ def thread_breakdown(
         pids[tid] = p
         acc[tid]["cuda_calls"] += n
         acc[tid]["in_cuda_stored"] += total
+    # Reclaim and compaction stalls (bytes: ns stalled in each run), overlapping the
+    # columns above: work the thread does in the kernel for its own allocations.
+    for tid, p, total in conn.execute(
+        f"SELECT tid, pid, sum(bytes) FROM event_data WHERE {where} AND op = ? "
+        "GROUP BY tid, pid", [*params, MEM_RECLAIM],
+    ):
+        pids[tid] = p
+        acc[tid]["reclaim"] += int(total or 0)
     wall = max(0, span[1] - span[0])
     _scale_cuda(conn, node, win, acc, pids, pid)
     _sync_sleeps(conn, node, win, acc)
@@ -196,6 +205,7 @@ def _row(tid: int, pid: int, a: dict[str, int], wall: int,
         "d_state_ns": d_state, "sleeping_ns": sleeping,
         **{f"{r}_ns": waits[r] for r in REASONS}, "off_cpu_ns": off,
         "in_cuda_ns": a["in_cuda"], "in_cuda_estimated": bool(a["in_cuda_estimated"]),
+        "reclaim_ns": min(wall, a["reclaim"]),
         "cuda_calls_stored": a["cuda_calls"], "switches": a["switches"],
         "syscall_outliers": outliers,
     }
@@ -217,7 +227,8 @@ def process_rows(threads: list[dict[str, Any]], conn: sqlite3.Connection, node: 
     """Threads summed per process, with the exact histogram totals beside them."""
     hists = histograms(conn, node, win, (OFF_CPU, RUNQ, code("page_alloc"), code("block_io")))
     keys = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "sleeping_ns",
-            *(f"{r}_ns" for r in REASONS), "off_cpu_ns", "in_cuda_ns", "switches")
+            *(f"{r}_ns" for r in REASONS), "off_cpu_ns", "in_cuda_ns", "reclaim_ns",
+            "switches")
     procs: dict[int, dict[str, Any]] = {}
     for t in threads:
         p = procs.setdefault(t["pid"], {"node": node.name, "pid": t["pid"], "comm": t["comm"],

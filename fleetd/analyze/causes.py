@@ -386,6 +386,39 @@ def _cpu_throttled_fixes(ch: Chain) -> list[str]:
     return out
 
 
+def _memory_reclaim_summary(ch: Chain, who: str, by: str | None) -> str:
+    d = ch.detail
+    limit = (f" at its cgroup's memory limit ({d['limit_bytes'] / (1 << 20):.0f} MiB, "
+             f"{d['cgroup']})" if d.get("limit_bytes") else "")
+    return (f"{who} stalled {d['stalls']} time(s) reclaiming memory for its own "
+            f"allocations{limit} ({_share(ch)}); no process took that time from it")
+
+
+def _memory_reclaim_fixes(ch: Chain) -> list[str]:
+    d = ch.detail
+    out = []
+    if d.get("limit_bytes"):
+        if d.get("pod_uid") or d.get("pod"):
+            out.append("raise the pod's memory limit (resources.limits.memory) above the "
+                       "job's working set plus the page cache its input needs")
+        else:
+            out.append(f"raise the memory limit of {d['cgroup']} (memory.limit_in_bytes on "
+                       "cgroup v1, memory.max on v2, MemoryMax= of its systemd unit)")
+    else:
+        out.append("the machine is short of free memory: fewer or smaller jobs per node, "
+                   "or raise vm.min_free_kbytes so kswapd reclaims before allocations do")
+    out += ["size what lives in the limit: pinned host buffers (pin_memory, "
+            "cudaHostAlloc) and prefetch depth (DataLoader prefetch_factor), and read input "
+            "with O_DIRECT or a smaller page-cache footprint (posix_fadvise DONTNEED after "
+            "each shard)",
+            "fewer DataLoader workers (num_workers): each holds its own batches and "
+            "page cache inside the same limit"]
+    if d.get("by_kind", {}).get("direct compaction"):
+        out.append("compaction for huge pages: set transparent_hugepage/defrag to "
+                   "'defer' or 'madvise' so allocations do not compact synchronously")
+    return out
+
+
 # ---- the registry -------------------------------------------------------------------
 
 _ALL = (
@@ -398,6 +431,11 @@ _ALL = (
           "the thread was runnable but held off the CPU by its cgroup's CPU quota (a "
           "Kubernetes CPU limit), whatever else the CPU did meanwhile",
           ("cgroup_quota",), _cpu_throttled_fixes, summary=_cpu_throttled_summary),
+    Cause("memory_reclaim",
+          "the thread stalled in the kernel reclaiming (or compacting) memory for its own "
+          "allocations: its cgroup at its memory limit, or the machine short of memory",
+          ("reclaim_stalls", "cgroup_memory", "memory_pressure"), _memory_reclaim_fixes,
+          summary=_memory_reclaim_summary),
     Cause("lock_wait",
           "the thread waited in D state (a kernel lock, e.g. a shared file's inode lock) or "
           "slept outside a sync call until another process woke it",

@@ -685,14 +685,14 @@ def _detail(group: list[Spike], kind: str, op: str | None) -> dict[str, Any]:
 REASON_COLUMN: Mapping[str, str] = {
     "cpu_contention": "runq", "dataloader_oversubscription": "runq", "cpu_throttled": "runq",
     "block_io": "d_state", "lock_wait": "d_state", "irq_preemption": "irq",
-    "lock_contention": "lock", "data_starvation": "data",
+    "lock_contention": "lock", "data_starvation": "data", "memory_reclaim": "reclaim",
 }
 # How each column reads in a summary: "(12.0% of wall time <this>)".
 COLUMN_WORDS: Mapping[str, str] = {
     "runq": "preempted or queued for a CPU", "d_state": "in D state",
     "irq": "in interrupts", "lock": "waiting for locks", "data": "waiting for input",
     "timer": "in sleeps of its own", "gpu_sync": "waiting for the GPU",
-    "other": "in other waits",
+    "other": "in other waits", "reclaim": "reclaiming memory for its own allocations",
 }
 
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fleetd.analyze import causes, collectives, contention, gpu_chains, rules, throttle
+from fleetd.analyze import causes, collectives, contention, gpu_chains, memory, rules, throttle
 from fleetd.analyze.chains import (
     MIN_CALLS,
     SEVERITY_RANK,
@@ -139,6 +139,7 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
     chains = account(chains, threads)
     # The quota's share of the run-queue column, taken from the contention chain's.
     chains += throttle.throttle_rule(ctx, chains)
+    chains += memory.memory_rule(ctx)  # the breakdown's reclaim column, no other chain's
     if pid is not None:
         chains = [c for c in chains if int(c.victim["pid"]) == pid]
         threads = [t for t in threads if t["pid"] == pid]

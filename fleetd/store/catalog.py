@@ -29,12 +29,13 @@ SOURCES: dict[str, str] = {
     "driver": "CUDA driver API (libcuda)",
     "nccl": "NCCL collectives and point-to-point (libnccl)",
     "sched": "scheduler: off-CPU intervals, run-queue waits, wakeups",
-    "mem": "page allocation, aggregated in the kernel",
+    "mem": "page allocation, aggregated in the kernel; reclaim and compaction stalls",
     "block": "block I/O requests",
     "proc": "process lifecycle",
     "irq": "hard and soft interrupts that preempted a traced thread",
     "syscall": "system calls slower than the threshold",
-    "cgroup": "a traced process's cgroup: CPU quota and throttling, from its own accounting",
+    "cgroup": "a traced process's cgroup: CPU quota and throttling, memory limit, usage and "
+              "pressure, from its own accounting",
     "cpu": "on-CPU samples of traced threads (perf CPU clock) and the GC pauses they show",
 }
 
@@ -122,6 +123,9 @@ def _build() -> list[Op]:
         Op(501, "runq_wait", "sched", "interval", "prev_state", "ran_before"),
         Op(502, "wakeup", "sched", "instant", None, None),
         Op(600, "page_alloc", "mem", "aggregate", "order", None),
+        # A run of a thread's reclaim or compaction stalls: bytes = ns stalled in it,
+        # ret = kind (0 direct reclaim, 1 memcg reclaim, 2 direct compaction).
+        Op(601, "mem_reclaim", "mem", "interval", "stalls", "pages"),
         Op(700, "block_io", "block", "interval", "dev", "sector"),
         Op(800, "fork", "proc", "instant", None, None),
         Op(801, "exec", "proc", "instant", None, None),
@@ -131,6 +135,9 @@ def _build() -> list[Op]:
         Op(1000, "syscall", "syscall", "interval", "nr", None),
         # bytes: ns throttled in the interval (cpu.stat); args: cgroup, quota, pod.
         Op(1100, "cpu_throttle", "cgroup", "interval", "throttled_periods", "periods"),
+        # bytes: memory in use at the sample; a0: the limit (-1 none); a1: us of memory
+        # pressure stall (PSI "some") in the interval (-1 unknown); args: cgroup, pod.
+        Op(1101, "mem_cgroup", "cgroup", "interval", "limit", "psi_some_us"),
         # One row per (thread, stack) per interval: a0 samples, a1 of them in the garbage
         # collector, bytes the sampling period (ns); stack: the sampled stack.
         Op(1200, "cpu_sample", "cpu", "aggregate", "samples", "gc_samples"),

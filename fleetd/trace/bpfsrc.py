@@ -21,6 +21,7 @@ from typing import Any
 from fleetd.errors import TraceError
 from fleetd.store.catalog import OPS, cflag_name
 from fleetd.trace.headers import HeaderRoute, applied, candidate_routes
+from fleetd.trace.memory import tracepoints as memory_tracepoints
 from fleetd.trace.probes import RING_NUMBER, SPECS
 
 log = logging.getLogger("fleetd.trace.bpfsrc")
@@ -189,6 +190,9 @@ def cflags(opts: ProgramOptions) -> list[str]:
         f"-DFL_CPU_SAMPLE_SIZE={CPU_SAMPLE_SIZE}",
     ]
     flags += [f"-DFL_{part.upper()}={int(part in opts.host_parts)}" for part in HOST_PARTS]
+    # Reclaim and compaction stalls come with the mem part, where the kernel has them.
+    mem = "mem" in opts.host_parts
+    flags += [f"-D{flag}={int(mem and ok)}" for flag, ok in memory_tracepoints().items()]
     # Headers of another kernel version can warn about things we never use.
     flags += ["-Wno-macro-redefined", "-Wno-unknown-warning-option"]
     return flags

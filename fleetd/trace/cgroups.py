@@ -158,9 +158,17 @@ MAX_MEMBERS = 64  # processes of one cgroup listed with each sample
 def members(groups: dict[str, str], root: Path = CGROUP_ROOT) -> list[int]:
     """The processes sharing the cgroup's CPU quota (traced or not: a neighbour inside
     the quota takes from it), at most MAX_MEMBERS, smallest pids first."""
-    path = cpu_path(groups).lstrip("/")
-    v1 = "cpu" in groups
-    procs = (root / "cpu" / path / "cgroup.procs") if v1 else (root / path / "cgroup.procs")
+    return members_of(groups, "cpu", root)
+
+
+def members_of(groups: dict[str, str], controller: str, root: Path = CGROUP_ROOT
+               ) -> list[int]:
+    """The processes in the process's cgroup of ``controller`` (its v1 hierarchy where
+    mounted, else the v2 one), at most MAX_MEMBERS, smallest pids first."""
+    if controller in groups:
+        procs = root / controller / groups[controller].lstrip("/") / "cgroup.procs"
+    else:
+        procs = root / groups.get("", "/").lstrip("/") / "cgroup.procs"
     try:
         pids = sorted(int(x) for x in procs.read_text().split() if x.isdigit())
     except OSError:
@@ -210,7 +218,8 @@ class ThrottleSampler:
                 continue
             last = self._seen.get(path)
             self._seen[path] = _Seen(now_ns, limit,
-                                     last.args if last else self._args(path, pid, groups))
+                                     last.args if last else
+                                     placement_args(path, pid, groups, self._environ))
             if last is None:
                 continue
             row = (last.ts_ns, now_ns - last.ts_ns, pid, pid, self.code, 0,
@@ -222,14 +231,18 @@ class ThrottleSampler:
                               "pids": members(groups)}))
         return out
 
-    def _args(self, path: str, pid: int, groups: dict[str, str]) -> dict[str, object]:
-        place = placement_of_path(path)
-        if place.container_id is None:  # v1 cpu at the root, the container on v2's path
-            place = placement_of_path(groups.get("", path))
-        args: dict[str, object] = {"cgroup": path}
-        if place.container_id:
-            args.update(runtime=place.runtime, container=place.container_id[:12])
-        if place.pod_uid:
-            name, ns = pod_name_and_namespace(pid, self._environ(pid))
-            args.update(pod_uid=place.pod_uid, pod=name, namespace=ns, qos=place.qos)
-        return args
+
+def placement_args(path: str, pid: int, groups: dict[str, str],
+                   environ: Callable[[int], dict[str, str]]) -> dict[str, object]:
+    """An event's args naming the cgroup ``path`` and, where the paths say so, its
+    container and pod (the name and namespace read from the process itself)."""
+    place = placement_of_path(path)
+    if place.container_id is None:  # a v1 controller at the root, the container on v2's
+        place = placement_of_path(groups.get("", path))
+    args: dict[str, object] = {"cgroup": path}
+    if place.container_id:
+        args.update(runtime=place.runtime, container=place.container_id[:12])
+    if place.pod_uid:
+        name, ns = pod_name_and_namespace(pid, environ(pid))
+        args.update(pod_uid=place.pod_uid, pod=name, namespace=ns, qos=place.qos)
+    return args

@@ -54,6 +54,7 @@ from fleetd.trace.libs import (
     override_libraries,
     search_usual_places,
 )
+from fleetd.trace.memory import MemorySampler, leftover_runs
 from fleetd.trace.oncpu import DEFAULT_HZ, CpuSampler, ring_pages
 from fleetd.trace.probes import Attacher, AttachReport
 from fleetd.trace.ringbuf import Chunk, RingReader
@@ -159,6 +160,7 @@ class Tracer:
         self._oncpu: CpuSampler | None = None
         self._locks = LockNames()
         self._throttle = ThrottleSampler(op_code("cpu_throttle"), procinfo.environ)
+        self._memory = MemorySampler(op_code("mem_cgroup"), procinfo.environ)
         self._proc_comm: dict[int, str] = {}  # the name each process row was given
         self.warnings: list[str] = []
         self._python_told: set[int] = set()
@@ -511,12 +513,26 @@ class Tracer:
             self._update_session(final=False)
 
     def _sample_cgroups(self) -> None:
-        """CPU-quota throttling of the targets' cgroups since the last sample."""
+        """CPU-quota throttling and memory limits of the targets' cgroups since the
+        last sample."""
         assert self.writer is not None
-        found = self._throttle.sample(self.live_targets(), time.time_ns())
+        live, now = self.live_targets(), time.time_ns()
+        found = self._throttle.sample(live, now) + self._memory.sample(live, now)
         if found:
             self.writer.add_events([row for row, _ in found],  # type: ignore[misc]
                                    [(i, args) for i, (_, args) in enumerate(found)])
+
+    def _reclaim_leftovers(self) -> None:
+        """The reclaim stall runs the kernel had not sent yet (it sends a run once it
+        spans 10 ms): read from its map once the BPF side is frozen."""
+        assert self.writer is not None and self.bpf is not None
+        try:
+            table = self.bpf[b"fl_reclaim"]
+        except KeyError:  # no reclaim tracepoints compiled in
+            return
+        rows = leftover_runs(table, op_code("mem_reclaim"), self.clock.to_wall)
+        if rows:
+            self.writer.add_events(rows)  # type: ignore[arg-type]
 
     def _discover_targets(self) -> None:
         """Targets the kernel added (children, cgroup members, CUDA callers)."""
@@ -657,6 +673,7 @@ class Tracer:
             self._oncpu.flush(self.writer, now, final=True)
         self._write_aggregates(now)
         self._sample_cgroups()
+        self._reclaim_leftovers()
         counters = self.counters()
         self._update_session(final=True)
         # The BPF side goes away below: no commit may still be reading its counters.

@@ -26,7 +26,9 @@ for that share of every 10 ms, asleep the rest), so the feeding thread waits for
 interpreter lock; ``--producer-ms MS`` feeds each step from
 ``--producers N`` worker processes (``dl-producer``) through a ``multiprocessing.Queue``,
 each batch costing its producer MS of CPU, so a feeding thread with too few producers
-waits for data.
+waits for data. ``--touch-mb MB`` stages each step's batch in a fresh MB of host memory
+(a ring of 16 buffers given back with MADV_FREE): inside a smaller memory limit the
+feeding thread reclaims on every step.
 
 Prints one JSON summary (calls and return codes per op, pid, tids, steps/s, and the
 helpers' ids: the busy thread's tid, the worker and producer pids) so tests can compare
@@ -41,6 +43,7 @@ import contextlib
 import ctypes
 import glob
 import json
+import mmap
 import os
 import sys
 import sysconfig
@@ -54,6 +57,7 @@ from typing import Any
 
 CUDA_MEMCPY_HOST_TO_DEVICE = 1
 CUDA_MEMCPY_DEVICE_TO_HOST = 2
+TOUCH_RING = 16  # --touch-mb: buffers written in turn, so the ring is 16x one batch
 
 
 def find_cudart() -> str:
@@ -109,6 +113,7 @@ class Config:
     producer_ms: float = 0.0  # > 0: each step waits for a batch costing a producer this
     producers: int = 1
     kernel: str = ""  # LIB:SYMBOL: launch this exported function (its host stub)
+    touch_mb: int = 0  # > 0: write a fresh MiB-sized batch buffer of this size each step
 
 
 @dataclass
@@ -155,6 +160,8 @@ class Workload:
         self._go = threading.Event()
         self._gil: threading.Thread | None = None
         self._gil_tid: list[int] = []  # the busy thread's native id, once it runs
+        self._ring: list[mmap.mmap] = []  # --touch-mb's buffers, made on first use
+        self._ring_at = 0
         self.worker_pids: list[int] = []
         self.producer_pids: list[int] = []
         self._func = ctypes.c_void_p(ctypes.addressof(self._host))  # any non-null "kernel"
@@ -290,6 +297,7 @@ class Workload:
             p = ctypes.c_void_p()
             self._rec("cudaMalloc", rt.cudaMalloc(ctypes.byref(p), 1 << 20))
             self._rec("cudaFree", rt.cudaFree(p))
+        self._touch()
         for _ in range(c.launches):
             self._cpu(c.cpu_us)
             self.launch()
@@ -319,6 +327,24 @@ class Workload:
             self._rec("cudaDeviceSynchronize", rt.cudaDeviceSynchronize())
         else:
             self._rec("cudaStreamSynchronize", rt.cudaStreamSynchronize(None))
+
+    def _touch(self) -> None:
+        """Stage a batch in host memory: write every page of the next of TOUCH_RING
+        buffers, then give it back with MADV_FREE as allocators (jemalloc, tcmalloc) do.
+        Lazily freed pages are the kernel's to drop without swap, so under a memory
+        limit smaller than the ring each step's charges reclaim the older buffers (in
+        this thread, on its time) where an anonymous working set would be OOM-killed."""
+        mb = self.cfg.touch_mb
+        if mb <= 0:
+            return
+        if not self._ring:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            self._ring = [mmap.mmap(-1, mb << 20, flags=flags) for _ in range(TOUCH_RING)]
+        buf = self._ring[self._ring_at % TOUCH_RING]
+        self._ring_at += 1
+        for off in range(0, mb << 20, mmap.PAGESIZE):
+            buf[off] = 1
+        buf.madvise(mmap.MADV_FREE)
 
     def calls_per_step(self) -> int:
         c = self.cfg
@@ -528,6 +554,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     p.add_argument("--producer-ms", type=float, default=0.0,
                    help="feed each step through a queue; CPU ms per batch per producer")
     p.add_argument("--producers", type=int, default=1, help="producer processes")
+    p.add_argument("--touch-mb", type=int, default=0,
+                   help="write a fresh buffer of this many MiB each step (a ring of "
+                        f"{TOUCH_RING}, given back with MADV_FREE)")
     p.add_argument("--kernel", default="", metavar="LIB:SYMBOL",
                    help="launch this exported function of LIB as the kernel")
     a = p.parse_args(argv)
@@ -541,6 +570,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         workers=a.workers, worker_mb=a.worker_mb, gil_thread=a.gil_thread,
         gil_duty=a.gil_duty,
         producer_ms=a.producer_ms, producers=a.producers, kernel=a.kernel,
+        touch_mb=a.touch_mb,
     )
 
 

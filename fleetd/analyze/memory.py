@@ -1,0 +1,186 @@
+"""``memory_reclaim``: the feeding thread stalled reclaiming memory for its own pages.
+
+At a cgroup's memory limit (a Kubernetes memory limit) every page the process charges
+is paid for first: the kernel reclaims from the cgroup in the allocating thread, on its
+time, before the allocation returns (memcg reclaim); a machine short of free memory
+does the same for everyone (direct reclaim), and a high-order allocation may compact
+memory first (direct compaction). The tracer measures each stall from the kernel's
+vmscan/compaction tracepoints (``mem_reclaim`` runs, the breakdown's ``reclaim``
+column) and samples the cgroup's limit, usage and pressure stall time (``mem_cgroup``).
+
+The chain's share is the thread's ``reclaim`` column: time it spent reclaiming. No
+process is named a culprit: whoever else fills the cgroup or the machine, the thread
+stalled in its own allocations, and the limit (or the machine's memory) is the cause.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetd.analyze.chains import Chain
+from fleetd.analyze.data import args_object
+from fleetd.analyze.rules import Context, rule_chain
+from fleetd.store.catalog import op_code
+
+MEM_RECLAIM = op_code("mem_reclaim")
+MEM_CGROUP = op_code("mem_cgroup")
+KINDS = ("direct reclaim", "memcg reclaim", "direct compaction")  # a run's ret
+MIN_SHARE = 0.01  # of the thread's wall time: below this reclaim is not what slows it
+
+
+@dataclass(slots=True)
+class Stalls:
+    """One thread's reclaim and compaction stalls over the window."""
+
+    stall_ns: int = 0
+    stalls: int = 0
+    pages: int = 0
+    by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # ns
+
+
+@dataclass(slots=True)
+class Limit:
+    """A memory-limited cgroup over the window, from its samples."""
+
+    cgroup: str
+    limit: int
+    usage: int = 0  # the highest sampled
+    peak: int = 0
+    limit_hits: int = 0
+    file: int | None = None  # at the last sample: on the file LRU (reclaimable)
+    anon: int | None = None
+    psi_some_us: int | None = None  # summed over the samples (None: no PSI)
+    psi_system_us: int | None = None
+    sampled_ns: int = 0
+    members: set[int] = field(default_factory=set)
+    place: dict[str, Any] = field(default_factory=dict)
+
+
+def thread_stalls(ctx: Context, tid: int) -> Stalls:
+    v = ctx.view
+    out = Stalls()
+    for kind, stalled, n, pages in v.conn.execute(
+            "SELECT ret, sum(bytes), sum(a0), sum(a1) FROM event_data WHERE op = ? "
+            "AND tid = ? AND ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? GROUP BY ret",
+            (MEM_RECLAIM, tid, v.win.start_ns, v.win.end_ns, v.node.lo, v.node.hi)):
+        name = KINDS[kind] if 0 <= int(kind) < len(KINDS) else f"kind {kind}"
+        out.stall_ns += int(stalled or 0)
+        out.stalls += int(n or 0)
+        out.pages += int(pages or 0)
+        out.by_kind[name] += int(stalled or 0)
+    return out
+
+
+def limits(ctx: Context) -> list[Limit]:
+    """The memory-limited cgroups the traced processes ran in, over the window."""
+    v = ctx.view
+    found: dict[str, Limit] = {}
+    for pid, dur, usage, limit, args in v.conn.execute(
+            "SELECT e.pid, e.dur_ns, e.bytes, e.a0, x.args FROM event_data e LEFT JOIN "
+            "event_args x ON x.id = e.id WHERE e.op = ? AND e.ts_ns >= ? AND e.ts_ns < ? "
+            "AND e.id BETWEEN ? AND ? ORDER BY e.ts_ns",
+            (MEM_CGROUP, v.win.start_ns, v.win.end_ns, v.node.lo, v.node.hi)):
+        a = args_object(args)
+        path = a.get("cgroup")
+        if not isinstance(path, str) or not isinstance(limit, int) or limit <= 0:
+            continue
+        q = found.setdefault(path, Limit(path, limit))
+        q.limit = limit
+        q.usage = max(q.usage, int(usage or 0))
+        q.sampled_ns += int(dur or 0)
+        q.members.add(int(pid))
+        q.members.update(p for p in a.get("pids") or [] if isinstance(p, int))
+        for key in ("peak_bytes",):
+            if isinstance(a.get(key), int):
+                q.peak = max(q.peak, a[key])
+        q.limit_hits += int(a["limit_hits"]) if isinstance(a.get("limit_hits"), int) else 0
+        q.file = a["file_bytes"] if isinstance(a.get("file_bytes"), int) else q.file
+        q.anon = a["anon_bytes"] if isinstance(a.get("anon_bytes"), int) else q.anon
+        q.psi_some_us = _add(q.psi_some_us, a.get("psi_some_us"))
+        q.psi_system_us = _add(q.psi_system_us, a.get("psi_system_some_us"))
+        q.place = {k: a[k] for k in ("container", "runtime", "pod", "namespace", "pod_uid")
+                   if isinstance(a.get(k), str)}
+    return list(found.values())
+
+
+def _add(total: int | None, value: object) -> int | None:
+    if not isinstance(value, int):
+        return total
+    return (total or 0) + value
+
+
+def memory_rule(ctx: Context) -> list[Chain]:
+    """A ``memory_reclaim`` chain per GPU process whose feeding thread spent at least
+    MIN_SHARE of its wall time in reclaim or compaction (the breakdown's ``reclaim``
+    column, which is what the chain states)."""
+    found = limits(ctx)
+    out: list[Chain] = []
+    for pid in ctx.gpu_pids():
+        t = ctx.main_thread(pid)
+        if t is None:
+            continue
+        tid = int(t["tid"])
+        share = ctx.share(tid, "reclaim")
+        if share < MIN_SHARE:
+            continue
+        stalls = thread_stalls(ctx, tid)
+        limit = next((q for q in found if pid in q.members), None)
+        out.append(_chain(ctx, pid, tid, share, stalls, limit))
+    return out
+
+
+def _chain(ctx: Context, pid: int, tid: int, share: float, s: Stalls,
+           q: Limit | None) -> Chain:
+    kinds = ", ".join(f"{k} {ns / 1e6:.1f} ms" for k, ns in
+                      sorted(s.by_kind.items(), key=lambda kv: -kv[1]))
+    avg = s.stall_ns / s.stalls if s.stalls else 0
+    evidence: list[dict[str, Any]] = [{
+        "kind": "reclaim_stalls", "tid": tid, "stalls": s.stalls, "stall_ns": s.stall_ns,
+        "pages": s.pages, "text":
+            f"{s.stalls} reclaim/compaction stall(s) in thread {tid}, {s.stall_ns / 1e6:.1f} "
+            f"ms in all ({share:.1%} of its wall time; {kinds}), {avg / 1e3:.0f} us each on "
+            f"average, {s.pages} pages reclaimed"}]
+    detail: dict[str, Any] = {
+        "stall_ns": s.stall_ns, "stalls": s.stalls, "pages": s.pages,
+        "by_kind": dict(s.by_kind), "share_of": "reclaim"}
+    if q is not None:
+        evidence.append({"kind": "cgroup_memory", "text": _limit_text(q)})
+        detail.update(cgroup=q.cgroup, limit_bytes=q.limit, usage_bytes=q.usage,
+                      peak_bytes=q.peak, limit_hits=q.limit_hits, file_bytes=q.file,
+                      anon_bytes=q.anon, **q.place)
+        if q.psi_some_us is not None and q.sampled_ns:
+            detail["psi_some_share"] = round(q.psi_some_us * 1000 / q.sampled_ns, 4)
+            evidence.append({"kind": "memory_pressure", "text":
+                             f"memory pressure (PSI) of its cgroup: some task stalled on "
+                             f"memory {detail['psi_some_share']:.1%} of the time sampled"})
+        if q.psi_system_us is not None and q.sampled_ns:
+            detail["psi_system_share"] = round(q.psi_system_us * 1000 / q.sampled_ns, 4)
+    # Every stall is the thread's own, measured where it happened: fully explained.
+    return rule_chain(ctx, "memory_reclaim", pid, None, 1.0, share, evidence, detail,
+                      tid=tid)
+
+
+def _limit_text(q: Limit) -> str:
+    parts = [f"cgroup {q.cgroup}{_where(q)}: memory limit {_mib(q.limit)}, "
+             f"usage up to {_mib(q.usage)} ({q.usage / q.limit:.0%} of it)"]
+    if q.file is not None and q.anon is not None:
+        parts.append(f"reclaimable without swap (page cache, lazily freed) {_mib(q.file)}, "
+                     f"anonymous {_mib(q.anon)}")
+    parts.append(f"the limit was hit {q.limit_hits} time(s)")
+    return "; ".join(parts)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+def _where(q: Limit) -> str:
+    p = q.place
+    if p.get("pod"):
+        ns = f"{p['namespace']}/" if p.get("namespace") else ""
+        return f" (pod {ns}{p['pod']}, container {p.get('container', '?')})"
+    if p.get("container"):
+        return f" ({p.get('runtime', 'container')} {p['container']})"
+    return ""

@@ -1,0 +1,162 @@
+"""A memory limit, live: the reference workload in a memory cgroup smaller than what it
+touches, traced with real BPF. The feeding thread reclaims for its own allocations on
+every step; the chain names the limit and states the thread's reclaim share, which is
+the breakdown's column and the kernel's own histogram of the same stalls. Without the
+limit, no memory_reclaim chain.
+
+Swap is off on these machines, so an anonymous working set over the limit would be
+OOM-killed, not reclaimed. The workload's ``--touch-mb`` stages each step's batch in
+the next of 16 buffers and gives it back with MADV_FREE (as jemalloc and tcmalloc do):
+lazily freed pages sit on the file LRU and reclaim drops them without swap, so the
+cgroup's usage stays at its limit and every new page charged reclaims an older one,
+with no disk I/O to blur the picture. The live set is one buffer (8 MiB), the ring
+128 MiB, the limit 64 MiB.
+
+The workload also runs in a cgroup of its own on the v2 hierarchy where one is mounted
+(beside the v1 controllers on these machines): the kernel keeps pressure stall
+information per v2 cgroup, so the chain cites the cgroup's own memory.pressure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+from recorder import wait_for_libcudart
+
+from conftest import FLEETD, REPO
+
+pytestmark = [pytest.mark.bpf,
+              pytest.mark.skipif(os.geteuid() != 0, reason="cgroups and BPF need root")]
+
+PY = sys.executable
+WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
+ROOT = Path("/sys/fs/cgroup")
+LIMIT = 64 << 20
+STEP = ["--launches", "8", "--memcpy", "1", "--touch-mb", "8", "--gpu-ms", "2"]
+
+
+def _memory_hierarchy() -> tuple[Path, str]:
+    """Where memory limits are set here: (hierarchy root, limit file)."""
+    if (ROOT / "memory" / "memory.limit_in_bytes").exists():
+        return ROOT / "memory", "memory.limit_in_bytes"
+    if "memory" in (ROOT / "cgroup.controllers").read_text().split():
+        return ROOT, "memory.max"
+    pytest.fail("no memory controller: neither /sys/fs/cgroup/memory (v1) nor memory in "
+                "/sys/fs/cgroup/cgroup.controllers (v2)")
+
+
+def _unified() -> Path | None:
+    """The v2 hierarchy beside v1 controllers (hybrid), for per-cgroup PSI."""
+    u = ROOT / "unified"
+    return u if (u / "cgroup.procs").exists() and (u / "memory.pressure").exists() else None
+
+
+@contextmanager
+def _cgroup(root: Path, setup: dict[str, str]) -> Iterator[Path]:
+    d = root / f"fleetd-test-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    try:
+        for name, value in setup.items():
+            (d / name).write_text(value)
+        yield d
+    finally:
+        for pid in (d / "cgroup.procs").read_text().split():
+            (root / "cgroup.procs").write_text(pid)  # back to the root, then remove
+        d.rmdir()
+
+
+def explain_live(tmp_path: Path, limited: bool) -> dict[str, object]:
+    go, db = tmp_path / "go", tmp_path / "t.db"
+    with ExitStack() as stack:
+        groups: list[Path] = []
+        if limited:
+            root, limit_file = _memory_hierarchy()
+            groups.append(stack.enter_context(_cgroup(root, {limit_file: str(LIMIT)})))
+            unified = _unified()
+            if unified is not None and root != ROOT:
+                groups.append(stack.enter_context(_cgroup(unified, {})))
+
+        def enter() -> None:  # in the child, before exec: never this test's own process
+            for g in groups:
+                (g / "cgroup.procs").write_text(str(os.getpid()))
+
+        wl = subprocess.Popen([PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go),
+                               *STEP], stdout=subprocess.PIPE, text=True, preexec_fn=enter)
+        try:
+            wait_for_libcudart(wl.pid)
+            tr = subprocess.Popen([FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db),
+                                   "--duration", "4s"], stderr=subprocess.PIPE, text=True)
+            assert tr.stderr is not None
+            for line in tr.stderr:
+                if line.startswith("fleetd: tracing"):
+                    go.touch()
+                    break
+            tr.communicate(timeout=120)
+            assert tr.returncode == 0
+        finally:
+            wl.kill()
+            wl.wait()
+    r = subprocess.run([FLEETD, "explain", "--db", str(db), "--format", "json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return dict(json.loads(r.stdout), pid=wl.pid, db=str(db))
+
+
+def _sql(db: str, sql: str) -> list[dict[str, object]]:
+    r = subprocess.run([FLEETD, "query", "--db", db, sql, "--format", "json"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    return [dict(zip(out["columns"], row, strict=True)) for row in out["rows"]]
+
+
+def _feeding_thread(report: dict[str, object]) -> dict[str, object]:
+    [proc] = [p for p in report["processes"]  # type: ignore[attr-defined]
+              if p["pid"] == report["pid"]]
+    return max(proc["threads"], key=lambda t: t["in_cuda_ns"])  # type: ignore[no-any-return]
+
+
+def test_a_memory_limit_makes_the_feeding_thread_reclaim(tmp_path: Path) -> None:
+    report = explain_live(tmp_path, limited=True)
+    chains = [c for c in report["chains"]  # type: ignore[attr-defined]
+              if c["root_cause"] == "memory_reclaim"]
+    [ch] = chains
+    assert ch["victim"]["pid"] == report["pid"]
+    assert ch["culprit"] is None and ch["culprits"] == []  # nobody took that time
+    d = ch["detail"]
+    assert d["limit_bytes"] == LIMIT and d["cgroup"].startswith("/fleetd-test-"), d
+    assert d["by_kind"].get("memcg reclaim", 0) > 0 and d["stalls"] > 100, d
+    assert ch["severity"] in ("HIGH", "MEDIUM") and ch["impact"] >= 0.05, ch
+    # The share stated is the breakdown's reclaim column of the same thread ...
+    t = _feeding_thread(report)
+    assert t["tid"] == ch["victim"]["tid"]
+    assert abs(ch["impact"] - t["reclaim_ns"] / t["wall_ns"]) < 1e-3, (ch["impact"], t)
+    # ... and the runs stored add up to the kernel's histogram of every stall.
+    [runs] = _sql(report["db"], "SELECT count(*) AS n, sum(a0) AS stalls, sum(bytes) AS ns "  # type: ignore[arg-type]
+                  f"FROM events WHERE op = 'mem_reclaim' AND pid = {report['pid']}")
+    [hist] = _sql(report["db"], "SELECT sum(count) AS stalls, sum(sum) AS ns FROM "  # type: ignore[arg-type]
+                  f"aggregates WHERE op = 'mem_reclaim' AND pid = {report['pid']} "
+                  "AND bucket < 0")
+    assert runs["stalls"] == hist["stalls"] and runs["ns"] == hist["ns"], (runs, hist)
+    text = json.dumps(ch["evidence"])
+    assert "memory limit 64 MiB" in text and "reclaim/compaction stall" in text, text
+    if _unified() is not None:  # the cgroup's own pressure stall information
+        assert d.get("psi_some_share", 0) > 0, d
+        assert "memory pressure (PSI)" in text
+    assert any("raise the memory limit" in f for f in ch["fixes"]), ch["fixes"]
+
+
+def test_without_a_limit_there_is_no_reclaim_chain(tmp_path: Path) -> None:
+    report = explain_live(tmp_path, limited=False)
+    assert [c for c in report["chains"]  # type: ignore[attr-defined]
+            if c["root_cause"] == "memory_reclaim"] == []
+    t = _feeding_thread(report)
+    assert t["reclaim_ns"] / t["wall_ns"] < 0.01, t
