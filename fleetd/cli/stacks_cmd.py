@@ -10,6 +10,7 @@ from typing import Any
 from fleetd.analyze.frames import folded, short_frame, top_python_frame
 from fleetd.cli.explain_cmd import add_window, open_analysis, positive
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
+from fleetd.cli.ops_cmd import table_view
 from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
 from fleetd.errors import UsageError
 from fleetd.store.timeparse import parse_duration
@@ -95,7 +96,8 @@ def _write(obj: dict[str, Any], found: list[dict[str, Any]], fmt: str) -> None:
              s.get("max_ns"), ",".join(map(str, s.get("ops") or [])),
              _frames(s, fmt)] for s in found]
     extra = {k: v for k, v in obj.items() if k != "stacks"}
-    write_rows(COLUMNS, rows, fmt, sys.stdout, extra)
+    shown, values = table_view(COLUMNS, rows, fmt)  # durations in human units in tables
+    write_rows(shown, values, fmt, sys.stdout, extra)
     print_notes(obj, bool(found), fmt)
 
 
