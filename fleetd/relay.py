@@ -41,21 +41,19 @@ from aiohttp import web
 from fleetd.config import FleetNode
 from fleetd.errors import ConfigError
 from fleetd.fleet import skew as skewmod
-from fleetd.fleet.client import MAX_BODY_BYTES, ClientOptions, Failure, printable
-from fleetd.fleet.fanout import FleetOptions, NodeOutcome, Request, fan_out
-from fleetd.fleet.relayed import (
-    MAX_REQUESTS,
-    MAX_SHIFTS,
-    RELAY_LIMITS,
-    RELAY_PATH,
-    RELAYED_FOR,
-    failure_wire,
-    skew_wire,
-)
+from fleetd.fleet.client import ClientOptions
+from fleetd.fleet.dispatch import fan_out
+from fleetd.fleet.fanout import FleetOptions, NodeOutcome, Request
+from fleetd.fleet.relayed import MAX_SHIFTS, skew_wire
 from fleetd.fleet.targets import Target
 from fleetd.node.api import client_of, error_response
 from fleetd.security.certs import ROLE_NODE, peer_role
 from fleetd.store.guard import Limits
+from fleetd.wire import paths
+from fleetd.wire.failure import Failure
+from fleetd.wire.headers import RELAY_LIMITS, RELAYED_FOR
+from fleetd.wire.limits import MAX_ANSWER_BYTES, RELAY_REQUESTS
+from fleetd.wire.values import printable
 
 log = logging.getLogger("fleetd.relay")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -92,7 +90,7 @@ def relay_routes(s: RelaySettings) -> list[web.RouteDef]:
     async def handle(request: web.Request) -> web.StreamResponse:
         return await relay(request, s)
 
-    return [web.post(RELAY_PATH, handle)]
+    return [web.post(paths.RELAY, handle)]
 
 
 # ---- on every agent: who may forward, and the log of what was forwarded ---------------
@@ -110,7 +108,7 @@ def relayed_middleware(relay_nodes: frozenset[str]) -> Any:
         if forwarded is None and (cn is None or cn not in relay_nodes):
             return await handler(request)  # the common case: a client, unmarked
         if _role(request) == ROLE_NODE:
-            if request.path == RELAY_PATH:
+            if request.path == paths.RELAY:
                 return _forbidden(f"node {cn!r} asked this node to relay: a relayed request "
                                   "cannot be relayed again", "give the client a direct "
                                   "route to its relays (one level of relays only)")
@@ -119,7 +117,7 @@ def relayed_middleware(relay_nodes: frozenset[str]) -> Any:
                                   f"request (marked {RELAYED_FOR})",
                                   "query with a client certificate: fleetd certs "
                                   "issue-client NAME")
-            level = logging.DEBUG if request.path == "/api/v1/time" else logging.INFO
+            level = logging.DEBUG if request.path == paths.TIME else logging.INFO
             log.log(level, "relayed by node %s for %s: %s %s (limits: %s)", cn,
                     printable(forwarded, FORWARDED_CHARS), request.method, request.path,
                     printable(request.headers.get(RELAY_LIMITS, "none"), FORWARDED_CHARS))
@@ -231,7 +229,7 @@ def _job(body: Any, s: RelaySettings) -> _Job:
     wanted = _targets(body.get("targets"), s.max_targets, s.peers)
     targets = tuple({a.peer.address: a.peer for a in wanted if a.peer is not None}.values())
     requests = [_request(r, s.limits) for r in _list(body.get("requests"), "requests",
-                                                      MAX_REQUESTS)]
+                                                      RELAY_REQUESTS)]
     timeout = min(_number(body.get("timeout_s", s.timeout_s), "timeout_s"), s.timeout_s)
     samples = body.get("skew_samples", skewmod.SAMPLES)
     if not isinstance(samples, int) or isinstance(samples, bool) or not 0 <= samples <= 10:
@@ -240,13 +238,13 @@ def _job(body: Any, s: RelaySettings) -> _Job:
                           "max_answer_bytes")), s.max_answer_bytes)
     for r in requests:
         body = r["body"]
-        if r["path"] == "/api/v1/query" and body is not None:
+        if r["path"] == paths.QUERY and body is not None:
             # A node's SQL must stop before this fan-out's deadline, so that it answers
             # with its own timeout error instead of being cut off without one.
             asked = body.get("timeout_s")
             if isinstance(asked, int | float) and not isinstance(asked, bool):
                 body["timeout_s"] = min(asked, round(timeout * QUERY_TIME_SHARE, 3))
-    query = next((r.get("body") for r in requests if r["path"] == "/api/v1/query"), None) or {}
+    query = next((r.get("body") for r in requests if r["path"] == paths.QUERY), None) or {}
     limits = {k: query[k] for k in ("max_rows", "max_bytes", "timeout_s") if k in query}
     text = ";".join(f"{k}={v}" for k, v in {**limits, "fanout_timeout_s": timeout}.items())
     return _Job(targets, wanted, requests, timeout, samples, cap, text)
@@ -309,11 +307,11 @@ def _request(value: Any, ceiling: Limits) -> dict[str, Any]:
     method, path = value.get("method"), value.get("path")
     if method not in ("GET", "POST"):
         raise _Bad(f"method {printable(method, 20)!r} cannot be relayed", "GET or POST")
-    if (not isinstance(path, str) or not path.startswith("/api/v1/") or "?" in path
+    if (not isinstance(path, str) or not path.startswith(paths.PREFIX) or "?" in path
             or len(path) > PATH_CHARS or not path.isprintable()):
         raise _Bad(f"path {printable(path, 80)!r} cannot be relayed",
                    "an agent API path, e.g. /api/v1/query; parameters go in params")
-    if path == RELAY_PATH:
+    if path == paths.RELAY:
         raise _Bad("a relayed request cannot be relayed again",
                    "one level of relays only")
     params = value.get("params")
@@ -324,7 +322,7 @@ def _request(value: Any, ceiling: Limits) -> dict[str, Any]:
     body = value.get("body")
     if body is not None and not isinstance(body, dict):
         raise _Bad(f"body of {path} must be a JSON object")
-    if body is not None and path == "/api/v1/query":
+    if body is not None and path == paths.QUERY:
         body = _lowered(body, ceiling)
     shift = value.get("shift") or []
     if (not isinstance(shift, list) or len(shift) > MAX_SHIFTS or not all(
@@ -390,7 +388,7 @@ async def _run(job: _Job, s: RelaySettings, who: str) -> web.StreamResponse:
         ssl=s.client.ssl, token=s.client.token, timeout_s=job.timeout_s,
         connect_timeout_s=min(s.client.connect_timeout_s, job.timeout_s),
         concurrency=s.client.concurrency, retries=s.client.retries, has_client_cert=True,
-        max_answer_bytes=min(MAX_BODY_BYTES, job.max_answer_bytes), headers=headers)
+        max_answer_bytes=min(MAX_ANSWER_BYTES, job.max_answer_bytes), headers=headers)
     started = time.perf_counter()
     outcomes: dict[str, NodeOutcome] = {}
     answered = 0
@@ -405,20 +403,21 @@ async def _run(job: _Job, s: RelaySettings, who: str) -> web.StreamResponse:
         o = outcomes.get(a.peer.address) if a.peer is not None else None
         if o is None:
             entry: dict[str, Any] = {"address": a.address, "name": a.name,
-                                     "failure": failure_wire(_not_a_peer(a, s))}
+                                     "failure": _not_a_peer(a, s).to_json()}
         else:
             entry = {"address": a.address, "name": o.name, "replies": o.replies,
-                     "failure": failure_wire(_told(o.failure, o, s)) if o.failure else None,
+                     "failure": _told(o.failure, o, s).to_json() if o.failure else None,
                      "skew": skew_wire(o.skew) if o.skew else None,
-                     "skew_failure": failure_wire(_told(o.skew_failure, o, s))
+                     "skew_failure": _told(o.skew_failure, o, s).to_json()
                      if o.skew_failure else None}
         part = orjson.dumps(entry)
         if used + len(part) > job.max_answer_bytes:
             part = orjson.dumps({"address": a.address, "name": entry["name"],
-                                 "failure": failure_wire(Failure(
+                                 "failure": Failure(
                                      "too_large", f"answer of {len(part)} bytes would take "
                                      f"the relay's merged answer past {job.max_answer_bytes}"
-                                     " bytes", "lower --limit, or relay through more nodes"))})
+                                     " bytes", "lower --limit, or relay through more nodes"
+                                 ).to_json()})
         used += len(part)
         parts.append(part)
     log.info("relayed for %s: %d of %d node(s) answered in %.3f s", who, answered,

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from fleetd.errors import StoreError, UsageError
-from fleetd.fleet.client import FleetClient, NodeFailed
+from fleetd.fleet.client import FleetClient
 from fleetd.fleet.fanout import FleetAnswer, FleetOptions, fan_out_work
-from fleetd.fleet.queries import check_rows, raise_if_user_error
+from fleetd.fleet.result import raise_if_user_error
 from fleetd.fleet.targets import Target
 from fleetd.runner import run_loop
 from fleetd.store.clockinfo import session_clock
@@ -38,6 +38,9 @@ from fleetd.store.lake import (
     to_arrow,
     write_node,
 )
+from fleetd.wire import paths
+from fleetd.wire.failure import NodeFailed
+from fleetd.wire.query import check_rows
 
 
 @dataclass(slots=True)
@@ -147,7 +150,7 @@ async def _pull_table(client: FleetClient, t: Target, table: LakeTable,
     an older schema)."""
     # The node's own columns first: an agent serving an older file has fewer.
     try:
-        probe = await client.post(t, "/api/v1/query", {"sql": f"SELECT * FROM {table.view} "
+        probe = await client.post(t, paths.QUERY, {"sql": f"SELECT * FROM {table.view} "
                                                        "LIMIT 0", "params": []})
     except NodeFailed as exc:
         if "no such table" in str(exc):
@@ -175,7 +178,7 @@ async def _pull_table(client: FleetClient, t: Target, table: LakeTable,
             page_params.append(last)
         sql = base + (" WHERE " + " AND ".join(where) if where else "") + f" ORDER BY {order}"
         sql += f" LIMIT {PAGE_ROWS}" + ("" if table.key else f" OFFSET {len(rows)}")
-        reply = await client.post(t, "/api/v1/query", {"sql": sql, "params": page_params,
+        reply = await client.post(t, paths.QUERY, {"sql": sql, "params": page_params,
                                                        "max_rows": PAGE_ROWS})
         check_rows(reply, PAGE_ROWS)
         page = reply["rows"]

@@ -35,7 +35,7 @@ import orjson
 from fleetd.analyze.data import CALL_SOURCES
 from fleetd.analyze.window import WindowSpec
 from fleetd.errors import UsageError
-from fleetd.fleet.client import Failure, FleetClient, NodeFailed
+from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import NodeWarning
 from fleetd.fleet.fanout import (
     FleetAnswer,
@@ -45,11 +45,13 @@ from fleetd.fleet.fanout import (
     fan_out_work,
     send_all,
 )
-from fleetd.fleet.queries import raise_if_user_error
+from fleetd.fleet.result import raise_if_user_error
 from fleetd.fleet.targets import Target
 from fleetd.store.chainrow import STORED_CHAIN_COLUMNS, STORED_CHAIN_WINDOW
 from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS
 from fleetd.store.timeparse import format_ns, parse_duration, parse_timestamp
+from fleetd.wire import paths
+from fleetd.wire.failure import Failure, NodeFailed
 
 log = logging.getLogger("fleetd.export.pull")
 
@@ -206,7 +208,7 @@ def _sql(sql: str, params: list[Any], timeout_s: float, max_rows: int | None = N
         body["max_rows"] = max_rows
     if max_bytes is not None:
         body["max_bytes"] = max_bytes
-    return Request("POST", "/api/v1/query", body=body, expect=("columns", "rows"))
+    return Request("POST", paths.QUERY, body=body, expect=("columns", "rows"))
 
 
 async def _facts(client: FleetClient, t: Target, spec: PullSpec, offset: int,
@@ -241,7 +243,7 @@ async def _computed_chains(client: FleetClient, t: Target, spec: PullSpec, start
         params["to"] = str(end - 1)
     if spec.pid is not None:
         params["pid"] = str(spec.pid)
-    ask = Request("GET", "/api/v1/chains", params, expect=("chains",))
+    ask = Request("GET", paths.CHAINS, params, expect=("chains",))
     # Stop early enough that the node's events still get their turn.
     budget = client.remaining() - min(1.0, client.opts.timeout_s * 0.1)
     try:
@@ -278,7 +280,7 @@ async def _bulk(client: FleetClient, answer: FleetAnswer, o: NodeOutcome, spec: 
     idle_s = client.opts.timeout_s
     try:
         with _spool(node.events) as f:
-            node.events_bytes = await client.stream_to(o.target, "/api/v1/events", params,
+            node.events_bytes = await client.stream_to(o.target, paths.EVENTS, params,
                                                        f.write, idle_s)
     except NodeFailed as exc:
         _drop(answer, o, exc)

@@ -15,11 +15,13 @@ from typing import Any
 
 from fleetd.checks import FAIL, OK, WARN, Check, Finding, row
 from fleetd.fleet import skew
-from fleetd.fleet.client import FleetClient, NodeFailed, clock_samples
+from fleetd.fleet.client import FleetClient, clock_samples
 from fleetd.fleet.fanout import FleetOptions
 from fleetd.fleet.targets import Target
 from fleetd.runner import run_loop
 from fleetd.store.schema import SCHEMA_VERSION
+from fleetd.wire import paths
+from fleetd.wire.failure import NodeFailed
 
 CLOCK_SAMPLES = 5  # /api/v1/time requests per node: the best round trip is the network's
 
@@ -42,7 +44,7 @@ async def _one(client: FleetClient, target: Target, threshold_ms: float) -> Chec
     name = f"node {target.name}"
     started = time.perf_counter()
     try:
-        health = await client.get(target, "/api/v1/health")
+        health = await client.get(target, paths.HEALTH)
     except NodeFailed as exc:
         f = exc.failure
         return Check(name, FAIL, f"{target.address}: {f.kind}: {f.message}",

@@ -36,23 +36,19 @@ import orjson
 from fleetd.fleet import stream
 from fleetd.fleet.targets import Target
 from fleetd.security.tls import DIALING, Dial
+from fleetd.wire import paths
+from fleetd.wire.failure import BadReply, Failure, NodeFailed
+from fleetd.wire.headers import RECV_NS, SEND_NS
+from fleetd.wire.limits import ERROR_BODY_BYTES, INT64_MAX, MAX_ANSWER_BYTES, TIME_BODY_BYTES
+from fleetd.wire.query import error_detail
+from fleetd.wire.values import printable
 
 log = logging.getLogger("fleetd.fleet.client")
 
 # Backoff before each retry of an idempotent GET; a retry is only made when the
 # deadline leaves room for it, so retries never delay the answer past the timeout.
 RETRY_BACKOFF_S = (0.1, 0.3)
-RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
-# A node's answer beyond this is refused as it streams in, never buffered whole. JSON
-# becomes Python objects 10-30x its size, so this bounds the client's memory per node
-# (an agent's own answers stay under its 16 MB query limit).
-MAX_BODY_BYTES = 32 * 1024 * 1024
-TIME_BODY_BYTES = 4 * 1024  # a /api/v1/time answer is under 100 bytes
-ERROR_BODY_BYTES = 64 * 1024  # of a streamed request's error answer, enough for the message
 READ_PIECE = 64 * 1024
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-NAME_CHARS = 253  # a node's self-reported name, as at most a host name
-RECV_HEADER, SEND_HEADER = "X-Fleetd-Recv-Ns", "X-Fleetd-Send-Ns"
 # An idle connection is kept this long, so a long-running client (MCP server, watch)
 # asks again without a handshake; under the agent's own keep-alive (75 s, aiohttp's).
 KEEPALIVE_S = 60.0
@@ -91,11 +87,11 @@ def current_clock() -> ClockLog | None:
     return _CLOCK.get()
 
 
-def stamp_of(headers: Mapping[str, str], t0: int, t3: int) -> Stamp | None:
+def stamp_of(stamps: Mapping[str, str], t0: int, t3: int) -> Stamp | None:
     """The exchange as a clock sample, when the node stamped it with two ordered
     integer nanosecond times (anything else is no clock reading)."""
-    t1 = _ns(headers.get(RECV_HEADER))
-    t2 = _ns(headers.get(SEND_HEADER))
+    t1 = _ns(stamps.get(RECV_NS))
+    t2 = _ns(stamps.get(SEND_NS))
     if t1 is None or t2 is None or t2 < t1:
         return None
     return t0, t1, t2, t3
@@ -110,36 +106,6 @@ def _ns(text: str | None) -> int | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Failure:
-    """Why one node gave no usable answer."""
-
-    kind: str  # refused | unreachable | tls | timeout | disconnected | http | bad_json
-    # | too_large
-    message: str
-    hint: str | None = None
-    status: int | None = None  # HTTP status, for kind == "http"
-    code: str | None = None  # the node's error code, for kind == "http"
-
-    @property
-    def retryable(self) -> bool:
-        # Refused and disconnected cover an agent that is restarting; TLS, 4xx and bad
-        # JSON will not change on a second try.
-        if self.kind in ("refused", "disconnected"):
-            return True
-        return self.kind == "http" and self.status in RETRYABLE_STATUS
-
-    def text(self) -> str:
-        out = f"{self.kind}: {self.message}"
-        return f"{out} (hint: {self.hint})" if self.hint else out
-
-
-class NodeFailed(Exception):
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.text())
-        self.failure = failure
-
-
-@dataclass(frozen=True, slots=True)
 class ClientOptions:
     ssl: ssl.SSLContext
     token: str | None = None
@@ -148,7 +114,7 @@ class ClientOptions:
     concurrency: int = 64  # requests in flight at once, over all nodes
     retries: int = len(RETRY_BACKOFF_S)
     has_client_cert: bool = False  # for hints: is an mTLS rejection about a missing cert?
-    max_answer_bytes: int = MAX_BODY_BYTES  # per request, counted as the body streams in
+    max_answer_bytes: int = MAX_ANSWER_BYTES  # per request, counted as the body streams in
     headers: tuple[tuple[str, str], ...] = ()  # on every request (a relay's marker)
 
 
@@ -333,8 +299,8 @@ class FleetClient:
                     params: dict[str, str] | None, body: bytes | None) -> dict[str, Any]:
         session = self._need_session()
         headers = {"Content-Type": "application/json"} if body is not None else None
-        if path == stream.QUERY_PATH:  # rows line by line, never the whole body at once
-            headers = {**(headers or {}), "Accept": stream.NDJSON}
+        if path == paths.QUERY:  # rows line by line, never the whole body at once
+            headers = {**(headers or {}), "Accept": paths.NDJSON}
         async with self._sem:
             dial = Dial(target.host, target.port)
             token = DIALING.set(dial)
@@ -345,7 +311,8 @@ class FleetClient:
                     _record(resp, dial, t0, time.time_ns())
                     cap = ERROR_BODY_BYTES if resp.status >= 400 else self.opts.max_answer_bytes
                     if resp.status < 400 and stream.is_ndjson(resp):
-                        return await stream.read_answer(resp, cap)
+                        answer: Mapping[str, Any] = await stream.read_answer(resp, cap)
+                        return dict(answer)
                     raw = await _read_capped(resp, cap)
                     status = resp.status
             except NodeFailed:
@@ -394,52 +361,33 @@ def _too_big(size: int, cap: int, *, more: bool = False) -> Failure:
                    "lower --limit or narrow the query")
 
 
-def printable(value: object, limit: int = 1000) -> str:
-    """A string from a node, safe to print: control characters (escape sequences,
-    newlines that could forge a line) become '?', and it is cut to ``limit``."""
-    text = value if isinstance(value, str) else str(value)
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return text if text.isprintable() else "".join(c if c.isprintable() else "?"
-                                                   for c in text)
-
-
-def valid_int(value: object, low: int = INT64_MIN, high: int = INT64_MAX) -> int | None:
-    """``value`` when it is a JSON integer within [low, high], else None."""
-    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
-        return value
-    return None
-
-
 def parse_json(raw: bytes) -> dict[str, Any]:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         snippet = raw[:60].decode("utf-8", "replace")
-        raise NodeFailed(Failure("bad_json", f"answer is not JSON ({exc}): {snippet!r}",
-                                 "is this address a fleetd agent? check HOST:PORT")) from None
+        raise BadReply(f"answer is not JSON ({exc}): {snippet!r}",
+                       "is this address a fleetd agent? check HOST:PORT") from None
     if not isinstance(obj, dict):
-        raise NodeFailed(Failure("bad_json", f"answer is a JSON {type(obj).__name__}, "
-                                 "not an object", "is this address a fleetd agent?"))
+        raise BadReply(f"answer is a JSON {type(obj).__name__}, not an object",
+                       "is this address a fleetd agent?")
     return obj
 
 
 def http_failure(status: int, raw: bytes) -> Failure:
     """A 4xx/5xx: the agent's own error message when it sent one."""
     try:
-        err = orjson.loads(raw).get("error") or {}
-    except (orjson.JSONDecodeError, AttributeError):
-        err = {}
-    if not isinstance(err, dict):
-        err = {}
-    code = printable(err.get("code") or "", 40)
-    message = printable(err.get("message") or raw[:120].decode("utf-8", "replace").strip()
-                        or "no error message", 500)
-    hint = printable(err["hint"], 500) if err.get("hint") else None
+        got = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        got = None
+    err = error_detail(got.get("error") if isinstance(got, dict) else None)
+    code, hint = err["code"], err.get("hint")
+    message = err["message"] or printable(raw[:120].decode("utf-8", "replace").strip()
+                                          or "no error message", 500)
     if status == 401 and not hint:
         hint = "pass the fleet's bearer token with --token-file"
     return Failure("http", f"HTTP {status}{f' {code}' if code else ''}: {message}",
-                   str(hint) if hint else None, status=status, code=code or None)
+                   hint or None, status=status, code=code or None)
 
 
 # ---- classifying transport failures ---------------------------------------------------

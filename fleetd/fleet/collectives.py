@@ -23,28 +23,31 @@ import asyncio
 import math
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fleetd.analyze import collectives as coll
 from fleetd.analyze.window import WindowSpec
-from fleetd.fleet.client import INT64_MAX, Failure, FleetClient, NodeFailed, printable
+from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import NodeWarning
+from fleetd.fleet.dispatch import fan_out
 from fleetd.fleet.fanout import (
+    VERSION_HINT,
     FleetAnswer,
     FleetOptions,
     NodeWork,
     Plan,
     Request,
-    fan_out,
     send_all,
 )
+from fleetd.fleet.result import FleetResult, raise_if_user_error
 from fleetd.fleet.targets import Target
 from fleetd.runner import run_loop
+from fleetd.wire import paths
+from fleetd.wire.failure import BadReply, Failure, NodeFailed
+from fleetd.wire.limits import INT64_MAX
+from fleetd.wire.values import need_bool, need_int, need_list, need_text, printable
 
-if TYPE_CHECKING:
-    from fleetd.fleet.queries import FleetResult
-
-PATH = "/api/v1/collectives"
+PATH = paths.COLLECTIVES
 MAX_PROCESSES = 65_536  # processes per node that made collective calls
 MAX_WARNINGS = 100
 MAX_NAME = 64  # a process name (comm is 15 bytes; leave room for a marker)
@@ -63,16 +66,12 @@ EXPLAIN_ROWS = coll.EXPLAIN_ROWS  # the newest calls per node explain --nodes co
 BOOT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
-class BadReply(ValueError):
-    """The answer breaks the documented shape; the message says where."""
-
-
 def request(window: WindowSpec, offset_ns: int, max_rows: int | None = None) -> Request:
     params = window.params(offset_ns)
     if max_rows:
         params["max_rows"] = str(max_rows)
     return Request("GET", PATH, params, expect=("columns", "rows"),
-                   check=lambda reply: None)  # checked whole by check_reply
+                   check=lambda reply: reply)  # checked whole by check_reply
 
 
 def check_reply(reply: Mapping[str, Any], node: str,
@@ -81,8 +80,8 @@ def check_reply(reply: Mapping[str, Any], node: str,
     if reply.get("columns") != list(coll.ARRIVAL_COLUMNS):
         raise BadReply(f"columns {printable(reply.get('columns'), 200)} are not "
                        f"{list(coll.ARRIVAL_COLUMNS)}")
-    rows = _list(reply.get("rows"), "rows", None)
-    truncated = _bool(reply.get("truncated", False), "truncated")
+    rows = need_list(reply.get("rows"), "rows", None)
+    truncated = need_bool(reply.get("truncated", False), "truncated")
     reason = reply.get("truncated_reason")
     if reason not in (None, "rows", "bytes"):
         raise BadReply(f"truncated_reason: {printable(reason, 40)}")
@@ -95,18 +94,18 @@ def check_reply(reply: Mapping[str, Any], node: str,
         raise BadReply("processes: expected {columns: "
                        f"{list(coll.PROCESS_COLUMNS)}, rows: [...]}}")
     procs: dict[int, coll.Proc] = {}
-    for i, r in enumerate(_list(procs_obj.get("rows"), "processes.rows", MAX_PROCESSES)):
+    for i, r in enumerate(need_list(procs_obj.get("rows"), "processes.rows", MAX_PROCESSES)):
         p = _proc(r, f"processes.rows[{i}]")
         procs[p.pid] = p
     err = reply.get("clock_error_ns")
     if err is not None:
-        err = _int(err, "clock_error_ns", 0, INT64_MAX)
+        err = need_int(err, "clock_error_ns", 0, INT64_MAX)
     boot = reply.get("boot_id")
     if boot is not None and not (isinstance(boot, str) and BOOT_ID.fullmatch(boot)):
         raise BadReply(f"boot_id {printable(boot, 60)} is not a boot id (a UUID)")
     mono = reply.get("mono_offset_ns")
     if mono is not None:
-        mono = _int(mono, "mono_offset_ns", -INT64_MAX, INT64_MAX)
+        mono = need_int(mono, "mono_offset_ns", -INT64_MAX, INT64_MAX)
     return coll.NodeArrivals(node, arrivals, procs, err, truncated,
                              reason if truncated else None, boot, mono if boot else None)
 
@@ -127,19 +126,19 @@ def _arrival(r: Any, where: str) -> coll.Arrival:
     ts, dur, pid, tid, op, ret, nbytes, seq, ptr, chash, rank, nranks = r
     if op not in _COLLECTIVES:
         raise BadReply(f"{where}.op: {printable(op, 40)} is not an NCCL collective")
-    rank = None if rank is None else _int(rank, f"{where}.rank", 0, MAX_RANK)
-    nranks = None if nranks is None else _int(nranks, f"{where}.nranks", 1, MAX_RANK)
+    rank = None if rank is None else need_int(rank, f"{where}.rank", 0, MAX_RANK)
+    nranks = None if nranks is None else need_int(nranks, f"{where}.nranks", 1, MAX_RANK)
     chash = None if chash is None else _hex(chash, f"{where}.comm_hash", exact=16)
     if (chash is None) != (rank is None) or (rank is None) != (nranks is None):
         raise BadReply(f"{where}: comm_hash, rank and nranks come together or not at all")
     if rank is not None and nranks is not None and rank >= nranks:
         raise BadReply(f"{where}: rank {rank} is not below nranks {nranks}")
     return coll.Arrival(
-        _int(ts, f"{where}.ts_ns", 0, INT64_MAX), _int(dur, f"{where}.dur_ns", 0, INT64_MAX),
-        _int(pid, f"{where}.pid", 0, MAX_PID), _int(tid, f"{where}.tid", 0, MAX_PID),
-        str(op), _int(ret, f"{where}.ret", -INT32, INT32 - 1),
-        _int(nbytes, f"{where}.bytes", 0, INT64_MAX),
-        None if seq is None else _int(seq, f"{where}.seq", 1, INT64_MAX),
+        need_int(ts, f"{where}.ts_ns", 0), need_int(dur, f"{where}.dur_ns", 0),
+        need_int(pid, f"{where}.pid", 0, MAX_PID), need_int(tid, f"{where}.tid", 0, MAX_PID),
+        str(op), need_int(ret, f"{where}.ret", -INT32, INT32 - 1),
+        need_int(nbytes, f"{where}.bytes", 0, INT64_MAX),
+        None if seq is None else need_int(seq, f"{where}.seq", 1, INT64_MAX),
         None if ptr is None else _hex(ptr, f"{where}.comm_ptr", prefix=True), chash, rank,
         nranks)
 
@@ -149,26 +148,11 @@ def _proc(r: Any, where: str) -> coll.Proc:
         raise BadReply(f"{where}: expected a list of {len(coll.PROCESS_COLUMNS)} values")
     pid, comm, rank, size, job = r
     return coll.Proc(
-        _int(pid, f"{where}.pid", 0, MAX_PID),
-        None if comm is None else _text(comm, f"{where}.comm", MAX_NAME),
-        None if rank is None else _int(rank, f"{where}.rank", 0, MAX_RANK),
-        None if size is None else _int(size, f"{where}.world_size", 1, MAX_RANK),
-        None if job is None else _text(job, f"{where}.job", MAX_JOB))
-
-
-def _int(v: Any, where: str, lo: int, hi: int) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise BadReply(f"{where}: expected an integer, got {type(v).__name__} "
-                       f"{printable(v, 40)}")
-    if not lo <= v <= hi:
-        raise BadReply(f"{where}: {printable(v, 40)} is outside [{lo}, {hi}]")
-    return v
-
-
-def _bool(v: Any, where: str) -> bool:
-    if not isinstance(v, bool):
-        raise BadReply(f"{where}: expected true or false, got {printable(v, 40)}")
-    return v
+        need_int(pid, f"{where}.pid", 0, MAX_PID),
+        None if comm is None else need_text(comm, f"{where}.comm", MAX_NAME),
+        None if rank is None else need_int(rank, f"{where}.rank", 0, MAX_RANK),
+        None if size is None else need_int(size, f"{where}.world_size", 1, MAX_RANK),
+        None if job is None else need_text(job, f"{where}.job", MAX_JOB))
 
 
 def _hex(v: Any, where: str, *, exact: int = 0, prefix: bool = False) -> str:
@@ -180,20 +164,6 @@ def _hex(v: Any, where: str, *, exact: int = 0, prefix: bool = False) -> str:
             return v
     raise BadReply(f"{where}: {printable(v, 40)} is not "
                    + (f"{exact} lowercase hex digits" if exact else "a 0x... pointer"))
-
-
-def _text(v: Any, where: str, limit: int) -> str:
-    if not isinstance(v, str):
-        raise BadReply(f"{where}: expected a string, got {type(v).__name__}")
-    return printable(v, limit)
-
-
-def _list(v: Any, where: str, limit: int | None) -> list[Any]:
-    if not isinstance(v, list):
-        raise BadReply(f"{where}: expected a list, got {type(v).__name__}")
-    if limit is not None and len(v) > limit:
-        raise BadReply(f"{where}: {len(v)} entries, above the limit of {limit}")
-    return v
 
 
 # ---- clocks --------------------------------------------------------------------------------
@@ -262,8 +232,7 @@ def from_answer(answer: FleetAnswer, index: int, max_rows: int = coll.DEFAULT_RO
                 why = f"{o.target.address}{PATH} answered a malformed reply ({exc})"
         if strict:
             o.replies = None
-            o.failure = Failure("bad_json", str(why), "is the agent a different fleetd "
-                                "version? compare /api/v1/health versions")
+            o.failure = Failure("bad_json", str(why), VERSION_HINT)
             answer.warnings.append(NodeWarning(o.name, o.failure.text(), "bad_json"))
         else:
             answer.warnings.append(NodeWarning(
@@ -275,8 +244,6 @@ def collectives(opts: FleetOptions, window: WindowSpec, max_rows: int | None = N
                 ) -> FleetResult:
     """``fleetd collectives --nodes``: every node's arrivals compared in one clock; a
     FleetResult whose ``obj`` is the report with the fleet's warnings and skew."""
-    from fleetd.fleet.queries import FleetResult, raise_if_user_error
-
     window.validate()
     limit = max_rows or coll.DEFAULT_ROWS
     answer: FleetAnswer = run_loop(fan_out(

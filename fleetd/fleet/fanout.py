@@ -17,32 +17,23 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from fleetd.errors import UsageError
 from fleetd.fleet import skew as skewmod
-from fleetd.fleet.client import (
-    INT64_MAX,
-    INT64_MIN,
-    NAME_CHARS,
-    ClientOptions,
-    ClockLog,
-    Failure,
-    FleetClient,
-    NodeFailed,
-    clock_samples,
-    printable,
-)
+from fleetd.fleet.client import ClientOptions, ClockLog, FleetClient, clock_samples
 from fleetd.fleet.combine import NodeWarning
 from fleetd.fleet.skew import Skew
-from fleetd.fleet.targets import Target
-
-if TYPE_CHECKING:
-    from fleetd.fleet.relayed import RelayRoute
+from fleetd.fleet.targets import RelayRoute, Target
+from fleetd.wire import paths
+from fleetd.wire.failure import BadReply, Failure, NodeFailed
+from fleetd.wire.limits import INT64_MAX, INT64_MIN, NAME_CHARS
+from fleetd.wire.values import printable
 
 log = logging.getLogger("fleetd.fleet.fanout")
+T = TypeVar("T")
 
 EXIT_COMPLETE = 0
 EXIT_PARTIAL = 3  # some nodes answered, the others are listed in the warnings
@@ -73,9 +64,10 @@ class Request:
     params: dict[str, str] | None = None
     body: dict[str, Any] | None = None
     expect: tuple[str, ...] = ()  # keys the answer must have
-    # Checks (and may trim) the answer, raising NodeFailed for one that is not usable;
-    # without one, every number in it must be one JSON tools can carry.
-    check: Callable[[dict[str, Any]], None] | None = None
+    # The answer checked (trimmed, rebuilt) by the wire's reader for its shape, raising
+    # BadReply for one that is not usable; without one, every number in it must be one
+    # JSON tools can carry.
+    check: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
 
 
 # offset (node clock minus ours, ns; 0 when unknown or not corrected) -> the requests
@@ -137,27 +129,23 @@ class FleetAnswer:
         return o.correction_ns if self.correct else 0
 
 
-async def fan_out(opts: FleetOptions, plan: Plan, *, needs_offset: bool = False,
-                  client: FleetClient | None = None) -> FleetAnswer:
-    """Run ``plan`` on every node; ``needs_offset``: the plan uses the node's offset.
-
-    Without ``client`` a new session is made and closed (what one CLI command does);
-    a long-running caller passes its own open client to keep connections warm.
-    """
-    if opts.relays:
-        from fleetd.fleet.relayed import fan_out_relayed
-        return await fan_out_relayed(opts, plan, needs_offset=needs_offset, client=client)
-
+def plan_work(plan: Plan) -> NodeWork:
+    """A plan's requests as one node's work: sent at once, the first failure fails it."""
     async def work(c: FleetClient, t: Target, offset: int) -> list[dict[str, Any]]:
         return await send_all(c, t, plan(offset))
 
-    return await fan_out_work(opts, work, needs_offset=needs_offset, client=client)
+    return work
 
 
 async def fan_out_work(opts: FleetOptions, work: NodeWork, *, needs_offset: bool = False,
                        client: FleetClient | None = None) -> FleetAnswer:
-    """:func:`fan_out` with a coroutine per node instead of a list of requests; it runs
-    under the same deadline, clock sampling, naming and failure handling."""
+    """Run ``work`` on every node directly; ``needs_offset``: the work uses the node's
+    offset. Every node runs under the same deadline, clock sampling, naming and failure
+    handling. (:func:`fleetd.fleet.dispatch.fan_out` also goes through relays.)
+
+    Without ``client`` a new session is made and closed (what one CLI command does);
+    a long-running caller passes its own open client to keep connections warm.
+    """
     if opts.relays:  # a relay runs plans only (fan_out), not work that depends on replies
         raise UsageError("this command cannot go through relays yet",
                          "drop --relay-via/--fanout-degree (relays serve query, ops, "
@@ -190,8 +178,7 @@ async def fan_out_work(opts: FleetOptions, work: NodeWork, *, needs_offset: bool
     outcomes = [n.out for n in await asyncio.gather(*tasks)]
     client.keep_tickets()  # a later reconnect in this process resumes instead
     answer = FleetAnswer(list(outcomes), correct=opts.correct)
-    _name_nodes(answer)
-    answer.warnings = _warnings(answer, opts)
+    settle(answer, opts)
     answer.elapsed_s = time.perf_counter() - started
     log.info("fan-out to %d node(s): %d answered in %.3f s", len(outcomes),
              len(answer.answered), answer.elapsed_s)
@@ -338,25 +325,32 @@ async def _send(client: FleetClient, t: Target, r: Request) -> dict[str, Any]:
         reply = await client.post(t, r.path, r.body or {})
     else:
         reply = await client.get(t, r.path, r.params)
+    return checked(r, reply, f"{t.address}{r.path}")
+
+
+VERSION_HINT = f"is the agent a different fleetd version? compare {paths.HEALTH} versions"
+
+
+def checked(r: Request, reply: dict[str, Any], where: str) -> dict[str, Any]:
+    """A node's answer to ``r`` (direct or relayed), checked once: the keys it must have,
+    then ``r.check`` (the wire's reader for its shape) or, without one, its numbers.
+    Raises :class:`BadReply`, which fails the node."""
     missing = [k for k in r.expect if k not in reply]
     if missing:
-        raise NodeFailed(Failure("bad_json", f"{t.address}{r.path} answered without "
-                                 f"{', '.join(missing)}",
-                                 "is the agent a different fleetd version? compare "
-                                 "/api/v1/health versions"))
-    if r.check is not None:
-        r.check(reply)
-    else:
-        check_numbers(reply, f"{t.address}{r.path}")
-    return reply
+        raise BadReply(f"{where} answered without {', '.join(missing)}", VERSION_HINT)
+    if r.check is None:
+        return check_numbers(reply, where)
+    try:
+        return dict(r.check(reply))
+    except BadReply as exc:
+        raise BadReply(f"{where} answered a malformed reply ({exc})", VERSION_HINT) from None
 
 
-def bad_value(where: str, what: str) -> NodeFailed:
-    return NodeFailed(Failure("bad_json", f"{where} answered {what}",
-                              "is this a fleetd agent, and an unmodified one?"))
+def bad_value(where: str, what: str) -> BadReply:
+    return BadReply(f"{where} answered {what}")
 
 
-def check_numbers(obj: Any, where: str) -> None:
+def check_numbers(obj: T, where: str) -> T:
     """Every integer in ``obj`` fits in 64 bits and every float is finite: a node's
     value beyond that (1e300 where nanoseconds belong, 2**70) would fail far from here,
     when the merged answer is printed, and take the healthy nodes' rows with it."""
@@ -374,6 +368,13 @@ def check_numbers(obj: Any, where: str) -> None:
                 raise bad_value(where, f"an integer beyond 64 bits ({printable(v, 30)})")
         elif isinstance(v, float) and not math.isfinite(v):
             raise bad_value(where, f"a number that is not finite ({v})")
+    return obj
+
+
+def settle(answer: FleetAnswer, opts: FleetOptions) -> None:
+    """The fan-out's last step, direct or relayed: name the nodes, list the warnings."""
+    _name_nodes(answer)
+    answer.warnings = _warnings(answer, opts)
 
 
 def _name_nodes(answer: FleetAnswer) -> None:

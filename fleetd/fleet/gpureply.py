@@ -5,17 +5,28 @@ valid certificate may send any JSON up to the client's body limit. The straggler
 and the table formats index and format its fields, so every rank and kernel row is
 rebuilt here from the keys ``fleetd gpu`` documents (docs/json.md), each type- and
 range-checked, strings cleaned and bounded, lists capped. One bad value rejects the
-node's whole answer (:class:`BadReply`): half of a lying answer is still a lie, and the
-fleet command then reports that node as failed (a warning, the partial exit code).
+node's whole answer (:class:`~fleetd.wire.failure.BadReply`): half of a lying answer
+is still a lie, and the fleet command then reports that node as failed (a warning, the
+partial exit code).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from fleetd.analyze.gpu import one_verdict
+from fleetd.wire.failure import BadReply
+from fleetd.wire.limits import INT64_MIN
+from fleetd.wire.values import (
+    need_choice,
+    need_dict,
+    need_int,
+    need_list,
+    need_number,
+    need_text,
+    optional,
+)
 
 MAX_RANKS = 1024  # processes x devices per node
 MAX_STEPS = 10_000  # profiler steps per rank
@@ -33,14 +44,10 @@ _YES_NO = ("YES", "NO")
 _READINGS = ("CPU-bound", "GPU-bound", "unknown")
 
 
-class BadReply(ValueError):
-    """The answer breaks the documented shape; the message says where."""
-
-
 def check_gpu_reply(reply: Mapping[str, Any]) -> dict[str, Any]:
     """The node's answer rebuilt from checked values; raises :class:`BadReply`."""
-    ranks = _list(reply.get("ranks"), "ranks", MAX_RANKS)
-    kernels = _list(reply.get("kernels", []), "kernels", MAX_KERNELS)
+    ranks = need_list(reply.get("ranks"), "ranks", MAX_RANKS)
+    kernels = need_list(reply.get("kernels", []), "kernels", MAX_KERNELS)
     out: dict[str, Any] = {"node": reply.get("node")}
     if isinstance(reply.get("window"), dict):
         out["window"] = reply["window"]
@@ -53,7 +60,7 @@ def check_gpu_reply(reply: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _rank(r: Any, where: str) -> dict[str, Any]:
-    d = _dict(r, where)
+    d = need_dict(r, where)
     out: dict[str, Any] = {"node": _text(d.get("node", ""), f"{where}.node")}
     for k in _INTS:
         out[k] = _int(d.get(k), f"{where}.{k}")
@@ -63,14 +70,14 @@ def _rank(r: Any, where: str) -> dict[str, Any]:
         out[k] = _pct(d.get(k), f"{where}.{k}")
     for k in _DIST:
         out[k] = _dist(d.get(k), f"{where}.{k}")
-    out["rank"] = _opt(d.get("rank"), f"{where}.rank", _int)
-    out["tklqt_reading"] = _choice(d.get("tklqt_reading", "unknown"), _READINGS,
+    out["rank"] = optional(d.get("rank"), f"{where}.rank", _int)
+    out["tklqt_reading"] = need_choice(d.get("tklqt_reading", "unknown"), _READINGS,
                                    f"{where}.tklqt_reading")
     out["verdict"] = _verdict(d.get("verdict"), f"{where}.verdict")
     # Written here from the checked fields, never taken from the node's text.
     out["summary"] = one_verdict(out["verdict"]["host_overhead"], out["tklqt_reading"])
     out["steps"] = [_step(s, f"{where}.steps[{i}]")
-                    for i, s in enumerate(_list(d.get("steps", []), f"{where}.steps",
+                    for i, s in enumerate(need_list(d.get("steps", []), f"{where}.steps",
                                                 MAX_STEPS))]
     if "m3" in d:
         out["m3"] = _m3(d["m3"], f"{where}.m3")
@@ -78,16 +85,16 @@ def _rank(r: Any, where: str) -> dict[str, Any]:
 
 
 def _verdict(v: Any, where: str) -> dict[str, Any]:
-    d = _dict(v, where)
+    d = need_dict(v, where)
     out: dict[str, Any] = {
-        "host_overhead": _choice(d.get("host_overhead"), _YES_NO, f"{where}.host_overhead"),
+        "host_overhead": need_choice(d.get("host_overhead"), _YES_NO, f"{where}.host_overhead"),
         "metrics": _metrics(d.get("metrics"), f"{where}.metrics"),
         "thresholds": _metrics(d.get("thresholds", {}), f"{where}.thresholds"),
     }
     for k in ("evidence", "caveats", "phases"):
         out[k] = _lines(d.get(k, []), f"{where}.{k}")
     if "phase_thresholds" in d:
-        phases = _dict(d["phase_thresholds"], f"{where}.phase_thresholds")
+        phases = need_dict(d["phase_thresholds"], f"{where}.phase_thresholds")
         if len(phases) > MAX_METRICS:
             raise BadReply(f"{where}.phase_thresholds: more than {MAX_METRICS} phases")
         out["phase_thresholds"] = {_text(p, f"{where}.phase_thresholds"): _metrics(
@@ -96,7 +103,7 @@ def _verdict(v: Any, where: str) -> dict[str, Any]:
 
 
 def _step(s: Any, where: str) -> dict[str, Any]:
-    d = _dict(s, where)
+    d = need_dict(s, where)
     out: dict[str, Any] = {"name": _text(d.get("name"), f"{where}.name")}
     for k in ("start_ns", "tklqt_ns"):
         out[k] = _int(d.get(k), f"{where}.{k}")
@@ -104,111 +111,70 @@ def _step(s: Any, where: str) -> dict[str, Any]:
         out[k] = _int(d.get(k), f"{where}.{k}", 0)
     out["idle_pct"] = _pct(d.get("idle_pct"), f"{where}.idle_pct")
     out["metrics"] = _metrics(d.get("metrics"), f"{where}.metrics")
-    out["host_overhead"] = _choice(d.get("host_overhead"), _YES_NO, f"{where}.host_overhead")
+    out["host_overhead"] = need_choice(d.get("host_overhead"), _YES_NO, f"{where}.host_overhead")
     out["evidence"] = _lines(d.get("evidence", []), f"{where}.evidence")
     return out
 
 
 def _m3(m: Any, where: str) -> dict[str, Any]:
-    d = _dict(m, where)
+    d = need_dict(m, where)
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = _text(k, where)
         if key == "reason":
-            out[key] = _opt(v, f"{where}.reason", _text)
+            out[key] = optional(v, f"{where}.reason", _text)
         else:
-            out[key] = _opt(v, f"{where}.{key}", _num)
+            out[key] = optional(v, f"{where}.{key}", need_number)
     if len(out) > MAX_METRICS:
         raise BadReply(f"{where}: more than {MAX_METRICS} entries")
     return out
 
 
 def _kernel(k: Any, where: str) -> dict[str, Any]:
-    d = _dict(k, where)
+    d = need_dict(k, where)
     return {"name": _text(d.get("name"), f"{where}.name"),
             "count": _int(d.get("count"), f"{where}.count", 0),
             "total_ns": _int(d.get("total_ns"), f"{where}.total_ns", 0),
-            "mean_ns": _num(d.get("mean_ns"), f"{where}.mean_ns"),
-            "p50_ns": _num(d.get("p50_ns"), f"{where}.p50_ns"),
-            "p99_ns": _num(d.get("p99_ns"), f"{where}.p99_ns"),
+            "mean_ns": need_number(d.get("mean_ns"), f"{where}.mean_ns"),
+            "p50_ns": need_number(d.get("p50_ns"), f"{where}.p50_ns"),
+            "p99_ns": need_number(d.get("p99_ns"), f"{where}.p99_ns"),
             "share_pct": _pct(d.get("share_pct"), f"{where}.share_pct")}
 
 
 # ---- values ------------------------------------------------------------------------------
 
 
-def _dict(v: Any, where: str) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise BadReply(f"{where}: expected an object, got {type(v).__name__}")
-    return v
-
-
-def _list(v: Any, where: str, limit: int) -> list[Any]:
-    if not isinstance(v, list):
-        raise BadReply(f"{where}: expected a list, got {type(v).__name__}")
-    if len(v) > limit:
-        raise BadReply(f"{where}: {len(v)} entries, above the limit of {limit}")
-    return v
-
-
 def _int(v: Any, where: str, lo: int | None = None) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or abs(v) >= 1 << 63:
-        raise BadReply(f"{where}: expected an integer, got {_show(v)}")
-    if lo is not None and v < lo:
-        raise BadReply(f"{where}: {v} is below {lo}")
-    return v
-
-
-def _num(v: Any, where: str) -> float | int:
-    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) \
-            or abs(v) >= 1 << 63:
-        raise BadReply(f"{where}: expected a finite number, got {_show(v)}")
-    return v
+    return need_int(v, where, INT64_MIN if lo is None else lo)
 
 
 def _pct(v: Any, where: str) -> float | int:
-    n = _num(v, where)
+    n = need_number(v, where)
     if not 0 <= n <= 100 + PCT_SLACK:
         raise BadReply(f"{where}: {n} is not a percentage (0-100)")
     return n
 
 
-def _opt(v: Any, where: str, check: Callable[[Any, str], Any]) -> Any:
-    return None if v is None else check(v, where)
-
-
 def _dist(v: Any, where: str) -> dict[str, Any]:
-    d = _dict(v, where)
+    d = need_dict(v, where)
     out: dict[str, Any] = {"count": _int(d.get("count", 0), f"{where}.count", 0)}
     for k in ("mean", "p50", "p95", "max"):
-        out[k] = _opt(d.get(k), f"{where}.{k}", _num)
+        out[k] = optional(d.get(k), f"{where}.{k}", need_number)
     return out
 
 
 def _metrics(v: Any, where: str) -> dict[str, Any]:
-    d = _dict(v, where)
+    d = need_dict(v, where)
     if len(d) > MAX_METRICS:
         raise BadReply(f"{where}: more than {MAX_METRICS} metrics")
-    return {_text(k, where)[:16]: _opt(x, f"{where}.{k}", _num) for k, x in d.items()}
-
-
-def _choice(v: Any, allowed: tuple[str, ...], where: str) -> str:
-    if v not in allowed:
-        raise BadReply(f"{where}: expected one of {', '.join(allowed)}, got {_show(v)}")
-    return str(v)
+    return {_text(k, where)[:16]: optional(x, f"{where}.{k}", need_number)
+            for k, x in d.items()}
 
 
 def _text(v: Any, where: str) -> str:
-    if not isinstance(v, str):
-        raise BadReply(f"{where}: expected a string, got {_show(v)}")
-    text = v[:MAX_TEXT]
-    return text if text.isprintable() else "".join(c if c.isprintable() else "?"
-                                                   for c in text)
+    return need_text(v, where, MAX_TEXT)
 
 
 def _lines(v: Any, where: str) -> list[str]:
-    return [_text(x, f"{where}[{i}]") for i, x in enumerate(_list(v, where, MAX_LINES))]
-
-
-def _show(v: Any) -> str:
-    return f"{type(v).__name__} {str(v)[:40]!r}"
+    lines = need_list(v, where, MAX_LINES)
+    return [_text(x, f"{where}[{i}]") for i, x in enumerate(lines)]

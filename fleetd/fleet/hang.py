@@ -39,12 +39,16 @@ from fleetd.analyze.hangs import (
     Recent,
     judge,
 )
-from fleetd.fleet.client import INT64_MAX, FleetClient, NodeFailed, printable
-from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request, bad_value, fan_out
+from fleetd.fleet.client import FleetClient
+from fleetd.fleet.dispatch import fan_out
+from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request
+from fleetd.wire import paths
+from fleetd.wire.failure import BadReply, NodeFailed
+from fleetd.wire.limits import INT64_MAX
+from fleetd.wire.values import need_dict, need_int, need_list, need_text, printable, shown
 
 log = logging.getLogger("fleetd.fleet.hang")
 
-RANKS_PATH = "/api/v1/ranks"
 MAX_RANKS = 4096  # per node
 MAX_COMMS = 256  # communicators per rank
 MAX_P2P = 4096  # send/receive entries per rank
@@ -57,32 +61,28 @@ CHAIN_TIMEOUT_S = 5.0
 SEVERITIES = ("HIGH", "MEDIUM", "LOW")
 
 
-class BadRanks(ValueError):
-    """A node's ranks answer breaks the documented shape; the message says where."""
-
-
 # ---- checking one node's answer -----------------------------------------------------------
 
 
 def check_ranks_reply(node: str, reply: Mapping[str, Any]) -> list[RankView]:
-    """The node's ranks, rebuilt from checked values; raises :class:`BadRanks`."""
-    ranks = _list(reply.get("ranks"), "ranks", MAX_RANKS)
+    """The node's ranks, rebuilt from checked values; raises :class:`BadReply`."""
+    ranks = need_list(reply.get("ranks"), "ranks", MAX_RANKS)
     out = [_rank(node, r, f"ranks[{i}]") for i, r in enumerate(ranks)]
     if len({v.pid for v in out}) != len(out):
-        raise BadRanks("ranks: a pid is listed twice")
+        raise BadReply("ranks: a pid is listed twice")
     return out
 
 
 def _rank(node: str, r: Any, where: str) -> RankView:
-    d = _dict(r, where)
+    d = need_dict(r, where)
     state = d.get("state")
     if state not in STATES:
-        raise BadRanks(f"{where}.state: expected one of {', '.join(STATES)}, got {_show(state)}")
+        raise BadReply(f"{where}.state: expected one of {', '.join(STATES)}, got {shown(state)}")
     last = d.get("last_call")
-    colls = _list(d.get("collectives", []), f"{where}.collectives", MAX_COMMS)
-    p2p = _list(d.get("p2p", []), f"{where}.p2p", MAX_P2P)
+    colls = need_list(d.get("collectives", []), f"{where}.collectives", MAX_COMMS)
+    p2p = need_list(d.get("p2p", []), f"{where}.p2p", MAX_P2P)
     return RankView(
-        node=node, pid=_int(d.get("pid"), f"{where}.pid", 1, INT32 - 1),
+        node=node, pid=need_int(d.get("pid"), f"{where}.pid", 1, INT32 - 1),
         comm=_opt_text(d.get("comm"), f"{where}.comm", MAX_TEXT),
         rank=_opt_int(d.get("rank"), f"{where}.rank", 0, INT32 - 1),
         world_size=_opt_int(d.get("world_size"), f"{where}.world_size", 1, INT32 - 1),
@@ -96,87 +96,55 @@ def _rank(node: str, r: Any, where: str) -> RankView:
 
 
 def _coll(c: Any, where: str) -> Collective:
-    d = _dict(c, where)
-    recent = _list(d.get("recent", []), f"{where}.recent", MAX_RECENT)
+    d = need_dict(c, where)
+    recent = need_list(d.get("recent", []), f"{where}.recent", MAX_RECENT)
     return Collective(
-        communicator=_text(d.get("communicator"), f"{where}.communicator", MAX_NAME),
+        communicator=need_text(d.get("communicator"), f"{where}.communicator", MAX_NAME),
         comm_hash=_opt_text(d.get("comm_hash"), f"{where}.comm_hash", MAX_NAME),
         rank=_opt_int(d.get("rank"), f"{where}.rank", 0, INT32 - 1),
         nranks=_opt_int(d.get("nranks"), f"{where}.nranks", 1, INT32 - 1),
-        op=_text(d.get("op"), f"{where}.op", MAX_NAME),
-        seq=_int(d.get("seq"), f"{where}.seq", 0),
-        age_ns=_int(d.get("age_ns"), f"{where}.age_ns", 0),
-        ret=_int(d.get("ret", 0), f"{where}.ret", -INT32, 2 * INT32 - 1),
+        op=need_text(d.get("op"), f"{where}.op", MAX_NAME),
+        seq=need_int(d.get("seq"), f"{where}.seq", 0),
+        age_ns=need_int(d.get("age_ns"), f"{where}.age_ns", 0),
+        ret=need_int(d.get("ret", 0), f"{where}.ret", -INT32, 2 * INT32 - 1),
         recent=tuple(_recent(x, f"{where}.recent[{i}]") for i, x in enumerate(recent)))
 
 
 def _recent(v: Any, where: str) -> Recent:
     if not isinstance(v, list) or len(v) != 4:
-        raise BadRanks(f"{where}: expected [seq, age_ns, op, bytes]")
+        raise BadReply(f"{where}: expected [seq, age_ns, op, bytes]")
     seq, age, op, nbytes = v
-    return Recent(_int(seq, f"{where}.seq", 1), _int(age, f"{where}.age_ns", 0),
-                  _text(op, f"{where}.op", MAX_NAME), _int(nbytes, f"{where}.bytes", 0))
+    return Recent(need_int(seq, f"{where}.seq", 1), need_int(age, f"{where}.age_ns", 0),
+                  need_text(op, f"{where}.op", MAX_NAME), need_int(nbytes, f"{where}.bytes", 0))
 
 
 def _p2p(p: Any, where: str) -> PointToPoint:
-    d = _dict(p, where)
+    d = need_dict(p, where)
     op = d.get("op")
     if op not in P2P_OPS:
-        raise BadRanks(f"{where}.op: expected one of {', '.join(P2P_OPS)}, got {_show(op)}")
+        raise BadReply(f"{where}.op: expected one of {', '.join(P2P_OPS)}, got {shown(op)}")
     return PointToPoint(
-        communicator=_text(d.get("communicator"), f"{where}.communicator", MAX_NAME),
+        communicator=need_text(d.get("communicator"), f"{where}.communicator", MAX_NAME),
         comm_hash=_opt_text(d.get("comm_hash"), f"{where}.comm_hash", MAX_NAME),
-        op=str(op), peer=_int(d.get("peer"), f"{where}.peer", -1, INT32 - 1),
-        seq=_int(d.get("seq"), f"{where}.seq", 1),
-        age_ns=_int(d.get("age_ns"), f"{where}.age_ns", 0),
-        ret=_int(d.get("ret", 0), f"{where}.ret", -INT32, 2 * INT32 - 1))
+        op=str(op), peer=need_int(d.get("peer"), f"{where}.peer", -1, INT32 - 1),
+        seq=need_int(d.get("seq"), f"{where}.seq", 1),
+        age_ns=need_int(d.get("age_ns"), f"{where}.age_ns", 0),
+        ret=need_int(d.get("ret", 0), f"{where}.ret", -INT32, 2 * INT32 - 1))
 
 
 def _last(v: Any, where: str) -> LastCall:
-    d = _dict(v, where)
-    return LastCall(op=_text(d.get("op"), f"{where}.op", MAX_NAME),
-                    age_ns=_int(d.get("age_ns"), f"{where}.age_ns", 0),
-                    ret=_int(d.get("ret", 0), f"{where}.ret", -INT32, 2 * INT32 - 1))
-
-
-def _dict(v: Any, where: str) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise BadRanks(f"{where}: expected an object, got {type(v).__name__}")
-    return v
-
-
-def _list(v: Any, where: str, limit: int) -> list[Any]:
-    if not isinstance(v, list):
-        raise BadRanks(f"{where}: expected a list, got {type(v).__name__}")
-    if len(v) > limit:
-        raise BadRanks(f"{where}: {len(v)} entries, above the limit of {limit}")
-    return v
-
-
-def _int(v: Any, where: str, lo: int, hi: int = INT64_MAX) -> int:
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise BadRanks(f"{where}: expected an integer, got {_show(v)}")
-    if not lo <= v <= hi:
-        raise BadRanks(f"{where}: {printable(v, 30)} is outside {lo}..{hi}")
-    return v
+    d = need_dict(v, where)
+    return LastCall(op=need_text(d.get("op"), f"{where}.op", MAX_NAME),
+                    age_ns=need_int(d.get("age_ns"), f"{where}.age_ns", 0),
+                    ret=need_int(d.get("ret", 0), f"{where}.ret", -INT32, 2 * INT32 - 1))
 
 
 def _opt_int(v: Any, where: str, lo: int, hi: int = INT64_MAX) -> int | None:
-    return None if v is None else _int(v, where, lo, hi)
-
-
-def _text(v: Any, where: str, limit: int) -> str:
-    if not isinstance(v, str):
-        raise BadRanks(f"{where}: expected a string, got {_show(v)}")
-    return printable(v, limit)
+    return None if v is None else need_int(v, where, lo, hi)
 
 
 def _opt_text(v: Any, where: str, limit: int) -> str | None:
-    return None if v is None else _text(v, where, limit)
-
-
-def _show(v: Any) -> str:
-    return f"{type(v).__name__} {printable(v, 40)!r}"
+    return None if v is None else need_text(v, where, limit)
 
 
 # ---- the verdict --------------------------------------------------------------------------
@@ -201,7 +169,7 @@ def verdict(replies: Sequence[tuple[str, Mapping[str, Any]]], hang_after_s: floa
         try:
             views += check_ranks_reply(node, reply)
             nodes.append(node)
-        except BadRanks as exc:
+        except BadReply as exc:
             warnings.append(f"node {node}: malformed ranks answer, left out ({exc})")
     within = None if deaths_within_s is None else int(deaths_within_s * 1e9)
     err = None if age_error_s is None else int(age_error_s * 1e9)
@@ -355,11 +323,9 @@ def _hang_json(h: Hang) -> dict[str, Any]:
 # ---- asking the fleet ---------------------------------------------------------------------
 
 
-def _check(reply: dict[str, Any]) -> None:
-    try:
-        check_ranks_reply("?", reply)
-    except BadRanks as exc:
-        raise bad_value(RANKS_PATH, f"a malformed ranks answer ({exc})") from None
+def _check(reply: dict[str, Any]) -> dict[str, Any]:
+    check_ranks_reply("?", reply)
+    return reply
 
 
 async def poll(opts: FleetOptions, client: FleetClient, hang_after_s: float, *,
@@ -369,7 +335,7 @@ async def poll(opts: FleetOptions, client: FleetClient, hang_after_s: float, *,
     of each culprit's process from its node (``chains``). Clock offsets are not sampled:
     the verdict uses ages only."""
     quick = dataclasses.replace(opts, skew_samples=0)
-    request = Request("GET", RANKS_PATH, expect=("ranks",), check=_check)
+    request = Request("GET", paths.RANKS, expect=("ranks",), check=_check)
     started = time.monotonic()
     answer = await fan_out(quick, lambda _off: [request], client=client)
     # Every node's "now" falls inside the poll: their ages compare within its length.
@@ -402,7 +368,7 @@ async def add_chains(answer: FleetAnswer, client: FleetClient, result: dict[str,
             return
         try:
             async with asyncio.timeout(CHAIN_TIMEOUT_S):
-                reply = await client.get(target, "/api/v1/chains",
+                reply = await client.get(target, paths.CHAINS,
                                          {"since": since, "pid": str(pid), "top_n": "1"})
         except (NodeFailed, TimeoutError) as exc:
             log.info("no chain for %s pid %d: %s", node, pid, exc)

@@ -8,67 +8,24 @@ node's clock offset, merges, and returns a :class:`FleetResult`: the JSON object
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fleetd.analyze import stragglers
 from fleetd.analyze.chains import SEVERITY_RANK
 from fleetd.analyze.window import WindowSpec
-from fleetd.errors import QueryError
-from fleetd.fleet.client import INT64_MAX, INT64_MIN, Failure, FleetClient, printable
+from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import Merged, NodeRows, NodeWarning, merge, reduce
-from fleetd.fleet.fanout import (
-    FleetAnswer,
-    FleetOptions,
-    NodeOutcome,
-    Request,
-    bad_value,
-    fan_out,
-    fan_out_work,
-)
+from fleetd.fleet.dispatch import fan_out
+from fleetd.fleet.fanout import FleetAnswer, FleetOptions, NodeOutcome, Request, fan_out_work
+from fleetd.fleet.result import FleetResult, base_json, raise_if_user_error
 from fleetd.fleet.skew import correct_obj, correct_rows
 from fleetd.runner import run_loop
+from fleetd.wire import paths
+from fleetd.wire.query import check_rows
 
 log = logging.getLogger("fleetd.fleet.queries")
-
-# Refusals that mean the request itself is wrong: if every node says so, it is the
-# user's mistake (exit 2 with the node's message), not an outage.
-USER_ERROR_CODES = frozenset({"bad_query", "bad_request", "forbidden", "too_large"})
-
-
-@dataclass(slots=True)
-class FleetResult:
-    answer: FleetAnswer
-    obj: dict[str, Any]  # what --format json prints
-    columns: list[str] = field(default_factory=list)  # the row formats
-    rows: list[list[Any]] = field(default_factory=list)
-
-    @property
-    def warnings(self) -> list[NodeWarning]:
-        return self.answer.warnings
-
-    @property
-    def exit_code(self) -> int:
-        return self.answer.exit_code
-
-
-def raise_if_user_error(answer: FleetAnswer) -> None:
-    """Every node refused the request as malformed: say so once, as a usage error."""
-    if answer.answered or not answer.outcomes:
-        return
-    fails = [o.failure for o in answer.outcomes if o.failure is not None]
-    if fails and all(f.kind == "http" and f.code in USER_ERROR_CODES for f in fails):
-        f = fails[0]
-        message = f.message.split(": ", 1)[-1]
-        raise QueryError(f"every node refused the request: {message}", f.hint,
-                         code=f.code or "bad_request")
-
-
-def _base(answer: FleetAnswer) -> dict[str, Any]:
-    return {"warnings": [w.to_json() for w in answer.warnings], "skew": answer.skew_json()}
-
 
 # ---- query --------------------------------------------------------------------------
 
@@ -102,7 +59,7 @@ async def query_async(opts: FleetOptions, spec: QuerySpec,
     columns, rows = merged.columns, merged.rows
     if spec.reduce_sql is not None:
         columns, rows = reduce(merged, spec.reduce_sql)
-    obj = {"columns": columns, "rows": rows, "truncated": merged.truncated, **_base(answer)}
+    obj = {"columns": columns, "rows": rows, "truncated": merged.truncated, **base_json(answer)}
     return FleetResult(answer, obj, columns, rows)
 
 
@@ -114,41 +71,8 @@ def _query_request(spec: QuerySpec, offset_ns: int) -> Request:
         body["max_rows"] = spec.max_rows
     if spec.timeout_s is not None:
         body["timeout_s"] = spec.timeout_s
-    return Request("POST", "/api/v1/query", body=body, expect=("columns", "rows"),
+    return Request("POST", paths.QUERY, body=body, expect=("columns", "rows"),
                    check=lambda reply: check_rows(reply, spec.max_rows))
-
-
-def check_rows(reply: dict[str, Any], max_rows: int | None) -> None:
-    """A node's query answer, made safe to merge, in place: at most ``max_rows`` rows
-    (a node that ignores the limit is cut, and its answer marked truncated), every row
-    as wide as the columns, every cell a value SQLite can hold, column names printable.
-    Anything else fails this node only."""
-    where = "a query"
-    columns, rows = reply.get("columns"), reply.get("rows")
-    if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
-        raise bad_value(where, "columns that are not a list of names")
-    if not isinstance(rows, list):
-        raise bad_value(where, "rows that are not a list")
-    if max_rows is not None and len(rows) > max_rows:
-        del rows[max_rows:]
-        reply["truncated"], reply["truncated_reason"] = True, "rows"
-    for row in rows:
-        if not isinstance(row, list) or len(row) != len(columns):
-            raise bad_value(where, f"a row that is not a list of {len(columns)} values")
-        for cell in row:
-            if not _is_cell(cell):
-                raise bad_value(where, f"a value SQLite cannot hold ({printable(cell, 40)})")
-    reply["columns"] = [printable(c, 200) for c in columns]
-    reason = reply.get("truncated_reason")
-    reply["truncated_reason"] = reason if reason in ("rows", "bytes") else None
-
-
-def _is_cell(v: Any) -> bool:
-    if v is None or isinstance(v, str | bool):
-        return True
-    if isinstance(v, int):
-        return INT64_MIN <= v <= INT64_MAX
-    return isinstance(v, float) and math.isfinite(v)
 
 
 def _node_rows(answer: FleetAnswer, o: NodeOutcome) -> NodeRows:
@@ -173,8 +97,8 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None) -> F
     def plan(offset_ns: int) -> list[Request]:
         params = window.params(offset_ns)
         chains = {**params, **({"pid": str(pid)} if pid else {})}
-        return [Request("GET", "/api/v1/chains", chains, expect=("chains",)),
-                Request("GET", "/api/v1/profile", params, expect=("node",))]
+        return [Request("GET", paths.CHAINS, chains, expect=("chains",)),
+                Request("GET", paths.PROFILE, params, expect=("node",))]
 
     # Beside chains and profile, each node's collective calls (optional: a failure there
     # is a warning), compared across nodes in our clock.
@@ -202,7 +126,7 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None) -> F
     collectives = arrivals.from_answer(answer, 2, arrivals.EXPLAIN_ROWS)
     ranked = (straggler_entries(collectives, chains)
               + stragglers.rank(profiles, unreachable, chains))
-    obj = {"stragglers": ranked, "chains": chains, **_base(answer),
+    obj = {"stragglers": ranked, "chains": chains, **base_json(answer),
            "nodes": [o.name for o in answer.answered], "window": {"label": window.label()},
            "verdicts": verdicts, "processes": processes, "collectives": collectives}
     return FleetResult(answer, obj)
@@ -228,7 +152,7 @@ def ops(opts: FleetOptions, window: WindowSpec, pid: int | None, per_process: bo
             params["per_process"] = "1"
         if by != "op":
             params["by"] = by
-        return [Request("GET", "/api/v1/ops", params, expect=("ops",))]
+        return [Request("GET", paths.OPS, params, expect=("ops",))]
 
     answer: FleetAnswer = run_loop(fan_out(opts, plan, needs_offset=window.absolute))
     raise_if_user_error(answer)
@@ -246,7 +170,7 @@ def ops(opts: FleetOptions, window: WindowSpec, pid: int | None, per_process: bo
     merged: Merged = merge(parts)
     answer.warnings += merged.warnings
     obj = {"columns": merged.columns, "rows": merged.rows, "windows": windows,
-           **_base(answer)}
+           **base_json(answer)}
     return FleetResult(answer, obj, merged.columns, merged.rows)
 
 
@@ -259,7 +183,7 @@ OVERVIEW_COLUMNS = ["node", "events", "lost_events", "sessions", "crashed", "hig
 def overview(opts: FleetOptions, window: WindowSpec) -> FleetResult:
     window.validate()
     answer: FleetAnswer = run_loop(fan_out(
-        opts, lambda off: [Request("GET", "/api/v1/overview", window.params(off),
+        opts, lambda off: [Request("GET", paths.OVERVIEW, window.params(off),
                                    expect=("events",))],
         needs_offset=window.absolute))
     raise_if_user_error(answer)
@@ -268,7 +192,7 @@ def overview(opts: FleetOptions, window: WindowSpec) -> FleetResult:
         assert o.replies is not None
         reply = dict(o.replies[0], node=o.name)
         nodes.append(correct_obj(reply, answer.offset_ns(o)))
-    obj = {"nodes": nodes, **_base(answer)}
+    obj = {"nodes": nodes, **base_json(answer)}
     return FleetResult(answer, obj, list(OVERVIEW_COLUMNS), overview_rows(nodes))
 
 
@@ -280,7 +204,7 @@ def stacks(opts: FleetOptions, window: WindowSpec, op: str | None, pid: int | No
     """Every node's heaviest recorded stacks (``GET /api/v1/stacks``), heaviest first."""
     params = {k: str(v) for k, v in (("op", op), ("pid", pid), ("top_n", top_n),
                                      ("frames_n", frames_n), ("min_dur_ns", min_dur_ns)) if v}
-    result = _per_node(opts, window, "/api/v1/stacks", params, "stacks")
+    result = _per_node(opts, window, paths.STACKS, params, "stacks")
     found = [dict(s, node=n["node"]) for n in result.obj["nodes"]
              for s in n.get("stacks") or [] if isinstance(s, dict)]
     found.sort(key=lambda s: -_number(s.get("total_ns")))
@@ -292,7 +216,7 @@ def graphs(opts: FleetOptions, window: WindowSpec, pid: int | None, buckets: int
            ) -> FleetResult:
     """Every node's CUDA graph lifecycle per process (``GET /api/v1/graphs``)."""
     params = {k: str(v) for k, v in (("pid", pid), ("buckets", buckets)) if v}
-    result = _per_node(opts, window, "/api/v1/graphs", params, "processes")
+    result = _per_node(opts, window, paths.GRAPHS, params, "processes")
     result.obj["processes"] = [dict(p, node=n["node"]) for n in result.obj["nodes"]
                                for p in n.get("processes") or [] if isinstance(p, dict)]
     return result
@@ -309,7 +233,7 @@ def gpu(opts: FleetOptions, window: WindowSpec, pid: int | None, steps: bool,
         params["pid"] = str(pid)
     if steps:
         params["steps"] = "1"
-    result = _per_node(opts, window, "/api/v1/gpu", params, "ranks", _checked_gpu)
+    result = _per_node(opts, window, paths.GPU, params, "ranks", _checked_gpu)
     nodes = result.obj["nodes"]
     for n in nodes:  # a rank is named by the node that answered, not by what it claims
         for r in n["ranks"]:
@@ -323,26 +247,25 @@ def gpu(opts: FleetOptions, window: WindowSpec, pid: int | None, steps: bool,
     return result
 
 
-def _checked_gpu(reply: dict[str, Any]) -> dict[str, Any]:
+def _checked_gpu(reply: dict[str, Any]) -> Mapping[str, Any]:
+    from fleetd.fleet.fanout import check_numbers
     from fleetd.fleet.gpureply import check_gpu_reply
 
-    return check_gpu_reply(reply)
+    return check_gpu_reply(check_numbers(reply, "the answer"))
 
 
 def _per_node(opts: FleetOptions, window: WindowSpec, path: str, extra: dict[str, str],
-              expect: str, check: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+              expect: str, check: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
               ) -> FleetResult:
     """One GET per node in the window; each answer tagged with its node and moved into
     our clock, the nodes' window warnings added to the fan-out's. ``check`` rebuilds an
-    answer from validated values or raises ValueError: that node then counts as failed."""
+    answer from validated values or raises BadReply: that node then counts as failed."""
     window.validate()
     answer: FleetAnswer = run_loop(fan_out(
         opts, lambda off: [Request("GET", path, {**window.params(off), **extra},
-                                   expect=(expect,))],
+                                   expect=(expect,), check=check)],
         needs_offset=window.absolute))
     raise_if_user_error(answer)
-    if check is not None:
-        _reject_bad(answer, path, check)
     nodes = []
     for o in answer.answered:
         assert o.replies is not None
@@ -350,22 +273,7 @@ def _per_node(opts: FleetOptions, window: WindowSpec, path: str, extra: dict[str
         answer.warnings += [NodeWarning(o.name, str(w), "window")
                             for w in reply.get("warnings") or []]
         nodes.append(reply)
-    return FleetResult(answer, {"nodes": nodes, **_base(answer)})
-
-
-def _reject_bad(answer: FleetAnswer, path: str,
-                check: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
-    """Replace each answer by its checked form; a node whose answer fails is a failure."""
-    for o in answer.answered:
-        assert o.replies is not None
-        try:
-            o.replies = [check(o.replies[0]), *o.replies[1:]]
-        except ValueError as exc:
-            o.replies = None
-            o.failure = Failure("bad_json", f"{o.target.address}{path} answered a malformed "
-                                f"reply ({exc})", "is the agent a different fleetd version? "
-                                "compare /api/v1/health versions")
-            answer.warnings.append(NodeWarning(o.name, o.failure.text(), "bad_json"))
+    return FleetResult(answer, {"nodes": nodes, **base_json(answer)})
 
 
 def _number(value: Any) -> float:

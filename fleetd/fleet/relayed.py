@@ -30,58 +30,36 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from fleetd.errors import UsageError
-from fleetd.fleet.client import (
-    INT64_MAX,
-    INT64_MIN,
-    Failure,
-    FleetClient,
-    NodeFailed,
-    printable,
-    valid_int,
-)
+from fleetd.fleet.client import FleetClient
 from fleetd.fleet.fanout import (
     FleetAnswer,
     FleetOptions,
     NodeOutcome,
     Plan,
     Request,
-    _name_nodes,
-    _warnings,
     bad_value,
-    check_numbers,
+    checked,
     fan_out_work,
     send_all,
     session,
+    settle,
 )
 from fleetd.fleet.skew import Skew
-from fleetd.fleet.targets import Target, parse_nodes
+from fleetd.fleet.targets import RelayRoute, Target, parse_nodes
+from fleetd.wire import paths
+from fleetd.wire.failure import FAILURE_KINDS, Failure, NodeFailed
+from fleetd.wire.limits import INT64_MAX, INT64_MIN
+from fleetd.wire.shapes import SkewJson
+from fleetd.wire.values import printable, valid_int
 
-RELAY_PATH = "/api/v1/relay"
-# Set by a relay on every request it forwards: who asked it (as the relay saw the
-# client's certificate) and the limits it forwards. Peers log both, and refuse to relay
-# a request that carries them.
-RELAYED_FOR = "X-Fleetd-Relayed-For"
-RELAY_LIMITS = "X-Fleetd-Relay-Limits"
-FAILURE_KINDS = frozenset({"refused", "unreachable", "tls", "timeout", "disconnected", "http",
-                           "bad_json", "too_large", "relay", "skew"})
-MAX_REQUESTS = 8  # inner requests per relayed call (a plan has one to three)
 MAX_SHIFTS = 16  # time fields the relay moves into each peer's clock
 SHIFT_PROBE = 1_000_003  # ns: plan(o + PROBE) - plan(o) finds the fields that are times
 # The relay gets this share of the time we have left, so that it answers (with its slow
 # peers named) before our own deadline ends the whole share.
 RELAY_TIME_SHARE = 0.85
-
-
-@dataclass(frozen=True, slots=True)
-class RelayRoute:
-    """One relay and the targets it asks for us."""
-
-    relay: Target
-    members: tuple[Target, ...]
 
 
 def plan_routes(targets: Sequence[Target], via: str | None, degree: int | None
@@ -132,7 +110,7 @@ def _relay_target(targets: Sequence[Target], item: str) -> Target:
 
 async def fan_out_relayed(opts: FleetOptions, plan: Plan, *, needs_offset: bool = False,
                           client: FleetClient | None = None) -> FleetAnswer:
-    """:func:`fleetd.fleet.fanout.fan_out` through ``opts.relays``; same answer shape."""
+    """:func:`fleetd.fleet.dispatch.fan_out` through ``opts.relays``; same answer shape."""
     if client is None:
         async with session(opts.client, warm=opts.keep_warm) as own:
             return await fan_out_relayed(opts, plan, needs_offset=needs_offset, client=own)
@@ -144,7 +122,7 @@ async def fan_out_relayed(opts: FleetOptions, plan: Plan, *, needs_offset: bool 
     direct = [t for t in opts.targets if t.address not in relayed]
     direct += [r.relay for r in routes if r.relay.address not in listed
                and r.relay.address not in {t.address for t in direct}]
-    probe = Request("GET", "/api/v1/health", expect=("node",))
+    probe = Request("GET", paths.HEALTH, expect=("node",))
 
     async def work(c: FleetClient, t: Target, offset: int) -> list[dict[str, Any]]:
         return await send_all(c, t, plan(offset) if t.address in listed else [probe])
@@ -172,8 +150,7 @@ async def fan_out_relayed(opts: FleetOptions, plan: Plan, *, needs_offset: bool 
             outcomes[o.target.address] = o
     answer = FleetAnswer([outcomes[t.address] for t in opts.targets], correct=opts.correct,
                          elapsed_s=time.perf_counter() - started)
-    _name_nodes(answer)
-    answer.warnings = _warnings(answer, opts)
+    settle(answer, opts)
     return answer
 
 
@@ -207,7 +184,7 @@ async def _ask(client: FleetClient, opts: FleetOptions, route: RelayRoute, plan:
     }
     try:
         async with asyncio.timeout_at(client.deadline):
-            reply = await client.post(route.relay, RELAY_PATH, body)
+            reply = await client.post(route.relay, paths.RELAY, body)
     except NodeFailed as exc:
         return [_failed(m, route, exc.failure) for m in route.members]
     except TimeoutError:
@@ -323,17 +300,12 @@ def _replies(raw: Any, member: Target, requests: Sequence[Request]) -> list[dict
     if not isinstance(raw, list) or len(raw) != len(requests):
         raise bad_value(where, f"{len(raw) if isinstance(raw, list) else 'no'} replies for "
                         f"{len(requests)} requests")
+    out = []
     for reply, r in zip(raw, requests, strict=True):
         if not isinstance(reply, dict):
             raise bad_value(where, "a reply that is not an object")
-        missing = [k for k in r.expect if k not in reply]
-        if missing:
-            raise bad_value(where, f"{r.path} without {', '.join(missing)}")
-        if r.check is not None:
-            r.check(reply)
-        else:
-            check_numbers(reply, f"{where}{r.path}")
-    return raw
+        out.append(checked(r, reply, f"{where}{r.path}"))
+    return out
 
 
 def _failure_of(raw: Any, route: RelayRoute) -> Failure:
@@ -360,13 +332,7 @@ def _skew(raw: Any) -> Skew | None:
     return Skew(offset_ns=float(offset), error_ns=float(error), samples=samples, used=used)
 
 
-def skew_wire(s: Skew) -> dict[str, int]:
+def skew_wire(s: Skew) -> SkewJson:
     """How a relay sends an estimate: integer nanoseconds."""
     return {"offset_ns": round(s.offset_ns), "error_ns": round(s.error_ns),
             "samples": s.samples, "used": s.used}
-
-
-def failure_wire(f: Failure) -> dict[str, Any]:
-    return {"kind": f.kind, "message": f.message, "hint": f.hint, "status": f.status,
-            "code": f.code}
-

@@ -31,17 +31,13 @@ from typing import Any
 
 import orjson
 
-from fleetd.fleet.client import (
-    NAME_CHARS,
-    ClockLog,
-    Failure,
-    FleetClient,
-    NodeFailed,
-    current_clock,
-    printable,
-)
+from fleetd.fleet.client import ClockLog, FleetClient, current_clock
 from fleetd.fleet.targets import Target
 from fleetd.store.timeparse import format_ns
+from fleetd.wire import paths
+from fleetd.wire.failure import Failure, NodeFailed
+from fleetd.wire.limits import NAME_CHARS
+from fleetd.wire.values import printable
 
 log = logging.getLogger("fleetd.fleet.skew")
 
@@ -124,7 +120,7 @@ async def sample(client: FleetClient, target: Target, n: int = 1
         try:
             stamped = len(clock.stamps) if clock is not None else 0
             t0 = time.time_ns()
-            _, _, body = await client.get_raw(target, "/api/v1/time")
+            _, _, body = await client.get_raw(target, paths.TIME)
             t3 = time.time_ns()
             obj = orjson.loads(body)
             node = obj.get("node")
@@ -134,7 +130,7 @@ async def sample(client: FleetClient, target: Target, n: int = 1
         except NodeFailed as exc:
             return name, exc.failure
         except (orjson.JSONDecodeError, AttributeError, ValueError) as exc:
-            return name, Failure("bad_json", f"bad /api/v1/time answer: "
+            return name, Failure("bad_json", f"bad {paths.TIME} answer: "
                                  f"{printable(exc, 200)}")
     return name, None
 

@@ -28,6 +28,14 @@ class Target:
         return f"https://{self.address}{path}"
 
 
+@dataclass(frozen=True, slots=True)
+class RelayRoute:
+    """One relay and the targets it asks for us (fleetd.fleet.relayed)."""
+
+    relay: Target
+    members: tuple[Target, ...]
+
+
 # A node list is a few bytes per node: 16 MiB holds far more than any fleet, and bounds
 # what a mistyped path (a disk image, /dev/zero) can cost.
 NODES_FILE_MAX = 16 << 20

@@ -24,13 +24,8 @@ from fleetd.analyze.stacks import NOTE_NO_STACKS, op_code
 from fleetd.analyze.window import WindowSpec
 from fleetd.errors import FleetdError, UsageError
 from fleetd.fleet import queries
-from fleetd.fleet.fanout import (
-    FleetAnswer,
-    FleetOptions,
-    Request,
-    fan_out,
-    session,
-)
+from fleetd.fleet.dispatch import fan_out
+from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request, session
 from fleetd.fleet.queries import QuerySpec
 from fleetd.mcp.local import (
     compact_chain,
@@ -42,6 +37,7 @@ from fleetd.mcp.local import (
 )
 from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
 from fleetd.runner import run_loop
+from fleetd.wire import paths
 
 log = logging.getLogger("fleetd.mcp.fleet")
 
@@ -65,7 +61,7 @@ class FleetBackend:
     def health(self) -> dict[str, Any]:
         """Every node's /health: reachable, version, tracing, probes and libraries."""
         answer: FleetAnswer = run_loop(fan_out(
-            self.opts, lambda _off: [Request("GET", "/api/v1/health", expect=("status",))]))
+            self.opts, lambda _off: [Request("GET", paths.HEALTH, expect=("status",))]))
         found = []
         for o in answer.outcomes:
             item: dict[str, Any] = {"node": o.name, "address": o.target.address}

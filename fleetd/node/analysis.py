@@ -18,7 +18,9 @@ from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
 from fleetd.analyze.stacks import op_code
 from fleetd.analyze.window import WindowSpec
 from fleetd.errors import FleetdError, QueryError
-from fleetd.node.api import INT64_MAX, READERS, STATE, client_of, encode
+from fleetd.node.api import READERS, STATE, client_of, encode
+from fleetd.wire import paths
+from fleetd.wire.limits import INT64_MAX
 
 MAX_TOP_N = 1000  # stacks per answer
 MAX_FRAMES = 128  # frames per stack
@@ -160,12 +162,12 @@ async def collectives(request: web.Request) -> web.StreamResponse:
 
 
 ROUTES = [
-    web.get("/api/v1/chains", chains),
-    web.get("/api/v1/ops", ops),
-    web.get("/api/v1/overview", node_overview),
-    web.get("/api/v1/profile", node_profile),
-    web.get("/api/v1/stacks", stacks),
-    web.get("/api/v1/graphs", graphs),
-    web.get("/api/v1/gpu", gpu),
-    web.get("/api/v1/collectives", collectives),
+    web.get(paths.CHAINS, chains),
+    web.get(paths.OPS, ops),
+    web.get(paths.OVERVIEW, node_overview),
+    web.get(paths.PROFILE, node_profile),
+    web.get(paths.STACKS, stacks),
+    web.get(paths.GRAPHS, graphs),
+    web.get(paths.GPU, gpu),
+    web.get(paths.COLLECTIVES, collectives),
 ]

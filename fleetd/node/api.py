@@ -28,6 +28,9 @@ from fleetd.security.certs import peer_role
 from fleetd.security.tls import client_refusal, token_ok
 from fleetd.store.guard import STREAM_CHUNK_BYTES, Limits, QueryResult, SafeDB
 from fleetd.store.schema import SCHEMA_VERSION
+from fleetd.wire import paths
+from fleetd.wire.limits import INT64_MAX, INT64_MIN
+from fleetd.wire.shapes import ErrorDetail, HealthReply, StreamTrailer, TimeReply
 
 log = logging.getLogger("fleetd.node.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -42,8 +45,6 @@ EVENT_COLUMNS = (
     "peer_comm, a0, a1, stack, args, rank, rowkey"
 )
 EVENTS_PAGE = 2_000
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what SQLite stores and compares
-NDJSON = "application/x-ndjson"
 STREAM_STALL_S = 10.0  # a streamed answer's client must take each piece within this
 _CLOSE = "fleetd.close"  # request key: answer, then close the connection
 CLIENT = "fleetd.client"  # request key: who asks, for the per-client reader share
@@ -83,7 +84,7 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 
 
 def error_response(code: str, message: str, hint: str | None = None) -> web.Response:
-    err: dict[str, Any] = {"code": code, "message": message}
+    err: ErrorDetail = {"code": code, "message": message}
     if hint:
         err["hint"] = hint
     return json_response({"error": err}, _STATUS.get(code, 400))
@@ -119,7 +120,7 @@ async def _answer_errors(request: web.Request, handler: Handler) -> web.StreamRe
                               "send a smaller body; the SQL text limit is in the error above")
     except web.HTTPNotFound:
         return error_response("not_found", f"no such endpoint: {request.path}",
-                              "see /api/v1/health; endpoints are documented in docs/api.md")
+                              f"see {paths.HEALTH}; endpoints are documented in docs/api.md")
     except web.HTTPMethodNotAllowed as exc:
         return error_response("method_not_allowed",
                               f"{request.method} is not allowed on {request.path}",
@@ -138,7 +139,7 @@ async def _answer_errors(request: web.Request, handler: Handler) -> web.StreamRe
 def token_middleware(token: str | None) -> Any:
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if token is None or request.path == "/api/v1/health":
+        if token is None or request.path == paths.HEALTH:
             return await handler(request)
         auth = request.headers.get("Authorization", "")
         presented = auth[7:] if auth.startswith("Bearer ") else None
@@ -216,18 +217,18 @@ def client_of(request: web.Request) -> str:
 
 async def health(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
-    return json_response({
+    answer: HealthReply = {
         "status": "ok", "node": st.node, "version": __version__,
         "schema_version": SCHEMA_VERSION, "tracing": st.tracing,
-        "uptime_s": round(time.time() - st.started, 3), **st.status(),
-    })
+        "uptime_s": round(time.time() - st.started, 3)}
+    return json_response({**answer, **st.status()})
 
 
 async def clock(request: web.Request) -> web.StreamResponse:
     # t1: when the request reached us; t2: just before the answer leaves (NTP's t1, t2).
     t1 = time.time_ns()
-    body = {"node": request.app[STATE].node, "t1_ns": t1}
-    body["t2_ns"] = time.time_ns()
+    node = request.app[STATE].node
+    body: TimeReply = {"node": node, "t1_ns": t1, "t2_ns": time.time_ns()}
     return json_response(body)
 
 
@@ -283,7 +284,7 @@ async def query(request: web.Request) -> web.StreamResponse:
     if not isinstance(params, list | dict):
         raise QueryError('field "params" must be a list or an object', None, code="bad_request")
     limits = _limits_from(body, readers.limits)
-    if NDJSON in request.headers.get("Accept", ""):
+    if paths.NDJSON in request.headers.get("Accept", ""):
         return await _query_stream(request, sql, params, limits)
     started = time.perf_counter()
     node = st.node
@@ -318,18 +319,18 @@ async def _query_stream(request: web.Request, sql: str, params: list[Any] | dict
     started = time.perf_counter()
     resp: web.StreamResponse | None = None
     pending = b""  # lines not sent yet: a small answer leaves in one write, with its end
-    end: dict[str, Any] = {"end": True, "rows": 0, "truncated": False,
-                           "truncated_reason": None}
+    end: StreamTrailer = {"end": True, "rows": 0, "truncated": False,
+                          "truncated_reason": None}
     try:
         async with contextlib.aclosing(readers.stream(
                 lambda db: db.stream(sql, params, limits), client_of(request))) as items:
             async for last, item in items:
                 if last:
-                    end.update(rows=item.rows, truncated=item.truncated,
-                               truncated_reason=item.truncated_reason,
-                               elapsed_ms=round(item.elapsed_ms, 3))
+                    end.update({"rows": item.rows, "truncated": item.truncated,
+                                "truncated_reason": item.truncated_reason,
+                                "elapsed_ms": round(item.elapsed_ms, 3)})
                 elif resp is None:
-                    resp = web.StreamResponse(headers={"Content-Type": NDJSON})
+                    resp = web.StreamResponse(headers={"Content-Type": paths.NDJSON})
                     await resp.prepare(request)
                     pending = orjson.dumps({
                         "node": st.node, "columns": item,
@@ -463,10 +464,10 @@ def make_app(
     app[READERS] = readers
     stamps.install(app)  # clock headers on every answer, resumed-handshake count
     app.add_routes([
-        web.get("/api/v1/health", health),
-        web.get("/api/v1/time", clock),
-        web.post("/api/v1/query", query),
-        web.get("/api/v1/events", events),
+        web.get(paths.HEALTH, health),
+        web.get(paths.TIME, clock),
+        web.post(paths.QUERY, query),
+        web.get(paths.EVENTS, events),
         *(extra_routes or []),
     ])
     return app

@@ -45,6 +45,7 @@ from fleetd.store.catalog import BY_CODE, BY_NAME
 from fleetd.store.schema import EventArgs, EventRow
 from fleetd.store.writer import BatchWriter
 from fleetd.trace.procinfo import job_of, ranks_of
+from fleetd.wire import paths
 
 log = logging.getLogger("fleetd.node.ranks")
 
@@ -496,4 +497,4 @@ def local_waits(book: RankBook, node: str) -> Callable[[], list[tuple[str, str, 
     return measure
 
 
-ROUTES = [web.get("/api/v1/ranks", ranks)]
+ROUTES = [web.get(paths.RANKS, ranks)]

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-RECV_HEADER = "X-Fleetd-Recv-Ns"
-SEND_HEADER = "X-Fleetd-Send-Ns"
+from fleetd.wire.headers import RECV_NS, SEND_NS
+
 _RECV = "fleetd.recv_ns"  # request key
 _COUNTED = "_fleetd_handshake_counted"  # attribute set on a connection's SSLObject
 
@@ -66,5 +66,5 @@ async def _stamp_send(request: web.Request, response: web.StreamResponse) -> Non
     recv = request.get(_RECV)
     if recv is None:  # answered before the middleware ran (e.g. by aiohttp itself)
         return
-    response.headers[RECV_HEADER] = str(recv)
-    response.headers[SEND_HEADER] = str(time.time_ns())
+    response.headers[RECV_NS] = str(recv)
+    response.headers[SEND_NS] = str(time.time_ns())

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from fleetd.fleet import fanout, skew
-from fleetd.fleet.client import RECV_HEADER, SEND_HEADER, ClockLog, stamp_of
+from fleetd.fleet.client import ClockLog, stamp_of
+from fleetd.wire.headers import RECV_NS as RECV_HEADER
+from fleetd.wire.headers import SEND_NS as SEND_HEADER
 
 T0 = 1_700_000_000_000_000_000
 

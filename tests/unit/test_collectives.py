@@ -18,8 +18,9 @@ from fleetd.analyze.explain import explain
 from fleetd.analyze.facade import Analysis
 from fleetd.analyze.window import WindowSpec
 from fleetd.cli.main import main
-from fleetd.fleet.collectives import BadReply, check_reply
+from fleetd.fleet.collectives import check_reply
 from fleetd.store.db import open_reader
+from fleetd.wire.failure import BadReply
 
 
 def report(db: Path, clocks: dict[str, coll.Clock] | None = None) -> dict[str, Any]:

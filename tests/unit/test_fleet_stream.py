@@ -1,4 +1,4 @@
-"""The client's NDJSON reader (fleetd/fleet/stream.py) on byte streams cut anywhere:
+"""The client's NDJSON reader (fleetd/wire/query.py) on byte streams cut anywhere:
 every broken or hostile stream is a named failure of its node, never another error."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from fleetd.fleet.client import NodeFailed
-from fleetd.fleet.stream import QueryStream
+from fleetd.wire.failure import NodeFailed
+from fleetd.wire.query import QueryStream
 
 HEAD = b'{"node":"n1","columns":["a","b"],"limits":{"max_rows":1000}}\n'
 

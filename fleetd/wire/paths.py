@@ -1,0 +1,24 @@
+"""The node API's paths (docs/api.md), named once for the agent's routes and the client's
+requests, and the media types of its answers."""
+
+from __future__ import annotations
+
+PREFIX = "/api/v1/"
+
+HEALTH = "/api/v1/health"
+TIME = "/api/v1/time"
+QUERY = "/api/v1/query"
+EVENTS = "/api/v1/events"
+CHAINS = "/api/v1/chains"
+OPS = "/api/v1/ops"
+OVERVIEW = "/api/v1/overview"
+PROFILE = "/api/v1/profile"
+STACKS = "/api/v1/stacks"
+GRAPHS = "/api/v1/graphs"
+GPU = "/api/v1/gpu"
+COLLECTIVES = "/api/v1/collectives"
+RANKS = "/api/v1/ranks"
+RELAY = "/api/v1/relay"
+
+JSON = "application/json"
+NDJSON = "application/x-ndjson"  # a streamed query answer, one JSON value per line

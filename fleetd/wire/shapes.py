@@ -1,0 +1,113 @@
+"""The JSON shapes of the node API's answers (docs/api.md), as typed dictionaries.
+
+The agent builds its answers as these types and the client's checked readers return
+them, so mypy holds both ends to one shape. A shape here is what the wire carries;
+checking that an untrusted answer really has it is :mod:`fleetd.wire.values`' and
+:mod:`fleetd.wire.query`'s work.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NotRequired, TypedDict
+
+
+class ErrorDetail(TypedDict):
+    """``{"error": {...}}``: every failure's body, and a failed stream's trailer."""
+
+    code: str
+    message: str
+    hint: NotRequired[str | None]
+
+
+class ErrorReply(TypedDict):
+    error: ErrorDetail
+
+
+class HealthReply(TypedDict):
+    """``GET /api/v1/health``; ``trace`` and the tracer's figures while tracing."""
+
+    status: str
+    node: str
+    version: str
+    schema_version: int
+    tracing: bool
+    uptime_s: float
+    trace: NotRequired[dict[str, Any]]
+
+
+class TimeReply(TypedDict):
+    """``GET /api/v1/time``: the agent's wall clock when the request came and left."""
+
+    node: str
+    t1_ns: int
+    t2_ns: int
+
+
+class QueryLimits(TypedDict):
+    max_rows: int
+    max_bytes: int
+    timeout_s: float
+
+
+class QueryReply(TypedDict):
+    """``POST /api/v1/query`` as one JSON document, and a streamed answer once read."""
+
+    node: str | None
+    columns: list[str]
+    rows: list[list[Any]]
+    truncated: bool
+    truncated_reason: str | None  # rows | bytes
+    elapsed_ms: float | None
+
+
+class StreamHeader(TypedDict):
+    """The first line of a streamed query answer."""
+
+    node: str
+    columns: list[str]
+    limits: QueryLimits
+
+
+class StreamTrailer(TypedDict):
+    """The last line of a streamed query answer; ``error`` when it failed mid-way."""
+
+    end: bool
+    rows: int
+    truncated: bool
+    truncated_reason: str | None
+    elapsed_ms: NotRequired[float]
+    error: NotRequired[ErrorDetail]
+
+
+class FailureJson(TypedDict):
+    """Why a node gave no usable answer, as a relay reports it per peer."""
+
+    kind: str
+    message: str
+    hint: str | None
+    status: int | None
+    code: str | None
+
+
+class SkewJson(TypedDict):
+    """A peer's clock minus the asker's, as a relay reports it per peer."""
+
+    offset_ns: int
+    error_ns: int
+    samples: int
+    used: int
+
+
+class RelayNode(TypedDict):
+    """One target's entry of a relay's answer."""
+
+    address: str
+    name: str
+    replies: list[dict[str, Any]] | None
+    failure: FailureJson | None
+    skew: SkewJson | None
+    skew_failure: FailureJson | None
+
+
+# ``for`` is a keyword: the functional form.
+RelayReply = TypedDict("RelayReply", {"relay": str, "for": str, "nodes": list[RelayNode]})
