@@ -95,7 +95,8 @@ def test_documented_examples_agree_on_sqlite_duckdb_and_spark(lake: Path, spark:
 def test_spark_sees_every_node_partition(lake: Path, spark: Any) -> None:
     got = {r[0]: r[1] for r in spark.sql(
         "SELECT node, count(*) FROM events GROUP BY node").collect()}
-    assert got == {"node-1": 8828, "node-2": 7107, "node-3": 3055, "rank-0": 1204,
-                   "rank-1": 1154}
+    want = {str(n): int(c) for n, c in
+            _sqlite_rows("SELECT node, count(*) FROM events GROUP BY node") or []}
+    assert len(want) == 5 and got == want  # node-1..3 and rank-0, rank-1
     ids = spark.sql("SELECT id FROM events WHERE node = 'node-2' ORDER BY rowkey LIMIT 1")
     assert ids.collect()[0][0] == "node-2:1"
