@@ -419,6 +419,48 @@ def _memory_reclaim_fixes(ch: Chain) -> list[str]:
     return out
 
 
+def _gc_pause_summary(ch: Chain, who: str, by: str | None) -> str:
+    d = ch.detail
+    return (f"{who} stalled in the garbage collector between CUDA calls: {d['pauses']} "
+            f"pause(s), longest {_ms(d['longest_ns'])}, {_ms(d['gc_ns'])} in all "
+            f"({ch.impact:.1%} of wall, from {d['gc_samples']} of its {d['samples']} "
+            "on-CPU samples)")
+
+
+def _gc_pause_fixes(ch: Chain) -> list[str]:
+    trig = ch.detail.get("triggers") or []
+    where = f" (collections started at {trig[0]['frame']})" if trig else ""
+    return ["call gc.freeze() once the model, the dataset index and other long-lived "
+            "objects are loaded: the collector then never walks them again",
+            "or gc.disable() for the training loop and gc.collect() at a step boundary "
+            "(every N steps, while the GPU still has queued work), so a pause never lands "
+            "between two launches",
+            "keep fewer long-lived container objects" + where + ": bound per-step "
+            "histories (collections.deque(maxlen=...)), store metrics as numbers or arrays "
+            "instead of dicts and lists, build indexes as arrays (numpy, pyarrow)"]
+
+
+def _host_cpu_bound_summary(ch: Chain, who: str, by: str | None) -> str:
+    d = ch.detail
+    top = d["top_frames"][0] if d["top_frames"] else None
+    lead = f"; top frame {top['frame']} with {top['share']:.0%} of its on-CPU samples" \
+        if top else ""
+    return (f"{who} was on the CPU outside CUDA calls {ch.impact:.1%} of wall time and "
+            f"waited for the GPU {d['gpu_wait_share']:.1%}: the host sets the pace{lead}")
+
+
+def _host_cpu_bound_fixes(ch: Chain) -> list[str]:
+    top = ch.detail["top_frames"][0]["frame"] if ch.detail.get("top_frames") else None
+    return [("move the work of " + top if top else "move preprocessing") + " off the "
+            "feeding thread: into DataLoader workers (num_workers > 0), or onto the GPU",
+            "fewer, bigger launches: larger batches, fused ops; CUDA graphs or "
+            "torch.compile(mode='reduce-overhead') to cut per-launch Python and driver "
+            "overhead",
+            "profile the top frames (fleetd profile --pid PID --format folded | "
+            "flamegraph.pl) and remove Python work per step (logging, .item() formatting, "
+            "per-sample loops)"]
+
+
 # ---- the registry -------------------------------------------------------------------
 
 _ALL = (
@@ -479,6 +521,14 @@ _ALL = (
           "processes produce: too few or too slow producers",
           ("data_wait", "producer", "off_cpu"), _data_starvation_fixes,
           summary=_data_starvation_summary),
+    Cause("gc_pause",
+          "the GPU-feeding thread stalled in the Python garbage collector between CUDA "
+          "calls (on-CPU samples in the collector)",
+          ("gc_pause", "cpu_profile"), _gc_pause_fixes, summary=_gc_pause_summary),
+    Cause("host_cpu_bound",
+          "the GPU-feeding thread ran on the CPU outside CUDA calls most of its time and "
+          "waited little for the GPU: the host is the bottleneck",
+          ("cpu_profile",), _host_cpu_bound_fixes, summary=_host_cpu_bound_summary),
     Cause("gpu_idle",
           "the GPU sat idle (imported GPU timeline) while the thread that launches its work "
           "was off the CPU, queued for it or in D state",

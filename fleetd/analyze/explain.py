@@ -15,7 +15,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fleetd.analyze import causes, collectives, contention, gpu_chains, memory, rules, throttle
+from fleetd.analyze import (
+    causes,
+    collectives,
+    contention,
+    gpu_chains,
+    memory,
+    oncpu,
+    rules,
+    throttle,
+)
 from fleetd.analyze.chains import (
     MIN_CALLS,
     SEVERITY_RANK,
@@ -140,6 +149,7 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
     # The quota's share of the run-queue column, taken from the contention chain's.
     chains += throttle.throttle_rule(ctx, chains)
     chains += memory.memory_rule(ctx)  # the breakdown's reclaim column, no other chain's
+    chains += oncpu.oncpu_rules(ctx)  # on-CPU samples: GC pauses, a CPU-bound feeder
     if pid is not None:
         chains = [c for c in chains if int(c.victim["pid"]) == pid]
         threads = [t for t in threads if t["pid"] == pid]

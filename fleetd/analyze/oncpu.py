@@ -1,0 +1,197 @@
+"""What the feeding thread does while it runs: ``gc_pause`` and ``host_cpu_bound``.
+
+Both rules read the tracer's on-CPU samples of the feeding thread (:mod:`fleetd.analyze.
+profile`): one sample per period while the thread was on a CPU, with its stack and
+whether its interpreter was collecting garbage. A share they state is ``samples x
+period / wall``, the sampler's own accounting; the breakdown's ``running`` share of the
+same thread is put beside it (``detail.running_share``), and the two agree to within
+the sampling error.
+
+* ``gc_pause``: the thread stalled in CPython's collector between CUDA calls. The
+  pauses are the tracer's ``gc_pause`` events (runs of consecutive samples in the
+  collector): how many, the longest, and the share of wall time all GC samples stand
+  for. No other task is a culprit: the thread itself collected.
+* ``host_cpu_bound``: the thread was on the CPU outside CUDA calls for most of its time
+  while waiting little for the GPU: the host, not the device, sets the pace. The chain
+  names the frames that took the time (innermost Python frame of each sample, a native
+  frame where no Python frame is known), by share of the thread's samples. A thread that
+  is busy but keeps the GPU fed waits on it (sync calls, launches that block), so it
+  does not fire there; GC samples belong to ``gc_pause`` and are left out of it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from fleetd.analyze.chains import Chain
+from fleetd.analyze.data import code
+from fleetd.analyze.frames import is_python_frame, short_frame, top_python_frame
+from fleetd.analyze.profile import GC_FRAME, StackCount, stack_counts
+from fleetd.analyze.rules import Context, rule_chain
+
+GC_PAUSE = code("gc_pause")
+MIN_GC_SHARE = 0.02  # of wall time in the collector: below, collections are noise
+MIN_GC_SAMPLES = 3
+MIN_SAMPLES = 20  # on-CPU samples of the thread before a profile is worth a verdict
+MIN_HOST_SHARE = 0.5  # of wall time on the CPU outside CUDA calls
+MAX_GPU_WAIT_SHARE = 0.2  # of wall time in CUDA calls or waiting for the GPU
+TOP_FRAMES = 5
+_LINE = re.compile(r":\d+\)$")  # a Python frame's line: "f (file.py:12)" -> "f (file.py)"
+
+
+@dataclass(slots=True)
+class ThreadSamples:
+    """One feeding thread's samples over the window."""
+
+    pid: int
+    tid: int
+    stacks: list[StackCount]
+    period_ns: int
+
+    @property
+    def total(self) -> int:
+        return sum(s.samples for s in self.stacks)
+
+    @property
+    def gc(self) -> int:
+        return sum(s.gc for s in self.stacks)
+
+    @property
+    def host(self) -> list[StackCount]:
+        """Samples outside CUDA calls and outside the collector."""
+        return [s for s in self.stacks if not s.in_cuda and not s.gc]
+
+
+def _feeding_threads(ctx: Context) -> list[ThreadSamples]:
+    out = []
+    for pid in ctx.gpu_pids():
+        t = ctx.main_thread(pid)
+        if t is None:
+            continue
+        tid = int(t["tid"])
+        stacks, period = stack_counts(ctx.view.conn, ctx.view.node, ctx.view.win, pid, tid)
+        if stacks and period > 0:
+            out.append(ThreadSamples(pid, tid, stacks, period))
+    return out
+
+
+def oncpu_rules(ctx: Context) -> list[Chain]:
+    """``gc_pause`` and ``host_cpu_bound`` chains of the feeding threads."""
+    out: list[Chain] = []
+    for ts in _feeding_threads(ctx):
+        gc = _gc_chain(ctx, ts)
+        if gc is not None:
+            out.append(gc)
+        bound = _cpu_bound_chain(ctx, ts)
+        if bound is not None:
+            out.append(bound)
+    return out
+
+
+# ---- gc_pause ---------------------------------------------------------------------------
+
+
+def _pauses(ctx: Context, tid: int) -> list[tuple[int, int, int]]:
+    """(start, length, samples) of the thread's GC pauses in the window."""
+    v = ctx.view
+    return [(int(ts), int(dur), int(n)) for ts, dur, n in v.conn.execute(
+        "SELECT ts_ns, dur_ns, a0 FROM event_data WHERE op = ? AND tid = ? AND ts_ns >= ? "
+        "AND ts_ns < ? AND id BETWEEN ? AND ? ORDER BY ts_ns",
+        (GC_PAUSE, tid, v.win.start_ns, v.win.end_ns, v.node.lo, v.node.hi))]
+
+
+def _gc_chain(ctx: Context, ts: ThreadSamples) -> Chain | None:
+    gc_ns = ts.gc * ts.period_ns
+    share = min(1.0, gc_ns / ctx.span_ns)
+    if ts.gc < MIN_GC_SAMPLES or share < MIN_GC_SHARE:
+        return None
+    pauses = _pauses(ctx, ts.tid)
+    longest = max((d for _, d, _ in pauses), default=ts.period_ns)
+    host = ts.gc + sum(s.samples for s in ts.host)
+    triggers = _gc_triggers(ts.stacks)
+    hz = round(1e9 / ts.period_ns)
+    detail: dict[str, Any] = {
+        "pauses": len(pauses), "longest_ns": longest, "gc_ns": gc_ns,
+        "gc_share": round(share, 4), "gc_samples": ts.gc, "samples": ts.total,
+        "period_ns": ts.period_ns, "generation": None,
+        "running_share": round(ctx.share(ts.tid, "running"), 4),
+        "triggers": triggers, "share_from": "on_cpu_samples"}
+    evidence = [{"kind": "gc_pause", "text":
+                 f"{len(pauses)} pause(s) in the garbage collector between CUDA calls, "
+                 f"longest {longest / 1e6:.0f} ms; {ts.gc} of the thread's {ts.total} "
+                 f"on-CPU samples at {hz} Hz were in the collector: about "
+                 f"{gc_ns / 1e6:.0f} ms, {share:.1%} of the window",
+                 "pauses": [{"ts_ns": t, "dur_ns": d, "samples": n} for t, d, n in pauses[:20]]}]
+    if triggers:
+        evidence.append({"kind": "cpu_profile", "text": "collections started from "
+                         + ", ".join(f"{t['frame']} ({t['samples']} samples)"
+                                     for t in triggers[:3])})
+    # Of the thread's time on the CPU outside CUDA, the share the collector took.
+    return rule_chain(ctx, "gc_pause", ts.pid, None, ts.gc / max(1, host), share, evidence,
+                      detail, tid=ts.tid)
+
+
+def _gc_triggers(stacks: list[StackCount]) -> list[dict[str, Any]]:
+    """The Python lines that were running when the collector started (the allocation
+    that crossed a threshold), by GC samples."""
+    by: Counter[str] = Counter()
+    for s in stacks:
+        if s.gc and s.frames and s.frames[0] == GC_FRAME:
+            by[top_python_frame(list(s.frames[1:])) or short_frame(s.frames[-1])] += s.gc
+    return [{"frame": f, "samples": n} for f, n in by.most_common(5)]
+
+
+# ---- host_cpu_bound ---------------------------------------------------------------------
+
+
+def _cpu_bound_chain(ctx: Context, ts: ThreadSamples) -> Chain | None:
+    host = ts.host
+    host_samples = sum(s.samples for s in host)
+    host_ns = host_samples * ts.period_ns
+    share = min(1.0, host_ns / ctx.span_ns)
+    t = ctx.main_thread(ts.pid) or {}
+    wall = max(1, int(t.get("wall_ns") or ctx.span_ns))
+    gpu_wait = min(1.0, (int(t.get("in_cuda_ns") or 0) + int(t.get("gpu_sync_ns") or 0)) / wall)
+    if ts.total < MIN_SAMPLES or share < MIN_HOST_SHARE or gpu_wait > MAX_GPU_WAIT_SHARE:
+        return None
+    top = _top_frames(host, ts.total)
+    hz = round(1e9 / ts.period_ns)
+    detail: dict[str, Any] = {
+        "host_share": round(share, 4), "host_ns": host_ns, "host_samples": host_samples,
+        "samples": ts.total, "gc_samples": ts.gc,
+        "cuda_samples": sum(s.samples for s in ts.stacks if s.in_cuda),
+        "gpu_wait_share": round(gpu_wait, 4), "period_ns": ts.period_ns,
+        "running_share": round(ctx.share(ts.tid, "running"), 4),
+        "top_frames": top, "share_from": "on_cpu_samples"}
+    lines = "; ".join(f"{f['frame']} {f['share']:.0%}" for f in top[:3])
+    evidence = [{"kind": "cpu_profile", "text":
+                 f"{host_samples} of the thread's {ts.total} on-CPU samples at {hz} Hz were "
+                 f"outside CUDA calls and the collector ({share:.1%} of the window on the "
+                 f"CPU; {gpu_wait:.1%} in CUDA calls or waiting for the GPU); top frames: "
+                 f"{lines}", "top_frames": top}]
+    return rule_chain(ctx, "host_cpu_bound", ts.pid, None, host_samples / max(1, ts.total),
+                      share, evidence, detail, tid=ts.tid)
+
+
+def _top_frames(host: list[StackCount], total: int) -> list[dict[str, Any]]:
+    """Where the host samples were, by function: the innermost Python frame of each
+    sample (the user's code; a native frame above it is a call that code made), else
+    the innermost frame. Each function is shown at its hottest line."""
+    by: Counter[str] = Counter()
+    lines: dict[str, Counter[str]] = {}
+    for s in host:
+        frames = list(s.frames)
+        frame = next((f for f in frames if is_python_frame(f)), None) \
+            or (frames[0] if frames else "[unknown]")
+        func = _LINE.sub(")", frame)
+        by[func] += s.samples
+        lines.setdefault(func, Counter())[frame] += s.samples
+    out = []
+    for func, n in by.most_common(TOP_FRAMES):
+        hottest = lines[func].most_common(1)[0][0]
+        out.append({"frame": short_frame(hottest), "where": hottest, "samples": n,
+                    "share": round(n / max(1, total), 4)})
+    return out

@@ -1,0 +1,160 @@
+"""On-CPU profiles: where the traced threads spent the time they ran.
+
+The tracer samples every traced thread that is on a CPU ``hz`` times a second
+(fleetd/trace/oncpu.py) and stores counts per (thread, stack) per interval as
+``cpu_sample`` rows: ``a0`` samples, ``a1`` of them in the garbage collector, ``bytes``
+the sampling period. Here they are summed over a window into stacks with counts, then
+read three ways: the frames with the most samples (``self``: the innermost frame;
+``total``: anywhere on the stack), the folded lines flame-graph tools take, and a
+speedscope document. A sample stands for one period of CPU time, so ``samples x
+period`` estimates the time on CPU, the figure the breakdown's ``running`` column
+measures from the scheduler's side.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+from fleetd.analyze.data import Node, code, in_list
+from fleetd.analyze.frames import folded, short_frame
+from fleetd.analyze.stacks import json_or_text
+from fleetd.analyze.window import Window
+
+CPU_SAMPLE = code("cpu_sample")
+GC_FRAME = "[garbage collection]"  # fleetd.trace.oncpu.GC_FRAME
+CUDA_LIBS = ("(libcudart", "(libcuda.", "(libnccl")  # native frames inside CUDA/NCCL
+SPEEDSCOPE_SCHEMA = "https://www.speedscope.app/file-format-schema.json"
+
+
+@dataclass(frozen=True, slots=True)
+class StackCount:
+    """One stack of one thread over the window: frames innermost first."""
+
+    node: str
+    pid: int
+    tid: int
+    frames: tuple[str, ...]
+    samples: int
+    gc: int  # of them in the garbage collector
+
+    @property
+    def in_cuda(self) -> bool:
+        """The sample hit inside a CUDA or NCCL library (a launch, a copy, a sync)."""
+        return any(f.endswith(")") and any(lib in f for lib in CUDA_LIBS) for f in self.frames)
+
+
+class FrameShare(TypedDict):
+    frame: str
+    self_samples: int
+    total_samples: int
+    self_share: float  # of the profile's samples
+    total_share: float
+
+
+class Profile(TypedDict):
+    samples: int
+    gc_samples: int
+    period_ns: int
+    on_cpu_ns: int  # samples x period
+    threads: int
+    stacks: int
+    top: list[FrameShare]
+    note: str | None
+
+
+def stack_counts(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
+                 tid: int | None = None) -> tuple[list[StackCount], int]:
+    """One node's samples in the window per (thread, stack), and the sampling period
+    (ns; 0 when nothing was sampled)."""
+    where = "op = ? AND ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
+    params: list[int] = [CPU_SAMPLE, win.start_ns, win.end_ns, node.lo, node.hi]
+    if pid is not None:
+        where += " AND pid = ?"
+        params.append(pid)
+    if tid is not None:
+        where += " AND tid = ?"
+        params.append(tid)
+    rows = conn.execute(
+        f"SELECT pid, tid, stack, sum(a0), sum(a1), max(bytes) FROM event_data WHERE {where} "
+        "GROUP BY pid, tid, stack", params).fetchall()
+    frames = _frames(conn, sorted({int(r[2]) for r in rows if r[2]}))
+    period = max((int(r[5] or 0) for r in rows), default=0)
+    out = [StackCount(node.name, int(p), int(t), frames.get(int(h), ("[unknown]",)),
+                      int(n or 0), int(g or 0)) for p, t, h, n, g, _ in rows]
+    return [s for s in out if s.samples > 0], period
+
+
+def _frames(conn: sqlite3.Connection, hashes: list[int]) -> dict[int, tuple[str, ...]]:
+    out: dict[int, tuple[str, ...]] = {}
+    for i in range(0, len(hashes), 500):  # bounded statements on a large profile
+        for h, text in conn.execute("SELECT hash, frames FROM stacks WHERE hash IN "
+                                    f"{in_list(hashes[i:i + 500])}"):
+            value = json_or_text(text)
+            out[int(h)] = tuple(str(f) for f in value) if isinstance(value, list) \
+                else (str(value),)
+    return out
+
+
+def top_frames(stacks: list[StackCount], n: int = 10) -> list[FrameShare]:
+    """The ``n`` frames with the most samples, by self then total. A frame that occurs
+    twice on one stack (recursion) counts once there."""
+    own: Counter[str] = Counter()
+    anywhere: Counter[str] = Counter()
+    for s in stacks:
+        if s.frames:
+            own[s.frames[0]] += s.samples
+        for f in set(s.frames):
+            anywhere[f] += s.samples
+    total = sum(s.samples for s in stacks) or 1
+    ranked = sorted(anywhere, key=lambda f: (-own[f], -anywhere[f], f))[:n]
+    return [FrameShare(frame=f, self_samples=own[f], total_samples=anywhere[f],
+                       self_share=round(own[f] / total, 4),
+                       total_share=round(anywhere[f] / total, 4)) for f in ranked]
+
+
+def merged(stacks: list[StackCount]) -> dict[tuple[str, ...], int]:
+    """Samples per stack, threads and nodes together, heaviest first."""
+    acc: dict[tuple[str, ...], int] = defaultdict(int)
+    for s in stacks:
+        acc[s.frames] += s.samples
+    return dict(sorted(acc.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def folded_lines(stacks: list[StackCount]) -> list[str]:
+    """flamegraph.pl's input: one line per stack, outermost frame first, then the
+    number of samples."""
+    return [folded(list(frames), n) for frames, n in merged(stacks).items()]
+
+
+def speedscope(stacks: list[StackCount], name: str) -> dict[str, Any]:
+    """A speedscope file (its "sampled" profile type): frames listed once, each stack
+    as indices outermost first, weighted by its samples."""
+    index: dict[str, int] = {}
+    samples: list[list[int]] = []
+    weights: list[int] = []
+    for frames, n in merged(stacks).items():
+        samples.append([index.setdefault(short_frame(f), len(index))
+                        for f in reversed(frames)])
+        weights.append(n)
+    return {
+        "$schema": SPEEDSCOPE_SCHEMA, "exporter": "fleetd profile", "name": name,
+        "activeProfileIndex": 0,
+        "shared": {"frames": [{"name": f} for f in index]},
+        "profiles": [{"type": "sampled", "name": name, "unit": "none", "startValue": 0,
+                      "endValue": sum(weights), "samples": samples, "weights": weights}],
+    }
+
+
+def profile(stacks: list[StackCount], period_ns: int, top_n: int = 10) -> Profile:
+    """The summary a table or JSON answer shows."""
+    n = sum(s.samples for s in stacks)
+    note = None if n else ("no on-CPU samples in the window: the tracer samples with "
+                           "--cpu-sample-hz (default 49; 0 turns it off), and only "
+                           "threads of traced processes while they run")
+    return Profile(samples=n, gc_samples=sum(s.gc for s in stacks), period_ns=period_ns,
+                   on_cpu_ns=n * period_ns, threads=len({(s.node, s.tid) for s in stacks}),
+                   stacks=len(merged(stacks)), top=top_frames(stacks, top_n), note=note)
+
