@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleetd.trace import pydebug
-from fleetd.trace.symbols import _bases, _load, _mappings
+from fleetd.trace import pydebug, symbols
 
 log = logging.getLogger("fleetd.trace.pyframes")
 
@@ -170,10 +169,10 @@ class Interpreter:
 def find_interpreter(pid: int) -> Interpreter | None:
     """The CPython a process runs, from its mappings; None if it runs none."""
     try:
-        maps = _mappings(pid)
+        maps = symbols.mappings(pid)
     except OSError:
         return None
-    bases = _bases(maps)
+    bases = symbols.bases(maps)
     # libpython (a shared build) holds the runtime where it is mapped; else the executable.
     paths = sorted(bases, key=lambda p: "libpython" not in os.path.basename(p))
     for path in paths:
@@ -187,7 +186,7 @@ def _open(pid: int, path: str, base: int, m: re.Match[str]) -> Interpreter:
     interp = Interpreter(pid, (int(m.group(1)), int(m.group(2))), path,
                          free_threaded=bool(m.group(3)))
     file = f"/proc/{pid}/root{path}"
-    image = _load(file, ("STT_OBJECT",))
+    image = symbols.load_image(file, ("STT_OBJECT",))
     runtime = _symbol(image, "_PyRuntime") if image is not None else None
     if image is None or runtime is None:
         interp.problem = (f"{interp.label} at {path} has no _PyRuntime symbol "
@@ -532,7 +531,7 @@ def support_of(path: str) -> str | None:
     lib_dir = Path(path).resolve().parent.parent / "lib"
     lib = f"libpython{interp.version[0]}.{interp.version[1]}{m.group(3)}.so*"
     for candidate in [path, *sorted(str(p) for p in lib_dir.glob(lib))]:
-        image = _load(candidate, ("STT_OBJECT",))
+        image = symbols.load_image(candidate, ("STT_OBJECT",))
         runtime = _symbol(image, "_PyRuntime") if image is not None else None
         if runtime is None:
             continue

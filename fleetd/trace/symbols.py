@@ -81,8 +81,8 @@ class DataSymbols:
         return self._names[key]
 
     def _resolve(self, pid: int, addr: int) -> str | None:
-        maps = _mappings(pid)
-        for path, base in _bases(maps).items():
+        maps = mappings(pid)
+        for path, base in bases(maps).items():
             image = self._image(path)
             if image is None:
                 continue
@@ -96,11 +96,11 @@ class DataSymbols:
         if path not in self._images:
             if len(self._images) >= MAX_FILES:
                 self._images.clear()
-            self._images[path] = _load(path)
+            self._images[path] = load_image(path)
         return self._images[path]
 
 
-def _mappings(pid: int) -> list[_Mapping]:
+def mappings(pid: int) -> list[_Mapping]:
     out = []
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
         parts = line.split(None, 5)
@@ -111,7 +111,7 @@ def _mappings(pid: int) -> list[_Mapping]:
     return out
 
 
-def _bases(maps: list[_Mapping]) -> dict[str, int]:
+def bases(maps: list[_Mapping]) -> dict[str, int]:
     """Each file's lowest mapping of offset 0: where its first segment was loaded."""
     out: dict[str, int] = {}
     for m in maps:
@@ -127,7 +127,7 @@ _STT = {"STT_OBJECT": 1, "STT_FUNC": 2, "STT_TLS": 6, "STT_GNU_IFUNC": 10}
 _SYM64 = struct.Struct("<IBBHQQ")
 
 
-def _load(path: str, kinds: tuple[str, ...] = _DATA_KINDS) -> _Image | None:
+def load_image(path: str, kinds: tuple[str, ...] = _DATA_KINDS) -> _Image | None:
     from elftools.common.exceptions import ELFError
     from elftools.elf.elffile import ELFFile
     from elftools.elf.sections import SymbolTableSection
@@ -250,15 +250,15 @@ class FunctionSymbols:
             got = self._maps.get(pid)
             if got is None or (attempt and time.monotonic() - got[0] > MAX_MAPS_AGE_S):
                 try:
-                    maps = _mappings(pid)
+                    maps = mappings(pid)
                 except OSError:
                     return None
-                got = (time.monotonic(), maps, _bases(maps))
+                got = (time.monotonic(), maps, bases(maps))
                 self._maps[pid] = got
-            _, maps, bases = got
+            _, maps, loaded_at = got
             for m in maps:
-                if m.start <= addr < m.end and m.path in bases:
-                    return m, bases[m.path]
+                if m.start <= addr < m.end and m.path in loaded_at:
+                    return m, loaded_at[m.path]
         return None
 
     def _image(self, pid: int, path: str) -> _Image | None:
@@ -276,7 +276,7 @@ class FunctionSymbols:
         if bid not in self._by_id:
             if len(self._by_id) >= MAX_FILES:
                 self._by_id.clear()
-            self._by_id[bid] = _load(real, ("STT_FUNC", "STT_GNU_IFUNC"))
+            self._by_id[bid] = load_image(real, ("STT_FUNC", "STT_GNU_IFUNC"))
         return self._by_id[bid]
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from fleetd.trace import pydebug, pyframes
+from fleetd.trace import pydebug, pyframes, symbols
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "integration"))
@@ -79,7 +79,7 @@ def test_debug_offsets_of_313_match_the_measured_table() -> None:
         pytest.skip("CPython 3.13: no pyenv build here")
     lib = next(Path(exe).resolve().parent.parent.glob("lib/libpython3.13.so*"), None)
     path = str(lib or exe)
-    image = pyframes._load(path, ("STT_OBJECT",))
+    image = symbols.load_image(path, ("STT_OBJECT",))
     assert image is not None
     runtime = pyframes._symbol(image, "_PyRuntime")
     assert runtime is not None
@@ -203,7 +203,7 @@ def test_313_layout_choice_falls_back_to_the_file_and_refuses_unknown_tables() -
     if exe is None:
         pytest.skip("CPython 3.13: no pyenv build here")
     path = str(next(Path(exe).resolve().parent.parent.glob("lib/libpython3.13.so*"), exe))
-    image = pyframes._load(path, ("STT_OBJECT",))
+    image = symbols.load_image(path, ("STT_OBJECT",))
     assert image is not None
     runtime = pyframes._symbol(image, "_PyRuntime")
     assert runtime is not None
