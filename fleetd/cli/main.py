@@ -28,6 +28,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "fleetd.cli.ops_cmd",
     "fleetd.cli.overview_cmd",
     "fleetd.cli.stacks_cmd",
+    "fleetd.cli.profile_cmd",
     "fleetd.cli.graphs_cmd",
     "fleetd.cli.gpu_cmd",
     "fleetd.cli.collectives_cmd",

@@ -1,0 +1,98 @@
+"""``fleetd profile``: where the traced threads spent the time they ran on a CPU, from
+the tracer's on-CPU samples (``--cpu-sample-hz``), as top frames, folded flame-graph
+lines or a speedscope file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from orjson import dumps
+
+from fleetd.cli.explain_cmd import add_window, open_analysis, positive
+from fleetd.cli.output import write_rows
+from fleetd.errors import UsageError
+
+PROFILE_FORMATS = ("table", "json", "folded", "speedscope")
+COLUMNS = ["frame", "self", "self_share", "total", "total_share"]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="on-CPU profile of the traced threads: top frames, flame graphs",
+        description="Where the traced threads spent their time on a CPU, from the tracer's "
+        "on-CPU samples (fleetd trace --cpu-sample-hz, default 49 per second per CPU): "
+        "native frames above the interpreter, then Python frames 'function (file.py:line)'; "
+        "a sample taken while the interpreter collected garbage starts with "
+        "'[garbage collection]'. The table lists the frames with the most samples: self "
+        "(the innermost frame) and total (anywhere on the stack), as counts and shares of "
+        "all samples; one sample stands for one period of CPU time. --format folded prints "
+        "one line per stack, outermost frame first, joined by ';', then its samples (the "
+        "input of flamegraph.pl, speedscope and inferno); --format speedscope writes a "
+        "file https://www.speedscope.app opens.",
+    )
+    add_window(p)
+    p.add_argument("--pid", type=positive("pid"), help="only this process")
+    p.add_argument("--tid", type=positive("tid"), help="only this thread")
+    p.add_argument("--node", help="only this node of a merged database")
+    p.add_argument("--top", type=positive("--top"), default=20, metavar="N",
+                   help="frames in the table (default 20)")
+    p.add_argument("--format", default="table", help=f"output format: {'|'.join(PROFILE_FORMATS)}")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fleetd.analyze.profile import (
+        StackCount,
+        folded_lines,
+        profile,
+        speedscope,
+        stack_counts,
+    )
+
+    if args.format not in PROFILE_FORMATS:
+        raise UsageError(f"unknown format {args.format!r}",
+                         f"use one of: {', '.join(PROFILE_FORMATS)}")
+    stacks: list[StackCount] = []
+    period = 0
+    with open_analysis(args) as (_, analysis):
+        slices = [sl for sl in analysis.slices if args.node in (None, sl.name)]
+        if args.node is not None and not slices:
+            raise UsageError(f"no node {args.node!r} in this database",
+                             f"nodes: {', '.join(analysis.node_names()) or 'none'}")
+        for sl in slices:
+            got, p = stack_counts(sl.conn, sl.node, sl.window, args.pid, args.tid)
+            stacks += got
+            period = max(period, p)
+    if args.format == "folded":
+        sys.stdout.write("".join(line + "\n" for line in folded_lines(stacks)))
+        return 0
+    if args.format == "speedscope":
+        name = "fleetd profile" + (f" pid {args.pid}" if args.pid else "") + \
+            (f" tid {args.tid}" if args.tid else "")
+        sys.stdout.write(dumps(speedscope(stacks, name)).decode() + "\n")
+        return 0
+    summary = profile(stacks, period, args.top)
+    if args.format == "json":
+        sys.stdout.write(dumps(summary).decode() + "\n")
+        return 0
+    _table(summary)
+    return 0
+
+
+def _table(summary: Any) -> None:
+    from fleetd.analyze.frames import short_frame
+
+    if not summary["samples"]:
+        print(f"fleetd profile: {summary['note']}", file=sys.stderr)
+        return
+    period_ms = summary["period_ns"] / 1e6
+    print(f"{summary['samples']} on-CPU samples ({summary['on_cpu_ns'] / 1e9:.2f} s of CPU at "
+          f"{period_ms:.1f} ms each) in {summary['threads']} thread(s), "
+          f"{summary['stacks']} distinct stacks; {summary['gc_samples']} in the garbage "
+          "collector")
+    rows = [[short_frame(f["frame"]), f["self_samples"], f"{f['self_share']:.1%}",
+             f["total_samples"], f"{f['total_share']:.1%}"] for f in summary["top"]]
+    write_rows(COLUMNS, rows, "table", sys.stdout)
