@@ -203,21 +203,13 @@ class FleetClient:
         session = self._need_session()
         async with self._sem:
             timeout = self._timeout()
-            dial = Dial(target.host, target.port)
-            token = DIALING.set(dial)
-            t0 = time.time_ns()
-            try:
+            with _dialing(target) as dial, self._as_failure(target):
+                t0 = time.time_ns()
                 async with session.get(target.url(path), timeout=timeout) as resp:
                     t3 = time.time_ns()
                     _record(resp, dial, t0, t3)
                     t0 = dial.sent_ns or t0
                     body = await _read_capped(resp, TIME_BODY_BYTES)
-            except NodeFailed:
-                raise
-            except Exception as exc:
-                raise NodeFailed(classify(exc, target, self.opts)) from None
-            finally:
-                DIALING.reset(token)
         if resp.status != 200:
             raise NodeFailed(http_failure(resp.status, body))
         return t0, t3, body
@@ -232,37 +224,44 @@ class FleetClient:
                                         connect=min(self.opts.connect_timeout_s, idle_s))
         got = 0
         async with self._sem:
-            dial = Dial(target.host, target.port)
-            token = DIALING.set(dial)
-            t0 = time.time_ns()
-            try:
-                async with session.get(target.url(path), params=params,
-                                       timeout=timeout) as resp:
-                    _record(resp, dial, t0, time.time_ns())
-                    if resp.status >= 400:
-                        raw = await resp.content.read(ERROR_BODY_BYTES)
-                        raise NodeFailed(http_failure(resp.status, raw))
-                    async for piece in resp.content.iter_any():
-                        sink(piece)
-                        got += len(piece)
-            except NodeFailed:
-                raise
-            except aiohttp.SocketTimeoutError:
-                raise NodeFailed(Failure(
-                    "timeout", f"{target.address} sent nothing for {idle_s:g} s, "
-                    f"{got} bytes into its answer",
-                    "is the agent hung or overloaded? raise --timeout if it is just slow"
-                )) from None
-            except Exception as exc:
-                failure = classify(exc, target, self.opts)
-                if got:  # not a refused handshake: the answer broke off half-way
-                    failure = Failure(failure.kind, f"{target.address} broke off its "
-                                      f"answer after {got} bytes ({failure.message})",
-                                      "did the agent restart or crash? see its log")
-                raise NodeFailed(failure) from None
-            finally:
-                DIALING.reset(token)
+            with _dialing(target) as dial:
+                t0 = time.time_ns()
+                try:
+                    async with session.get(target.url(path), params=params,
+                                           timeout=timeout) as resp:
+                        _record(resp, dial, t0, time.time_ns())
+                        if resp.status >= 400:
+                            raw = await resp.content.read(ERROR_BODY_BYTES)
+                            raise NodeFailed(http_failure(resp.status, raw))
+                        async for piece in resp.content.iter_any():
+                            sink(piece)
+                            got += len(piece)
+                except NodeFailed:
+                    raise
+                except aiohttp.SocketTimeoutError:
+                    raise NodeFailed(Failure(
+                        "timeout", f"{target.address} sent nothing for {idle_s:g} s, "
+                        f"{got} bytes into its answer",
+                        "is the agent hung or overloaded? raise --timeout if it is just slow"
+                    )) from None
+                except Exception as exc:
+                    failure = classify(exc, target, self.opts)
+                    if got:  # not a refused handshake: the answer broke off half-way
+                        failure = Failure(failure.kind, f"{target.address} broke off its "
+                                          f"answer after {got} bytes ({failure.message})",
+                                          "did the agent restart or crash? see its log")
+                    raise NodeFailed(failure) from None
         return got
+
+    @contextmanager
+    def _as_failure(self, target: Target) -> Iterator[None]:
+        """Any exception of a request to ``target`` as its NodeFailed, with a reason."""
+        try:
+            yield
+        except NodeFailed:
+            raise
+        except Exception as exc:
+            raise NodeFailed(classify(exc, target, self.opts)) from None
 
     def _need_session(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -302,10 +301,8 @@ class FleetClient:
         if path == paths.QUERY:  # rows line by line, never the whole body at once
             headers = {**(headers or {}), "Accept": paths.NDJSON}
         async with self._sem:
-            dial = Dial(target.host, target.port)
-            token = DIALING.set(dial)
-            t0 = time.time_ns()
-            try:
+            with _dialing(target) as dial, self._as_failure(target):
+                t0 = time.time_ns()
                 async with session.request(method, target.url(path), params=params, data=body,
                                            headers=headers, timeout=self._timeout()) as resp:
                     _record(resp, dial, t0, time.time_ns())
@@ -315,12 +312,6 @@ class FleetClient:
                         return dict(answer)
                     raw = await _read_capped(resp, cap)
                     status = resp.status
-            except NodeFailed:
-                raise
-            except Exception as exc:
-                raise NodeFailed(classify(exc, target, self.opts)) from None
-            finally:
-                DIALING.reset(token)
         if status >= 400:
             raise NodeFailed(http_failure(status, raw))
         reply = parse_json(raw)
@@ -330,6 +321,18 @@ class FleetClient:
                                      f"{self.opts.timeout_s:g} s timeout to read",
                                      "lower --limit or narrow the query"))
         return reply
+
+
+@contextmanager
+def _dialing(target: Target) -> Iterator[Dial]:
+    """The request to ``target`` made here, known to the stamping request class (its
+    t0) and to the TLS layer (a new connection, a resumed session)."""
+    dial = Dial(target.host, target.port)
+    token = DIALING.set(dial)
+    try:
+        yield dial
+    finally:
+        DIALING.reset(token)
 
 
 def _record(resp: aiohttp.ClientResponse, dial: Dial, t0: int, t3: int) -> None:
