@@ -11,8 +11,9 @@ the sampling error.
   pauses are the tracer's ``gc_pause`` events (runs of consecutive samples in the
   collector): how many, the longest, and the share of wall time all GC samples stand
   for. No other task is a culprit: the thread itself collected.
-* ``host_cpu_bound``: the thread was on the CPU outside CUDA calls for most of its time
-  while waiting little for the GPU: the host, not the device, sets the pace. The chain
+* ``host_cpu_bound``: the thread was on the CPU outside CUDA calls for most of the time
+  it could run (its run-queue time is ``cpu_contention``'s) while waiting little for the
+  GPU: the host, not the device, sets the pace. The chain
   names the frames that took the time (innermost Python frame of each sample, a native
   frame where no Python frame is known), by share of the thread's samples. A thread that
   is busy but keeps the GPU fed waits on it (sync calls, launches that block), so it
@@ -36,7 +37,7 @@ GC_PAUSE = code("gc_pause")
 MIN_GC_SHARE = 0.02  # of wall time in the collector: below, collections are noise
 MIN_GC_SAMPLES = 3
 MIN_SAMPLES = 20  # on-CPU samples of the thread before a profile is worth a verdict
-MIN_HOST_SHARE = 0.5  # of wall time on the CPU outside CUDA calls
+MIN_HOST_SHARE = 0.5  # on the CPU outside CUDA calls, of the time it was not queued for one
 MAX_GPU_WAIT_SHARE = 0.2  # of wall time in CUDA calls or waiting for the GPU
 TOP_FRAMES = 5
 _LINE = re.compile(r":\d+\)$")  # a Python frame's line: "f (file.py:12)" -> "f (file.py)"
@@ -155,12 +156,17 @@ def _cpu_bound_chain(ctx: Context, ts: ThreadSamples) -> Chain | None:
     t = ctx.main_thread(ts.pid) or {}
     wall = max(1, int(t.get("wall_ns") or ctx.span_ns))
     gpu_wait = min(1.0, (int(t.get("in_cuda_ns") or 0) + int(t.get("gpu_sync_ns") or 0)) / wall)
-    if ts.total < MIN_SAMPLES or share < MIN_HOST_SHARE or gpu_wait > MAX_GPU_WAIT_SHARE:
+    # Of the time it could run: the run-queue time is another chain's (cpu_contention,
+    # cpu_throttled), and a thread CPU-bound on a crowded machine still is CPU-bound.
+    runnable = max(1, wall - int(t.get("runq_ns") or 0) - int(t.get("irq_ns") or 0))
+    of_runnable = min(1.0, host_ns / runnable)
+    if ts.total < MIN_SAMPLES or of_runnable < MIN_HOST_SHARE or gpu_wait > MAX_GPU_WAIT_SHARE:
         return None
     top = _top_frames(host, ts.total)
     hz = round(1e9 / ts.period_ns)
     detail: dict[str, Any] = {
-        "host_share": round(share, 4), "host_ns": host_ns, "host_samples": host_samples,
+        "host_share": round(share, 4), "host_share_of_runnable": round(of_runnable, 4),
+        "host_ns": host_ns, "host_samples": host_samples,
         "samples": ts.total, "gc_samples": ts.gc,
         "cuda_samples": sum(s.samples for s in ts.stacks if s.in_cuda),
         "gpu_wait_share": round(gpu_wait, 4), "period_ns": ts.period_ns,

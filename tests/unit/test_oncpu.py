@@ -1,0 +1,156 @@
+"""On-CPU samples without BPF: a sample record as the kernel writes it, the counts per
+(thread, stack) per interval, GC pauses from runs of collector samples, and the profile's
+top frames, folded lines and speedscope document."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from fleetd.analyze.oncpu import _top_frames
+from fleetd.analyze.profile import StackCount, folded_lines, profile, speedscope, top_frames
+from fleetd.trace.bpfsrc import CPU_SAMPLE, CPU_SAMPLE_SIZE, PY_FRAMES, PYFRAME, PYSTACK_HEAD
+from fleetd.trace.oncpu import (
+    OP_CPU_SAMPLE,
+    OP_GC_PAUSE,
+    Counts,
+    Sample,
+    parse,
+    ring_pages,
+)
+
+PERIOD = 20_000_000  # 50 Hz
+
+
+def _raw(ts: int, pid: int, tid: int, stack: int, gc: bool,
+         frames: list[tuple[int, int]]) -> bytes:
+    head = CPU_SAMPLE.pack(ts, pid, tid, stack, int(gc), 3, 0)
+    py = PYSTACK_HEAD.pack(len(frames), 1)
+    body = b"".join(PYFRAME.pack(c, i) for c, i in frames)
+    return (head + py + body).ljust(CPU_SAMPLE_SIZE, b"\0")
+
+
+def test_a_sample_record_reads_back_as_written() -> None:
+    assert CPU_SAMPLE_SIZE == 32 + 8 + PY_FRAMES * 16  # struct fl_cpu_sample
+    s = parse(_raw(123, 10, 11, -14, True, [(0xA0, 0xA8), (0xB0, 0xB4)]))
+    assert s == Sample(123, 10, 11, -14, True, [(0xA0, 0xA8), (0xB0, 0xB4)], 1)
+    assert parse(b"\0" * 100) is None  # another record's size
+
+
+def _sample(ts: int, tid: int, gc: bool = False) -> Sample:
+    return Sample(ts, 1, tid, 0, gc, [], 1)
+
+
+def test_counts_are_per_thread_and_stack_and_reset_each_interval() -> None:
+    c = Counts(PERIOD, interval_start=1_000)
+    for i in range(5):
+        c.add(_sample(1_000 + i * PERIOD, 7), 111)
+    c.add(_sample(2_000, 8), 111)
+    c.add(_sample(3_000, 7), 222)
+    rows = c.rows(10_000_000_000, lambda t: t + 5)
+    got = {(r[3], r[10]): r for r in rows}
+    assert set(got) == {(7, 111), (8, 111), (7, 222)}
+    r = got[(7, 111)]
+    # (ts, dur, pid, tid, op, ret, bytes = period, peer, a0 = samples, a1 = gc, stack)
+    assert r == (1_005, 10_000_000_000 - 1_000, 1, 7, OP_CPU_SAMPLE, 0, PERIOD, 0, 5, 0, 111)
+    assert c.rows(20_000_000_000, lambda t: t) == []  # counted once
+    assert c.interval_start == 20_000_000_000
+
+
+def test_a_run_of_collector_samples_is_one_pause() -> None:
+    c = Counts(PERIOD)
+    t = 0
+    c.add(_sample(t, 7), 1)
+    for i in range(1, 6):  # five GC samples back to back
+        c.add(_sample(i * PERIOD, 7, gc=True), 2)
+    c.add(_sample(6 * PERIOD, 7), 1)  # the thread runs Python again: the pause ended
+    # A second pause after a gap longer than 2.5 periods is another pause ...
+    c.add(_sample(20 * PERIOD, 7, gc=True), 2)
+    c.add(_sample(24 * PERIOD, 7, gc=True), 2)
+    # ... and one left open ends when the thread has been quiet for a while.
+    c.close_stale(40 * PERIOD)
+    rows = [r for r in c.rows(50 * PERIOD, lambda x: x) if r[4] == OP_GC_PAUSE]
+    assert [(r[0], r[1], r[8]) for r in rows] == [
+        (PERIOD, 5 * PERIOD, 5), (20 * PERIOD, PERIOD, 1), (24 * PERIOD, PERIOD, 1)]
+    assert all(r[9] == -1 and r[10] == 2 and r[3] == 7 for r in rows)
+    samples = {r[10]: (r[8], r[9]) for r in c.rows(60 * PERIOD, lambda x: x)}
+    assert samples == {}  # reset by the first rows() call
+
+
+def test_gc_samples_are_counted_beside_the_samples() -> None:
+    c = Counts(PERIOD)
+    c.add(_sample(0, 7, gc=True), 5)
+    c.add(_sample(PERIOD, 7, gc=True), 5)
+    c.add(_sample(2 * PERIOD, 7), 5)
+    [row] = [r for r in c.rows(3 * PERIOD, lambda x: x) if r[4] == OP_CPU_SAMPLE]
+    assert (row[8], row[9]) == (3, 2)
+
+
+@pytest.mark.parametrize(("hz", "cpus", "pages"), [(49, 2, 64), (49, 256, 1024), (0, 1, 64)])
+def test_the_ring_holds_half_a_second_of_samples(hz: int, cpus: int, pages: int) -> None:
+    assert ring_pages(hz, cpus) == pages
+    assert hz == 0 or pages * 4096 >= cpus * hz * CPU_SAMPLE_SIZE // 2
+
+
+HOT = "Workload._cpu (/w/train_loop.py:243)"
+HOT2 = "Workload._cpu (/w/train_loop.py:244)"
+STEP = "Workload.step (/w/train_loop.py:302)"
+MAIN = "<module> (/w/train_loop.py:584)"
+STACKS = [
+    StackCount("n", 1, 7, (HOT, STEP, MAIN), 60, 0),
+    StackCount("n", 1, 7, (HOT2, STEP, MAIN), 20, 0),
+    StackCount("n", 1, 7, ("clock_gettime (libc.so.6)", HOT, STEP, MAIN), 5, 0),
+    StackCount("n", 1, 7, ("cudaLaunchKernel (libcudart.so.12)", STEP, MAIN), 10, 0),
+    StackCount("n", 1, 7, ("[garbage collection]", STEP, MAIN), 5, 5),
+]
+
+
+def test_top_frames_count_self_and_total_once_per_stack() -> None:
+    top = {f["frame"]: f for f in top_frames(STACKS, 10)}
+    assert top[HOT]["self_samples"] == 60 and top[HOT]["total_samples"] == 65
+    assert top[STEP]["self_samples"] == 0 and top[STEP]["total_samples"] == 100
+    assert top[MAIN]["total_share"] == 1.0
+    assert next(iter(top)) == HOT  # most self samples first
+    rec = [StackCount("n", 1, 7, ("f (/a.py:1)", "f (/a.py:1)", MAIN), 4, 0)]
+    assert top_frames(rec)[0]["total_samples"] == 4  # recursion counts once
+
+
+def test_folded_lines_are_outermost_first_with_base_names() -> None:
+    lines = folded_lines(STACKS)
+    assert lines[0] == ("<module> (train_loop.py:584);Workload.step (train_loop.py:302);"
+                        "Workload._cpu (train_loop.py:243) 60")
+    assert "Workload.step (train_loop.py:302);[garbage collection] 5" in "\n".join(lines)
+    assert sum(int(ln.rsplit(" ", 1)[1]) for ln in lines) == 100
+    # The same stack from two threads is one line.
+    two = [StackCount("n", 1, 7, (HOT,), 3, 0), StackCount("m", 2, 9, (HOT,), 4, 0)]
+    assert folded_lines(two) == ["Workload._cpu (train_loop.py:243) 7"]
+
+
+def test_speedscope_has_each_frame_once_and_weights_per_stack() -> None:
+    doc = speedscope(STACKS, "p")
+    names = [f["name"] for f in doc["shared"]["frames"]]
+    assert len(names) == len(set(names))
+    prof = doc["profiles"][0]
+    assert prof["type"] == "sampled" and sum(prof["weights"]) == prof["endValue"] == 100
+    first = prof["samples"][0]
+    assert [names[i] for i in first] == ["<module> (train_loop.py:584)",
+                                         "Workload.step (train_loop.py:302)",
+                                         "Workload._cpu (train_loop.py:243)"]
+
+
+def test_the_summary_states_time_from_samples_and_period() -> None:
+    p = profile(STACKS, PERIOD, 3)
+    assert (p["samples"], p["gc_samples"], p["on_cpu_ns"]) == (100, 5, 100 * PERIOD)
+    assert p["threads"] == 1 and p["stacks"] == 5 and len(p["top"]) == 3
+    assert profile([], 0)["note"] and profile(STACKS, PERIOD)["note"] is None
+
+
+def test_cpu_bound_frames_are_the_python_function_at_its_hottest_line() -> None:
+    host = [s for s in STACKS if not s.in_cuda and not s.gc]
+    top = _top_frames(host, 100)
+    # 60 + 20 + 5 (a native call made from _cpu counts for _cpu): one function.
+    assert top[0] == {"frame": "Workload._cpu (train_loop.py:243)", "where": HOT,
+                      "samples": 85, "share": 0.85}
+    assert [s.in_cuda for s in STACKS] == [False, False, False, True, False]
+    assert struct.calcsize("<QIIiIII") == CPU_SAMPLE.size
