@@ -102,3 +102,33 @@ def assert_one_line_error(proc: Any, *needles: str) -> None:
 
 
 from recorder import wait_for_libcudart  # noqa: E402,F401  (one copy: the recorder's)
+
+
+def trace_in_process(wl: Any, db: Path, node: str, go: Path,
+                     **cfg: Any) -> tuple[dict[str, Any], Any]:
+    """Trace the workload process ``wl`` (a Popen waiting for ``go``, printing one JSON
+    line of what it made) with an in-process Tracer of the CUDA layer, stacks on, until
+    it exits: (what it made, the tracer's summary). Kills ``wl`` if anything fails."""
+    import json
+
+    from fleetd.trace.tracer import TraceConfig, Tracer
+
+    try:
+        wait_for_libcudart(wl.pid)
+        writer = BatchWriter(db, node)
+        tracer = Tracer(TraceConfig(db=db, node=node, pids=[wl.pid], stacks=True,
+                                    layers=frozenset({"cuda"}), **cfg), writer=writer)
+        tracer.start()
+        try:
+            go.touch()
+            while not tracer.targets_gone():
+                tracer.poll(50)
+        finally:
+            summary = tracer.stop()
+            writer.close()
+        made: dict[str, Any] = json.loads(wl.communicate(timeout=60)[0])
+    finally:
+        if wl.poll() is None:
+            wl.kill()
+            wl.wait()
+    return made, summary

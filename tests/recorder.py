@@ -214,6 +214,37 @@ def _trace_nodes(runs: list[NodeRun], neighbours: list[tuple[tuple[str, ...], in
         compact(r.db)
 
 
+def trace_one(workload: list[str], db: Path, node: str, go: Path, seconds: float,
+              *trace_args: str) -> None:
+    """One workload (a full argv that waits for ``go``) pinned to the last CPU, traced by
+    ``fleetd trace`` with ``trace_args``: let it go, wait for both to end cleanly, and
+    compact the database. For tests that record one case of their own."""
+    cpu = max(os.sched_getaffinity(0))  # one CPU, as the scenarios: threads take turns
+    wl = subprocess.Popen(workload, stdout=subprocess.PIPE, text=True,
+                          preexec_fn=_pinned(cpu))
+    tracer = None
+    try:
+        wait_for_libcudart(wl.pid)
+        tracer = subprocess.Popen([FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db),
+                                   "--node", node, *trace_args],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        log = StderrLog(tracer)
+        if not log.tracing(90):
+            raise RuntimeError(f"fleetd trace did not start:\n{log.text(1)}")
+        go.touch()
+        wl.communicate(timeout=seconds + 120)
+        tracer.wait(60)
+        if wl.returncode != 0 or tracer.returncode != 0:
+            raise RuntimeError(f"trace exited {tracer.returncode}, workload "
+                               f"{wl.returncode}:\n{log.text()}")
+    finally:
+        for p in (wl, tracer):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(10)
+    compact(db)
+
+
 @contextmanager
 def _scratch() -> Iterator[tuple[dict[str, str], Path]]:
     """A disk directory (for fsync) and a tmpfs file (for the shared lock)."""

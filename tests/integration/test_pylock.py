@@ -11,12 +11,11 @@ reason.
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from recorder import BASE, FLEETD, WORKLOAD, StderrLog, compact, explain, wait_for_libcudart
+from recorder import BASE, WORKLOAD, explain, trace_one
 from test_pyversions import interpreters
 
 from conftest import REPO
@@ -49,29 +48,9 @@ def _loop_line() -> int:
 
 def _record(exe: str, tmp: Path) -> dict[str, Any]:
     go, db = tmp / "go", tmp / "lock.db"
-    cpu = max(os.sched_getaffinity(0))  # one CPU: the threads take turns on it
-    wl = subprocess.Popen([exe, str(WORKLOAD), "--cudart", _cudart(), "--duration",
-                           f"{SECONDS:g}", "--go-file", str(go), *BASE, "--gil-thread"],
-                          stdout=subprocess.PIPE, text=True,
-                          preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
-    tracer = None
-    try:
-        wait_for_libcudart(wl.pid)
-        tracer = subprocess.Popen([FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db),
-                                   "--node", "py-lock", "--stacks"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        log = StderrLog(tracer)
-        assert log.tracing(90), log.text(1)
-        go.touch()
-        wl.communicate(timeout=SECONDS + 120)
-        tracer.wait(60)
-        assert wl.returncode == 0 and tracer.returncode == 0, log.text()
-    finally:
-        for p in (wl, tracer):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait(10)
-    compact(db)
+    trace_one([exe, str(WORKLOAD), "--cudart", _cudart(), "--duration", f"{SECONDS:g}",
+               "--go-file", str(go), *BASE, "--gil-thread"], db, "py-lock", go, SECONDS,
+              "--stacks")
     return explain(db)
 
 

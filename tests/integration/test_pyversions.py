@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from test_trace import _bpf_ready
 
-from conftest import REPO, wait_for_libcudart
+from conftest import REPO, trace_in_process, wait_for_libcudart
 
 sys.path.insert(0, str(REPO / "tests" / "workloads"))
 from train_loop import find_cudart  # noqa: E402
@@ -94,9 +94,7 @@ def _line(fragment: str) -> int:
 
 
 def _trace(exe: str, tmp: Path) -> tuple[Path, dict[str, Any], Any, str]:
-    from fleetd.store.writer import BatchWriter
     from fleetd.trace import pyframes
-    from fleetd.trace.tracer import TraceConfig, Tracer
 
     script, go, db = tmp / "nested.py", tmp / "go", tmp / "py.db"
     script.write_text(SCRIPT)
@@ -106,25 +104,12 @@ def _trace(exe: str, tmp: Path) -> tuple[Path, dict[str, Any], Any, str]:
         wait_for_libcudart(wl.pid)
         interp = pyframes.find_interpreter(wl.pid)
         assert interp is not None and interp.layout is not None, interp
-        source = interp.layout.source
-        writer = BatchWriter(db, "py-node")
-        tracer = Tracer(TraceConfig(db=db, node="py-node", pids=[wl.pid], stacks=True,
-                                    layers=frozenset({"cuda"}), sample=1, stack_sample=1),
-                        writer=writer)
-        tracer.start()
-        try:
-            go.touch()
-            while not tracer.targets_gone():
-                tracer.poll(50)
-        finally:
-            summary = tracer.stop()
-            writer.close()
-        made = json.loads(wl.communicate(timeout=60)[0])
-    finally:
-        if wl.poll() is None:
-            wl.kill()
-            wl.wait()
-    return db, made, summary, source
+    except BaseException:
+        wl.kill()
+        wl.wait()
+        raise
+    made, summary = trace_in_process(wl, db, "py-node", go, sample=1, stack_sample=1)
+    return db, made, summary, interp.layout.source
 
 
 @pytest.mark.parametrize("exe", interpreters())

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from test_trace import _bpf_ready  # the same requirements as the tracer's own tests
 
-from conftest import FLEETD, REPO, wait_for_libcudart
+from conftest import FLEETD, REPO, trace_in_process
 
 WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
 PY = sys.executable
@@ -53,30 +53,10 @@ def _kernel_lib(tmp: Path) -> Path:
 
 
 def _trace(tmp: Path, wl_args: list[str], **cfg: Any) -> tuple[Path, dict[str, Any], Any]:
-    from fleetd.store.writer import BatchWriter
-    from fleetd.trace.tracer import TraceConfig, Tracer
-
     go, db = tmp / "go", tmp / "stacks.db"
     wl = subprocess.Popen([PY, str(WORKLOAD), "--go-file", str(go), *wl_args],
                           stdout=subprocess.PIPE, text=True)
-    try:
-        wait_for_libcudart(wl.pid)
-        writer = BatchWriter(db, "stack-node")
-        tracer = Tracer(TraceConfig(db=db, node="stack-node", pids=[wl.pid], stacks=True,
-                                    layers=frozenset({"cuda"}), **cfg), writer=writer)
-        tracer.start()
-        try:
-            go.touch()
-            while not tracer.targets_gone():
-                tracer.poll(50)
-        finally:
-            summary = tracer.stop()
-            writer.close()
-        made = json.loads(wl.communicate(timeout=60)[0])
-    finally:
-        if wl.poll() is None:
-            wl.kill()
-            wl.wait()
+    made, summary = trace_in_process(wl, db, "stack-node", go, **cfg)
     return db, made, summary
 
 

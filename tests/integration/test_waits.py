@@ -32,7 +32,7 @@ from recorder import (
     explain,
     problems,
     record,
-    wait_for_libcudart,
+    trace_one,
 )
 
 from conftest import REPO
@@ -93,29 +93,8 @@ def gil_stacks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     and ``fleetd explain``'s report."""
     tmp = tmp_path_factory.mktemp("gil-stacks")
     go, db = tmp / "go", tmp / "gil-stacks.db"
-    cpu = max(os.sched_getaffinity(0))  # one CPU, as the recorder's scenarios
-    wl = subprocess.Popen([sys.executable, str(WORKLOAD), "--duration", f"{SECONDS:g}",
-                           "--go-file", str(go), *BASE, "--gil-thread"],
-                          stdout=subprocess.PIPE, text=True,
-                          preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
-    tracer = None
-    try:
-        wait_for_libcudart(wl.pid)
-        tracer = subprocess.Popen([FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db),
-                                   "--node", "gil-stacks", "--stacks"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        log = StderrLog(tracer)
-        assert log.tracing(90), log.text(1)
-        go.touch()
-        wl.communicate(timeout=SECONDS + 120)
-        tracer.wait(60)
-        assert wl.returncode == 0 and tracer.returncode == 0, log.text()
-    finally:
-        for p in (wl, tracer):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait(10)
-    compact(db)
+    trace_one([sys.executable, str(WORKLOAD), "--duration", f"{SECONDS:g}", "--go-file",
+               str(go), *BASE, "--gil-thread"], db, "gil-stacks", go, SECONDS, "--stacks")
     return db, explain(db)
 
 
