@@ -770,6 +770,8 @@ def culprit_json(top: Mapping[str, Any]) -> dict[str, Any]:
         out["tid"], out["thread"] = top["tid"], top.get("thread")
     if top.get("where"):  # a lock holder traced with stacks: its line and frames
         out["where"], out["stack"] = top["where"], top.get("stack") or []
+    out.update({k: top[k] for k in ("pod", "namespace", "container", "pod_uid")
+                if top.get(k)})  # where it runs (analyze.pods)
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from fleetd.analyze import (
     gpu_chains,
     memory,
     oncpu,
+    pods,
     rules,
     throttle,
 )
@@ -86,14 +87,20 @@ def explain(
 
 
 def report(slices: list[NodeSlice], win: Window, pid: int | None = None,
-           per_process: bool = False) -> Report:
-    """The explain report over these node slices (one window), node by node."""
+           per_process: bool = False, pids: Collection[int] | None = None) -> Report:
+    """The explain report over these node slices (one window), node by node; ``pids``
+    (a pod's processes, say) keeps only their chains, processes and op rows (per
+    process, then: op statistics of other processes cannot be taken out of a total)."""
     chains: list[dict[str, Any]] = []
     procs: list[dict[str, Any]] = []
     ops: list[dict[str, Any]] = []
     warnings = list(win.warnings)
     for sl in slices:
-        part = explain_node(sl, pid, per_process)
+        part = explain_node(sl, pid, per_process or pids is not None)
+        if pids is not None:
+            part = {"chains": [c for c in part["chains"] if c["victim"]["pid"] in pids],
+                    **{k: [r for r in part[k] if r.get("pid") in pids]
+                       for k in ("processes", "ops")}, "warnings": part["warnings"]}
         chains += part["chains"]
         procs += part["processes"]
         ops += part["ops"]
@@ -161,6 +168,11 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
     procs = sl.processes(threads)
     for p in procs:
         p["top_ops"] = [_brief(r) for r in ops if r["pid"] == p["pid"]][:5]
+    # Each process named with its pod and container, where the tracer recorded them.
+    placed = pods.placements(sl.conn, sl.node.key)
+    for c in chains:
+        pods.annotate([c.victim, *c.culprits], sl.node.key, placed)
+    pods.annotate(procs, sl.node.key, placed)
     return {"chains": [chain_json(c) for c in chains], "processes": procs, "ops": out_ops,
             "warnings": warnings}
 

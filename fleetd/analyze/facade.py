@@ -11,11 +11,13 @@ stragglers, say) therefore read names, op statistics and threads once.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Collection
 from functools import cached_property
 from typing import Any
 
 from fleetd.analyze import collectives as coll
 from fleetd.analyze import explain as explainer
+from fleetd.analyze import pods
 from fleetd.analyze.data import Node, nodes
 from fleetd.analyze.gpu import gpu_report
 from fleetd.analyze.graphs import graph_lifecycle
@@ -70,9 +72,11 @@ class Analysis:
 
     # ---- the analyzers ----------------------------------------------------------------
 
-    def explain(self, pid: int | None = None, per_process: bool = False) -> dict[str, Any]:
-        """Chains, processes and op statistics, node by node (docs/explain.md)."""
-        return explainer.report(self.slices, self.window, pid, per_process)
+    def explain(self, pid: int | None = None, per_process: bool = False,
+                pids: Collection[int] | None = None) -> dict[str, Any]:
+        """Chains, processes and op statistics, node by node (docs/explain.md); only of
+        ``pids`` when given (``--pod``, ``--namespace``)."""
+        return explainer.report(self.slices, self.window, pid, per_process, pids)
 
     def op_stats(self, pid: int | None = None, per_process: bool = False, by: str = "op"
                  ) -> list[dict[str, Any]]:
@@ -118,7 +122,11 @@ class Analysis:
 
     def breakdown(self, pid: int | None = None) -> list[dict[str, Any]]:
         """Where each process's threads spent their wall time (most CUDA time first)."""
-        procs = [p for sl in self.slices for p in sl.processes(sl.threads_of(pid))]
+        procs: list[dict[str, Any]] = []
+        for sl in self.slices:
+            mine = sl.processes(sl.threads_of(pid))
+            pods.annotate(mine, sl.node.key, pods.placements(sl.conn, sl.node.key))
+            procs += mine
         procs.sort(key=lambda p: (-int(p["in_cuda_ns"]), -int(p["off_cpu_ns"])))
         return procs
 

@@ -37,6 +37,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fleetd.analyze import pods
+
 Z_THRESHOLD = 3.5  # Iglewicz and Hoaglin's cut-off for the modified z-score
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its sigma
 # Differences below this share of the median are noise, however alike the other nodes
@@ -205,8 +207,11 @@ def _top_chain(node: str, chains: Sequence[Mapping[str, Any]]) -> str:
 
 
 def chain_brief(c: Mapping[str, Any]) -> str:
-    """A chain in a reason: ``cpu_contention (HIGH), culprit cpu-hog pid 42``."""
+    """A chain in a reason: ``cpu_contention (HIGH), culprit cpu-hog pid 42``, with the
+    pod of the victim and of the culprit where they ran in one (analyze.pods)."""
     culprit = c.get("culprit") or {}
-    who = (f", culprit {culprit.get('comm')} pid {culprit.get('pid')}"
+    who = (f", culprit {culprit.get('comm')} pid {culprit.get('pid')}{pods.label(culprit)}"
            if culprit.get("comm") else "")
-    return f"{c.get('root_cause')} ({c.get('severity')}){who}"
+    victim = c.get("victim") or {}
+    where = f" in pid {victim.get('pid')}{pods.label(victim)}" if pods.label(victim) else ""
+    return f"{c.get('root_cause')} ({c.get('severity')}){where}{who}"

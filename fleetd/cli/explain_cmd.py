@@ -24,11 +24,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
+from fleetd.analyze import pods
 from fleetd.analyze.collectives import host_chains
 from fleetd.analyze.facade import Analysis
 from fleetd.analyze.window import WindowSpec
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
 from fleetd.cli.output import dumps, table
+from fleetd.cli.pod_args import add_pod_args, fleet_refused, selected_pids
 from fleetd.errors import UsageError
 from fleetd.store.db import default_db_path, open_reader
 from fleetd.store.timeparse import format_ns
@@ -59,6 +61,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     """The options explain and ops share."""
     add_window(p)
     p.add_argument("--pid", type=positive("pid"), help="only this process (as the victim)")
+    add_pod_args(p)
     p.add_argument("--per-process", action="store_true", help="op statistics per process")
     add_fleet_args(p)
 
@@ -137,9 +140,11 @@ def run(args: argparse.Namespace) -> int:
                          f"use one of: {', '.join(EXPLAIN_FORMATS)}")
     args.output_path = output_path(args)  # refused before any work is done for it
     if fleet_mode(args):
+        fleet_refused(args)
         return run_fleet(args)
     with open_analysis(args) as (path, analysis):
-        found = analysis.explain(args.pid, args.per_process)
+        pids = selected_pids(args, analysis.conn)
+        found = analysis.explain(args.pid, args.per_process, pids)
         _no_such_pid(found, args.pid)
         _gpu_verdict(found, analysis, args.pid)
         # NCCL collectives of several ranks: the rank the others wait for leads.
@@ -407,13 +412,13 @@ def _chain(c: dict[str, Any], out: TextIO, tag: bool = False, *, verbose: bool =
     where = f" on {c['node']}" if tag else ""
     out.write(f"\n[{c['severity']}] {c['root_cause']}{where}  {c['id']}\n  {c['summary']}\n")
     v = c["victim"]
-    out.write(f"  victim:  {v['comm']} pid {v['pid']} tid {v['tid']}\n")
+    out.write(f"  victim:  {v['comm']} pid {v['pid']} tid {v['tid']}{pods.label(v)}\n")
     if c["culprit"]:
         cu = c["culprit"]
         share = c["culprits"][0].get("share") if c.get("culprits") else None
         thread = (f" thread {cu['thread'] or '?'} tid {cu['tid']}"
                   if cu.get("tid") is not None and cu["tid"] != cu["pid"] else "")
-        out.write(f"  culprit: {cu['comm']} pid {cu['pid']}{thread}"
+        out.write(f"  culprit: {cu['comm']} pid {cu['pid']}{thread}{pods.label(cu)}"
                   f"{' (the victim process itself)' if cu.get('self') else ''}"
                   f"{f', {share:.0%} of the attributed time' if share is not None else ''}\n")
     d = c.get("detail") or {}
@@ -435,13 +440,23 @@ def _chain(c: dict[str, Any], out: TextIO, tag: bool = False, *, verbose: bool =
         out.write(f"    - {f}\n")
 
 
+def _pod(p: dict[str, Any]) -> str:
+    """``namespace/pod`` (or the container) of a process row; ``-`` outside any."""
+    if p.get("pod"):
+        return f"{p['namespace']}/{p['pod']}" if p.get("namespace") else str(p["pod"])
+    return str(p.get("container") or "-")
+
+
 def _processes(procs: list[dict[str, Any]], out: TextIO) -> None:
     rows = []
+    # A pod column only when some process ran in a container (analyze.pods).
+    placed = any(p.get("pod") or p.get("container") for p in procs)
     for p in procs:
         for t in p["threads"]:
             wall = max(1, int(t["wall_ns"]))
             rows.append([
                 p["node"], t["pid"], t["comm"] or "", t["tid"], t["thread"] or "",
+                *([_pod(p)] if placed else []),
                 *(f"{int(t.get(k) or 0) / wall:.1%}" for k in BREAKDOWN_KEYS),
                 _dur(int(t["in_cuda_ns"])) + ("*" if t["in_cuda_estimated"] else ""),
             ])
@@ -458,6 +473,6 @@ def _processes(procs: list[dict[str, Any]], out: TextIO) -> None:
         return
     out.write("\nper-process breakdown (share of wall time; in_cuda overlaps the rest; "
               "* = scaled from histograms):\n")
-    cols = ["node", "pid", "comm", "tid", "thread",
+    cols = ["node", "pid", "comm", "tid", "thread", *(["pod"] if placed else []),
             *(k.removesuffix("_ns") for k in BREAKDOWN_KEYS), "in_cuda"]
     out.write(table(cols, rows[:40]))

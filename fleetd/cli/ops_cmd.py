@@ -9,6 +9,7 @@ import sys
 from fleetd.cli.explain_cmd import add_common, open_analysis
 from fleetd.cli.fleet_args import fleet_mode, fleet_options, report
 from fleetd.cli.output import FORMATS, check_format, human_ns, write_rows
+from fleetd.cli.pod_args import fleet_refused, selected_pids
 
 _NS_COLUMNS = ("total_ns", "mean_ns", "p50_ns", "p95_ns", "p99_ns", "max_ns")
 
@@ -35,11 +36,18 @@ def run(args: argparse.Namespace) -> int:
 
     fmt = check_format(args.format)
     every = KERNEL_COLUMNS if args.by == "kernel" else COLUMNS
-    cols = [c for c in every if args.per_process or c not in ("pid", "comm")]
     if fleet_mode(args):
+        fleet_refused(args)
+        cols = [c for c in every if args.per_process or c not in ("pid", "comm")]
         return run_fleet(args, fmt, cols)
     with open_analysis(args) as (_, analysis):
-        rows = analysis.op_stats(args.pid, args.per_process, args.by)
+        pids = selected_pids(args, analysis.conn)
+        # A pod's processes: per process (a total over all cannot be split afterwards).
+        per_process = args.per_process or pids is not None
+        rows = analysis.op_stats(args.pid, per_process, args.by)
+        if pids is not None:
+            rows = [r for r in rows if r.get("pid") in pids]
+    cols = [c for c in every if per_process or c not in ("pid", "comm")]
     win = analysis.window
     shown, values = table_view(cols, [[r[c] for c in cols] for r in rows], fmt)
     write_rows(shown, values, fmt, sys.stdout,

@@ -17,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from fleetd.analyze import pods
 from fleetd.analyze.data import CALL_CODES, Node, in_list, nodes
 from fleetd.analyze.window import Window
 from fleetd.export.clockfix import recorded_fix
@@ -205,8 +206,13 @@ def _ranks(conn: sqlite3.Connection, node: Node) -> tuple[int, ...]:
 
 
 def _processes(conn: sqlite3.Connection, node: Node) -> dict[int, str]:
-    return {int(pid): str(comm) for pid, comm in conn.execute(
-        "SELECT pid, comm FROM process_data WHERE node = ? AND comm IS NOT NULL", (node.key,))}
+    """Process names for the timeline: the comm, and the pod and container it ran in
+    where the tracer recorded them (``python (pod ml/trainer-0, container trainer)``)."""
+    placed = pods.placements(conn, node.key)
+    return {int(pid): str(comm) + pods.label(pods.fields(placed.get((node.key, int(pid)))))
+            for pid, comm in conn.execute(
+                "SELECT pid, comm FROM process_data WHERE node = ? AND comm IS NOT NULL",
+                (node.key,))}
 
 
 def _threads(conn: sqlite3.Connection, node: Node) -> dict[int, tuple[int | None, str | None]]:

@@ -37,10 +37,14 @@ NAMES_KEY = "_traced_names"
 TRACED_KEYS = frozenset({
     "comm", "thread", "peer_comm", "victim_comm", "culprit_comm", "main_comm", "exe",
     "cmdline", "frames", "host", "kernel", "command", "targets", "args", "boot_id",
+    # Where a process ran, read from its cgroup path, the runtime's files, its HOSTNAME.
+    "cgroup", "pod", "namespace", "container", "container_name", "pod_uid",
 })
-# Of those, the names that fleetd's sentences quote ("stress (pid 2000) ran instead").
+# Of those, the names that fleetd's sentences quote ("stress (pid 2000) ran instead",
+# "(pod ml/trainer-0, container trainer)").
 NAME_KEYS = frozenset({
     "comm", "thread", "peer_comm", "victim_comm", "culprit_comm", "main_comm", "exe", "host",
+    "pod", "namespace", "container",
 })
 NAME_CAP = 256  # a traced name or frame
 TEXT_CAP = 2000  # one of fleetd's sentences, a SQL cell

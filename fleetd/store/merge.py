@@ -57,6 +57,7 @@ from fleetd.store.mergeplan import (
     plan,
     source_layout,
 )
+from fleetd.store.schema import PLACEMENT_COLUMNS
 
 log = logging.getLogger("fleetd.store.merge")
 
@@ -115,9 +116,19 @@ def _v3_to_v4(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Lay
     return dict(layout)
 
 
+def _v4_to_v5(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Layout:
+    """Present a version-4 file's processes with the placement columns version 5 added
+    (NULL: where they ran was not recorded)."""
+    view = f"{schema_name}_v5_process_data"
+    nulls = ", ".join(f"NULL AS {c}" for c in PLACEMENT_COLUMNS)
+    conn.execute(f"CREATE TEMP VIEW IF NOT EXISTS {view} AS SELECT *, {nulls} "
+                 f"FROM {layout['process_data']}")
+    return {**layout, "process_data": f"temp.{view}"}
+
+
 # UPGRADES[v] presents a version-v file as version v + 1; the next migration in
 # schema.MIGRATIONS adds its step here.
-UPGRADES: dict[int, Upgrade] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
+UPGRADES: dict[int, Upgrade] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5}
 
 
 # ---- what a merge reports --------------------------------------------------------------

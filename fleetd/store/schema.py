@@ -19,7 +19,7 @@ from typing import Any
 from fleetd.store.catalog import OPS, SOURCES
 
 APPLICATION_ID = 0x666C7464  # "fltd": tells our files from any other SQLite file
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 SEQ_BITS = 40
 SEQ_MASK = (1 << SEQ_BITS) - 1
 
@@ -369,8 +369,23 @@ JOIN nodes n ON n.id = (e.id >> 40)
 JOIN ops o ON o.code = e.op;
 """
 
+# Version 5: where each process runs, stored once per process: the cgroup that carries
+# its CPU controller, and the container and Kubernetes pod its cgroup path and the
+# container runtime's files name (fleetd.trace.cgroups). Older files read as before;
+# their processes have no placement (NULL).
+PLACEMENT_COLUMNS = ("cgroup", "runtime", "container", "container_name", "pod", "namespace",
+                     "pod_uid")
+_V5 = "".join(f"ALTER TABLE process_data ADD COLUMN {c} TEXT;\n" for c in PLACEMENT_COLUMNS) \
+    + """DROP VIEW processes;
+CREATE VIEW processes AS
+SELECT n.name AS node, p.pid, p.ppid, p.comm, p.exe, p.cmdline, p.rank, p.local_rank,
+       p.world_size, p.start_ns, p.exit_ns, p.exit_code, p.job, p.cgroup, p.runtime,
+       p.container, p.container_name, p.pod, p.namespace, p.pod_uid
+FROM process_data p JOIN nodes n ON n.id = p.node;
+"""
+
 # Index i holds the SQL that takes a database from version i to i + 1.
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4)
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5)
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 

@@ -29,7 +29,14 @@ import orjson
 
 from fleetd.store.chainrow import CHAIN_FIELDS
 from fleetd.store.db import ensure_node, open_writer
-from fleetd.store.schema import EVENT_FIELDS, SEQ_BITS, SEQ_MASK, EventArgs, EventRow
+from fleetd.store.schema import (
+    EVENT_FIELDS,
+    PLACEMENT_COLUMNS,
+    SEQ_BITS,
+    SEQ_MASK,
+    EventArgs,
+    EventRow,
+)
 
 log = logging.getLogger("fleetd.store.writer")
 
@@ -46,7 +53,7 @@ _ARGS_SQL = _ARGS_HEAD + "(?, ?)"
 BLOCK = 64
 _PROCESS_COLS = (
     "pid", "ppid", "comm", "exe", "cmdline", "rank", "local_rank", "world_size",
-    "start_ns", "exit_ns", "exit_code", "job",
+    "start_ns", "exit_ns", "exit_code", "job", *PLACEMENT_COLUMNS,
 )
 # Later facts fill in what earlier ones lacked, never blank out what is known.
 _PROCESS_SQL = (

@@ -27,13 +27,20 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import orjson
+
+from fleetd.errors import FleetdError
+from fleetd.security.private_dir import read_regular
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _ID = r"([0-9a-f]{64})"
 # (runtime, pattern) in the order tried; each captures the container id.
 _RUNTIMES = (
     ("containerd", re.compile(rf"cri-containerd-{_ID}\.scope")),
-    ("cri-o", re.compile(rf"crio-(?:conmon-)?{_ID}\.scope")),
+    # CRI-O: crio-<id>.scope (systemd driver), crio-<id> (cgroupfs driver).
+    ("cri-o", re.compile(rf"crio-(?:conmon-)?{_ID}(?:\.scope)?(?:/|$)")),
     ("docker", re.compile(rf"docker-{_ID}\.scope")),
     ("docker", re.compile(rf"/docker/{_ID}(?:/|$)")),
     ("kubernetes", re.compile(rf"/pod[0-9a-f_-]{{36}}(?:\.slice)?/{_ID}(?:/|$)")),
@@ -246,3 +253,81 @@ def placement_args(path: str, pid: int, groups: dict[str, str],
         name, ns = pod_name_and_namespace(pid, environ(pid))
         args.update(pod_uid=place.pod_uid, pod=name, namespace=ns, qos=place.qos)
     return args
+
+
+# ---- a process's placement, stored once per process ------------------------------
+
+# Where each runtime keeps a container's configuration on the host, by container id:
+# the OCI bundle's config.json (containerd's CRI plugin, CRI-O), Docker's config.v2.json.
+# A cgroupfs-driver path does not say which runtime made it: all are tried.
+RUNTIME_FILES: dict[str, tuple[str, ...]] = {
+    "containerd": ("/run/containerd/io.containerd.runtime.v2.task/k8s.io/{id}/config.json",),
+    "cri-o": ("/run/containers/storage/overlay-containers/{id}/userdata/config.json",
+              "/var/lib/containers/storage/overlay-containers/{id}/userdata/config.json"),
+    "docker": ("/var/lib/docker/containers/{id}/config.v2.json",),
+}
+RUNTIME_FILES["kubernetes"] = tuple(p for v in RUNTIME_FILES.values() for p in v)
+RUNTIME_FILE_MAX = 4 << 20  # bytes: a container's config is tens of kB
+# The labels (Docker) or OCI annotations the kubelet's runtimes write, per fact.
+_LABELS: dict[str, tuple[str, ...]] = {
+    "container_name": ("io.kubernetes.cri.container-name", "io.kubernetes.container.name"),
+    "pod": ("io.kubernetes.cri.sandbox-name", "io.kubernetes.pod.name"),
+    "namespace": ("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.pod.namespace"),
+    "pod_uid": ("io.kubernetes.cri.sandbox-uid", "io.kubernetes.pod.uid"),
+}
+
+
+def runtime_labels(config: dict[str, Any]) -> dict[str, str]:
+    """Container name, pod, namespace and pod uid from a container's configuration:
+    an OCI config's ``annotations`` or Docker's ``Config.Labels``."""
+    found: dict[str, str] = {}
+    for where in (config.get("annotations"), (config.get("Config") or {}).get("Labels")):
+        if not isinstance(where, dict):
+            continue
+        for fact, keys in _LABELS.items():
+            value = next((where[k] for k in keys if isinstance(where.get(k), str)), None)
+            if value and fact not in found:
+                found[fact] = value
+    return found
+
+
+def read_runtime_labels(runtime: str, container_id: str, host: Path = Path("/")
+                        ) -> dict[str, str]:
+    """The runtime's labels of a container, read from its files on the host (the agent
+    sees them where the DaemonSet mounts them); {} when none can be read."""
+    for template in RUNTIME_FILES.get(runtime, ()):
+        path = host / template.format(id=container_id).lstrip("/")
+        try:
+            config = orjson.loads(read_regular(path, RUNTIME_FILE_MAX))
+        except (OSError, FleetdError, orjson.JSONDecodeError):
+            continue
+        if isinstance(config, dict):
+            return runtime_labels(config)
+    return {}
+
+
+def process_placement(pid: int, env: dict[str, str], host: Path = Path("/")
+                      ) -> dict[str, str | None]:
+    """A process row's placement columns (fleetd.store.schema.PLACEMENT_COLUMNS): the
+    cgroup carrying its CPU controller, and the container and pod its cgroup path names,
+    completed from the runtime's files, then from the process itself (HOSTNAME, the
+    service-account namespace). All None when /proc/PID/cgroup cannot be read."""
+    out: dict[str, str | None] = dict.fromkeys(
+        ("cgroup", "runtime", "container", "container_name", "pod", "namespace", "pod_uid"))
+    groups = read_groups(pid)
+    if groups is None:
+        return out
+    out["cgroup"] = cpu_path(groups)
+    place = next((pl for pl in map(placement_of_path, (groups.get("", ""), *groups.values()))
+                  if pl.container_id), None)
+    if place is None:
+        return out
+    assert place.container_id is not None
+    out.update(runtime=place.runtime, container=place.container_id[:12], pod_uid=place.pod_uid)
+    labels = read_runtime_labels(place.runtime or "kubernetes", place.container_id, host)
+    out.update({k: v for k, v in labels.items() if v})
+    if place.pod_uid and not (out["pod"] and out["namespace"]):
+        name, ns = pod_name_and_namespace(pid, env)
+        out["pod"] = out["pod"] or name
+        out["namespace"] = out["namespace"] or ns
+    return out

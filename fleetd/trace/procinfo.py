@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fleetd.trace.cgroups import process_placement
+
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -126,7 +128,7 @@ def process_row(pid: int) -> dict[str, Any]:
     return {
         "pid": pid, "ppid": ppid_of(pid), "comm": comm(pid), "exe": exe,
         "cmdline": cmdline, "start_ns": start_wall_ns(pid), **ranks_of(env),
-        "job": job_of(env),
+        "job": job_of(env), **process_placement(pid, env),
     }
 
 

@@ -41,7 +41,7 @@ from fleetd.trace.bpfsrc import (
     compile_program,
     detach_all,
 )
-from fleetd.trace.cgroups import ThrottleSampler
+from fleetd.trace.cgroups import ThrottleSampler, process_placement
 from fleetd.trace.clock import ClockMap
 from fleetd.trace.decoder import OP_EXEC, OP_EXIT, OP_FORK, Batch, Decoder, Lifecycle
 from fleetd.trace.headers import HeaderRoute
@@ -726,12 +726,15 @@ def _job_of(pid: int) -> dict[str, Any]:
     rank: a rank that another node traces must be known here as one of the job (a
     peer's wait is the collective's, never a data-starvation cause), yet must not count
     among this node's own ranks (tracks, rank books). Its parent tells a worker of the
-    traced rank (which inherits the rank's environment) from a peer."""
+    traced rank (which inherits the rank's environment) from a peer. Where it runs (its
+    cgroup, container and pod) comes with it: a culprit is named with its pod too."""
     env = procinfo.environ(pid)
+    place = {k: v for k, v in process_placement(pid, env).items() if v is not None}
     if "RANK" not in env:
-        return {}
+        return place
     size = procinfo.ranks_of(env)["world_size"]
-    return {"ppid": procinfo.ppid_of(pid), "world_size": size, "job": procinfo.job_of(env)}
+    return {**place, "ppid": procinfo.ppid_of(pid), "world_size": size,
+            "job": procinfo.job_of(env)}
 
 
 def _compile_into(opts: ProgramOptions, out: list[tuple[Any, HeaderRoute]],

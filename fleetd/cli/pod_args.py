@@ -1,0 +1,51 @@
+"""``--pod`` and ``--namespace``: select processes by the Kubernetes pod they ran in, as
+the tracer recorded it per process (fleetd.analyze.pods), where ``--pid`` selects one."""
+
+from __future__ import annotations
+
+import argparse
+import sqlite3
+
+from fleetd.analyze import pods
+from fleetd.errors import UsageError
+
+
+def add_pod_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pod", metavar="[NAMESPACE/]NAME",
+                   help="only processes of this Kubernetes pod (as recorded by fleetd trace "
+                   "or the agent; docs/deploy.md)")
+    p.add_argument("--namespace", metavar="NAMESPACE",
+                   help="only processes of pods in this Kubernetes namespace")
+
+
+def selected_pids(args: argparse.Namespace, conn: sqlite3.Connection) -> set[int] | None:
+    """The pids ``--pod`` / ``--namespace`` select (None: neither given); a UsageError
+    with the pods the file names when they select nothing."""
+    pod, ns = getattr(args, "pod", None), getattr(args, "namespace", None)
+    if not pod and not ns:
+        return None
+    if getattr(args, "pid", None):
+        raise UsageError("--pid and --pod/--namespace both select processes",
+                         "give one of them")
+    found = pods.select(conn, pod, ns)
+    if found:
+        return found
+    what = " and ".join(x for x in (f"pod {pod}" if pod else "",
+                                     f"namespace {ns}" if ns else "") if x)
+    known = pods.known_pods(conn)
+    if known:
+        hint = f"pods recorded here: {', '.join(known)}"
+    elif not pods.columns(conn):
+        hint = ("this file was recorded before pods were (schema < 5): record it again "
+                "with this fleetd, or select with --pid")
+    else:
+        hint = ("no traced process ran in a pod (docs/deploy.md says how pods are read); "
+                "select with --pid")
+    raise UsageError(f"no process of {what} in this database", hint)
+
+
+def fleet_refused(args: argparse.Namespace) -> None:
+    """Pods are read from a local database; a fleet call selects with --pid."""
+    if getattr(args, "pod", None) or getattr(args, "namespace", None):
+        raise UsageError("--pod/--namespace select processes of a local database",
+                         "with --nodes use --pid, or merge the nodes' files and pass --db")
