@@ -5,11 +5,16 @@
   retries of idempotent reads, and every node failure as a reason with a fix;
 * :mod:`~fleetd.fleet.skew`: NTP-style clock offsets per node, and timestamp correction;
 * :mod:`~fleetd.fleet.fanout`: one task per node (request + clock samples) under the
-  deadline, naming, warnings, the answer's status and exit code;
+  deadline, each answer checked once by its wire reader, naming, warnings, the answer's
+  status and exit code; :mod:`~fleetd.fleet.relayed` the same through peer relays, and
+  :mod:`~fleetd.fleet.dispatch` the entry that picks one of the two;
 * :mod:`~fleetd.fleet.combine`: rows led by ``node``, column mismatches, ``--reduce``;
 * :mod:`~fleetd.fleet.queries`: query, explain (with stragglers ranked by
-  :mod:`fleetd.analyze.stragglers`), ops, overview, stacks and graphs;
+  :mod:`fleetd.analyze.stragglers`), ops, overview, stacks and graphs, each a
+  :class:`~fleetd.fleet.result.FleetResult`;
 * :mod:`~fleetd.fleet.checks`: ``fleetd check --only nodes``, each node's reachability.
 
-docs/fleet.md explains the methods; docs/json.md the output shapes and exit codes.
+What the client and the agents agree on (paths, headers, limits, answer shapes and
+their checked readers) is :mod:`fleetd.wire`. docs/fleet.md explains the methods;
+docs/json.md the output shapes and exit codes.
 """

@@ -29,6 +29,7 @@ from fleetd.fleet.skew import Skew
 from fleetd.fleet.targets import RelayRoute, Target
 from fleetd.wire import paths
 from fleetd.wire.failure import BadReply, Failure, NodeFailed
+from fleetd.wire.headers import RECV_NS, SEND_NS
 from fleetd.wire.limits import INT64_MAX, INT64_MIN, NAME_CHARS
 from fleetd.wire.values import printable
 
@@ -298,7 +299,7 @@ def _estimate(out: NodeOutcome, clock: ClockLog, failure: Failure | None) -> Non
     out.skew = skewmod.estimate(samples)
     out.skew_failure = None if out.skew is not None else (
         failure or Failure("skew", "no clock sample (the node's answers carry no "
-                           "X-Fleetd-Recv-Ns/X-Fleetd-Send-Ns stamps)"))
+                           f"{RECV_NS}/{SEND_NS} stamps)"))
 
 
 async def send_all(client: FleetClient, t: Target, requests: Sequence[Request]

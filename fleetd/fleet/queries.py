@@ -76,13 +76,13 @@ def _query_request(spec: QuerySpec, offset_ns: int) -> Request:
 
 
 def _node_rows(answer: FleetAnswer, o: NodeOutcome) -> NodeRows:
+    """A node's rows in our clock. Its answer was checked where it was read
+    (:func:`fleetd.wire.query.check_rows`, the request's check), so it has its shape."""
     assert o.replies is not None
     reply = o.replies[0]
-    columns = [str(c) for c in reply.get("columns") or []]
-    rows = [list(r) for r in reply.get("rows") or [] if isinstance(r, list)]
+    columns, rows = reply["columns"], reply["rows"]
     correct_rows(columns, rows, answer.offset_ns(o))
-    return NodeRows(o.name, columns, rows, bool(reply.get("truncated")),
-                    reply.get("truncated_reason"))
+    return NodeRows(o.name, columns, rows, reply["truncated"], reply["truncated_reason"])
 
 
 # ---- explain ------------------------------------------------------------------------

@@ -30,7 +30,14 @@ from fleetd.store.guard import STREAM_CHUNK_BYTES, Limits, QueryResult, SafeDB
 from fleetd.store.schema import SCHEMA_VERSION
 from fleetd.wire import paths
 from fleetd.wire.limits import INT64_MAX, INT64_MIN
-from fleetd.wire.shapes import ErrorDetail, HealthReply, StreamTrailer, TimeReply
+from fleetd.wire.shapes import (
+    ErrorDetail,
+    HealthReply,
+    QueryReply,
+    StreamHeader,
+    StreamTrailer,
+    TimeReply,
+)
 
 log = logging.getLogger("fleetd.node.api")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -293,11 +300,11 @@ async def query(request: web.Request) -> web.StreamResponse:
         # Encoded on the reader thread too: a 16 MB answer is tens of milliseconds of
         # orjson that would otherwise stall every other request on the loop.
         result: QueryResult = db.query(sql, params, limits)
-        return encode({
+        reply: QueryReply = {
             "node": node, "columns": result.columns, "rows": result.rows,
             "truncated": result.truncated, "truncated_reason": result.truncated_reason,
-            "elapsed_ms": round(result.elapsed_ms, 3),
-        })
+            "elapsed_ms": round(result.elapsed_ms, 3)}
+        return encode(reply)
 
     try:
         raw = await readers.run(answer, client_of(request))
@@ -332,10 +339,11 @@ async def _query_stream(request: web.Request, sql: str, params: list[Any] | dict
                 elif resp is None:
                     resp = web.StreamResponse(headers={"Content-Type": paths.NDJSON})
                     await resp.prepare(request)
-                    pending = orjson.dumps({
+                    header: StreamHeader = {
                         "node": st.node, "columns": item,
                         "limits": {"max_rows": limits.max_rows, "max_bytes": limits.max_bytes,
-                                   "timeout_s": limits.timeout_s}}) + b"\n"
+                                   "timeout_s": limits.timeout_s}}
+                    pending = orjson.dumps(header) + b"\n"
                 else:
                     end["rows"] += item.count(b"\n")  # for the trailer of a failed stream
                     pending += item

@@ -8,6 +8,7 @@ checking that an untrusted answer really has it is :mod:`fleetd.wire.values`' an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NotRequired, TypedDict
 
 
@@ -54,7 +55,7 @@ class QueryReply(TypedDict):
 
     node: str | None
     columns: list[str]
-    rows: list[list[Any]]
+    rows: Sequence[Sequence[Any]]  # arrays on the wire; the agent hands SQLite's tuples
     truncated: bool
     truncated_reason: str | None  # rows | bytes
     elapsed_ms: float | None
