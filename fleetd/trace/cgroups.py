@@ -23,7 +23,10 @@ traced process is named by its cgroup, container and pod, without the Kubernetes
 
 from __future__ import annotations
 
+import ctypes
+import os
 import re
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,10 +187,43 @@ def members_of(groups: dict[str, str], controller: str, root: Path = CGROUP_ROOT
 
 
 def read_groups(pid: int) -> dict[str, str] | None:
+    host_cgroup_view()
     try:
         return parse_proc_cgroup(Path(f"/proc/{pid}/cgroup").read_text())
     except OSError:
         return None
+
+
+_CLONE_NEWCGROUP = 0x02000000
+HOST_PID = 1  # a process in the host's cgroup namespace: its init
+_joined = threading.local()
+
+
+def host_cgroup_view() -> bool:
+    """Read other processes' cgroups as the host names them; True when this thread
+    joined the host's cgroup namespace now.
+
+    An agent in a container with a cgroup namespace of its own (containers on cgroup
+    v2 get one) sees every other process's cgroup relative to its own root
+    (``0::/../../kubepods.slice/...``), which names no file under the host's
+    /sys/fs/cgroup. With hostPID and the privilege to trace, it can join the namespace of
+    the host's init (pid 1) instead; namespaces belong to threads, so each thread that
+    reads does so once. Elsewhere (the host itself, no privilege) nothing changes: the
+    container ids and pod uids in a relative path are still found."""
+    if getattr(_joined, "tried", False):
+        return False
+    _joined.tried = True
+    try:
+        host = f"/proc/{HOST_PID}/ns/cgroup"
+        if os.stat("/proc/thread-self/ns/cgroup").st_ino == os.stat(host).st_ino:
+            return False
+        fd = os.open(host, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return int(ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWCGROUP)) == 0
+    finally:
+        os.close(fd)
 
 
 @dataclass(slots=True)

@@ -6,8 +6,12 @@ explain's victims and culprits and selected by --pod / --namespace."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sqlite3
+import subprocess
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -151,3 +155,63 @@ def test_a_schema_4_recording_opens_merges_and_migrates(tmp_path: Path) -> None:
     brief = chain_brief({"root_cause": "cpu_throttled", "severity": "HIGH", "victim": row,
                          "culprit": None})
     assert brief == f"cpu_throttled (HIGH) in pid {pid} (pod ml/trainer-0, container trainer)"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="cgroups and namespaces need root")
+def test_an_agent_in_a_cgroup_namespace_of_its_own_reads_the_hosts_paths() -> None:
+    """As a containerized agent on cgroup v2 is: in a cgroup namespace rooted at its
+    own cgroup, it sees a workload's cgroup as ``/../<name>``; read_groups joins the
+    host's namespace first and gets the path the host's /sys/fs/cgroup has."""
+    root = Path("/sys/fs/cgroup/cpu")
+    if not (root / "cgroup.procs").exists():
+        pytest.fail("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
+    tag = uuid.uuid4().hex[:8]
+    work, agent = root / f"fleetd-test-work-{tag}", root / f"fleetd-test-agent-{tag}"
+    work.mkdir()
+    agent.mkdir()
+    sleeper = None
+    try:
+        sleeper = subprocess.Popen(
+            ["sleep", "60"], preexec_fn=lambda: (work / "cgroup.procs").write_text(
+                str(os.getpid())))
+        # This sandbox's pid 1 is not ours to open: the host's namespace is this
+        # test's own (a DaemonSet agent's HOST_PID 1 is the node's init).
+        code = ("import json, sys; from fleetd.trace import cgroups as cg; "
+                "cg.HOST_PID = int(sys.argv[2]); "
+                "raw = open(f'/proc/{sys.argv[1]}/cgroup').read(); "
+                "print(json.dumps([raw, cg.read_groups(int(sys.argv[1]))]))")
+        r = subprocess.run(
+            ["unshare", "--cgroup", sys.executable, "-c", code, str(sleeper.pid),
+             str(os.getpid())],
+            capture_output=True, text=True, timeout=60,
+            preexec_fn=lambda: (agent / "cgroup.procs").write_text(str(os.getpid())))
+        assert r.returncode == 0, r.stderr
+        raw, groups = json.loads(r.stdout)
+        assert f":cpu:/../{work.name}\n" in raw, raw  # what the namespace shows
+        assert groups["cpu"] == f"/{work.name}", groups  # what the host's files are named
+    finally:
+        if sleeper is not None:
+            sleeper.kill()
+            sleeper.wait()
+        for d in (work, agent):
+            for pid in (d / "cgroup.procs").read_text().split():
+                (root / "cgroup.procs").write_text(pid)
+            d.rmdir()
+
+
+def test_the_daemonset_lets_the_agent_see_other_pods() -> None:
+    """hostPID, --all, the host's cgroup tree read-only where the samplers read it, and
+    the runtime's container records where process_placement looks for them."""
+    yaml = pytest.importorskip("yaml")
+    docs = list(yaml.safe_load_all((REPO / "configs" / "daemonset.yaml").read_text()))
+    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    assert pod["hostPID"] is True and "--all" in c["args"]
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    mounts = {m["mountPath"]: (host.get(m["name"]), m.get("readOnly", False))
+              for m in c["volumeMounts"]}
+    assert mounts[str(cg.CGROUP_ROOT)] == (str(cg.CGROUP_ROOT), True)
+    record = cg.RUNTIME_FILES["containerd"][0]
+    [(path, (source, ro))] = [(p, m) for p, m in mounts.items() if record.startswith(p + "/")]
+    assert source == path and ro
