@@ -182,11 +182,10 @@ class CpuSampler:
         self.samples = 0
         self.unresolved = 0  # samples with no frame at all (counted as "[unknown]")
         self.rows_written = 0
+        self.sampling = False  # the perf events are attached
 
     def attach(self, now_mono: int) -> None:
-        self.bpf.attach_perf_event(ev_type=_PERF_TYPE_SOFTWARE,
-                                   ev_config=_PERF_COUNT_SW_CPU_CLOCK,
-                                   fn_name=b"fl_cpu_sample", sample_freq=self.hz)
+        self.resume()
         table = self.bpf[b"fl_rb_cpu"]
         try:
             self._reader = RingReader(table.map_fd, int(table.max_entries))
@@ -200,6 +199,21 @@ class CpuSampler:
 
             table.open_ring_buffer(callback)
         self.counts.interval_start = now_mono
+
+    def pause(self) -> None:
+        """Stop sampling (the perf events closed); the ring and the counts stay."""
+        if self.sampling:
+            self.bpf.detach_perf_event(ev_type=_PERF_TYPE_SOFTWARE,
+                                       ev_config=_PERF_COUNT_SW_CPU_CLOCK)
+            self.sampling = False
+
+    def resume(self) -> None:
+        """Sample on every CPU at ``hz``."""
+        if not self.sampling:
+            self.bpf.attach_perf_event(ev_type=_PERF_TYPE_SOFTWARE,
+                                       ev_config=_PERF_COUNT_SW_CPU_CLOCK,
+                                       fn_name=b"fl_cpu_sample", sample_freq=self.hz)
+            self.sampling = True
 
     # ---- the interpreter's GC flag ---------------------------------------------------
 
