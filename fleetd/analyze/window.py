@@ -1,10 +1,13 @@
 """The time window an analysis covers: as the user gave it, and resolved against the data.
 
 One type carries the window everywhere: :class:`WindowSpec` is what the CLI, the MCP
-tools and the node API take (``--since 5m``, or ``--from/--to``), passed to a node as
-query parameters (:meth:`WindowSpec.params`, read back by :meth:`WindowSpec.from_params`)
-and resolved against a database once (:meth:`WindowSpec.resolve`) into a
-:class:`Window`, the half-open span every analyzer reads.
+tools and the node API take (``--since 5m``, or ``--from/--to``). It is parsed once, at
+the edge (:meth:`WindowSpec.bounds`), into :class:`Bounds`: absolute nanoseconds in our
+clock with the window's origin, and the one place its errors are worded. Bounds are
+passed to a node as query parameters (:meth:`Bounds.params`, read back by
+:meth:`WindowSpec.from_params`) and a spec is resolved against a database once
+(:meth:`WindowSpec.resolve`) into a :class:`Window`, the half-open span every analyzer
+reads.
 
 ``--since`` counts back from *now*; a database recorded yesterday and copied here has
 nothing in the last five minutes, and saying "no problems found" would be a lie. So the
@@ -47,6 +50,46 @@ class Window:
         }
 
 
+RELATIVE, ABSOLUTE, WHOLE = "relative", "absolute", "whole"
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """A window parsed once, in our clock: its ``origin`` (``relative``: the last
+    ``since`` before now; ``absolute``: ``--from``/``--to``; ``whole``: the whole
+    recording) and ``[start_ns, end_ns)`` in wall-clock UTC ns, None where it is open
+    (the recording's first event; its last, or now for a relative window)."""
+
+    origin: str
+    start_ns: int | None = None
+    end_ns: int | None = None
+    since: str | None = None  # a relative window's duration, as given
+
+    def params(self, offset_ns: int = 0) -> dict[str, str]:
+        """Query parameters for a node whose clock is ``offset_ns`` ahead of ours.
+        ``since`` needs no shift: "the last 5 minutes" by the node's clock is the same
+        span of real time."""
+        if self.origin == RELATIVE:
+            return {"since": str(self.since)}
+        out: dict[str, str] = {}
+        if self.start_ns is not None:
+            out["from"] = str(self.start_ns + offset_ns)
+        if self.end_ns is not None:
+            out["to"] = str(self.end_ns - 1 + offset_ns)  # --to is inclusive
+        return out
+
+
+def _both_given(since: str | None) -> UsageError:
+    return UsageError(f"give either --since {since!r} or --from/--to, not both",
+                      "--since 5m means the last five minutes; --from/--to name "
+                      "absolute times")
+
+
+def _not_before(from_: str | None, to: str | None) -> UsageError:
+    return UsageError(f"--from {from_!r} is not before --to {to!r}",
+                      "swap the two times, or widen the window")
+
+
 @dataclass(frozen=True, slots=True)
 class WindowSpec:
     """The window as the user gave it: ``since`` (a duration back from now) or
@@ -65,18 +108,25 @@ class WindowSpec:
         return resolve_window(conn, self.since or None, self.from_ or None, self.to or None,
                               now_ns)
 
-    def params(self, offset_ns: int = 0) -> dict[str, str]:
-        """Query parameters for a node whose clock is ``offset_ns`` ahead of ours.
-        ``since`` needs no shift: "the last 5 minutes" by the node's clock is the same
-        span of real time."""
-        out: dict[str, str] = {}
+    def bounds(self, now_ns: int | None = None) -> Bounds:
+        """The window parsed, in our clock: every error a window can have without the
+        data is raised here, in one wording."""
+        if self.since and self.absolute:
+            raise _both_given(self.since)
         if self.since:
-            out["since"] = self.since
-        if self.from_:
-            out["from"] = str(parse_timestamp(self.from_) + offset_ns)
-        if self.to:
-            out["to"] = str(parse_timestamp(self.to) + offset_ns)
-        return out
+            now = now_ns if now_ns is not None else time.time_ns()
+            return Bounds(RELATIVE, now - parse_duration(self.since), None, self.since)
+        if not self.absolute:
+            return Bounds(WHOLE)
+        start = parse_timestamp(self.from_) if self.from_ else None
+        end = parse_timestamp(self.to) + 1 if self.to else None
+        if start is not None and end is not None and end <= start:
+            raise _not_before(self.from_, self.to)
+        return Bounds(ABSOLUTE, start, end)
+
+    def params(self, offset_ns: int = 0) -> dict[str, str]:
+        """:meth:`Bounds.params` of this window, parsed now."""
+        return self.bounds().params(offset_ns)
 
     @classmethod
     def from_params(cls, q: Mapping[str, str]) -> WindowSpec:
@@ -98,9 +148,9 @@ class WindowSpec:
             return f"{self.from_ or 'start'} .. {self.to or 'end'}"
         return "whole recording"
 
-    def validate(self) -> None:
-        """Parse errors surface once, before any node is asked."""
-        self.params(0)
+    def validate(self) -> Bounds:
+        """The window parsed before any node is asked, so its errors surface once."""
+        return self.bounds()
 
 
 def data_extent(conn: sqlite3.Connection) -> tuple[int, int] | None:
@@ -149,24 +199,19 @@ def resolve_window(
     now_ns: int | None = None,
 ) -> Window:
     """Turn the command-line options into a window, with warnings about empty ones."""
-    if since and (from_ or to):
-        raise UsageError(
-            f"give either --since {since!r} or --from/--to, not both",
-            "--since 5m means the last five minutes; --from/--to name absolute times",
-        )
     now = now_ns if now_ns is not None else time.time_ns()
+    bounds = WindowSpec(since, from_, to).bounds(now)
     extent = data_extent(conn)
-    if since:
-        start, end, label = now - parse_duration(since), now + 1, f"last {since}"
-    elif from_ or to:
-        start = parse_timestamp(from_) if from_ else (extent[0] if extent else 0)
-        end = parse_timestamp(to) + 1 if to else (extent[1] if extent else now + 1)
+    if bounds.origin == RELATIVE and bounds.start_ns is not None:
+        start, end, label = bounds.start_ns, now + 1, f"last {since}"
+    elif bounds.origin == ABSOLUTE:
+        start = bounds.start_ns if bounds.start_ns is not None else (
+            extent[0] if extent else 0)
+        end = bounds.end_ns if bounds.end_ns is not None else (
+            extent[1] if extent else now + 1)
         label = f"{format_ns(start)} .. {format_ns(end - 1)}"
-        if end <= start:
-            raise UsageError(
-                f"--from {from_!r} is not before --to {to!r}",
-                "swap the two times, or widen the window",
-            )
+        if end <= start:  # an open side filled from the data can still cross the other
+            raise _not_before(from_, to)
     elif extent:
         start, end, label = extent[0], extent[1], "whole recording"
     else:

@@ -49,7 +49,7 @@ from fleetd.fleet.result import raise_if_user_error
 from fleetd.fleet.targets import Target
 from fleetd.store.chainrow import STORED_CHAIN_COLUMNS, STORED_CHAIN_WINDOW
 from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS
-from fleetd.store.timeparse import format_ns, parse_duration, parse_timestamp
+from fleetd.store.timeparse import format_ns
 from fleetd.wire import paths
 from fleetd.wire.failure import Failure, NodeFailed
 
@@ -113,18 +113,8 @@ class Span:
 
     @classmethod
     def of(cls, window: WindowSpec, now_ns: int) -> Span:
-        if window.since and window.absolute:
-            raise UsageError(f"give either --since {window.since!r} or --from/--to, not both",
-                             "--since 5m means the last five minutes; --from/--to name "
-                             "absolute times")
-        if window.since:
-            return cls(now_ns - parse_duration(window.since), None, window.label())
-        start = parse_timestamp(window.from_) if window.from_ else None
-        end = parse_timestamp(window.to) + 1 if window.to else None
-        if start is not None and end is not None and end <= start:
-            raise UsageError(f"--from {window.from_!r} is not before --to {window.to!r}",
-                             "swap the two times, or widen the window")
-        return cls(start, end, window.label())
+        bounds = window.bounds(now_ns)  # parsed, and its errors worded, in one place
+        return cls(bounds.start_ns, bounds.end_ns, window.label())
 
     def in_node_clock(self, offset_ns: int) -> tuple[int, int]:
         """``[start, end)`` as the node's clock reads it (``offset``: node minus ours)."""

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fleetd.analyze import collectives as coll
-from fleetd.analyze.window import WindowSpec
+from fleetd.analyze.window import Bounds, WindowSpec
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import NodeWarning
 from fleetd.fleet.dispatch import fan_out
@@ -66,8 +66,8 @@ EXPLAIN_ROWS = coll.EXPLAIN_ROWS  # the newest calls per node explain --nodes co
 BOOT_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
-def request(window: WindowSpec, offset_ns: int, max_rows: int | None = None) -> Request:
-    params = window.params(offset_ns)
+def request(bounds: Bounds, offset_ns: int, max_rows: int | None = None) -> Request:
+    params = bounds.params(offset_ns)
     if max_rows:
         params["max_rows"] = str(max_rows)
     return Request("GET", PATH, params, expect=("columns", "rows"),
@@ -188,12 +188,12 @@ def clocks(answer: FleetAnswer) -> dict[str, coll.Clock]:
 # ---- explain: the arrivals beside chains and profile ------------------------------------
 
 
-def with_arrivals(plan: Plan, window: WindowSpec, max_rows: int | None = None) -> NodeWork:
+def with_arrivals(plan: Plan, bounds: Bounds, max_rows: int | None = None) -> NodeWork:
     """Per node: the plan's requests (any failure fails the node) and, beside them, its
     arrivals, whose failure is only remembered (:data:`FAILED`): an agent without the
     endpoint still has chains and a profile."""
     async def work(client: FleetClient, t: Target, offset: int) -> list[dict[str, Any]]:
-        extra = asyncio.create_task(_optional(client, t, request(window, offset, max_rows)))
+        extra = asyncio.create_task(_optional(client, t, request(bounds, offset, max_rows)))
         try:
             replies = await send_all(client, t, plan(offset))
         except BaseException:
@@ -244,10 +244,10 @@ def collectives(opts: FleetOptions, window: WindowSpec, max_rows: int | None = N
                 ) -> FleetResult:
     """``fleetd collectives --nodes``: every node's arrivals compared in one clock; a
     FleetResult whose ``obj`` is the report with the fleet's warnings and skew."""
-    window.validate()
+    bounds = window.validate()
     limit = max_rows or coll.DEFAULT_ROWS
     answer: FleetAnswer = run_loop(fan_out(
-        opts, lambda off: [request(window, off, max_rows)], needs_offset=window.absolute))
+        opts, lambda off: [request(bounds, off, max_rows)], needs_offset=window.absolute))
     raise_if_user_error(answer)
     report = from_answer(answer, 0, limit, strict=True)
     obj = {**report, "window": {"label": window.label()},

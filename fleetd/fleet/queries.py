@@ -92,10 +92,10 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None) -> F
     from fleetd.analyze.collectives import straggler_entries
     from fleetd.fleet import collectives as arrivals
 
-    window.validate()
+    bounds = window.validate()
 
     def plan(offset_ns: int) -> list[Request]:
-        params = window.params(offset_ns)
+        params = bounds.params(offset_ns)
         chains = {**params, **({"pid": str(pid)} if pid else {})}
         return [Request("GET", paths.CHAINS, chains, expect=("chains",)),
                 Request("GET", paths.PROFILE, params, expect=("node",))]
@@ -103,7 +103,7 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None) -> F
     # Beside chains and profile, each node's collective calls (optional: a failure there
     # is a warning), compared across nodes in our clock.
     answer: FleetAnswer = run_loop(fan_out_work(
-        opts, arrivals.with_arrivals(plan, window, arrivals.EXPLAIN_ROWS),
+        opts, arrivals.with_arrivals(plan, bounds, arrivals.EXPLAIN_ROWS),
         needs_offset=window.absolute))
     raise_if_user_error(answer)
     chains: list[dict[str, Any]] = []
@@ -142,10 +142,10 @@ def _tagged(chain: dict[str, Any], node: str) -> dict[str, Any]:
 
 def ops(opts: FleetOptions, window: WindowSpec, pid: int | None, per_process: bool,
         columns: Sequence[str], by: str = "op") -> FleetResult:
-    window.validate()
+    bounds = window.validate()
 
     def plan(offset_ns: int) -> list[Request]:
-        params = window.params(offset_ns)
+        params = bounds.params(offset_ns)
         if pid:
             params["pid"] = str(pid)
         if per_process:
@@ -181,9 +181,9 @@ OVERVIEW_COLUMNS = ["node", "events", "lost_events", "sessions", "crashed", "hig
 
 
 def overview(opts: FleetOptions, window: WindowSpec) -> FleetResult:
-    window.validate()
+    bounds = window.validate()
     answer: FleetAnswer = run_loop(fan_out(
-        opts, lambda off: [Request("GET", paths.OVERVIEW, window.params(off),
+        opts, lambda off: [Request("GET", paths.OVERVIEW, bounds.params(off),
                                    expect=("events",))],
         needs_offset=window.absolute))
     raise_if_user_error(answer)
@@ -260,9 +260,9 @@ def _per_node(opts: FleetOptions, window: WindowSpec, path: str, extra: dict[str
     """One GET per node in the window; each answer tagged with its node and moved into
     our clock, the nodes' window warnings added to the fan-out's. ``check`` rebuilds an
     answer from validated values or raises BadReply: that node then counts as failed."""
-    window.validate()
+    bounds = window.validate()
     answer: FleetAnswer = run_loop(fan_out(
-        opts, lambda off: [Request("GET", path, {**window.params(off), **extra},
+        opts, lambda off: [Request("GET", path, {**bounds.params(off), **extra},
                                    expect=(expect,), check=check)],
         needs_offset=window.absolute))
     raise_if_user_error(answer)
