@@ -56,6 +56,8 @@ from fleetd.trace.libs import (
 )
 from fleetd.trace.memory import MemorySampler, leftover_runs
 from fleetd.trace.oncpu import DEFAULT_HZ, CpuSampler, ring_pages
+from fleetd.trace.preflight import ensure_tracefs as ensure_tracefs
+from fleetd.trace.preflight import preflight
 from fleetd.trace.probes import Attacher, AttachReport
 from fleetd.trace.ringbuf import Chunk, RingReader
 from fleetd.trace.stacks import KernelNames, PythonTargets, StackResolver, WaitChannels
@@ -174,7 +176,7 @@ class Tracer:
         The compile runs on its own thread (BCC's C++ releases the GIL) while this one
         finds the libraries, reads their symbols and opens the database."""
         say = progress or (lambda _msg: None)
-        _preflight()
+        preflight()
         named = self._check_pids()
         opts = self._program_options()
         say(f"compiling the BPF programs ({len(opts.layers)} layers)")
@@ -750,39 +752,6 @@ def _prefetch_symbols(libs: list[Library]) -> None:
     for lib in libs:
         with contextlib.suppress(OSError, ValueError):  # the attach reports it, by name
             exported_functions(lib.path)
-
-
-def _preflight() -> None:
-    """Root, tracefs (mounted if missing), and the BPF syscall: fail with a fix."""
-    if os.geteuid() != 0:
-        raise TraceError(
-            "fleetd trace needs root (BPF programs and uprobes are privileged)",
-            "run it with sudo, or as root in a privileged container",
-        )
-    ensure_tracefs()
-    if not Path("/sys/kernel/btf/vmlinux").exists() and not Path("/proc/config.gz").exists():
-        log.info("no BTF and no /proc/config.gz; relying on installed kernel headers")
-
-
-def ensure_tracefs() -> str:
-    """Mount tracefs at /sys/kernel/tracing if missing; the path, or TraceError."""
-    path = Path("/sys/kernel/tracing")
-    if (path / "events").is_dir():
-        return str(path)
-    legacy = Path("/sys/kernel/debug/tracing")
-    if (legacy / "events").is_dir():
-        return str(legacy)
-    libc = ctypes.CDLL(None, use_errno=True)
-    rc = libc.mount(b"tracefs", str(path).encode(), b"tracefs", 0, None)
-    if rc != 0 or not (path / "events").is_dir():
-        err = os.strerror(ctypes.get_errno())
-        raise TraceError(
-            f"tracefs is not mounted at {path} and mounting it failed ({err})",
-            "mount -t tracefs tracefs /sys/kernel/tracing (in a container: run privileged "
-            "or bind-mount the host's /sys/kernel/tracing)",
-        )
-    log.info("mounted tracefs at %s", path)
-    return str(path)
 
 
 def _wait_channels(bpf: Any) -> WaitChannels | None:
