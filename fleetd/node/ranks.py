@@ -46,6 +46,7 @@ from fleetd.store.schema import EventArgs, EventRow
 from fleetd.store.writer import BatchWriter
 from fleetd.trace.procinfo import job_of, ranks_of
 from fleetd.wire import paths
+from fleetd.wire.shapes import RankEntry, RanksReply
 
 log = logging.getLogger("fleetd.node.ranks")
 
@@ -296,7 +297,7 @@ class RankBook:
 
     # ---- the loop's side --------------------------------------------------------------
 
-    def snapshot(self, node: str, now_ns: int | None = None) -> list[dict[str, Any]]:
+    def snapshot(self, node: str, now_ns: int | None = None) -> list[RankEntry]:
         """Every rank as ``GET /api/v1/ranks`` lists it (docs/api.md), most recently
         active first, with its process state read now."""
         with self._lock:
@@ -306,10 +307,10 @@ class RankBook:
         procs.sort(key=lambda x: -x[0].active_ns)
         return [self._rank_json(p, ident, now) for p, ident in procs]
 
-    def _rank_json(self, p: _Proc, ident: _Identity, now: int) -> dict[str, Any]:
+    def _rank_json(self, p: _Proc, ident: _Identity, now: int) -> RankEntry:
         state, code, wchan = self.proc_state(p)
         exited = state == "exited"
-        out: dict[str, Any] = {
+        out: RankEntry = {
             "pid": p.pid, "comm": ident.comm, "rank": ident.rank,
             "local_rank": ident.local_rank, "world_size": ident.world_size, "job": ident.job,
             "state": state, "state_code": code, "wchan": wchan,
@@ -481,9 +482,9 @@ async def ranks(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     book = request.app[RANKBOOK]
     now = time.time_ns()
-    found = book.snapshot(st.node, now)
-    return json_response({"node": st.node, "now_ns": now, "tracing": st.tracing,
-                          "ranks": found, "dropped": book.dropped})
+    answer: RanksReply = {"node": st.node, "now_ns": now, "tracing": st.tracing,
+                          "ranks": book.snapshot(st.node, now), "dropped": book.dropped}
+    return json_response(answer)
 
 
 def local_waits(book: RankBook, node: str) -> Callable[[], list[tuple[str, str, int]]]:

@@ -112,3 +112,74 @@ class RelayNode(TypedDict):
 
 # ``for`` is a keyword: the functional form.
 RelayReply = TypedDict("RelayReply", {"relay": str, "for": str, "nodes": list[RelayNode]})
+
+
+class RankCollective(TypedDict):
+    """A rank's last collective on one communicator (``GET /api/v1/ranks``)."""
+
+    communicator: str  # the communicator pointer, 0x...
+    comm_hash: str | None
+    rank: int | None
+    nranks: int | None
+    op: str
+    seq: int
+    ts_ns: int
+    age_ns: int
+    dur_ns: int
+    ret: int
+    calls: int
+    recent: list[list[Any]]  # [seq, age_ns, op, bytes], oldest first
+
+
+class RankCall(TypedDict):
+    """A rank's last CUDA or NCCL call that returned."""
+
+    op: str
+    ts_ns: int
+    age_ns: int
+    dur_ns: int
+    ret: int
+
+
+class RankP2P(TypedDict):
+    """A rank's last send or receive to one peer on one communicator."""
+
+    communicator: str
+    comm_hash: str | None
+    op: str
+    peer: int
+    seq: int
+    ts_ns: int
+    age_ns: int
+    dur_ns: int
+    ret: int
+    calls: int
+
+
+class RankEntry(TypedDict):
+    """One traced NCCL rank: its identity, last calls and process state now."""
+
+    pid: int
+    comm: str | None
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+    job: str | None
+    state: str  # running | sleeping | stopped | d_state | exited | unknown
+    state_code: str | None
+    wchan: str | None
+    exit_code: int | None
+    exited_age_ns: int | None
+    collectives: list[RankCollective]
+    last_call: RankCall | None
+    p2p: list[RankP2P]
+
+
+class RanksReply(TypedDict):
+    """``GET /api/v1/ranks``, most recently active rank first."""
+
+    node: str
+    now_ns: int
+    tracing: bool
+    ranks: list[RankEntry]
+    dropped: int
