@@ -476,7 +476,8 @@ _ALL = (
     Cause("memory_reclaim",
           "the thread stalled in the kernel reclaiming (or compacting) memory for its own "
           "allocations: its cgroup at its memory limit, or the machine short of memory",
-          ("reclaim_stalls", "cgroup_memory", "memory_pressure"), _memory_reclaim_fixes,
+          ("reclaim_stalls", "cgroup_memory", "memory_pressure", "cpu_profile"),
+          _memory_reclaim_fixes,
           summary=_memory_reclaim_summary),
     Cause("lock_wait",
           "the thread waited in D state (a kernel lock, e.g. a shared file's inode lock) or "

@@ -157,6 +157,7 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
     chains += throttle.throttle_rule(ctx, chains)
     chains += memory.memory_rule(ctx)  # the breakdown's reclaim column, no other chain's
     chains += oncpu.oncpu_rules(ctx)  # on-CPU samples: GC pauses, a CPU-bound feeder
+    memory.take_reclaim_from_cpu_bound(ctx, chains)  # reclaim is on-CPU time too
     if pid is not None:
         chains = [c for c in chains if int(c.victim["pid"]) == pid]
         threads = [t for t in threads if t["pid"] == pid]

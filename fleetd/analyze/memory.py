@@ -19,8 +19,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetd.analyze.chains import Chain
+from fleetd.analyze.chains import Chain, severity
 from fleetd.analyze.data import args_object
+from fleetd.analyze.oncpu import MIN_HOST_SHARE
 from fleetd.analyze.rules import Context, rule_chain
 from fleetd.store.catalog import op_code
 
@@ -160,6 +161,40 @@ def _chain(ctx: Context, pid: int, tid: int, share: float, s: Stalls,
     # Every stall is the thread's own, measured where it happened: fully explained.
     return rule_chain(ctx, "memory_reclaim", pid, None, 1.0, share, evidence, detail,
                       tid=tid)
+
+
+def take_reclaim_from_cpu_bound(ctx: Context, chains: list[Chain]) -> None:
+    """A thread in reclaim is on the CPU, in the kernel, under the Python line that
+    allocated: the on-CPU samples of ``host_cpu_bound`` count that time too. It is this
+    cause's (the breakdown's reclaim column), so the CPU-bound chain of the same thread
+    keeps only the rest, or goes when the rest is under its bar; the line it named moves
+    into the memory chain's evidence (it is where the thread allocates)."""
+    reclaim = {int(c.victim["tid"]): c for c in chains if c.root_cause == "memory_reclaim"}
+    keep: list[Chain] = []
+    for c in chains:
+        m = reclaim.get(int(c.victim["tid"])) if c.root_cause == "host_cpu_bound" else None
+        if m is None:
+            keep.append(c)
+            continue
+        host_ns, of_runnable = int(c.detail["host_ns"]), float(c.detail["host_share_of_runnable"])
+        # Reclaim inside a CUDA call (pinned allocations) is not in the host samples.
+        taken = min(host_ns, int(m.detail["stall_ns"]))
+        rest = host_ns - taken
+        runnable = host_ns / of_runnable if of_runnable > 0 else float(ctx.span_ns)
+        top = (c.detail.get("top_frames") or [{}])[0]
+        if top.get("frame"):
+            m.extra_evidence.append({"kind": "cpu_profile", "text":
+                                     f"on-CPU samples put that time under {top['frame']} "
+                                     f"({top.get('share', 0):.0%} of the thread's samples): "
+                                     "where it allocates"})
+        if rest / runnable < MIN_HOST_SHARE:
+            m.detail["cpu_bound_without_reclaim"] = round(rest / ctx.span_ns, 4)
+            continue
+        c.detail.update(reclaim_ns=taken, host_share=round(rest / ctx.span_ns, 4))
+        c.impact = round(rest / ctx.span_ns, 4)
+        c.severity = severity(c.explained, c.impact)
+        keep.append(c)
+    chains[:] = keep
 
 
 def _limit_text(q: Limit) -> str:

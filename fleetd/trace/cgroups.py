@@ -116,6 +116,15 @@ def cpu_path(groups: dict[str, str]) -> str:
     return groups.get("cpu") or groups.get("", "/")
 
 
+def v2_root(root: Path = CGROUP_ROOT) -> Path | None:
+    """Where the unified (v2) hierarchy is mounted: the root itself on a v2-only
+    machine, ``unified`` beside the v1 controllers on a hybrid one."""
+    for p in (root, root / "unified"):
+        if (p / "cgroup.procs").exists() and (p / "cgroup.controllers").exists():
+            return p
+    return None
+
+
 def parse_cpu_max(text: str) -> tuple[int | None, int]:
     """v2 ``cpu.max``: ``"max 100000"`` or ``"25000 100000"`` -> (quota_us, period_us)."""
     quota, _, period = text.strip().partition(" ")
@@ -143,7 +152,10 @@ def cpu_limit(groups: dict[str, str], root: Path = CGROUP_ROOT) -> CpuLimit | No
             throttled = stat.get("throttled_time", 0)  # v1: nanoseconds
             return CpuLimit(None if quota < 0 else quota, period, stat.get("nr_periods", 0),
                             stat.get("nr_throttled", 0), throttled)
-        base = root / groups.get("", "/").lstrip("/")
+        v2 = v2_root(root)
+        if v2 is None:
+            return None
+        base = v2 / groups.get("", "/").lstrip("/")
         q, period = parse_cpu_max((base / "cpu.max").read_text())
         stat = parse_cpu_stat((base / "cpu.stat").read_text())
         return CpuLimit(q, period, stat.get("nr_periods", 0), stat.get("nr_throttled", 0),
@@ -178,7 +190,7 @@ def members_of(groups: dict[str, str], controller: str, root: Path = CGROUP_ROOT
     if controller in groups:
         procs = root / controller / groups[controller].lstrip("/") / "cgroup.procs"
     else:
-        procs = root / groups.get("", "/").lstrip("/") / "cgroup.procs"
+        procs = (v2_root(root) or root) / groups.get("", "/").lstrip("/") / "cgroup.procs"
     try:
         pids = sorted(int(x) for x in procs.read_text().split() if x.isdigit())
     except OSError:

@@ -30,7 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetd.trace.cgroups import CGROUP_ROOT, members_of, placement_args, read_groups
+from fleetd.trace.cgroups import (
+    CGROUP_ROOT,
+    members_of,
+    placement_args,
+    read_groups,
+    v2_root,
+)
 
 TRACEFS = (Path("/sys/kernel/tracing/events"), Path("/sys/kernel/debug/tracing/events"))
 # -D flag -> the begin and end tracepoints it attaches (all must exist to compile).
@@ -106,15 +112,6 @@ def _stat(text: str) -> dict[str, int]:
         if value.strip().isdigit():
             out[key] = int(value)
     return out
-
-
-def v2_root(root: Path = CGROUP_ROOT) -> Path | None:
-    """Where the unified (v2) hierarchy is mounted: the root itself on a v2-only
-    machine, ``unified`` beside the v1 controllers on a hybrid one."""
-    for p in (root, root / "unified"):
-        if (p / "cgroup.procs").exists() and (p / "cgroup.controllers").exists():
-            return p
-    return None
 
 
 def _read(p: Path) -> str | None:

@@ -1,7 +1,8 @@
 """A CPU limit, live: the reference workload alone in a CPU cgroup with a 25% quota (a
-Kubernetes 250m limit) on this machine's cgroup v1 ``cpu`` controller, traced with real
-BPF. The cause is the quota, named with its cgroup and figures; no process is blamed
-for the time the quota kept the thread off the CPU. With a busy loop inside the same
+Kubernetes 250m limit) on this machine's cgroup v1 ``cpu`` controller, and on the v2
+one where the unified hierarchy has the cpu controller, traced with real BPF. The
+cause is the quota, named with its cgroup and figures; no process is blamed for the
+time the quota kept the thread off the CPU. With a busy loop inside the same
 quota, the quota and the busy loop both show; without a quota, no cpu_throttled chain.
 """
 
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 from recorder import wait_for_libcudart
 
+from fleetd.trace.cgroups import v2_root
+
 from conftest import FLEETD, REPO
 
 pytestmark = [pytest.mark.bpf,
@@ -31,22 +34,44 @@ CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 STEP = ["--launches", "8", "--memcpy", "1", "--cpu-us", "400", "--gpu-ms", "4"]  # ~45% of a CPU
 
 
+def _v2_cpu_root() -> Path | None:
+    """The unified hierarchy, when it has the cpu controller (pure v2 machines; on this
+    project's hybrid machines the cpu controller is bound to the v1 hierarchy)."""
+    root = v2_root()
+    ok = root is not None and "cpu" in (root / "cgroup.controllers").read_text().split()
+    return root if ok else None
+
+
+V2_ROOT = _v2_cpu_root()
+# Every CPU controller this machine offers a quota on; the tests run on each.
+HIERARCHIES = [h for h, ok in (("v1", (CPU_ROOT / "cpu.cfs_quota_us").exists()),
+                               ("v2", V2_ROOT is not None)) if ok] or ["none"]
+
+
 @contextmanager
-def cpu_cgroup(quota_us: int | None) -> Iterator[Path | None]:
+def cpu_cgroup(quota_us: int | None, hierarchy: str = "v1") -> Iterator[Path | None]:
     if quota_us is None:
         yield None
         return
-    if not (CPU_ROOT / "cpu.cfs_quota_us").exists():
-        pytest.fail("no cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
-    d = CPU_ROOT / f"fleetd-test-{uuid.uuid4().hex[:8]}"
+    if hierarchy == "none":
+        pytest.fail("no cpu controller: neither /sys/fs/cgroup/cpu (v1) nor cpu in the "
+                    "unified hierarchy's cgroup.controllers (v2)")
+    root = CPU_ROOT if hierarchy == "v1" else V2_ROOT
+    assert root is not None
+    d = root / f"fleetd-test-{uuid.uuid4().hex[:8]}"
+    if hierarchy == "v2":  # children of the root get the controller
+        (root / "cgroup.subtree_control").write_text("+cpu")
     d.mkdir()
     try:
-        (d / "cpu.cfs_period_us").write_text("100000")
-        (d / "cpu.cfs_quota_us").write_text(str(quota_us))
+        if hierarchy == "v1":
+            (d / "cpu.cfs_period_us").write_text("100000")
+            (d / "cpu.cfs_quota_us").write_text(str(quota_us))
+        else:
+            (d / "cpu.max").write_text(f"{quota_us} 100000")
         yield d
     finally:
         for pid in (d / "cgroup.procs").read_text().split():
-            (CPU_ROOT / "cgroup.procs").write_text(pid)  # back to the root, then remove
+            (root / "cgroup.procs").write_text(pid)  # back to the root, then remove
         d.rmdir()
 
 
@@ -58,9 +83,10 @@ def _start_in(group: Path | None, argv: list[str]) -> subprocess.Popen[str]:
     return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, preexec_fn=enter)
 
 
-def explain_live(tmp_path: Path, quota_us: int | None, hog: bool) -> dict[str, object]:
+def explain_live(tmp_path: Path, quota_us: int | None, hog: bool,
+                 hierarchy: str = "v1") -> dict[str, object]:
     go, db = tmp_path / "go", tmp_path / "t.db"
-    with cpu_cgroup(quota_us) as group:
+    with cpu_cgroup(quota_us, hierarchy) as group:
         wl = _start_in(group, [PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go),
                                *STEP])
         hogp = _start_in(group, [PY, str(NEIGHBOUR), "hog", "--seconds", "30"]) if hog \
@@ -91,8 +117,10 @@ def _chains(report: dict[str, object], root: str) -> list[dict[str, object]]:
     return [c for c in report["chains"] if c["root_cause"] == root]  # type: ignore[union-attr,index]
 
 
-def test_a_cpu_quota_is_the_cause_and_nobody_is_the_culprit(tmp_path: Path) -> None:
-    report = explain_live(tmp_path, 25_000, hog=False)
+@pytest.mark.parametrize("hierarchy", HIERARCHIES)
+def test_a_cpu_quota_is_the_cause_and_nobody_is_the_culprit(tmp_path: Path,
+                                                            hierarchy: str) -> None:
+    report = explain_live(tmp_path, 25_000, hog=False, hierarchy=hierarchy)
     [ch] = _chains(report, "cpu_throttled")
     assert ch["severity"] == "HIGH", ch
     assert ch["culprit"] is None and ch["culprits"] == []
@@ -105,10 +133,12 @@ def test_a_cpu_quota_is_the_cause_and_nobody_is_the_culprit(tmp_path: Path) -> N
         assert c["victim"]["pid"] != report["pid"] or c["culprit"] is None, c
 
 
-def test_a_busy_neighbour_inside_the_quota_shows_beside_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hierarchy", HIERARCHIES)
+def test_a_busy_neighbour_inside_the_quota_shows_beside_it(tmp_path: Path,
+                                                           hierarchy: str) -> None:
     """Alone the workload fits the quota; the busy loop sharing it spends it: the loop
     is the culprit and the chain names the quota it spends."""
-    report = explain_live(tmp_path, 50_000, hog=True)
+    report = explain_live(tmp_path, 50_000, hog=True, hierarchy=hierarchy)
     named = [c for c in report["chains"]  # type: ignore[union-attr]
              if (c.get("culprit") or {}).get("pid") == report["hog"]]
     assert named and named[0]["root_cause"] == "cpu_contention", report["chains"]

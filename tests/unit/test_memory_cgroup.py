@@ -103,3 +103,22 @@ def test_tracepoints_need_both_ends(tmp_path: Path) -> None:
     assert tracepoints([tmp_path]) == {"FL_VMSCAN": False, "FL_MEMCG_RECLAIM": True,
                                        "FL_COMPACTION": False}
     assert not any(tracepoints([tmp_path / "missing"]).values())
+
+
+@pytest.mark.parametrize("layout", ["v2", "hybrid"])
+def test_v2_cpu_limit_where_the_unified_hierarchy_is_mounted(tmp_path: Path,
+                                                              layout: str) -> None:
+    """cpu.max and cpu.stat of the process's v2 cgroup: at the root on a v2 machine,
+    under ``unified`` beside the v1 controllers on a hybrid one."""
+    from fleetd.trace import cgroups as cg
+
+    v2 = tmp_path if layout == "v2" else tmp_path / "unified"
+    v2.mkdir(exist_ok=True)
+    d = _v2(v2, "/kubepods.slice/pod.slice/cri-containerd-x.scope", {
+        "cpu.max": "25000 100000\n", "cgroup.procs": "7\n8\n",
+        "cpu.stat": "usage_usec 9\nnr_periods 10\nnr_throttled 7\nthrottled_usec 1200\n"})
+    assert cg.v2_root(tmp_path) == v2
+    groups = {"": "/" + d.relative_to(v2).as_posix()}
+    limit = cg.cpu_limit(groups, tmp_path)
+    assert limit == cg.CpuLimit(25000, 100000, 10, 7, 1_200_000)
+    assert cg.members(groups, tmp_path) == [7, 8]
