@@ -347,10 +347,13 @@ def render_fleet(report: dict[str, Any], out: TextIO) -> None:
         for node, verdict in verdicts.items():
             out.write(f"  {node}: {verdict}\n")
     shown: set[str] = set()
+    # The processes' pods (analyze.pods), to name a straggler rank's pod with it.
+    placed = {(p["node"], p["pid"]): p for p in report.get("processes") or []}
     for s in (s for s in ranked if s["flagged"]):
         if s.get("metric") == "collective_arrival":
             # A rank named by collective arrival: its node's host chains say why.
-            who = f" ({s['comm']})" if s.get("comm") else ""
+            who = (f" ({s['comm']})" if s.get("comm") else "") + \
+                pods.label(placed.get((s["node"], s.get("pid")), {}))
             out.write(f"\nSTRAGGLER rank {s['rank']} on {s['node']}, pid {s['pid']}{who}: "
                       f"last in {s['share_last']:.0%} of {s['judged']} collectives, median "
                       f"{_dur(s['lateness_p50_ns'])} late\n  {s['reason']}\n"

@@ -215,3 +215,24 @@ def test_the_daemonset_lets_the_agent_see_other_pods() -> None:
     record = cg.RUNTIME_FILES["containerd"][0]
     [(path, (source, ro))] = [(p, m) for p, m in mounts.items() if record.startswith(p + "/")]
     assert source == path and ro
+
+
+def test_a_straggler_rank_is_named_with_its_pod() -> None:
+    """The fleet view's straggler line names the rank's pod, from the process rows
+    every node's report carries."""
+    import io
+
+    from fleetd.cli.explain_cmd import render_fleet
+
+    proc = {"node": "gpu-3", "pid": 4242, "comm": "python", "pod": "trainer-2",
+            "namespace": "ml", "container": "trainer", "threads": []}
+    report = {"window": {"label": "whole recording"}, "nodes": ["gpu-1", "gpu-3"],
+              "chains": [], "processes": [proc],
+              "stragglers": [{"node": "gpu-3", "rank": 2, "pid": 4242, "comm": "python",
+                              "flagged": True, "metric": "collective_arrival", "score": 0.1,
+                              "share_last": 0.9, "judged": 100, "lateness_p50_ns": 5_000_000,
+                              "reason": "rank 2 arrived last", "peers": []}]}
+    out = io.StringIO()
+    render_fleet(report, out)
+    assert ("STRAGGLER rank 2 on gpu-3, pid 4242 (python) (pod ml/trainer-2, container "
+            "trainer): last in 90%") in out.getvalue(), out.getvalue()
