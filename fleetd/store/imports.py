@@ -40,7 +40,7 @@ import orjson
 from fleetd.errors import StoreError, UsageError
 from fleetd.store.db import ensure_node, open_writer
 from fleetd.store.schema import EVENT_FIELDS, SCHEMA_VERSION, SEQ_BITS, SEQ_MASK, EventRow
-from fleetd.store.writer import _PROCESS_COLS, _PROCESS_SQL, _TASK_SQL
+from fleetd.store.writer import PROCESS_COLS, PROCESS_SQL, TASK_SQL
 
 GPU_KINDS: dict[str, int] = {"kernel": 1, "memcpy": 2, "memset": 3, "sync": 4}
 ANNOTATION_KINDS: dict[str, int] = {"step": 1, "nvtx": 2, "user_annotation": 3, "cpu_op": 4}
@@ -230,9 +230,9 @@ def _rows(conn: sqlite3.Connection, key: int, session: int, batch: ImportBatch
     _bulk(conn, "annotation_data", f"session, {_ANNOTATION_COLS}",
           [str(int(session)), *(f"?{i}" for i in range(1, 7))],
           lo + _max_seq(conn, "annotation_data", lo) + 1, batch.annotations)
-    conn.executemany(_PROCESS_SQL, ((key, *(p.get(c) for c in _PROCESS_COLS))
+    conn.executemany(PROCESS_SQL, ((key, *(p.get(c) for c in PROCESS_COLS))
                                     for p in batch.processes))
-    conn.executemany(_TASK_SQL, ((key, *t) for t in batch.tasks))
+    conn.executemany(TASK_SQL, ((key, *t) for t in batch.tasks))
     return {"events": len(batch.events), "gpu": len(batch.gpu),
             "annotations": len(batch.annotations), "processes": len(batch.processes),
             "threads": len(batch.tasks)}

@@ -51,18 +51,18 @@ _ARGS_SQL = _ARGS_HEAD + "(?, ?)"
 # Rows per statement on the bulk paths: one statement of BLOCK rows costs about a
 # quarter less per row than BLOCK one-row statements (fewer steps and resets).
 BLOCK = 64
-_PROCESS_COLS = (
+PROCESS_COLS = (
     "pid", "ppid", "comm", "exe", "cmdline", "rank", "local_rank", "world_size",
     "start_ns", "exit_ns", "exit_code", "job", *PLACEMENT_COLUMNS,
 )
 # Later facts fill in what earlier ones lacked, never blank out what is known.
-_PROCESS_SQL = (
-    f"INSERT INTO process_data(node, {', '.join(_PROCESS_COLS)}) "
-    f"VALUES (?, {', '.join('?' * len(_PROCESS_COLS))}) "
+PROCESS_SQL = (
+    f"INSERT INTO process_data(node, {', '.join(PROCESS_COLS)}) "
+    f"VALUES (?, {', '.join('?' * len(PROCESS_COLS))}) "
     "ON CONFLICT(node, pid) DO UPDATE SET "
-    + ", ".join(f"{c} = coalesce(excluded.{c}, {c})" for c in _PROCESS_COLS[1:])
+    + ", ".join(f"{c} = coalesce(excluded.{c}, {c})" for c in PROCESS_COLS[1:])
 )
-_TASK_SQL = (
+TASK_SQL = (
     "INSERT INTO task_data(node, tid, pid, comm) VALUES (?, ?, ?, ?) "
     "ON CONFLICT(node, tid) DO UPDATE SET pid = coalesce(excluded.pid, pid), "
     "comm = coalesce(excluded.comm, comm)"
@@ -178,7 +178,7 @@ class BatchWriter:
         return self._put(_Item("events", rows, extra=extra), len(rows))
 
     def add_processes(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        tuples = [tuple(r.get(c) for c in _PROCESS_COLS) for r in rows]
+        tuples = [tuple(r.get(c) for c in PROCESS_COLS) for r in rows]
         self._put(_Item("processes", tuples), len(tuples))
 
     def add_tasks(self, rows: Iterable[tuple[int, int | None, str | None]]) -> None:
@@ -342,9 +342,9 @@ class BatchWriter:
                                [(base + i, a) for i, a in item.extra["args"]])
             return len(item.rows)
         if item.kind == "processes":
-            conn.executemany(_PROCESS_SQL, ((node, *r) for r in item.rows))
+            conn.executemany(PROCESS_SQL, ((node, *r) for r in item.rows))
         elif item.kind == "tasks":
-            conn.executemany(_TASK_SQL, ((node, *r) for r in item.rows))
+            conn.executemany(TASK_SQL, ((node, *r) for r in item.rows))
         elif item.kind == "stacks":
             conn.executemany(_STACK_SQL, item.rows)
         elif item.kind == "aggregates":

@@ -254,13 +254,8 @@ ALLOWED_CYCLES = frozenset({
     # edited for on-CPU sampling. Fix: accounting takes a Protocol of the fields it reads.
     frozenset({"fleetd.trace.accounting", "fleetd.trace.tracer"}),
 })
-ALLOWED_PRIVATE = frozenset({
-    # store.imports shares the writer's upsert statements; writer.py is being edited for
-    # container placement. Fix: make them public names of the writer (or of the schema).
-    ("fleetd.store.imports", "fleetd.store.writer", "_PROCESS_COLS"),
-    ("fleetd.store.imports", "fleetd.store.writer", "_PROCESS_SQL"),
-    ("fleetd.store.imports", "fleetd.store.writer", "_TASK_SQL"),
-})
+# (importing module, imported module, name); empty: every private import is fixed.
+ALLOWED_PRIVATE: frozenset[tuple[str, str, str]] = frozenset()
 
 
 def package_of(module: str, path: Path) -> str:
