@@ -128,9 +128,19 @@ def test_a_cpu_quota_is_the_cause_and_nobody_is_the_culprit(tmp_path: Path,
     assert d["quota_us"] == 25_000 and d["period_us"] == 100_000
     assert d["cgroup"].startswith("/fleetd-test-") and d["throttled_periods"] > 0
     assert "quota 25000 us per 100000 us" in json.dumps(ch["evidence"])
-    # Whatever ran while the quota held the thread off took nothing from it.
+    # Whatever ran while the quota held the thread off took nothing from it: a
+    # contention chain of the thread (on a machine busy with other work, processes
+    # outside the quota do preempt it) states only the run-queue time beyond the
+    # throttling, so the two add up to the breakdown's run-queue column.
+    [proc] = [p for p in report["processes"]  # type: ignore[attr-defined]
+              if p["pid"] == report["pid"]]
+    t = next(t for t in proc["threads"] if t["tid"] == ch["victim"]["tid"])
+    runq = t["runq_ns"] / t["wall_ns"]
     for c in _chains(report, "cpu_contention"):
-        assert c["victim"]["pid"] != report["pid"] or c["culprit"] is None, c
+        if c["victim"]["tid"] != ch["victim"]["tid"] or c["culprit"] is None:
+            continue
+        assert c["detail"]["quota_share"] == pytest.approx(ch["impact"], abs=1e-3), c
+        assert c["impact"] + ch["impact"] == pytest.approx(runq, abs=2e-3), (c, runq)
 
 
 @pytest.mark.parametrize("hierarchy", HIERARCHIES)
