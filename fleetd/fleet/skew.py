@@ -29,15 +29,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from fleetd.fleet.client import ClockLog, FleetClient, current_clock
 from fleetd.fleet.targets import Target
 from fleetd.store.timeparse import format_ns
 from fleetd.wire import paths
 from fleetd.wire.failure import Failure, NodeFailed
-from fleetd.wire.limits import NAME_CHARS
-from fleetd.wire.values import printable
+from fleetd.wire.replies import TimeAnswer, read_time
 
 log = logging.getLogger("fleetd.fleet.skew")
 
@@ -122,26 +119,20 @@ async def sample(client: FleetClient, target: Target, n: int = 1
             t0 = time.time_ns()
             _, _, body = await client.get_raw(target, paths.TIME)
             t3 = time.time_ns()
-            obj = orjson.loads(body)
-            node = obj.get("node")
-            name = printable(node, NAME_CHARS) if isinstance(node, str) and node else name
+            answer = read_time(body)
+            name = answer.node or name
             if clock is not None and len(clock.stamps) == stamped:
-                _body_stamp(clock, obj, t0, t3)
-        except NodeFailed as exc:
+                _body_stamp(clock, answer, t0, t3)
+        except NodeFailed as exc:  # a BadReply among them
             return name, exc.failure
-        except (orjson.JSONDecodeError, AttributeError, ValueError) as exc:
-            return name, Failure("bad_json", f"bad {paths.TIME} answer: "
-                                 f"{printable(exc, 200)}")
     return name, None
 
 
-def _body_stamp(clock: ClockLog, obj: dict[str, Any], t0: int, t3: int) -> None:
+def _body_stamp(clock: ClockLog, answer: TimeAnswer, t0: int, t3: int) -> None:
     """An agent older than the header stamps (or a proxy that drops them) still puts its
     receive and send times in the /time body: the sample is taken from there."""
-    t1, t2 = obj.get("t1_ns"), obj.get("t2_ns")
-    if (isinstance(t1, int) and isinstance(t2, int) and not isinstance(t1, bool)
-            and not isinstance(t2, bool) and 0 < t1 <= t2 < 1 << 63):
-        clock.stamps.append((t0, t1, t2, t3))
+    if answer.t1_ns is not None and answer.t2_ns is not None:
+        clock.stamps.append((t0, answer.t1_ns, answer.t2_ns, t3))
 
 
 # ---- correction -----------------------------------------------------------------------
