@@ -18,6 +18,7 @@ breakdown's running share of the same thread.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -30,6 +31,9 @@ from recorder import wait_for_libcudart
 
 from conftest import FLEETD, REPO
 
+sys.path.insert(0, str(REPO / "tests" / "workloads"))
+from train_loop import find_cudart  # noqa: E402
+
 pytestmark = [pytest.mark.bpf,
               pytest.mark.skipif(os.geteuid() != 0, reason="BPF needs root")]
 
@@ -40,12 +44,13 @@ QUIET = ["--launches", "8", "--memcpy", "1", "--gpu-ms", "4"]
 SPIN = ["--launches", "8", "--memcpy", "1", "--cpu-us", "2000"]  # 2 ms of Python per launch
 
 
-def trace_live(tmp_path: Path, argv: list[str], seconds: int = 8) -> tuple[Path, int]:
+def trace_live(tmp_path: Path, argv: list[str], seconds: int = 8,
+               python: str = PY) -> tuple[Path, int]:
     """Run a workload, trace it for ``seconds`` with the defaults; the database and the
     workload's pid."""
     go, db = tmp_path / "go", tmp_path / "t.db"
-    wl = subprocess.Popen([PY, *argv, "--duration", str(seconds + 30), "--go-file", str(go)],
-                          stdout=subprocess.DEVNULL, text=True)
+    wl = subprocess.Popen([python, *argv, "--duration", str(seconds + 30), "--go-file",
+                           str(go)], stdout=subprocess.DEVNULL, text=True)
     try:
         wait_for_libcudart(wl.pid)
         tr = subprocess.Popen([FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db),
@@ -111,6 +116,34 @@ def test_gc_pauses_between_launches_are_a_gc_pause_chain(tmp_path: Path) -> None
     folded = fleetd("profile", "--db", str(db), "--pid", str(pid), "--format", "folded")
     assert any(line.split(";")[-1].startswith("[garbage collection] ")
                for line in folded.splitlines()), folded[:2000]
+
+
+def _interpreters() -> list[Any]:
+    """pyenv's other CPythons (their GC state at other offsets, 3.13's from
+    _Py_DebugOffsets) and Debian's 3.11. One the machine lacks is a plain skip, as in
+    test_pyversions.py: an image without it is reported, not a failure."""
+    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    out = []
+    for v in ("3.10", "3.12", "3.13"):
+        hits = sorted(glob.glob(f"{root}/versions/{v}.*/bin/python{v}"))
+        out.append(pytest.param(hits[-1], id=v) if hits else pytest.param(
+            v, id=v, marks=pytest.mark.skip(reason=f"no pyenv CPython {v} here")))
+    debian = "/usr/bin/python3.11"
+    out.append(pytest.param(debian, id="debian-3.11") if os.access(debian, os.X_OK) else
+               pytest.param(debian, id="debian-3.11",
+                            marks=pytest.mark.skip(reason="no Debian python3.11 here")))
+    return out
+
+
+@pytest.mark.parametrize("python", _interpreters())
+def test_gc_pauses_on_other_interpreters(tmp_path: Path, python: str) -> None:
+    """The collector's state read at every sample on each interpreter fleetd follows."""
+    db, pid = trace_live(tmp_path, [str(GC_LOOP), *QUIET, "--cudart", find_cudart()],
+                         seconds=6, python=python)
+    report = explain(db)
+    [ch] = chains(report, "gc_pause")
+    assert ch["victim"]["tid"] == pid and ch["detail"]["longest_ns"] >= 50_000_000, ch
+    assert "gc_loop.py" in json.dumps(ch["detail"]["triggers"]), ch["detail"]
 
 
 def test_gc_freeze_and_a_bounded_history_leave_no_gc_pause(tmp_path: Path) -> None:
