@@ -361,9 +361,18 @@ def _nccl_failures_fixes(ch: Chain) -> list[str]:
     return out
 
 
+def _limited(d: Mapping[str, object]) -> str:
+    """Whose limit it is, as a user knows it: the pod (and container), else the cgroup."""
+    if d.get("pod"):
+        ns = f"{d['namespace']}/" if d.get("namespace") else ""
+        container = d.get("container_name") or d.get("container")
+        return f"pod {ns}{d['pod']}" + (f" (container {container})" if container else "")
+    return str(d["cgroup"])
+
+
 def _cpu_throttled_summary(ch: Chain, who: str, by: str | None) -> str:
     d = ch.detail
-    return (f"{who} was kept off the CPU by its cgroup's CPU quota: {d['cgroup']} allows "
+    return (f"{who} was kept off the CPU by its cgroup's CPU quota: {_limited(d)} allows "
             f"{d['cpus']:g} CPU ({d['quota_us']} us per {d['period_us']} us) and was "
             f"throttled in {d['throttled_period_share']:.0%} of its periods "
             f"({_share(ch)}); no process took that time from it")
@@ -389,7 +398,7 @@ def _cpu_throttled_fixes(ch: Chain) -> list[str]:
 def _memory_reclaim_summary(ch: Chain, who: str, by: str | None) -> str:
     d = ch.detail
     limit = (f" at its cgroup's memory limit ({d['limit_bytes'] / (1 << 20):.0f} MiB, "
-             f"{d['cgroup']})" if d.get("limit_bytes") else "")
+             f"{_limited(d)})" if d.get("limit_bytes") else "")
     return (f"{who} stalled {d['stalls']} time(s) reclaiming memory for its own "
             f"allocations{limit} ({_share(ch)}); no process took that time from it")
 

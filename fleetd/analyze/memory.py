@@ -23,6 +23,7 @@ from fleetd.analyze.chains import Chain, severity
 from fleetd.analyze.data import args_object
 from fleetd.analyze.oncpu import MIN_HOST_SHARE
 from fleetd.analyze.rules import Context, rule_chain
+from fleetd.analyze.throttle import PLACE_KEYS
 from fleetd.store.catalog import op_code
 
 MEM_RECLAIM = op_code("mem_reclaim")
@@ -101,8 +102,7 @@ def limits(ctx: Context) -> list[Limit]:
         q.anon = a["anon_bytes"] if isinstance(a.get("anon_bytes"), int) else q.anon
         q.psi_some_us = _add(q.psi_some_us, a.get("psi_some_us"))
         q.psi_system_us = _add(q.psi_system_us, a.get("psi_system_some_us"))
-        q.place = {k: a[k] for k in ("container", "runtime", "pod", "namespace", "pod_uid")
-                   if isinstance(a.get(k), str)}
+        q.place = {k: a[k] for k in PLACE_KEYS if isinstance(a.get(k), str)}
     return list(found.values())
 
 
@@ -215,7 +215,8 @@ def _where(q: Limit) -> str:
     p = q.place
     if p.get("pod"):
         ns = f"{p['namespace']}/" if p.get("namespace") else ""
-        return f" (pod {ns}{p['pod']}, container {p.get('container', '?')})"
+        container = p.get("container_name") or p.get("container", "?")
+        return f" (pod {ns}{p['pod']}, container {container})"
     if p.get("container"):
         return f" ({p.get('runtime', 'container')} {p['container']})"
     return ""

@@ -21,6 +21,7 @@ from fleetd.analyze.rules import Context, rule_chain
 from fleetd.store.catalog import op_code
 
 CPU_THROTTLE = op_code("cpu_throttle")
+PLACE_KEYS = ("container", "container_name", "runtime", "pod", "namespace", "pod_uid")
 MIN_THROTTLED_SHARE = 0.01  # of the window: below this a quota is not what slows it
 
 
@@ -62,8 +63,7 @@ def quotas(ctx: Context) -> list[Quota]:
         q.periods += max(0, int(periods or 0))
         q.members.add(int(pid))
         q.members.update(p for p in a.get("pids") or [] if isinstance(p, int))
-        q.place = {k: a[k] for k in ("container", "runtime", "pod", "namespace", "pod_uid")
-                   if isinstance(a.get(k), str)}
+        q.place = {k: a[k] for k in PLACE_KEYS if isinstance(a.get(k), str)}
     return list(found.values())
 
 
@@ -146,7 +146,8 @@ def _where(q: Quota) -> str:
     p = q.place
     if p.get("pod"):
         ns = f"{p['namespace']}/" if p.get("namespace") else ""
-        return f" (pod {ns}{p['pod']}, container {p.get('container', '?')})"
+        container = p.get("container_name") or p.get("container", "?")
+        return f" (pod {ns}{p['pod']}, container {container})"
     if p.get("container"):
         return f" ({p.get('runtime', 'container')} {p['container']})"
     return ""

@@ -289,17 +289,15 @@ class ThrottleSampler:
 
 def placement_args(path: str, pid: int, groups: dict[str, str],
                    environ: Callable[[int], dict[str, str]]) -> dict[str, object]:
-    """An event's args naming the cgroup ``path`` and, where the paths say so, its
-    container and pod (the name and namespace read from the process itself)."""
-    place = placement_of_path(path)
-    if place.container_id is None:  # a v1 controller at the root, the container on v2's
-        place = placement_of_path(groups.get("", path))
+    """An event's args naming the cgroup ``path`` and, where known, the container and
+    pod it belongs to (:func:`placement_of_groups`: the path, the runtime's files, the
+    process itself) and the pod's QoS class."""
     args: dict[str, object] = {"cgroup": path}
-    if place.container_id:
-        args.update(runtime=place.runtime, container=place.container_id[:12])
-    if place.pod_uid:
-        name, ns = pod_name_and_namespace(pid, environ(pid))
-        args.update(pod_uid=place.pod_uid, pod=name, namespace=ns, qos=place.qos)
+    found = placement_of_groups(pid, groups, environ(pid))
+    args.update({k: v for k, v in found.items() if v is not None and k != "cgroup"})
+    qos = placement_of_path(path).qos or placement_of_path(groups.get("", path)).qos
+    if qos and found.get("pod_uid"):
+        args["qos"] = qos
     return args
 
 
@@ -360,11 +358,20 @@ def process_placement(pid: int, env: dict[str, str], host: Path = Path("/")
     cgroup carrying its CPU controller, and the container and pod its cgroup path names,
     completed from the runtime's files, then from the process itself (HOSTNAME, the
     service-account namespace). All None when /proc/PID/cgroup cannot be read."""
-    out: dict[str, str | None] = dict.fromkeys(
-        ("cgroup", "runtime", "container", "container_name", "pod", "namespace", "pod_uid"))
     groups = read_groups(pid)
     if groups is None:
-        return out
+        return dict.fromkeys(PLACEMENT_KEYS)
+    return placement_of_groups(pid, groups, env, host)
+
+
+PLACEMENT_KEYS = ("cgroup", "runtime", "container", "container_name", "pod", "namespace",
+                  "pod_uid")
+
+
+def placement_of_groups(pid: int, groups: dict[str, str], env: dict[str, str],
+                        host: Path = Path("/")) -> dict[str, str | None]:
+    """:func:`process_placement` of a process whose cgroups are already read."""
+    out: dict[str, str | None] = dict.fromkeys(PLACEMENT_KEYS)
     out["cgroup"] = cpu_path(groups)
     place = next((pl for pl in map(placement_of_path, (groups.get("", ""), *groups.values()))
                   if pl.container_id), None)

@@ -117,6 +117,10 @@ def test_the_pod_behind_the_process(tmp_path: Path) -> None:
     [ch] = [c for c in report["chains"] if c["root_cause"] == "cpu_throttled"]
     assert {k: ch["victim"].get(k) for k in ("pid", "pod", "namespace", "container")} == \
         {"pid": pid, "pod": "trainer-0", "namespace": "ml", "container": "trainer"}
+    # The quota is the pod's: its sample names the pod, and so does the summary.
+    assert (ch["detail"]["pod"], ch["detail"]["namespace"], ch["detail"]["container_name"]) \
+        == ("trainer-0", "ml", "trainer")
+    assert "quota: pod ml/trainer-0 (container trainer) allows 0.25 CPU" in ch["summary"]
     [proc] = [p for p in report["processes"] if p["pid"] == pid]
     assert (proc["pod"], proc["namespace"], proc["pod_uid"]) == ("trainer-0", "ml", uid)
     text = _fleetd("explain", "--db", str(db)).stdout
