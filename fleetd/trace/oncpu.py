@@ -25,6 +25,7 @@ import ctypes
 import logging
 import os
 import struct
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -335,3 +336,19 @@ def collecting_address(interp: pyframes.Interpreter) -> int | None:
         return head + offset if head else None
     finally:
         mem.close()
+
+
+def start_sampler(bpf: Any, python: PythonTargets, symbols: FunctionSymbols, hz: int,
+                  to_wall: Callable[[int], int], warn: Callable[[str], None]
+                  ) -> CpuSampler | None:
+    """The sampler, attached; None, said once through ``warn``, where this machine has
+    no CPU-clock perf events to give (a container without perf_event_open, a strict
+    perf_event_paranoid): the rest of the trace goes on without on-CPU samples."""
+    sampler = CpuSampler(bpf, python, symbols, hz, to_wall)
+    try:
+        sampler.attach(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+    except Exception as exc:  # bcc raises bare Exception when perf_event_open fails
+        warn(f"no on-CPU samples: the CPU-clock perf event could not be attached ({exc}); "
+             "fleetd profile, gc_pause and host_cpu_bound need them")
+        return None
+    return sampler

@@ -55,7 +55,7 @@ from fleetd.trace.libs import (
     search_usual_places,
 )
 from fleetd.trace.memory import MemorySampler, leftover_runs
-from fleetd.trace.oncpu import DEFAULT_HZ, CpuSampler, ring_pages
+from fleetd.trace.oncpu import DEFAULT_HZ, CpuSampler, ring_pages, start_sampler
 from fleetd.trace.preflight import ensure_tracefs as ensure_tracefs
 from fleetd.trace.preflight import preflight
 from fleetd.trace.probes import Attacher, AttachReport
@@ -212,9 +212,8 @@ class Tracer:
             if self.cfg.stacks and self._python is not None:
                 self._stacks = StackResolver(self.bpf, self._python, symbols)
             if self.cfg.cpu_sample_hz and self._python is not None:
-                self._oncpu = CpuSampler(self.bpf, self._python, symbols,
-                                         self.cfg.cpu_sample_hz, self.clock.to_wall)
-                self._oncpu.attach(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+                self._oncpu = start_sampler(self.bpf, self._python, symbols,
+                                            self.cfg.cpu_sample_hz, self.clock.to_wall, self._warn)
             self._refresh_python()
             self._kernels = KernelNames(self.bpf, symbols)
             self._wchan = _wait_channels(self.bpf)

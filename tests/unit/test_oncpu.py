@@ -154,3 +154,20 @@ def test_cpu_bound_frames_are_the_python_function_at_its_hottest_line() -> None:
                       "samples": 85, "share": 0.85}
     assert [s.in_cuda for s in STACKS] == [False, False, False, True, False]
     assert struct.calcsize("<QIIiIII") == CPU_SAMPLE.size
+
+
+class _NoPerfEvents(dict):  # type: ignore[type-arg]
+    """A BPF module stand-in whose perf_event_open fails, as in a locked-down container."""
+
+    def attach_perf_event(self, **_: object) -> None:
+        raise Exception("Failed to attach BPF to perf event: Operation not permitted")
+
+
+def test_no_perf_events_is_a_warning_and_the_trace_goes_on() -> None:
+    from fleetd.trace.oncpu import start_sampler
+
+    said: list[str] = []
+    bpf = _NoPerfEvents({b"fl_cpu_stacks": object(), b"fl_cpu_gc": object()})
+    got = start_sampler(bpf, None, None, 49, lambda t: t, said.append)  # type: ignore[arg-type]
+    assert got is None
+    assert len(said) == 1 and "Operation not permitted" in said[0] and "profile" in said[0]
