@@ -18,7 +18,14 @@ from fleetd.analyze.window import WindowSpec
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import Merged, NodeRows, NodeWarning, merge, reduce
 from fleetd.fleet.dispatch import fan_out
-from fleetd.fleet.fanout import FleetAnswer, FleetOptions, NodeOutcome, Request, fan_out_work
+from fleetd.fleet.fanout import (
+    FleetAnswer,
+    FleetOptions,
+    NodeOutcome,
+    Request,
+    check_numbers,
+    fan_out_work,
+)
 from fleetd.fleet.result import FleetResult, base_json, raise_if_user_error
 from fleetd.fleet.skew import correct_obj, correct_rows
 from fleetd.runner import run_loop
@@ -248,8 +255,7 @@ def gpu(opts: FleetOptions, window: WindowSpec, pid: int | None, steps: bool,
 
 
 def _checked_gpu(reply: dict[str, Any]) -> Mapping[str, Any]:
-    from fleetd.fleet.fanout import check_numbers
-    from fleetd.fleet.gpureply import check_gpu_reply
+    from fleetd.wire.gpu import check_gpu_reply  # the GPU analyzer only when asked
 
     return check_gpu_reply(check_numbers(reply, "the answer"))
 

@@ -9,11 +9,11 @@
   ``BadReply``, the one error a bad answer becomes;
 * :mod:`~fleetd.wire.values`: checked readers for one untrusted value;
 * :mod:`~fleetd.wire.query`: the query answer, as JSON or streamed NDJSON, checked once
-  where it is read; :mod:`~fleetd.wire.replies`: the small answers (``time``).
-
-The readers of the analysis answers that need the analyzers' types (gpu, collectives,
-ranks) sit in ``fleetd.fleet`` beside their operations, built on :mod:`~fleetd.wire.values`.
+  where it is read; :mod:`~fleetd.wire.replies`: the small answers (``time``);
+* :mod:`~fleetd.wire.gpu`, :mod:`~fleetd.wire.collectives`, :mod:`~fleetd.wire.ranks`:
+  the analysis answers, rebuilt from checked values into the analyzers' own types.
 
 It sits below ``fleetd.node`` and ``fleetd.fleet`` (docs/architecture.md) and imports
-nothing else of fleetd, so both ends read the same definitions and neither imports the other.
+only the base and the analyzers' types, so both ends read the same definitions and
+neither imports the other.
 """

@@ -18,8 +18,8 @@ from fleetd.analyze.explain import explain
 from fleetd.analyze.facade import Analysis
 from fleetd.analyze.window import WindowSpec
 from fleetd.cli.main import main
-from fleetd.fleet.collectives import check_reply
 from fleetd.store.db import open_reader
+from fleetd.wire.collectives import check_reply
 from fleetd.wire.failure import BadReply
 
 

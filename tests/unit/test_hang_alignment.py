@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from fleetd.fleet.hang import check_ranks_reply, verdict
+from fleetd.fleet.hang import verdict
+from fleetd.wire.ranks import check_ranks_reply
 
 S = 1_000_000_000
 MS = 1_000_000

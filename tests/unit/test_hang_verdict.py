@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from fleetd.fleet.hang import MAX_RANKS, check_ranks_reply, top_chain, verdict
+from fleetd.fleet.hang import verdict
+from fleetd.wire.ranks import MAX_RANKS, check_ranks_reply, top_chain
 
 S = 1_000_000_000
 NOW = 1_800_000_000 * S  # the node's own clock
