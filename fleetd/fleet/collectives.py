@@ -32,6 +32,7 @@ from fleetd.fleet.fanout import (
     NodeWork,
     Plan,
     Request,
+    fail,
     send_all,
 )
 from fleetd.fleet.result import FleetResult, raise_if_user_error
@@ -133,9 +134,7 @@ def from_answer(answer: FleetAnswer, index: int, max_rows: int = coll.DEFAULT_RO
             except BadReply as exc:
                 why = f"{o.target.address}{PATH} answered a malformed reply ({exc})"
         if strict:
-            o.replies = None
-            o.failure = Failure("bad_json", str(why), VERSION_HINT)
-            answer.warnings.append(NodeWarning(o.name, o.failure.text(), "bad_json"))
+            fail(answer, o, Failure("bad_json", str(why), VERSION_HINT))
         else:
             answer.warnings.append(NodeWarning(
                 o.name, f"collective arrivals not compared: {printable(why, MAX_TEXT)}", KIND))

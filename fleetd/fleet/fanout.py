@@ -393,11 +393,22 @@ def _name_nodes(answer: FleetAnswer) -> None:
             o.name = f"{o.name}@{o.target.address}"
 
 
+def fail(answer: FleetAnswer, o: NodeOutcome, failure: Failure) -> None:
+    """A node whose answer is found unusable after the fan-out (a reply checked only by
+    the operation): now failed, with the same warning as a node that failed in it."""
+    o.replies, o.failure = None, failure
+    answer.warnings.append(_failed_warning(o, failure))
+
+
+def _failed_warning(o: NodeOutcome, failure: Failure) -> NodeWarning:
+    return NodeWarning(o.name, failure.text(), failure.kind)
+
+
 def _warnings(answer: FleetAnswer, opts: FleetOptions) -> list[NodeWarning]:
     out = []
     for o in answer.outcomes:
         if o.failure is not None:
-            out.append(NodeWarning(o.name, o.failure.text(), o.failure.kind))
+            out.append(_failed_warning(o, o.failure))
             continue
         if "@" in o.name:
             out.append(NodeWarning(o.name, "another node answers to the same name; this "
