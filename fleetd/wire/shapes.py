@@ -114,46 +114,37 @@ class RelayNode(TypedDict):
 RelayReply = TypedDict("RelayReply", {"relay": str, "for": str, "nodes": list[RelayNode]})
 
 
-class RankCollective(TypedDict):
-    """A rank's last collective on one communicator (``GET /api/v1/ranks``)."""
+class RankCall(TypedDict):
+    """A rank's last CUDA or NCCL call that returned (``GET /api/v1/ranks``)."""
+
+    op: str
+    ts_ns: int
+    age_ns: int  # the agent's now_ns minus ts_ns, on its own clock
+    dur_ns: int
+    ret: int
+
+
+class CommCall(RankCall):
+    """A rank's last call on one communicator (to one peer, for a send or receive)."""
 
     communicator: str  # the communicator pointer, 0x...
     comm_hash: str | None
+    seq: int
+    calls: int
+
+
+class RankCollective(CommCall):
+    """A rank's last collective on one communicator."""
+
     rank: int | None
     nranks: int | None
-    op: str
-    seq: int
-    ts_ns: int
-    age_ns: int
-    dur_ns: int
-    ret: int
-    calls: int
     recent: list[list[Any]]  # [seq, age_ns, op, bytes], oldest first
 
 
-class RankCall(TypedDict):
-    """A rank's last CUDA or NCCL call that returned."""
-
-    op: str
-    ts_ns: int
-    age_ns: int
-    dur_ns: int
-    ret: int
-
-
-class RankP2P(TypedDict):
+class RankP2P(CommCall):
     """A rank's last send or receive to one peer on one communicator."""
 
-    communicator: str
-    comm_hash: str | None
-    op: str
     peer: int
-    seq: int
-    ts_ns: int
-    age_ns: int
-    dur_ns: int
-    ret: int
-    calls: int
 
 
 class RankEntry(TypedDict):
