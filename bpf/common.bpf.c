@@ -235,6 +235,19 @@ static __always_inline struct fl_hist *fl_hist_add(u32 tgid, u32 op, u64 value, 
     return h;
 }
 
+/* The duration half of fl_hist_add, for a call already counted at its entry (an
+ * entry-only launch whose return was sampled): its bucket and sum, not its count. So
+ * count - sum(bucket counts) is the number of calls that ran without a return probe. */
+static __always_inline void fl_hist_time(struct fl_hist *h, u64 value)
+{
+    u32 b = fl_bucket(value);
+    if (b >= FL_NBUCKETS)
+        b = FL_NBUCKETS - 1;
+    __sync_fetch_and_add(&h->sum, value);
+    __sync_fetch_and_add(&h->b[b].count, 1);
+    __sync_fetch_and_add(&h->b[b].sum, value);
+}
+
 /* Running median by a multiplicative step (frugal streaming): constant memory, one
  * read-modify-write per call. Races between threads of one process only blur it.
  * Returns FL_WHY_SLOW when this call is an outlier against the estimate before it. */
@@ -589,8 +602,10 @@ static __always_inline void fl_nccl_created(u32 tgid, struct fl_call *c, s32 ret
 }
 
 /* Return: histogram always; a record when the call is an anomaly, belongs to an
- * always-emitted class, or is in the sample. */
-static __always_inline int fl_call_exit(struct pt_regs *ctx, u32 op, u32 always, u32 ring)
+ * always-emitted class, or is in the sample. counted: the call's entry already counted
+ * it (fl_launch_entry), so only its duration goes into the histogram. */
+static __always_inline int fl_call_exit(struct pt_regs *ctx, u32 op, u32 always, u32 ring,
+                                        u32 counted)
 {
     u64 now = bpf_ktime_get_ns();
     u64 id = bpf_get_current_pid_tgid();
@@ -608,7 +623,9 @@ static __always_inline int fl_call_exit(struct pt_regs *ctx, u32 op, u32 always,
     /* Always-emitted classes (NCCL among them) are never dropped by the error budget:
      * FL_WHY_ALWAYS alone keeps the record, errors only add a flag. */
     u32 why = always ? FL_WHY_ALWAYS : 0;
-    struct fl_hist *h = fl_hist_add(tgid, op, dur, -1);
+    struct fl_hist *h = counted ? fl_hist_get(tgid, op) : fl_hist_add(tgid, op, dur, -1);
+    if (h && counted)
+        fl_hist_time(h, dur);
     if (h) {
         why |= fl_median_check(h, dur);
         why |= fl_error_check(h, ret, now);
@@ -618,8 +635,9 @@ static __always_inline int fl_call_exit(struct pt_regs *ctx, u32 op, u32 always,
     if (!why && dur >= FL_STACK_SLOW_NS)
         why = FL_WHY_SLOW;
 #endif
+    /* An entry-only launch drew its sample at entry (that is why its return ran). */
     if (!why)
-        why = fl_sample_pick();
+        why = counted ? (c->sampled ? FL_WHY_SAMPLE : 0) : fl_sample_pick();
     if (!why) {
         fl_count(FL_C_SAMPLED_OUT);
         return 0;
@@ -661,6 +679,55 @@ static __always_inline int fl_call_exit(struct pt_regs *ctx, u32 op, u32 always,
 #endif
     fl_submit(r);
     return 0;
+}
+
+/* ---- entry-only launches (uprobe sessions, Linux 6.13+) ----
+ *
+ * Launch-type calls (kernel launches, async copies) only enqueue work: their duration
+ * and return code rarely matter, and the return probe (uretprobe trampoline plus, on
+ * 6.11+, the return syscall) is about 40% of what tracing one costs. A session link
+ * runs one program at entry and, only if that entry returns 0, again at the return.
+ * fl_enter_<OP> has stored the call's start and arguments as for any call; here the
+ * call is counted, and its return is taken only when
+ *   - it is in the 1-in-FL_SAMPLE_N sample: every stored launch record still comes from
+ *     a return, so it has a measured duration and return code (none is a fake 0), and
+ *     the histogram's buckets hold the durations of this uniform sample;
+ *   - or its (process, op) failed recently: after a failure seen on a sampled return,
+ *     returns are taken until this second's error budget (FL_ERR_BURST records) is
+ *     spent, so a failing launch streak gives the same error records as with every
+ *     return probed. What is missed: a failure before the first sampled one of its
+ *     streak, and an isolated failure among successes, unless it is in the sample.
+ * Otherwise the call ends here (counted as sampled_out) and its return is skipped. */
+#ifndef FL_ERR_WINDOW_NS
+#define FL_ERR_WINDOW_NS 1000000000ull /* fl_error_check's budget window */
+#endif
+
+static __always_inline int fl_err_open(struct fl_hist *h, u64 now)
+{
+    return h->last_err != 0 && now - h->err_window <= FL_ERR_WINDOW_NS &&
+           h->err_in_window < FL_ERR_BURST;
+}
+
+/* 0: run the return half (fl_call_exit with counted = 1); 1: skip it. */
+static __always_inline int fl_launch_entry(u32 op)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u64 key = (id << 32) | op;
+    struct fl_call *c = fl_call_slot(key);
+    if (!c || c->ts == 0 || c->key != key)
+        return 1; /* not a target: fl_enter_<OP> stored nothing */
+    struct fl_hist *h = fl_hist_get(id >> 32, op);
+    if (!h) {
+        c->ts = 0; /* no histogram (counted as hist_full): nothing to add to */
+        return 1;
+    }
+    __sync_fetch_and_add(&h->count, 1);
+    c->sampled = fl_sample_pick() != 0;
+    if (c->sampled || fl_err_open(h, c->ts))
+        return 0;
+    c->ts = 0;
+    fl_count(FL_C_SAMPLED_OUT);
+    return 1;
 }
 
 #endif /* FL_COMMON_BPF_C */

@@ -110,6 +110,8 @@ struct fl_call {
     s64 a0;
     s64 a1;
     u64 x[4];
+    u32 sampled; /* entry-only launches: 1 if the entry drew this call for the sample */
+    u32 pad;
 };
 
 struct fl_bucket {

@@ -105,6 +105,9 @@ def active_span(conn: sqlite3.Connection, node: Node, win: Window, pid: int
     return max(win.start_ns, int(row[0])), min(win.end_ns, int(row[1]))
 
 
+UNTIMED_BUCKET = -3  # aggregate_data: calls counted without a duration
+
+
 @dataclass(slots=True)
 class Hist:
     """A log2 latency histogram merged over windows: bucket b holds [2^b, 2^(b+1))."""
@@ -112,6 +115,14 @@ class Hist:
     count: int = 0
     total: int = 0
     buckets: dict[int, tuple[int, int]] | None = None  # bucket -> (count, sum)
+    # Calls counted without a duration (entry-only launches, aggregate bucket -3): the
+    # buckets then hold a sample of the calls and ``total`` is an estimate from it.
+    untimed: int = 0
+
+    @property
+    def timed_sample(self) -> bool:
+        """Whether durations come from a sample of the calls (count stays exact)."""
+        return self.untimed > 0
 
     def add_bucket(self, bucket: int, count: int, total: int) -> None:
         if self.buckets is None:
@@ -122,6 +133,7 @@ class Hist:
     def merge(self, other: Hist) -> None:
         self.count += other.count
         self.total += other.total
+        self.untimed += other.untimed
         for b, (c, s) in (other.buckets or {}).items():
             self.add_bucket(b, c, s)
 
@@ -211,7 +223,9 @@ def histograms(
     totals: set[tuple[int, int]] = set()
     for p, op, bucket, count, total in conn.execute(sql + " GROUP BY 1, 2, 3", params):
         h = out.setdefault((int(p), int(op)), Hist())
-        if bucket < 0:
+        if bucket == UNTIMED_BUCKET:
+            h.untimed = round(count)
+        elif bucket < 0:
             h.count, h.total = round(count), round(total)
             totals.add((int(p), int(op)))
         else:

@@ -263,7 +263,8 @@ def node_profile(sl: NodeSlice) -> dict[str, Any]:
     cuda_time: dict[int, int] = {}
     for r in ops:
         if r["source"] in CALL_SOURCES:
-            cuda_time[int(r["pid"])] = cuda_time.get(int(r["pid"]), 0) + int(r["total_ns"])
+            # None: launches none of which was timed (entry-only); they add no time
+            cuda_time[int(r["pid"])] = cuda_time.get(int(r["pid"]), 0) + int(r["total_ns"] or 0)
     if not cuda_time:
         return {"node": node, "window": window.to_json(), "main_pid": None, "features": {}}
     main = max(cuda_time, key=lambda p: cuda_time[p])

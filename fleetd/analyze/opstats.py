@@ -15,6 +15,10 @@ call. So each row says where its numbers come from:
   start, at most ``max_ns`` (:meth:`~fleetd.analyze.data.Hist.quantile`, the one place
   percentiles are scaled from buckets, for ops, overview, explain, the node API, MCP
   and the HTML report alike).
+- ``timed_sample``: launches traced at their entry (``fleetd trace
+  --no-launch-returns``): the count is exact, but only the sampled calls were timed, so
+  the percentiles are over that uniform sample and the total is the sample's scaled to
+  every call (estimates); with no call timed they are unknown (null), never 0.
 
 Syscalls get one row per syscall (``futex``, ``read``...), from the stored events, which
 hold the calls slower than the tracer's threshold; sleeps the program asked for
@@ -119,6 +123,7 @@ def _row(
     """One row; ``name`` is (op, source) where the op code alone does not say it."""
     durs = array("q", sorted(g.durs)) if g else array("q")
     sampled = h is not None and h.count > len(durs)
+    total: int | None
     if sampled and h is not None:
         count, total = h.count, h.total
         top = h.top()
@@ -130,6 +135,12 @@ def _row(
         if qs[0] is None and durs:  # totals without buckets: the best we have
             qs = [_exact_quantile(durs, q) for q in (0.5, 0.95, 0.99)]
         source = "histogram"
+        if h.timed_sample:
+            # Entry-only launches: the count is exact, the durations a sample of the
+            # calls (total scaled from it); none timed: unknown, never a 0.
+            source = "timed_sample"
+            if h.untimed >= h.count:
+                total, qs, mx, exact = None, [None, None, None], None, False
     else:
         count, total = len(durs), int(sum(durs))
         qs = [_exact_quantile(durs, q) if durs else None for q in (0.5, 0.95, 0.99)]
@@ -145,7 +156,7 @@ def _row(
         "count": count,
         "errors": g.errors if g else 0,
         "total_ns": total,
-        "mean_ns": total // count if count else None,
+        "mean_ns": total // count if count and total is not None else None,
         "p50_ns": qs[0],
         "p95_ns": qs[1],
         "p99_ns": qs[2],
@@ -184,7 +195,7 @@ def node_op_stats(
                          (sc, "sleep" if sc in SLEEPS else "syscall")))
     rows = [r for r in rows if r["count"]]
     # Sleeps last: a program that sleeps on purpose is not slow.
-    rows.sort(key=lambda r: (r["source"] == "sleep", -int(r["total_ns"]), str(r["op"])))
+    rows.sort(key=lambda r: (r["source"] == "sleep", -int(r["total_ns"] or 0), str(r["op"])))
     return rows
 
 

@@ -90,7 +90,7 @@ class Context:
         seen: dict[int, int] = defaultdict(int)
         for r in self.ops:
             if r["source"] in ("cuda", "graph", "driver", "nccl") and r["pid"] is not None:
-                seen[int(r["pid"])] += int(r["total_ns"])
+                seen[int(r["pid"])] += int(r["total_ns"] or 0)  # None: none timed
         return sorted(seen, key=lambda p: -seen[p])
 
     def op_rows(self, pid: int, names: frozenset[str]) -> list[dict[str, Any]]:

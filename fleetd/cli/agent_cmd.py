@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleetd.cli.argtypes import byte_size
-from fleetd.cli.trace_cmd import add_cpu_sample_arg, cpu_sample_hz
+from fleetd.cli.trace_cmd import add_cpu_sample_arg, add_launch_returns_arg, cpu_sample_hz
 from fleetd.config import Config, load_config
 from fleetd.errors import UsageError
 
@@ -45,6 +45,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--sample", type=int, help="keep 1 in N ordinary CUDA calls as events")
     p.add_argument("--no-host", action="store_true", help="no host tracepoints")
     add_cpu_sample_arg(p)
+    add_launch_returns_arg(p)
     p.add_argument("--max-db-bytes", type=byte_size, metavar="SIZE",
                    help="prune the oldest events beyond this size, e.g. 10G, 512M")
     p.add_argument("--parquet-dir", type=Path, metavar="DIR",
@@ -170,7 +171,7 @@ def _tracer_factory(args: argparse.Namespace, cfg: Config, s: AgentSettings) -> 
         node=s.node, pids=list(pids or []), all_processes=all_processes,
         cuda_lib=args.cuda_lib or cfg.trace.cuda_lib, host=not args.no_host and cfg.trace.host,
         sample=args.sample or cfg.trace.sample,
-        cpu_sample_hz=cpu_sample_hz(args.cpu_sample_hz),
+        cpu_sample_hz=cpu_sample_hz(args.cpu_sample_hz), launch_returns=args.launch_returns,
     )
 
 

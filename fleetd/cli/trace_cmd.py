@@ -83,6 +83,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="with stacks: every call at least this long is kept with its stack "
                    "(default 1ms, an absolute threshold); implies --stacks")
     add_cpu_sample_arg(p)
+    add_launch_returns_arg(p)
     p.add_argument("--ring-mb", type=int, default=1, metavar="MB",
                    help="size of each ring buffer in MiB, a power of two (default 1)")
     p.add_argument("--max-db-bytes", type=byte_size, metavar="SIZE",
@@ -119,6 +120,20 @@ def add_cpu_sample_arg(p: argparse.ArgumentParser) -> None:
                    help="on-CPU samples of the traced threads per second per CPU, with "
                    "native and Python stacks and garbage-collection state (fleetd "
                    f"profile; default {CPU_SAMPLE_HZ}, 0: off)")
+
+
+def add_launch_returns_arg(p: argparse.ArgumentParser) -> None:
+    """--launch-returns / --no-launch-returns, shared by trace and agent."""
+    from fleetd.trace.modes import LAUNCH_RETURNS
+
+    p.add_argument("--launch-returns", action=argparse.BooleanOptionalAction,
+                   default=LAUNCH_RETURNS,
+                   help="a return probe on every kernel launch and async copy: every "
+                   "launch's duration and return code (default: "
+                   f"{'on' if LAUNCH_RETURNS else 'off'}). Off: launches are traced at "
+                   "entry (Linux 6.13+), counted exactly, with the durations of the 1-in-N "
+                   "sample and failures from the first sampled one on, at about half the "
+                   "cost per launch (docs/performance.md)")
 
 
 def cpu_sample_hz(n: int) -> int:
@@ -180,6 +195,7 @@ def build_config(args: argparse.Namespace) -> TraceConfig:
         },
         max_db_bytes=args.max_db_bytes,
         cpu_sample_hz=cpu_sample_hz(args.cpu_sample_hz),
+        launch_returns=args.launch_returns,
         command=" ".join(["fleetd", *sys.argv[1:]]) if sys.argv else None,
     )
 

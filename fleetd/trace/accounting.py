@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fleetd import __version__
+from fleetd.store.catalog import BY_NAME
 from fleetd.store.schema import SCHEMA_VERSION
 from fleetd.store.writer import WriterStats
 from fleetd.trace import procinfo
@@ -27,7 +28,7 @@ from fleetd.trace.bpfsrc import COUNTERS, NBUCKETS
 from fleetd.trace.clock import ClockMap
 from fleetd.trace.headers import HeaderRoute
 from fleetd.trace.libs import Library
-from fleetd.trace.probes import AttachReport
+from fleetd.trace.probes import SPECS, AttachReport
 
 if TYPE_CHECKING:
     from fleetd.trace.tracer import TraceConfig
@@ -37,6 +38,8 @@ MAX_TARGETS_JSON = 1000
 LOST_KEYS = ("cuda", "driver", "nccl", "sched", "sys", "calls_full", "writer_queue",
              "writer_failed", "cpu")
 
+# Ops whose calls may be counted without a duration (entry-only launches).
+ENTRY_ONLY_CODES = frozenset(BY_NAME[s.op].code for s in SPECS if s.entry_only)
 # (session, ts_ns, dur_ns, pid, op, bucket, count, sum): one row of aggregate_data.
 AggregateRow = tuple[int | None, int, int, int | None, int, int, int, int]
 # Per bucket counts and sums, then count, sum and errors over all buckets.
@@ -75,7 +78,10 @@ class Histograms:
     """``fl_hist``'s running totals per (pid, op), as deltas per window: aggregate rows.
 
     bucket = floor(log2(ns)) (page_alloc: the order); -1 = totals (count, sum);
-    -2 = calls that returned an error (count).
+    -2 = calls that returned an error (count); -3 = calls counted without a duration
+    (entry-only launches whose return was not sampled, fleetd.trace.modes): then -1's
+    count is every call but its sum is an estimate, the timed calls' sum scaled to all
+    of them, and the buckets hold only the timed calls (a uniform sample).
     """
 
     def __init__(self) -> None:
@@ -97,6 +103,10 @@ class Histograms:
             for b in range(NBUCKETS):
                 if counts[b]:
                     rows.append((session, ts, dur, pid, op, b, counts[b], sums[b]))
+            untimed = total - sum(counts) if op in ENTRY_ONLY_CODES else 0
+            if untimed > 0:
+                rows.append((session, ts, dur, pid, op, -3, untimed, 0))
+                total_sum = _scaled_sum(total_sum, total - untimed, total)
             rows.append((session, ts, dur, pid, op, -1, total, total_sum))
             if errors:
                 rows.append((session, ts, dur, pid, op, -2, errors, 0))
@@ -115,6 +125,12 @@ class Histograms:
         return ([a - b for a, b in zip(now[0], prev[0], strict=True)],
                 [a - b for a, b in zip(now[1], prev[1], strict=True)],
                 now[2] - prev[2], now[3] - prev[3], now[4] - prev[4])
+
+
+def _scaled_sum(timed_sum: int, timed: int, total: int) -> int:
+    """The total time of ``total`` calls estimated from the ``timed`` ones among them
+    (a uniform sample); 0 when none was timed, which the -3 row then says is unknown."""
+    return timed_sum * total // timed if timed > 0 else 0
 
 
 # ---- the session row -----------------------------------------------------------------

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetd.store.writer import BatchWriter
+from fleetd.trace.modes import LAUNCH_RETURNS
 from fleetd.trace.oncpu import DEFAULT_HZ
 from fleetd.trace.tracer import GPU_LAYERS, TraceConfig, Tracer, TraceSummary
 
@@ -73,6 +74,7 @@ class AgentTracer:
 def tracer_factory(*, node: str, pids: list[int], all_processes: bool,
                    cuda_lib: Path | str | None, host: bool,
                    sample: int | None, cpu_sample_hz: int = DEFAULT_HZ,
+                   launch_returns: bool = LAUNCH_RETURNS,
                    ) -> Callable[[BatchWriter], AgentTracer]:
     """What ``fleetd agent`` calls: a factory that builds the tracer on its writer."""
     layers = frozenset((*GPU_LAYERS, "host") if host else GPU_LAYERS)
@@ -82,7 +84,7 @@ def tracer_factory(*, node: str, pids: list[int], all_processes: bool,
             db=writer.path, node=node, pids=[] if all_processes else list(pids),
             cuda_libs=[str(cuda_lib)] if cuda_lib else [], layers=layers,
             sample=100 if sample is None else sample, command="fleetd agent",
-            cpu_sample_hz=cpu_sample_hz,
+            cpu_sample_hz=cpu_sample_hz, launch_returns=launch_returns,
         )
         return AgentTracer(cfg, writer)
 

@@ -115,7 +115,7 @@ def probe_wrappers(layers: set[str]) -> str:
         out.append(f"int {spec.entry_fn}(struct pt_regs *ctx) {{ return fl_enter_{name}(ctx); }}")
         out.append(
             f"int {spec.return_fn}(struct pt_regs *ctx) {{ return fl_call_exit(ctx, OP_{name}, "
-            f"{int(spec.always)}, {RING_NUMBER[spec.layer]}); }}")
+            f"{int(spec.always)}, {RING_NUMBER[spec.layer]}, 0); }}")
     if not specs:
         return "\n".join(out) + "\n"
     out.append("static u64 (*fl_get_attach_cookie)(void *ctx) =\n"
@@ -127,8 +127,28 @@ def probe_wrappers(layers: set[str]) -> str:
         out.append(f"    case OP_{name}: return fl_enter_{name}(ctx);")
     out.append("    }\n    return 0;\n}")
     out.append("int fl_out_multi(struct pt_regs *ctx)\n{\n    u64 c = fl_get_attach_cookie(ctx);")
-    out.append("    return fl_call_exit(ctx, (u32)c, (c >> 32) & 1, (c >> 40) & 0xff);\n}")
+    out.append("    return fl_call_exit(ctx, (u32)c, (c >> 32) & 1, (c >> 40) & 0xff, 0);\n}")
+    out += _session_program([s for s in specs if s.entry_only])
     return "\n".join(out) + "\n"
+
+
+def _session_program(specs: list[Any]) -> list[str]:
+    """fl_sess_multi: the one program of a uprobe session link (entry-only launches,
+    common.bpf.c's fl_launch_entry). It runs at the entry and, when that returned 0, at
+    the return; at the return the registers hold the caller's address, not the
+    function's (bpf_get_func_ip gives the function's at both ends)."""
+    if not specs:
+        return []
+    out = ["static u64 (*fl_get_func_ip)(void *ctx) = (void *)BPF_FUNC_get_func_ip;",
+           "int fl_sess_multi(struct pt_regs *ctx)\n{\n    u64 c = fl_get_attach_cookie(ctx);",
+           "    if (PT_REGS_IP(ctx) != fl_get_func_ip(ctx))",
+           "        return fl_call_exit(ctx, (u32)c, (c >> 32) & 1, (c >> 40) & 0xff, 1);",
+           "    switch ((u32)c) {"]
+    for spec in specs:
+        name = spec.op.upper()
+        out.append(f"    case OP_{name}: fl_enter_{name}(ctx); break;")
+    out.append("    default: return 1;\n    }\n    return fl_launch_entry((u32)c);\n}")
+    return out
 
 
 def _inline(text: str, seen: set[str] | None = None) -> str:

@@ -42,6 +42,13 @@ class ProbeSpec:
     always: bool = False  # every call becomes a record (syncs, allocations, graphs, NCCL)
 
     @property
+    def entry_only(self) -> bool:
+        """A launch-type call (it enqueues work and returns): traced at its entry, its
+        return sampled (a uprobe session, bpf/common.bpf.c's fl_launch_entry), unless
+        --launch-returns. Graph launches stay whole: every one is a record, once a step."""
+        return self.op in _SAMPLED
+
+    @property
     def entry_fn(self) -> str:
         return "fl_in_" + self.op.upper()
 
@@ -61,6 +68,7 @@ class ProbeSpec:
 
 
 # Ordinary high-rate calls: histogram always, records only for anomalies + the sample.
+# All are launch-type (kernel launches, async copies): ProbeSpec.entry_only.
 _SAMPLED = frozenset({
     "cudaLaunchKernel", "cudaMemcpyAsync", "cuLaunchKernel", "cuLaunchKernelEx",
     "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2",
@@ -151,6 +159,8 @@ class AttachReport:
     uprobes: int = 0  # entry + return probe points attached
     mechanism: dict[str, str] = field(default_factory=dict)  # lib path -> multi | perf
     named: dict[str, list[str]] = field(default_factory=dict)  # lib path -> kernel-name probes
+    # lib path -> ops traced at entry, their returns sampled (uprobe session)
+    entry_only: dict[str, list[str]] = field(default_factory=dict)
 
     def ops_attached(self) -> set[str]:
         return {a.split(":", 1)[0] for v in self.attached.values() for a in v}
@@ -162,6 +172,7 @@ class AttachReport:
                 mine.setdefault(k, []).extend(v)
         self.uprobes += other.uprobes
         self.mechanism.update(other.mechanism)
+        self.entry_only.update(other.entry_only)
         for k, v in other.named.items():
             self.named.setdefault(k, []).extend(v)
 
@@ -169,10 +180,17 @@ class AttachReport:
 class Attacher:
     """Attaches libraries to one loaded BPF module and owns the links it made."""
 
-    def __init__(self, bpf: Any, *, allow_multi: bool = True) -> None:
+    def __init__(self, bpf: Any, *, allow_multi: bool = True, launch_entry: bool = False
+                 ) -> None:
         self.bpf = bpf
         self.links: list[int] = []
         self._multi: tuple[int, int] | None = None
+        # Entry-only launches (ProbeSpec.entry_only) through a uprobe session link; where
+        # the kernel has none (before 6.13) or per-symbol probes are used, they keep
+        # their return probes (AttachReport.entry_only says which libraries did not).
+        self.launch_entry = launch_entry
+        self._session: int | None = None
+        self._session_error: str | None = None
         self._multi_error: str | None = None if allow_multi else "disabled"
         if allow_multi and os.environ.get("FLEETD_NO_UPROBE_MULTI"):
             self._multi_error = "disabled by FLEETD_NO_UPROBE_MULTI"
@@ -208,10 +226,20 @@ class Attacher:
         progs = self._multi_programs()
         if progs is None:
             return False
-        offs = [offsets[sym] for _, sym in plan]
-        cookies = [spec.cookie for spec, _ in plan]
         fds: list[int] = []
+        entry_only = [p for p in plan if self.launch_entry and p[0].entry_only]
+        if entry_only:
+            fd = self._link_session(lib.path, entry_only, offsets)
+            if fd < 0:
+                entry_only = []  # they go with the pairs below, returns and all
+            else:
+                fds.append(fd)
+        pairs = [p for p in plan if p not in entry_only]
+        offs = [offsets[sym] for _, sym in pairs]
+        cookies = [spec.cookie for spec, _ in pairs]
         for prog_fd, ret in zip(progs, (False, True), strict=True):
+            if not pairs:
+                break
             fd, err = link_uprobe_multi(prog_fd, lib.path, offs, cookies, retprobe=ret)
             if fd < 0:
                 log.info("uprobe_multi on %s failed (%s); attaching per symbol", lib.path, err)
@@ -221,9 +249,34 @@ class Attacher:
             fds.append(fd)
         self.links += fds
         report.attached[lib.path] = [f"{spec.op}:{sym}" for spec, sym in plan]
-        report.uprobes += 2 * len(plan)
-        report.mechanism[lib.path] = "uprobe_multi"
+        report.uprobes += 2 * len(pairs) + len(entry_only)
+        report.mechanism[lib.path] = "uprobe_multi" + ("+session" if entry_only else "")
+        if entry_only:
+            report.entry_only[lib.path] = sorted({spec.op for spec, _ in entry_only})
         return True
+
+    def _link_session(self, path: str, plan: list[tuple[ProbeSpec, str]],
+                      offsets: dict[str, int]) -> int:
+        """One uprobe session link for the entry-only launches of a library: its fd, or
+        -1 (logged) where the kernel or the program cannot have one."""
+        if self._session is None and self._session_error is None:
+            try:
+                fn = self.bpf.load_func(b"fl_sess_multi", _BPF_PROG_KPROBE, None,
+                                        _BPF_TRACE_UPROBE_SESSION)
+                self._session = int(fn.fd)
+            except Exception as exc:  # before Linux 6.13: no uprobe sessions
+                self._session_error = str(exc)
+                log.info("uprobe session program not loadable (%s); launches keep their "
+                         "return probes", exc)
+        if self._session is None:
+            return -1
+        fd, err = link_uprobe_multi(self._session, path, [offsets[s] for _, s in plan],
+                                    [spec.cookie for spec, _ in plan], retprobe=False,
+                                    attach_type=_BPF_TRACE_UPROBE_SESSION)
+        if fd < 0:
+            log.info("uprobe session link on %s failed (%s); launches keep their return "
+                     "probes", path, err)
+        return fd
 
     def _multi_programs(self) -> tuple[int, int] | None:
         if self._multi is not None or self._multi_error is not None:
@@ -253,6 +306,7 @@ class Attacher:
 _BPF_PROG_KPROBE = 2
 _BPF_LINK_CREATE = 28
 _BPF_TRACE_UPROBE_MULTI = 48
+_BPF_TRACE_UPROBE_SESSION = 57  # Linux 6.13+
 _BPF_F_UPROBE_MULTI_RETURN = 1
 _SYS_BPF = {"x86_64": 321, "aarch64": 280}
 
@@ -276,8 +330,10 @@ class _LinkCreateUprobeMulti(ctypes.Structure):
 
 
 def link_uprobe_multi(prog_fd: int, path: str, offsets: list[int], cookies: list[int], *,
-                      retprobe: bool) -> tuple[int, str]:
-    """BPF_LINK_CREATE of a uprobe_multi link: (fd, "") or (-1, why)."""
+                      retprobe: bool, attach_type: int = _BPF_TRACE_UPROBE_MULTI
+                      ) -> tuple[int, str]:
+    """BPF_LINK_CREATE of a uprobe_multi (or uprobe session) link: (fd, "") or
+    (-1, why)."""
     nr = _SYS_BPF.get(platform.machine())
     if nr is None:
         return -1, f"unknown bpf syscall on {platform.machine()}"
@@ -287,7 +343,7 @@ def link_uprobe_multi(prog_fd: int, path: str, offsets: list[int], cookies: list
     cks = (ctypes.c_uint64 * n)(*cookies)
     attr = _LinkCreateUprobeMulti()
     attr.prog_fd = prog_fd
-    attr.attach_type = _BPF_TRACE_UPROBE_MULTI
+    attr.attach_type = attach_type
     attr.path = ctypes.addressof(path_buf)
     attr.offsets = ctypes.addressof(offs)
     attr.cookies = ctypes.addressof(cks)
