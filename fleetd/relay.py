@@ -53,6 +53,7 @@ from fleetd.wire import paths
 from fleetd.wire.failure import Failure
 from fleetd.wire.headers import RELAY_LIMITS, RELAYED_FOR
 from fleetd.wire.limits import MAX_ANSWER_BYTES, RELAY_REQUESTS
+from fleetd.wire.shapes import RelayNode
 from fleetd.wire.values import printable
 
 log = logging.getLogger("fleetd.relay")
@@ -402,8 +403,8 @@ async def _run(job: _Job, s: RelaySettings, who: str) -> web.StreamResponse:
     for a in job.asked:
         o = outcomes.get(a.peer.address) if a.peer is not None else None
         if o is None:
-            entry: dict[str, Any] = {"address": a.address, "name": a.name,
-                                     "failure": _not_a_peer(a, s).to_json()}
+            entry: RelayNode = {"address": a.address, "name": a.name,
+                                "failure": _not_a_peer(a, s).to_json()}
         else:
             entry = {"address": a.address, "name": o.name, "replies": o.replies,
                      "failure": _told(o.failure, o, s).to_json() if o.failure else None,
@@ -412,12 +413,13 @@ async def _run(job: _Job, s: RelaySettings, who: str) -> web.StreamResponse:
                      if o.skew_failure else None}
         part = orjson.dumps(entry)
         if used + len(part) > job.max_answer_bytes:
-            part = orjson.dumps({"address": a.address, "name": entry["name"],
-                                 "failure": Failure(
-                                     "too_large", f"answer of {len(part)} bytes would take "
-                                     f"the relay's merged answer past {job.max_answer_bytes}"
-                                     " bytes", "lower --limit, or relay through more nodes"
-                                 ).to_json()})
+            cut: RelayNode = {"address": a.address, "name": entry["name"],
+                              "failure": Failure(
+                                  "too_large", f"answer of {len(part)} bytes would take "
+                                  f"the relay's merged answer past {job.max_answer_bytes}"
+                                  " bytes", "lower --limit, or relay through more nodes"
+                              ).to_json()}
+            part = orjson.dumps(cut)
         used += len(part)
         parts.append(part)
     log.info("relayed for %s: %d of %d node(s) answered in %.3f s", who, answered,

@@ -100,17 +100,20 @@ class SkewJson(TypedDict):
 
 
 class RelayNode(TypedDict):
-    """One target's entry of a relay's answer."""
+    """One target's entry of a relay's answer; a target the relay did not ask (not one
+    of its peers, or an answer past the size limit) has its failure only."""
 
     address: str
     name: str
-    replies: list[dict[str, Any]] | None
     failure: FailureJson | None
-    skew: SkewJson | None
-    skew_failure: FailureJson | None
+    replies: NotRequired[list[dict[str, Any]] | None]
+    skew: NotRequired[SkewJson | None]
+    skew_failure: NotRequired[FailureJson | None]
 
 
-# ``for`` is a keyword: the functional form.
+# ``for`` is a keyword: the functional form. The relay writes it piece by piece (each
+# node's entry once, to keep the answer under its byte limit), so this is the shape the
+# client reads back.
 RelayReply = TypedDict("RelayReply", {"relay": str, "for": str, "nodes": list[RelayNode]})
 
 
