@@ -151,7 +151,7 @@ def _forbidden(message: str, hint: str) -> web.Response:
 
 
 class _Bad(Exception):
-    def __init__(self, message: str, hint: str = "see docs/api.md, POST /api/v1/relay"):
+    def __init__(self, message: str, hint: str = f"see docs/api.md, POST {paths.RELAY}"):
         super().__init__(message)
         self.message, self.hint = message, hint
 
@@ -311,7 +311,7 @@ def _request(value: Any, ceiling: Limits) -> dict[str, Any]:
     if (not isinstance(path, str) or not path.startswith(paths.PREFIX) or "?" in path
             or len(path) > PATH_CHARS or not path.isprintable()):
         raise _Bad(f"path {printable(path, 80)!r} cannot be relayed",
-                   "an agent API path, e.g. /api/v1/query; parameters go in params")
+                   f"an agent API path, e.g. {paths.QUERY}; parameters go in params")
     if path == paths.RELAY:
         raise _Bad("a relayed request cannot be relayed again",
                    "one level of relays only")

@@ -69,7 +69,7 @@ def _judge(name: str, target: Target, health: dict[str, Any], connect_ms: float,
              f"{health.get('schema_version')}, {tracing})", f"connect+TLS+GET {connect_ms:.1f} ms"]
     findings = [_schema(health.get("schema_version"))]
     if est is None:
-        findings.append(Finding(WARN, "its clock could not be sampled (GET /api/v1/time "
+        findings.append(Finding(WARN, f"its clock could not be sampled (GET {paths.TIME} "
                                 "failed)", "see the agent's log"))
     else:
         data.update(rtt_ms=round(2 * est.error_ms, 3), offset_ms=round(est.offset_ms, 3),
