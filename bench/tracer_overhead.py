@@ -36,7 +36,10 @@ compiled tracer serves each part: for an untraced run all its programs are detac
 
 Last line: BENCH tracer_overhead traced_ratio=R cpu_bound_ratio=C added_ns_per_call=A
 empty_pair_ns=E bpf_ns_per_event=B events_per_s=N unreported_loss=U cpu_sample_ratio=S
-(targets: R >= 0.99, C >= 0.97, A <= 1.3 x E, B <= 250, N >= 300000, U == 0, S >= 0.995)
+launch_added_ns=L launch_returns_added_ns=F entry_only_added_ns=O
+(targets: R >= 0.99, C >= 0.97, A <= 1.3 x E, B <= 250, N >= 300000, U == 0, S >= 0.995,
+L <= 0.7 x E). L is the default mode's cost per launch (fleetd.trace.modes), F and O the
+same loop with and without launch return probes, measured in the same rounds (part 1).
 """
 
 from __future__ import annotations
@@ -181,7 +184,7 @@ def program_fds(bpf: Any) -> dict[str, int]:
 def uprobe_ns(d: dict[str, tuple[int, int]]) -> int:
     """Run time of the programs a traced CUDA call runs (entry and return uprobes);
     the host tracepoints also fire for every other process on the machine."""
-    return sum(ns for k, (ns, _) in d.items() if k.startswith(("fl_in", "fl_out")))
+    return sum(ns for k, (ns, _) in d.items() if k.startswith(("fl_in", "fl_out", "fl_sess")))
 
 
 def stats_delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]
@@ -264,12 +267,38 @@ def tracer_off(t: Traced) -> Iterator[None]:
         time.sleep(SETTLE_S)
 
 
+@contextlib.contextmanager
+def launch_mode(t: Traced, returns: bool) -> Iterator[None]:
+    """The tracer's launches with (``--launch-returns``) or without return probes for
+    the block: its links closed and made again in that mode, then as they were."""
+    tr = t.tracer
+    assert tr.attacher is not None
+    was = tr.attacher.launch_entry
+
+    def relink(entry: bool) -> None:
+        assert tr.attacher is not None
+        tr.attacher.close()
+        tr.attacher.launch_entry = entry
+        for lib in tr.libs.values():
+            tr.attacher.attach(lib, tr.cfg.layers)
+        time.sleep(SETTLE_S)
+
+    relink(not returns)
+    try:
+        yield
+    finally:
+        relink(was)
+
+
 def per_call(worker: Worker, tmp: Path, empty: EmptyPair
-             ) -> tuple[float, float, float, int]:
-    """(added ns per call, empty pair ns, BPF ns per traced call, unreported loss)."""
+             ) -> tuple[float, float, float, int, float]:
+    """(added ns per call, empty pair ns, BPF ns per traced call, unreported loss, added
+    ns per call in the other launch mode: --launch-returns or not, whichever is not the
+    default)."""
     base: list[float] = []
     pair: list[float] = []
     traced: list[float] = []
+    other: list[float] = []  # the launch mode that is not the default
     bpf_ns: list[float] = []
     floor: list[float] = []
     with Traced(tmp / "loop.db", [worker.pid]) as t:
@@ -280,6 +309,8 @@ def per_call(worker: Worker, tmp: Path, empty: EmptyPair
                 with empty.attached():
                     pair.append(worker.loop_ns())
             traced.append(worker.loop_ns())
+            with launch_mode(t, returns=not t.tracer.cfg.launch_returns):
+                other.append(worker.loop_ns())
             with bpf_stats():
                 fds = program_fds(t.tracer.bpf)
                 s0 = prog_stats(fds)
@@ -303,13 +334,16 @@ def per_call(worker: Worker, tmp: Path, empty: EmptyPair
                 + " (tracepoints: every process's events, filtered in the program)")
     b, e, tr = min(base), min(pair), min(traced)
     added, pair_ns = tr - b, e - b
+    mode = "entry-only launches" if t.tracer.cfg.launch_returns else "with launch returns"
+    print(f"per call, the other launch mode than the default ({mode}): {spread(other)} ns, "
+          f"+{min(other) - b:.0f} over untraced", flush=True)
     print(f"per call: untraced {spread(base)} ns; empty pair {spread(pair)}; traced "
           f"{spread(traced)}", flush=True)
     print(f"per call, minimum of each: empty pair +{pair_ns:.0f} ns, tracer +{added:.0f} ns "
           f"(x{added / pair_ns:.2f} of the empty pair; target <= 1.3); tracer's BPF "
           f"programs {spread(bpf_ns)} ns/call (target <= 250), the empty pair's "
           f"{spread(floor)}", flush=True)
-    return added, pair_ns, min(bpf_ns), t.summary.unreported_loss
+    return added, pair_ns, min(bpf_ns), t.summary.unreported_loss, min(other) - b
 
 
 # ---- 2. workload ratios ---------------------------------------------------------------------
@@ -497,6 +531,17 @@ def events_per_s(worker: Worker, tmp: Path) -> tuple[float, int]:
     return max(backlog), unreported
 
 
+def launch_keys(added: float, other: float) -> str:
+    """launch_added_ns (per launch, the default mode: the loop calls only
+    cudaLaunchKernel) and launch_returns_added_ns (with --launch-returns), whichever of
+    them the default is."""
+    from fleetd.trace.modes import LAUNCH_RETURNS
+
+    full, entry = (added, other) if LAUNCH_RETURNS else (other, added)
+    return (f"launch_added_ns={added:.0f} launch_returns_added_ns={full:.0f} "
+            f"entry_only_added_ns={entry:.0f}")
+
+
 def main() -> int:
     if os.geteuid() != 0:
         print("BENCH tracer_overhead needs root (BPF)", file=sys.stderr)
@@ -509,7 +554,7 @@ def main() -> int:
             t0 = time.monotonic()
             empty = EmptyPair(worker)
             try:
-                added, pair_ns, bpf_ns, u = per_call(worker, tmp, empty)
+                added, pair_ns, bpf_ns, u, other_ns = per_call(worker, tmp, empty)
                 unreported += u
                 t1 = time.monotonic()
                 ratio, cpu_ratio, sample_ratio, u = workload_ratios(worker, tmp, empty)
@@ -528,7 +573,7 @@ def main() -> int:
     print(f"BENCH tracer_overhead traced_ratio={ratio:.3f} cpu_bound_ratio={cpu_ratio:.3f} "
           f"added_ns_per_call={added:.0f} empty_pair_ns={pair_ns:.0f} "
           f"bpf_ns_per_event={bpf_ns:.0f} events_per_s={eps:.0f} unreported_loss={unreported} "
-          f"cpu_sample_ratio={sample_ratio:.3f}")
+          f"cpu_sample_ratio={sample_ratio:.3f} {launch_keys(added, other_ns)}")
     return 0
 
 
