@@ -34,6 +34,9 @@
 #ifndef FL_COMPACTION
 #define FL_COMPACTION 0
 #endif
+#ifndef FL_KWORK
+#define FL_KWORK 0 /* kernel work queued by traced threads (workqueue_queue_work) */
+#endif
 #ifndef FL_IRQ
 #define FL_IRQ 1
 #endif
@@ -496,6 +499,37 @@ TRACEPOINT_PROBE(compaction, mm_compaction_begin)
 TRACEPOINT_PROBE(compaction, mm_compaction_end)
 {
     fl_reclaim_end(2, 0);
+    return 0;
+}
+#endif
+
+#if FL_KWORK
+/* Work a traced thread queues for the kernel's workers, counted per (thread, work
+ * function): a kworker that then preempts the thread runs the thread's own work (its
+ * reclaim's vmpressure notifications, say), not a neighbour's. User space reads the
+ * counts with the histograms (trace/memory.py) and names the functions. */
+struct fl_kwork_key {
+    u32 tid;
+    u32 pid;
+    u64 func;
+};
+BPF_TABLE("lru_hash", struct fl_kwork_key, u64, fl_kwork, 4096);
+
+TRACEPOINT_PROBE(workqueue, workqueue_queue_work)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!fl_known_target(id >> 32) || fl_stopped())
+        return 0;
+    struct fl_kwork_key k = {};
+    k.tid = (u32)id;
+    k.pid = id >> 32;
+    k.func = (u64)args->function;
+    u64 zero = 0;
+    u64 *n = fl_kwork.lookup_or_try_init(&k, &zero);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+    else
+        fl_count(FL_C_STATE_FULL);
     return 0;
 }
 #endif

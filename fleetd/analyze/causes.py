@@ -72,6 +72,16 @@ def _cpu_contention_fixes(ch: Chain) -> list[str]:
                 f"(OMP_NUM_THREADS, torch.set_num_threads) below the cores given to pid {vp}",
                 f"give the GPU-feeding thread {v['tid']} a core of its own: "
                 f"taskset -cp <core> {v['tid']}"]
+    own = ch.detail.get("own_kernel_work")
+    if own and c is not None:  # a kworker running work the victim queued (analyze.memory)
+        first = (f"the kernel workers run work {v['comm']} (pid {vp}) queues itself: raise "
+                 "its memory limit (its memory_reclaim chain), whose reclaim queues that work"
+                 if own.get("reclaim") else
+                 f"the kernel workers run work {v['comm']} (pid {vp}) queues itself ("
+                 + ", ".join(own.get("functions") or {}) + "): reduce that work on the "
+                 "thread's side rather than renicing kernel threads")
+        # A per-CPU worker runs on the CPU that queued the work: pinning cannot move it.
+        return [first]
     out = [f"pin {v['comm']} to dedicated cores and keep other work off them: "
            f"taskset -cp <cores> {vp}, or a cgroup cpuset (systemd-run --scope -p "
            "AllowedCPUs=<cores> ...) for the workload and another for the rest"]
@@ -476,7 +486,8 @@ _ALL = (
     Cause("cpu_contention",
           "the thread was preempted, or runnable but queued for a CPU, while another task "
           "ran",
-          ("spike", "stall", "off_cpu", "runq_wait", "cgroup_quota"), _cpu_contention_fixes,
+          ("spike", "stall", "off_cpu", "runq_wait", "cgroup_quota", "kernel_work"),
+          _cpu_contention_fixes,
           why=lambda by: "preempted or queued for the CPU" + (f" while {by} ran" if by else "")),
     Cause("cpu_throttled",
           "the thread was runnable but held off the CPU by its cgroup's CPU quota (a "

@@ -28,6 +28,8 @@ from fleetd.store.catalog import op_code
 
 MEM_RECLAIM = op_code("mem_reclaim")
 MEM_CGROUP = op_code("mem_cgroup")
+KWORK = op_code("kwork_queued")
+KWORKER = "kworker/"  # the kernel's workqueue threads, by name
 KINDS = ("direct reclaim", "memcg reclaim", "direct compaction")  # a run's ret
 MIN_SHARE = 0.01  # of the thread's wall time: below this reclaim is not what slows it
 
@@ -195,6 +197,51 @@ def take_reclaim_from_cpu_bound(ctx: Context, chains: list[Chain]) -> None:
         c.severity = severity(c.explained, c.impact)
         keep.append(c)
     chains[:] = keep
+
+
+def queued_work(ctx: Context, tid: int) -> dict[str, int]:
+    """Kernel work thread ``tid`` queued in the window, by work function."""
+    v = ctx.view
+    out: dict[str, int] = defaultdict(int)
+    for args, n in v.conn.execute(
+            "SELECT x.args, e.a0 FROM event_data e LEFT JOIN event_args x ON x.id = e.id "
+            "WHERE e.op = ? AND e.tid = ? AND e.ts_ns >= ? AND e.ts_ns < ? "
+            "AND e.id BETWEEN ? AND ?",
+            (KWORK, tid, v.win.start_ns, v.win.end_ns, v.node.lo, v.node.hi)):
+        name = args_object(args).get("function")
+        out[name if isinstance(name, str) else "?"] += int(n or 0)
+    return dict(out)
+
+
+def own_kernel_work(ctx: Context, chains: list[Chain]) -> None:
+    """A kernel worker that preempts a thread may be running work the thread queued
+    itself: a thread at its memory limit queues the cgroup's pressure notification
+    (vmpressure_work_fn) from its reclaim hundreds of times a second, and the kworker
+    that runs it takes the thread's CPU. A contention chain whose top culprit is a
+    kworker says so (``kernel_work`` evidence, ``detail.own_kernel_work``), and its
+    fixes go after the thread's own side (the memory limit) instead of renicing a
+    kernel thread. Its share stays: the kworkers did take that CPU time."""
+    reclaiming = {int(c.victim["tid"]) for c in chains if c.root_cause == "memory_reclaim"}
+    for ch in chains:
+        if ch.root_cause != "cpu_contention" or not ch.culprits or \
+                not str(ch.culprits[0].get("comm") or "").startswith(KWORKER):
+            continue
+        tid = int(ch.victim["tid"])
+        queued = queued_work(ctx, tid)
+        if not queued:
+            continue
+        top = sorted(queued.items(), key=lambda kv: -kv[1])[:3]
+        total = sum(queued.values())
+        ch.detail["own_kernel_work"] = {"queued": total, "functions": dict(top),
+                                        "reclaim": tid in reclaiming}
+        why = ("; vmpressure_work_fn is its memory cgroup's pressure notification, which "
+               "its reclaim queues" if "vmpressure_work_fn" in queued else "")
+        ch.extra_evidence.insert(0, {"kind": "kernel_work", "tid": tid, "queued": total,
+                                     "text": f"thread {tid} itself queued {total} work "
+                                     "item(s) for the kernel's workers in the window ("
+                                     + ", ".join(f"{f} {n}" for f, n in top) + "): the "
+                                     "kworkers that preempted it run such work, so part of "
+                                     f"that time was its own{why}"})
 
 
 def _limit_text(q: Limit) -> str:

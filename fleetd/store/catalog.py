@@ -122,6 +122,9 @@ def _build() -> list[Op]:
         Op(500, "off_cpu", "sched", "interval", "prev_state", "ran_before"),
         Op(501, "runq_wait", "sched", "interval", "prev_state", "ran_before"),
         Op(502, "wakeup", "sched", "instant", None, None),
+        # Kernel work a traced thread queued for the kernel's workers over an interval:
+        # a0 = how many, a1 = the work function (args.function: its name).
+        Op(503, "kwork_queued", "sched", "aggregate", "count", "function"),
         Op(600, "page_alloc", "mem", "aggregate", "order", None),
         # A run of a thread's reclaim or compaction stalls: bytes = ns stalled in it,
         # ret = kind (0 direct reclaim, 1 memcg reclaim, 2 direct compaction).

@@ -46,6 +46,7 @@ TRACEPOINTS: dict[str, tuple[str, str]] = {
     "FL_MEMCG_RECLAIM": ("vmscan/mm_vmscan_memcg_reclaim_begin",
                          "vmscan/mm_vmscan_memcg_reclaim_end"),
     "FL_COMPACTION": ("compaction/mm_compaction_begin", "compaction/mm_compaction_end"),
+    "FL_KWORK": ("workqueue/workqueue_queue_work", "workqueue/workqueue_queue_work"),
 }
 KINDS = ("direct reclaim", "memcg reclaim", "direct compaction")  # a mem_reclaim's ret
 NO_LIMIT = 1 << 60  # v1 writes "unlimited" as 2^63 rounded down to a page
@@ -72,6 +73,42 @@ def leftover_runs(table: Any, op: int, to_wall: Callable[[int], int]
         rows.append((to_wall(first), max(0, last - first), int(v.pid), int(k.value), op,
                      int(v.kind), int(v.stall_ns), 0, int(v.stalls), int(v.pages), 0))
     return rows
+
+
+class KernelWork:
+    """Kernel work the traced threads queued, per (thread, work function), from the
+    kernel's cumulative counts in ``fl_kwork``: each read gives the counts since the
+    last one as ``kwork_queued`` rows over that interval, the function named."""
+
+    def __init__(self, op: int, ksym: Callable[[int], bytes]) -> None:
+        self.op = op
+        self._ksym = ksym
+        self._seen: dict[tuple[int, int, int], int] = {}
+        self._names: dict[int, str] = {}
+
+    def rows(self, table: Any, start_wall: int, end_wall: int
+             ) -> list[tuple[tuple[int, ...], dict[str, object]]]:
+        out: list[tuple[tuple[int, ...], dict[str, object]]] = []
+        for k, v in table.items():
+            key = (int(k.tid), int(k.pid), int(k.func))
+            n = int(v.value) - self._seen.get(key, 0)
+            self._seen[key] = int(v.value)
+            if n <= 0:
+                continue
+            tid, pid, func = key
+            # A kernel address is above 2**63: stored as the signed 64-bit a1 holds.
+            signed = func - (1 << 64) if func >= 1 << 63 else func
+            out.append(((start_wall, max(0, end_wall - start_wall), pid, tid, self.op, 0, 0,
+                         0, n, signed, 0), {"function": self._name(func)}))
+        return out
+
+    def _name(self, func: int) -> str:
+        if func not in self._names:
+            try:
+                self._names[func] = self._ksym(func).decode(errors="replace")
+            except Exception:  # BCC raises its own errors for an address it cannot name
+                self._names[func] = hex(func)
+        return self._names[func]
 
 
 # ---- the cgroup's accounting ---------------------------------------------------------

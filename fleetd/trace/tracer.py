@@ -54,7 +54,7 @@ from fleetd.trace.libs import (
     override_libraries,
     search_usual_places,
 )
-from fleetd.trace.memory import MemorySampler, leftover_runs
+from fleetd.trace.memory import KernelWork, MemorySampler, leftover_runs
 from fleetd.trace.modes import LAUNCH_RETURNS
 from fleetd.trace.oncpu import DEFAULT_HZ, CpuSampler, ring_pages, start_sampler
 from fleetd.trace.preflight import ensure_tracefs as ensure_tracefs
@@ -166,6 +166,7 @@ class Tracer:
         self._locks = LockNames()
         self._throttle = ThrottleSampler(op_code("cpu_throttle"), procinfo.environ)
         self._memory = MemorySampler(op_code("mem_cgroup"), procinfo.environ)
+        self._kwork = KernelWork(op_code("kwork_queued"), lambda addr: self.bpf.ksym(addr))
         self._proc_comm: dict[int, str] = {}  # the name each process row was given
         self.warnings: list[str] = []
         self._python_told: set[int] = set()
@@ -599,9 +600,24 @@ class Tracer:
 
     def _write_aggregates(self, now_mono: int) -> None:
         assert self.writer is not None
+        start = self.hist.window_start
         rows = self.hist.close_window(self.bpf, self.session, self.clock.to_wall, now_mono)
         if rows:
             self.writer.add_aggregates(rows)
+        self._kernel_work(start, now_mono)
+
+    def _kernel_work(self, start_mono: int, now_mono: int) -> None:
+        """Kernel work the targets queued over the histograms' window (FL_KWORK)."""
+        assert self.writer is not None and self.bpf is not None
+        try:
+            table = self.bpf[b"fl_kwork"]
+        except KeyError:  # not compiled in: no mem part, or no such tracepoint
+            return
+        found = self._kwork.rows(table, self.clock.to_wall(start_mono),
+                                 self.clock.to_wall(now_mono))
+        if found:
+            self.writer.add_events([row for row, _ in found],  # type: ignore[misc]
+                                   [(i, args) for i, (_, args) in enumerate(found)])
 
     def counters(self) -> dict[str, int]:
         return accounting.read_counters(self.bpf)

@@ -140,9 +140,9 @@ def test_a_memory_limit_makes_the_feeding_thread_reclaim(tmp_path: Path) -> None
     assert t["tid"] == ch["victim"]["tid"]
     assert abs(ch["impact"] - t["reclaim_ns"] / t["wall_ns"]) < 1e-3, (ch["impact"], t)
     # ... and the runs stored add up to the kernel's histogram of every stall.
-    [runs] = _sql(report["db"], "SELECT count(*) AS n, sum(a0) AS stalls, sum(bytes) AS ns "  # type: ignore[arg-type]
+    [runs] = _sql(str(report["db"]), "SELECT count(*) AS n, sum(a0) AS stalls, sum(bytes) AS ns "
                   f"FROM events WHERE op = 'mem_reclaim' AND pid = {report['pid']}")
-    [hist] = _sql(report["db"], "SELECT sum(count) AS stalls, sum(sum) AS ns FROM "  # type: ignore[arg-type]
+    [hist] = _sql(str(report["db"]), "SELECT sum(count) AS stalls, sum(sum) AS ns FROM "
                   f"aggregates WHERE op = 'mem_reclaim' AND pid = {report['pid']} "
                   "AND bucket < 0")
     assert runs["stalls"] == hist["stalls"] and runs["ns"] == hist["ns"], (runs, hist)
@@ -152,6 +152,18 @@ def test_a_memory_limit_makes_the_feeding_thread_reclaim(tmp_path: Path) -> None
         assert d.get("psi_some_share", 0) > 0, d
         assert "memory pressure (PSI)" in text
     assert any("raise the memory limit" in f for f in ch["fixes"]), ch["fixes"]
+    # On the v1 memory controller each reclaim queues the cgroup's pressure notification
+    # for a kernel worker: the tracer counts the work the thread queued, and a contention
+    # chain whose top culprit is such a worker says the work was the thread's own.
+    if _memory_hierarchy()[0] != ROOT:
+        work = _sql(str(report["db"]), "SELECT sum(a0) AS n FROM events WHERE op = 'kwork_queued' "
+                    f"AND pid = {report['pid']} AND args LIKE '%vmpressure_work_fn%'")
+        assert (work[0]["n"] or 0) > 100, work
+    for c in report["chains"]:  # type: ignore[attr-defined]
+        if c["root_cause"] == "cpu_contention" and c["victim"]["tid"] == ch["victim"]["tid"] \
+                and (c["culprit"] or {}).get("comm", "").startswith("kworker/"):
+            assert c["detail"]["own_kernel_work"]["reclaim"] is True, c["detail"]
+            assert "raise its memory limit" in c["fixes"][0], c["fixes"]
 
 
 def test_without_a_limit_there_is_no_reclaim_chain(tmp_path: Path) -> None:
@@ -160,3 +172,6 @@ def test_without_a_limit_there_is_no_reclaim_chain(tmp_path: Path) -> None:
             if c["root_cause"] == "memory_reclaim"] == []
     t = _feeding_thread(report)
     assert t["reclaim_ns"] / t["wall_ns"] < 0.01, t
+    work = _sql(str(report["db"]), "SELECT count(*) AS n FROM events WHERE op = 'kwork_queued' "
+                f"AND pid = {report['pid']} AND args LIKE '%vmpressure_work_fn%'")
+    assert work[0]["n"] == 0, work

@@ -101,7 +101,7 @@ def test_tracepoints_need_both_ends(tmp_path: Path) -> None:
         (tmp_path / tp).mkdir(parents=True)
         (tmp_path / tp / "format").write_text("")
     assert tracepoints([tmp_path]) == {"FL_VMSCAN": False, "FL_MEMCG_RECLAIM": True,
-                                       "FL_COMPACTION": False}
+                                       "FL_COMPACTION": False, "FL_KWORK": False}
     assert not any(tracepoints([tmp_path / "missing"]).values())
 
 
@@ -122,3 +122,29 @@ def test_v2_cpu_limit_where_the_unified_hierarchy_is_mounted(tmp_path: Path,
     limit = cg.cpu_limit(groups, tmp_path)
     assert limit == cg.CpuLimit(25000, 100000, 10, 7, 1_200_000)
     assert cg.members(groups, tmp_path) == [7, 8]
+
+
+def test_kernel_work_counts_become_deltas_with_named_functions() -> None:
+    """The kernel's cumulative counts per (thread, function) read as the work queued
+    since the last read; a kernel address (above 2**63) is stored signed."""
+    from types import SimpleNamespace
+
+    from fleetd.trace.memory import KernelWork
+
+    func = 0xFFFFFFFF81234560
+    counts = {(7, 5, func): 10}
+
+    class Table:
+        def items(self) -> list[tuple[SimpleNamespace, SimpleNamespace]]:
+            return [(SimpleNamespace(tid=t, pid=p, func=f), SimpleNamespace(value=n))
+                    for (t, p, f), n in counts.items()]
+
+    kw = KernelWork(op_code("kwork_queued"), lambda a: b"vmpressure_work_fn")
+    [(row, args)] = kw.rows(Table(), 1_000, 3_000)
+    assert row == (1_000, 2_000, 5, 7, op_code("kwork_queued"), 0, 0, 0, 10,
+                   func - (1 << 64), 0)
+    assert args == {"function": "vmpressure_work_fn"}
+    assert kw.rows(Table(), 3_000, 4_000) == []  # nothing new
+    counts[(7, 5, func)] = 25
+    [(row, _)] = kw.rows(Table(), 4_000, 5_000)
+    assert row[8] == 15
