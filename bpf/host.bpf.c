@@ -362,9 +362,9 @@ TRACEPOINT_PROBE(kmem, mm_page_alloc)
  * The allocating thread does this work itself, on its own CPU time, before its
  * allocation returns. A thread at its cgroup's limit reclaims thousands of times a
  * second for tens of microseconds each, so stalls are summed per thread in the kernel
- * and one mem_reclaim record carries a run of them: ts = the first stall's start,
- * dur = to the last one's end, bytes = ns actually stalled, a0 = stalls, a1 = pages
- * reclaimed, ret = the kind. A run is sent once it spans FL_RECLAIM_SPAN_NS, when the
+ * and one record carries a run of them, its op the kind (OP_DIRECT_RECLAIM,
+ * OP_MEMCG_RECLAIM, OP_DIRECT_COMPACTION): ts = the first stall's start, dur = to the
+ * last one's end, bytes = ns actually stalled, a0 = stalls, a1 = pages reclaimed. A run is sent once it spans FL_RECLAIM_SPAN_NS, when the
  * kind changes, or at once for a stall of FL_RECLAIM_SLOW_NS; what is left when
  * tracing stops the tracer reads from fl_reclaim itself (trace/memory.py). */
 #ifndef FL_RECLAIM_SPAN_NS
@@ -374,6 +374,11 @@ TRACEPOINT_PROBE(kmem, mm_page_alloc)
 #define FL_RECLAIM_SLOW_NS 1000000ull
 #endif
 #define FL_RECLAIM_KINDS 3 /* 0 direct reclaim, 1 memcg reclaim, 2 direct compaction */
+
+static __always_inline u32 fl_reclaim_op(s32 kind)
+{
+    return kind == 0 ? OP_DIRECT_RECLAIM : kind == 1 ? OP_MEMCG_RECLAIM : OP_DIRECT_COMPACTION;
+}
 
 struct fl_reclaim_run {
     u64 begin[FL_RECLAIM_KINDS]; /* start of the stall in progress, per kind (0 = none) */
@@ -418,7 +423,7 @@ static __always_inline void fl_reclaim_flush(u32 tid, struct fl_reclaim_run *r)
     struct fl_rec *rec = fl_reserve(FL_C_LOST_SYS);
     if (!rec)
         return;
-    fl_fill(rec, r->first, r->last - r->first, r->pid, tid, OP_MEM_RECLAIM, r->kind);
+    fl_fill(rec, r->first, r->last - r->first, r->pid, tid, fl_reclaim_op(r->kind), 0);
     rec->bytes = r->stall_ns;
     rec->a0 = r->stalls;
     rec->a1 = r->pages;
@@ -444,7 +449,7 @@ static __always_inline void fl_reclaim_end(int kind, u64 pages)
     u64 start = r->begin[kind];
     u64 dur = now - start;
     r->begin[kind] = 0;
-    fl_hist_add(r->pid, OP_MEM_RECLAIM, dur, -1);
+    fl_hist_add(r->pid, fl_reclaim_op(kind), dur, -1);
     if (r->stalls && r->kind != kind)
         fl_reclaim_flush(tid, r);
     if (!r->stalls) {

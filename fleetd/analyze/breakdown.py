@@ -26,7 +26,8 @@ from fleetd.analyze.window import Window
 from fleetd.store.syscalls import X86_64
 
 OFF_CPU, RUNQ, SYSCALL = code("off_cpu"), code("runq_wait"), code("syscall")
-MEM_RECLAIM = code("mem_reclaim")
+# Stall runs of reclaim and compaction (fleetd.trace.memory.RUN_OPS).
+STALL_RUNS = tuple(code(n) for n in ("direct_reclaim", "memcg_reclaim", "direct_compaction"))
 HARDIRQ, SOFTIRQ = code("hardirq"), code("softirq")
 SYSCALL_OUTLIERS = 5
 WCHANS = 3  # D-state wait channels listed per thread
@@ -63,8 +64,8 @@ def thread_breakdown(
     # Reclaim and compaction stalls (bytes: ns stalled in each run), overlapping the
     # columns above: work the thread does in the kernel for its own allocations.
     for tid, p, total in conn.execute(
-        f"SELECT tid, pid, sum(bytes) FROM event_data WHERE {where} AND op = ? "
-        "GROUP BY tid, pid", [*params, MEM_RECLAIM],
+        f"SELECT tid, pid, sum(bytes) FROM event_data WHERE {where} AND op IN "
+        f"{in_list(STALL_RUNS)} GROUP BY tid, pid", params,
     ):
         pids[tid] = p
         acc[tid]["reclaim"] += int(total or 0)

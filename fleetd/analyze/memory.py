@@ -5,8 +5,9 @@ is paid for first: the kernel reclaims from the cgroup in the allocating thread,
 time, before the allocation returns (memcg reclaim); a machine short of free memory
 does the same for everyone (direct reclaim), and a high-order allocation may compact
 memory first (direct compaction). The tracer measures each stall from the kernel's
-vmscan/compaction tracepoints (``mem_reclaim`` runs, the breakdown's ``reclaim``
-column) and samples the cgroup's limit, usage and pressure stall time (``mem_cgroup``).
+vmscan/compaction tracepoints (``memcg_reclaim``, ``direct_reclaim`` and
+``direct_compaction`` runs, the breakdown's ``reclaim`` column) and samples the
+cgroup's limit, usage and pressure stall time (``mem_cgroup``).
 
 The chain's share is the thread's ``reclaim`` column: time it spent reclaiming. No
 process is named a culprit: whoever else fills the cgroup or the machine, the thread
@@ -20,17 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetd.analyze.chains import Chain, severity
-from fleetd.analyze.data import args_object
+from fleetd.analyze.data import args_object, in_list
 from fleetd.analyze.oncpu import MIN_HOST_SHARE
 from fleetd.analyze.rules import Context, rule_chain
 from fleetd.analyze.throttle import PLACE_KEYS
 from fleetd.store.catalog import op_code
 
-MEM_RECLAIM = op_code("mem_reclaim")
+# The stall runs by op, and what each is called in a chain's words.
+KINDS = {op_code("direct_reclaim"): "direct reclaim", op_code("memcg_reclaim"): "memcg reclaim",
+         op_code("direct_compaction"): "direct compaction"}
 MEM_CGROUP = op_code("mem_cgroup")
 KWORK = op_code("kwork_queued")
 KWORKER = "kworker/"  # the kernel's workqueue threads, by name
-KINDS = ("direct reclaim", "memcg reclaim", "direct compaction")  # a run's ret
 MIN_SHARE = 0.01  # of the thread's wall time: below this reclaim is not what slows it
 
 
@@ -65,11 +67,12 @@ class Limit:
 def thread_stalls(ctx: Context, tid: int) -> Stalls:
     v = ctx.view
     out = Stalls()
-    for kind, stalled, n, pages in v.conn.execute(
-            "SELECT ret, sum(bytes), sum(a0), sum(a1) FROM event_data WHERE op = ? "
-            "AND tid = ? AND ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? GROUP BY ret",
-            (MEM_RECLAIM, tid, v.win.start_ns, v.win.end_ns, v.node.lo, v.node.hi)):
-        name = KINDS[kind] if 0 <= int(kind) < len(KINDS) else f"kind {kind}"
+    for op, stalled, n, pages in v.conn.execute(
+            "SELECT op, sum(bytes), sum(a0), sum(a1) FROM event_data WHERE op IN "
+            f"{in_list(KINDS)} AND tid = ? AND ts_ns >= ? AND ts_ns < ? "
+            "AND id BETWEEN ? AND ? GROUP BY op",
+            (tid, v.win.start_ns, v.win.end_ns, v.node.lo, v.node.hi)):
+        name = KINDS[int(op)]
         out.stall_ns += int(stalled or 0)
         out.stalls += int(n or 0)
         out.pages += int(pages or 0)

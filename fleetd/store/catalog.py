@@ -126,9 +126,12 @@ def _build() -> list[Op]:
         # a0 = how many, a1 = the work function (args.function: its name).
         Op(503, "kwork_queued", "sched", "aggregate", "count", "function"),
         Op(600, "page_alloc", "mem", "aggregate", "order", None),
-        # A run of a thread's reclaim or compaction stalls: bytes = ns stalled in it,
-        # ret = kind (0 direct reclaim, 1 memcg reclaim, 2 direct compaction).
-        Op(601, "mem_reclaim", "mem", "interval", "stalls", "pages"),
+        # A run of one thread's stalls reclaiming at its cgroup's memory limit (memcg),
+        # reclaiming for a machine short of memory (direct) or compacting memory for a
+        # high-order allocation: bytes = ns stalled in the run, a0 stalls, a1 pages.
+        Op(601, "memcg_reclaim", "mem", "interval", "stalls", "pages"),
+        Op(602, "direct_reclaim", "mem", "interval", "stalls", "pages"),
+        Op(603, "direct_compaction", "mem", "interval", "stalls", "pages"),
         Op(700, "block_io", "block", "interval", "dev", "sector"),
         Op(800, "fork", "proc", "instant", None, None),
         Op(801, "exec", "proc", "instant", None, None),

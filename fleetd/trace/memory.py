@@ -11,8 +11,9 @@ Three sources, each exact in its own terms:
 
 * The kernel's vmscan and compaction tracepoints (bpf/host.bpf.c): the thread's own
   direct reclaim, memcg reclaim and direct compaction stalls, summed per thread in the
-  kernel into ``mem_reclaim`` runs. :func:`tracepoints` says which the kernel has;
-  :func:`leftover_runs` reads the runs not yet sent when tracing stops.
+  kernel into runs (``direct_reclaim``, ``memcg_reclaim``, ``direct_compaction``).
+  :func:`tracepoints` says which the kernel has; :func:`leftover_runs` reads the runs
+  not yet sent when tracing stops.
 * The cgroup's own accounting, sampled about once a second (:class:`MemorySampler`,
   ``mem_cgroup`` events): the limit that applies (v1 ``hierarchical_memory_limit``, v2
   the smallest ``memory.max`` on the way to the root), usage, peak, how often the limit
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleetd.store.catalog import op_code
 from fleetd.trace.cgroups import (
     CGROUP_ROOT,
     members_of,
@@ -48,7 +50,8 @@ TRACEPOINTS: dict[str, tuple[str, str]] = {
     "FL_COMPACTION": ("compaction/mm_compaction_begin", "compaction/mm_compaction_end"),
     "FL_KWORK": ("workqueue/workqueue_queue_work", "workqueue/workqueue_queue_work"),
 }
-KINDS = ("direct reclaim", "memcg reclaim", "direct compaction")  # a mem_reclaim's ret
+# The ops of a run, by the kind the kernel side keeps (0, 1, 2).
+RUN_OPS = ("direct_reclaim", "memcg_reclaim", "direct_compaction")
 NO_LIMIT = 1 << 60  # v1 writes "unlimited" as 2^63 rounded down to a page
 PSI_SYSTEM = Path("/proc/pressure/memory")
 
@@ -61,17 +64,18 @@ def tracepoints(roots: Iterable[Path] = TRACEFS) -> dict[str, bool]:
             for flag, pair in TRACEPOINTS.items()}
 
 
-def leftover_runs(table: Any, op: int, to_wall: Callable[[int], int]
-                  ) -> list[tuple[int, ...]]:
+def leftover_runs(table: Any, to_wall: Callable[[int], int]) -> list[tuple[int, ...]]:
     """Event rows for the stall runs still in the kernel's ``fl_reclaim`` map (the
     kernel sends a run once it spans 10 ms; the rest is read here when tracing stops)."""
     rows: list[tuple[int, ...]] = []
     for k, v in table.items():
-        if not int(v.stalls):
+        kind = int(v.kind)
+        if not int(v.stalls) or not 0 <= kind < len(RUN_OPS):
             continue
         first, last = int(v.first), int(v.last)
-        rows.append((to_wall(first), max(0, last - first), int(v.pid), int(k.value), op,
-                     int(v.kind), int(v.stall_ns), 0, int(v.stalls), int(v.pages), 0))
+        rows.append((to_wall(first), max(0, last - first), int(v.pid), int(k.value),
+                     op_code(RUN_OPS[kind]), 0, int(v.stall_ns), 0, int(v.stalls),
+                     int(v.pages), 0))
     return rows
 
 

@@ -535,7 +535,7 @@ class Tracer:
             table = self.bpf[b"fl_reclaim"]
         except KeyError:  # no reclaim tracepoints compiled in
             return
-        rows = leftover_runs(table, op_code("mem_reclaim"), self.clock.to_wall)
+        rows = leftover_runs(table, self.clock.to_wall)
         if rows:
             self.writer.add_events(rows)  # type: ignore[arg-type]
 

@@ -141,9 +141,9 @@ def test_a_memory_limit_makes_the_feeding_thread_reclaim(tmp_path: Path) -> None
     assert abs(ch["impact"] - t["reclaim_ns"] / t["wall_ns"]) < 1e-3, (ch["impact"], t)
     # ... and the runs stored add up to the kernel's histogram of every stall.
     [runs] = _sql(str(report["db"]), "SELECT count(*) AS n, sum(a0) AS stalls, sum(bytes) AS ns "
-                  f"FROM events WHERE op = 'mem_reclaim' AND pid = {report['pid']}")
+                  f"FROM events WHERE op = 'memcg_reclaim' AND pid = {report['pid']}")
     [hist] = _sql(str(report["db"]), "SELECT sum(count) AS stalls, sum(sum) AS ns FROM "
-                  f"aggregates WHERE op = 'mem_reclaim' AND pid = {report['pid']} "
+                  f"aggregates WHERE op = 'memcg_reclaim' AND pid = {report['pid']} "
                   "AND bucket < 0")
     assert runs["stalls"] == hist["stalls"] and runs["ns"] == hist["ns"], (runs, hist)
     text = json.dumps(ch["evidence"])
