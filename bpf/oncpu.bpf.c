@@ -69,3 +69,84 @@ int fl_cpu_sample(struct bpf_perf_event_data *ctx)
     bpf_ringbuf_submit(s, BPF_RB_NO_WAKEUP);
     return 0;
 }
+
+/* ---- exact collections: CPython's USDT probes python:gc__start / gc__done ----
+ * (user space: fleetd/trace/pyusdt.py attaches both where the interpreter has them and
+ * raises their semaphores). Start keeps (time, generation) per thread; done makes a
+ * record of collections at least FL_GC_MIN_NS long, so the many sub-millisecond young
+ * collections cost no ring space. */
+#ifndef FL_GC_MIN_NS
+#define FL_GC_MIN_NS 1000000ull
+#endif
+struct fl_gc_arg {
+    u32 reg;   /* byte offset of the register in struct pt_regs */
+    s32 off;   /* with deref: the argument is at reg + off in user memory */
+    u32 deref;
+    u32 size;
+};
+struct fl_gc_begin {
+    u64 ts;
+    s64 gen;
+};
+struct fl_gc_event {
+    u64 ts;
+    u64 dur;
+    u32 pid;
+    u32 tid;
+    s32 gen;
+    u32 kind; /* FL_GC_EVENT: tells it from a sample in the shared ring */
+};
+#define FL_GC_EVENT 0x6763u
+BPF_HASH(fl_gc_usdt, u32, struct fl_gc_arg, 1024);
+BPF_HASH(fl_gc_begin, u32, struct fl_gc_begin, 4096);
+
+int fl_gc_start(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tgid = id >> 32, tid = (u32)id;
+    if (!fl_is_target(tgid))
+        return 0;
+    struct fl_gc_begin b = {.ts = bpf_ktime_get_ns(), .gen = -1};
+    struct fl_gc_arg *a = fl_gc_usdt.lookup(&tgid);
+    if (a) {
+        u64 r = 0;
+        bpf_probe_read_kernel(&r, sizeof(r), (char *)ctx + (a->reg & 0xf8));
+        if (a->deref) {
+            s32 g = -1;
+            bpf_probe_read_user(&g, sizeof(g), (void *)(r + a->off));
+            b.gen = g;
+        } else {
+            b.gen = (s32)r;
+        }
+    }
+    fl_gc_begin.update(&tid, &b);
+    return 0;
+}
+
+int fl_gc_done(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    struct fl_gc_begin *b = fl_gc_begin.lookup(&tid);
+    if (!b)
+        return 0;
+    u64 now = bpf_ktime_get_ns();
+    u64 start = b->ts;
+    s64 gen = b->gen;
+    fl_gc_begin.delete(&tid);
+    if (now - start < FL_GC_MIN_NS || fl_stopped())
+        return 0;
+    struct fl_gc_event *e = fl_rb_cpu.ringbuf_reserve(sizeof(struct fl_gc_event));
+    if (!e) {
+        fl_count(FL_C_LOST_CPU);
+        return 0;
+    }
+    e->ts = start;
+    e->dur = now - start;
+    e->pid = id >> 32;
+    e->tid = tid;
+    e->gen = (s32)gen;
+    e->kind = FL_GC_EVENT;
+    bpf_ringbuf_submit(e, BPF_RB_NO_WAKEUP);
+    return 0;
+}

@@ -95,11 +95,13 @@ def oncpu_rules(ctx: Context) -> list[Chain]:
 # ---- gc_pause ---------------------------------------------------------------------------
 
 
-def _pauses(ctx: Context, tid: int) -> list[tuple[int, int, int]]:
-    """(start, length, samples) of the thread's GC pauses in the window."""
+def _pauses(ctx: Context, tid: int) -> list[tuple[int, int, int, int]]:
+    """(start, length, samples, generation) of the thread's GC pauses in the window:
+    from runs of samples (generation -1), or measured by the interpreter's USDT probes
+    (samples 0, generation known)."""
     v = ctx.view
-    return [(int(ts), int(dur), int(n)) for ts, dur, n in v.conn.execute(
-        "SELECT ts_ns, dur_ns, a0 FROM event_data WHERE op = ? AND tid = ? AND ts_ns >= ? "
+    return [(int(ts), int(dur), int(n), int(g)) for ts, dur, n, g in v.conn.execute(
+        "SELECT ts_ns, dur_ns, a0, a1 FROM event_data WHERE op = ? AND tid = ? AND ts_ns >= ? "
         "AND ts_ns < ? AND id BETWEEN ? AND ? ORDER BY ts_ns",
         (GC_PAUSE, tid, v.win.start_ns, v.win.end_ns, v.node.lo, v.node.hi))]
 
@@ -110,22 +112,29 @@ def _gc_chain(ctx: Context, ts: ThreadSamples) -> Chain | None:
     if ts.gc < MIN_GC_SAMPLES or share < MIN_GC_SHARE:
         return None
     pauses = _pauses(ctx, ts.tid)
-    longest = max((d for _, d, _ in pauses), default=ts.period_ns)
+    longest = max((d for _, d, _, _ in pauses), default=ts.period_ns)
+    gens = Counter(g for _, _, n, g in pauses if n == 0 and g >= 0)
+    exact = any(n == 0 for _, _, n, _ in pauses)
     host = ts.gc + sum(s.samples for s in ts.host)
     triggers = _gc_triggers(ts.stacks)
     hz = round(1e9 / ts.period_ns)
     detail: dict[str, Any] = {
         "pauses": len(pauses), "longest_ns": longest, "gc_ns": gc_ns,
         "gc_share": round(share, 4), "gc_samples": ts.gc, "samples": ts.total,
-        "period_ns": ts.period_ns, "generation": None,
+        "period_ns": ts.period_ns, "generation": max(gens) if gens else None,
+        "by_generation": {str(g): n for g, n in sorted(gens.items())},
+        "measured": "usdt" if exact else "samples",
         "running_share": round(ctx.share(ts.tid, "running"), 4),
         "triggers": triggers, "share_from": "on_cpu_samples"}
+    how = (" (measured by the interpreter's gc__start/gc__done probes; generations "
+           + ", ".join(f"{g}: {n}" for g, n in sorted(gens.items())) + ")") if exact else ""
     evidence = [{"kind": "gc_pause", "text":
                  f"{len(pauses)} pause(s) in the garbage collector between CUDA calls, "
-                 f"longest {longest / 1e6:.0f} ms; {ts.gc} of the thread's {ts.total} "
+                 f"longest {longest / 1e6:.0f} ms{how}; {ts.gc} of the thread's {ts.total} "
                  f"on-CPU samples at {hz} Hz were in the collector: about "
                  f"{gc_ns / 1e6:.0f} ms, {share:.1%} of the window",
-                 "pauses": [{"ts_ns": t, "dur_ns": d, "samples": n} for t, d, n in pauses[:20]]}]
+                 "pauses": [{"ts_ns": t, "dur_ns": d, "samples": n, "generation": g}
+                            for t, d, n, g in pauses[:20]]}]
     if triggers:
         evidence.append({"kind": "cpu_profile", "text": "collections started from "
                          + ", ".join(f"{t['frame']} ({t['samples']} samples)"

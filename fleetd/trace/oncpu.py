@@ -37,6 +37,7 @@ from fleetd.store.writer import BatchWriter
 from fleetd.trace import pydebug, pyframes
 from fleetd.trace.bpfsrc import CPU_SAMPLE, CPU_SAMPLE_SIZE, PY_FRAMES, PYFRAME, PYSTACK_HEAD
 from fleetd.trace.decoder import StackRef
+from fleetd.trace.pyusdt import GC_EVENT, GcProbes, load_bias
 from fleetd.trace.ringbuf import Chunk, RingReader
 from fleetd.trace.stacks import PythonTargets, merge, stack_hash
 from fleetd.trace.symbols import FunctionSymbols
@@ -50,6 +51,7 @@ GC_FRAME = "[garbage collection]"
 DEFAULT_HZ = 49  # not a divisor of common timer rates: no lockstep with periodic work
 INTERVAL_NS = 5_000_000_000
 PY_DEEPER = 3  # FL_PY_DEEPER
+GC_EVENT_KIND = 0x6763  # FL_GC_EVENT
 # Consecutive GC samples of a thread belong to one pause while no more than this many
 # periods lie between them (a sample can be missed while the thread is preempted).
 PAUSE_GAP_PERIODS = 2.5
@@ -114,14 +116,17 @@ class Counts:
     samples: dict[tuple[int, int, int], list[int]] = field(
         default_factory=lambda: defaultdict(lambda: [0, 0]))
     runs: dict[int, tuple[int, _Run]] = field(default_factory=dict)  # tid -> (pid, run)
-    # (start, length, pid, tid, samples, stack hash) of the pauses that ended
-    pauses: list[tuple[int, int, int, int, int, int]] = field(default_factory=list)
+    # (start, length, pid, tid, samples, stack hash, generation) of the pauses that ended
+    pauses: list[tuple[int, int, int, int, int, int, int]] = field(default_factory=list)
+    exact: set[int] = field(default_factory=set)  # pids whose pauses come from USDT
 
     def add(self, s: Sample, h: int) -> None:
         """Count one symbolized sample (``h``: its stack's hash)."""
         c = self.samples[(s.pid, s.tid, h)]
         c[0] += 1
         c[1] += int(s.gc)
+        if s.pid in self.exact:
+            return  # its pauses are measured, not estimated
         got = self.runs.get(s.tid)
         if got is not None and (not s.gc or s.ts - got[1].last > self._gap()):
             self._close(s.tid)
@@ -140,7 +145,7 @@ class Counts:
         # The pause began up to half a period before its first sample and ended up to
         # half a period after its last: one period beyond the samples' span.
         self.pauses.append((run.start, run.last - run.start + self.period_ns, pid, tid,
-                            run.samples, run.stack))
+                            run.samples, run.stack, -1))
 
     def close_stale(self, now: int) -> None:
         """End the pauses whose thread has had no sample for a while."""
@@ -155,8 +160,8 @@ class Counts:
             (to_wall(start), max(0, end - start), pid, tid, OP_CPU_SAMPLE, 0, self.period_ns,
              0, n, gc, h)
             for (pid, tid, h), (n, gc) in self.samples.items()]
-        out += [(to_wall(ts), dur, pid, tid, OP_GC_PAUSE, 0, 0, 0, n, -1, h)
-                for ts, dur, pid, tid, n, h in self.pauses]
+        out += [(to_wall(ts), dur, pid, tid, OP_GC_PAUSE, 0, 0, 0, n, gen, h)
+                for ts, dur, pid, tid, n, h, gen in self.pauses]
         self.samples.clear()
         self.pauses.clear()
         self.interval_start = end
@@ -180,6 +185,7 @@ class CpuSampler:
         self._stored: set[int] = set()
         self._gc_done: set[int] = set()  # pids whose GC flag is known (or known absent)
         self.gc_problems: dict[int, str] = {}
+        self.usdt = GcProbes(bpf)
         self.samples = 0
         self.unresolved = 0  # samples with no frame at all (counted as "[unknown]")
         self.rows_written = 0
@@ -232,8 +238,11 @@ class CpuSampler:
                 continue
             if addr is None:
                 self.gc_problems[pid] = f"{interp.label}: no known GC state offset"
-                continue
-            self.gc_map[ctypes.c_uint32(pid)] = ctypes.c_uint64(addr)
+            else:
+                self.gc_map[ctypes.c_uint32(pid)] = ctypes.c_uint64(addr)
+            bias = load_bias(pid, interp.path)
+            if bias is not None and self.usdt.follow(pid, interp.path, bias):
+                self.counts.exact.add(pid)
         for gone in self._gc_done - set(self.python.interps):
             self._gc_done.discard(gone)
             with contextlib.suppress(KeyError):
@@ -257,9 +266,12 @@ class CpuSampler:
         new: list[tuple[int, list[str]]] = []
         for raw in raws:
             s = parse(raw)
-            if s is None:
-                continue
-            self.counts.add(s, self._hash(s, new))
+            if s is not None:
+                self.counts.add(s, self._hash(s, new))
+            elif len(raw) >= GC_EVENT.size:  # an exact collection (USDT)
+                ts, dur, pid, tid, gen, kind = GC_EVENT.unpack_from(raw, 0)
+                if kind == GC_EVENT_KIND:
+                    self.counts.pauses.append((ts, dur, pid, tid, 0, 0, gen))
         self.samples += len(raws)
         if new:
             writer.add_stacks(new)
@@ -315,6 +327,8 @@ class CpuSampler:
             self.rows_written += len(rows)
         self.stacks.clear()
         self._hashes.clear()
+        if final:
+            self.usdt.close()  # the semaphores raised in the targets go back down
 
 
 def collecting_address(interp: pyframes.Interpreter) -> int | None:

@@ -167,7 +167,8 @@ def test_no_perf_events_is_a_warning_and_the_trace_goes_on() -> None:
     from fleetd.trace.oncpu import start_sampler
 
     said: list[str] = []
-    bpf = _NoPerfEvents({b"fl_cpu_stacks": object(), b"fl_cpu_gc": object()})
+    bpf = _NoPerfEvents({b"fl_cpu_stacks": object(), b"fl_cpu_gc": object(),
+                         b"fl_gc_usdt": object()})
     got = start_sampler(bpf, None, None, 49, lambda t: t, said.append)  # type: ignore[arg-type]
     assert got is None
     assert len(said) == 1 and "Operation not permitted" in said[0] and "profile" in said[0]
