@@ -11,6 +11,7 @@ added and nothing is guessed.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Mapping
 from typing import Any
 
 from fleetd.store.schema import PLACEMENT_COLUMNS
@@ -51,7 +52,7 @@ def fields(place: Placement | None) -> dict[str, str]:
     return out
 
 
-def label(obj: dict[str, Any]) -> str:
+def label(obj: Mapping[str, Any]) -> str:
     """`` (pod ns/name, container c)`` for a row carrying :func:`fields`, else ``""``."""
     pod, container = obj.get("pod"), obj.get("container")
     if pod:

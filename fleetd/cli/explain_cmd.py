@@ -454,6 +454,8 @@ def _processes(procs: list[dict[str, Any]], out: TextIO) -> None:
     rows = []
     # A pod column only when some process ran in a container (analyze.pods).
     placed = any(p.get("pod") or p.get("container") for p in procs)
+    # Reclaim (overlapping running) only when some thread reclaimed (analyze.memory).
+    reclaim = any(t.get("reclaim_ns") for p in procs for t in p["threads"])
     for p in procs:
         for t in p["threads"]:
             wall = max(1, int(t["wall_ns"]))
@@ -462,6 +464,7 @@ def _processes(procs: list[dict[str, Any]], out: TextIO) -> None:
                 *([_pod(p)] if placed else []),
                 *(f"{int(t.get(k) or 0) / wall:.1%}" for k in BREAKDOWN_KEYS),
                 _dur(int(t["in_cuda_ns"])) + ("*" if t["in_cuda_estimated"] else ""),
+                *([f"{int(t.get('reclaim_ns') or 0) / wall:.1%}"] if reclaim else []),
             ])
     if not rows:
         out.write("\nno traced threads in the window\n")
@@ -474,8 +477,10 @@ def _processes(procs: list[dict[str, Any]], out: TextIO) -> None:
                   "traces and --no-host record none), so where threads spent their time is "
                   "unknown\n")
         return
-    out.write("\nper-process breakdown (share of wall time; in_cuda overlaps the rest; "
-              "* = scaled from histograms):\n")
+    out.write("\nper-process breakdown (share of wall time; in_cuda overlaps the rest"
+              + (", reclaim overlaps running" if reclaim else "")
+              + "; * = scaled from histograms):\n")
     cols = ["node", "pid", "comm", "tid", "thread", *(["pod"] if placed else []),
-            *(k.removesuffix("_ns") for k in BREAKDOWN_KEYS), "in_cuda"]
+            *(k.removesuffix("_ns") for k in BREAKDOWN_KEYS), "in_cuda",
+            *(["reclaim"] if reclaim else [])]
     out.write(table(cols, rows[:40]))

@@ -26,6 +26,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
+from fleetd.analyze import pods
+
 # The per-thread columns that add up to the wall time (docs/explain.md), with a colour
 # and a label each.
 BREAKDOWN: tuple[tuple[str, str, str], ...] = (
@@ -544,7 +546,7 @@ def _who(task: Mapping[str, Any]) -> str:
         text += f" thread {task.get('thread') or '?'} tid {task.get('tid')}"
     elif task.get("tid") is not None:
         text += f" tid {task.get('tid')}"
-    return text
+    return text + pods.label(task)  # its pod and container, where recorded
 
 
 def _chain(c: Mapping[str, Any], index: int) -> str:

@@ -152,6 +152,15 @@ def test_a_memory_limit_makes_the_feeding_thread_reclaim(tmp_path: Path) -> None
         assert d.get("psi_some_share", 0) > 0, d
         assert "memory pressure (PSI)" in text
     assert any("raise the memory limit" in f for f in ch["fixes"]), ch["fixes"]
+    # The table: the chain, and the breakdown's reclaim column (shown when a thread
+    # reclaimed).
+    text = subprocess.run([FLEETD, "explain", "--db", str(report["db"]), "--wide"],
+                          capture_output=True, text=True, timeout=120).stdout
+    assert "[HIGH] memory_reclaim" in text or "[MEDIUM] memory_reclaim" in text, text
+    assert f"at its cgroup's memory limit (64 MiB, {d['cgroup']})" in text
+    after = text.split("per-process breakdown", 1)[1].splitlines()
+    header = next(line for line in after if line.startswith("node "))
+    assert header.split()[-1] == "reclaim", header
     # On the v1 memory controller each reclaim queues the cgroup's pressure notification
     # for a kernel worker: the tracer counts the work the thread queued, and a contention
     # chain whose top culprit is such a worker says the work was the thread's own.

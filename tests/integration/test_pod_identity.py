@@ -138,6 +138,10 @@ def test_the_pod_behind_the_process(tmp_path: Path) -> None:
     miss = _fleetd("explain", "--db", str(db), "--namespace", "prod", ok=False)
     assert miss.returncode == 2 and "pods recorded here: ml/trainer-0" in miss.stderr
     assert "Traceback" not in miss.stderr
+    page = tmp_path / "r.html"
+    _fleetd("explain", "--db", str(db), "--format", "html", "-o", str(page))
+    assert f"python pid {pid} tid {pid} (pod ml/trainer-0, container trainer)" in \
+        page.read_text()
     # The timeline names the process with its pod.
     out = tmp_path / "t.json"
     _fleetd("export", "--db", str(db), "--format", "perfetto", "-o", str(out))
