@@ -9,7 +9,7 @@ epoch seconds or ns), the same words the CLI takes (:class:`WindowSpec`).
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -21,10 +21,12 @@ from fleetd.errors import FleetdError, QueryError
 from fleetd.node.api import READERS, STATE, client_of, encode
 from fleetd.wire import paths
 from fleetd.wire.limits import INT64_MAX
+from fleetd.wire.shapes import ChainsReply, OpsReply
 
 MAX_TOP_N = 1000  # stacks per answer
 MAX_FRAMES = 128  # frames per stack
 MAX_BUCKETS = 500  # graph timeline buckets
+MAX_CPU_STACKS = 5000  # (thread, stack) counts per on-CPU profile answer
 OPS_BY = ("op", "kernel")  # /api/v1/ops?by=
 
 
@@ -48,7 +50,7 @@ def _bad_request(exc: FleetdError) -> QueryError:
     return QueryError(exc.message, exc.hint, code="bad_request")
 
 
-Job = Callable[[Analysis, str], dict[str, Any]]
+Job = Callable[[Analysis, str], Mapping[str, Any]]
 
 
 async def _run(request: web.Request, job: Job) -> web.StreamResponse:
@@ -70,7 +72,7 @@ async def chains(request: web.Request) -> web.StreamResponse:
     q = request.query
     pid, top_n = _int_param(q, "pid"), _int_param(q, "top_n")
 
-    def go(a: Analysis, node: str) -> dict[str, Any]:
+    def go(a: Analysis, node: str) -> ChainsReply:
         report = a.explain(pid)
         found = report["chains"][:top_n] if top_n else report["chains"]
         return {"node": node, "window": report["window"], "verdict": report["verdict"],
@@ -89,7 +91,7 @@ async def ops(request: web.Request) -> web.StreamResponse:
         raise QueryError(f"by={by[:40]!r} is not one of {'|'.join(OPS_BY)}",
                          "by=op (the default) or by=kernel", code="bad_request")
 
-    def go(a: Analysis, node: str) -> dict[str, Any]:
+    def go(a: Analysis, node: str) -> OpsReply:
         return {"node": node, "window": a.window.to_json(), "warnings": list(a.window.warnings),
                 "ops": a.op_stats(pid, per_process, by)}
 
@@ -121,6 +123,28 @@ async def stacks(request: web.Request) -> web.StreamResponse:
         out = a.stacks(op, pid, top_n, frames_n, min_dur_ns=min_dur_ns)
         out["stacks"] = out["stacks"][:top_n]
         return {"node": node, **out}
+
+    return await _run(request, go)
+
+
+async def cpu_stacks(request: web.Request) -> web.StreamResponse:
+    """The window's on-CPU samples per (thread, stack), heaviest first (fleetd profile)."""
+    from fleetd.analyze.profile import stack_counts, stacks_json
+
+    q = request.query
+    pid, tid = _int_param(q, "pid"), _int_param(q, "tid")
+    top_n = _int_param(q, "top_n", MAX_CPU_STACKS) or MAX_CPU_STACKS
+    frames_n = _int_param(q, "frames_n", MAX_FRAMES) or MAX_FRAMES
+
+    def go(a: Analysis, node: str) -> dict[str, Any]:
+        counts, period = [], 0
+        for sl in a.slices:
+            got, p = stack_counts(sl.conn, sl.node, sl.window, pid, tid)
+            counts += got
+            period = max(period, p)
+        found, left = stacks_json(counts, top_n, frames_n)
+        return {"node": node, "window": a.window.to_json(), "period_ns": period,
+                "stacks": found, "stacks_omitted": left, "warnings": list(a.window.warnings)}
 
     return await _run(request, go)
 
@@ -167,6 +191,7 @@ ROUTES = [
     web.get(paths.OVERVIEW, node_overview),
     web.get(paths.PROFILE, node_profile),
     web.get(paths.STACKS, stacks),
+    web.get(paths.CPU_STACKS, cpu_stacks),
     web.get(paths.GRAPHS, graphs),
     web.get(paths.GPU, gpu),
     web.get(paths.COLLECTIVES, collectives),

@@ -80,6 +80,26 @@ class StreamTrailer(TypedDict):
     error: NotRequired[ErrorDetail]
 
 
+class ChainsReply(TypedDict):
+    """``GET /api/v1/chains``: causal chains, most severe first (docs/explain.md)."""
+
+    node: str
+    window: dict[str, Any]  # start_ns, end_ns, start, end, label
+    verdict: str
+    chains: list[dict[str, Any]]
+    processes: list[dict[str, Any]]
+    warnings: list[str]
+
+
+class OpsReply(TypedDict):
+    """``GET /api/v1/ops``: op (or kernel) statistics, rows as ``fleetd ops`` prints."""
+
+    node: str
+    window: dict[str, Any]
+    warnings: list[str]
+    ops: list[dict[str, Any]]
+
+
 class FailureJson(TypedDict):
     """Why a node gave no usable answer, as a relay reports it per peer."""
 
