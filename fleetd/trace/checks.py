@@ -25,6 +25,7 @@ from fleetd.trace.libs import (
     exported_functions,
     search_usual_places,
 )
+from fleetd.trace.podcheck import containers_check, memory_stalls_check
 from fleetd.trace.probes import SPECS_BY_KIND, planned_symbols
 
 log = logging.getLogger("fleetd.trace.checks")
@@ -75,6 +76,7 @@ def _host_checks() -> tuple[list[Check], HeaderRoute | None]:
     route_check, route = _headers()
     checks.append(route_check)
     checks += _tracepoints()
+    checks += [memory_stalls_check(), containers_check()]  # #35: pods and memory stalls
     checks.append(_clock())
     return checks, route
 

@@ -236,3 +236,24 @@ def test_a_straggler_rank_is_named_with_its_pod() -> None:
     render_fleet(report, out)
     assert ("STRAGGLER rank 2 on gpu-3, pid 4242 (python) (pod ml/trainer-2, container "
             "trainer): last in 90%") in out.getvalue(), out.getvalue()
+
+
+def test_check_says_when_pods_cannot_be_named(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    from fleetd.trace import podcheck
+
+    # The records' directories, found where each runtime keeps them.
+    d = tmp_path / "run/containerd/io.containerd.runtime.v2.task/k8s.io"
+    d.mkdir(parents=True)
+    assert podcheck.runtime_dirs(tmp_path) == {"containerd": str(d)}
+    monkeypatch.setattr(podcheck, "_cgroup_namespace", lambda: (True, True))
+    monkeypatch.setattr(podcheck, "_pods_here", lambda proc=None: 3)
+    monkeypatch.setattr(podcheck, "runtime_dirs", lambda host=None: {})
+    c = podcheck.containers_check()
+    assert c.status == "warn" and "3 process(es) in Kubernetes pods" in c.detail
+    assert "/run/containerd" in c.fix
+    monkeypatch.setattr(podcheck, "runtime_dirs", lambda host=None: {"containerd": str(d)})
+    assert podcheck.containers_check().status == "ok"
+    monkeypatch.setattr(podcheck, "_cgroup_namespace", lambda: (False, False))
+    c = podcheck.containers_check()
+    assert c.status == "warn" and "hostPID" in c.fix
