@@ -158,3 +158,21 @@ def profile(stacks: list[StackCount], period_ns: int, top_n: int = 10) -> Profil
                    on_cpu_ns=n * period_ns, threads=len({(s.node, s.tid) for s in stacks}),
                    stacks=len(merged(stacks)), top=top_frames(stacks, top_n), note=note)
 
+
+
+class StackJson(TypedDict):
+    pid: int
+    tid: int
+    frames: list[str]
+    samples: int
+    gc: int
+
+
+def stacks_json(stacks: list[StackCount], top_n: int, frames_n: int
+                ) -> tuple[list[StackJson], int]:
+    """The ``top_n`` heaviest (thread, stack) counts as the node API answers them, at
+    most ``frames_n`` frames each (innermost first), and how many were left out."""
+    ranked = sorted(stacks, key=lambda s: (-s.samples, s.tid, s.frames))
+    return [StackJson(pid=s.pid, tid=s.tid, frames=list(s.frames[:frames_n]),
+                      samples=s.samples, gc=s.gc) for s in ranked[:top_n]], \
+        max(0, len(ranked) - top_n)

@@ -11,6 +11,7 @@ from typing import Any
 from orjson import dumps
 
 from fleetd.cli.explain_cmd import add_window, open_analysis, positive
+from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
 from fleetd.cli.output import write_rows
 from fleetd.errors import UsageError
 
@@ -31,7 +32,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "all samples; one sample stands for one period of CPU time. --format folded prints "
         "one line per stack, outermost frame first, joined by ';', then its samples (the "
         "input of flamegraph.pl, speedscope and inferno); --format speedscope writes a "
-        "file https://www.speedscope.app opens.",
+        "file https://www.speedscope.app opens. With --nodes (or a fleet config), every "
+        "agent answers its samples and the profile is merged per stack across nodes.",
     )
     add_window(p)
     p.add_argument("--pid", type=positive("pid"), help="only this process")
@@ -39,24 +41,34 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--node", help="only this node of a merged database")
     p.add_argument("--top", type=positive("--top"), default=20, metavar="N",
                    help="frames in the table (default 20)")
+    add_fleet_args(p)
     p.add_argument("--format", default="table", help=f"output format: {'|'.join(PROFILE_FORMATS)}")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetd.analyze.profile import (
-        StackCount,
-        folded_lines,
-        profile,
-        speedscope,
-        stack_counts,
-    )
+    from fleetd.analyze.profile import StackCount, stack_counts
 
     if args.format not in PROFILE_FORMATS:
         raise UsageError(f"unknown format {args.format!r}",
                          f"use one of: {', '.join(PROFILE_FORMATS)}")
     stacks: list[StackCount] = []
     period = 0
+    exit_code = 0
+    if fleet_mode(args):
+        from fleetd.analyze.window import WindowSpec
+        from fleetd.fleet.queries import cpu_stacks
+
+        result = cpu_stacks(fleet_options(args), WindowSpec(args.since, args.from_, args.to),
+                            args.pid, args.tid)
+        stacks = [StackCount(s["node"], s["pid"], s["tid"], tuple(s["frames"]), s["samples"],
+                             s["gc"]) for s in result.obj["stacks"]
+                  if args.node in (None, s["node"])]
+        period, exit_code = int(result.obj["period_ns"]), result.exit_code
+        _write(args, stacks, period)
+        if args.format == "table" or args.show_skew:
+            report(result.answer, args.show_skew)
+        return exit_code
     with open_analysis(args) as (_, analysis):
         slices = [sl for sl in analysis.slices if args.node in (None, sl.name)]
         if args.node is not None and not slices:
@@ -66,20 +78,26 @@ def run(args: argparse.Namespace) -> int:
             got, p = stack_counts(sl.conn, sl.node, sl.window, args.pid, args.tid)
             stacks += got
             period = max(period, p)
+    _write(args, stacks, period)
+    return exit_code
+
+
+def _write(args: argparse.Namespace, stacks: list[Any], period: int) -> None:
+    from fleetd.analyze.profile import folded_lines, profile, speedscope
+
     if args.format == "folded":
         sys.stdout.write("".join(line + "\n" for line in folded_lines(stacks)))
-        return 0
+        return
     if args.format == "speedscope":
         name = "fleetd profile" + (f" pid {args.pid}" if args.pid else "") + \
             (f" tid {args.tid}" if args.tid else "")
         sys.stdout.write(dumps(speedscope(stacks, name)).decode() + "\n")
-        return 0
+        return
     summary = profile(stacks, period, args.top)
     if args.format == "json":
         sys.stdout.write(dumps(summary).decode() + "\n")
-        return 0
+        return
     _table(summary)
-    return 0
 
 
 def _table(summary: Any) -> None:

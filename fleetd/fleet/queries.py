@@ -219,6 +219,29 @@ def stacks(opts: FleetOptions, window: WindowSpec, op: str | None, pid: int | No
     return result
 
 
+def cpu_stacks(opts: FleetOptions, window: WindowSpec, pid: int | None, tid: int | None
+               ) -> FleetResult:
+    """Every node's on-CPU samples per (thread, stack) (``GET /api/v1/cpu_stacks``): the
+    rows a merged profile is made of, each with its node; values that are not what the
+    route answers are left out."""
+    params = {k: str(v) for k, v in (("pid", pid), ("tid", tid)) if v}
+    result = _per_node(opts, window, paths.CPU_STACKS, params, "stacks")
+    found = []
+    for n in result.obj["nodes"]:
+        for s in n.get("stacks") or []:
+            frames = s.get("frames") if isinstance(s, dict) else None
+            if isinstance(frames, list) and all(isinstance(f, str) for f in frames) and all(
+                    isinstance(s.get(k), int) and s[k] >= 0 for k in ("pid", "tid", "samples",
+                                                                        "gc")):
+                found.append({"node": str(n["node"]), "pid": s["pid"], "tid": s["tid"],
+                              "frames": [f[:1000] for f in frames[:128]],
+                              "samples": s["samples"], "gc": s["gc"]})
+    result.obj["stacks"] = found
+    result.obj["period_ns"] = max((int(n["period_ns"]) for n in result.obj["nodes"]
+                                   if isinstance(n.get("period_ns"), int)), default=0)
+    return result
+
+
 def graphs(opts: FleetOptions, window: WindowSpec, pid: int | None, buckets: int
            ) -> FleetResult:
     """Every node's CUDA graph lifecycle per process (``GET /api/v1/graphs``)."""

@@ -14,6 +14,7 @@ OPS = "/api/v1/ops"
 OVERVIEW = "/api/v1/overview"
 PROFILE = "/api/v1/profile"
 STACKS = "/api/v1/stacks"
+CPU_STACKS = "/api/v1/cpu_stacks"  # on-CPU samples per (thread, stack): fleetd profile
 GRAPHS = "/api/v1/graphs"
 GPU = "/api/v1/gpu"
 COLLECTIVES = "/api/v1/collectives"
