@@ -17,7 +17,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fleetd import __version__
 from fleetd.store.catalog import BY_NAME
@@ -29,9 +29,6 @@ from fleetd.trace.clock import ClockMap
 from fleetd.trace.headers import HeaderRoute
 from fleetd.trace.libs import Library
 from fleetd.trace.probes import SPECS, AttachReport
-
-if TYPE_CHECKING:
-    from fleetd.trace.tracer import TraceConfig
 
 MAX_TARGETS_JSON = 1000
 # The drops that count as lost events: records the kernel or the writer could not keep.
@@ -136,7 +133,25 @@ def _scaled_sum(timed_sum: int, timed: int, total: int) -> int:
 # ---- the session row -----------------------------------------------------------------
 
 
-def targets_json(cfg: TraceConfig, targets: Mapping[int, str], libs: Iterable[Library],
+class TracedSet(Protocol):
+    """What the session row reads of the tracer's configuration
+    (:class:`fleetd.trace.tracer.TraceConfig`): named here, so that this module, which
+    the tracer imports, does not import the tracer back."""
+
+    @property
+    def cgroups(self) -> list[str]: ...
+
+    @property
+    def system_wide(self) -> bool: ...
+
+    @property
+    def layers(self) -> frozenset[str]: ...
+
+    @property
+    def sample(self) -> int: ...
+
+
+def targets_json(cfg: TracedSet, targets: Mapping[int, str], libs: Iterable[Library],
                  report: AttachReport) -> dict[str, Any]:
     """What is traced: target pids by origin, cgroups, libraries and their probes."""
     # Named targets first; a fork-heavy workload must not make the row huge.
