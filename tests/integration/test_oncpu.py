@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agents import agent, make_pki
 from recorder import wait_for_libcudart
 
 from conftest import FLEETD, REPO
@@ -47,7 +48,7 @@ SPIN = ["--launches", "8", "--memcpy", "1", "--cpu-us", "2000"]  # 2 ms of Pytho
 
 
 def trace_live(tmp_path: Path, argv: list[str], seconds: int = 8,
-               python: str = PY) -> tuple[Path, int]:
+               python: str = PY, node: str | None = None) -> tuple[Path, int]:
     """Run a workload, trace it for ``seconds`` with the defaults; the database and the
     workload's pid."""
     go, db = tmp_path / "go", tmp_path / "t.db"
@@ -56,7 +57,8 @@ def trace_live(tmp_path: Path, argv: list[str], seconds: int = 8,
     try:
         wait_for_libcudart(wl.pid)
         tr = subprocess.Popen([FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db),
-                               "--duration", f"{seconds}s", "--summary-json"],
+                               "--duration", f"{seconds}s", "--summary-json",
+                               *(["--node", node] if node else [])],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert tr.stderr is not None
         for line in tr.stderr:
@@ -166,7 +168,7 @@ def test_gc_freeze_and_a_bounded_history_leave_no_gc_pause(tmp_path: Path) -> No
 
 
 def test_a_python_hot_loop_between_launches_is_host_cpu_bound(tmp_path: Path) -> None:
-    db, pid = trace_live(tmp_path, [str(TRAIN), *SPIN])
+    db, pid = trace_live(tmp_path, [str(TRAIN), *SPIN], node="oncpu-1")
     report = explain(db)
     [ch] = chains(report, "host_cpu_bound")
     assert ch["victim"]["tid"] == pid
@@ -187,6 +189,14 @@ def test_a_python_hot_loop_between_launches_is_host_cpu_bound(tmp_path: Path) ->
         int(ln.rsplit(" ", 1)[1]) for ln in folded.splitlines())
     table = fleetd("profile", "--db", str(db), "--pid", str(pid))
     assert "Workload._cpu (train_loop.py:" in table
+    # The same profile from the node's agent (GET /api/v1/cpu_stacks, over mTLS).
+    pki = make_pki(tmp_path / "pki", ["oncpu-1"], ["laptop"])
+    cert, key = pki.pair("laptop")
+    with agent(db, "oncpu-1", pki, "--no-trace") as a:
+        got = fleetd("profile", "--nodes", "oncpu-1=" + a.url.removeprefix("https://"),
+                     "--ca-cert", str(pki.ca), "--client-cert", str(cert), "--client-key",
+                     str(key), "--pid", str(pid), "--format", "folded")
+    assert sorted(got.splitlines()) == sorted(folded.splitlines())
 
 
 def test_the_quiet_loop_is_neither(tmp_path: Path) -> None:
