@@ -5,6 +5,8 @@ top frames, folded lines and speedscope document."""
 from __future__ import annotations
 
 import struct
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -172,3 +174,82 @@ def test_no_perf_events_is_a_warning_and_the_trace_goes_on() -> None:
     got = start_sampler(bpf, None, None, 49, lambda t: t, said.append)  # type: ignore[arg-type]
     assert got is None
     assert len(said) == 1 and "Operation not permitted" in said[0] and "profile" in said[0]
+
+
+# ---- the rules, on synthetic recordings (tests/synth.py's training loop) ------------------
+
+PERIOD_49 = 1_000_000_000 // 49
+HOT_STACK = ["Workload._cpu (/w/train_loop.py:243)", "Workload.step (/w/train_loop.py:302)"]
+SYNC_STACK = ["cudaStreamSynchronize (libcudart.so.12)", "Workload.step (/w/train_loop.py:310)"]
+GC_STACK = ["[garbage collection]", "GcWorkload.step (/w/gc_loop.py:43)"]
+
+
+def _recording(tmp_path: Path, samples: list[tuple[list[str], int, int]],
+               pauses: list[tuple[int, int]] = (), sync_every: int = 10,
+               gpu_ns: int = 2_000_000) -> dict[str, Any]:
+    """synth's 6 s training loop, plus on-CPU sample rows of its feeding thread (stack,
+    samples, of them in the collector) and gc_pause events (offset, length); explained."""
+    from synth import MAIN, MAIN_TID, T0, Timeline, base, training_loop
+
+    from fleetd.analyze.explain import explain
+    from fleetd.store.writer import BatchWriter
+    from fleetd.trace.stacks import stack_hash
+
+    tl = Timeline()
+    base(tl)
+    training_loop(tl, sync_every=sync_every, gpu_ns=gpu_ns)
+    db = tl.write(tmp_path / "r.db")
+    rows = [(T0, 6 * 10**9, MAIN, MAIN_TID, OP_CPU_SAMPLE, 0, PERIOD_49, 0, n, gc,
+             stack_hash(frames)) for frames, n, gc in samples]
+    rows += [(T0 + at, dur, MAIN, MAIN_TID, OP_GC_PAUSE, 0, 0, 0, dur // PERIOD_49, -1,
+              stack_hash(GC_STACK)) for at, dur in pauses]
+    with BatchWriter(db, "gpu-01") as w:
+        w.add_stacks([(stack_hash(f), f) for f, _, _ in samples])
+        w.add_events(rows)  # type: ignore[arg-type]
+    return explain(db)
+
+
+def _roots(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["root_cause"]: c for c in report["chains"]}
+
+
+def test_a_thread_on_the_cpu_between_launches_is_host_cpu_bound(tmp_path: Path) -> None:
+    report = _recording(tmp_path, [(HOT_STACK, 250, 0), (SYNC_STACK, 10, 0)])
+    ch = _roots(report)["host_cpu_bound"]
+    d = ch["detail"]
+    assert d["top_frames"][0]["frame"] == "Workload._cpu (train_loop.py:243)"
+    assert d["top_frames"][0]["share"] == pytest.approx(250 / 260, abs=1e-3)
+    # The share it states is its samples' time over the wall, and says so.
+    assert ch["impact"] == pytest.approx(250 * PERIOD_49 / 6e9, abs=0.01)
+    assert f"{ch['impact']:.1%} of wall time" in ch["summary"]
+    assert ch["culprits"] == [] and "DataLoader workers" in ch["fixes"][0]
+
+
+def test_a_busy_thread_that_waits_for_the_gpu_is_not_cpu_bound(tmp_path: Path) -> None:
+    """The samples that make the verdict above, but every step ends in an 8 ms sync: the
+    thread waits for the GPU most of its time, so the GPU, not the host, sets the pace."""
+    report = _recording(tmp_path, [(HOT_STACK, 250, 0), (SYNC_STACK, 10, 0)],
+                        sync_every=1, gpu_ns=8_000_000)
+    assert "host_cpu_bound" not in _roots(report), report["chains"]
+    t = next(t for p in report["processes"] for t in p["threads"] if t["tid"] == 1000)
+    assert int(t["in_cuda_ns"]) > 0.5 * int(t["wall_ns"])  # it did wait
+
+
+def test_a_quiet_thread_has_no_verdict_from_its_samples(tmp_path: Path) -> None:
+    report = _recording(tmp_path, [(HOT_STACK, 12, 0), (GC_STACK, 1, 1)])
+    roots = _roots(report)
+    assert "host_cpu_bound" not in roots and "gc_pause" not in roots, report["chains"]
+
+
+def test_collector_samples_and_pauses_are_a_gc_pause_chain(tmp_path: Path) -> None:
+    pauses = [(1_000_000_000, 180_000_000), (3_000_000_000, 120_000_000)]
+    report = _recording(tmp_path, [(HOT_STACK, 20, 0), (GC_STACK, 15, 15)], pauses)
+    ch = _roots(report)["gc_pause"]
+    d = ch["detail"]
+    assert d["pauses"] == 2 and d["longest_ns"] == 180_000_000 and d["gc_samples"] == 15
+    assert ch["impact"] == pytest.approx(15 * PERIOD_49 / 6e9, abs=0.005)
+    assert d["triggers"][0]["frame"] == "GcWorkload.step (gc_loop.py:43)"
+    assert d["measured"] == "samples" and d["generation"] is None
+    assert "gc.freeze()" in ch["fixes"][0] and ch["culprits"] == []
+    # Neither is the GC time a CPU-bound verdict (it is gc_pause's).
+    assert "host_cpu_bound" not in _roots(report)
