@@ -26,6 +26,7 @@ from fleetd.trace.libs import (
     search_usual_places,
 )
 from fleetd.trace.podcheck import containers_check, memory_stalls_check
+from fleetd.trace.preflight import cpu_clock_check
 from fleetd.trace.probes import SPECS_BY_KIND, planned_symbols
 
 log = logging.getLogger("fleetd.trace.checks")
@@ -77,6 +78,7 @@ def _host_checks() -> tuple[list[Check], HeaderRoute | None]:
     checks.append(route_check)
     checks += _tracepoints()
     checks += [memory_stalls_check(), containers_check()]  # #35: pods and memory stalls
+    checks.append(cpu_clock_check())  # #34: the on-CPU sampler's perf events
     checks.append(_clock())
     return checks, route
 

@@ -1,13 +1,17 @@
 """What tracing needs of the machine before anything is compiled: root and tracefs
-(mounted here when it is missing), each refused with the fix."""
+(mounted here when it is missing), each refused with the fix; and whether the on-CPU
+sampler's perf events can be had (``fleetd check``)."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
+import platform
+import struct
 from pathlib import Path
 
+from fleetd.checks import OK, WARN, Check
 from fleetd.errors import TraceError
 
 log = logging.getLogger("fleetd.trace.preflight")
@@ -44,3 +48,35 @@ def ensure_tracefs() -> str:
         )
     log.info("mounted tracefs at %s", path)
     return str(path)
+
+
+# perf_event_open(2): the syscall number, and the attribute fields the check sets.
+_SYS_PERF_EVENT_OPEN = {"x86_64": 298, "aarch64": 241}
+_PERF_TYPE_SOFTWARE, _PERF_COUNT_SW_CPU_CLOCK = 1, 0
+_PERF_ATTR_SIZE = 128  # PERF_ATTR_SIZE_VER7; the kernel accepts any known size
+_PERF_FLAG_DISABLED, _PERF_FLAG_FREQ = 1, 1 << 10
+
+
+def cpu_clock_check(hz: int = 49) -> Check:
+    """Whether the on-CPU sampler's perf event (a software CPU clock on every CPU, at
+    ``hz`` samples a second) can be opened here: one, disabled, on CPU 0, then closed."""
+    nr = _SYS_PERF_EVENT_OPEN.get(platform.machine())
+    if nr is None:
+        return Check("cpu-samples", WARN,
+                     f"unknown perf_event_open syscall number on {platform.machine()}")
+    attr = (ctypes.c_uint8 * _PERF_ATTR_SIZE)()
+    struct.pack_into("<IIQQQQQ", attr, 0, _PERF_TYPE_SOFTWARE, _PERF_ATTR_SIZE,
+                     _PERF_COUNT_SW_CPU_CLOCK, hz, 0, 0,
+                     _PERF_FLAG_DISABLED | _PERF_FLAG_FREQ)
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(nr, ctypes.byref(attr), -1, 0, -1, 0)
+    if fd >= 0:
+        os.close(fd)
+        return Check("cpu-samples", OK,
+                     f"CPU-clock perf events open ({hz} Hz default, --cpu-sample-hz)")
+    err = os.strerror(ctypes.get_errno())
+    return Check("cpu-samples", WARN, f"perf_event_open of a CPU clock failed: {err}; "
+                 "traces go on without on-CPU samples (fleetd profile, gc_pause, "
+                 "host_cpu_bound)",
+                 "run as root or with CAP_PERFMON, lower kernel.perf_event_paranoid, or in "
+                 "a container allow perf_event_open (seccomp, --privileged)")

@@ -253,3 +253,26 @@ def test_collector_samples_and_pauses_are_a_gc_pause_chain(tmp_path: Path) -> No
     assert "gc.freeze()" in ch["fixes"][0] and ch["culprits"] == []
     # Neither is the GC time a CPU-bound verdict (it is gc_pause's).
     assert "host_cpu_bound" not in _roots(report)
+
+
+def test_fleetd_check_says_whether_the_sampler_can_run() -> None:
+    """As root the CPU-clock event opens; as nobody (perf_event_paranoid >= 1 refuses a
+    system-wide event to an unprivileged user) the row warns, with the way out."""
+    import os
+    import subprocess
+    import sys
+
+    from fleetd.trace.preflight import cpu_clock_check
+
+    if os.geteuid() != 0:
+        pytest.fail("run as root (CI does): this checks both sides of the privilege line")
+    ok = cpu_clock_check()
+    assert ok.status == "ok" and ok.name == "cpu-samples", ok
+    if int(Path("/proc/sys/kernel/perf_event_paranoid").read_text()) < 1:
+        return  # everyone may open it here: there is no refusal to see
+    code = ("from fleetd.trace.preflight import cpu_clock_check; c = cpu_clock_check(); "
+            "print(c.status, '|', c.detail, '|', c.fix)")
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.startswith("warn |") and "CAP_PERFMON" in out, out
