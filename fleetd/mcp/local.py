@@ -150,6 +150,32 @@ class LocalBackend:
 
         return self.analyze(go)
 
+    def cpu_profile(self, win: WindowSpec, pid: int | None, tid: int | None, top_n: int,
+                    stacks_n: int, node: str | None) -> dict[str, Any]:
+        """The on-CPU profile (fleetd profile): top frames, and the heaviest stacks."""
+        from fleetd.analyze.profile import StackCount, profile, stack_counts, stacks_json
+
+        def go(conn: sqlite3.Connection) -> dict[str, Any]:
+            a = Analysis.of(conn, win, node)
+            counts: list[StackCount] = []
+            period = 0
+            for sl in a.slices:
+                got, p = stack_counts(sl.conn, sl.node, sl.window, pid, tid)
+                counts += got
+                period = max(period, p)
+            summary = profile(counts, period, top_n)
+            heavy, left = stacks_json(counts, stacks_n, 32)
+            out: dict[str, Any] = {"window": a.window.to_json(), "pid": pid, "tid": tid,
+                                   **{k: v for k, v in summary.items() if k != "note"},
+                                   "stacks": heavy, **shown("stacks", len(heavy) + left,
+                                                            stacks_n),
+                                   "warnings": list(a.window.warnings)}
+            if summary["note"]:
+                out["note"] = summary["note"]
+            return out
+
+        return self.analyze(go)
+
     def run_sql(self, sql: str, params: list[Any], max_rows: int, timeout_s: float
                 ) -> dict[str, Any]:
         limits = self.sql_limits.lowered(timeout_s=timeout_s, max_rows=max_rows)

@@ -39,12 +39,14 @@ TRACED_KEYS = frozenset({
     "cmdline", "frames", "host", "kernel", "command", "targets", "args", "boot_id",
     # Where a process ran, read from its cgroup path, the runtime's files, its HOSTNAME.
     "cgroup", "pod", "namespace", "container", "container_name", "pod_uid",
+    # A stack frame on its own: on-CPU profiles' top frames, a lock holder's line.
+    "frame", "where",
 })
 # Of those, the names that fleetd's sentences quote ("stress (pid 2000) ran instead",
 # "(pod ml/trainer-0, container trainer)").
 NAME_KEYS = frozenset({
     "comm", "thread", "peer_comm", "victim_comm", "culprit_comm", "main_comm", "exe", "host",
-    "pod", "namespace", "container",
+    "pod", "namespace", "container", "frame", "where",
 })
 NAME_CAP = 256  # a traced name or frame
 TEXT_CAP = 2000  # one of fleetd's sentences, a SQL cell
