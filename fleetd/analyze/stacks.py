@@ -17,7 +17,7 @@ import orjson
 from fleetd.analyze.data import in_list, name_of
 from fleetd.analyze.model import NodeSlice
 from fleetd.errors import UsageError
-from fleetd.store.catalog import BY_NAME
+from fleetd.store.catalog import BY_NAME, OPS
 
 NOTE_NO_STACKS = ("no stack was recorded for these events: the tracer stores stacks only "
                   "with --stacks (every call past --stack-slow, 1 in --stack-sample kept "
@@ -91,6 +91,9 @@ def _group(sl: NodeSlice, row: tuple[Any, ...], frames: list[str], frames_n: int
     return item
 
 
+BY_SOURCE_CPU = [o.code for o in OPS if o.source == "cpu"]  # cpu_sample, gc_pause
+
+
 def _event_filter(sl: NodeSlice, op_code: int | None, pid: int | None, min_dur_ns: int = 0
                   ) -> tuple[str, list[int]]:
     where = "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
@@ -101,6 +104,8 @@ def _event_filter(sl: NodeSlice, op_code: int | None, pid: int | None, min_dur_n
     if op_code is not None:
         where += " AND op = ?"
         params.append(op_code)
+    else:  # on-CPU samples and GC pauses have stacks too: `fleetd profile` reads them
+        where += f" AND op NOT IN {in_list(BY_SOURCE_CPU)}"
     if pid is not None:
         where += " AND pid = ?"
         params.append(pid)

@@ -223,6 +223,15 @@ def test_a_thread_on_the_cpu_between_launches_is_host_cpu_bound(tmp_path: Path) 
     assert ch["impact"] == pytest.approx(250 * PERIOD_49 / 6e9, abs=0.01)
     assert f"{ch['impact']:.1%} of wall time" in ch["summary"]
     assert ch["culprits"] == [] and "DataLoader workers" in ch["fixes"][0]
+    # `fleetd stacks` groups the stacks of CUDA calls: the samples' stacks are not such.
+    import sqlite3
+
+    from fleetd.analyze.facade import Analysis
+    from fleetd.analyze.window import WindowSpec
+
+    with sqlite3.connect(tmp_path / "r.db") as conn:
+        got = Analysis.of(conn, WindowSpec()).stacks(None, None, 10, 16)
+    assert got["stacks"] == [], got["stacks"][:1]
 
 
 def test_a_busy_thread_that_waits_for_the_gpu_is_not_cpu_bound(tmp_path: Path) -> None:
