@@ -41,7 +41,8 @@ from fleetd.trace.cgroups import (
 )
 
 TRACEFS = (Path("/sys/kernel/tracing/events"), Path("/sys/kernel/debug/tracing/events"))
-# -D flag -> the begin and end tracepoints it attaches (all must exist to compile).
+# -D flag -> the tracepoints it attaches, all of which must exist to compile: a stall's
+# begin and end, or (FL_KWORK) the one that counts kernel work, named twice.
 TRACEPOINTS: dict[str, tuple[str, str]] = {
     "FL_VMSCAN": ("vmscan/mm_vmscan_direct_reclaim_begin",
                   "vmscan/mm_vmscan_direct_reclaim_end"),
