@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetd.analyze import causes
 from fleetd.analyze.chains import Chain, severity
 from fleetd.analyze.data import args_object, in_list
 from fleetd.analyze.oncpu import MIN_HOST_SHARE
@@ -239,6 +240,10 @@ def own_kernel_work(ctx: Context, chains: list[Chain]) -> None:
                                         "reclaim": tid in reclaiming}
         why = ("; vmpressure_work_fn is its memory cgroup's pressure notification, which "
                "its reclaim queues" if "vmpressure_work_fn" in queued else "")
+        # The one line a verdict quotes says it too, not only the evidence.
+        origin = " from its reclaim at its memory limit" if tid in reclaiming else ""
+        ch.summary = (f"{causes.summary(ch)}; the kworkers ran work the thread queued "
+                      f"itself ({top[0][0]} x{top[0][1]}{origin})")
         ch.extra_evidence.insert(0, {"kind": "kernel_work", "tid": tid, "queued": total,
                                      "text": f"thread {tid} itself queued {total} work "
                                      "item(s) for the kernel's workers in the window ("

@@ -173,6 +173,7 @@ def test_a_memory_limit_makes_the_feeding_thread_reclaim(tmp_path: Path) -> None
                 and (c["culprit"] or {}).get("comm", "").startswith("kworker/"):
             assert c["detail"]["own_kernel_work"]["reclaim"] is True, c["detail"]
             assert "raise its memory limit" in c["fixes"][0], c["fixes"]
+            assert "the kworkers ran work the thread queued itself" in c["summary"], c
 
 
 def test_without_a_limit_there_is_no_reclaim_chain(tmp_path: Path) -> None:
