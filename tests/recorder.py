@@ -171,9 +171,11 @@ class NodeRun:
 
 
 def _trace_nodes(runs: list[NodeRun], neighbours: list[tuple[tuple[str, ...], int]],
-                 seconds: float, places: dict[str, str], go: Path) -> None:
-    """Start every workload, trace each with its own ``fleetd trace``, start the
-    neighbours, let the workloads go, and wait until all of them are done."""
+                 seconds: float, places: dict[str, str], go: Path,
+                 trace_args: tuple[str, ...] = ()) -> None:
+    """Start every workload, trace each with its own ``fleetd trace`` (``--stacks`` and
+    ``trace_args``), start the neighbours, let the workloads go, and wait until all of
+    them are done."""
     with _processes() as procs:
         loads: list[subprocess.Popen[str]] = []
         tracers: list[tuple[subprocess.Popen[str], StderrLog]] = []
@@ -190,7 +192,7 @@ def _trace_nodes(runs: list[NodeRun], neighbours: list[tuple[tuple[str, ...], in
             wait_for_libcudart(wl.pid)
             tr = subprocess.Popen(
                 [FLEETD, "trace", "--pid", str(wl.pid), "--db", str(r.db), "--node", r.node,
-                 "--stacks"],
+                 "--stacks", *trace_args],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             procs.append(tr)
             log = StderrLog(tr)
@@ -253,8 +255,10 @@ def _scratch() -> Iterator[tuple[dict[str, str], Path]]:
         yield {"disk": disk, "shared": f"{shm}/status.bin"}, Path(disk) / "go"
 
 
-def record(sc: Scenario, out_dir: Path, seconds: float = 6.0, node: str = NODE) -> Path:
-    """Run one scenario under ``fleetd trace``; returns the compacted database."""
+def record(sc: Scenario, out_dir: Path, seconds: float = 6.0, node: str = NODE,
+           trace_args: tuple[str, ...] = ()) -> Path:
+    """Run one scenario under ``fleetd trace`` (with ``trace_args``); returns the
+    compacted database."""
     out_dir.mkdir(parents=True, exist_ok=True)
     db = out_dir / f"{sc.name}.db"
     mine, other = _cpus()
@@ -262,7 +266,7 @@ def record(sc: Scenario, out_dir: Path, seconds: float = 6.0, node: str = NODE) 
         else []
     with _scratch() as (places, go):
         _trace_nodes([NodeRun(node, db, sc.workload, mine)], hood, sc.seconds or seconds,
-                     places, go)
+                     places, go, trace_args)
     return db
 
 

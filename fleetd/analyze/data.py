@@ -106,6 +106,7 @@ def active_span(conn: sqlite3.Connection, node: Node, win: Window, pid: int
 
 
 UNTIMED_BUCKET = -3  # aggregate_data: calls counted without a duration
+DUTY_BUCKET = -4  # aggregate_data: ns the launch probes were on (always-on mode)
 
 
 @dataclass(slots=True)
@@ -118,6 +119,10 @@ class Hist:
     # Calls counted without a duration (entry-only launches, aggregate bucket -3): the
     # buckets then hold a sample of the calls and ``total`` is an estimate from it.
     untimed: int = 0
+    # The always-on mode (aggregate bucket -4): ns the launch probes were on, of the
+    # windows' ns; count, total and buckets are then already scaled to the windows.
+    duty_on_ns: int = 0
+    duty_ns: int = 0
 
     @property
     def timed_sample(self) -> bool:
@@ -134,6 +139,8 @@ class Hist:
         self.count += other.count
         self.total += other.total
         self.untimed += other.untimed
+        self.duty_on_ns += other.duty_on_ns
+        self.duty_ns += other.duty_ns
         for b, (c, s) in (other.buckets or {}).items():
             self.add_bucket(b, c, s)
 
@@ -225,6 +232,8 @@ def histograms(
         h = out.setdefault((int(p), int(op)), Hist())
         if bucket == UNTIMED_BUCKET:
             h.untimed = round(count)
+        elif bucket == DUTY_BUCKET:
+            h.duty_on_ns, h.duty_ns = round(count), round(total)
         elif bucket < 0:
             h.count, h.total = round(count), round(total)
             totals.add((int(p), int(op)))

@@ -19,6 +19,8 @@ call. So each row says where its numbers come from:
   --no-launch-returns``): the count is exact, but only the sampled calls were timed, so
   the percentiles are over that uniform sample and the total is the sample's scaled to
   every call (estimates); with no call timed they are unknown (null), never 0.
+- ``duty_cycle``: the always-on mode (``--mode always-on``): the launch probes ran a
+  part of each aggregate window and every figure is scaled from that part (estimates).
 
 Syscalls get one row per syscall (``futex``, ``read``...), from the stored events, which
 hold the calls slower than the tracer's threshold; sleeps the program asked for
@@ -141,6 +143,10 @@ def _row(
             source = "timed_sample"
             if h.untimed >= h.count:
                 total, qs, mx, exact = None, [None, None, None], None, False
+        if h.duty_ns:
+            # Always-on mode: the launch probes ran part of each window; the figures
+            # are scaled from those parts (estimates).
+            source = "duty_cycle"
     else:
         count, total = len(durs), int(sum(durs))
         qs = [_exact_quantile(durs, q) if durs else None for q in (0.5, 0.95, 0.99)]

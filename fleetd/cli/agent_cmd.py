@@ -172,6 +172,7 @@ def _tracer_factory(args: argparse.Namespace, cfg: Config, s: AgentSettings) -> 
         cuda_lib=args.cuda_lib or cfg.trace.cuda_lib, host=not args.no_host and cfg.trace.host,
         sample=args.sample or cfg.trace.sample,
         cpu_sample_hz=cpu_sample_hz(args.cpu_sample_hz), launch_returns=args.launch_returns,
+        mode=args.mode,
     )
 
 

@@ -123,8 +123,14 @@ def add_cpu_sample_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_launch_returns_arg(p: argparse.ArgumentParser) -> None:
-    """--launch-returns / --no-launch-returns, shared by trace and agent."""
+    """--launch-returns / --no-launch-returns and --mode, shared by trace and agent."""
     from fleetd.trace.modes import LAUNCH_RETURNS
+
+    p.add_argument("--mode", choices=("full", "always-on"), default="full",
+                   help="full (default): every probe all the time; always-on: kernel "
+                   "launches and async copies traced at entry 1 s of every 10 s, their "
+                   "statistics scaled (marked duty_cycle), everything else continuous "
+                   "(docs/performance.md)")
 
     p.add_argument("--launch-returns", action=argparse.BooleanOptionalAction,
                    default=LAUNCH_RETURNS,
@@ -195,7 +201,7 @@ def build_config(args: argparse.Namespace) -> TraceConfig:
         },
         max_db_bytes=args.max_db_bytes,
         cpu_sample_hz=cpu_sample_hz(args.cpu_sample_hz),
-        launch_returns=args.launch_returns,
+        launch_returns=args.launch_returns, mode=args.mode,
         command=" ".join(["fleetd", *sys.argv[1:]]) if sys.argv else None,
     )
 

@@ -78,12 +78,17 @@ class Histograms:
     -2 = calls that returned an error (count); -3 = calls counted without a duration
     (entry-only launches whose return was not sampled, fleetd.trace.modes): then -1's
     count is every call but its sum is an estimate, the timed calls' sum scaled to all
-    of them, and the buckets hold only the timed calls (a uniform sample).
+    of them, and the buckets hold only the timed calls (a uniform sample); -4 = the
+    always-on mode's mark on a launch op: count = ns its probes were on in the window,
+    sum = the window's ns, every other row of it already scaled by their ratio.
     """
 
     def __init__(self) -> None:
         self.window_start = 0  # CLOCK_MONOTONIC ns
         self._prev: dict[tuple[int, int], _Totals] = {}
+        # The always-on mode: (window end, window ns) -> the launch probes' on-time in
+        # it, None when on all along (fleetd.trace.dutycycle.DutyCycle.take_on_ns)
+        self.launch_on: Callable[[int, int], int | None] | None = None
 
     def close_window(self, bpf: Any, session: int, to_wall: Callable[[int], int],
                      now_mono: int) -> list[AggregateRow]:
@@ -91,22 +96,27 @@ class Histograms:
         start, dur = self.window_start, max(0, now_mono - self.window_start)
         ts = to_wall(start)
         rows: list[AggregateRow] = []
+        on_ns = self.launch_on(now_mono, dur) if self.launch_on is not None else None
         for k, v in bpf[b"fl_hist"].items():
             key = int(k.value)
             pid, op = key >> 32, key & 0xFFFFFFFF
             counts, sums, total, total_sum, errors = self._delta((pid, op), v)
             if total <= 0:
                 continue
+            mine: list[AggregateRow] = []
             for b in range(NBUCKETS):
                 if counts[b]:
-                    rows.append((session, ts, dur, pid, op, b, counts[b], sums[b]))
+                    mine.append((session, ts, dur, pid, op, b, counts[b], sums[b]))
             untimed = total - sum(counts) if op in ENTRY_ONLY_CODES else 0
             if untimed > 0:
-                rows.append((session, ts, dur, pid, op, -3, untimed, 0))
+                mine.append((session, ts, dur, pid, op, -3, untimed, 0))
                 total_sum = _scaled_sum(total_sum, total - untimed, total)
-            rows.append((session, ts, dur, pid, op, -1, total, total_sum))
+            mine.append((session, ts, dur, pid, op, -1, total, total_sum))
             if errors:
-                rows.append((session, ts, dur, pid, op, -2, errors, 0))
+                mine.append((session, ts, dur, pid, op, -2, errors, 0))
+            if on_ns is not None and op in ENTRY_ONLY_CODES:
+                mine = _duty_scaled(mine, on_ns)
+            rows += mine
         self.window_start = now_mono
         return rows
 
@@ -122,6 +132,21 @@ class Histograms:
         return ([a - b for a, b in zip(now[0], prev[0], strict=True)],
                 [a - b for a, b in zip(now[1], prev[1], strict=True)],
                 now[2] - prev[2], now[3] - prev[3], now[4] - prev[4])
+
+
+def _duty_scaled(rows: list[AggregateRow], on_ns: int) -> list[AggregateRow]:
+    """One op's rows of a window in which its probes were on ``on_ns`` of it (the
+    always-on mode): counts and sums scaled to the whole window (estimates), and a -4
+    row (count = on_ns, sum = the window's ns) saying so."""
+    if not rows:
+        return rows
+    dur = rows[0][2]
+    f = dur / max(1, on_ns)
+    out: list[AggregateRow] = [(se, ts, d, pid, op, b, round(c * f), round(s * f))
+                               for se, ts, d, pid, op, b, c, s in rows]
+    se, ts, d, pid, op = rows[0][:5]
+    out.append((se, ts, d, pid, op, -4, on_ns, dur))
+    return out
 
 
 def _scaled_sum(timed_sum: int, timed: int, total: int) -> int:

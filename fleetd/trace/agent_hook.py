@@ -74,7 +74,7 @@ class AgentTracer:
 def tracer_factory(*, node: str, pids: list[int], all_processes: bool,
                    cuda_lib: Path | str | None, host: bool,
                    sample: int | None, cpu_sample_hz: int = DEFAULT_HZ,
-                   launch_returns: bool = LAUNCH_RETURNS,
+                   launch_returns: bool = LAUNCH_RETURNS, mode: str = "full",
                    ) -> Callable[[BatchWriter], AgentTracer]:
     """What ``fleetd agent`` calls: a factory that builds the tracer on its writer."""
     layers = frozenset((*GPU_LAYERS, "host") if host else GPU_LAYERS)
@@ -84,7 +84,7 @@ def tracer_factory(*, node: str, pids: list[int], all_processes: bool,
             db=writer.path, node=node, pids=[] if all_processes else list(pids),
             cuda_libs=[str(cuda_lib)] if cuda_lib else [], layers=layers,
             sample=100 if sample is None else sample, command="fleetd agent",
-            cpu_sample_hz=cpu_sample_hz, launch_returns=launch_returns,
+            cpu_sample_hz=cpu_sample_hz, launch_returns=launch_returns, mode=mode,
         )
         return AgentTracer(cfg, writer)
 

@@ -191,6 +191,10 @@ class Attacher:
         self.launch_entry = launch_entry
         self._session: int | None = None
         self._session_error: str | None = None
+        # lib path -> [session link fd (-1: paused), offsets, cookies]: the entry-only
+        # launches' links, which the always-on mode closes and makes again (set_launches)
+        self._sessions: dict[str, tuple[int, list[int], list[int]]] = {}
+        self.launches_on = True
         self._multi_error: str | None = None if allow_multi else "disabled"
         if allow_multi and os.environ.get("FLEETD_NO_UPROBE_MULTI"):
             self._multi_error = "disabled by FLEETD_NO_UPROBE_MULTI"
@@ -228,12 +232,13 @@ class Attacher:
             return False
         fds: list[int] = []
         entry_only = [p for p in plan if self.launch_entry and p[0].entry_only]
+        session_fd = -1
         if entry_only:
-            fd = self._link_session(lib.path, entry_only, offsets)
-            if fd < 0:
+            session_fd = self._link_session(lib.path, entry_only, offsets)
+            if session_fd < 0:
                 entry_only = []  # they go with the pairs below, returns and all
             else:
-                fds.append(fd)
+                fds.append(session_fd)
         pairs = [p for p in plan if p not in entry_only]
         offs = [offsets[sym] for _, sym in pairs]
         cookies = [spec.cookie for spec, _ in pairs]
@@ -247,7 +252,12 @@ class Attacher:
                     os.close(f)
                 return False
             fds.append(fd)
-        self.links += fds
+        self.links += [f for f in fds if f != session_fd]
+        if entry_only:
+            self._sessions[lib.path] = (session_fd, [offsets[s] for _, s in entry_only],
+                                        [spec.cookie for spec, _ in entry_only])
+            if not self.launches_on:
+                self._set_session(lib.path, False)
         report.attached[lib.path] = [f"{spec.op}:{sym}" for spec, sym in plan]
         report.uprobes += 2 * len(pairs) + len(entry_only)
         report.mechanism[lib.path] = "uprobe_multi" + ("+session" if entry_only else "")
@@ -293,8 +303,31 @@ class Attacher:
         self._multi = (int(fn_in.fd), int(fn_out.fd))
         return self._multi
 
+    def set_launches(self, on: bool) -> bool:
+        """Entry-only launch probes on or off (the always-on mode's duty cycle); every
+        other probe stays. Whether any library has such probes to switch."""
+        self.launches_on = on
+        for path in list(self._sessions):
+            self._set_session(path, on)
+        return bool(self._sessions)
+
+    def _set_session(self, path: str, on: bool) -> None:
+        fd, offs, cookies = self._sessions[path]
+        if on and fd < 0 and self._session is not None:
+            fd, err = link_uprobe_multi(self._session, path, offs, cookies, retprobe=False,
+                                        attach_type=_BPF_TRACE_UPROBE_SESSION)
+            if fd < 0:
+                log.warning("launch probes on %s not attached again: %s", path, err)
+        elif not on and fd >= 0:
+            os.close(fd)
+            fd = -1
+        self._sessions[path] = (fd, offs, cookies)
+
     def close(self) -> None:
         """Detach the links (the per-symbol probes go with the BPF module's cleanup)."""
+        for path in list(self._sessions):
+            self._set_session(path, False)
+        self._sessions.clear()
         for fd in self.links:
             try:
                 os.close(fd)

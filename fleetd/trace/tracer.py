@@ -44,6 +44,7 @@ from fleetd.trace.bpfsrc import (
 from fleetd.trace.cgroups import ThrottleSampler, process_placement
 from fleetd.trace.clock import ClockMap
 from fleetd.trace.decoder import OP_EXEC, OP_EXIT, OP_FORK, Batch, Decoder, Lifecycle
+from fleetd.trace.dutycycle import DutyCycle
 from fleetd.trace.headers import HeaderRoute
 from fleetd.trace.libs import (
     LAYER_OF_KIND,
@@ -105,6 +106,9 @@ class TraceConfig:
     cpu_sample_hz: int = DEFAULT_HZ  # on-CPU samples per second per CPU; 0: off
     # False: launch-type calls traced at entry, their returns sampled (fleetd.trace.modes)
     launch_returns: bool = LAUNCH_RETURNS
+    # "always-on": launch probes only duty_on_ns of every aggregate window (dutycycle.py)
+    mode: str = "full"
+    duty_on_ns: int = 1_000_000_000
 
     @property
     def system_wide(self) -> bool:
@@ -163,6 +167,7 @@ class Tracer:
         self._kernels: KernelNames | None = None
         self._wchan: WaitChannels | None = None
         self._oncpu: CpuSampler | None = None
+        self._duty: DutyCycle | None = None
         self._locks = LockNames()
         self._throttle = ThrottleSampler(op_code("cpu_throttle"), procinfo.environ)
         self._memory = MemorySampler(op_code("mem_cgroup"), procinfo.environ)
@@ -203,7 +208,8 @@ class Tracer:
             raise failure[0]
         self.bpf, self.route = compiled[0]
         say(f"compiled (headers: {self.route.name}); attaching probes")
-        self.attacher = Attacher(self.bpf, launch_entry=not self.cfg.launch_returns)
+        self.attacher = Attacher(self.bpf, launch_entry=not self.cfg.launch_returns
+                                 or self.cfg.mode == "always-on")
         try:
             self._fill_targets(named)
             for lib in libs:
@@ -226,6 +232,8 @@ class Tracer:
             self._cleanup_bpf()
             raise
         self._started_mono = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        if self.cfg.mode == "always-on":
+            self.start_duty_cycle(self.cfg.duty_on_ns, self.cfg.agg_interval_ns)
         self.hist.window_start = self._started_mono
         self._last_maint = time.monotonic()
         self._sample_cgroups()  # the baseline: the first interval starts here
@@ -399,9 +407,27 @@ class Tracer:
             n = self._flush_pending()
         if self._oncpu is not None:
             self._oncpu.drain(self.writer)  # type: ignore[arg-type]
+        if self._duty is not None:
+            self._duty.tick(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
         if time.monotonic() - self._last_maint >= 1.0:
             self._maintain()
         return n
+
+    def start_duty_cycle(self, on_ns: int, period_ns: int) -> None:
+        """The always-on mode: launch probes on for ``on_ns`` of every ``period_ns``
+        (the aggregate window's length, so that each window's launch statistics are
+        scaled by its own on-time)."""
+        assert self.attacher is not None
+        self._duty = DutyCycle(self.attacher, on_ns, period_ns,
+                               time.clock_gettime_ns(time.CLOCK_MONOTONIC))
+        self.hist.launch_on = self._duty.take_on_ns
+
+    def stop_duty_cycle(self) -> None:
+        """Back to continuous launch probes (the benchmark's comparison)."""
+        if self._duty is not None and self.attacher is not None:
+            self.attacher.set_launches(True)
+        self._duty = None
+        self.hist.launch_on = None
 
     def backlog(self) -> int:
         """Bytes waiting in the mapped rings (0 when read through BCC's callbacks)."""

@@ -1,0 +1,70 @@
+"""The always-on mode's duty cycle (``--mode always-on``, #36).
+
+The launch probes (the entry-only launches' uprobe session links, probes.Attacher) are
+attached for ``on_ns`` at the start of every ``period_ns``; every other probe (syncs,
+copies, allocations, graphs, NCCL, the scheduler and the rest of the host layer) stays
+attached all the time. The period is the aggregate window's length, so each window holds
+one on-period: its launch histograms are scaled by window / time the probes were on
+(fleetd.trace.accounting), and marked with that time (aggregate bucket -4).
+
+What it misses: launch records (arguments, kernel names, stacks, errors, slow launches)
+outside the on-periods, and the launch rate's changes inside a period. A window that
+could not switch (no session links: an older kernel, per-symbol probes) is traced
+continuously and not scaled.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+log = logging.getLogger("fleetd.trace.dutycycle")
+
+MODES = ("full", "always-on")
+
+
+class Switch(Protocol):
+    def set_launches(self, on: bool) -> bool: ...
+
+
+class DutyCycle:
+    """Turns the launch probes on and off from the tracer's poll loop, and keeps how
+    long they were on in each aggregate window."""
+
+    def __init__(self, switch: Switch, on_ns: int, period_ns: int, start_ns: int) -> None:
+        if not 0 < on_ns <= period_ns:
+            raise ValueError(f"duty cycle on {on_ns} ns of {period_ns}: not 0 < on <= period")
+        self._switch = switch
+        self.on_ns, self.period_ns = on_ns, period_ns
+        self._cycle = start_ns  # start of the current period
+        self._on_since: int | None = start_ns  # the probes are on from the start
+        self._counted = 0  # on-time in the current window, up to _on_since
+        self.switchable = True
+
+    def tick(self, now: int) -> None:
+        """Called on every poll: switch when the period says so (a poll's latency late,
+        which the on-time counts as it really was)."""
+        if not self.switchable:
+            return
+        if self._on_since is not None and now >= self._cycle + self.on_ns:
+            self._counted += now - self._on_since
+            self._on_since = None
+            self.switchable = self._switch.set_launches(False)
+            if not self.switchable:
+                log.info("no launch probes to switch: launches traced continuously")
+        elif self._on_since is None and now >= self._cycle + self.period_ns:
+            self._cycle += self.period_ns * ((now - self._cycle) // self.period_ns)
+            self._on_since = now
+            self._switch.set_launches(True)
+
+    def take_on_ns(self, now: int, window_ns: int) -> int | None:
+        """The launch probes' on-time in the window ending at ``now`` (then a new window
+        starts); None when they were on all along (nothing to scale)."""
+        if not self.switchable:
+            return None
+        on = self._counted
+        if self._on_since is not None:
+            on += now - self._on_since
+            self._on_since = now
+        self._counted = 0
+        return None if on >= window_ns else on
