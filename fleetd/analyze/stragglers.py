@@ -214,4 +214,17 @@ def chain_brief(c: Mapping[str, Any]) -> str:
            if culprit.get("comm") else "")
     victim = c.get("victim") or {}
     where = f" in pid {victim.get('pid')}{pods.label(victim)}" if pods.label(victim) else ""
-    return f"{c.get('root_cause')} ({c.get('severity')}){where}{who}"
+    return f"{c.get('root_cause')} ({c.get('severity')}){where}{who}{_what_it_ran(c)}"
+
+
+def _what_it_ran(c: Mapping[str, Any]) -> str:
+    """For the on-CPU causes: what the feeding thread ran (the top frame and its share
+    of the samples), or how it paused (the collector's pauses, the longest)."""
+    d = c.get("detail") or {}
+    if c.get("root_cause") == "host_cpu_bound" and d.get("top_frames"):
+        top = d["top_frames"][0]
+        return f", top frame {top.get('frame')} ({float(top.get('share') or 0):.0%})"
+    if c.get("root_cause") == "gc_pause" and d.get("pauses"):
+        return (f", {d['pauses']} GC pause(s), longest "
+                f"{int(d.get('longest_ns') or 0) / 1e6:.0f} ms")
+    return ""
