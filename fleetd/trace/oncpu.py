@@ -55,6 +55,8 @@ GC_EVENT_KIND = 0x6763  # FL_GC_EVENT
 # Consecutive GC samples of a thread belong to one pause while no more than this many
 # periods lie between them (a sample can be missed while the thread is preempted).
 PAUSE_GAP_PERIODS = 2.5
+MAX_NAMES = 200_000  # Python frame names kept (a new code object at a reused address
+# between intervals would keep a stale name at most this long; the cache is then reset)
 # Offset of PyInterpreterState.gc.collecting, by offsetof against each version's own
 # internal headers (3.10.13, 3.11.7 = Debian's 3.11.2, 3.12.1; 3.13.0's is 7600, read
 # from _Py_DebugOffsets there instead).
@@ -182,6 +184,9 @@ class CpuSampler:
         self._reader: RingReader | None = None
         self._pending: list[bytes] = []
         self._hashes: dict[tuple[Any, ...], int] = {}  # sample key -> its stack's hash
+        self._native_names: dict[tuple[int, int], list[tuple[str, str | None]]] = {}
+        self._py_names: dict[tuple[int, int, int], str] = {}  # (pid, code, instr) -> name
+        self._places: dict[tuple[int, int], tuple[str | None, str | None, int]] = {}
         self._stored: set[int] = set()
         self._gc_done: set[int] = set()  # pids whose GC flag is known (or known absent)
         self.gc_problems: dict[int, str] = {}
@@ -293,23 +298,55 @@ class CpuSampler:
         """The sample's stack, innermost first: native frames above the interpreter,
         then the Python frames (:func:`fleetd.trace.stacks.merge`); a sample in the
         collector starts with :data:`GC_FRAME`."""
-        native: list[tuple[str, str | None]] = []
-        if s.stack >= 0:
-            try:
-                for addr in self.stacks.walk(s.stack):
-                    name, lib, rel = self.symbols.locate(s.pid, addr)
-                    if lib is None:
-                        break  # past the frame-pointer walk's last real frame
-                    native.append((f"{name or hex(rel)} ({lib})", lib))
-            except Exception as exc:  # an id the map no longer holds, a process gone
-                log.debug("stack %d of pid %d unreadable: %s", s.stack, s.pid, exc)
-        py = self.python.frames(StackRef(0, s.pid, s.stack, s.py, s.py_status)) if s.py else []
+        native = self._native(s.pid, s.stack) if s.stack >= 0 else []
+        py = [self._py_name(s.pid, code, instr) for code, instr in s.py]
+        if s.py_status == PY_DEEPER:
+            py.append("... (more Python frames)")
         interp = self.python.interps.get(s.pid)
         frames = merge(native, py, interp.path.rsplit("/", 1)[-1] if interp else None)
         if not frames:
             self.unresolved += 1
             frames = ["[unknown]"]
         return [GC_FRAME, *frames] if s.gc else frames
+
+    # A hot loop is sampled at the same few places again and again: each native stack
+    # and each Python (code, instruction) is named once (naming one costs tens of us).
+
+    def _native(self, pid: int, stack_id: int) -> list[tuple[str, str | None]]:
+        key = (pid, stack_id)
+        got = self._native_names.get(key)
+        if got is not None:
+            return got
+        out: list[tuple[str, str | None]] = []
+        try:
+            for addr in self.stacks.walk(stack_id):
+                name, lib, rel = self._locate(pid, addr)
+                if lib is None:
+                    break  # past the frame-pointer walk's last real frame
+                out.append((f"{name or hex(rel)} ({lib})", lib))
+        except Exception as exc:  # an id the map no longer holds, a process gone
+            log.debug("stack %d of pid %d unreadable: %s", stack_id, pid, exc)
+        self._native_names[key] = out
+        return out
+
+    def _locate(self, pid: int, addr: int) -> tuple[str | None, str | None, int]:
+        key = (pid, addr)
+        got = self._places.get(key)
+        if got is None:
+            if len(self._places) >= MAX_NAMES:
+                self._places.clear()
+            got = self._places[key] = self.symbols.locate(pid, addr)
+        return got
+
+    def _py_name(self, pid: int, code: int, instr: int) -> str:
+        key = (pid, code, instr)
+        got = self._py_names.get(key)
+        if got is None:
+            if len(self._py_names) >= MAX_NAMES:
+                self._py_names.clear()
+            named = self.python.frames(StackRef(0, pid, -1, [(code, instr)], 1))
+            got = self._py_names[key] = named[0] if named else f"{code:#x} (python)"
+        return got
 
     def maybe_flush(self, writer: BatchWriter, now_mono: int) -> None:
         if now_mono - self.counts.interval_start >= self.interval_ns:
@@ -327,6 +364,7 @@ class CpuSampler:
             self.rows_written += len(rows)
         self.stacks.clear()
         self._hashes.clear()
+        self._native_names.clear()  # the ids start again with the map
         if final:
             self.usdt.close()  # the semaphores raised in the targets go back down
 
