@@ -320,3 +320,19 @@ def test_a_straggler_reason_says_what_the_feeding_thread_ran() -> None:
     gc = {"root_cause": "gc_pause", "severity": "MEDIUM", "victim": {"pid": 7},
           "detail": {"pauses": 4, "longest_ns": 331_000_000}}
     assert chain_brief(gc) == "gc_pause (MEDIUM), 4 GC pause(s), longest 331 ms"
+
+
+def test_the_html_report_draws_the_top_frames_escaped(tmp_path: Path) -> None:
+    import io
+
+    from fleetd.export.html import write_report
+
+    hostile = "<script>alert(1)</script> (/w/evil.py:1)"
+    report = _recording(tmp_path, [([hostile, *HOT_STACK], 250, 0), (SYNC_STACK, 10, 0)])
+    out = io.StringIO()
+    write_report(report, out)
+    page = out.getvalue()
+    assert "Top frames (share of the thread's on-CPU samples)" in page
+    assert "<script>alert(1)</script>" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; (evil.py:1)" in page
+    assert ">96%</text>" in page  # 250 of the thread's 260 samples
