@@ -314,7 +314,8 @@ def _summary_json(s: TraceSummary, cfg: TraceConfig) -> str:
     return json.dumps({
         "node": cfg.node, "session": s.session, "db": str(cfg.db),
         "duration_s": round(s.duration_s, 3), "records": s.records,
-        "events_written": s.events_written, "sampled_out": s.sampled_out,
+        "events_written": s.events_written, "made_in_user_space": s.made_in_user_space,
+        "sampled_out": s.sampled_out,
         "lost": s.lost, "lost_total": s.lost_total, "unreported_loss": s.unreported_loss,
         "targets": s.targets, "libraries": s.libraries, "probes": s.probes,
         "headers_route": s.headers_route,

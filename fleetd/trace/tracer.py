@@ -123,7 +123,8 @@ class TraceSummary:
     lost: dict[str, int]
     lost_total: int
     sampled_out: int
-    emitted_by_kernel: int
+    emitted_by_kernel: int  # with the rows made in user space (below)
+    made_in_user_space: int  # on-CPU sample counts, cgroup samples, map reads: no ring
     unreported_loss: int
     duration_s: float
     targets: list[int]
@@ -172,6 +173,10 @@ class Tracer:
         self._throttle = ThrottleSampler(op_code("cpu_throttle"), procinfo.environ)
         self._memory = MemorySampler(op_code("mem_cgroup"), procinfo.environ)
         self._kwork = KernelWork(op_code("kwork_queued"), lambda addr: self.bpf.ksym(addr))
+        # Rows made here rather than sent through a ring (cgroup samples, reclaim runs read
+        # from their map, queued kernel work): counted beside the kernel's, so that what
+        # was made equals what was written plus what was lost.
+        self._side_rows = 0
         self._proc_comm: dict[int, str] = {}  # the name each process row was given
         self.warnings: list[str] = []
         self._python_told: set[int] = set()
@@ -388,7 +393,7 @@ class Tracer:
         """The kernel's count of records it handed to the ring buffers, and the sample
         counts made of its samples (writer thread)."""
         made = self._oncpu.rows_written if self._oncpu is not None else 0
-        return accounting.read_counters(self.bpf)["emitted"] + made
+        return accounting.read_counters(self.bpf)["emitted"] + made + self._side_rows
 
     # ---- poll -------------------------------------------------------------------------
 
@@ -548,9 +553,14 @@ class Tracer:
         last sample."""
         assert self.writer is not None
         live, now = self.live_targets(), time.time_ns()
-        found = self._throttle.sample(live, now) + self._memory.sample(live, now)
+        self._add_side_rows(self._throttle.sample(live, now) + self._memory.sample(live, now))
+
+    def _add_side_rows(self, found: list[Any]) -> None:
+        """Rows with their args made in user space: written, and counted as made."""
+        assert self.writer is not None
         if found:
-            self.writer.add_events([row for row, _ in found],  # type: ignore[misc]
+            self._side_rows += len(found)
+            self.writer.add_events([row for row, _ in found],
                                    [(i, args) for i, (_, args) in enumerate(found)])
 
     def _reclaim_leftovers(self) -> None:
@@ -563,6 +573,7 @@ class Tracer:
             return
         rows = leftover_runs(table, self.clock.to_wall)
         if rows:
+            self._side_rows += len(rows)
             self.writer.add_events(rows)  # type: ignore[arg-type]
 
     def _discover_targets(self) -> None:
@@ -639,11 +650,8 @@ class Tracer:
             table = self.bpf[b"fl_kwork"]
         except KeyError:  # not compiled in: no mem part, or no such tracepoint
             return
-        found = self._kwork.rows(table, self.clock.to_wall(start_mono),
-                                 self.clock.to_wall(now_mono))
-        if found:
-            self.writer.add_events([row for row, _ in found],  # type: ignore[misc]
-                                   [(i, args) for i, (_, args) in enumerate(found)])
+        self._add_side_rows(self._kwork.rows(table, self.clock.to_wall(start_mono),
+                                             self.clock.to_wall(now_mono)))
 
     def counters(self) -> dict[str, int]:
         return accounting.read_counters(self.bpf)
@@ -736,11 +744,12 @@ class Tracer:
         drops["writer_failed"] = stats.failed_rows
         lost = self.lost_total(drops)
         records = self.decoder.records
-        emitted = counters["emitted"] + (self._oncpu.rows_written if self._oncpu else 0)
+        made_here = (self._oncpu.rows_written if self._oncpu else 0) + self._side_rows
+        emitted = counters["emitted"] + made_here
         return TraceSummary(
             session=self.session, records=records, events_written=stats.events_written,
             lost=drops, lost_total=lost, sampled_out=counters["sampled_out"],
-            emitted_by_kernel=emitted,
+            emitted_by_kernel=emitted, made_in_user_space=made_here,
             # Records the kernel emitted that neither reached the store nor were
             # counted as lost by the writer: must be 0.
             unreported_loss=emitted - stats.events_written - stats.queue_dropped
