@@ -15,7 +15,9 @@ measured per CPython version (3.10 to 3.12, ``tests/unit/pylayout_probe.c``-styl
 ``offsetof``) or given by the interpreter's ``_Py_DebugOffsets`` (3.13). A sample in the
 collector gets ``[garbage collection]`` as its innermost frame, so a flame graph shows
 it; a run of such samples of one thread, no other sample of it between them, is one
-``gc_pause`` event (start, estimated length, the stack that triggered it).
+``gc_pause`` event (start, estimated length, the stack that triggered it). Where the
+interpreter has the USDT probes ``python:gc__start``/``gc__done`` (:mod:`fleetd.trace.
+pyusdt`), each collection is measured instead, with its generation.
 """
 
 from __future__ import annotations

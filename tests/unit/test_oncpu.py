@@ -336,3 +336,51 @@ def test_the_html_report_draws_the_top_frames_escaped(tmp_path: Path) -> None:
     assert "<script>alert(1)</script>" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt; (evil.py:1)" in page
     assert ">96%</text>" in page  # 250 of the thread's 260 samples
+
+
+_GC_PROBE = """#define Py_BUILD_CORE 1
+#include <Python.h>
+#include <stddef.h>
+#include <stdio.h>
+#include "internal/pycore_runtime.h"
+#include "internal/pycore_interp.h"
+int main(void) { printf("%lu\\n", (unsigned long)offsetof(PyInterpreterState, gc.collecting)); }
+"""
+
+
+@pytest.mark.parametrize("version", ["3.10", "3.11", "3.12", "3.13"])
+def test_gc_collecting_offsets_match_offsetof_of_the_headers(version: str,
+                                                             tmp_path: Path) -> None:
+    """GC_COLLECTING (3.10-3.12) and what 3.13's _Py_DebugOffsets says, against offsetof
+    in each pyenv interpreter's own internal headers (as test_pyframes_layouts does)."""
+    import glob
+    import os
+    import subprocess
+
+    from fleetd.trace.oncpu import GC_COLLECTING
+
+    root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
+    exes = sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"))
+    if not exes:
+        pytest.skip(f"no pyenv CPython {version} here")
+    inc = subprocess.run([exes[-1], "-c", "import sysconfig; print(sysconfig.get_paths()"
+                          "['include'])"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    (tmp_path / "p.c").write_text(_GC_PROBE)
+    subprocess.run(["gcc", "-o", str(tmp_path / "p"), f"-I{inc}", f"-I{inc}/internal",
+                    str(tmp_path / "p.c")], check=True, capture_output=True)
+    measured = int(subprocess.run([str(tmp_path / "p")], capture_output=True, text=True,
+                                  check=True).stdout)
+    if version == "3.13":
+        from fleetd.trace import pydebug, pyframes, symbols
+
+        lib = next(Path(exes[-1]).resolve().parent.parent.glob("lib/libpython3.13.so*"))
+        image = symbols.load_image(str(lib), ("STT_OBJECT",))
+        assert image is not None
+        at = pyframes._symbol(image, "_PyRuntime")
+        assert at is not None
+        _, _, off = pydebug.parse(lambda n: pyframes._file_bytes(str(lib), at, n))
+        assert off["interpreter_state.gc"] + off["gc.collecting"] == measured
+    else:
+        major, minor = (int(x) for x in version.split("."))
+        assert GC_COLLECTING[(major, minor)] == measured
