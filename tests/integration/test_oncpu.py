@@ -68,9 +68,9 @@ def trace_live(tmp_path: Path, argv: list[str], seconds: int = 8,
         out, err = tr.communicate(timeout=120)
         assert tr.returncode == 0, err
         summary = json.loads(out)
-        # No sample lost. (The session's unreported_loss is test_trace's to check: rows
-        # other samplers make in user space move it, the on-CPU counts do not.)
-        assert summary["lost"]["cpu"] == 0, summary
+        # No sample lost, and the sample counts the tracer made are accounted for.
+        assert summary["lost"]["cpu"] == 0 and summary["unreported_loss"] == 0, summary
+        assert summary["made_in_user_space"] > 0, summary
     finally:
         wl.kill()
         wl.wait()
