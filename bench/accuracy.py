@@ -241,7 +241,8 @@ def share_problems(report: dict[str, Any]) -> list[str]:
         t = threads.get((c["victim"]["pid"], c["victim"]["tid"]))
         if not col or t is None or not t["wall_ns"]:
             continue
-        want = t[f"{col}_ns"] / t["wall_ns"]
+        cols = [col, *((c.get("detail") or {}).get("share_also") or [])]
+        want = sum(int(t.get(f"{k}_ns") or 0) for k in cols) / t["wall_ns"]
         if abs(float(c["impact"]) - want) > SHARE_TOLERANCE:
             out.append(f"{c['root_cause']} states {c['impact']:.1%}, the breakdown's {col} "
                        f"column {want:.1%}")

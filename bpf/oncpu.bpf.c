@@ -2,7 +2,8 @@
  *
  * A software CPU-clock perf event fires FL_CPU_HZ times a second on every CPU; when
  * the task it interrupts belongs to a traced process, one sample goes to fl_rb_cpu:
- * the thread, its native user stack (a stack-map id), its Python frames (the same
+ * the thread, its native user stack (a stack-map id), the kernel address it was
+ * interrupted at when it was in the kernel, its Python frames (the same
  * walk as the CUDA records' stacks, fl_py_walk) and whether its interpreter was
  * collecting garbage at that moment (the "collecting" flag of the interpreter's GC
  * state, at an address user space puts in fl_cpu_gc per process). User space counts
@@ -14,6 +15,8 @@
  * the Python maps and the counters are shared. The consumer is not woken per sample:
  * it drains the ring on its own poll, which a few dozen samples a second never fill.
  */
+#include <uapi/linux/bpf_perf_event.h> /* struct bpf_perf_event_data: the sample's regs */
+
 #ifndef FL_CPU_RB_PAGES
 #define FL_CPU_RB_PAGES 64
 #endif
@@ -27,6 +30,7 @@ struct fl_cpu_sample {
     u32 flags;   /* FL_CPU_* */
     u32 cpu;
     u32 pad;
+    u64 kip;     /* where in the kernel the thread was interrupted; 0: in user space */
     struct fl_pystack py;
 };
 
@@ -57,6 +61,11 @@ int fl_cpu_sample(struct bpf_perf_event_data *ctx)
     s->flags = 0;
     s->cpu = bpf_get_smp_processor_id();
     s->pad = 0;
+    /* A kernel address (top bit set on x86_64 and arm64): the thread was in a system
+     * call or a fault. Its function tells work the thread asked for (a copy) from a
+     * wait that happens to burn CPU (spinning for a lock another task holds). */
+    u64 ip = PT_REGS_IP(&ctx->regs);
+    s->kip = (s64)ip < 0 ? ip : 0;
     s->stack = fl_cpu_stacks.get_stackid(ctx, BPF_F_USER_STACK);
     u64 *gc = fl_cpu_gc.lookup(&tgid);
     if (gc && *gc) {

@@ -21,6 +21,7 @@ from typing import Any
 
 from fleetd.analyze.chains import task_state
 from fleetd.analyze.data import CALL_CODES, SYNC_OPS, Node, code, histograms, in_list
+from fleetd.analyze.profile import stack_counts
 from fleetd.analyze.waits import REASONS, sql_reason
 from fleetd.analyze.window import Window
 from fleetd.store.syscalls import X86_64
@@ -69,6 +70,12 @@ def thread_breakdown(
     ):
         pids[tid] = p
         acc[tid]["reclaim"] += int(total or 0)
+    # Time spinning in the kernel for a lock another task holds, from the on-CPU
+    # samples (the scheduler counts it as running): overlapping running, like reclaim.
+    stacks, period = stack_counts(conn, node, win, pid)
+    for s in stacks:
+        if s.lock_spin and s.tid in acc:
+            acc[s.tid]["lock_spin"] += s.samples * period
     wall = max(0, span[1] - span[0])
     _scale_cuda(conn, node, win, acc, pids, pid)
     _sync_sleeps(conn, node, win, acc)
@@ -207,6 +214,7 @@ def _row(tid: int, pid: int, a: dict[str, int], wall: int,
         **{f"{r}_ns": waits[r] for r in REASONS}, "off_cpu_ns": off,
         "in_cuda_ns": a["in_cuda"], "in_cuda_estimated": bool(a["in_cuda_estimated"]),
         "reclaim_ns": min(wall, a["reclaim"]),
+        "lock_spin_ns": min(running, a["lock_spin"]),
         "cuda_calls_stored": a["cuda_calls"], "switches": a["switches"],
         "syscall_outliers": outliers,
     }
@@ -229,7 +237,7 @@ def process_rows(threads: list[dict[str, Any]], conn: sqlite3.Connection, node: 
     hists = histograms(conn, node, win, (OFF_CPU, RUNQ, code("page_alloc"), code("block_io")))
     keys = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "sleeping_ns",
             *(f"{r}_ns" for r in REASONS), "off_cpu_ns", "in_cuda_ns", "reclaim_ns",
-            "switches")
+            "lock_spin_ns", "switches")
     procs: dict[int, dict[str, Any]] = {}
     for t in threads:
         p = procs.setdefault(t["pid"], {"node": node.name, "pid": t["pid"], "comm": t["comm"],

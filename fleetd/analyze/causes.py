@@ -502,7 +502,7 @@ _ALL = (
     Cause("lock_wait",
           "the thread waited in D state (a kernel lock, e.g. a shared file's inode lock) or "
           "slept outside a sync call until another process woke it",
-          ("spike", "stall", "off_cpu"), _lock_wait_fixes,
+          ("spike", "stall", "off_cpu", "lock_spin"), _lock_wait_fixes,
           why=lambda by: "blocked in a D-state/lock wait" + (f" until {by} woke it"
                                                                if by else "")),
     Cause("block_io",
@@ -601,7 +601,15 @@ def _share(ch: Chain) -> str:
     """The chain's lost share, and of what: its thread's time in the breakdown column
     of its cause (chains.account), or, where there is none, what its spikes cost."""
     words = COLUMN_WORDS.get(str(ch.detail.get("share_of")))
-    return f"{ch.impact:.1%} of wall time {words}" if words else f"{ch.impact:.1%} of wall"
+    if not words:
+        return f"{ch.impact:.1%} of wall"
+    also = [str(k) for k in ch.detail.get("share_also") or [] if k in COLUMN_WORDS]
+    if not also:
+        return f"{ch.impact:.1%} of wall time {words}"
+    # Each column's share as the breakdown prints it, then their sum (the impact).
+    parts = [f"{float(ch.detail.get('share', 0.0)):.1%} {words}"] + [
+        f"{float(ch.detail.get(f'{k}_share', 0.0)):.1%} {COLUMN_WORDS[k]}" for k in also]
+    return f"{ch.impact:.1%} of wall time: {' and '.join(parts)}"
 
 
 def fixes(ch: Chain) -> list[str]:

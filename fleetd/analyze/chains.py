@@ -693,6 +693,7 @@ COLUMN_WORDS: Mapping[str, str] = {
     "irq": "in interrupts", "lock": "waiting for locks", "data": "waiting for input",
     "timer": "in sleeps of its own", "gpu_sync": "waiting for the GPU",
     "other": "in other waits", "reclaim": "reclaiming memory for its own allocations",
+    "lock_spin": "on the CPU spinning in the kernel for a lock",
 }
 
 

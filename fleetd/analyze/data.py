@@ -88,6 +88,16 @@ def effective_span(conn: sqlite3.Connection, node: Node, win: Window) -> tuple[i
     return max(win.start_ns, int(row[0])), min(win.end_ns, int(row[1]))
 
 
+def json_or_text(text: str | None) -> Any:
+    """A stored JSON value, or the text itself where it is not JSON."""
+    if text is None:
+        return None
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
+
+
 def active_span(conn: sqlite3.Connection, node: Node, win: Window, pid: int
                 ) -> tuple[int, int]:
     """From the first to the last stored CUDA/NCCL call of ``pid`` in the window: the time

@@ -156,7 +156,7 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
     # The quota's share of the run-queue column, taken from the contention chain's.
     chains += throttle.throttle_rule(ctx, chains)
     chains += memory.memory_rule(ctx)  # the breakdown's reclaim column, no other chain's
-    chains += oncpu.oncpu_rules(ctx)  # on-CPU samples: GC pauses, a CPU-bound feeder
+    chains += oncpu.oncpu_rules(ctx, chains)  # on-CPU samples: GC pauses, a CPU-bound feeder
     memory.take_reclaim_from_cpu_bound(ctx, chains)  # reclaim is on-CPU time too
     memory.own_kernel_work(ctx, chains)  # a kworker running the victim's own work
     if pid is not None:

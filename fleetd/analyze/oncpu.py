@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from fleetd.analyze.chains import Chain
+from fleetd.analyze.chains import Chain, severity
 from fleetd.analyze.data import code
 from fleetd.analyze.frames import is_python_frame, short_frame, top_python_frame
 from fleetd.analyze.profile import GC_FRAME, StackCount, stack_counts
@@ -62,8 +62,13 @@ class ThreadSamples:
 
     @property
     def host(self) -> list[StackCount]:
-        """Samples outside CUDA calls and outside the collector."""
-        return [s for s in self.stacks if not s.in_cuda and not s.gc]
+        """Samples outside CUDA calls, the collector and kernel lock spinning (a wait
+        for another task that burns CPU: the lock's chain states it)."""
+        return [s for s in self.stacks if not s.in_cuda and not s.gc and not s.lock_spin]
+
+    @property
+    def spin(self) -> list[StackCount]:
+        return [s for s in self.stacks if s.lock_spin and not s.gc]
 
 
 def _feeding_threads(ctx: Context) -> list[ThreadSamples]:
@@ -79,10 +84,12 @@ def _feeding_threads(ctx: Context) -> list[ThreadSamples]:
     return out
 
 
-def oncpu_rules(ctx: Context) -> list[Chain]:
-    """``gc_pause`` and ``host_cpu_bound`` chains of the feeding threads."""
+def oncpu_rules(ctx: Context, chains: list[Chain]) -> list[Chain]:
+    """``gc_pause`` and ``host_cpu_bound`` chains of the feeding threads; the time a
+    thread spun in the kernel for a lock joins its ``lock_wait`` chain in ``chains``."""
     out: list[Chain] = []
     for ts in _feeding_threads(ctx):
+        _add_lock_spin(ctx, ts, chains)
         gc = _gc_chain(ctx, ts)
         if gc is not None:
             out.append(gc)
@@ -90,6 +97,38 @@ def oncpu_rules(ctx: Context) -> list[Chain]:
         if bound is not None:
             out.append(bound)
     return out
+
+
+# ---- lock spinning ------------------------------------------------------------------------
+
+
+def _add_lock_spin(ctx: Context, ts: ThreadSamples, chains: list[Chain]) -> None:
+    """A thread that waits for a kernel lock (a file's inode lock another process holds
+    while it rewrites the file) sleeps in D state only part of the wait: while the holder
+    runs, the kernel spins the waiter on its CPU (optimistic spinning), and the
+    scheduler counts that as running. The breakdown's ``lock_spin`` column holds that
+    part, from the samples taken in the spinning functions; the thread's ``lock_wait``
+    chain states both columns (``detail.share_of`` and ``detail.share_also``), and its
+    severity follows the sum."""
+    target = next((c for c in chains if c.root_cause == "lock_wait"
+                   and int(c.victim.get("tid") or -1) == ts.tid), None)
+    share = ctx.share(ts.tid, "lock_spin")
+    spin = ts.spin
+    if target is None or share < MIN_GC_SHARE or not spin:
+        return
+    n = sum(s.samples for s in spin)
+    kernel = Counter(s.kernel for s in spin).most_common(1)[0][0]
+    where = _top_frames(spin, ts.total)[0]["frame"]
+    hz = round(1e9 / ts.period_ns)
+    target.extra_evidence.append({
+        "kind": "lock_spin", "text":
+        f"{n} of the thread's {ts.total} on-CPU samples at {hz} Hz were taken spinning in "
+        f"the kernel for a lock ({kernel}) under {where}: {share:.1%} of the window on "
+        "the CPU waiting (the breakdown's lock_spin column)"})
+    target.detail.update(lock_spin_share=round(share, 4), spin_samples=n,
+                         share_also=["lock_spin"])
+    target.impact = round(target.impact + share, 6)
+    target.severity = severity(target.explained, target.impact)
 
 
 # ---- gc_pause ---------------------------------------------------------------------------

@@ -13,19 +13,25 @@ measures from the scheduler's side.
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
-from fleetd.analyze.data import Node, code, in_list
+from fleetd.analyze.data import Node, code, in_list, json_or_text
 from fleetd.analyze.frames import folded, short_frame
-from fleetd.analyze.stacks import json_or_text
 from fleetd.analyze.window import Window
 
 CPU_SAMPLE = code("cpu_sample")
 GC_FRAME = "[garbage collection]"  # fleetd.trace.oncpu.GC_FRAME
 CUDA_LIBS = ("(libcudart", "(libcuda.", "(libnccl")  # native frames inside CUDA/NCCL
+KERNEL_FRAME = " (kernel)"  # fleetd.trace.oncpu: a sample taken in the kernel
+# Kernel functions a thread burns CPU in while another task holds a lock it wants: a
+# mutex or rw-semaphore's optimistic spinning on its owner (a file's inode lock), and
+# the queued spinlocks' slow paths. That time is a wait, not work of the thread's own.
+LOCK_SPIN = re.compile(r"spin_on_owner|optimistic_spin|osq_lock|"
+                       r"queued_(?:spin|read|write)_lock_slowpath")
 SPEEDSCOPE_SCHEMA = "https://www.speedscope.app/file-format-schema.json"
 
 
@@ -39,6 +45,20 @@ class StackCount:
     frames: tuple[str, ...]
     samples: int
     gc: int  # of them in the garbage collector
+
+    @property
+    def kernel(self) -> str | None:
+        """The kernel function the samples were taken in (their innermost frame, below
+        the collector's mark); None for samples in user space."""
+        inner = [f for f in self.frames[:2] if f != GC_FRAME][:1]
+        return inner[0].removesuffix(KERNEL_FRAME) if inner and \
+            inner[0].endswith(KERNEL_FRAME) else None
+
+    @property
+    def lock_spin(self) -> bool:
+        """Taken while the thread spun in the kernel for a lock another task held."""
+        k = self.kernel
+        return k is not None and LOCK_SPIN.search(k) is not None
 
     @property
     def in_cuda(self) -> bool:

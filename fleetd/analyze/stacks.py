@@ -12,9 +12,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-import orjson
-
-from fleetd.analyze.data import in_list, name_of
+from fleetd.analyze.data import in_list, json_or_text, name_of
 from fleetd.analyze.model import NodeSlice
 from fleetd.errors import UsageError
 from fleetd.store.catalog import BY_NAME, OPS
@@ -63,16 +61,6 @@ def stack_frames(sl: NodeSlice, hashes: list[int]) -> dict[int, list[str]]:
         value = json_or_text(text)
         out[int(h)] = [str(f) for f in value] if isinstance(value, list) else [str(value)]
     return out
-
-
-def json_or_text(text: str | None) -> Any:
-    """A stored JSON value, or the text itself where it is not JSON."""
-    if text is None:
-        return None
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return text
 
 
 def _group(sl: NodeSlice, row: tuple[Any, ...], frames: list[str], frames_n: int

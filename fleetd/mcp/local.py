@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fleetd.analyze.chains import SEVERITY_RANK
-from fleetd.analyze.data import nodes
+from fleetd.analyze.data import json_or_text, nodes
 from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
 from fleetd.analyze.opstats import COLUMNS
-from fleetd.analyze.stacks import json_or_text, op_code
+from fleetd.analyze.stacks import op_code
 from fleetd.analyze.window import Window, WindowSpec
 from fleetd.errors import UsageError
 from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted

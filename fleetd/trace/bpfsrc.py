@@ -35,7 +35,7 @@ PYSTACK_HEAD = struct.Struct("<II")
 PYFRAME = struct.Struct("<QQ")
 # struct fl_cpu_sample (bpf/oncpu.bpf.c): ts, pid, tid, stack, flags, cpu, pad, then a
 # struct fl_pystack.
-CPU_SAMPLE = struct.Struct("<QIIiIII")
+CPU_SAMPLE = struct.Struct("<QIIiIIIQ")  # ts pid tid stack flags cpu pad kip
 CPU_SAMPLE_SIZE = CPU_SAMPLE.size + PYSTACK_HEAD.size + PY_FRAMES * PYFRAME.size
 NBUCKETS = 40
 HIST_SIZE = 6 * 8 + 2 * 8 * NBUCKETS

@@ -88,17 +88,18 @@ class Sample:
     gc: bool
     py: list[tuple[int, int]]
     py_status: int
+    kip: int = 0  # the kernel address it was interrupted at; 0: in user space
 
 
 def parse(raw: bytes) -> Sample | None:
     """One ``struct fl_cpu_sample`` from the ring; None for a record of another size."""
     if len(raw) < CPU_SAMPLE_SIZE:
         return None
-    ts, pid, tid, stack, flags, _cpu, _pad = CPU_SAMPLE.unpack_from(raw, 0)
+    ts, pid, tid, stack, flags, _cpu, _pad, kip = CPU_SAMPLE.unpack_from(raw, 0)
     n, status = PYSTACK_HEAD.unpack_from(raw, CPU_SAMPLE.size)
     at = CPU_SAMPLE.size + PYSTACK_HEAD.size
     py = [PYFRAME.unpack_from(raw, at + i * PYFRAME.size) for i in range(min(n, PY_FRAMES))]
-    return Sample(ts, pid, tid, stack, bool(flags & FL_CPU_GC), py, status)
+    return Sample(ts, pid, tid, stack, bool(flags & FL_CPU_GC), py, status, kip)
 
 
 @dataclass(slots=True)
@@ -188,6 +189,7 @@ class CpuSampler:
         self._hashes: dict[tuple[Any, ...], int] = {}  # sample key -> its stack's hash
         self._native_names: dict[tuple[int, int], list[tuple[str, str | None]]] = {}
         self._py_names: dict[tuple[int, int, int], str] = {}  # (pid, code, instr) -> name
+        self._knames: dict[int, str] = {}  # kernel address -> "function (kernel)"
         self._places: dict[tuple[int, int], tuple[str | None, str | None, int]] = {}
         self._stored: set[int] = set()
         self._gc_done: set[int] = set()  # pids whose GC flag is known (or known absent)
@@ -284,11 +286,29 @@ class CpuSampler:
             writer.add_stacks(new)
         return len(raws)
 
+    def _kernel_frame(self, kip: int) -> str | None:
+        """The kernel function a sample was taken in, as a frame (``name (kernel)``);
+        None for a sample in user space. Named once per address."""
+        if not kip:
+            return None
+        name = self._knames.get(kip)
+        if name is None:
+            if len(self._knames) > MAX_NAMES:
+                self._knames.clear()
+            try:
+                sym = self.bpf.ksym(kip)
+                name = sym.decode(errors="replace") if isinstance(sym, bytes) else str(sym)
+            except Exception:  # no kallsyms to read (kptr_restrict): the place is unknown
+                name = "[unknown]"
+            self._knames[kip] = name = f"{name} (kernel)"
+        return name
+
     def _hash(self, s: Sample, new: list[tuple[int, list[str]]]) -> int:
-        key = (s.pid, s.stack, s.gc, s.py_status, *s.py)
+        kernel = self._kernel_frame(s.kip)
+        key = (s.pid, s.stack, s.gc, kernel, s.py_status, *s.py)
         h = self._hashes.get(key)
         if h is None:
-            frames = self.frames(s)
+            frames = self.frames(s, kernel)
             h = stack_hash(frames)
             self._hashes[key] = h
             if h not in self._stored:
@@ -296,10 +316,11 @@ class CpuSampler:
                 new.append((h, frames))
         return h
 
-    def frames(self, s: Sample) -> list[str]:
-        """The sample's stack, innermost first: native frames above the interpreter,
-        then the Python frames (:func:`fleetd.trace.stacks.merge`); a sample in the
-        collector starts with :data:`GC_FRAME`."""
+    def frames(self, s: Sample, kernel: str | None = None) -> list[str]:
+        """The sample's stack, innermost first: the kernel function when it was taken in
+        the kernel, native frames above the interpreter, then the Python frames
+        (:func:`fleetd.trace.stacks.merge`); a sample in the collector starts with
+        :data:`GC_FRAME`."""
         native = self._native(s.pid, s.stack) if s.stack >= 0 else []
         py = [self._py_name(s.pid, code, instr) for code, instr in s.py]
         if s.py_status == PY_DEEPER:
@@ -309,6 +330,8 @@ class CpuSampler:
         if not frames:
             self.unresolved += 1
             frames = ["[unknown]"]
+        if kernel is not None:
+            frames = [kernel, *frames]
         return [GC_FRAME, *frames] if s.gc else frames
 
     # A hot loop is sampled at the same few places again and again: each native stack

@@ -27,16 +27,17 @@ PERIOD = 20_000_000  # 50 Hz
 
 def _raw(ts: int, pid: int, tid: int, stack: int, gc: bool,
          frames: list[tuple[int, int]]) -> bytes:
-    head = CPU_SAMPLE.pack(ts, pid, tid, stack, int(gc), 3, 0)
+    head = CPU_SAMPLE.pack(ts, pid, tid, stack, int(gc), 3, 0, 0xFFFFFFFF81000010)
     py = PYSTACK_HEAD.pack(len(frames), 1)
     body = b"".join(PYFRAME.pack(c, i) for c, i in frames)
     return (head + py + body).ljust(CPU_SAMPLE_SIZE, b"\0")
 
 
 def test_a_sample_record_reads_back_as_written() -> None:
-    assert CPU_SAMPLE_SIZE == 32 + 8 + PY_FRAMES * 16  # struct fl_cpu_sample
+    assert CPU_SAMPLE_SIZE == 40 + 8 + PY_FRAMES * 16  # struct fl_cpu_sample
     s = parse(_raw(123, 10, 11, -14, True, [(0xA0, 0xA8), (0xB0, 0xB4)]))
-    assert s == Sample(123, 10, 11, -14, True, [(0xA0, 0xA8), (0xB0, 0xB4)], 1)
+    assert s == Sample(123, 10, 11, -14, True, [(0xA0, 0xA8), (0xB0, 0xB4)], 1,
+                       0xFFFFFFFF81000010)
     assert parse(b"\0" * 100) is None  # another record's size
 
 
@@ -155,7 +156,7 @@ def test_cpu_bound_frames_are_the_python_function_at_its_hottest_line() -> None:
     assert top[0] == {"frame": "Workload._cpu (train_loop.py:243)", "where": HOT,
                       "samples": 85, "share": 0.85}
     assert [s.in_cuda for s in STACKS] == [False, False, False, True, False]
-    assert struct.calcsize("<QIIiIII") == CPU_SAMPLE.size
+    assert struct.calcsize("<QIIiIIIQ") == CPU_SAMPLE.size
 
 
 class _NoPerfEvents(dict):  # type: ignore[type-arg]
@@ -384,3 +385,68 @@ def test_gc_collecting_offsets_match_offsetof_of_the_headers(version: str,
     else:
         major, minor = (int(x) for x in version.split("."))
         assert GC_COLLECTING[(major, minor)] == measured
+
+
+# ---- kernel lock spinning: a wait, not the thread's own work -----------------------------
+
+SPIN = 170  # samples at 49 Hz: 3.5 s of the recording's 6.4 s, within its running time
+PWRITE = ["pwrite64 (libc.so.6)", "Workload._dstate (/w/train_loop.py:271)",
+          "Workload.step (/w/train_loop.py:325)"]
+
+
+def _lock_wait_with_samples(tmp_path: Path, frames: list[str]) -> dict[str, Any]:
+    """The recorded lock_wait scenario (python waits for stats-sidecar's inode lock),
+    plus on-CPU samples of its feeding thread at the write that takes the lock."""
+    import shutil
+    import sqlite3
+
+    from fleetd.analyze.explain import explain
+    from fleetd.store.writer import BatchWriter
+    from fleetd.trace.stacks import stack_hash
+
+    from conftest import REPO
+
+    db = tmp_path / "lock_wait.db"
+    shutil.copy(REPO / "tests" / "data" / "scenarios" / "lock_wait.db", db)
+    with sqlite3.connect(db) as c:
+        pid = c.execute("SELECT pid FROM process_data WHERE comm = 'python'").fetchone()[0]
+        t0, t1 = c.execute("SELECT min(ts_ns), max(ts_ns) FROM event_data").fetchone()
+        node = c.execute("SELECT name FROM nodes").fetchone()[0]
+    with BatchWriter(db, node) as w:
+        w.add_stacks([(stack_hash(frames), frames)])
+        w.add_events([(t0, t1 - t0, pid, pid, OP_CPU_SAMPLE, 0, PERIOD_49, 0, SPIN, 0,
+                       stack_hash(frames))])  # type: ignore[list-item]
+    return explain(db)
+
+
+def test_spinning_for_a_kernel_lock_is_the_lock_waits_time(tmp_path: Path) -> None:
+    """Samples taken in the kernel's optimistic spinning on a lock's owner: the thread
+    was waiting for the sidecar's lock on its CPU. The breakdown has them as lock_spin,
+    the lock_wait chain states them beside its D-state share, and they are no
+    host_cpu_bound work."""
+    report = _lock_wait_with_samples(tmp_path, ["rwsem_spin_on_owner (kernel)", *PWRITE])
+    roots = _roots(report)
+    assert "host_cpu_bound" not in roots, roots.get("host_cpu_bound", {}).get("summary")
+    ch = roots["lock_wait"]
+    t = next(t for p in report["processes"] for t in p["threads"]
+             if t["tid"] == ch["victim"]["tid"])
+    spin, d_state = t["lock_spin_ns"] / t["wall_ns"], t["d_state_ns"] / t["wall_ns"]
+    assert t["lock_spin_ns"] == SPIN * PERIOD_49
+    assert ch["impact"] == pytest.approx(spin + d_state, abs=1e-4)
+    assert ch["severity"] == "HIGH" and ch["detail"]["share_also"] == ["lock_spin"]
+    assert f"{spin:.1%} on the CPU spinning in the kernel for a lock" in ch["summary"]
+    assert f"{d_state:.1%} in D state" in ch["summary"]
+    [ev] = [e for e in ch["evidence"] if e["kind"] == "lock_spin"]
+    assert "rwsem_spin_on_owner" in ev["text"] and "Workload._dstate" in ev["text"]
+
+
+def test_the_same_samples_in_user_space_are_the_threads_own_work(tmp_path: Path) -> None:
+    """The control: the same samples without the kernel frame (the thread ran its own
+    code there) are host_cpu_bound, and nothing joins the lock_wait chain."""
+    report = _lock_wait_with_samples(tmp_path, PWRITE)
+    roots = _roots(report)
+    assert roots["host_cpu_bound"]["detail"]["top_frames"][0]["frame"] == \
+        "Workload._dstate (train_loop.py:271)"
+    ch = roots["lock_wait"]
+    assert "share_also" not in ch["detail"]
+    assert all(e["kind"] != "lock_spin" for e in ch["evidence"])
