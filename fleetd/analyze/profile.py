@@ -13,9 +13,11 @@ measures from the scheduler's side.
 
 from __future__ import annotations
 
+import bisect
 import re
 import sqlite3
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -105,6 +107,41 @@ def stack_counts(conn: sqlite3.Connection, node: Node, win: Window, pid: int | N
     out = [StackCount(node.name, int(p), int(t), frames.get(int(h), ("[unknown]",)),
                       int(n or 0), int(g or 0)) for p, t, h, n, g, _ in rows]
     return [s for s in out if s.samples > 0], period
+
+
+def samples_in_spans(conn: sqlite3.Connection, node: Node, win: Window, pid: int, tid: int,
+                     spans: Sequence[tuple[int, int]]) -> list[tuple[StackCount, float]]:
+    """The thread's stacks with the part of their samples that fell inside ``spans``
+    (sorted, disjoint [start, end) ranges; the GPU's idle gaps). The sampler stores a
+    count per interval (5 s), not each sample's time, so each row's count is apportioned
+    by the share of its interval the spans cover: a row whose interval meets no span
+    gives none. Stacks with nothing inside are left out."""
+    starts = [a for a, _ in spans]
+    before = [0]  # span time before the i-th span starts
+    for a, b in spans:
+        before.append(before[-1] + (b - a))
+
+    def upto(x: int) -> int:  # span time before x
+        i = bisect.bisect_right(starts, x) - 1
+        if i < 0:
+            return 0
+        a, b = spans[i]
+        return before[i] + min(x, b) - a
+
+    acc: dict[int, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    for ts, dur, h, n, g in conn.execute(
+            "SELECT ts_ns, dur_ns, stack, a0, a1 FROM event_data WHERE op = ? AND ts_ns >= ? "
+            "AND ts_ns < ? AND id BETWEEN ? AND ? AND pid = ? AND tid = ?",
+            (CPU_SAMPLE, win.start_ns, win.end_ns, node.lo, node.hi, pid, tid)):
+        lo, dur = int(ts), int(dur or 0)
+        part = (upto(lo + dur) - upto(lo)) / dur if dur > 0 else 0.0
+        c = acc[int(h or 0)]
+        c[0] += int(n or 0)
+        c[1] += int(g or 0)
+        c[2] += int(n or 0) * part
+    frames = _frames(conn, sorted(h for h in acc if h))
+    return [(StackCount(node.name, pid, tid, frames.get(h, ("[unknown]",)), int(n), int(g)), w)
+            for h, (n, g, w) in acc.items() if w > 0]
 
 
 def _frames(conn: sqlite3.Connection, hashes: list[int]) -> dict[int, tuple[str, ...]]:
