@@ -26,6 +26,9 @@ launched it by the link the importer stored (correlation id -> launch event):
   it explains). Host prep is a confirmed bottleneck, and the verdict YES, only when M3b
   and M3c both cross their thresholds; M3a alone is a caveat. Without such ranges the
   three are null and ``m3.reason`` says why.
+- where the verdict is YES and the tracer sampled the process on the CPU, ``host_frames``
+  says what its busiest thread ran while the GPU idled: its samples in the idle gaps and
+  their top frames (:mod:`fleetd.analyze.idle_frames`).
 - thresholds may be set per phase (``PHASE:M1=0.4``): a step whose name matches PHASE
   (exactly, or as a glob) is judged with them.
 """
@@ -39,6 +42,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetd.analyze.idle_frames import during_idle
 from fleetd.analyze.model import NodeSlice
 from fleetd.analyze.stragglers import Metric, score_metric
 from fleetd.analyze.window import Window
@@ -434,8 +438,14 @@ def gpu_report(slices: Sequence[NodeSlice], window: Window, pid: int | None = No
             if steps_only and not steps:
                 warnings.append(f"{r.node} pid {r.pid}: no profiler steps, so --steps "
                                 "uses the whole recording")
-            out.append(rank_report(r, steps, steps_only, limits, window,
-                                   load_prep(sl, r.pid)))
+            rep = rank_report(r, steps, steps_only, limits, window, load_prep(sl, r.pid))
+            if rep["verdict"]["host_overhead"] == "YES":
+                # Host-bound: what the process's busiest thread ran while the GPU idled,
+                # where the tracer sampled it (fleetd.analyze.idle_frames).
+                frames = during_idle(sl.conn, sl.node, sl.window, r.pid)
+                if frames is not None:
+                    rep["host_frames"] = frames
+            out.append(rep)
     report: dict[str, Any] = {"window": window.to_json(), "ranks": out,
                               "kernels": kernel_table(ranks), "warnings": warnings,
                               "straggler": slowest_rank(out)}

@@ -22,18 +22,16 @@ the sampling error.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from fleetd.analyze.chains import Chain, severity
 from fleetd.analyze.data import code
-from fleetd.analyze.frames import is_python_frame, short_frame, top_python_frame
-from fleetd.analyze.gpu_chains import MIN_GAP_NS, idle_gaps
-from fleetd.analyze.profile import GC_FRAME, StackCount, samples_in_spans, stack_counts
+from fleetd.analyze.frames import short_frame, top_python_frame
+from fleetd.analyze.idle_frames import during_idle, rank_frames
+from fleetd.analyze.profile import GC_FRAME, StackCount, stack_counts
 from fleetd.analyze.rules import Context, rule_chain
-from fleetd.store.db import present_tables
 
 GC_PAUSE = code("gc_pause")
 MIN_GC_SHARE = 0.02  # of wall time in the collector: below, collections are noise
@@ -41,8 +39,6 @@ MIN_GC_SAMPLES = 3
 MIN_SAMPLES = 20  # on-CPU samples of the thread before a profile is worth a verdict
 MIN_HOST_SHARE = 0.5  # on the CPU outside CUDA calls, of the time it was not queued for one
 MAX_GPU_WAIT_SHARE = 0.2  # of wall time in CUDA calls or waiting for the GPU
-TOP_FRAMES = 5
-_LINE = re.compile(r":\d+\)$")  # a Python frame's line: "f (file.py:12)" -> "f (file.py)"
 
 
 @dataclass(slots=True)
@@ -228,7 +224,8 @@ def _cpu_bound_chain(ctx: Context, ts: ThreadSamples) -> Chain | None:
                  f"outside CUDA calls and the collector ({share:.1%} of the window on the "
                  f"CPU; {gpu_wait:.1%} in CUDA calls or waiting for the GPU); top frames: "
                  f"{lines}", "top_frames": top}]
-    idle = _during_gpu_idle(ctx, ts)
+    # Where a GPU timeline was imported: what it ran while the GPU sat idle.
+    idle = during_idle(ctx.view.conn, ctx.view.node, ctx.view.win, ts.pid, ts.tid)
     if idle is not None:
         detail["gpu_idle"] = idle
         evidence.append({"kind": "gpu_idle_frames", "text": idle.pop("text"),
@@ -237,76 +234,8 @@ def _cpu_bound_chain(ctx: Context, ts: ThreadSamples) -> Chain | None:
                       share, evidence, detail, tid=ts.tid)
 
 
-def _during_gpu_idle(ctx: Context, ts: ThreadSamples) -> dict[str, Any] | None:
-    """What the thread's samples show while the process's GPUs sat idle, where a GPU
-    timeline was imported for the window: the idle gaps (no kernel, copy or set on any
-    of its devices, at least ``MIN_GAP_NS``, inside the time the thread was sampled),
-    the samples that fell in them (each interval's count apportioned by the share of it
-    the gaps cover) and their top frames by share of those samples. None without a
-    timeline, gaps, or samples in them."""
-    v = ctx.view
-    if not present_tables(v.conn, ("gpu_data",)):
-        return None
-    lo, hi = v.win.start_ns, v.win.end_ns
-    first, last = v.conn.execute(
-        "SELECT min(ts_ns), max(ts_ns + dur_ns) FROM event_data WHERE op = ? AND tid = ? AND "
-        "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?",
-        (code("cpu_sample"), ts.tid, lo, hi, v.node.lo, v.node.hi)).fetchone()
-    if first is None:
-        return None
-    lo, hi = max(lo, int(first)), min(hi, int(last))
-    busy = [(int(t), int(t) + int(d)) for t, d in v.conn.execute(
-        "SELECT ts_ns, dur_ns FROM gpu_data WHERE id BETWEEN ? AND ? AND pid = ? AND kind IN "
-        "(1, 2, 3) AND ts_ns < ? AND ts_ns + dur_ns > ?", (v.node.lo, v.node.hi, ts.pid, hi, lo))]
-    gaps = idle_gaps(busy, lo, hi)
-    if not gaps:
-        return None
-    weighted = samples_in_spans(v.conn, v.node, v.win, ts.pid, ts.tid, gaps)
-    inside = sum(w for _, w in weighted)
-    if inside <= 0:
-        return None
-    idle_ns = sum(b - a for a, b in gaps)
-    host = [(s, w) for s, w in weighted if not s.in_cuda and not s.gc and not s.lock_spin]
-    host_w = sum(w for _, w in host)
-    host_ns = round(host_w * ts.period_ns)
-    share = min(1.0, host_ns / idle_ns)
-    top = _rank_frames(host, inside)
-    hz = round(1e9 / ts.period_ns)
-    lines = "; ".join(f"{f['frame']} {f['share']:.0%}" for f in top[:3])
-    text = (f"the process's GPUs (imported timeline) sat idle {idle_ns / 1e6:.0f} ms in "
-            f"{len(gaps)} gap(s) of at least {MIN_GAP_NS / 1e6:.1f} ms while the thread was "
-            f"sampled; it was on the CPU outside CUDA calls for about {host_ns / 1e6:.0f} ms "
-            f"of that ({share:.0%}; {host_w:.1f} of the {inside:.1f} samples at {hz} Hz that "
-            "fell in the gaps, each sampling interval's count apportioned by the share of "
-            f"it the gaps cover); top frames while the GPU idled: {lines or 'none outside CUDA'}")
-    return {"gaps": len(gaps), "idle_ns": idle_ns, "samples": round(inside, 2),
-            "host_samples": round(host_w, 2), "host_ns": host_ns,
-            "host_share_of_idle": round(share, 4), "top_frames": top,
-            "share_from": "on_cpu_samples_apportioned", "text": text}
-
-
 def _top_frames(host: list[StackCount], total: int) -> list[dict[str, Any]]:
     """Where the host samples were, by function: the innermost Python frame of each
     sample (the user's code; a native frame above it is a call that code made), else
     the innermost frame. Each function is shown at its hottest line."""
-    return _rank_frames([(s, s.samples) for s in host], max(1, total))
-
-
-def _rank_frames(host: list[tuple[StackCount, float]], total: float) -> list[dict[str, Any]]:
-    """:func:`_top_frames` over weighted samples (a count apportioned to a time range)."""
-    by: Counter[str] = Counter()
-    lines: dict[str, Counter[str]] = {}
-    for s, n in host:
-        frames = list(s.frames)
-        frame = next((f for f in frames if is_python_frame(f)), None) \
-            or (frames[0] if frames else "[unknown]")
-        func = _LINE.sub(")", frame)
-        by[func] += n  # type: ignore[assignment]
-        lines.setdefault(func, Counter())[frame] += n  # type: ignore[assignment]
-    out = []
-    for func, n in by.most_common(TOP_FRAMES):
-        hottest = lines[func].most_common(1)[0][0]
-        samples: float = n if isinstance(n, int) else round(n, 2)
-        out.append({"frame": short_frame(hottest), "where": hottest, "samples": samples,
-                    "share": round(n / total, 4) if total > 0 else 0.0})
-    return out
+    return rank_frames([(s, s.samples) for s in host], max(1, total))

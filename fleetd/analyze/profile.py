@@ -109,10 +109,12 @@ def stack_counts(conn: sqlite3.Connection, node: Node, win: Window, pid: int | N
     return [s for s in out if s.samples > 0], period
 
 
-def samples_in_spans(conn: sqlite3.Connection, node: Node, win: Window, pid: int, tid: int,
-                     spans: Sequence[tuple[int, int]]) -> list[tuple[StackCount, float]]:
-    """The thread's stacks with the part of their samples that fell inside ``spans``
-    (sorted, disjoint [start, end) ranges; the GPU's idle gaps). The sampler stores a
+def samples_in_spans(conn: sqlite3.Connection, node: Node, win: Window, pid: int,
+                     tid: int | None, spans: Sequence[tuple[int, int]]
+                     ) -> list[tuple[StackCount, float]]:
+    """The thread's stacks (``tid`` None: each thread's of the process) with the part
+    of their samples that fell inside ``spans`` (sorted, disjoint [start, end) ranges;
+    the GPU's idle gaps). The sampler stores a
     count per interval (5 s), not each sample's time, so each row's count is apportioned
     by the share of its interval the spans cover: a row whose interval meets no span
     gives none. Stacks with nothing inside are left out."""
@@ -128,20 +130,21 @@ def samples_in_spans(conn: sqlite3.Connection, node: Node, win: Window, pid: int
         a, b = spans[i]
         return before[i] + min(x, b) - a
 
-    acc: dict[int, list[float]] = defaultdict(lambda: [0, 0, 0.0])
-    for ts, dur, h, n, g in conn.execute(
-            "SELECT ts_ns, dur_ns, stack, a0, a1 FROM event_data WHERE op = ? AND ts_ns >= ? "
-            "AND ts_ns < ? AND id BETWEEN ? AND ? AND pid = ? AND tid = ?",
-            (CPU_SAMPLE, win.start_ns, win.end_ns, node.lo, node.hi, pid, tid)):
+    acc: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    only = "" if tid is None else f" AND tid = {int(tid)}"
+    for t, ts, dur, h, n, g in conn.execute(
+            "SELECT tid, ts_ns, dur_ns, stack, a0, a1 FROM event_data WHERE op = ? AND "
+            f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND pid = ?{only}",
+            (CPU_SAMPLE, win.start_ns, win.end_ns, node.lo, node.hi, pid)):
         lo, dur = int(ts), int(dur or 0)
         part = (upto(lo + dur) - upto(lo)) / dur if dur > 0 else 0.0
-        c = acc[int(h or 0)]
+        c = acc[(int(t), int(h or 0))]
         c[0] += int(n or 0)
         c[1] += int(g or 0)
         c[2] += int(n or 0) * part
-    frames = _frames(conn, sorted(h for h in acc if h))
-    return [(StackCount(node.name, pid, tid, frames.get(h, ("[unknown]",)), int(n), int(g)), w)
-            for h, (n, g, w) in acc.items() if w > 0]
+    frames = _frames(conn, sorted({h for _, h in acc if h}))
+    return [(StackCount(node.name, pid, t, frames.get(h, ("[unknown]",)), int(n), int(g)), w)
+            for (t, h), (n, g, w) in acc.items() if w > 0]
 
 
 def _frames(conn: sqlite3.Connection, hashes: list[int]) -> dict[int, tuple[str, ...]]:

@@ -108,6 +108,9 @@ def _verdict(r: dict[str, Any]) -> None:
     print(f"  host overhead {v['host_overhead']} by {M_WORDS}: {figures}")
     for line in v["evidence"] + v.get("phases", []) + v["caveats"]:
         print(f"  - {line}")
+    hf = r.get("host_frames")
+    if hf:
+        print(f"  - while the GPU idled: {hf['text']}")
     why = (r.get("m3") or {}).get("reason")
     if why:
         print(f"  M3 (exposed host prep) not computed: {why}")

@@ -113,3 +113,36 @@ def test_gaps_outside_the_sampled_time_are_not_counted(tmp_path: Path) -> None:
     late = _kernels(2 * HALF + 10**9, 2 * HALF + 2 * 10**9, 10_000_000, 1_000_000)
     ch = _bound(_recording(tmp_path, late))
     assert "gpu_idle" not in ch["detail"]
+
+
+def _gpu(capsys: pytest.CaptureFixture[str], db: Path, fmt: str) -> str:
+    from fleetd.cli.main import main
+
+    capsys.readouterr()
+    assert main(["gpu", "--db", str(db), "--format", fmt]) == 0
+    return capsys.readouterr().out
+
+
+def test_the_host_bound_gpu_verdict_says_what_the_host_ran_in_the_idle(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import orjson
+
+    _recording(tmp_path, _kernels(0, HALF, 1_000_000, 1_000_000)
+               + _kernels(HALF, 2 * HALF, 10_000_000, 1_000_000))
+    (rank,) = orjson.loads(_gpu(capsys, tmp_path / "r.db", "json"))["ranks"]
+    assert rank["verdict"]["host_overhead"] == "YES"  # M1: 2.7 s idle of 6 s
+    hf = rank["host_frames"]
+    assert hf["tid"] == 1000 and [f["frame"] for f in hf["top_frames"]] == [
+        "log_metrics (log.py:12)"]
+    assert hf["idle_ns"] == (HALF // 10_000_000 - 1) * 9_000_000
+    text = _gpu(capsys, tmp_path / "r.db", "table")
+    assert "while the GPU idled:" in text and "log_metrics (log.py:12)" in text
+
+
+def test_a_gpu_bound_verdict_has_no_host_frames(capsys: pytest.CaptureFixture[str],
+                                                tmp_path: Path) -> None:
+    import orjson
+
+    _recording(tmp_path, _kernels(0, 2 * HALF, 1_000_000, 1_000_000))
+    (rank,) = orjson.loads(_gpu(capsys, tmp_path / "r.db", "json"))["ranks"]
+    assert rank["verdict"]["host_overhead"] == "NO" and "host_frames" not in rank
