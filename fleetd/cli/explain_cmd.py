@@ -30,7 +30,7 @@ from fleetd.analyze.facade import Analysis
 from fleetd.analyze.window import WindowSpec
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
 from fleetd.cli.output import dumps, table
-from fleetd.cli.pod_args import add_pod_args, fleet_refused, selected_pids
+from fleetd.cli.pod_args import add_pod_args, fleet_selection, selected_pids
 from fleetd.errors import UsageError
 from fleetd.store.db import default_db_path, open_reader
 from fleetd.store.timeparse import format_ns
@@ -140,7 +140,6 @@ def run(args: argparse.Namespace) -> int:
                          f"use one of: {', '.join(EXPLAIN_FORMATS)}")
     args.output_path = output_path(args)  # refused before any work is done for it
     if fleet_mode(args):
-        fleet_refused(args)
         return run_fleet(args)
     with open_analysis(args) as (path, analysis):
         pids = selected_pids(args, analysis.conn)
@@ -263,8 +262,9 @@ def run_fleet(args: argparse.Namespace) -> int:
     if args.store:
         raise UsageError("--store writes into a local database",
                          "drop --store, or run explain --store --db on the node")
+    pod, ns = fleet_selection(args)
     window = WindowSpec(args.since, args.from_, args.to)
-    result = explain(fleet_options(args), window, args.pid)
+    result = explain(fleet_options(args), window, args.pid, pod, ns)
     found = result.obj
     if args.format == "json":
         emit(args, found, lambda out: out.write(dumps(found).decode() + "\n"))
@@ -292,7 +292,8 @@ def fleet_ops(args: argparse.Namespace, window: WindowSpec,
     warnings = list(found.get("warnings") or [])
     try:
         result = ops(fleet_options(args), window, args.pid, False,
-                     [c for c in COLUMNS if c not in ("pid", "comm")])
+                     [c for c in COLUMNS if c not in ("pid", "comm")], "op",
+                     *fleet_selection(args))
     except FleetdError as exc:
         warnings.append({"node": "", "kind": "ops", "error": f"no op statistics: {exc}"})
         return {**found, "warnings": warnings}
@@ -381,6 +382,17 @@ def render_fleet(report: dict[str, Any], out: TextIO) -> None:
     hidden = len(rest) - len(worth)
     if hidden:
         out.write(f"\n({hidden} LOW chain(s) not shown; --format json lists them all)\n")
+    if report.get("selected"):
+        # --pod / --namespace: the selected processes of every node, with their pods.
+        procs = report.get("processes") or []
+        if procs:
+            _processes(procs, out)
+        else:
+            out.write(f"\nno process of {_selection(report['selected'])} on any node\n")
+
+
+def _selection(selected: dict[str, str]) -> str:
+    return " and ".join(f"{k} {v}" for k, v in selected.items())
 
 
 TOP_CHAINS = 3

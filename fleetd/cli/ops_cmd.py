@@ -9,7 +9,7 @@ import sys
 from fleetd.cli.explain_cmd import add_common, open_analysis
 from fleetd.cli.fleet_args import fleet_mode, fleet_options, report
 from fleetd.cli.output import FORMATS, check_format, human_ns, write_rows
-from fleetd.cli.pod_args import fleet_refused, selected_pids
+from fleetd.cli.pod_args import fleet_selection, selected_pids
 
 _NS_COLUMNS = ("total_ns", "mean_ns", "p50_ns", "p95_ns", "p99_ns", "max_ns")
 
@@ -37,7 +37,11 @@ def run(args: argparse.Namespace) -> int:
     fmt = check_format(args.format)
     every = KERNEL_COLUMNS if args.by == "kernel" else COLUMNS
     if fleet_mode(args):
-        fleet_refused(args)
+        pod, ns = fleet_selection(args)
+        if pod or ns:
+            # Per process, as with --db, and each row's pod beside its process.
+            at = every.index("comm") + 1
+            return run_fleet(args, fmt, [*every[:at], "pod", *every[at:]], pod, ns)
         cols = [c for c in every if args.per_process or c not in ("pid", "comm")]
         return run_fleet(args, fmt, cols)
     with open_analysis(args) as (_, analysis):
@@ -61,12 +65,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_fleet(args: argparse.Namespace, fmt: str, cols: list[str]) -> int:
+def run_fleet(args: argparse.Namespace, fmt: str, cols: list[str], pod: str | None = None,
+              namespace: str | None = None) -> int:
     from fleetd.analyze.window import WindowSpec
     from fleetd.fleet.queries import ops
 
     result = ops(fleet_options(args), WindowSpec(args.since, args.from_, args.to), args.pid,
-                 args.per_process, cols, args.by)
+                 args.per_process or bool(pod or namespace), cols, args.by, pod, namespace)
     shown, values = table_view(list(result.columns), [list(r) for r in result.rows], fmt)
     extra = {k: v for k, v in result.obj.items() if k not in ("columns", "rows")}
     write_rows(shown, values, fmt, sys.stdout, extra)

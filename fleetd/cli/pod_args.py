@@ -1,5 +1,6 @@
 """``--pod`` and ``--namespace``: select processes by the Kubernetes pod they ran in, as
-the tracer recorded it per process (fleetd.analyze.pods), where ``--pid`` selects one."""
+the tracer recorded it per process (fleetd.analyze.pods), where ``--pid`` selects one;
+with ``--nodes`` every node selects its own (fleet_selection)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sqlite3
 
 from fleetd.analyze import pods
 from fleetd.errors import UsageError
+from fleetd.wire.pods import params, read_params
 
 
 def add_pod_args(p: argparse.ArgumentParser) -> None:
@@ -44,8 +46,20 @@ def selected_pids(args: argparse.Namespace, conn: sqlite3.Connection) -> set[int
     raise UsageError(f"no process of {what} in this database", hint)
 
 
-def fleet_refused(args: argparse.Namespace) -> None:
-    """Pods are read from a local database; a fleet call selects with --pid."""
-    if getattr(args, "pod", None) or getattr(args, "namespace", None):
-        raise UsageError("--pod/--namespace select processes of a local database",
-                         "with --nodes use --pid, or merge the nodes' files and pass --db")
+def fleet_selection(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(pod, namespace) to ask every node for (fleetd.wire.pods: each node selects its
+    own processes of them); checked here first, so that a mistake is one usage error
+    and not one failed request per node."""
+    pod, ns = getattr(args, "pod", None) or None, getattr(args, "namespace", None) or None
+    if not pod and not ns:
+        return None, None
+    if getattr(args, "pid", None):
+        raise UsageError("--pid and --pod/--namespace both select processes",
+                         "give one of them")
+    try:
+        read_params(params(pod, ns))
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("pod=", "--pod ").replace("namespace=",
+                                                                    "--namespace "),
+                         "give a pod as NAME or NAMESPACE/NAME") from exc
+    return pod, ns

@@ -30,6 +30,7 @@ from fleetd.fleet.result import FleetResult, base_json, raise_if_user_error
 from fleetd.fleet.skew import correct_obj, correct_rows
 from fleetd.runner import run_loop
 from fleetd.wire import paths
+from fleetd.wire.pods import PLACEMENT_FIELDS, label, params, read_placement
 from fleetd.wire.query import check_rows
 
 log = logging.getLogger("fleetd.fleet.queries")
@@ -95,17 +96,21 @@ def _node_rows(answer: FleetAnswer, o: NodeOutcome) -> NodeRows:
 # ---- explain ------------------------------------------------------------------------
 
 
-def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None) -> FleetResult:
+def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None,
+            pod: str | None = None, namespace: str | None = None) -> FleetResult:
+    """Every node's chains and profile; with ``pod`` / ``namespace`` each node keeps
+    the chains and processes of that pod's processes (none where it ran nowhere)."""
     from fleetd.analyze.collectives import straggler_entries
     from fleetd.fleet import collectives as arrivals
 
     bounds = window.validate()
+    selected = params(pod, namespace)
 
     def plan(offset_ns: int) -> list[Request]:
-        params = bounds.params(offset_ns)
-        chains = {**params, **({"pid": str(pid)} if pid else {})}
+        base = bounds.params(offset_ns)
+        chains = {**base, **({"pid": str(pid)} if pid else {}), **selected}
         return [Request("GET", paths.CHAINS, chains, expect=("chains",)),
-                Request("GET", paths.PROFILE, params, expect=("node",))]
+                Request("GET", paths.PROFILE, base, expect=("node",))]
 
     # Beside chains and profile, each node's collective calls (optional: a failure there
     # is a warning), compared across nodes in our clock.
@@ -122,7 +127,8 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None) -> F
         got, prof = o.replies[:2]
         off = answer.offset_ns(o)
         chains += [_tagged(correct_obj(c, off), o.name) for c in got.get("chains") or []]
-        processes += [dict(p, node=o.name) for p in got.get("processes") or []]
+        processes += [_placed(p, o.name) for p in got.get("processes") or []
+                      if isinstance(p, dict)]
         profiles[o.name] = prof
         verdicts[o.name] = str(got.get("verdict") or "")
         answer.warnings += [NodeWarning(o.name, str(w), "window")
@@ -136,7 +142,16 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None) -> F
     obj = {"stragglers": ranked, "chains": chains, **base_json(answer),
            "nodes": [o.name for o in answer.answered], "window": {"label": window.label()},
            "verdicts": verdicts, "processes": processes, "collectives": collectives}
+    if selected:
+        obj["selected"] = dict(selected)
     return FleetResult(answer, obj)
+
+
+def _placed(proc: dict[str, Any], node: str) -> dict[str, Any]:
+    """A node's process row tagged with its node, its pod fields read as untrusted
+    text (fleetd.wire.pods)."""
+    out = {k: v for k, v in proc.items() if k not in PLACEMENT_FIELDS}
+    return {**out, **read_placement(proc), "node": node}
 
 
 def _tagged(chain: dict[str, Any], node: str) -> dict[str, Any]:
@@ -148,18 +163,22 @@ def _tagged(chain: dict[str, Any], node: str) -> dict[str, Any]:
 
 
 def ops(opts: FleetOptions, window: WindowSpec, pid: int | None, per_process: bool,
-        columns: Sequence[str], by: str = "op") -> FleetResult:
+        columns: Sequence[str], by: str = "op", pod: str | None = None,
+        namespace: str | None = None) -> FleetResult:
+    """Every node's op statistics; with ``pod`` / ``namespace`` per process of that
+    pod, a ``pod`` column (add it to ``columns``) naming each row's."""
     bounds = window.validate()
+    selected = params(pod, namespace)
 
     def plan(offset_ns: int) -> list[Request]:
-        params = bounds.params(offset_ns)
+        query = {**bounds.params(offset_ns), **selected}
         if pid:
-            params["pid"] = str(pid)
+            query["pid"] = str(pid)
         if per_process:
-            params["per_process"] = "1"
+            query["per_process"] = "1"
         if by != "op":
-            params["by"] = by
-        return [Request("GET", paths.OPS, params, expect=("ops",))]
+            query["by"] = by
+        return [Request("GET", paths.OPS, query, expect=("ops",))]
 
     answer: FleetAnswer = run_loop(fan_out(opts, plan, needs_offset=window.absolute))
     raise_if_user_error(answer)
@@ -169,7 +188,8 @@ def ops(opts: FleetOptions, window: WindowSpec, pid: int | None, per_process: bo
     for o in answer.answered:
         assert o.replies is not None
         reply = o.replies[0]
-        rows = [[r.get(c) for c in cols] for r in reply.get("ops") or [] if isinstance(r, dict)]
+        rows = [[label(read_placement(r)) if c == "pod" else r.get(c) for c in cols]
+                for r in reply.get("ops") or [] if isinstance(r, dict)]
         parts.append(NodeRows(o.name, list(cols), rows))
         windows[o.name] = reply.get("window")
         answer.warnings += [NodeWarning(o.name, str(w), "window")

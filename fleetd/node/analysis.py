@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from fleetd.analyze import pods
 from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
 from fleetd.analyze.stacks import op_code
 from fleetd.analyze.window import WindowSpec
@@ -21,6 +22,7 @@ from fleetd.errors import FleetdError, QueryError
 from fleetd.node.api import READERS, STATE, client_of, encode
 from fleetd.wire import paths
 from fleetd.wire.limits import INT64_MAX
+from fleetd.wire.pods import read_params
 from fleetd.wire.shapes import ChainsReply, OpsReply
 
 MAX_TOP_N = 1000  # stacks per answer
@@ -53,6 +55,25 @@ def _bad_request(exc: FleetdError) -> QueryError:
 Job = Callable[[Analysis, str], Mapping[str, Any]]
 
 
+PodSelector = Callable[[Analysis], set[int] | None]
+
+
+def _pod_selector(q: Any, pid: int | None) -> PodSelector:
+    """The ``pod`` / ``namespace`` parameters as the pids they select in the analyzed
+    file (None: neither asked), as ``--pod`` selects them from a local database. A pod
+    that ran nowhere here selects nothing: the answer has no rows, not an error."""
+    try:
+        pod, ns = read_params(q)
+    except ValueError as exc:
+        raise QueryError(str(exc), None, code="bad_request") from exc
+    if not pod and not ns:
+        return lambda a: None
+    if pid:
+        raise QueryError("pid and pod/namespace both select processes", "give one of them",
+                         code="bad_request")
+    return lambda a: pods.select(a.conn, pod, ns)
+
+
 async def _run(request: web.Request, job: Job) -> web.StreamResponse:
     """Run ``job`` over the node's database in the request's window."""
     readers = request.app[READERS]
@@ -71,9 +92,10 @@ async def _run(request: web.Request, job: Job) -> web.StreamResponse:
 async def chains(request: web.Request) -> web.StreamResponse:
     q = request.query
     pid, top_n = _int_param(q, "pid"), _int_param(q, "top_n")
+    selected = _pod_selector(q, pid)
 
     def go(a: Analysis, node: str) -> ChainsReply:
-        report = a.explain(pid)
+        report = a.explain(pid, pids=selected(a))
         found = report["chains"][:top_n] if top_n else report["chains"]
         return {"node": node, "window": report["window"], "verdict": report["verdict"],
                 "chains": found, "processes": report["processes"],
@@ -90,10 +112,24 @@ async def ops(request: web.Request) -> web.StreamResponse:
     if by not in OPS_BY:
         raise QueryError(f"by={by[:40]!r} is not one of {'|'.join(OPS_BY)}",
                          "by=op (the default) or by=kernel", code="bad_request")
+    selected = _pod_selector(q, pid)
 
     def go(a: Analysis, node: str) -> OpsReply:
+        pids = selected(a)
+        if pids is None:
+            rows = a.op_stats(pid, per_process, by)
+        else:
+            # A pod's processes: per process, each row with its pod (as fleetd ops --pod).
+            found = pods.placements(a.conn)
+            rows = []
+            for sl in a.slices:
+                every = (sl.kernel_stats(None, True) if by == "kernel"
+                         else sl.op_stats(None, True))
+                part = [r for r in every if r.get("pid") in pids]
+                pods.annotate(part, sl.node.key, found)
+                rows += part
         return {"node": node, "window": a.window.to_json(), "warnings": list(a.window.warnings),
-                "ops": a.op_stats(pid, per_process, by)}
+                "ops": rows}
 
     return await _run(request, go)
 

@@ -13,6 +13,7 @@ TIME_BODY_BYTES = 4 * 1024  # a /api/v1/time answer is under 100 bytes
 ERROR_BODY_BYTES = 64 * 1024  # of an error answer, enough for the message
 
 NAME_CHARS = 253  # a node's self-reported name, as at most a host name
+POD_CHARS = 253  # a pod, namespace or container name asked for or answered (DNS subdomain)
 COLUMN_CHARS = 1000  # a column name of a streamed answer, as printed
 MAX_COLUMNS = 256  # as the agent's guard allows
 # Rows one answer may hold, whatever limit the node's header claims: a row of one small

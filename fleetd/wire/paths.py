@@ -21,5 +21,11 @@ COLLECTIVES = "/api/v1/collectives"
 RANKS = "/api/v1/ranks"
 RELAY = "/api/v1/relay"
 
+# Query parameters of CHAINS and OPS that select processes by where they ran (fleetd
+# explain/ops --pod, --namespace): the node keeps the processes its process_data places
+# there, and answers no rows when none ran there.
+POD_PARAM = "pod"  # [NAMESPACE/]NAME
+NAMESPACE_PARAM = "namespace"
+
 JSON = "application/json"
 NDJSON = "application/x-ndjson"  # a streamed query answer, one JSON value per line
