@@ -30,7 +30,7 @@ from fleetd.analyze.chains import Chain, severity
 from fleetd.analyze.data import code
 from fleetd.analyze.frames import short_frame, top_python_frame
 from fleetd.analyze.idle_frames import during_idle, rank_frames
-from fleetd.analyze.profile import GC_FRAME, StackCount, stack_counts
+from fleetd.analyze.profile import GC_FRAME, StackCount, flame_stacks, stack_counts
 from fleetd.analyze.rules import Context, rule_chain
 
 GC_PAUSE = code("gc_pause")
@@ -217,7 +217,8 @@ def _cpu_bound_chain(ctx: Context, ts: ThreadSamples) -> Chain | None:
         "cuda_samples": sum(s.samples for s in ts.stacks if s.in_cuda),
         "gpu_wait_share": round(gpu_wait, 4), "period_ns": ts.period_ns,
         "running_share": round(ctx.share(ts.tid, "running"), 4),
-        "top_frames": top, "share_from": "on_cpu_samples"}
+        "top_frames": top, "share_from": "on_cpu_samples",
+        "flame": flame_stacks(ts.stacks)}
     lines = "; ".join(f"{f['frame']} {f['share']:.0%}" for f in top[:3])
     evidence = [{"kind": "cpu_profile", "text":
                  f"{host_samples} of the thread's {ts.total} on-CPU samples at {hz} Hz were "

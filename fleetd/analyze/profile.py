@@ -189,6 +189,24 @@ def folded_lines(stacks: list[StackCount]) -> list[str]:
     return [folded(list(frames), n) for frames, n in merged(stacks).items()]
 
 
+FLAME_STACKS = 300  # distinct stacks a report carries for its flame graph
+FLAME_DEPTH = 64  # frames per stack, outermost first
+
+
+def flame_stacks(stacks: list[StackCount]) -> dict[str, Any]:
+    """The thread's stacks for a flame graph: the ``FLAME_STACKS`` heaviest, outermost
+    frame first (base names, at most ``FLAME_DEPTH``), with their samples; the rest are
+    one ``[N other stacks]`` stack so the widths still add up to every sample."""
+    ranked = list(merged(stacks).items())
+    kept = [{"frames": [short_frame(f) for f in reversed(frames)][:FLAME_DEPTH]
+             or ["[no frames]"], "samples": n} for frames, n in ranked[:FLAME_STACKS]]
+    rest = ranked[FLAME_STACKS:]
+    if rest:
+        kept.append({"frames": [f"[{len(rest)} other stacks]"],
+                     "samples": sum(n for _, n in rest)})
+    return {"samples": sum(n for _, n in ranked), "stacks": kept}
+
+
 def speedscope(stacks: list[StackCount], name: str) -> dict[str, Any]:
     """A speedscope file (its "sampled" profile type): frames listed once, each stack
     as indices outermost first, weighted by its samples."""

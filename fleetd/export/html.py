@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 from fleetd.analyze import pods
-from fleetd.export.html_frames import top_frames_chart
+from fleetd.export.html_frames import flame_graph, top_frames_chart
 
 # The per-thread columns that add up to the wall time (docs/explain.md), with a colour
 # and a label each.
@@ -575,7 +575,7 @@ def _chain(c: Mapping[str, Any], index: int) -> str:
             f"{_e(where)} <span class=\"mono note\">{_e(c.get('id'))}</span></h3>\n"
             f"<p>{_e(c.get('summary'))}</p>\n<table>{''.join(rows)}</table>\n"
             + _evidence_svg(evidence) + _evidence_table(evidence)
-            + top_frames_chart(_dict(c.get("detail")))
+            + top_frames_chart(_dict(c.get("detail"))) + flame_graph(_dict(c.get("detail")))
             + (f"<h4>Fix</h4>\n<ul>{fixes}</ul>\n" if fixes else "") + "</article>\n")
 
 
