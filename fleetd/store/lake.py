@@ -46,6 +46,7 @@ from fleetd.store.lakefs import partition_parts
 from fleetd.store.lakefs import read_marker as read_marker
 from fleetd.store.lakefs import unescape_value as unescape_value
 from fleetd.store.lakefs import write_bytes as write_bytes
+from fleetd.store.schema import PLACEMENT_COLUMNS
 
 log = logging.getLogger("fleetd.store.lake")
 
@@ -69,6 +70,9 @@ class LakeTable:
     date_column: str | None  # wall-clock ns column that picks the date partition
     key: str | None  # integer column for incremental segments (the agent's lake)
     id_of: str | None = None  # the view computes id = node || ':' || (this & SEQ_MASK)
+    # Columns a later lake version added: an older file lacks them and they read as
+    # NULL there, where a file lacking any other column is left out as damaged.
+    optional: frozenset[str] = frozenset()
 
 
 def _cols(spec: str) -> tuple[tuple[str, str], ...]:
@@ -92,7 +96,8 @@ TABLES: dict[str, LakeTable] = {t.name: t for t in (
         "accounted_events:i"), "started_ns", None, id_of="seq"),
     LakeTable("processes", "processes", _cols(
         "pid:i ppid:i comm:s exe:s cmdline:s rank:i local_rank:i world_size:i start_ns:i "
-        "exit_ns:i exit_code:i job:s"), None, None),
+        "exit_ns:i exit_code:i job:s cgroup:s runtime:s container:s container_name:s pod:s "
+        "namespace:s pod_uid:s"), None, None, optional=frozenset(PLACEMENT_COLUMNS)),
     LakeTable("threads", "threads", _cols("tid:i pid:i comm:s"), None, None),
     LakeTable("stacks", "stacks", _cols("hash:i frames:s"), None, None),
     LakeTable("chain_history", "chain_history", _cols(

@@ -42,7 +42,10 @@ from fleetd.store.db import validate_node_name
 
 log = logging.getLogger("fleetd.store.lake")
 
-LAKE_VERSION = 1
+# 2: the processes table gains where each process ran (cgroup, runtime, container,
+# container_name, pod, namespace, pod_uid); a version-1 lake's processes files lack
+# them and read as NULL there (fleetd.store.lake.LakeTable.optional).
+LAKE_VERSION = 2
 MARKER = "_fleetd_lake.json"
 LAKE_FORMAT = "fleetd-lake"
 MARKER_MAX_BYTES = 64 * 1024  # the marker fleetd writes is under 100 bytes

@@ -59,7 +59,8 @@ _VIEWS: dict[str, str] = {
     "drops, targets, headers_route, command, end_reason, updated_ns, emitted_events, "
     "accounted_events, date FROM raw_sessions",
     "processes": "SELECT node, pid, ppid, comm, exe, cmdline, rank, local_rank, world_size, "
-    "start_ns, exit_ns, exit_code, job FROM raw_processes",
+    "start_ns, exit_ns, exit_code, job, cgroup, runtime, container, container_name, pod, "
+    "namespace, pod_uid FROM raw_processes",
     "threads": "SELECT node, tid, pid, comm FROM raw_threads",
     "stacks": "SELECT hash, any_value(frames) AS frames FROM raw_stacks GROUP BY hash",
     "chain_history": f"SELECT {_ID.format(k='seq')}, node, key, version, created_ns, ts_ns, "
@@ -107,9 +108,12 @@ class Pruning:
         return not (self.until_ns is not None and f.date > day_of(self.until_ns + 10**9))
 
 
-def check_files(files: Sequence[LakeFile]) -> tuple[list[LakeFile], list[str]]:
-    """The files whose Parquet footer reads and whose columns are the table's; a warning
-    naming each other file (left out: the rest of the lake still answers)."""
+def check_files(files: Sequence[LakeFile], present: dict[str, set[str]] | None = None
+                ) -> tuple[list[LakeFile], list[str]]:
+    """The files whose Parquet footer reads and whose columns are the table's (a column
+    a later lake version added may be missing: ``present`` collects, per table, those
+    some file has); a warning naming each other file (left out: the rest of the lake
+    still answers)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -129,11 +133,16 @@ def check_files(files: Sequence[LakeFile]) -> tuple[list[LakeFile], list[str]]:
             warnings.append(f"{f.path} is not a readable Parquet file and was left out "
                             f"({why}); remove it or re-export that segment")
             continue
-        missing = [n for n, _ in TABLES[f.table].columns if n not in schema.names]
+        table = TABLES[f.table]
+        missing = [n for n, _ in table.columns
+                   if n not in schema.names and n not in table.optional]
         if missing:
             warnings.append(f"{f.path} lacks column(s) {', '.join(missing)} of table "
                             f"{f.table!r} and was left out; re-export that segment")
             continue
+        if present is not None:
+            present.setdefault(f.table, set()).update(
+                n for n in table.optional if n in schema.names)
         good.append(f)
     return good, warnings
 
@@ -142,8 +151,12 @@ def _lit(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def _raw_relation(table: LakeTable, files: Sequence[LakeFile]) -> str:
-    cols = ", ".join(n for n, _ in table.columns)
+def _raw_relation(table: LakeTable, files: Sequence[LakeFile],
+                  present: set[str] | frozenset[str] = frozenset()) -> str:
+    # A column of a later lake version that none of these files has (an older lake's):
+    # NULL. Where some have it, union_by_name fills NULL for the others.
+    cols = ", ".join(n if n not in table.optional or n in present
+                     else f"CAST(NULL AS {_DUCK_TYPES[k]}) AS {n}" for n, k in table.columns)
     if not files:
         typed = ", ".join(f"CAST(NULL AS {_DUCK_TYPES[k]}) AS {n}" for n, k in table.columns)
         date = ", CAST(NULL AS DATE) AS date" if table.date_column else ""
@@ -170,7 +183,8 @@ class LakeDB:
         prune = pruning or Pruning()
         skipped: list[str] = []
         listed = [f for f in lake_files(self.root, warnings=skipped) if prune.keeps(f)]
-        self.files, unreadable = check_files(listed)
+        self.present: dict[str, set[str]] = {}
+        self.files, unreadable = check_files(listed, self.present)
         self.warnings = skipped + unreadable
         self.nodes = sorted({f.node for f in self.files})
         self.conn = duckdb.connect(":memory:")
@@ -186,7 +200,8 @@ class LakeDB:
     def _create_views(self) -> None:
         for name, table in TABLES.items():
             files = [f for f in self.files if f.table == name]
-            self.conn.execute(f"CREATE VIEW raw_{name} AS {_raw_relation(table, files)}")
+            rel = _raw_relation(table, files, self.present.get(name, set()))
+            self.conn.execute(f"CREATE VIEW raw_{name} AS {rel}")
         for name, sql in _VIEWS.items():
             self.conn.execute(f"CREATE VIEW {name} AS {sql}")
         self.conn.execute("CREATE TABLE ops (code BIGINT, name VARCHAR, source VARCHAR, "
@@ -329,10 +344,12 @@ _ANNOTATION_KINDS = {"step": 1, "nvtx": 2, "user_annotation": 3, "cpu_op": 4}
 _BATCH = 50_000
 _MATERIALIZED = (
     ("processes", "SELECT node, pid, ppid, comm, exe, cmdline, rank, local_rank, world_size, "
-     "start_ns, exit_ns, exit_code, job FROM processes",
+     "start_ns, exit_ns, exit_code, job, cgroup, runtime, container, container_name, pod, "
+     "namespace, pod_uid FROM processes",
      "INSERT OR REPLACE INTO process_data(node, pid, ppid, comm, exe, cmdline, rank, "
-     "local_rank, world_size, start_ns, exit_ns, exit_code, job) "
-     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"),
+     "local_rank, world_size, start_ns, exit_ns, exit_code, job, cgroup, runtime, container, "
+     "container_name, pod, namespace, pod_uid) "
+     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"),
     ("threads", "SELECT node, tid, pid, comm FROM threads",
      "INSERT OR REPLACE INTO task_data(node, tid, pid, comm) VALUES (?,?,?,?)"),
     ("sessions", "SELECT node, seq, host, kernel, boot_id, coalesce(started_ns, 0), ended_ns, "
