@@ -225,6 +225,29 @@ class FleetBackend:
             out["note"] = NOTE_NO_GPU
         return out
 
+    def cpu_profile(self, win: WindowSpec, pid: int | None, tid: int | None, top_n: int,
+                    stacks_n: int, node: str | None) -> dict[str, Any]:
+        """Every node's on-CPU samples (``GET /api/v1/cpu_stacks``, as ``fleetd profile
+        --nodes``) merged into one profile: top frames over the fleet, and the heaviest
+        (node, thread, stack) counts, each with its node. ``node``: that node's only."""
+        from fleetd.analyze.profile import StackCount, profile
+
+        result = queries.cpu_stacks(self.opts, win, pid, tid)
+        counts = [StackCount(s["node"], s["pid"], s["tid"], tuple(s["frames"]),
+                             s["samples"], s["gc"]) for s in result.obj["stacks"]
+                  if node is None or s["node"] == node]
+        summary = profile(counts, int(result.obj["period_ns"]), top_n)
+        ranked = sorted(counts, key=lambda c: (-c.samples, c.node, c.tid, c.frames))
+        heavy = [{"node": c.node, "pid": c.pid, "tid": c.tid,
+                  "frames": list(c.frames[:STACK_FRAMES * 2]), "samples": c.samples,
+                  "gc": c.gc} for c in ranked[:stacks_n]]
+        out: dict[str, Any] = {**header(result.answer), "pid": pid, "tid": tid,
+                               **{k: v for k, v in summary.items() if k != "note"},
+                               "stacks": heavy, **shown("stacks", len(ranked), stacks_n)}
+        if summary["note"]:
+            out["note"] = summary["note"]
+        return out
+
     def _names(self) -> list[str]:
         """Every node's process and thread names: the verdicts quote them (best effort:
         a node that does not answer here just gets its names cleaned, not quoted)."""

@@ -242,6 +242,10 @@ class LocalBackend:
 def compact_chain(c: dict[str, Any], evidence_n: int) -> dict[str, Any]:
     """A chain as explain gives it, minus internal keys, with short lists."""
     out = {k: v for k, v in c.items() if k not in ("key", "evidence", "culprits")}
+    detail = c.get("detail")
+    if isinstance(detail, dict) and "flame" in detail:
+        # The flame graph's stacks are the HTML page's; get_cpu_profile gives the stacks.
+        out["detail"] = {k: v for k, v in detail.items() if k != "flame"}
     culprits = list(c.get("culprits") or [])
     out["culprits"] = culprits[:3]
     evidence = list(c.get("evidence") or [])

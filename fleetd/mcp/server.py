@@ -6,7 +6,7 @@ Two modes, fixed at start:
   get_check, get_trace_stats, get_causal_chains, get_latency_breakdown, get_stacks,
   get_cpu_profile, run_sql, graph_lifecycle, export_timeline.
 - **fleet** (``--nodes``/``--config``): live agents over mTLS. Tools: get_check (every
-  node's health), query_fleet, check_hang, export_timeline.
+  node's health), query_fleet, check_hang, get_cpu_profile, export_timeline.
 
 Each tool is a synchronous function (the SDK runs it on a worker thread) that returns a
 ``CallToolResult`` built here: the backend's dict, cleaned, marked and size-capped by
@@ -163,6 +163,7 @@ def build_server(backend: LocalBackend | FleetBackend,
     else:
         _fleet_tools(server, backend, answers)
         _hang_tool(server, backend, answers)
+    _cpu_profile_tool(server, backend, answers)
     _export_tool(server, backend, answers)
     prompts.register(server, mode)
     return server
@@ -283,27 +284,6 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         "op and pid of a chain to find the code path to fix. events_without_stack counts "
         "matching calls with no recorded stack." + DATA_NOTE))
 
-    def get_cpu_profile(
-        pid: Pid = None,
-        tid: Annotated[int | None, Field(ge=1, description="only this thread")] = None,
-        since: Since = None, start: Start = None, end: End = None,
-        top_n: Annotated[int, Field(ge=1, le=100, description="top frames")] = 15,
-        stacks_n: Annotated[int, Field(ge=1, le=50, description="heaviest stacks")] = 5,
-        node: NodeName = None,
-    ) -> CallToolResult:
-        return answers("get_cpu_profile", lambda: b.cpu_profile(
-            WindowSpec(since, start, end), pid, tid, top_n, stacks_n, node))
-
-    server.add_tool(get_cpu_profile, name="get_cpu_profile", annotations=READ_ONLY,
-                    description=(
-        "Where the traced threads spent their time ON a CPU (the tracer samples them at "
-        "49 Hz with native and Python frames): samples, gc_samples (in the garbage "
-        "collector), period_ns, on_cpu_ns (samples x period), top frames by self and total "
-        "share, and the heaviest stacks (frames innermost first; '[garbage collection]' "
-        "first when the interpreter was collecting). Use it for a gc_pause or "
-        "host_cpu_bound chain's victim thread: which code to move off the feeding thread."
-        + DATA_NOTE))
-
     def run_sql(
         sql: Annotated[str, Field(description=(
             "one read-only SELECT (WITH ... SELECT and PRAGMA table_info(x) work). Views: "
@@ -360,6 +340,31 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         "launches_per_instantiation, build_share_of_wall, launch rate outside vs during "
         "capture episodes), episodes of (re)capture, a timeline (columns+rows per bucket) "
         "and a verdict (healthy replay vs re-capturing, with the fix)." + DATA_NOTE))
+
+
+def _cpu_profile_tool(server: MCPServer, b: LocalBackend | FleetBackend,
+                      answers: Answers) -> None:
+    def get_cpu_profile(
+        pid: Pid = None,
+        tid: Annotated[int | None, Field(ge=1, description="only this thread")] = None,
+        since: Since = None, start: Start = None, end: End = None,
+        top_n: Annotated[int, Field(ge=1, le=100, description="top frames")] = 15,
+        stacks_n: Annotated[int, Field(ge=1, le=50, description="heaviest stacks")] = 5,
+        node: NodeName = None,
+    ) -> CallToolResult:
+        return answers("get_cpu_profile", lambda: b.cpu_profile(
+            WindowSpec(since, start, end), pid, tid, top_n, stacks_n, node))
+
+    server.add_tool(get_cpu_profile, name="get_cpu_profile", annotations=READ_ONLY,
+                    description=(
+        "Where the traced threads spent their time ON a CPU (the tracer samples them at "
+        "49 Hz with native and Python frames): samples, gc_samples (in the garbage "
+        "collector), period_ns, on_cpu_ns (samples x period), top frames by self and total "
+        "share, and the heaviest stacks (frames innermost first; '[garbage collection]' "
+        "first when the interpreter was collecting). Use it for a gc_pause or "
+        "host_cpu_bound chain's victim thread: which code to move off the feeding thread. "
+        "In fleet mode the nodes' samples are merged per stack, each stack with its node."
+        + DATA_NOTE))
 
 
 def _fleet_tools(server: MCPServer, b: FleetBackend, answers: Answers) -> None:

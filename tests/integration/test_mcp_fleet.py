@@ -44,7 +44,8 @@ from fleetd.security import tls
 
 from conftest import FLEETD, REPO
 
-FLEET_TOOLS = {"get_check", "query_fleet", "check_hang", "export_timeline"}
+FLEET_TOOLS = {"get_check", "query_fleet", "check_hang", "get_cpu_profile",
+               "export_timeline"}
 HTTP_RE = re.compile(r"listening on (https://127\.0\.0\.1:\d+/mcp)")
 
 
@@ -440,3 +441,55 @@ def test_stacks_and_graphs_fan_out(pki: Pki, fleet: list[Agent]) -> None:
     assert err["code"] == "bad_request" and "cudaLaunchKernel" in err["hint"]
     graphs = call(srv, "query_fleet", {"action": "graphs"})
     assert graphs["status"] == "complete" and graphs["processes"] == [] and "note" in graphs
+
+
+# ---- get_cpu_profile over the fleet ----------------------------------------------------
+
+CPU_PERIOD = 1_000_000_000 // 49
+HOT = ["collate (/w/data.py:40)", "Workload.step (/w/train_loop.py:302)"]
+EVIL = [f"{HOSTILE} (/w/evil.py:1)", "Workload.step (/w/train_loop.py:302)"]
+
+
+def _with_samples(path: Path, node: str, stacks: list[tuple[list[str], int, int]]) -> Path:
+    """synth's quiet loop as ``node``, plus on-CPU sample rows of its feeding thread
+    (frames innermost first, samples, of them in the collector)."""
+    from synth import T0
+
+    from fleetd.store.writer import BatchWriter
+    from fleetd.trace.oncpu import OP_CPU_SAMPLE
+    from fleetd.trace.stacks import stack_hash
+
+    build("quiet", path, node)
+    with BatchWriter(path, node) as w:
+        w.add_stacks([(stack_hash(f), f) for f, _, _ in stacks])
+        w.add_events([(T0, 6 * 10**9, MAIN, MAIN, OP_CPU_SAMPLE, 0, CPU_PERIOD, 0, n, gc,
+                       stack_hash(f)) for f, n, gc in stacks])  # type: ignore[arg-type]
+    return path
+
+
+def test_get_cpu_profile_merges_the_nodes_samples(pki: Pki, tmp_path: Path) -> None:
+    """Two agents' samples merged per stack (as fleetd profile --nodes), each heavy stack
+    with its node, frames wrapped as untrusted, the fan-out's status first; ``node``
+    keeps one node's."""
+    a = _with_samples(tmp_path / "a.db", "gpu-01", [(HOT, 150, 0), (EVIL, 20, 0)])
+    b = _with_samples(tmp_path / "b.db", "gpu-02", [(HOT, 50, 0), (["[garbage collection]",
+                                                                   *HOT], 30, 30)])
+    with agent(a, "gpu-01", pki, "--no-trace") as one, \
+            agent(b, "gpu-02", pki, "--no-trace") as two:
+        srv = fleet_server(pki, nodes_arg([one, two]))
+        got = call(srv, "get_cpu_profile", {"pid": MAIN, "top_n": 5, "stacks_n": 3})
+        only = call(srv, "get_cpu_profile", {"node": "gpu-02"})
+    assert got["status"] == "complete"
+    assert got["samples"] == 250 and got["gc_samples"] == 30 and got["threads"] == 2
+    assert got["on_cpu_ns"] == 250 * CPU_PERIOD and got["period_ns"] == CPU_PERIOD
+    top = {t["frame"]["untrusted"]: t for t in got["top"]}
+    # collate is the innermost frame of 150 + 50 samples over the two nodes.
+    assert top["collate (/w/data.py:40)"]["self_samples"] == 200
+    assert top["collate (/w/data.py:40)"]["total_samples"] == 230
+    assert [(s["node"], s["samples"]) for s in got["stacks"]] == [
+        ("gpu-01", 150), ("gpu-02", 50), ("gpu-02", 30)]
+    assert got["stacks"][0]["frames"] == {"untrusted": HOT}
+    assert got["stacks_total"] == 4 and got["truncated"] is True
+    assert any(t["frame"]["untrusted"] == f"{HOSTILE_CLEAN} (/w/evil.py:1)"
+               for t in got["top"]), got["top"]
+    assert only["samples"] == 80 and {s["node"] for s in only["stacks"]} == {"gpu-02"}

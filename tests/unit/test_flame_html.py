@@ -96,3 +96,13 @@ def test_no_stacks_no_flame_graph() -> None:
     got = flame_graph({"flame": {"stacks": [{"frames": ["main", "f"], "samples": 3},
                                             {"frames": ["main"], "samples": 1}]}})
     assert 'data-depth="1" data-samples="4"' in got and 'data-samples="3"' in got
+
+
+def test_mcp_chains_leave_the_flame_stacks_to_get_cpu_profile(tmp_path: Path) -> None:
+    from fleetd.mcp.local import compact_chain
+
+    ch = next(c for c in _report(tmp_path)["chains"] if c["root_cause"] == "host_cpu_bound")
+    got = compact_chain(ch, 3)
+    assert "flame" not in got["detail"] and got["detail"]["top_frames"] == ch["detail"][
+        "top_frames"]
+    assert "flame" in ch["detail"]  # the report itself keeps them
