@@ -549,7 +549,8 @@ _ALL = (
     Cause("host_cpu_bound",
           "the GPU-feeding thread ran on the CPU outside CUDA calls most of its time and "
           "waited little for the GPU: the host is the bottleneck",
-          ("cpu_profile",), _host_cpu_bound_fixes, summary=_host_cpu_bound_summary),
+          ("cpu_profile", "gpu_idle_frames"), _host_cpu_bound_fixes,
+          summary=_host_cpu_bound_summary),
     Cause("gpu_idle",
           "the GPU sat idle (imported GPU timeline) while the thread that launches its work "
           "was off the CPU, queued for it or in D state",

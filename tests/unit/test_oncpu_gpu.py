@@ -83,6 +83,9 @@ def test_frames_during_gpu_idle_are_those_sampled_in_the_gaps(tmp_path: Path) ->
     assert frames == ["log_metrics (log.py:12)"]  # collate ran only while the GPU was busy
     assert idle["top_frames"][0]["share"] == pytest.approx(
         120 * part / (120 * part + 10 * sync_part), abs=1e-4)
+    from fleetd.analyze.causes import CAUSES
+
+    assert {e["kind"] for e in ch["evidence"]} <= set(CAUSES["host_cpu_bound"].evidence)
     ev = next(e for e in ch["evidence"] if e["kind"] == "gpu_idle_frames")
     assert "log_metrics (log.py:12)" in ev["text"] and "collate" not in ev["text"]
     # The whole-window top frames still name both halves.
