@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
+from fleetd.analyze import pods
 from fleetd.analyze.window import WindowSpec
 from fleetd.errors import NetworkError
 from fleetd.export.clockfix import recorded_fix
@@ -48,6 +49,7 @@ from fleetd.export.pull import NodePull, PullSpec, Span, pull
 from fleetd.fleet.fanout import EXIT_NO_ANSWER, FleetAnswer, FleetOptions
 from fleetd.store.clockinfo import SessionClock, session_clock
 from fleetd.store.schema import SEQ_MASK
+from fleetd.wire.pods import read_placement
 
 log = logging.getLogger("fleetd.export.fleet")
 
@@ -164,6 +166,7 @@ def _trace(p: NodePull, answer: FleetAnswer, xopts: FleetExportOptions,
         return None
     sessions, ranks = _sessions(p.facts.get("sessions"), note)
     processes, threads, more_ranks = _names(p.facts.get("names"), note)
+    _add_pods(processes, p.facts.get("placement"), note)
     fix = _clock(p, answer, xopts, sessions, note)
     trace = NodeTrace(p.name, _events(p.events, note), tuple(sorted(ranks | more_ranks)),
                       processes, threads, _chains(p.facts, note), _rates(p.rates, note), fix,
@@ -238,6 +241,19 @@ def _names(reply: Any, note: Warn
         except (TypeError, ValueError) as exc:
             note(f"a process/thread row with a bad value skipped ({exc})")
     return processes, threads, ranks
+
+
+def _add_pods(processes: dict[int, str], reply: Any, note: Warn) -> None:
+    """Each process name gains its pod and container, as the local export names them
+    (``python (pod ml/trainer-0, container trainer)``); the node's text is untrusted
+    (printable, cut: fleetd.wire.pods)."""
+    for row in _rows(reply, "pods", note):
+        if len(row) != 6 or type(row[0]) is not int or row[0] not in processes:
+            continue
+        pid, pod, namespace, name, container, uid = row
+        placed = read_placement({"pod": pod, "namespace": namespace,
+                                 "container": name or container, "pod_uid": uid})
+        processes[pid] += pods.label(placed)
 
 
 def _stacks(reply: Any, note: Warn) -> dict[int, list[str]]:

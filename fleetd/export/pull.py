@@ -59,6 +59,10 @@ OPEN_END_NS = 2**62  # "no end", as the node API's events endpoint takes it
 RATES_PAGE = 5_000  # histogram windows per request (under the agent's row ceiling)
 NAMES_SQL = ("SELECT 'process' AS kind, pid AS id, NULL AS pid, comm, rank FROM processes "
              "UNION ALL SELECT 'thread', tid, pid, comm, NULL FROM threads")
+# Where each process ran (schema 5), asked apart from the names: a node serving an older
+# file has no such columns, and its names must still come.
+PLACEMENT_SQL = ("SELECT pid, pod, namespace, container_name, container, pod_uid FROM "
+                 "processes WHERE container IS NOT NULL OR pod_uid IS NOT NULL")
 SESSIONS_SQL = f"SELECT {SESSION_CLOCK_COLUMNS}, rank FROM sessions ORDER BY seq"
 # The frames of the stacks the window's events carry; the answer's row cap bounds them.
 STACKS_SQL = ("SELECT hash, frames FROM stacks WHERE hash IN (SELECT DISTINCT stack FROM "
@@ -220,7 +224,23 @@ async def _facts(client: FleetClient, t: Target, spec: PullSpec, offset: int,
                              "computed": None, "notes": []}
     if spec.chains == "computed" or (spec.chains == "auto" and not (stored or {}).get("rows")):
         facts["computed"] = await _computed_chains(client, t, spec, start, end, facts["notes"])
+    facts["placement"] = await _placement(client, t, node_limit, facts["notes"])
     return facts
+
+
+async def _placement(client: FleetClient, t: Target, node_limit: float, notes: list[str]
+                     ) -> dict[str, Any] | None:
+    """The node's processes' pods and containers, to name them on the timeline as the
+    local export does; None (no pods named) where its file predates them (schema < 5) or
+    the question fails, which costs only the pod names."""
+    try:
+        [reply] = await send_all(client, t, [_sql(PLACEMENT_SQL, [], node_limit)])
+    except NodeFailed as exc:
+        text = exc.failure.text()
+        if "no such column" not in text:
+            notes.append(f"pod names left out: {text}")
+        return None
+    return reply
 
 
 async def _computed_chains(client: FleetClient, t: Target, spec: PullSpec, start: int,

@@ -27,17 +27,19 @@ from fleetd.wire import paths
 from conftest import FLEETD, REPO
 
 SCENARIO = REPO / "tests" / "data" / "scenarios" / "dataloader.db"
-NODES = ["pods-01", "plain-02"]
+# Placed pods; schema 5 without pods; a schema-4 file (before pods were recorded).
+NODES = ["pods-01", "plain-02", "old-03"]
 TRAINER, LOADER = 28924, 28930
 
 
-def _copy(dst: Path, node: str, placed: bool) -> Path:
+def _copy(dst: Path, node: str) -> Path:
     shutil.copyfile(SCENARIO, dst)
     conn = sqlite3.connect(dst, isolation_level=None)
     try:
-        migrate(conn, int(conn.execute("PRAGMA user_version").fetchone()[0]))
+        if node != NODES[2]:
+            migrate(conn, int(conn.execute("PRAGMA user_version").fetchone()[0]))
         conn.execute("UPDATE nodes SET name = ?", (node,))
-        if placed:
+        if node == NODES[0]:
             for pid, pod, container in ((TRAINER, "trainer-0", "trainer"),
                                         (LOADER, "loader-0", "loader")):
                 conn.execute("UPDATE process_data SET cgroup = ?, runtime = 'containerd', "
@@ -59,8 +61,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 def fleet(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[list[Agent]]:
     tmp = tmp_path_factory.mktemp("fleet")
     with ExitStack() as stack:
-        yield [stack.enter_context(agent(_copy(tmp / f"{n}.db", n, n == NODES[0]), n, pki,
-                                         "--no-trace")) for n in NODES]
+        yield [stack.enter_context(agent(_copy(tmp / f"{n}.db", n), n, pki, "--no-trace"))
+               for n in NODES]
 
 
 def ask(pki: Pki, agents: list[Agent], *args: str) -> subprocess.CompletedProcess[str]:
@@ -158,3 +160,31 @@ def test_the_node_reads_the_parameters_as_untrusted(pki: Pki, fleet: list[Agent]
     assert status == 400 and "namespace=" in json.dumps(body)
     status, body, _ = request(fleet[0].url, ctx, path=f"{paths.CHAINS}?pod=ml/loader-0")
     assert status == 200 and {p["pid"] for p in body["processes"]} == {LOADER}
+
+
+def _pod_tracks(path: Path) -> set[tuple[int, str]]:
+    """(tid, name) of the timeline's tracks named with a pod (a process's tracks carry
+    its name: ``python (pod ml/trainer-0, container trainer)[28924]``)."""
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return {(int(e["tid"]), str(e["args"]["name"])) for e in events
+            if e.get("ph") == "M" and e.get("name") == "thread_name"
+            and "(pod " in str(e["args"]["name"])}
+
+
+def test_the_fleet_timeline_names_processes_with_their_pods(pki: Pki, fleet: list[Agent],
+                                                           tmp_path: Path) -> None:
+    out = tmp_path / "fleet.json"
+    proc = ask(pki, fleet, "export", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "pod names left out" not in proc.stderr  # the schema-4 node: no pods, no note
+    tracks = _pod_tracks(out)
+    assert (TRAINER, f"python (pod ml/trainer-0, container trainer)[{TRAINER}]") in tracks
+    assert (LOADER, f"dl-worker (pod ml/loader-0, container loader)[{LOADER}]") in tracks
+    # The local export of the same file names them alike.
+    local = tmp_path / "local.json"
+    done = subprocess.run([FLEETD, "export", "--db", str(fleet[0].log.parent /
+                                                         f"{NODES[0]}.db"), "-o", str(local)],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert _pod_tracks(local) == tracks
