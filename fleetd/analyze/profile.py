@@ -191,14 +191,16 @@ def folded_lines(stacks: list[StackCount]) -> list[str]:
 
 FLAME_STACKS = 300  # distinct stacks a report carries for its flame graph
 FLAME_DEPTH = 64  # frames per stack, outermost first
+FLAME_CHARS = 256  # of a frame's text: a report's size stays bounded
 
 
 def flame_stacks(stacks: list[StackCount]) -> dict[str, Any]:
     """The thread's stacks for a flame graph: the ``FLAME_STACKS`` heaviest, outermost
-    frame first (base names, at most ``FLAME_DEPTH``), with their samples; the rest are
-    one ``[N other stacks]`` stack so the widths still add up to every sample."""
+    frame first (base names cut at ``FLAME_CHARS``, at most ``FLAME_DEPTH``), with their
+    samples; the rest are one ``[N other stacks]`` stack so the widths still add up to
+    every sample."""
     ranked = list(merged(stacks).items())
-    kept = [{"frames": [short_frame(f) for f in reversed(frames)][:FLAME_DEPTH]
+    kept = [{"frames": [short_frame(f)[:FLAME_CHARS] for f in reversed(frames)][:FLAME_DEPTH]
              or ["[no frames]"], "samples": n} for frames, n in ranked[:FLAME_STACKS]]
     rest = ranked[FLAME_STACKS:]
     if rest:

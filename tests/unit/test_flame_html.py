@@ -106,3 +106,17 @@ def test_mcp_chains_leave_the_flame_stacks_to_get_cpu_profile(tmp_path: Path) ->
     assert "flame" not in got["detail"] and got["detail"]["top_frames"] == ch["detail"][
         "top_frames"]
     assert "flame" in ch["detail"]  # the report itself keeps them
+
+
+def test_the_report_keeps_the_heaviest_stacks_and_the_rest_as_one() -> None:
+    from fleetd.analyze.profile import FLAME_CHARS, FLAME_STACKS, StackCount, flame_stacks
+
+    stacks = [StackCount("n", 1, 1, (f"f{i} (/w/m.py:{i})", "x" * 1000), 1000 - i, 0)
+              for i in range(FLAME_STACKS + 5)]
+    got = flame_stacks(stacks)
+    assert got["samples"] == sum(s.samples for s in stacks)
+    assert len(got["stacks"]) == FLAME_STACKS + 1
+    assert got["stacks"][-1] == {"frames": ["[5 other stacks]"],
+                                 "samples": sum(s.samples for s in stacks[FLAME_STACKS:])}
+    assert got["stacks"][0]["frames"] == ["x" * FLAME_CHARS, "f0 (m.py:0)"]
+    assert sum(s["samples"] for s in got["stacks"]) == got["samples"]
