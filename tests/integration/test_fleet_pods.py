@@ -188,3 +188,13 @@ def test_the_fleet_timeline_names_processes_with_their_pods(pki: Pki, fleet: lis
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
     assert _pod_tracks(local) == tracks
+
+
+def test_the_html_report_of_a_pod(pki: Pki, fleet: list[Agent], tmp_path: Path) -> None:
+    out = tmp_path / "pod.html"
+    proc = ask(pki, fleet, "explain", "--pod", "ml/trainer-0", "--format", "html", "-o",
+               str(out))
+    assert proc.returncode == 0, proc.stderr
+    page = out.read_text()
+    assert "trainer-0" in page and "dataloader_oversubscription" in page
+    assert "loader-0" not in page  # the other pod's process is not selected
