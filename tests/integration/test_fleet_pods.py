@@ -198,3 +198,17 @@ def test_the_html_report_of_a_pod(pki: Pki, fleet: list[Agent], tmp_path: Path) 
     page = out.read_text()
     assert "trainer-0" in page and "dataloader_oversubscription" in page
     assert "loader-0" not in page  # the other pod's process is not selected
+
+
+def test_a_lake_from_the_fleet_keeps_the_pods(pki: Pki, fleet: list[Agent],
+                                              tmp_path: Path) -> None:
+    lake = tmp_path / "lake"
+    proc = ask(pki, fleet, "export", "--format", "parquet", "-o", str(lake))
+    assert proc.returncode == 0, proc.stderr
+    done = subprocess.run([FLEETD, "query", "--lake", str(lake), "--format", "json",
+                           "SELECT node, pid, pod, namespace FROM processes WHERE pod IS NOT "
+                           "NULL ORDER BY pid"], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["rows"] == [[NODES[0], TRAINER, "trainer-0", "ml"],
+                                               [NODES[0], LOADER, "loader-0", "ml"]]
