@@ -120,11 +120,15 @@ class Analysis:
         node; ``clocks``: node -> (offset, error)."""
         return coll.analyze(self.arrivals(max_rows), clocks)
 
-    def breakdown(self, pid: int | None = None) -> list[dict[str, Any]]:
-        """Where each process's threads spent their wall time (most CUDA time first)."""
+    def breakdown(self, pid: int | None = None, pids: Collection[int] | None = None
+                  ) -> list[dict[str, Any]]:
+        """Where each process's threads spent their wall time (most CUDA time first);
+        only of ``pids`` when given (a pod's processes)."""
         procs: list[dict[str, Any]] = []
         for sl in self.slices:
             mine = sl.processes(sl.threads_of(pid))
+            if pids is not None:
+                mine = [p for p in mine if int(p["pid"]) in pids]
             pods.annotate(mine, sl.node.key, pods.placements(sl.conn, sl.node.key))
             procs += mine
         procs.sort(key=lambda p: (-int(p["in_cuda_ns"]), -int(p["off_cpu_ns"])))

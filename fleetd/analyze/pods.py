@@ -14,6 +14,7 @@ import sqlite3
 from collections.abc import Mapping
 from typing import Any
 
+from fleetd.errors import UsageError
 from fleetd.store.schema import PLACEMENT_COLUMNS
 
 Placement = dict[str, str]  # the known ones of PLACEMENT_COLUMNS
@@ -103,3 +104,32 @@ def known_pods(conn: sqlite3.Connection, limit: int = 10) -> list[str]:
     return [f"{ns}/{name}" if ns else str(name) for ns, name in conn.execute(
         "SELECT DISTINCT namespace, pod FROM process_data WHERE pod IS NOT NULL "
         f"ORDER BY 1, 2 LIMIT {int(limit)}")]
+
+
+def selected(conn: sqlite3.Connection, pid: int | None, pod: str | None,
+             namespace: str | None, flag: str = "--") -> set[int] | None:
+    """The pids ``pod`` / ``namespace`` select in this database (None: neither given);
+    a UsageError when ``pid`` is given too, or with the pods the file names when they
+    select nothing. ``flag`` prefixes the option names in messages (``--`` for the CLI,
+    ``""`` for tool arguments)."""
+    if not pod and not namespace:
+        return None
+    if pid:
+        raise UsageError(f"{flag}pid and {flag}pod/{flag}namespace both select processes",
+                         "give one of them")
+    found = select(conn, pod, namespace)
+    if found:
+        return found
+    what = " and ".join(x for x in (f"pod {pod}" if pod else "",
+                                     f"namespace {namespace}" if namespace else "") if x)
+    known = known_pods(conn)
+    if known:
+        hint = f"pods recorded here: {', '.join(known)}"
+    elif not columns(conn):
+        hint = ("this file was recorded before pods were (schema < 5): record it again "
+                f"with this fleetd, or select with {flag}pid")
+    else:
+        hint = ("no traced process ran in a pod (docs/deploy.md says how pods are read); "
+                f"select with {flag}pid")
+    raise UsageError(f"no process of {what} in this database", hint)
+

@@ -23,27 +23,8 @@ def add_pod_args(p: argparse.ArgumentParser) -> None:
 def selected_pids(args: argparse.Namespace, conn: sqlite3.Connection) -> set[int] | None:
     """The pids ``--pod`` / ``--namespace`` select (None: neither given); a UsageError
     with the pods the file names when they select nothing."""
-    pod, ns = getattr(args, "pod", None), getattr(args, "namespace", None)
-    if not pod and not ns:
-        return None
-    if getattr(args, "pid", None):
-        raise UsageError("--pid and --pod/--namespace both select processes",
-                         "give one of them")
-    found = pods.select(conn, pod, ns)
-    if found:
-        return found
-    what = " and ".join(x for x in (f"pod {pod}" if pod else "",
-                                     f"namespace {ns}" if ns else "") if x)
-    known = pods.known_pods(conn)
-    if known:
-        hint = f"pods recorded here: {', '.join(known)}"
-    elif not pods.columns(conn):
-        hint = ("this file was recorded before pods were (schema < 5): record it again "
-                "with this fleetd, or select with --pid")
-    else:
-        hint = ("no traced process ran in a pod (docs/deploy.md says how pods are read); "
-                "select with --pid")
-    raise UsageError(f"no process of {what} in this database", hint)
+    return pods.selected(conn, getattr(args, "pid", None), getattr(args, "pod", None),
+                         getattr(args, "namespace", None))
 
 
 def fleet_selection(args: argparse.Namespace) -> tuple[str | None, str | None]:

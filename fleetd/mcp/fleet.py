@@ -38,6 +38,7 @@ from fleetd.mcp.local import (
 from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
 from fleetd.runner import run_loop
 from fleetd.wire import paths
+from fleetd.wire import pods as wire_pods
 
 log = logging.getLogger("fleetd.mcp.fleet")
 
@@ -75,7 +76,19 @@ class FleetBackend:
 
     def query(self, action: str, window: WindowSpec, pid: int | None, sql: str | None,
               params: list[Any], max_rows: int, per_process: bool, top_n: int,
-              evidence_n: int, op: str | None = None) -> dict[str, Any]:
+              evidence_n: int, op: str | None = None, pod: str | None = None,
+              namespace: str | None = None) -> dict[str, Any]:
+        if (pod or namespace) and action not in ("chains", "stragglers", "ops"):
+            raise UsageError(f"pod/namespace select processes for actions chains, "
+                             f"stragglers and ops, not {action!r}", "drop pod and namespace")
+        if pod or namespace:
+            if pid is not None:
+                raise UsageError("pid and pod/namespace both select processes",
+                                 "give one of them")
+            try:
+                wire_pods.read_params(wire_pods.params(pod, namespace))
+            except ValueError as exc:
+                raise UsageError(str(exc), "give a pod as NAME or NAMESPACE/NAME") from exc
         if action == "sql":
             if window.since or window.absolute or pid is not None:
                 raise UsageError("since/start/end/pid do not apply to action 'sql'",
@@ -85,11 +98,11 @@ class FleetBackend:
             raise UsageError(f"sql is only for action 'sql', not {action!r}",
                              "drop sql, or use action 'sql'")
         if action == "ops":
-            return self._ops(window, pid, per_process, top_n)
+            return self._ops(window, pid, per_process, top_n, pod, namespace)
         if action == "overview":
             return self._overview(window)
         if action in ("chains", "stragglers"):
-            return self._explain(action, window, pid, top_n, evidence_n)
+            return self._explain(action, window, pid, top_n, evidence_n, pod, namespace)
         if op and action != "stacks":
             raise UsageError(f"op is only for action 'stacks', not {action!r}",
                              "drop op, or use action 'stacks'")
@@ -161,10 +174,15 @@ class FleetBackend:
                                      "byte limit; add LIMIT/WHERE or aggregate"]
                 if truncated else []}
 
-    def _ops(self, window: WindowSpec, pid: int | None, per_process: bool, top_n: int
-             ) -> dict[str, Any]:
-        cols = [c for c in COLUMNS if per_process or c not in ("pid", "comm")]
-        result = queries.ops(self.opts, window, pid, per_process, cols)
+    def _ops(self, window: WindowSpec, pid: int | None, per_process: bool, top_n: int,
+             pod: str | None = None, namespace: str | None = None) -> dict[str, Any]:
+        if pod or namespace:  # per process, each row with its pod (as fleetd ops --pod)
+            at = COLUMNS.index("comm") + 1
+            cols = [*COLUMNS[:at], "pod", *COLUMNS[at:]]
+            per_process = True
+        else:
+            cols = [c for c in COLUMNS if per_process or c not in ("pid", "comm")]
+        result = queries.ops(self.opts, window, pid, per_process, cols, "op", pod, namespace)
         rows = _mark_column(result.columns, result.rows, "comm")
         # Rows come node by node; the busiest ops of every node first reads better.
         total_i = result.columns.index("total_ns")
@@ -262,8 +280,9 @@ class FleetBackend:
         return [str(r[i]) for r in got.rows if i >= 0 and r[i] is not None]
 
     def _explain(self, action: str, window: WindowSpec, pid: int | None, top_n: int,
-                 evidence_n: int) -> dict[str, Any]:
-        result = queries.explain(self.opts, window, pid)
+                 evidence_n: int, pod: str | None = None, namespace: str | None = None
+                 ) -> dict[str, Any]:
+        result = queries.explain(self.opts, window, pid, pod, namespace)
         obj = result.obj
         chains = obj.get("chains") or []
         if action == "chains":

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fleetd.analyze import pods
 from fleetd.analyze.chains import SEVERITY_RANK
 from fleetd.analyze.data import json_or_text, nodes
 from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
@@ -91,13 +92,14 @@ class LocalBackend:
         return self.analyze(go)
 
     def causal_chains(self, win: WindowSpec, pid: int | None, top_n: int, min_severity: str,
-                      evidence_n: int, node: str | None) -> dict[str, Any]:
+                      evidence_n: int, node: str | None, pod: str | None = None,
+                      namespace: str | None = None) -> dict[str, Any]:
         bar = SEVERITY_RANK[min_severity]
 
         def go(conn: sqlite3.Connection) -> dict[str, Any]:
             a = Analysis.of(conn, win, node)
             a.node_names()
-            report = a.explain(pid)
+            report = a.explain(pid, pids=pods.selected(conn, pid, pod, namespace, ""))
             chains = [c for c in report["chains"] if SEVERITY_RANK[c["severity"]] <= bar]
             counts = {s: sum(1 for c in report["chains"] if c["severity"] == s)
                       for s in SEVERITY_RANK}
@@ -116,12 +118,13 @@ class LocalBackend:
         return self.analyze(go)
 
     def latency_breakdown(self, win: WindowSpec, pid: int | None, top_n: int, threads_n: int,
-                          node: str | None) -> dict[str, Any]:
+                          node: str | None, pod: str | None = None,
+                          namespace: str | None = None) -> dict[str, Any]:
         def go(conn: sqlite3.Connection) -> dict[str, Any]:
             a = Analysis.of(conn, win, node)
             a.node_names()
             w = a.window
-            procs = a.breakdown(pid)
+            procs = a.breakdown(pid, pods.selected(conn, pid, pod, namespace, ""))
             return {"window": w.to_json(),
                     "processes": [_breakdown(p, threads_n) for p in procs[:top_n]],
                     **shown("processes", len(procs), top_n), "warnings": list(w.warnings)}

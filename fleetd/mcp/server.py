@@ -83,6 +83,11 @@ INT64_MAX = 2**63 - 1
 Pid = Annotated[int | None, Field(gt=0, le=INT64_MAX, description="only this process id")]
 NodeName = Annotated[str | None, Field(
     description="only this node (a merged database holds several; get_trace_stats lists them)")]
+Pod = Annotated[str | None, Field(max_length=507, description=(
+    "only processes of this Kubernetes pod, NAME or NAMESPACE/NAME, as the tracer "
+    "recorded it per process (not with pid)"))]
+Namespace = Annotated[str | None, Field(max_length=253, description=(
+    "only processes of pods in this Kubernetes namespace (not with pid)"))]
 Severity = Annotated[Literal["HIGH", "MEDIUM", "LOW"], Field(
     description="lowest severity to return (LOW returns all)")]
 SqlParams = Annotated[list[str | int | float | None] | None, Field(
@@ -230,10 +235,11 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         min_severity: Severity = "LOW",
         evidence_n: Annotated[int, Field(ge=0, le=100, description="evidence items per "
                                          "chain")] = 8,
-        node: NodeName = None,
+        node: NodeName = None, pod: Pod = None, namespace: Namespace = None,
     ) -> CallToolResult:
         return answers("get_causal_chains", lambda: b.causal_chains(
-            WindowSpec(since, start, end), pid, top_n, min_severity, evidence_n, node))
+            WindowSpec(since, start, end), pid, top_n, min_severity, evidence_n, node,
+            pod, namespace))
 
     server.add_tool(get_causal_chains, name="get_causal_chains", annotations=READ_ONLY,
                     description=(
@@ -250,10 +256,10 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         top_n: Annotated[int, Field(ge=1, le=100, description="processes to return")] = 5,
         threads_n: Annotated[int, Field(ge=1, le=200, description="threads per "
                                         "process")] = 8,
-        node: NodeName = None,
+        node: NodeName = None, pod: Pod = None, namespace: Namespace = None,
     ) -> CallToolResult:
         return answers("get_latency_breakdown", lambda: b.latency_breakdown(
-            WindowSpec(since, start, end), pid, top_n, threads_n, node))
+            WindowSpec(since, start, end), pid, top_n, threads_n, node, pod, namespace))
 
     server.add_tool(get_latency_breakdown, name="get_latency_breakdown",
                     annotations=READ_ONLY, description=(
@@ -393,10 +399,11 @@ def _fleet_tools(server: MCPServer, b: FleetBackend, answers: Answers) -> None:
                                          "chain")] = 5,
         op: Annotated[str | None, Field(description="stacks: only calls of this CUDA op, "
                                         "e.g. cudaStreamSynchronize")] = None,
+        pod: Pod = None, namespace: Namespace = None,
     ) -> CallToolResult:
         return answers(f"query_fleet/{action}", lambda: b.query(
             action, WindowSpec(since, start, end), pid, sql, list(params or []), max_rows,
-            per_process, top_n, evidence_n, op))
+            per_process, top_n, evidence_n, op, pod, namespace))
 
     server.add_tool(query_fleet, name="query_fleet", annotations=READ_ONLY, description=(
         f"Ask every node of the fleet at once ({', '.join(ACTIONS)}), in parallel over "

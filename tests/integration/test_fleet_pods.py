@@ -212,3 +212,20 @@ def test_a_lake_from_the_fleet_keeps_the_pods(pki: Pki, fleet: list[Agent],
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["rows"] == [[NODES[0], TRAINER, "trainer-0", "ml"],
                                                [NODES[0], LOADER, "loader-0", "ml"]]
+
+
+def test_the_mcp_fleet_tool_selects_a_pod_on_every_node(pki: Pki, fleet: list[Agent]) -> None:
+    """query_fleet's chains and ops take pod / namespace as fleetd explain/ops do."""
+    from test_mcp_fleet import call, fleet_server
+
+    srv = fleet_server(pki, ",".join(a.url.removeprefix("https://") for a in fleet))
+    chains = call(srv, "query_fleet", {"action": "chains", "pod": "ml/trainer-0"})
+    assert chains["status"] == "complete"
+    assert chains["chains"] and {(c["node"], c["victim"]["pid"]) for c in chains["chains"]} \
+        == {(NODES[0], TRAINER)}
+    ops = call(srv, "query_fleet", {"action": "ops", "namespace": "ml", "top_n": 500})
+    pid_i, pod_i = ops["columns"].index("pid"), ops["columns"].index("pod")
+    assert {(r[pid_i], str(r[pod_i])) for r in ops["rows"]} >= {(TRAINER, "ml/trainer-0")}
+    assert {r[pid_i] for r in ops["rows"]} <= {TRAINER, LOADER}
+    e = call(srv, "query_fleet", {"action": "sql", "sql": "SELECT 1", "pod": "x"}, ok=False)
+    assert "pod/namespace select processes" in str(e)
