@@ -63,9 +63,13 @@ def first_event(pid: int, db: Path, cache: Path) -> tuple[float, float]:
 
 
 def bare_compile_s(cache: Path) -> float:
+    # The programs a default `fleetd trace` compiles: with the on-CPU sampler (and so
+    # the Python frame walk it shares with --stacks).
     code = ("import os, time\nfrom fleetd.trace.bpfsrc import ProgramOptions, "
-            "compile_program, detach_all\nt = time.perf_counter()\n"
-            "b, _ = compile_program(ProgramOptions(tracer_pid=os.getpid()))\n"
+            "compile_program, detach_all\nfrom fleetd.trace.oncpu import DEFAULT_HZ\n"
+            "t = time.perf_counter()\n"
+            "b, _ = compile_program(ProgramOptions(tracer_pid=os.getpid(), "
+            "cpu_sample_hz=DEFAULT_HZ))\n"
             "print(time.perf_counter() - t)\ndetach_all(b)\n")
     env = {**os.environ, "FLEETD_CACHE_DIR": str(cache)}
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=env,
