@@ -247,6 +247,21 @@ def trace_one(workload: list[str], db: Path, node: str, go: Path, seconds: float
     compact(db)
 
 
+def trace_for(pid: int, db: Path, go: Path, duration: str) -> None:
+    """``fleetd trace --pid`` for ``duration``, ``go`` touched once it traces (the
+    workload waits for it): for tests that start their workload their own way."""
+    tr = subprocess.Popen([FLEETD, "trace", "--pid", str(pid), "--db", str(db),
+                           "--duration", duration], stderr=subprocess.PIPE, text=True)
+    assert tr.stderr is not None
+    for line in tr.stderr:
+        if line.startswith("fleetd: tracing"):
+            go.touch()
+            break
+    _, err = tr.communicate(timeout=120)
+    if tr.returncode != 0:
+        raise RuntimeError(f"fleetd trace exited {tr.returncode}: {err}")
+
+
 @contextmanager
 def _scratch() -> Iterator[tuple[dict[str, str], Path]]:
     """A disk directory (for fsync) and a tmpfs file (for the shared lock)."""

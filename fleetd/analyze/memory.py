@@ -20,7 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetd.analyze import causes
+from fleetd.analyze import causes, pods
 from fleetd.analyze.chains import Chain, severity
 from fleetd.analyze.data import args_object, in_list
 from fleetd.analyze.oncpu import MIN_HOST_SHARE
@@ -253,7 +253,7 @@ def own_kernel_work(ctx: Context, chains: list[Chain]) -> None:
 
 
 def _limit_text(q: Limit) -> str:
-    parts = [f"cgroup {q.cgroup}{_where(q)}: memory limit {_mib(q.limit)}, "
+    parts = [f"cgroup {q.cgroup}{pods.where(q.place)}: memory limit {_mib(q.limit)}, "
              f"usage up to {_mib(q.usage)} ({q.usage / q.limit:.0%} of it)"]
     if q.file is not None and q.anon is not None:
         parts.append(f"reclaimable without swap (page cache, lazily freed) {_mib(q.file)}, "
@@ -264,14 +264,3 @@ def _limit_text(q: Limit) -> str:
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.0f} MiB"
-
-
-def _where(q: Limit) -> str:
-    p = q.place
-    if p.get("pod"):
-        ns = f"{p['namespace']}/" if p.get("namespace") else ""
-        container = p.get("container_name") or p.get("container", "?")
-        return f" (pod {ns}{p['pod']}, container {container})"
-    if p.get("container"):
-        return f" ({p.get('runtime', 'container')} {p['container']})"
-    return ""

@@ -66,6 +66,18 @@ def label(obj: Mapping[str, Any]) -> str:
     return ""
 
 
+def where(place: Mapping[str, str]) -> str:
+    """`` (pod ns/name, container c)`` or `` (<runtime> <container id>)`` for a cgroup's
+    placement (its samples' own fields), naming a limit's owner; ``""`` outside any."""
+    if place.get("pod"):
+        ns = f"{place['namespace']}/" if place.get("namespace") else ""
+        container = place.get("container_name") or place.get("container", "?")
+        return f" (pod {ns}{place['pod']}, container {container})"
+    if place.get("container"):
+        return f" ({place.get('runtime', 'container')} {place['container']})"
+    return ""
+
+
 def annotate(rows: list[dict[str, Any]], node_key: int,
              found: dict[tuple[int, int], Placement]) -> None:
     """Add :func:`fields` to every row with a ``pid`` on this node, in place."""

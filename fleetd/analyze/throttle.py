@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetd.analyze import pods
 from fleetd.analyze.chains import Chain, severity
 from fleetd.analyze.data import args_object
 from fleetd.analyze.rules import Context, rule_chain
@@ -107,7 +108,8 @@ def _chain(ctx: Context, q: Quota, pid: int, throttled_share: float) -> Chain:
               "throttled_period_share": round(periods, 4),
               "members": sorted(q.members)[:16], **q.place, "share_of": "runq"}
     evidence = [{"kind": "cgroup_quota", "text":
-                 f"cgroup {q.cgroup}{_where(q)}: quota {q.quota_us} us per {q.period_us} us "
+                 f"cgroup {q.cgroup}{pods.where(q.place)}: quota {q.quota_us} us per "
+                 f"{q.period_us} us "
                  f"({q.cpus:g} CPU); throttled in {q.throttled_periods} of {q.periods} "
                  f"periods ({periods:.0%}), {q.throttled_ns / 1e6:.1f} ms in all "
                  f"({throttled_share:.1%} of the window)"}]
@@ -140,14 +142,3 @@ def _neighbour_spends_it(chains: list[Chain], quota: Chain, q: Quota) -> bool:
         ch.impact = round(rest, 6)
         ch.severity = severity(ch.explained, ch.impact)
     return False
-
-
-def _where(q: Quota) -> str:
-    p = q.place
-    if p.get("pod"):
-        ns = f"{p['namespace']}/" if p.get("namespace") else ""
-        container = p.get("container_name") or p.get("container", "?")
-        return f" (pod {ns}{p['pod']}, container {container})"
-    if p.get("container"):
-        return f" ({p.get('runtime', 'container')} {p['container']})"
-    return ""

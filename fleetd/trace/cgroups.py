@@ -198,6 +198,22 @@ def members_of(groups: dict[str, str], controller: str, root: Path = CGROUP_ROOT
     return pids[:MAX_MEMBERS]
 
 
+def groups_by_path(cache: dict[int, dict[str, str] | None], pids: Iterable[int],
+                   path_of: Callable[[dict[str, str]], str]
+                   ) -> dict[str, tuple[int, dict[str, str]]]:
+    """The live ``pids``' cgroups by the path ``path_of`` picks (one pid each), reading
+    only pids the ``cache`` does not hold; the cache keeps live pids only, so an exited
+    pid leaves and a reused one is read again."""
+    fresh = {p: cache[p] if p in cache else read_groups(p) for p in sorted(pids)}
+    cache.clear()
+    cache.update(fresh)
+    out: dict[str, tuple[int, dict[str, str]]] = {}
+    for pid, groups in fresh.items():
+        if groups is not None:
+            out.setdefault(path_of(groups), (pid, groups))
+    return out
+
+
 def read_groups(pid: int) -> dict[str, str] | None:
     host_cgroup_view()
     try:
@@ -259,13 +275,7 @@ class ThrottleSampler:
 
     def sample(self, pids: Iterable[int], now_ns: int
                ) -> list[tuple[tuple[int, ...], dict[str, object]]]:
-        # Cached per live pid only: an exited pid leaves, so a reused one is read again.
-        self._groups = {p: self._groups[p] if p in self._groups else read_groups(p)
-                        for p in sorted(pids)}
-        by_path: dict[str, tuple[int, dict[str, str]]] = {}
-        for pid, groups in self._groups.items():
-            if groups is not None:
-                by_path.setdefault(cpu_path(groups), (pid, groups))
+        by_path = groups_by_path(self._groups, pids, cpu_path)
         out: list[tuple[tuple[int, ...], dict[str, object]]] = []
         for path, (pid, groups) in by_path.items():
             limit = cpu_limit(groups)

@@ -34,9 +34,9 @@ from typing import Any
 from fleetd.store.catalog import op_code
 from fleetd.trace.cgroups import (
     CGROUP_ROOT,
+    groups_by_path,
     members_of,
     placement_args,
-    read_groups,
     v2_root,
 )
 
@@ -250,13 +250,7 @@ class MemorySampler:
 
     def sample(self, pids: Iterable[int], now_ns: int
                ) -> list[tuple[tuple[int, ...], dict[str, object]]]:
-        # Cached per live pid only: an exited pid leaves, so a reused one is read again.
-        self._groups = {p: self._groups[p] if p in self._groups else read_groups(p)
-                        for p in sorted(pids)}
-        by_path: dict[str, tuple[int, dict[str, str]]] = {}
-        for pid, groups in self._groups.items():
-            if groups is not None:
-                by_path.setdefault(memory_path(groups), (pid, groups))
+        by_path = groups_by_path(self._groups, pids, memory_path)
         system = parse_psi(_read(self._psi_system) or "").get("some")
         out: list[tuple[tuple[int, ...], dict[str, object]]] = []
         for path, (pid, groups) in by_path.items():

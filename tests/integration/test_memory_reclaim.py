@@ -29,7 +29,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
-from recorder import wait_for_libcudart
+from recorder import trace_for, wait_for_libcudart
 
 from conftest import FLEETD, REPO
 
@@ -92,15 +92,7 @@ def explain_live(tmp_path: Path, limited: bool) -> dict[str, object]:
                                *STEP], stdout=subprocess.PIPE, text=True, preexec_fn=enter)
         try:
             wait_for_libcudart(wl.pid)
-            tr = subprocess.Popen([FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db),
-                                   "--duration", "4s"], stderr=subprocess.PIPE, text=True)
-            assert tr.stderr is not None
-            for line in tr.stderr:
-                if line.startswith("fleetd: tracing"):
-                    go.touch()
-                    break
-            tr.communicate(timeout=120)
-            assert tr.returncode == 0
+            trace_for(wl.pid, db, go, "4s")
         finally:
             wl.kill()
             wl.wait()

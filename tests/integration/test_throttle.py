@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from recorder import wait_for_libcudart
+from recorder import trace_for, wait_for_libcudart
 
 from fleetd.trace.cgroups import v2_root
 
@@ -93,15 +93,7 @@ def explain_live(tmp_path: Path, quota_us: int | None, hog: bool,
             else None
         try:
             wait_for_libcudart(wl.pid)
-            tr = subprocess.Popen([FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db),
-                                   "--duration", "6s"], stderr=subprocess.PIPE, text=True)
-            assert tr.stderr is not None
-            for line in tr.stderr:
-                if line.startswith("fleetd: tracing"):
-                    go.touch()
-                    break
-            tr.communicate(timeout=120)
-            assert tr.returncode == 0
+            trace_for(wl.pid, db, go, "6s")
         finally:
             for p in (wl, hogp):
                 if p is not None:

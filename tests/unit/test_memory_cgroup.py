@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-import fleetd.trace.memory as mem
 from fleetd.store.catalog import op_code
 from fleetd.trace.memory import (
     MemorySampler,
@@ -75,7 +74,9 @@ def test_v2_takes_the_smallest_limit_up_the_tree_and_the_cgroups_psi(tmp_path: P
 def test_the_sampler_writes_deltas_between_samples(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     groups = {"memory": "/job", "": "/"}
-    monkeypatch.setattr(mem, "read_groups", lambda pid: groups)
+    from fleetd.trace import cgroups as cg
+
+    monkeypatch.setattr(cg, "read_groups", lambda pid: groups)
     psi = tmp_path / "pressure"
     psi.write_text(PSI.format(some=1000, full=0))
     _v1(tmp_path, "/job", limit=64 << 20, usage=10 << 20, failcnt=5)
