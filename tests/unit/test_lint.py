@@ -20,3 +20,13 @@ def test_ruff_clean() -> None:
 def test_mypy_strict_clean() -> None:
     proc = _run(sys.executable, "-m", "mypy")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_test_files_have_unique_names() -> None:
+    """pytest imports test modules by their base name (rootdir-relative "prepend" mode):
+    tests/unit/test_x.py and tests/integration/test_x.py cannot both be collected, and
+    the whole run stops at collection. One run of the suite found such a pair."""
+    from collections import Counter
+
+    names = Counter(p.name for p in (REPO / "tests").rglob("test_*.py"))
+    assert [n for n, k in names.items() if k > 1] == []
