@@ -176,8 +176,10 @@ class Wrapped(io.TextIOBase):
     def _wrap_clauses(self, line: str, indent: str) -> str:
         """A fix (``- ...``) holds commands to paste: it breaks after a clause's
         punctuation (``, `` ``; `` ``: ``) where it can, and never inside parentheses."""
-        out = [""]
-        for part in self._pieces(line, len(indent)):
+        # The line's own indent stays in front (split into words, it would be lost).
+        body = line.lstrip(" ")
+        out = [line[: len(line) - len(body)]]
+        for part in self._pieces(body, len(indent)):
             joined = f"{out[-1]} {part}" if out[-1].strip() else out[-1] + part
             if len(joined) <= self.width or not out[-1].strip():
                 out[-1] = joined

@@ -79,3 +79,22 @@ def test_wide_shows_every_column(monkeypatch: pytest.MonkeyPatch,
     assert "cudaStreamSynchronize" in narrow  # a name column is never shortened first
     full = run(["ops", "--db", db, "--wide"], 80, monkeypatch, capsys)
     assert "calls_per_s" in full and "left out" not in full
+
+
+def test_a_fix_whose_first_clause_is_long_keeps_its_indent() -> None:
+    """A fix line is wrapped at clauses; when its first clause is itself too long it is
+    cut at words, and the line's own indent stays in front (it was lost: the fix began
+    at column 0 under an indented list)."""
+    import io
+
+    from fleetd.cli.output import Wrapped
+
+    out = io.StringIO()
+    w = Wrapped(out, 40)
+    w.write("  fix:\n    - or gc.disable() for the training loop and gc.collect() at a step "
+            "boundary (every N steps, while the GPU still has queued work)\n")
+    w.flush()
+    lines = out.getvalue().splitlines()
+    assert lines[1].startswith("    - or gc.disable()"), lines
+    assert all(line.startswith("      ") for line in lines[2:]), lines
+    assert all(len(line) <= 40 for line in lines), lines
