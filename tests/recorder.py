@@ -28,7 +28,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,34 @@ def trace_one(workload: list[str], db: Path, node: str, go: Path, seconds: float
                 p.kill()
                 p.wait(10)
     compact(db)
+
+
+@contextmanager
+def scratch_cgroup(root: Path, setup: dict[str, str]) -> Iterator[Path]:
+    """A new cgroup under ``root`` with ``setup``'s files written (a limit, a quota);
+    on the way out its processes go back to ``root`` and the directory is removed."""
+    d = root / f"fleetd-test-{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    try:
+        for name, value in setup.items():
+            (d / name).write_text(value)
+        yield d
+    finally:
+        for pid in (d / "cgroup.procs").read_text().split():
+            (root / "cgroup.procs").write_text(pid)  # back to the root, then remove
+        d.rmdir()
+
+
+def start_in(groups: Sequence[Path], argv: list[str], cpu: int | None = None
+             ) -> subprocess.Popen[str]:
+    """``argv`` started inside every cgroup of ``groups`` (and pinned to ``cpu``): the
+    child joins them before exec, never the test's own process."""
+    def enter() -> None:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+        for g in groups:
+            (g / "cgroup.procs").write_text(str(os.getpid()))
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, preexec_fn=enter)
 
 
 def trace_for(pid: int, db: Path, go: Path, duration: str) -> None:

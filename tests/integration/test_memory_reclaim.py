@@ -23,13 +23,11 @@ import json
 import os
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from recorder import trace_for, wait_for_libcudart
+from recorder import scratch_cgroup, start_in, trace_for, wait_for_libcudart
 
 from conftest import FLEETD, REPO
 
@@ -59,37 +57,19 @@ def _unified() -> Path | None:
     return u if (u / "cgroup.procs").exists() and (u / "memory.pressure").exists() else None
 
 
-@contextmanager
-def _cgroup(root: Path, setup: dict[str, str]) -> Iterator[Path]:
-    d = root / f"fleetd-test-{uuid.uuid4().hex[:8]}"
-    d.mkdir()
-    try:
-        for name, value in setup.items():
-            (d / name).write_text(value)
-        yield d
-    finally:
-        for pid in (d / "cgroup.procs").read_text().split():
-            (root / "cgroup.procs").write_text(pid)  # back to the root, then remove
-        d.rmdir()
-
-
 def explain_live(tmp_path: Path, limited: bool) -> dict[str, object]:
     go, db = tmp_path / "go", tmp_path / "t.db"
     with ExitStack() as stack:
         groups: list[Path] = []
         if limited:
             root, limit_file = _memory_hierarchy()
-            groups.append(stack.enter_context(_cgroup(root, {limit_file: str(LIMIT)})))
+            groups.append(stack.enter_context(scratch_cgroup(root, {limit_file: str(LIMIT)})))
             unified = _unified()
             if unified is not None and root != ROOT:
-                groups.append(stack.enter_context(_cgroup(unified, {})))
+                groups.append(stack.enter_context(scratch_cgroup(unified, {})))
 
-        def enter() -> None:  # in the child, before exec: never this test's own process
-            for g in groups:
-                (g / "cgroup.procs").write_text(str(os.getpid()))
-
-        wl = subprocess.Popen([PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go),
-                               *STEP], stdout=subprocess.PIPE, text=True, preexec_fn=enter)
+        wl = start_in(groups, [PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go),
+                               *STEP])
         try:
             wait_for_libcudart(wl.pid)
             trace_for(wl.pid, db, go, "4s")

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from recorder import trace_for, wait_for_libcudart
+from recorder import start_in, trace_for, wait_for_libcudart
 
 from conftest import FLEETD, REPO
 
@@ -85,12 +85,8 @@ def test_the_pod_behind_the_process(tmp_path: Path) -> None:
     uid, cid = str(uuid.uuid4()), uuid.uuid4().hex + uuid.uuid4().hex
     go, db = tmp_path / "go", tmp_path / "t.db"
     with fake_pod(uid, cid) as group:
-        def enter() -> None:  # in the child, before exec
-            os.sched_setaffinity(0, {0})
-            (group / "cgroup.procs").write_text(str(os.getpid()))
-
-        wl = subprocess.Popen([PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go),
-                               *STEP], stdout=subprocess.PIPE, text=True, preexec_fn=enter)
+        wl = start_in([group], [PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go),
+                                *STEP], cpu=0)
         try:
             wait_for_libcudart(wl.pid)
             trace_for(wl.pid, db, go, "4s")

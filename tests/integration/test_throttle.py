@@ -12,13 +12,12 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from recorder import trace_for, wait_for_libcudart
+from recorder import scratch_cgroup, start_in, trace_for, wait_for_libcudart
 
 from fleetd.trace.cgroups import v2_root
 
@@ -58,29 +57,17 @@ def cpu_cgroup(quota_us: int | None, hierarchy: str = "v1") -> Iterator[Path | N
                     "unified hierarchy's cgroup.controllers (v2)")
     root = CPU_ROOT if hierarchy == "v1" else V2_ROOT
     assert root is not None
-    d = root / f"fleetd-test-{uuid.uuid4().hex[:8]}"
     if hierarchy == "v2":  # children of the root get the controller
         (root / "cgroup.subtree_control").write_text("+cpu")
-    d.mkdir()
-    try:
-        if hierarchy == "v1":
-            (d / "cpu.cfs_period_us").write_text("100000")
-            (d / "cpu.cfs_quota_us").write_text(str(quota_us))
-        else:
-            (d / "cpu.max").write_text(f"{quota_us} 100000")
+    setup = {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": str(quota_us)} \
+        if hierarchy == "v1" else {"cpu.max": f"{quota_us} 100000"}
+    with scratch_cgroup(root, setup) as d:
         yield d
-    finally:
-        for pid in (d / "cgroup.procs").read_text().split():
-            (root / "cgroup.procs").write_text(pid)  # back to the root, then remove
-        d.rmdir()
 
 
 def _start_in(group: Path | None, argv: list[str]) -> subprocess.Popen[str]:
-    def enter() -> None:
-        os.sched_setaffinity(0, {0})  # one CPU: the quota is a share of one core
-        if group is not None:
-            (group / "cgroup.procs").write_text(str(os.getpid()))
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, preexec_fn=enter)
+    # One CPU: the quota is a share of one core.
+    return start_in([group] if group is not None else [], argv, cpu=0)
 
 
 def explain_live(tmp_path: Path, quota_us: int | None, hog: bool,
