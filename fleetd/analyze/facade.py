@@ -18,6 +18,7 @@ from typing import Any
 from fleetd.analyze import collectives as coll
 from fleetd.analyze import explain as explainer
 from fleetd.analyze import pods
+from fleetd.analyze.answers import StackGroup, StacksAnswer
 from fleetd.analyze.data import Node, nodes
 from fleetd.analyze.gpu import gpu_report
 from fleetd.analyze.graphs import graph_lifecycle
@@ -34,7 +35,12 @@ ANALYSIS_TIMEOUT_S = 60.0
 
 
 class Analysis:
-    """Every analysis of one database over one window, for all its nodes or one."""
+    """Every analysis of one database over one window, for all its nodes or one.
+
+    Overview, stacks, graphs and gpu are built as the typed answers of
+    :mod:`fleetd.analyze.answers` (mypy checks them there) and handed out as plain
+    dictionaries (a shallow copy) while their callers still read ``dict[str, Any]``.
+    """
 
     def __init__(self, conn: sqlite3.Connection, window: Window, node: str | None = None
                  ) -> None:
@@ -87,8 +93,9 @@ class Analysis:
         return [r for sl in self.slices for r in sl.op_stats(pid, per_process)]
 
     def overview(self, node: str) -> dict[str, Any]:
-        """One node's events by source, sessions, chain counts and top ops."""
-        return node_overview(self.conn, self.window, node, self.slice(node))
+        """One node's events by source, sessions, chain counts and top ops
+        (:class:`~fleetd.analyze.answers.OverviewAnswer`)."""
+        return {**node_overview(self.conn, self.window, node, self.slice(node))}
 
     def profile(self, node: str) -> dict[str, Any]:
         """The straggler features of one node."""
@@ -137,31 +144,33 @@ class Analysis:
     def stacks(self, op: str | None, pid: int | None, top_n: int, frames_n: int,
                *, min_dur_ns: int = 0) -> dict[str, Any]:
         """The heaviest recorded stacks of CUDA calls (of one op / process, at least
-        ``min_dur_ns`` long)."""
+        ``min_dur_ns`` long; :class:`~fleetd.analyze.answers.StacksAnswer`)."""
         code = op_code(op) if op else None
-        found: list[dict[str, Any]] = []
+        found: list[StackGroup] = []
         bare = 0
         for sl in self.slices:
             groups, without = stack_groups(sl, code, pid, top_n, frames_n, min_dur_ns)
             found += groups
             bare += without
         found.sort(key=lambda s: -int(s["total_ns"]))
-        out: dict[str, Any] = {"window": self.window.to_json(), "op": op, "pid": pid,
-                               "stacks": found, "events_without_stack": bare,
-                               "warnings": list(self.window.warnings)}
+        out: StacksAnswer = {"window": self.window.to_json(), "op": op, "pid": pid,
+                             "stacks": found, "events_without_stack": bare,
+                             "warnings": list(self.window.warnings)}
         if not found:
             out["note"] = NOTE_NO_STACKS
-        return out
+        return {**out}
 
     def graphs(self, pid: int | None = None, buckets: int = 20) -> dict[str, Any]:
-        """CUDA graph capture / instantiate / launch per process, over time."""
+        """CUDA graph capture / instantiate / launch per process, over time
+        (:class:`~fleetd.analyze.answers.GraphsAnswer`)."""
         out = graph_lifecycle(self.slices, self.window, pid, buckets)
         if not out["processes"]:
             out["note"] = "no CUDA graph call (capture, instantiate, launch) in the window"
-        return out
+        return {**out}
 
     def gpu(self, pid: int | None = None, steps_only: bool = False,
             thresholds: dict[str, float] | None = None) -> dict[str, Any]:
         """GPU idle, compute/communication/copy shares, launch delays and the M1-M5
-        host-overhead verdict per rank (imported GPU timelines; docs/json.md)."""
-        return gpu_report(self.slices, self.window, pid, steps_only, thresholds)
+        host-overhead verdict per rank (imported GPU timelines; docs/json.md;
+        :class:`~fleetd.analyze.answers.GpuAnswer`)."""
+        return {**gpu_report(self.slices, self.window, pid, steps_only, thresholds)}

@@ -40,8 +40,19 @@ import math
 import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
+from fleetd.analyze.answers import (
+    Delays,
+    ExposedPrep,
+    GpuAnswer,
+    GpuRank,
+    GpuStep,
+    Judgement,
+    KernelRow,
+    RankStraggler,
+    RankVerdict,
+)
 from fleetd.analyze.idle_frames import during_idle
 from fleetd.analyze.model import NodeSlice
 from fleetd.analyze.stragglers import Metric, score_metric
@@ -217,12 +228,12 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
-def distribution(values: Sequence[int]) -> dict[str, float | int | None]:
+def distribution(values: Sequence[int]) -> Delays:
     if not values:
-        return {"count": 0, "mean": None, "p50": None, "p95": None, "max": None}
+        return Delays(count=0, mean=None, p50=None, p95=None, max=None)
     v = sorted(values)
-    return {"count": len(v), "mean": sum(v) / len(v), "p50": percentile(v, 50),
-            "p95": percentile(v, 95), "max": v[-1]}
+    return Delays(count=len(v), mean=sum(v) / len(v), p50=percentile(v, 50),
+                  p95=percentile(v, 95), max=v[-1])
 
 
 # ---- one rank ----------------------------------------------------------------------------
@@ -233,28 +244,47 @@ def _pct(part: int, whole: int) -> float:
 
 
 def exposed_prep(prep: Sequence[Interval], busy: Sequence[Interval], lo: int, hi: int
-                 ) -> dict[str, Any]:
+                 ) -> ExposedPrep:
     """M3: how much of the host preparation in [lo, hi) fell where the GPU was idle.
     Exposed = |prep ∩ idle| = |prep ∪ busy| - |busy|, all clipped to the window."""
     if not prep:
-        return {"M3a": None, "M3b": None, "M3c": None, "host_prep_ns": None,
-                "exposed_ns": None, "reason": NO_PREP}
+        return ExposedPrep(M3a=None, M3b=None, M3c=None, host_prep_ns=None, exposed_ns=None,
+                           reason=NO_PREP)
     window = max(0, hi - lo)
     gpu = union_ns(busy, lo, hi)
     host = union_ns(prep, lo, hi)
     exposed = union_ns([*prep, *busy], lo, hi) - gpu
     idle = window - gpu
-    return {"M3a": exposed / host if host else None,
-            "M3b": exposed / window if window else None,
-            "M3c": exposed / idle if idle else 0.0,
-            "host_prep_ns": host, "exposed_ns": exposed,
-            "reason": None if host else "no host preparation inside this window"}
+    return ExposedPrep(M3a=exposed / host if host else None,
+                       M3b=exposed / window if window else None,
+                       M3c=exposed / idle if idle else 0.0,
+                       host_prep_ns=host, exposed_ns=exposed,
+                       reason=None if host else "no host preparation inside this window")
+
+
+class Figures(TypedDict):
+    """The figures of a rank (or a step) over its window, as its answer has them."""
+
+    m3: ExposedPrep
+    window_ns: int
+    idle_ns: int
+    idle_pct: float
+    compute_pct: float
+    comm_pct: float
+    memcpy_pct: float
+    kernels: int
+    nccl_kernels: int
+    nccl_ns: int
+    launches: int
+    tklqt_ns: int
+    launch_delay_ns: Delays
+    queue_delay_ns: Delays
 
 
 def breakdown(ops: Sequence[Op], lo: int, hi: int, prep: Sequence[Interval] = ()
-              ) -> dict[str, Any]:
-    """Temporal breakdown, launch delays and the M metrics of ``ops`` over [lo, hi);
-    ``prep`` the process's host preparation ranges (M3)."""
+              ) -> tuple[Figures, dict[str, float | None]]:
+    """Temporal breakdown and launch delays of ``ops`` over [lo, hi), and the M metrics
+    by name; ``prep`` the process's host preparation ranges (M3)."""
     window = max(0, hi - lo)
     spans = [(o.ts, o.ts + o.dur) for o in ops]
     kernels = [o for o in ops if o.kind == KERNEL and lo <= o.ts < hi]
@@ -270,22 +300,22 @@ def breakdown(ops: Sequence[Op], lo: int, hi: int, prep: Sequence[Interval] = ()
     launch_time = sum(int(o.launch_dur or 0) for o in launched)
     idle = window - busy
     m3 = exposed_prep(prep, spans, lo, hi)
-    metrics = {
+    metrics: dict[str, float | None] = {
         "M1": idle / window if window else None,
         "M2": launch_time / window if window else None,
         "M3a": m3["M3a"], "M3b": m3["M3b"], "M3c": m3["M3c"],
         "M4": all_kernels / window if window else None,
         "M5": comm / all_kernels if all_kernels else 0.0,
     }
-    return {"m3": m3,
-        "window_ns": window, "idle_ns": idle, "idle_pct": _pct(idle, window),
+    figures: Figures = {
+        "m3": m3, "window_ns": window, "idle_ns": idle, "idle_pct": _pct(idle, window),
         "compute_pct": _pct(compute, window), "comm_pct": _pct(comm, window),
         "memcpy_pct": _pct(copies, window), "kernels": len(kernels),
         "nccl_kernels": sum(1 for o in kernels if o.nccl), "nccl_ns": comm,
         "launches": len(launched), "tklqt_ns": sum(delays),
         "launch_delay_ns": distribution(delays), "queue_delay_ns": distribution(queues),
-        "metrics": metrics,
     }
+    return figures, metrics
 
 
 _CAVEAT_WHY = {"M5": "communication is a large share of GPU time and may explain part "
@@ -295,7 +325,7 @@ _CAVEAT_WHY = {"M5": "communication is a large share of GPU time and may explain
 
 
 def verdict(metrics: Mapping[str, float | None], thresholds: Mapping[str, float]
-            ) -> dict[str, Any]:
+            ) -> Judgement:
     """YES when M1, M2 or M4 is on the host-overhead side of its threshold, or when M3b
     and M3c both are (host preparation confirmed); M3a and M5 are caveats."""
     limits = {k: v for k, v in thresholds.items() if ":" not in k}
@@ -355,7 +385,7 @@ def one_verdict(host_overhead: str, reading: str) -> str:
 
 def rank_report(r: Rank, steps: Sequence[tuple[str, int, int]], steps_only: bool,
                 thresholds: Mapping[str, float], window: Window,
-                prep: Sequence[Interval] = ()) -> dict[str, Any]:
+                prep: Sequence[Interval] = ()) -> GpuRank:
     lo = min(o.ts for o in r.ops)
     hi = max(o.ts + o.dur for o in r.ops)
     if window.label != WHOLE:
@@ -363,24 +393,32 @@ def rank_report(r: Rank, steps: Sequence[tuple[str, int, int]], steps_only: bool
     inside = [s for s in steps if s[1] >= lo and s[2] <= hi] if steps_only else steps
     if steps_only and inside:
         lo, hi = inside[0][1], max(s[2] for s in inside)
-    b = breakdown(r.ops, lo, hi, prep)
-    v = verdict(b.pop("metrics"), thresholds)
+    b, metrics = breakdown(r.ops, lo, hi, prep)
     phased = {k: x for k, x in thresholds.items() if ":" in k}
-    if phased:
-        v["phase_thresholds"] = _by_phase(phased)
+    per_phase: _PhaseThresholds = {"phase_thresholds": _by_phase(phased)} if phased else {}
     per_step = [_step(r.ops, name, s, e, phase_limits(thresholds, name), prep)
                 for name, s, e in inside]
     raised = [f"{p['name']}: {line}" for p in per_step if p["host_overhead"] == "YES"
               for line in p["evidence"]]
+    v: RankVerdict = {**verdict(metrics, thresholds), **per_phase, "phases": raised}
     if v["host_overhead"] == "NO" and raised:
         v["host_overhead"] = "YES"  # a phase can raise the verdict, never lower it
-    v["phases"] = raised
     durs = sorted(o.dur for o in r.ops if o.kind == KERNEL and lo <= o.ts < hi)
     reading = tklqt_reading(b["queue_delay_ns"]["p50"], percentile(durs, 50) if durs else None)
     return {"node": r.node, "pid": r.pid, "rank": r.rank, "device": r.device,
-            "start_ns": lo, "end_ns": hi, **b,
+            "start_ns": lo, "end_ns": hi, "m3": b["m3"], "window_ns": b["window_ns"],
+            "idle_ns": b["idle_ns"], "idle_pct": b["idle_pct"],
+            "compute_pct": b["compute_pct"], "comm_pct": b["comm_pct"],
+            "memcpy_pct": b["memcpy_pct"], "kernels": b["kernels"],
+            "nccl_kernels": b["nccl_kernels"], "nccl_ns": b["nccl_ns"],
+            "launches": b["launches"], "tklqt_ns": b["tklqt_ns"],
+            "launch_delay_ns": b["launch_delay_ns"], "queue_delay_ns": b["queue_delay_ns"],
             "tklqt_reading": reading, "summary": one_verdict(v["host_overhead"], reading),
             "verdict": v, "steps": per_step}
+
+
+class _PhaseThresholds(TypedDict, total=False):
+    phase_thresholds: dict[str, dict[str, float]]
 
 
 def _by_phase(phased: Mapping[str, float]) -> dict[str, dict[str, float]]:
@@ -392,17 +430,17 @@ def _by_phase(phased: Mapping[str, float]) -> dict[str, dict[str, float]]:
 
 
 def _step(ops: Sequence[Op], name: str, lo: int, hi: int, thresholds: Mapping[str, float],
-          prep: Sequence[Interval] = ()) -> dict[str, Any]:
-    b = breakdown([o for o in ops if o.ts < hi and o.ts + o.dur > lo], lo, hi,
-                  [p for p in prep if p[0] < hi and p[1] > lo])
-    v = verdict(b["metrics"], thresholds)
+          prep: Sequence[Interval] = ()) -> GpuStep:
+    b, metrics = breakdown([o for o in ops if o.ts < hi and o.ts + o.dur > lo], lo, hi,
+                           [p for p in prep if p[0] < hi and p[1] > lo])
+    v = verdict(metrics, thresholds)
     return {"name": name, "start_ns": lo, "step_ns": hi - lo, "idle_ns": b["idle_ns"],
             "idle_pct": b["idle_pct"], "kernels": b["kernels"], "launches": b["launches"],
-            "tklqt_ns": b["tklqt_ns"], "metrics": b["metrics"],
+            "tklqt_ns": b["tklqt_ns"], "metrics": metrics,
             "host_overhead": v["host_overhead"], "evidence": v["evidence"]}
 
 
-def kernel_table(ranks: Sequence[Rank]) -> list[dict[str, Any]]:
+def kernel_table(ranks: Sequence[Rank]) -> list[KernelRow]:
     """Kernels by name over every rank: count, total, mean, p50, p99, share of kernel time."""
     by_name: dict[str, list[int]] = {}
     for r in ranks:
@@ -410,24 +448,24 @@ def kernel_table(ranks: Sequence[Rank]) -> list[dict[str, Any]]:
             if o.kind == KERNEL:
                 by_name.setdefault(o.name, []).append(o.dur)
     grand = sum(sum(v) for v in by_name.values())
-    out: list[dict[str, Any]] = []
+    out: list[KernelRow] = []
     for name, durs in by_name.items():
         durs.sort()
         total = sum(durs)
         out.append({"name": name, "count": len(durs), "total_ns": total,
                     "mean_ns": total / len(durs), "p50_ns": percentile(durs, 50),
                     "p99_ns": percentile(durs, 99), "share_pct": _pct(total, grand)})
-    out.sort(key=lambda k: (-int(k["total_ns"]), str(k["name"])))
+    out.sort(key=lambda k: (-k["total_ns"], k["name"]))
     return out
 
 
 def gpu_report(slices: Sequence[NodeSlice], window: Window, pid: int | None = None,
                steps_only: bool = False, thresholds: Mapping[str, float] | None = None
-               ) -> dict[str, Any]:
+               ) -> GpuAnswer:
     """Every rank of every node in ``slices``; the shape is documented in docs/json.md."""
     limits = dict(thresholds or THRESHOLDS)
     ranks: list[Rank] = []
-    out: list[dict[str, Any]] = []
+    out: list[GpuRank] = []
     warnings = list(window.warnings)
     for sl in slices:
         for r in load_ranks(sl, pid):
@@ -446,7 +484,7 @@ def gpu_report(slices: Sequence[NodeSlice], window: Window, pid: int | None = No
                 if frames is not None:
                     rep["host_frames"] = frames
             out.append(rep)
-    report: dict[str, Any] = {"window": window.to_json(), "ranks": out,
+    report: GpuAnswer = {"window": window.to_json(), "ranks": out,
                               "kernels": kernel_table(ranks), "warnings": warnings,
                               "straggler": slowest_rank(out)}
     if not out:
@@ -468,7 +506,7 @@ def rank_features(r: Mapping[str, Any]) -> dict[str, float]:
     return {"step_ns": step, "idle_share": float(r.get("idle_pct") or 0.0) / 100.0}
 
 
-def slowest_rank(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+def slowest_rank(ranks: Sequence[Mapping[str, Any]]) -> RankStraggler | None:
     """The slowest of two or more ranks, with the straggler scoring of ``explain``;
     ``flagged`` says whether it is beyond the fleet's spread. None for a single rank."""
     if len(ranks) < 2:

@@ -19,6 +19,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetd.analyze.answers import (
+    GraphEpisode,
+    GraphPhase,
+    GraphProcess,
+    GraphRates,
+    GraphsAnswer,
+    GraphTimeline,
+)
 from fleetd.analyze.data import Node, code, in_list
 from fleetd.analyze.model import NodeSlice
 from fleetd.analyze.window import Window
@@ -51,16 +59,17 @@ class _Proc:
 
 
 def graph_lifecycle(slices: list[NodeSlice], win: Window, pid: int | None = None,
-                    buckets: int = 20) -> dict[str, Any]:
+                    buckets: int = 20) -> GraphsAnswer:
     """Every process with CUDA graph calls in the window, node by node."""
-    procs: list[dict[str, Any]] = []
+    procs: list[GraphProcess] = []
     for sl in slices:
         stats = [r for r in sl.op_stats(pid, True)
                  if r["source"] == "graph" or r["op"] == "cuGraphLaunch"]
         for p in _load(sl.conn, sl.node, win, pid).values():
             mine = [r for r in stats if r["pid"] == p.pid]
             procs.append(_process(sl.node, p, mine, sl.names.get(p.pid), sl.span, buckets))
-    procs.sort(key=lambda p: -int(p["phases"].get("instantiate", {}).get("count", 0)))
+    procs.sort(key=lambda p: -int(p["phases"]["instantiate"]["count"]
+                                  if "instantiate" in p["phases"] else 0))
     return {"window": win.to_json(), "processes": procs, "warnings": list(win.warnings)}
 
 
@@ -78,16 +87,16 @@ def _load(conn: sqlite3.Connection, n: Node, win: Window, pid: int | None) -> di
 
 
 def _process(n: Node, p: _Proc, stats: list[dict[str, Any]], comm: str | None,
-             span: tuple[int, int], buckets: int) -> dict[str, Any]:
+             span: tuple[int, int], buckets: int) -> GraphProcess:
     span_ns = max(1, span[1] - span[0])
     phases = _phases(stats, p)
     count = {ph: int(v["count"]) for ph, v in phases.items()}
-    build_ns = sum(int(v["total_ns"]) for ph, v in phases.items() if ph in BUILD_PHASES)
+    build_ns = sum(int(v["total_ns"] or 0) for ph, v in phases.items() if ph in BUILD_PHASES)
     builds = count.get("instantiate", 0) + count.get("update", 0)
     launches = count.get("launch", 0)
     rows, width = _timeline(p, span, buckets)
     episodes, rate_in, rate_out = _episodes(rows, width)
-    rates = {
+    rates: GraphRates = {
         "launches_per_s": round(launches / (span_ns / 1e9), 2),
         "instantiations_per_s": round(count.get("instantiate", 0) / (span_ns / 1e9), 3),
         "launches_per_instantiation": round(launches / builds, 1) if builds else None,
@@ -98,24 +107,25 @@ def _process(n: Node, p: _Proc, stats: list[dict[str, Any]], comm: str | None,
     return {
         "node": n.name, "pid": p.pid, "comm": comm, "phases": phases, "rates": rates,
         "first_capture": _first(p, "begin_capture"), "episodes": episodes,
-        "timeline": {"bucket_ns": width, "columns": TIMELINE_COLUMNS, "rows": rows},
+        "timeline": GraphTimeline(bucket_ns=width, columns=TIMELINE_COLUMNS, rows=rows),
         "verdict": _verdict(count, rates, episodes),
     }
 
 
-def _phases(stats: list[dict[str, Any]], p: _Proc) -> dict[str, dict[str, Any]]:
+def _phases(stats: list[dict[str, Any]], p: _Proc) -> dict[str, GraphPhase]:
     """Per phase: count and latency; the stats rows (histogram-aware) when there are."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, GraphPhase] = {}
     for r in stats:
         ph = PHASE_OF[code(str(r["op"]))]
         prev = out.get(ph)
         if prev is None or int(r["count"]) > int(prev["count"]):
-            out[ph] = {k: r[k] for k in ("count", "total_ns", "p50_ns", "p99_ns", "max_ns")}
+            out[ph] = GraphPhase(count=r["count"], total_ns=r["total_ns"], p50_ns=r["p50_ns"],
+                                 p99_ns=r["p99_ns"], max_ns=r["max_ns"])
     # A phase without a stats row (none in the window's timed ops): count its events.
     for ph in {ph for _, _, ph in p.calls} - set(out):
         durs = [d for _, d, x in p.calls if x == ph]
-        out[ph] = {"count": len(durs), "total_ns": sum(durs), "p50_ns": None,
-                   "p99_ns": None, "max_ns": max(durs)}
+        out[ph] = GraphPhase(count=len(durs), total_ns=sum(durs), p50_ns=None, p99_ns=None,
+                             max_ns=max(durs))
     return {ph: out[ph] for ph in PHASES if ph in out}
 
 
@@ -138,10 +148,10 @@ def _timeline(p: _Proc, span: tuple[int, int], buckets: int) -> tuple[list[list[
 
 
 def _episodes(rows: list[list[Any]], width: int
-              ) -> tuple[list[dict[str, Any]], float | None, float | None]:
+              ) -> tuple[list[GraphEpisode], float | None, float | None]:
     """Runs of buckets that instantiate or update graphs (the expensive part of a
     capture), and the launch rate inside them versus outside."""
-    episodes: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
     inside: list[float] = []
     outside: list[float] = []
     current: dict[str, Any] | None = None
@@ -152,16 +162,17 @@ def _episodes(rows: list[list[Any]], width: int
             if current is None:
                 current = {"start": row[0], "buckets": 0, "captures": 0, "instantiations": 0,
                            "updates": 0, "launches": 0, "build_ms": 0.0}
-                episodes.append(current)
+                runs.append(current)
             current["buckets"] += 1
             for i, k in ((1, "captures"), (2, "instantiations"), (3, "updates"),
                          (4, "launches"), (6, "build_ms")):
                 current[k] += row[i]
         else:
             current = None
-    for e in episodes:
-        e["duration_ms"] = round(e.pop("buckets") * width / 1e6, 1)
-        e["build_ms"] = round(e["build_ms"], 3)
+    episodes = [GraphEpisode(start=e["start"], captures=e["captures"],
+                             instantiations=e["instantiations"], updates=e["updates"],
+                             launches=e["launches"], build_ms=round(e["build_ms"], 3),
+                             duration_ms=round(e["buckets"] * width / 1e6, 1)) for e in runs]
     rate_in = round(sum(inside) / len(inside), 1) if inside else None
     rate_out = round(sum(outside) / len(outside), 1) if outside else None
     return episodes, rate_in, rate_out
@@ -171,8 +182,7 @@ def _first(p: _Proc, phase: str) -> str | None:
     return next((format_ns(ts) for ts, _, ph in p.calls if ph == phase), None)
 
 
-def _verdict(count: dict[str, int], rates: dict[str, Any],
-             episodes: list[dict[str, Any]]) -> str:
+def _verdict(count: dict[str, int], rates: GraphRates, episodes: list[GraphEpisode]) -> str:
     builds = count.get("instantiate", 0) + count.get("update", 0)
     launches = count.get("launch", 0)
     if builds == 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
+from fleetd.analyze.answers import OverviewAnswer, OverviewSession
 from fleetd.analyze.chains import SEVERITY_RANK
 from fleetd.analyze.data import nodes
 from fleetd.analyze.explain import report as explain_report
@@ -18,14 +19,14 @@ SESSION_COLUMNS = ("id", "started_ns", "ended_ns", "end_reason", "lost_events", 
                    "world_size", "headers_route")
 
 
-def overview(conn: sqlite3.Connection, win: Window, node: str) -> dict[str, Any]:
+def overview(conn: sqlite3.Connection, win: Window, node: str) -> OverviewAnswer:
     """The overview of ``node`` (a database may hold several, after a merge)."""
     found = nodes(conn, node)
     return node_overview(conn, win, node, NodeSlice(conn, found[0], win) if found else None)
 
 
 def node_overview(conn: sqlite3.Connection, win: Window, node: str, sl: NodeSlice | None
-                  ) -> dict[str, Any]:
+                  ) -> OverviewAnswer:
     """:func:`overview` over the node's slice (None: the node is not in this file)."""
     lo, hi = (sl.node.lo, sl.node.hi) if sl else (0, -1)
     # The node's events are one range of row ids, so this stays on the primary key.
@@ -35,7 +36,7 @@ def node_overview(conn: sqlite3.Connection, win: Window, node: str, sl: NodeSlic
         (lo, hi, win.start_ns, win.end_ns)).fetchall())
     have = {r[1] for r in conn.execute("PRAGMA table_info(sessions)")}
     cols = ", ".join(c if c in have else f"NULL AS {c}" for c in SESSION_COLUMNS)
-    sessions = [dict(zip(SESSION_COLUMNS, r, strict=True)) for r in conn.execute(
+    sessions = [_session(r) for r in conn.execute(
         f"SELECT {cols} FROM sessions WHERE node = ? ORDER BY started_ns", (node,))]
     report = explain_report([sl] if sl else [], win)
     severities = {s: sum(1 for c in report["chains"] if c["severity"] == s)
@@ -47,3 +48,10 @@ def node_overview(conn: sqlite3.Connection, win: Window, node: str, sl: NodeSlic
             "crashed_sessions": sum(1 for s in sessions if s["end_reason"] == "crashed"),
             "chains": severities, "verdict": report["verdict"], "top_ops": top,
             "warnings": report["warnings"]}
+
+
+def _session(row: tuple[Any, ...]) -> OverviewSession:
+    """A ``sessions`` row read in :data:`SESSION_COLUMNS` order."""
+    sid, started, ended, reason, lost, rank, size, route = row
+    return OverviewSession(id=sid, started_ns=started, ended_ns=ended, end_reason=reason,
+                           lost_events=lost, rank=rank, world_size=size, headers_route=route)

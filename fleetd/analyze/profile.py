@@ -19,8 +19,9 @@ import sqlite3
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any
 
+from fleetd.analyze.answers import CpuProfile, CpuStack, FlameStack, FlameStacks, FrameShare
 from fleetd.analyze.data import Node, code, in_list, json_or_text
 from fleetd.analyze.frames import folded, short_frame
 from fleetd.analyze.window import Window
@@ -66,25 +67,6 @@ class StackCount:
     def in_cuda(self) -> bool:
         """The sample hit inside a CUDA or NCCL library (a launch, a copy, a sync)."""
         return any(f.endswith(")") and any(lib in f for lib in CUDA_LIBS) for f in self.frames)
-
-
-class FrameShare(TypedDict):
-    frame: str
-    self_samples: int
-    total_samples: int
-    self_share: float  # of the profile's samples
-    total_share: float
-
-
-class Profile(TypedDict):
-    samples: int
-    gc_samples: int
-    period_ns: int
-    on_cpu_ns: int  # samples x period
-    threads: int
-    stacks: int
-    top: list[FrameShare]
-    note: str | None
 
 
 def stack_counts(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
@@ -194,19 +176,20 @@ FLAME_DEPTH = 64  # frames per stack, outermost first
 FLAME_CHARS = 256  # of a frame's text: a report's size stays bounded
 
 
-def flame_stacks(stacks: list[StackCount]) -> dict[str, Any]:
+def flame_stacks(stacks: list[StackCount]) -> FlameStacks:
     """The thread's stacks for a flame graph: the ``FLAME_STACKS`` heaviest, outermost
     frame first (base names cut at ``FLAME_CHARS``, at most ``FLAME_DEPTH``), with their
     samples; the rest are one ``[N other stacks]`` stack so the widths still add up to
     every sample."""
     ranked = list(merged(stacks).items())
-    kept = [{"frames": [short_frame(f)[:FLAME_CHARS] for f in reversed(frames)][:FLAME_DEPTH]
-             or ["[no frames]"], "samples": n} for frames, n in ranked[:FLAME_STACKS]]
+    kept = [FlameStack(frames=[short_frame(f)[:FLAME_CHARS] for f in reversed(frames)]
+                       [:FLAME_DEPTH] or ["[no frames]"], samples=n)
+            for frames, n in ranked[:FLAME_STACKS]]
     rest = ranked[FLAME_STACKS:]
     if rest:
-        kept.append({"frames": [f"[{len(rest)} other stacks]"],
-                     "samples": sum(n for _, n in rest)})
-    return {"samples": sum(n for _, n in ranked), "stacks": kept}
+        kept.append(FlameStack(frames=[f"[{len(rest)} other stacks]"],
+                               samples=sum(n for _, n in rest)))
+    return FlameStacks(samples=sum(n for _, n in ranked), stacks=kept)
 
 
 def speedscope(stacks: list[StackCount], name: str) -> dict[str, Any]:
@@ -228,31 +211,22 @@ def speedscope(stacks: list[StackCount], name: str) -> dict[str, Any]:
     }
 
 
-def profile(stacks: list[StackCount], period_ns: int, top_n: int = 10) -> Profile:
+def profile(stacks: list[StackCount], period_ns: int, top_n: int = 10) -> CpuProfile:
     """The summary a table or JSON answer shows."""
     n = sum(s.samples for s in stacks)
     note = None if n else ("no on-CPU samples in the window: the tracer samples with "
                            "--cpu-sample-hz (default 49; 0 turns it off), and only "
                            "threads of traced processes while they run")
-    return Profile(samples=n, gc_samples=sum(s.gc for s in stacks), period_ns=period_ns,
+    return CpuProfile(samples=n, gc_samples=sum(s.gc for s in stacks), period_ns=period_ns,
                    on_cpu_ns=n * period_ns, threads=len({(s.node, s.tid) for s in stacks}),
                    stacks=len(merged(stacks)), top=top_frames(stacks, top_n), note=note)
 
 
-
-class StackJson(TypedDict):
-    pid: int
-    tid: int
-    frames: list[str]
-    samples: int
-    gc: int
-
-
 def stacks_json(stacks: list[StackCount], top_n: int, frames_n: int
-                ) -> tuple[list[StackJson], int]:
+                ) -> tuple[list[CpuStack], int]:
     """The ``top_n`` heaviest (thread, stack) counts as the node API answers them, at
     most ``frames_n`` frames each (innermost first), and how many were left out."""
     ranked = sorted(stacks, key=lambda s: (-s.samples, s.tid, s.frames))
-    return [StackJson(pid=s.pid, tid=s.tid, frames=list(s.frames[:frames_n]),
+    return [CpuStack(pid=s.pid, tid=s.tid, frames=list(s.frames[:frames_n]),
                       samples=s.samples, gc=s.gc) for s in ranked[:top_n]], \
         max(0, len(ranked) - top_n)

@@ -10,8 +10,9 @@ total time of their events; the frames come innermost first. A Python frame read
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, TypedDict
 
+from fleetd.analyze.answers import StackGroup, StackProcess
 from fleetd.analyze.data import in_list, json_or_text, name_of
 from fleetd.analyze.model import NodeSlice
 from fleetd.errors import UsageError
@@ -35,7 +36,7 @@ def op_code(op: str) -> int:
 
 
 def stack_groups(sl: NodeSlice, op_code: int | None, pid: int | None, top_n: int,
-                 frames_n: int, min_dur_ns: int = 0) -> tuple[list[dict[str, Any]], int]:
+                 frames_n: int, min_dur_ns: int = 0) -> tuple[list[StackGroup], int]:
     """The ``top_n`` heaviest stacks of the slice's events (of one op / process, at
     least ``min_dur_ns`` long), and the number of those events that have no stack."""
     where, params = _event_filter(sl, op_code, pid, min_dur_ns)
@@ -63,20 +64,22 @@ def stack_frames(sl: NodeSlice, hashes: list[int]) -> dict[int, list[str]]:
     return out
 
 
+class _Omitted(TypedDict, total=False):
+    frames_omitted: int
+
+
 def _group(sl: NodeSlice, row: tuple[Any, ...], frames: list[str], frames_n: int
-           ) -> dict[str, Any]:
+           ) -> StackGroup:
     h, count, total, mx, ops, pids = row
-    item: dict[str, Any] = {
+    omitted: _Omitted = ({"frames_omitted": len(frames) - frames_n} if len(frames) > frames_n
+                         else {})
+    return {
         "stack": f"{int(h) & (2**64 - 1):016x}", "events": count, "total_ns": total,
         "mean_ns": total // count if count else None, "max_ns": mx,
         "ops": sorted({name_of(int(x)) for x in str(ops).split(",") if x}),
-        "processes": [{"pid": p, "comm": sl.names.get(p)}
+        "processes": [StackProcess(pid=p, comm=sl.names.get(p))
                       for p in sorted(int(x) for x in str(pids).split(",") if x)[:10]],
-        "frames": frames[:frames_n]}
-    if len(frames) > frames_n:
-        item["frames_omitted"] = len(frames) - frames_n
-    item["node"] = sl.name
-    return item
+        "frames": frames[:frames_n], **omitted, "node": sl.name}
 
 
 BY_SOURCE_CPU = [o.code for o in OPS if o.source == "cpu"]  # cpu_sample, gc_pause
