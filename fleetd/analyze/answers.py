@@ -267,8 +267,8 @@ class GpuStep(TypedDict):
     evidence: list[str]
 
 
-class GpuRank(TypedDict):
-    """One process and device: where its GPU time went and the host-overhead verdict."""
+class RankSpan(TypedDict):
+    """Which process and device, and the window its figures cover."""
 
     node: str
     pid: int
@@ -276,6 +276,11 @@ class GpuRank(TypedDict):
     device: int
     start_ns: int
     end_ns: int
+
+
+class GpuFigures(TypedDict):
+    """Where the GPU time of a window went, and how late kernels started."""
+
     m3: ExposedPrep
     window_ns: int
     idle_ns: int
@@ -290,6 +295,11 @@ class GpuRank(TypedDict):
     tklqt_ns: int
     launch_delay_ns: Delays
     queue_delay_ns: Delays
+
+
+class GpuRank(RankSpan, GpuFigures):
+    """One process and device: its span, its figures, then the host-overhead verdict."""
+
     tklqt_reading: str  # CPU-bound | GPU-bound | unknown
     summary: str
     verdict: RankVerdict
@@ -430,7 +440,8 @@ ANSWERS: tuple[type, ...] = (
     OverviewAnswer, OverviewSession, CpuProfile, FrameShare, CpuStacksAnswer, CpuStack,
     FlameStacks, FlameStack, StacksAnswer, StackGroup, StackProcess, GraphsAnswer,
     GraphProcess, GraphPhase, GraphRates, GraphEpisode, GraphTimeline, GpuAnswer, GpuRank,
-    Delays, ExposedPrep, Judgement, RankVerdict, GpuStep, KernelRow, RankStraggler,
+    RankSpan, GpuFigures, Delays, ExposedPrep, Judgement, RankVerdict, GpuStep, KernelRow,
+    RankStraggler,
     CollectivesAnswer, AlignmentSummary, CommunicatorAlignment, Communicator,
     CollectiveRank, CollectiveStraggler, ClockJson,
 )

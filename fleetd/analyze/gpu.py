@@ -46,6 +46,7 @@ from fleetd.analyze.answers import (
     Delays,
     ExposedPrep,
     GpuAnswer,
+    GpuFigures,
     GpuRank,
     GpuStep,
     Judgement,
@@ -262,27 +263,8 @@ def exposed_prep(prep: Sequence[Interval], busy: Sequence[Interval], lo: int, hi
                        reason=None if host else "no host preparation inside this window")
 
 
-class Figures(TypedDict):
-    """The figures of a rank (or a step) over its window, as its answer has them."""
-
-    m3: ExposedPrep
-    window_ns: int
-    idle_ns: int
-    idle_pct: float
-    compute_pct: float
-    comm_pct: float
-    memcpy_pct: float
-    kernels: int
-    nccl_kernels: int
-    nccl_ns: int
-    launches: int
-    tklqt_ns: int
-    launch_delay_ns: Delays
-    queue_delay_ns: Delays
-
-
 def breakdown(ops: Sequence[Op], lo: int, hi: int, prep: Sequence[Interval] = ()
-              ) -> tuple[Figures, dict[str, float | None]]:
+              ) -> tuple[GpuFigures, dict[str, float | None]]:
     """Temporal breakdown and launch delays of ``ops`` over [lo, hi), and the M metrics
     by name; ``prep`` the process's host preparation ranges (M3)."""
     window = max(0, hi - lo)
@@ -307,7 +289,7 @@ def breakdown(ops: Sequence[Op], lo: int, hi: int, prep: Sequence[Interval] = ()
         "M4": all_kernels / window if window else None,
         "M5": comm / all_kernels if all_kernels else 0.0,
     }
-    figures: Figures = {
+    figures: GpuFigures = {
         "m3": m3, "window_ns": window, "idle_ns": idle, "idle_pct": _pct(idle, window),
         "compute_pct": _pct(compute, window), "comm_pct": _pct(comm, window),
         "memcpy_pct": _pct(copies, window), "kernels": len(kernels),

@@ -19,14 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetd.analyze.answers import (
-    GraphEpisode,
-    GraphPhase,
-    GraphProcess,
-    GraphRates,
-    GraphsAnswer,
-    GraphTimeline,
-)
+from fleetd.analyze.answers import GraphEpisode, GraphPhase, GraphProcess, GraphRates, GraphsAnswer
 from fleetd.analyze.data import Node, code, in_list
 from fleetd.analyze.model import NodeSlice
 from fleetd.analyze.window import Window
@@ -107,7 +100,7 @@ def _process(n: Node, p: _Proc, stats: list[dict[str, Any]], comm: str | None,
     return {
         "node": n.name, "pid": p.pid, "comm": comm, "phases": phases, "rates": rates,
         "first_capture": _first(p, "begin_capture"), "episodes": episodes,
-        "timeline": GraphTimeline(bucket_ns=width, columns=TIMELINE_COLUMNS, rows=rows),
+        "timeline": {"bucket_ns": width, "columns": TIMELINE_COLUMNS, "rows": rows},
         "verdict": _verdict(count, rates, episodes),
     }
 
