@@ -57,6 +57,41 @@ def _ms(ns: int) -> str:
 # ---- fixes --------------------------------------------------------------------------
 
 
+# Causes whose fixes take nothing from the chain: the same advice whatever it names,
+# kept as text here (one table) rather than as a function each returning a constant.
+_FIXED_ADVICE: Mapping[str, tuple[str, ...]] = {
+    "host_sync": (
+        "remove per-step host syncs: no .item(), .cpu(), .numpy(), print(tensor) or "
+        "torch.cuda.synchronize() inside the training loop",
+        "accumulate losses/metrics on the GPU and read them every N steps; use non_blocking=True "
+        "copies from pinned memory and CUDA events to poll"),
+    "graph_recapture": (
+        "capture each graph once: pre-warm every batch size at start-up and pad inputs to a "
+        "fixed set of shapes (torch.compile mode='reduce-overhead' with bucketed shapes)",
+        "update an instantiated graph with cudaGraphExecUpdate instead of capturing and "
+        "instantiating again"),
+    "alloc_churn": (
+        "use a caching allocator: keep PyTorch's (do not set PYTORCH_NO_CUDA_MEMORY_CACHING, no "
+        "torch.cuda.empty_cache() in the loop)",
+        "allocate buffers once before the loop; use cudaMallocAsync with a memory pool for "
+        "per-step temporaries"),
+    "unexplained": (
+        "the host shows no cause during these calls: the time is on the GPU side (kernel "
+        "duration, queueing); profile the kernels with nsys or ncu",),
+}
+
+
+def _advice(cause: str) -> Callable[[Chain], list[str]]:
+    """The fixes of a cause in :data:`_FIXED_ADVICE`, as the registry wants them: a
+    function of the chain (which they do not read)."""
+    texts = _FIXED_ADVICE[cause]
+
+    def fixes(ch: Chain) -> list[str]:
+        return list(texts)  # a fresh list each time, as the other fixes give
+
+    return fixes
+
+
 def _cpu_contention_fixes(ch: Chain) -> list[str]:
     v, c = ch.victim, (ch.culprits[0] if ch.culprits else None)
     vp = v["pid"]
@@ -106,13 +141,6 @@ def _dataloader_fixes(ch: Chain) -> list[str]:
             "augmentation to the GPU or precompute it",
             f"keep workers off the training thread's core: os.sched_setaffinity in "
             f"worker_init_fn, and taskset -cp <core> {ch.victim['tid']} for the main thread"]
-
-
-def _host_sync_fixes(ch: Chain) -> list[str]:
-    return ["remove per-step host syncs: no .item(), .cpu(), .numpy(), print(tensor) or "
-            "torch.cuda.synchronize() inside the training loop",
-            "accumulate losses/metrics on the GPU and read them every N steps; use "
-            "non_blocking=True copies from pinned memory and CUDA events to poll"]
 
 
 def _block_io_fixes(ch: Chain) -> list[str]:
@@ -209,31 +237,11 @@ def _data_starvation_fixes(ch: Chain) -> list[str]:
             "training thread"]
 
 
-def _graph_recapture_fixes(ch: Chain) -> list[str]:
-    return ["capture each graph once: pre-warm every batch size at start-up and pad "
-            "inputs to a fixed set of shapes (torch.compile mode='reduce-overhead' with "
-            "bucketed shapes)",
-            "update an instantiated graph with cudaGraphExecUpdate instead of capturing "
-            "and instantiating again"]
-
-
-def _alloc_churn_fixes(ch: Chain) -> list[str]:
-    return ["use a caching allocator: keep PyTorch's (do not set "
-            "PYTORCH_NO_CUDA_MEMORY_CACHING, no torch.cuda.empty_cache() in the loop)",
-            "allocate buffers once before the loop; use cudaMallocAsync with a memory "
-            "pool for per-step temporaries"]
-
-
 def _irq_fixes(ch: Chain) -> list[str]:
     v = ch.victim
     return ["steer interrupts away from the GPU-feeding cores: /proc/irq/<n>/smp_affinity "
             "or irqbalance --banirq", f"pin {v['comm']} to cores that take no interrupts: "
             f"taskset -cp <cores> {v['pid']}"]
-
-
-def _unexplained_fixes(ch: Chain) -> list[str]:
-    return ["the host shows no cause during these calls: the time is on the GPU side "
-            "(kernel duration, queueing); profile the kernels with nsys or ncu"]
 
 
 # ---- summaries of rule chains -------------------------------------------------------
@@ -516,15 +524,15 @@ _ALL = (
     Cause("host_sync",
           "sync calls every few launches take a large share of the thread's time, or a "
           "scalar is read back from the device every step",
-          ("op_stats", "ratio", "readback", "call"), _host_sync_fixes,
+          ("op_stats", "ratio", "readback", "call"), _advice("host_sync"),
           summary=_host_sync_summary),
     Cause("alloc_churn",
           "cudaMalloc/cudaFree keep being called after warm-up",
-          ("op_stats", "ratio", "call"), _alloc_churn_fixes, summary=_alloc_churn_summary),
+          ("op_stats", "ratio", "call"), _advice("alloc_churn"), summary=_alloc_churn_summary),
     Cause("graph_recapture",
           "CUDA graphs are captured and instantiated again and again, and the launch rate "
           "drops while it happens",
-          ("launch_rate", "call"), _graph_recapture_fixes, summary=_graph_recapture_summary),
+          ("launch_rate", "call"), _advice("graph_recapture"), summary=_graph_recapture_summary),
     Cause("dataloader_oversubscription",
           "the tasks taking the CPU from the GPU-feeding thread are its own worker processes",
           ("spike", "stall", "off_cpu", "runq_wait", "preemption", "page_alloc"),
@@ -561,7 +569,7 @@ _ALL = (
           ("nccl_error", "call"), _nccl_failures_fixes, summary=_nccl_failures_summary),
     Cause("unexplained",
           "slow calls with no host cause on their thread: the time is on the GPU side",
-          ("spike", "off_cpu"), _unexplained_fixes,
+          ("spike", "off_cpu"), _advice("unexplained"),
           why=lambda by: "with no host cause on its thread (GPU-side time)"),
 )
 

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetd.analyze import causes, pods
+from fleetd.analyze.cgroup_samples import place_of, sampled_pids, samples
 from fleetd.analyze.chains import Chain, severity
 from fleetd.analyze.data import args_object, in_list
 from fleetd.analyze.oncpu import MIN_HOST_SHARE
 from fleetd.analyze.rules import Context, rule_chain
-from fleetd.analyze.throttle import PLACE_KEYS
 from fleetd.store.catalog import op_code
 
 # The stall runs by op, and what each is called in a chain's words.
@@ -83,14 +83,10 @@ def thread_stalls(ctx: Context, tid: int) -> Stalls:
 
 def limits(ctx: Context) -> list[Limit]:
     """The memory-limited cgroups the traced processes ran in, over the window."""
-    v = ctx.view
     found: dict[str, Limit] = {}
-    for pid, dur, usage, limit, args in v.conn.execute(
-            "SELECT e.pid, e.dur_ns, e.bytes, e.a0, x.args FROM event_data e LEFT JOIN "
-            "event_args x ON x.id = e.id WHERE e.op = ? AND e.ts_ns >= ? AND e.ts_ns < ? "
-            "AND e.id BETWEEN ? AND ? ORDER BY e.ts_ns",
-            (MEM_CGROUP, v.win.start_ns, v.win.end_ns, v.node.lo, v.node.hi)):
-        a = args_object(args)
+    # Oldest first: the latest sample sets the limit, its file and anon sizes and place.
+    for (pid, dur, usage, limit), a in samples(
+            ctx.view, MEM_CGROUP, ("pid", "dur_ns", "bytes", "a0"), by_time=True):
         path = a.get("cgroup")
         if not isinstance(path, str) or not isinstance(limit, int) or limit <= 0:
             continue
@@ -98,8 +94,7 @@ def limits(ctx: Context) -> list[Limit]:
         q.limit = limit
         q.usage = max(q.usage, int(usage or 0))
         q.sampled_ns += int(dur or 0)
-        q.members.add(int(pid))
-        q.members.update(p for p in a.get("pids") or [] if isinstance(p, int))
+        q.members.update(sampled_pids(pid, a))
         for key in ("peak_bytes",):
             if isinstance(a.get(key), int):
                 q.peak = max(q.peak, a[key])
@@ -108,7 +103,7 @@ def limits(ctx: Context) -> list[Limit]:
         q.anon = a["anon_bytes"] if isinstance(a.get("anon_bytes"), int) else q.anon
         q.psi_some_us = _add(q.psi_some_us, a.get("psi_some_us"))
         q.psi_system_us = _add(q.psi_system_us, a.get("psi_system_some_us"))
-        q.place = {k: a[k] for k in PLACE_KEYS if isinstance(a.get(k), str)}
+        q.place = place_of(a)
     return list(found.values())
 
 

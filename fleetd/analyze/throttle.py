@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetd.analyze import pods
+from fleetd.analyze.cgroup_samples import place_of, sampled_pids, samples
 from fleetd.analyze.chains import Chain, severity
-from fleetd.analyze.data import args_object
 from fleetd.analyze.rules import Context, rule_chain
 from fleetd.store.catalog import op_code
 
 CPU_THROTTLE = op_code("cpu_throttle")
-PLACE_KEYS = ("container", "container_name", "runtime", "pod", "namespace", "pod_uid")
 MIN_THROTTLED_SHARE = 0.01  # of the window: below this a quota is not what slows it
 
 
@@ -47,13 +46,8 @@ class Quota:
 def quotas(ctx: Context) -> list[Quota]:
     """The limited cgroups the traced processes ran in, over the window."""
     found: dict[str, Quota] = {}
-    view = ctx.view
-    for pid, throttled, t_periods, periods, args in view.conn.execute(
-            "SELECT e.pid, e.bytes, e.a0, e.a1, x.args FROM event_data e LEFT JOIN "
-            "event_args x ON x.id = e.id WHERE e.op = ? AND e.ts_ns >= ? AND e.ts_ns < ? "
-            "AND e.id BETWEEN ? AND ?",
-            (CPU_THROTTLE, view.win.start_ns, view.win.end_ns, view.node.lo, view.node.hi)):
-        a = args_object(args)
+    for (pid, throttled, t_periods, periods), a in samples(
+            ctx.view, CPU_THROTTLE, ("pid", "bytes", "a0", "a1")):
         path, quota, period = a.get("cgroup"), a.get("quota_us"), a.get("period_us")
         if not isinstance(path, str) or not isinstance(quota, int) or \
                 not isinstance(period, int) or quota <= 0 or period <= 0:
@@ -62,9 +56,8 @@ def quotas(ctx: Context) -> list[Quota]:
         q.throttled_ns += max(0, int(throttled or 0))
         q.throttled_periods += max(0, int(t_periods or 0))
         q.periods += max(0, int(periods or 0))
-        q.members.add(int(pid))
-        q.members.update(p for p in a.get("pids") or [] if isinstance(p, int))
-        q.place = {k: a[k] for k in PLACE_KEYS if isinstance(a.get(k), str)}
+        q.members.update(sampled_pids(pid, a))
+        q.place = place_of(a)
     return list(found.values())
 
 

@@ -25,8 +25,8 @@ from conftest import REPO
 DOC = REPO / "docs" / "explain.md"
 RECORDED = sorted((REPO / "tests" / "data" / "scenarios").glob("*.db"))
 CLUSTER = REPO / "investigations" / "fleet" / "cluster.db"
-ANALYZERS = ("chains", "rules", "contention", "gpu_chains", "collectives", "nccl_failures",
-             "throttle", "memory", "oncpu")
+ANALYZERS = ("chains", "spikes", "rules", "contention", "gpu_chains", "collectives",
+             "nccl_failures", "throttle", "memory", "oncpu")
 
 
 # ---- docs ---------------------------------------------------------------------------
