@@ -145,3 +145,31 @@ def selected(conn: sqlite3.Connection, pid: int | None, pod: str | None,
                 f"select with {flag}pid")
     raise UsageError(f"no process of {what} in this database", hint)
 
+
+NOTE_NO_PODS = ("no traced process ran in a container (or the file was recorded before "
+                "pods were, schema < 5)")
+
+
+def processes(conn: sqlite3.Connection, node_key: int, node: str) -> list[dict[str, Any]]:
+    """Every process of one node that ran in a container: node, pid, comm and its
+    :func:`fields`, by pod then pid (fleetd pods)."""
+    found = placements(conn, node_key)
+    comms = dict(conn.execute("SELECT pid, comm FROM process_data WHERE node = ?",
+                              (node_key,)).fetchall()) if found else {}
+    rows = [{"node": node, "pid": pid, "comm": str(comms.get(pid) or ""), **fields(place)}
+            for (_, pid), place in found.items()]
+    rows.sort(key=lambda r: (r.get("namespace", ""), r.get("pod", ""), r["pid"]))
+    return rows
+
+
+def by_pod(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The processes of :func:`processes` grouped per node and pod (a container outside
+    any pod is its own group): node, namespace, pod, pids."""
+    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for r in procs:
+        key = (str(r.get("node", "")), str(r.get("namespace", "")),
+               str(r.get("pod") or r.get("container", "")))
+        g = groups.setdefault(key, {"node": key[0], "namespace": r.get("namespace"),
+                                    "pod": r.get("pod") or r.get("container"), "pids": []})
+        g["pids"].append(r["pid"])
+    return list(groups.values())

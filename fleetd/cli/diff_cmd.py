@@ -89,7 +89,7 @@ def _report(path: Path, scratch: Path, steps: bool) -> dict[str, Any]:
         db = scratch
     conn = open_reader(db)
     try:
-        return Analysis.of(conn, WindowSpec()).gpu(None, steps)
+        return dict(Analysis.of(conn, WindowSpec()).gpu(None, steps))
     finally:
         conn.close()
 

@@ -8,9 +8,11 @@ import argparse
 import sys
 from typing import Any
 
-from fleetd.cli.explain_cmd import add_window, open_analysis, positive
-from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
+from fleetd.cli.explain_cmd import add_window, positive
+from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.output import dumps, human_ns, print_notes, table
+from fleetd.cli.questions import ask
+from fleetd.questions.catalog import GPU
 
 FORMATS = ("table", "json")
 RANK_COLUMNS = ["node", "pid", "rank", "device", "window", "idle%", "compute%", "comm%",
@@ -51,24 +53,9 @@ def run(args: argparse.Namespace) -> int:
     if args.format not in FORMATS:
         raise UsageError(f"unknown format {args.format!r}", "use one of: table, json")
     limits = parse_thresholds(args.threshold)
-    if fleet_mode(args):
-        return _run_fleet(args, limits)
-    with open_analysis(args) as (_, analysis):
-        got = analysis.gpu(args.pid, args.steps, limits)
-    _write(got, args)
-    return 0
-
-
-def _run_fleet(args: argparse.Namespace, limits: dict[str, float]) -> int:
-    from fleetd.analyze.window import WindowSpec
-    from fleetd.fleet.queries import gpu
-
-    result = gpu(fleet_options(args), WindowSpec(args.since, args.from_, args.to),
-                 args.pid, args.steps, limits)
-    _write(result.obj, args)
-    if args.format != "json" or args.show_skew:
-        report(result.answer, args.show_skew)
-    return result.exit_code
+    asked = ask(args, GPU, pid=args.pid, steps=args.steps, thresholds=limits)
+    _write(asked.obj, args)
+    return asked.done(args, args.format == "json")
 
 
 def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:

@@ -8,9 +8,11 @@ import argparse
 import sys
 from typing import Any
 
-from fleetd.cli.explain_cmd import add_window, open_analysis, positive
-from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
+from fleetd.cli.explain_cmd import add_window, positive
+from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
+from fleetd.cli.questions import ask
+from fleetd.questions.catalog import GRAPHS
 
 COLUMNS = ["node", "pid", "comm", "captures", "instantiations", "launches",
            "launches_per_instantiation", "build_share_of_wall", "verdict"]
@@ -36,19 +38,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     fmt = check_format(args.format)
-    if fleet_mode(args):
-        from fleetd.analyze.window import WindowSpec
-        from fleetd.fleet.queries import graphs
-
-        result = graphs(fleet_options(args), WindowSpec(args.since, args.from_, args.to),
-                        args.pid, args.buckets)
-        _write({k: v for k, v in result.obj.items() if k != "nodes"}, fmt)
-        if fmt != "json" or args.show_skew:
-            report(result.answer, args.show_skew)
-        return result.exit_code
-    with open_analysis(args) as (_, analysis):
-        _write(analysis.graphs(args.pid, args.buckets), fmt)
-    return 0
+    asked = ask(args, GRAPHS, pid=args.pid, buckets=args.buckets)
+    _write(asked.body(), fmt)
+    return asked.done(args, fmt == "json")
 
 
 def _write(obj: dict[str, Any], fmt: str) -> None:

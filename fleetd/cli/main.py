@@ -32,6 +32,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "fleetd.cli.graphs_cmd",
     "fleetd.cli.gpu_cmd",
     "fleetd.cli.collectives_cmd",
+    "fleetd.cli.questions",  # fleetd NAME for the registry's other questions (pods)
     "fleetd.cli.diff_cmd",
     "fleetd.cli.merge_cmd",
     "fleetd.cli.import_cmd",

@@ -10,10 +10,12 @@ from typing import Any
 
 from orjson import dumps
 
-from fleetd.cli.explain_cmd import add_window, open_analysis, positive
-from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
+from fleetd.cli.explain_cmd import add_window, positive
+from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.output import write_rows
+from fleetd.cli.questions import ask
 from fleetd.errors import UsageError
+from fleetd.questions.catalog import CPU_STACKS
 
 PROFILE_FORMATS = ("table", "json", "folded", "speedscope")
 COLUMNS = ["frame", "self", "self_share", "total", "total_share"]
@@ -47,39 +49,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetd.analyze.profile import StackCount, stack_counts
+    from fleetd.analyze.profile import StackCount
 
     if args.format not in PROFILE_FORMATS:
         raise UsageError(f"unknown format {args.format!r}",
                          f"use one of: {', '.join(PROFILE_FORMATS)}")
-    stacks: list[StackCount] = []
-    period = 0
-    exit_code = 0
-    if fleet_mode(args):
-        from fleetd.analyze.window import WindowSpec
-        from fleetd.fleet.queries import cpu_stacks
-
-        result = cpu_stacks(fleet_options(args), WindowSpec(args.since, args.from_, args.to),
-                            args.pid, args.tid)
-        stacks = [StackCount(s["node"], s["pid"], s["tid"], tuple(s["frames"]), s["samples"],
-                             s["gc"]) for s in result.obj["stacks"]
-                  if args.node in (None, s["node"])]
-        period, exit_code = int(result.obj["period_ns"]), result.exit_code
-        _write(args, stacks, period)
-        if args.format == "table" or args.show_skew:
-            report(result.answer, args.show_skew)
-        return exit_code
-    with open_analysis(args) as (_, analysis):
-        slices = [sl for sl in analysis.slices if args.node in (None, sl.name)]
-        if args.node is not None and not slices:
-            raise UsageError(f"no node {args.node!r} in this database",
-                             f"nodes: {', '.join(analysis.node_names()) or 'none'}")
-        for sl in slices:
-            got, p = stack_counts(sl.conn, sl.node, sl.window, args.pid, args.tid)
-            stacks += got
-            period = max(period, p)
-    _write(args, stacks, period)
-    return exit_code
+    asked = ask(args, CPU_STACKS, pid=args.pid, tid=args.tid)
+    names = asked.obj.get("names")
+    if asked.result is None and args.node is not None and args.node not in (names or []):
+        raise UsageError(f"no node {args.node!r} in this database",
+                         f"nodes: {', '.join(names or []) or 'none'}")
+    stacks = [StackCount(s["node"], s["pid"], s["tid"], tuple(s["frames"]), s["samples"],
+                         s["gc"]) for s in asked.obj["stacks"] if args.node in (None, s["node"])]
+    _write(args, stacks, int(asked.obj["period_ns"]))
+    return asked.done(args, args.format != "table")
 
 
 def _write(args: argparse.Namespace, stacks: list[Any], period: int) -> None:

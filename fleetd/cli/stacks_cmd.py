@@ -8,11 +8,13 @@ import sys
 from typing import Any
 
 from fleetd.analyze.frames import folded, short_frame, top_python_frame
-from fleetd.cli.explain_cmd import add_window, open_analysis, positive
-from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
+from fleetd.cli.explain_cmd import add_window, positive
+from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.ops_cmd import table_view
 from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
+from fleetd.cli.questions import ask
 from fleetd.errors import UsageError
+from fleetd.questions.catalog import STACKS
 from fleetd.store.timeparse import parse_duration
 
 COLUMNS = ["node", "events", "total_ns", "mean_ns", "max_ns", "ops", "frames"]
@@ -50,12 +52,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     fmt = args.format if args.format == FOLDED else check_format(args.format)
     min_dur = _min_dur(args.min_dur)
-    if fleet_mode(args):
-        return _run_fleet(args, fmt, min_dur)
-    with open_analysis(args) as (_, analysis):
-        got = analysis.stacks(args.op, args.pid, args.top, args.frames, min_dur_ns=min_dur)
-    _write(got, got["stacks"][: args.top], fmt)
-    return 0
+    if args.op:
+        from fleetd.analyze.stacks import op_code
+
+        op_code(args.op)  # refused once, here, rather than by every node
+    asked = ask(args, STACKS, op=args.op, pid=args.pid, top_n=args.top, frames_n=args.frames,
+                min_dur_ns=min_dur)
+    obj = asked.body()
+    if asked.result is not None:
+        obj["events_without_stack"] = sum(
+            n["events_without_stack"] for n in asked.obj["nodes"]
+            if isinstance(n.get("events_without_stack"), int))
+    _write(obj, obj["stacks"][: args.top], fmt)
+    return asked.done(args, fmt in ("json", FOLDED))
 
 
 def _min_dur(text: str | None) -> int:
@@ -65,25 +74,6 @@ def _min_dur(text: str | None) -> int:
         return parse_duration(text)
     except UsageError as exc:
         raise UsageError(f"--min-dur: {exc.message}", exc.hint) from exc
-
-
-def _run_fleet(args: argparse.Namespace, fmt: str, min_dur: int) -> int:
-    from fleetd.analyze.stacks import op_code
-    from fleetd.analyze.window import WindowSpec
-    from fleetd.fleet.queries import stacks
-
-    if args.op:
-        op_code(args.op)  # refused once, here, rather than by every node
-    result = stacks(fleet_options(args), WindowSpec(args.since, args.from_, args.to),
-                    args.op, args.pid, args.top, args.frames, min_dur)
-    obj = {k: v for k, v in result.obj.items() if k != "nodes"}
-    obj["events_without_stack"] = sum(
-        n["events_without_stack"] for n in result.obj["nodes"]
-        if isinstance(n.get("events_without_stack"), int))
-    _write(obj, result.obj["stacks"][: args.top], fmt)
-    if fmt not in ("json", FOLDED) or args.show_skew:
-        report(result.answer, args.show_skew)
-    return result.exit_code
 
 
 def _write(obj: dict[str, Any], found: list[dict[str, Any]], fmt: str) -> None:

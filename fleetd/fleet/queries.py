@@ -1,4 +1,6 @@
-"""The four fleet operations behind ``fleetd query/explain/ops/overview --nodes``.
+"""The fleet operations behind ``fleetd query/explain/ops --nodes``, and :func:`ask`,
+which asks every node one question of the registry (:mod:`fleetd.questions`: overview,
+stacks, on-CPU stacks, graphs, gpu, pods).
 
 Each fans out with :func:`fleetd.fleet.fanout.fan_out`, corrects timestamps by each
 node's clock offset, merges, and returns a :class:`FleetResult`: the JSON object that
@@ -8,7 +10,7 @@ node's clock offset, merges, and returns a :class:`FleetResult`: the JSON object
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,8 @@ from fleetd.fleet.fanout import (
 )
 from fleetd.fleet.result import FleetResult, base_json, raise_if_user_error
 from fleetd.fleet.skew import correct_obj, correct_rows
+from fleetd.questions.catalog import OVERVIEW, OVERVIEW_COLUMNS, overview_rows
+from fleetd.questions.spec import Params, Question
 from fleetd.runner import run_loop
 from fleetd.wire import paths
 from fleetd.wire.pods import PLACEMENT_FIELDS, label, params, read_placement
@@ -203,139 +207,41 @@ def ops(opts: FleetOptions, window: WindowSpec, pid: int | None, per_process: bo
 
 # ---- overview -----------------------------------------------------------------------
 
-OVERVIEW_COLUMNS = ["node", "events", "lost_events", "sessions", "crashed", "high", "medium",
-                    "low", "verdict"]
-
 
 def overview(opts: FleetOptions, window: WindowSpec) -> FleetResult:
-    bounds = window.validate()
+    """Every node's overview, with the table's columns and rows."""
+    result = ask(opts, OVERVIEW, window, Params())
+    return FleetResult(result.answer, result.obj, list(OVERVIEW_COLUMNS),
+                       overview_rows(result.obj["nodes"]))
+
+
+# ---- a question of the registry -----------------------------------------------------
+
+
+def ask(opts: FleetOptions, question: Question, window: WindowSpec, params: Params
+        ) -> FleetResult:
+    """Ask every node ``question`` (one GET each, in the window when it takes one):
+    ``{"nodes": [each answer with its node, in our clock], **question.combine(nodes),
+    status, warnings, skew}``. A node whose answer fails ``question.check`` (or holds a
+    number beyond 64 bits, when there is a check) counts as failed."""
+    bounds = window.validate() if question.windowed else WindowSpec().validate()
+    query = question.encode(params)
+    read = question.check
+    check = None if read is None else (lambda r: read(check_numbers(r, "the answer")))
     answer: FleetAnswer = run_loop(fan_out(
-        opts, lambda off: [Request("GET", paths.OVERVIEW, bounds.params(off),
-                                   expect=("events",))],
-        needs_offset=window.absolute))
-    raise_if_user_error(answer)
-    nodes = []
-    for o in answer.answered:
-        assert o.replies is not None
-        reply = dict(o.replies[0], node=o.name)
-        nodes.append(correct_obj(reply, answer.offset_ns(o)))
-    obj = {"nodes": nodes, **base_json(answer)}
-    return FleetResult(answer, obj, list(OVERVIEW_COLUMNS), overview_rows(nodes))
-
-
-# ---- stacks and graphs --------------------------------------------------------------
-
-
-def stacks(opts: FleetOptions, window: WindowSpec, op: str | None, pid: int | None,
-           top_n: int, frames_n: int, min_dur_ns: int = 0) -> FleetResult:
-    """Every node's heaviest recorded stacks (``GET /api/v1/stacks``), heaviest first."""
-    params = {k: str(v) for k, v in (("op", op), ("pid", pid), ("top_n", top_n),
-                                     ("frames_n", frames_n), ("min_dur_ns", min_dur_ns)) if v}
-    result = _per_node(opts, window, paths.STACKS, params, "stacks")
-    found = [dict(s, node=n["node"]) for n in result.obj["nodes"]
-             for s in n.get("stacks") or [] if isinstance(s, dict)]
-    found.sort(key=lambda s: -_number(s.get("total_ns")))
-    result.obj["stacks"] = found
-    return result
-
-
-def cpu_stacks(opts: FleetOptions, window: WindowSpec, pid: int | None, tid: int | None
-               ) -> FleetResult:
-    """Every node's on-CPU samples per (thread, stack) (``GET /api/v1/cpu_stacks``): the
-    rows a merged profile is made of, each with its node; values that are not what the
-    route answers are left out."""
-    params = {k: str(v) for k, v in (("pid", pid), ("tid", tid)) if v}
-    result = _per_node(opts, window, paths.CPU_STACKS, params, "stacks")
-    found = []
-    for n in result.obj["nodes"]:
-        for s in n.get("stacks") or []:
-            frames = s.get("frames") if isinstance(s, dict) else None
-            if isinstance(frames, list) and all(isinstance(f, str) for f in frames) and all(
-                    isinstance(s.get(k), int) and s[k] >= 0 for k in ("pid", "tid", "samples",
-                                                                        "gc")):
-                found.append({"node": str(n["node"]), "pid": s["pid"], "tid": s["tid"],
-                              "frames": [f[:1000] for f in frames[:128]],
-                              "samples": s["samples"], "gc": s["gc"]})
-    result.obj["stacks"] = found
-    result.obj["period_ns"] = max((int(n["period_ns"]) for n in result.obj["nodes"]
-                                   if isinstance(n.get("period_ns"), int)), default=0)
-    return result
-
-
-def graphs(opts: FleetOptions, window: WindowSpec, pid: int | None, buckets: int
-           ) -> FleetResult:
-    """Every node's CUDA graph lifecycle per process (``GET /api/v1/graphs``)."""
-    params = {k: str(v) for k, v in (("pid", pid), ("buckets", buckets)) if v}
-    result = _per_node(opts, window, paths.GRAPHS, params, "processes")
-    result.obj["processes"] = [dict(p, node=n["node"]) for n in result.obj["nodes"]
-                               for p in n.get("processes") or [] if isinstance(p, dict)]
-    return result
-
-
-def gpu(opts: FleetOptions, window: WindowSpec, pid: int | None, steps: bool,
-        thresholds: dict[str, float]) -> FleetResult:
-    """Every node's GPU ranks (``GET /api/v1/gpu``) side by side, the slowest flagged
-    with the straggler scoring; kernel rows keep their node."""
-    from fleetd.analyze.gpu import slowest_rank
-
-    params = {"thresholds": ",".join(f"{k}={v}" for k, v in thresholds.items())}
-    if pid:
-        params["pid"] = str(pid)
-    if steps:
-        params["steps"] = "1"
-    result = _per_node(opts, window, paths.GPU, params, "ranks", _checked_gpu)
-    nodes = result.obj["nodes"]
-    for n in nodes:  # a rank is named by the node that answered, not by what it claims
-        for r in n["ranks"]:
-            r["node"] = n["node"]
-    ranks = [r for n in nodes for r in n["ranks"]]
-    result.obj["ranks"] = ranks
-    result.obj["kernels"] = sorted(
-        (dict(k, node=n["node"]) for n in nodes for k in n.get("kernels") or []
-         if isinstance(k, dict)), key=lambda k: -_number(k.get("total_ns")))
-    result.obj["straggler"] = slowest_rank(ranks)
-    return result
-
-
-def _checked_gpu(reply: dict[str, Any]) -> Mapping[str, Any]:
-    from fleetd.wire.gpu import check_gpu_reply  # the GPU analyzer only when asked
-
-    return check_gpu_reply(check_numbers(reply, "the answer"))
-
-
-def _per_node(opts: FleetOptions, window: WindowSpec, path: str, extra: dict[str, str],
-              expect: str, check: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
-              ) -> FleetResult:
-    """One GET per node in the window; each answer tagged with its node and moved into
-    our clock, the nodes' window warnings added to the fan-out's. ``check`` rebuilds an
-    answer from validated values or raises BadReply: that node then counts as failed."""
-    bounds = window.validate()
-    answer: FleetAnswer = run_loop(fan_out(
-        opts, lambda off: [Request("GET", path, {**bounds.params(off), **extra},
-                                   expect=(expect,), check=check)],
-        needs_offset=window.absolute))
+        opts, lambda off: [Request("GET", question.route, {**bounds.params(off), **query},
+                                   expect=(question.expect,), check=check)],
+        needs_offset=question.windowed and window.absolute))
     raise_if_user_error(answer)
     nodes = []
     for o in answer.answered:
         assert o.replies is not None
         reply = correct_obj(dict(o.replies[0], node=o.name), answer.offset_ns(o))
-        answer.warnings += [NodeWarning(o.name, str(w), "window")
-                            for w in reply.get("warnings") or []]
+        if question.node_warnings:
+            answer.warnings += [NodeWarning(o.name, str(w), "window")
+                                for w in reply.get("warnings") or []]
         nodes.append(reply)
-    return FleetResult(answer, {"nodes": nodes, **base_json(answer)})
-
-
-def _number(value: Any) -> float:
-    """A peer's number, or 0 for anything else (sorting must not fail on a bad value)."""
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
-
-
-def overview_rows(nodes: Sequence[dict[str, Any]]) -> list[list[Any]]:
-    rows = []
-    for n in nodes:
-        chains = n.get("chains") or {}
-        rows.append([n.get("node"), n.get("events"), n.get("lost_events"),
-                     len(n.get("sessions") or []), n.get("crashed_sessions"),
-                     chains.get("HIGH", 0),
-                     chains.get("MEDIUM", 0), chains.get("LOW", 0), n.get("verdict")])
-    return rows
+    obj: dict[str, Any] = {"nodes": nodes, **base_json(answer)}
+    if question.combine is not None:
+        obj.update(question.combine(nodes))
+    return FleetResult(answer, obj)

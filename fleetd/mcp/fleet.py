@@ -36,6 +36,8 @@ from fleetd.mcp.local import (
     shown,
 )
 from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
+from fleetd.questions.catalog import CPU_STACKS, GPU, GRAPHS, STACKS
+from fleetd.questions.spec import Params, Question
 from fleetd.runner import run_loop
 from fleetd.wire import paths
 from fleetd.wire import pods as wire_pods
@@ -46,6 +48,7 @@ ACTIONS = ("chains", "sql", "ops", "overview", "stragglers", "stacks", "graphs",
 STACK_FRAMES = 16  # frames per stack, innermost first (as get_stacks)
 GRAPH_BUCKETS = 20  # timeline buckets per process (as graph_lifecycle)
 STRAGGLER_CHAINS = 3  # chains shown as the "why" of each flagged node
+BASE_KEYS = ("nodes", "warnings", "skew")  # said by header(), or the merged rows
 HEALTH_KEYS = ("status", "version", "schema_version", "tracing", "uptime_s", "trace")
 
 
@@ -209,7 +212,8 @@ class FleetBackend:
                 ) -> dict[str, Any]:
         if op:
             op_code(op)  # refused here, once, rather than by every node
-        result = queries.stacks(self.opts, window, op, pid, top_n, STACK_FRAMES)
+        result = queries.ask(self.opts, STACKS, window, STACKS.values(
+            {"op": op, "pid": pid, "top_n": top_n, "frames_n": STACK_FRAMES}))
         found = result.obj["stacks"]
         bare = sum(int(n.get("events_without_stack") or 0) for n in result.obj["nodes"]
                    if isinstance(n.get("events_without_stack"), int))
@@ -220,7 +224,8 @@ class FleetBackend:
         return out
 
     def _graphs(self, window: WindowSpec, pid: int | None) -> dict[str, Any]:
-        result = queries.graphs(self.opts, window, pid, GRAPH_BUCKETS)
+        result = queries.ask(self.opts, GRAPHS, window,
+                             GRAPHS.values({"pid": pid, "buckets": GRAPH_BUCKETS}))
         procs = result.obj["processes"]
         out = {**header(result.answer), "processes": procs}
         if not procs:
@@ -232,7 +237,8 @@ class FleetBackend:
         slowest flagged; kernel names come from the profiled programs, marked as data."""
         from fleetd.analyze.gpu import NOTE_NO_GPU, THRESHOLDS
 
-        result = queries.gpu(self.opts, window, pid, False, dict(THRESHOLDS))
+        result = queries.ask(self.opts, GPU, window,
+                             GPU.values({"pid": pid, "thresholds": dict(THRESHOLDS)}))
         obj = result.obj
         kernels = obj.get("kernels") or []
         ranks = obj.get("ranks") or []
@@ -243,6 +249,17 @@ class FleetBackend:
             out["note"] = NOTE_NO_GPU
         return out
 
+    def ask(self, question: Question, win: WindowSpec, params: Params, node: str | None
+            ) -> dict[str, Any]:
+        """A question of the registry, of every node (``node``: its rows only), led by
+        how the fan-out went."""
+        result = queries.ask(self.opts, question, win, params)
+        body = {k: v for k, v in result.obj.items() if k not in BASE_KEYS}
+        if node is not None and question.rows:
+            body[question.rows] = [r for r in body.get(question.rows) or []
+                                   if r.get("node") == node]
+        return {**header(result.answer), **body}
+
     def cpu_profile(self, win: WindowSpec, pid: int | None, tid: int | None, top_n: int,
                     stacks_n: int, node: str | None) -> dict[str, Any]:
         """Every node's on-CPU samples (``GET /api/v1/cpu_stacks``, as ``fleetd profile
@@ -250,7 +267,8 @@ class FleetBackend:
         (node, thread, stack) counts, each with its node. ``node``: that node's only."""
         from fleetd.analyze.profile import StackCount, profile
 
-        result = queries.cpu_stacks(self.opts, win, pid, tid)
+        result = queries.ask(self.opts, CPU_STACKS, win, CPU_STACKS.values({"pid": pid,
+                                                                            "tid": tid}))
         counts = [StackCount(s["node"], s["pid"], s["tid"], tuple(s["frames"]),
                              s["samples"], s["gc"]) for s in result.obj["stacks"]
                   if node is None or s["node"] == node]

@@ -31,6 +31,8 @@ from fleetd.analyze.stacks import op_code
 from fleetd.analyze.window import Window, WindowSpec
 from fleetd.errors import UsageError
 from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
+from fleetd.questions.catalog import GPU, GRAPHS, STACKS
+from fleetd.questions.spec import Params, Question
 from fleetd.security.private_dir import private_dir, user_cache_base
 from fleetd.store.catalog import SOURCES
 from fleetd.store.db import open_reader
@@ -135,23 +137,16 @@ class LocalBackend:
                frames_n: int, node: str | None) -> dict[str, Any]:
         if op:
             op_code(op)  # an unknown op is refused before the file is opened
-
-        def go(conn: sqlite3.Connection) -> dict[str, Any]:
-            a = Analysis.of(conn, win, node)
-            a.node_names()
-            got = a.stacks(op, pid, top_n, frames_n)
-            found = got.pop("stacks")
-            note = got.pop("note", None)
-            out: dict[str, Any] = {
-                "window": got["window"], "op": op, "pid": pid, "stacks": found[:top_n],
-                **shown("stacks", len(found), top_n),
-                "events_without_stack": got["events_without_stack"],
-                "warnings": got["warnings"]}
-            if note:
-                out["note"] = note
-            return out
-
-        return self.analyze(go)
+        got = self.ask(STACKS, win, STACKS.values(
+            {"op": op, "pid": pid, "top_n": top_n, "frames_n": frames_n}), node)
+        found = got["stacks"]
+        out: dict[str, Any] = {
+            "window": got["window"], "op": op, "pid": pid, "stacks": found[:top_n],
+            **shown("stacks", len(found), top_n),
+            "events_without_stack": got["events_without_stack"], "warnings": got["warnings"]}
+        if got.get("note"):
+            out["note"] = got["note"]
+        return out
 
     def cpu_profile(self, win: WindowSpec, pid: int | None, tid: int | None, top_n: int,
                     stacks_n: int, node: str | None) -> dict[str, Any]:
@@ -192,21 +187,22 @@ class LocalBackend:
 
     def graphs(self, win: WindowSpec, pid: int | None, buckets: int, node: str | None
                ) -> dict[str, Any]:
-        def go(conn: sqlite3.Connection) -> dict[str, Any]:
-            a = Analysis.of(conn, win, node)
-            a.node_names()
-            return a.graphs(pid, buckets)
-
-        return self.analyze(go)
+        return self.ask(GRAPHS, win, GRAPHS.values({"pid": pid, "buckets": buckets}), node)
 
     def gpu(self, win: WindowSpec, pid: int | None, steps: bool, top_n: int,
             node: str | None) -> dict[str, Any]:
         """The GPU breakdown of imported timelines, kernel table cut to ``top_n``; kernel
         names come from the profiled program's file, so they are marked as data."""
+        got = self.ask(GPU, win, GPU.values({"pid": pid, "steps": steps}), node)
+        return compact_gpu(got, top_n)
+
+    def ask(self, question: Question, win: WindowSpec, params: Params, node: str | None
+            ) -> dict[str, Any]:
+        """A question of the registry, of this file (``node``: that node of it)."""
         def go(conn: sqlite3.Connection) -> dict[str, Any]:
-            a = Analysis.of(conn, win, node)
+            a = Analysis.of(conn, win if question.windowed else WindowSpec(), node)
             a.node_names()
-            return compact_gpu(a.gpu(pid, steps), top_n)
+            return dict(question.answer_locally(a, params))
 
         return self.analyze(go)
 

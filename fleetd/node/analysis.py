@@ -1,4 +1,6 @@
-"""The analysis endpoints: chains, ops, overview, profile, stacks, graphs and gpu.
+"""The analysis endpoints: chains, ops and collectives here, and one route per
+question of the registry (:mod:`fleetd.questions`: overview, profile, stacks, on-CPU
+stacks, graphs, gpu, pods).
 
 Each runs the analyzer facade (:class:`fleetd.analyze.facade.Analysis`) on a reader
 thread, on a guarded read-only connection, under a deadline, over the node's own
@@ -16,19 +18,16 @@ from aiohttp import web
 
 from fleetd.analyze import pods
 from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
-from fleetd.analyze.stacks import op_code
 from fleetd.analyze.window import WindowSpec
-from fleetd.errors import FleetdError, QueryError
+from fleetd.errors import QueryError
 from fleetd.node.api import READERS, STATE, client_of, encode
+from fleetd.questions.catalog import QUESTIONS
+from fleetd.questions.spec import Question
 from fleetd.wire import paths
 from fleetd.wire.limits import INT64_MAX
 from fleetd.wire.pods import read_params
 from fleetd.wire.shapes import ChainsReply, OpsReply
 
-MAX_TOP_N = 1000  # stacks per answer
-MAX_FRAMES = 128  # frames per stack
-MAX_BUCKETS = 500  # graph timeline buckets
-MAX_CPU_STACKS = 5000  # (thread, stack) counts per on-CPU profile answer
 OPS_BY = ("op", "kernel")  # /api/v1/ops?by=
 
 
@@ -46,10 +45,6 @@ def _int_param(q: Any, name: str, limit: int | None = None) -> int | None:
         raise QueryError(f"{name}={text[:40]!r} must be a positive integer{bound}", None,
                          code="bad_request")
     return value
-
-
-def _bad_request(exc: FleetdError) -> QueryError:
-    return QueryError(exc.message, exc.hint, code="bad_request")
 
 
 Job = Callable[[Analysis, str], Mapping[str, Any]]
@@ -74,11 +69,12 @@ def _pod_selector(q: Any, pid: int | None) -> PodSelector:
     return lambda a: pods.select(a.conn, pod, ns)
 
 
-async def _run(request: web.Request, job: Job) -> web.StreamResponse:
-    """Run ``job`` over the node's database in the request's window."""
+async def _run(request: web.Request, job: Job, windowed: bool = True) -> web.StreamResponse:
+    """Run ``job`` over the node's database in the request's window (the whole file for
+    a question that takes none)."""
     readers = request.app[READERS]
     node = request.app[STATE].node
-    spec = WindowSpec.from_params(request.query)
+    spec = WindowSpec.from_params(request.query) if windowed else WindowSpec()
 
     def go(conn: sqlite3.Connection) -> bytes:
         # Encoded on the reader thread: a large answer's JSON would stall the loop,
@@ -134,75 +130,15 @@ async def ops(request: web.Request) -> web.StreamResponse:
     return await _run(request, go)
 
 
-async def node_profile(request: web.Request) -> web.StreamResponse:
-    return await _run(request, lambda a, node: a.profile(node))
+def question_route(question: Question) -> web.RouteDef:
+    """The GET route of a registry question: its parameters parsed (a bad one refused
+    with ``bad_request``, the value quoted), then its answer over the node's database."""
+    async def handle(request: web.Request) -> web.StreamResponse:
+        params = question.parse(request.query)
+        return await _run(request, lambda a, node: question.on_node(a, node, params),
+                          windowed=question.windowed)
 
-
-async def node_overview(request: web.Request) -> web.StreamResponse:
-    return await _run(request, lambda a, node: a.overview(node))
-
-
-async def stacks(request: web.Request) -> web.StreamResponse:
-    q = request.query
-    pid = _int_param(q, "pid")
-    top_n = _int_param(q, "top_n", MAX_TOP_N) or 10
-    frames_n = _int_param(q, "frames_n", MAX_FRAMES) or 16
-    min_dur_ns = _int_param(q, "min_dur_ns") or 0
-    op = q.get("op") or None
-    if op is not None:
-        try:
-            op_code(op)
-        except FleetdError as exc:
-            raise _bad_request(exc) from None
-
-    def go(a: Analysis, node: str) -> dict[str, Any]:
-        out = a.stacks(op, pid, top_n, frames_n, min_dur_ns=min_dur_ns)
-        out["stacks"] = out["stacks"][:top_n]
-        return {"node": node, **out}
-
-    return await _run(request, go)
-
-
-async def cpu_stacks(request: web.Request) -> web.StreamResponse:
-    """The window's on-CPU samples per (thread, stack), heaviest first (fleetd profile)."""
-    from fleetd.analyze.profile import stack_counts, stacks_json
-
-    q = request.query
-    pid, tid = _int_param(q, "pid"), _int_param(q, "tid")
-    top_n = _int_param(q, "top_n", MAX_CPU_STACKS) or MAX_CPU_STACKS
-    frames_n = _int_param(q, "frames_n", MAX_FRAMES) or MAX_FRAMES
-
-    def go(a: Analysis, node: str) -> dict[str, Any]:
-        counts, period = [], 0
-        for sl in a.slices:
-            got, p = stack_counts(sl.conn, sl.node, sl.window, pid, tid)
-            counts += got
-            period = max(period, p)
-        found, left = stacks_json(counts, top_n, frames_n)
-        return {"node": node, "window": a.window.to_json(), "period_ns": period,
-                "stacks": found, "stacks_omitted": left, "warnings": list(a.window.warnings)}
-
-    return await _run(request, go)
-
-
-async def graphs(request: web.Request) -> web.StreamResponse:
-    q = request.query
-    pid = _int_param(q, "pid")
-    buckets = _int_param(q, "buckets", MAX_BUCKETS) or 20
-    return await _run(request, lambda a, node: {"node": node, **a.graphs(pid, buckets)})
-
-
-async def gpu(request: web.Request) -> web.StreamResponse:
-    from fleetd.analyze.gpu import parse_thresholds
-
-    q = request.query
-    pid = _int_param(q, "pid")
-    steps = q.get("steps") in ("1", "true")
-    try:
-        limits = parse_thresholds(t for t in q.get("thresholds", "").split(",") if t)
-    except FleetdError as exc:
-        raise _bad_request(exc) from None
-    return await _run(request, lambda a, node: {"node": node, **a.gpu(pid, steps, limits)})
+    return web.get(question.route, handle)
 
 
 async def collectives(request: web.Request) -> web.StreamResponse:
@@ -224,11 +160,6 @@ async def collectives(request: web.Request) -> web.StreamResponse:
 ROUTES = [
     web.get(paths.CHAINS, chains),
     web.get(paths.OPS, ops),
-    web.get(paths.OVERVIEW, node_overview),
-    web.get(paths.PROFILE, node_profile),
-    web.get(paths.STACKS, stacks),
-    web.get(paths.CPU_STACKS, cpu_stacks),
-    web.get(paths.GRAPHS, graphs),
-    web.get(paths.GPU, gpu),
     web.get(paths.COLLECTIVES, collectives),
+    *(question_route(q) for q in QUESTIONS),
 ]

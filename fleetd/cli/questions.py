@@ -1,0 +1,116 @@
+"""Asking a question of the registry (:mod:`fleetd.questions`) from the command line.
+
+:func:`ask` is the one place a command chooses between a local file (``--db``,
+``--lake``) and the fleet (``--nodes``, ``--config``); :func:`register` adds ``fleetd
+NAME`` for every question with a table of its own and no hand-written command: its
+flags from the question's parameters, its rows from the answer's ``rows`` list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fleetd.cli.explain_cmd import add_window, open_analysis, positive
+from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
+from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
+from fleetd.questions.catalog import QUESTIONS
+
+if TYPE_CHECKING:
+    from fleetd.fleet.result import FleetResult
+    from fleetd.questions.spec import Question
+
+HANDWRITTEN = ("stacks", "cpu_stacks", "graphs", "gpu", "overview", "profile")
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """A question's answer: the local file's, or the fleet's with its ``result``."""
+
+    obj: dict[str, Any]
+    result: FleetResult | None = None
+
+    def done(self, args: argparse.Namespace, quiet: bool) -> int:
+        """The exit code; a fleet answer's warnings on stderr first (unless ``quiet``,
+        a machine format, and no --show-skew)."""
+        if self.result is None:
+            return 0
+        if not quiet or args.show_skew:
+            report(self.result.answer, args.show_skew)
+        return self.result.exit_code
+
+    def body(self) -> dict[str, Any]:
+        """The answer without the fleet's per-node answers (its merged rows say it all)."""
+        return {k: v for k, v in self.obj.items() if k != "nodes"}
+
+
+def ask(args: argparse.Namespace, question: Question, **given: Any) -> Asked:
+    """Ask ``question`` with ``given`` parameter values of the fleet (--nodes, --config,
+    a config found) or of the local file (--db, --lake) in the command's window."""
+    from fleetd.analyze.window import WindowSpec
+
+    params = question.values(given)
+    if fleet_mode(args):
+        from fleetd.fleet.queries import ask as ask_fleet
+
+        window = WindowSpec(args.since, args.from_, args.to)
+        result = ask_fleet(fleet_options(args), question, window, params)
+        return Asked(result.obj, result)
+    with open_analysis(args) as (_, analysis):
+        return Asked(dict(question.answer_locally(analysis, params)))
+
+
+# ---- fleetd NAME for a question with a table --------------------------------------------
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    for q in QUESTIONS:
+        if q.columns and q.name not in HANDWRITTEN:
+            _register(sub, q)
+
+
+def _register(sub: argparse._SubParsersAction[argparse.ArgumentParser], q: Question) -> None:
+    where = " in the window" if q.windowed else ""
+    p = sub.add_parser(q.name, help=q.summary, description=(
+        f"{q.summary[:1].upper()}{q.summary[1:]}{where}, of one database or (--nodes) of "
+        f"every node; the same answer as GET {q.route} and the MCP tool {q.tool}."))
+    if q.windowed:
+        add_window(p)
+    else:
+        p.add_argument("--db", type=_path, help="database file (default: $FLEETD_DB, "
+                       "else a per-user path)")
+        p.add_argument("--lake", type=_path, metavar="DIR",
+                       help="a Parquet lake (copied into a temporary database first)")
+        p.set_defaults(since=None, from_=None, to=None)
+    for param in q.params:
+        flag = "--" + param.name.replace("_", "-")
+        if param.kind == "bool":
+            p.add_argument(flag, dest=param.name, action="store_true", help=param.help)
+        elif param.kind == "int":
+            p.add_argument(flag, dest=param.name, type=positive(flag), metavar="N",
+                           help=param.help)
+        else:
+            p.add_argument(flag, dest=param.name, help=param.help)
+    p.add_argument("--format", default="table", help=f"output format: {'|'.join(FORMATS)}")
+    add_fleet_args(p)
+    p.set_defaults(func=lambda args: _run(args, q))
+
+
+def _path(text: str) -> Any:
+    from pathlib import Path
+
+    return Path(text)
+
+
+def _run(args: argparse.Namespace, q: Question) -> int:
+    fmt = check_format(args.format)
+    asked = ask(args, q, **{p.name: getattr(args, p.name) for p in q.params})
+    body = asked.body()
+    found = [r for r in body.get(q.rows) or [] if isinstance(r, dict)]
+    rows = [[r.get(c) for c in q.columns] for r in found]
+    write_rows(q.columns, rows, fmt, sys.stdout, {k: v for k, v in body.items()
+                                                   if k != q.rows} | {q.rows: found})
+    print_notes(body, bool(found), fmt)
+    return asked.done(args, fmt == "json")

@@ -1,0 +1,272 @@
+"""Every question asked of a node's analysis through the registry, and how each is
+answered on a node, on a local file and across the fleet (docs/api.md, docs/json.md).
+
+Adding a question: its analyzer, an entry here, and (when a table is not enough) its
+renderer; the node route, the fleet call, the MCP tool and ``fleetd NAME`` follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fleetd.questions.spec import Answer, Param, Params, Question, Reply
+from fleetd.wire import paths
+from fleetd.wire.limits import POD_CHARS
+from fleetd.wire.pods import read_placement
+from fleetd.wire.values import printable, valid_int
+
+if TYPE_CHECKING:
+    from fleetd.analyze.facade import Analysis
+    from fleetd.analyze.profile import StackCount
+
+MAX_TOP_N = 1000  # stacks per answer
+MAX_FRAMES = 128  # frames per stack
+MAX_BUCKETS = 500  # graph timeline buckets
+MAX_CPU_STACKS = 5000  # (thread, stack) counts per on-CPU profile answer
+
+PID = Param("pid", "int", help="only this process")
+
+
+def _number(value: Any) -> float:
+    """A peer's number, or 0 for anything else (sorting must not fail on a bad value)."""
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+
+def _tagged(nodes: list[Reply], key: str) -> list[Reply]:
+    """Every node's ``key`` rows that are objects, each with its node."""
+    return [dict(r, node=n["node"]) for n in nodes for r in n.get(key) or []
+            if isinstance(r, dict)]
+
+
+# ---- stacks -------------------------------------------------------------------------
+
+
+def _op(text: str) -> str:
+    from fleetd.analyze.stacks import op_code
+
+    op_code(text)  # an unknown op is refused with the close matches
+    return text
+
+
+def _stacks_local(a: Analysis, p: Params) -> Answer:
+    """Every node's ``top_n`` groups (a merged file: more than ``top_n`` in all)."""
+    return a.stacks(p.text("op"), p.maybe_int("pid"), p.num("top_n"), p.num("frames_n"),
+                    min_dur_ns=p.num("min_dur_ns"))
+
+
+def _stacks(a: Analysis, node: str, p: Params) -> Answer:
+    out = _stacks_local(a, p)
+    return {**out, "stacks": out["stacks"][:p.num("top_n")]}
+
+
+def _stacks_combine(nodes: list[Reply]) -> Reply:
+    found = _tagged(nodes, "stacks")
+    found.sort(key=lambda s: -_number(s.get("total_ns")))
+    return {"stacks": found}
+
+
+STACKS = Question(
+    "stacks", "the recorded user stacks of CUDA calls, heaviest first",
+    (PID, Param("top_n", "int", 10, MAX_TOP_N, "stacks to return"),
+     Param("frames_n", "int", 16, MAX_FRAMES, "frames per stack, innermost first"),
+     Param("min_dur_ns", "int", 0, help="only calls at least this long"),
+     Param("op", "str", help="only calls of this CUDA op", read=_op)),
+    _stacks, "stacks", path=paths.STACKS, local=_stacks_local, combine=_stacks_combine)
+
+
+# ---- on-CPU samples -----------------------------------------------------------------
+
+
+def _counts(a: Analysis, p: Params) -> tuple[list[StackCount], int]:
+    from fleetd.analyze.profile import stack_counts
+
+    counts: list[StackCount] = []
+    period = 0
+    for sl in a.slices:
+        got, per = stack_counts(sl.conn, sl.node, sl.window, p.maybe_int("pid"), p.maybe_int("tid"))
+        counts += got
+        period = max(period, per)
+    return counts, period
+
+
+def _cpu_stacks(a: Analysis, node: str, p: Params) -> Answer:
+    from fleetd.analyze.profile import stacks_json
+
+    counts, period = _counts(a, p)
+    found, left = stacks_json(counts, p.num("top_n"), p.num("frames_n"))
+    return {"window": a.window.to_json(), "period_ns": period, "stacks": found,
+            "stacks_omitted": left, "warnings": list(a.window.warnings)}
+
+
+def _cpu_stacks_local(a: Analysis, p: Params) -> Answer:
+    """Every (thread, stack) of the file in full, each with its node, as the fleet
+    answer has them; ``names``: the file's nodes."""
+    counts, period = _counts(a, p)
+    return {"stacks": [{"node": s.node, "pid": s.pid, "tid": s.tid, "frames": list(s.frames),
+                        "samples": s.samples, "gc": s.gc} for s in counts],
+            "period_ns": period, "names": a.node_names()}
+
+
+def _cpu_stacks_combine(nodes: list[Reply]) -> Reply:
+    """The rows a merged profile is made of, each with its node; values that are not
+    what the route answers are left out."""
+    found = []
+    for n in nodes:
+        for s in n.get("stacks") or []:
+            frames = s.get("frames") if isinstance(s, dict) else None
+            if isinstance(frames, list) and all(isinstance(f, str) for f in frames) and all(
+                    isinstance(s.get(k), int) and s[k] >= 0 for k in ("pid", "tid", "samples",
+                                                                        "gc")):
+                found.append({"node": str(n["node"]), "pid": s["pid"], "tid": s["tid"],
+                              "frames": [f[:1000] for f in frames[:128]],
+                              "samples": s["samples"], "gc": s["gc"]})
+    period = max((int(n["period_ns"]) for n in nodes if isinstance(n.get("period_ns"), int)),
+                 default=0)
+    return {"stacks": found, "period_ns": period}
+
+
+CPU_STACKS = Question(
+    "cpu_stacks", "on-CPU samples per (thread, stack)",
+    (PID, Param("tid", "int", help="only this thread"),
+     Param("top_n", "int", MAX_CPU_STACKS, MAX_CPU_STACKS, "stacks to return"),
+     Param("frames_n", "int", MAX_FRAMES, MAX_FRAMES, "frames per stack")),
+    _cpu_stacks, "stacks", path=paths.CPU_STACKS, local=_cpu_stacks_local,
+    combine=_cpu_stacks_combine)
+
+
+# ---- CUDA graphs --------------------------------------------------------------------
+
+
+def _graphs(a: Analysis, node: str, p: Params) -> Answer:
+    return a.graphs(p.maybe_int("pid"), p.num("buckets"))
+
+
+GRAPHS = Question(
+    "graphs", "CUDA graph lifecycle per process",
+    (PID, Param("buckets", "int", 20, MAX_BUCKETS, "timeline rows per process")),
+    _graphs, "processes", path=paths.GRAPHS,
+    combine=lambda nodes: {"processes": _tagged(nodes, "processes")})
+
+
+# ---- GPU ranks ----------------------------------------------------------------------
+
+
+def _thresholds(text: str) -> dict[str, float]:
+    from fleetd.analyze.gpu import parse_thresholds
+
+    return parse_thresholds(t for t in text.split(",") if t)
+
+
+def _thresholds_text(limits: Mapping[str, float]) -> str:
+    return ",".join(f"{k}={v}" for k, v in limits.items())
+
+
+def _gpu(a: Analysis, node: str, p: Params) -> Answer:
+    return a.gpu(p.maybe_int("pid"), p.flag("steps"), p.get("thresholds") or _thresholds(""))
+
+
+def _gpu_combine(nodes: list[Reply]) -> Reply:
+    """The ranks side by side, the slowest flagged with the straggler scoring; kernel
+    rows keep their node."""
+    from fleetd.analyze.gpu import slowest_rank
+
+    for n in nodes:  # a rank is named by the node that answered, not by what it claims
+        for r in n["ranks"]:
+            r["node"] = n["node"]
+    ranks = [r for n in nodes for r in n["ranks"]]
+    kernels = sorted(_tagged(nodes, "kernels"), key=lambda k: -_number(k.get("total_ns")))
+    return {"ranks": ranks, "kernels": kernels, "straggler": slowest_rank(ranks)}
+
+
+def _gpu_check(reply: dict[str, Any]) -> Mapping[str, Any]:
+    from fleetd.wire.gpu import check_gpu_reply  # the GPU analyzer only when asked
+
+    return check_gpu_reply(reply)
+
+
+GPU = Question(
+    "gpu", "GPU idle, launch delays and the host-overhead verdict per rank",
+    (PID, Param("steps", "bool", False, help="whole profiler steps only"),
+     Param("thresholds", "str", help="verdict thresholds, METRIC=VALUE,...",
+           read=_thresholds, write=_thresholds_text)),
+    _gpu, "ranks", path=paths.GPU, combine=_gpu_combine, check=_gpu_check)
+
+
+# ---- overview and straggler profile -------------------------------------------------
+
+OVERVIEW_COLUMNS = ("node", "events", "lost_events", "sessions", "crashed", "high", "medium",
+                    "low", "verdict")
+
+
+def overview_rows(nodes: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
+    rows = []
+    for n in nodes:
+        chains = n.get("chains") or {}
+        rows.append([n.get("node"), n.get("events"), n.get("lost_events"),
+                     len(n.get("sessions") or []), n.get("crashed_sessions"),
+                     chains.get("HIGH", 0),
+                     chains.get("MEDIUM", 0), chains.get("LOW", 0), n.get("verdict")])
+    return rows
+
+
+def _overview_local(a: Analysis, p: Params) -> Answer:
+    """Every node of the file; the window's warnings said once, not per node."""
+    found = [{k: v for k, v in a.overview(name).items() if k != "warnings"}
+             for name in a.node_names()]
+    return {"nodes": found, "warnings": list(a.window.warnings), "skew": {}}
+
+
+OVERVIEW = Question(
+    "overview", "per node: events, lost events, chains by severity, verdict",
+    (), lambda a, node, p: a.overview(node), "events", path=paths.OVERVIEW,
+    local=_overview_local, tag_node=False, node_warnings=False)
+
+PROFILE = Question(
+    "profile", "the node's straggler features",
+    (), lambda a, node, p: a.profile(node), "node", path=paths.PROFILE,
+    tag_node=False)
+
+
+# ---- pods ---------------------------------------------------------------------------
+
+
+def _pods(a: Analysis, node: str, p: Params) -> Answer:
+    from fleetd.analyze import pods
+
+    procs = [r for sl in a.slices for r in pods.processes(sl.conn, sl.node.key, sl.name)]
+    out: Reply = {"processes": procs, "pods": pods.by_pod(procs)}
+    if not procs:
+        out["note"] = pods.NOTE_NO_PODS
+    return out
+
+
+def _pods_combine(nodes: list[Reply]) -> Reply:
+    """Every node's processes, their names and placements read as untrusted text."""
+    from fleetd.analyze.pods import by_pod
+
+    procs = []
+    for n in nodes:
+        for r in n.get("processes") or []:
+            pid = valid_int(r.get("pid"), 1) if isinstance(r, dict) else None
+            if pid is not None:
+                procs.append({"node": str(n["node"]), "pid": pid,
+                              "comm": printable(r.get("comm") or "", POD_CHARS),
+                              **read_placement(r)})
+    return {"processes": procs, "pods": by_pod(procs)}
+
+
+PODS = Question(
+    "pods", "which Kubernetes pods ran on each node, with their processes",
+    (), _pods, "processes", combine=_pods_combine, windowed=False,
+    columns=("node", "namespace", "pod", "container", "pid", "comm"), rows="processes",
+    tool="get_pods", description=(
+        "The Kubernetes pods (and other containers) whose processes fleetd traced, per "
+        "node: processes (node, pid, comm, pod, namespace, container, pod_uid) and pods "
+        "(node, namespace, pod, pids; a container outside any pod stands for its pod). "
+        "Use a pod's name with the pod argument of get_causal_chains or query_fleet. A "
+        "'note' says when no traced process ran in a container."))
+
+
+QUESTIONS: tuple[Question, ...] = (STACKS, CPU_STACKS, GRAPHS, GPU, OVERVIEW, PROFILE, PODS)
+"""The questions of the registry, in the order of the node's routes."""
