@@ -1,6 +1,6 @@
 """The fast paths of ``fleetd import`` give the database the plain paths give.
 
-Kineto JSON is parsed in pieces (fleetd.ingest.kineto._pieces) unless its layout does not
+Kineto JSON is parsed in pieces (fleetd.ingest.kineto_text._pieces) unless its layout does not
 allow it; the writer leaves ids to SQLite when no other node's rows lie above them, and
 builds the ts_ns indexes after a bulk load into a new file. Each test here compares the
 fast path with the plain one (a whole-document parse, ids given row by row) table by
@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from fleetd.cli.main import main
-from fleetd.ingest import import_traces, kineto
+from fleetd.ingest import import_traces, kineto_text
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gpu"
 RANK0 = DATA / "sampled_rank-0.json.gz"
@@ -52,14 +52,14 @@ def events(path: Path) -> dict[str, Any]:
 
 def whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plain path: the document parsed in one piece."""
-    monkeypatch.setattr(kineto, "_split_document", lambda text, clock: None)
+    monkeypatch.setattr(kineto_text, "_split_document", lambda text, clock: None)
 
 
 def test_pieces_give_the_whole_parse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fast, small = tmp_path / "fast.db", tmp_path / "small.db"
     import_traces([RANK0, RANK1], fast)
     pieces: list[int] = []
-    real = kineto._pieces
+    real = kineto_text._pieces
 
     def counted(*args: Any) -> Any:
         for items in real(*args):
@@ -67,8 +67,8 @@ def test_pieces_give_the_whole_parse(tmp_path: Path, monkeypatch: pytest.MonkeyP
             yield items
 
     with monkeypatch.context() as m:
-        m.setattr(kineto, "CHUNK_BYTES", 150)  # a piece per event or two
-        m.setattr(kineto, "_pieces", counted)
+        m.setattr(kineto_text, "CHUNK_BYTES", 150)  # a piece per event or two
+        m.setattr(kineto_text, "_pieces", counted)
         import_traces([RANK0, RANK1], small)
     assert len(pieces) > 4000 and sum(pieces) == sum(
         len(events(r)["traceEvents"]) for r in (RANK0, RANK1))
@@ -130,15 +130,15 @@ def test_odd_layouts_give_the_whole_parse(tmp_path: Path, monkeypatch: pytest.Mo
     src = make(tmp_path)
     fast, plain = tmp_path / "fast.db", tmp_path / "plain.db"
     whole_parses: list[Path] = []
-    real = kineto._load
+    real = kineto_text._load
 
     def load(source: Any, text: bytes) -> Any:
         whole_parses.append(source.path)
         return real(source, text)
 
     with monkeypatch.context() as m:
-        m.setattr(kineto, "CHUNK_BYTES", chunk)
-        m.setattr(kineto, "_load", load)
+        m.setattr(kineto_text, "CHUNK_BYTES", chunk)
+        m.setattr(kineto_text, "_load", load)
         import_traces([src], fast)
     assert whole_parses == ([] if in_pieces else [src])
     whole(monkeypatch)
@@ -279,7 +279,7 @@ def _rows(db: Path) -> dict[str, Any]:
 ])
 def test_edges_of_the_split(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                             monkeypatch: pytest.MonkeyPatch, text: str, rc: int) -> None:
-    monkeypatch.setattr(kineto, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(kineto_text, "CHUNK_BYTES", 1)
     src = tmp_path / "edge.json"
     src.write_text(text)
     db = tmp_path / "edge.db"

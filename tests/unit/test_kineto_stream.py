@@ -33,7 +33,7 @@ import orjson
 import pytest
 
 from fleetd.cli.main import main
-from fleetd.ingest import import_traces, kineto, session
+from fleetd.ingest import import_traces, kineto_events, kineto_stage, kineto_text, session
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data" / "gpu"
@@ -227,8 +227,8 @@ def test_one_size_limit_for_plain_and_gzipped_text(tmp_path: Path,
 
 def test_the_memory_ceiling_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kineto, "MAX_RSS_BYTES", 1 << 20)
-    monkeypatch.setattr(kineto, "_RSS_EVERY", 1)
+    monkeypatch.setattr(kineto_stage, "MAX_RSS_BYTES", 1 << 20)
+    monkeypatch.setattr(kineto_events, "_RSS_EVERY", 1)
     rc, err = run(["import", str(RANK0), "--db", str(tmp_path / "o.db")], capsys)
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 2, err
@@ -458,16 +458,17 @@ def test_any_read_piece_and_flush_size_gives_the_whole_parse(
     streamed, whole = tmp_path / "streamed.db", tmp_path / "whole.db"
     with monkeypatch.context() as m:
         m.setattr(session, "READ_BYTES", read)
-        m.setattr(kineto, "CHUNK_BYTES", chunk)
-        m.setattr(kineto, "FLUSH_ROWS", flush)
-        m.setattr(kineto, "SQUEEZE_AT", 4096)
-        m.setattr(kineto, "_split_document", _fail_if_called(kineto._split_document, False))
-        m.setattr(kineto, "_whole", _fail_if_called(kineto._whole, True))
+        m.setattr(kineto_text, "CHUNK_BYTES", chunk)
+        m.setattr(kineto_events, "FLUSH_ROWS", flush)
+        m.setattr(kineto_text, "SQUEEZE_AT", 4096)
+        m.setattr(kineto_text, "_split_document",
+                  _fail_if_called(kineto_text._split_document, False))
+        m.setattr(kineto_text, "whole", _fail_if_called(kineto_text.whole, True))
         import_traces([src], streamed, None, "kineto")
     if make is _unclosed:  # a whole parse needs the ']'
         src = tmp_path / "closed.json"
         src.write_text(_unclosed(tmp_path).read_text().rstrip(",\n") + "]")
-    monkeypatch.setattr(kineto, "_split_document", lambda text, clock: None)
+    monkeypatch.setattr(kineto_text, "_split_document", lambda text, clock: None)
     import_traces([src], whole, None, "kineto")
     got = content(streamed)
     assert got == content(whole) and len(got["gpu_data"]) > 300
