@@ -451,6 +451,15 @@ def _name(value: Any, field: str) -> str:
     return value
 
 
+def _check_width(row: Any, width: int) -> None:
+    """ValueError unless ``row`` is a list of ``width`` values: the first check of each
+    kind of row a node sends, worded the same for all."""
+    if not isinstance(row, list):
+        raise ValueError(f"{_what(row)} where a row of {width} values belongs")
+    if len(row) != width:
+        raise ValueError(f"a row of {len(row)} values, not {width}")
+
+
 def _ts(value: Any, window: tuple[int, int]) -> int:
     ts = _num(value, "ts_ns")
     if not window[0] <= ts < window[1]:
@@ -460,10 +469,7 @@ def _ts(value: Any, window: tuple[int, int]) -> int:
 
 def _gpu_row(row: Any, window: tuple[int, int]) -> GpuRow:
     """One row of pull.GPU_SQL as a node sent it; ValueError saying what is wrong."""
-    if not isinstance(row, list) or len(row) != 18:
-        raise ValueError(f"{_what(row)} where a row of 18 values belongs"
-                         if not isinstance(row, list) else
-                         f"a row of {len(row)} values, not 18")
+    _check_width(row, 18)
     kind = _num(row[6], "kind")
     if kind not in GPU_KINDS:
         raise ValueError(f"kind {kind} is not a kernel (1), copy (2) or set (3)")
@@ -481,10 +487,7 @@ def _gpu_row(row: Any, window: tuple[int, int]) -> GpuRow:
 def _annotation_row(row: Any, window: tuple[int, int]) -> AnnotationRow:
     """One row of pull.ANNOTATIONS_SQL as a node sent it; ValueError saying what is
     wrong."""
-    if not isinstance(row, list) or len(row) != 7:
-        raise ValueError(f"{_what(row)} where a row of 7 values belongs"
-                         if not isinstance(row, list) else
-                         f"a row of {len(row)} values, not 7")
+    _check_width(row, 7)
     kind = _num(row[5], "kind")
     if kind not in ANNOTATION_KINDS:
         raise ValueError(f"kind {kind} is not a step (1), NVTX range (2), user annotation "

@@ -6,12 +6,13 @@ not an empty database.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from fleetd.errors import StoreError
@@ -80,6 +81,21 @@ def check_identity(conn: sqlite3.Connection, path: Path) -> int:
     return int(version)
 
 
+@contextlib.contextmanager
+def _closed_on_failure(conn: sqlite3.Connection, path: Path) -> Iterator[None]:
+    """Close ``conn`` when setting it up fails, and tell SQLite's errors (and text that is
+    not UTF-8, in a foreign file) as a StoreError: the writer and the reader set up their
+    connections under this one rule, so that neither leaks a connection."""
+    try:
+        yield
+    except (sqlite3.Error, UnicodeDecodeError) as exc:
+        conn.close()
+        raise _translate(path, exc) from exc
+    except StoreError:
+        conn.close()
+        raise
+
+
 def open_writer(path: Path) -> sqlite3.Connection:
     """Open (creating if needed) a database for writing, migrated to the current schema."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +106,7 @@ def open_writer(path: Path) -> sqlite3.Connection:
         )
     except sqlite3.Error as exc:
         raise _translate(path, exc) from exc
-    try:
+    with _closed_on_failure(conn, path):
         version = check_identity(conn, path)
         if version:
             check_store_shape(conn, path, version)
@@ -100,12 +116,6 @@ def open_writer(path: Path) -> sqlite3.Connection:
         conn.execute("PRAGMA foreign_keys=OFF")
         if version < SCHEMA_VERSION:
             migrate(conn, version)
-    except (sqlite3.Error, UnicodeDecodeError) as exc:
-        conn.close()
-        raise _translate(path, exc) from exc
-    except StoreError:
-        conn.close()
-        raise
     return conn
 
 
@@ -146,19 +156,13 @@ def _connect_ro(path: Path, extra: str) -> tuple[sqlite3.Connection, int]:
         conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
     except sqlite3.Error as exc:
         raise _translate(path, exc) from exc
-    try:
+    with _closed_on_failure(conn, path):
         conn.execute("PRAGMA trusted_schema=OFF")
         version = check_identity(conn, path)
         if version:
             check_store_shape(conn, path, version, shadow_views=True)
         conn.execute("PRAGMA query_only=1")
-        return conn, version
-    except (sqlite3.Error, UnicodeDecodeError) as exc:
-        conn.close()
-        raise _translate(path, exc) from exc
-    except StoreError:
-        conn.close()
-        raise
+    return conn, version
 
 
 @functools.cache

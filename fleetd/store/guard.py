@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import orjson
 
@@ -214,7 +214,21 @@ class _Run:
         return self.conn.execute(self.sql, self.params)
 
 
-class SafeDB:
+class QueryDB:
+    """What the two databases for untrusted SQL share, :class:`SafeDB` (SQLite) and
+    :class:`fleetd.store.lakesql.LakeDB` (DuckDB): a ``with`` block closes them."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SafeDB(QueryDB):
     """A read-only view of one database for untrusted SQL. Use from one thread at a time."""
 
     def __init__(self, path: Path, limits: Limits | None = None, *,
@@ -252,12 +266,6 @@ class SafeDB:
 
     def close(self) -> None:
         self.conn.close()
-
-    def __enter__(self) -> SafeDB:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def query(self, sql: str, params: Params = (), limits: Limits | None = None) -> QueryResult:
         """Run one untrusted read-only statement under ``limits`` (default: the ceilings)."""

@@ -27,7 +27,7 @@ import datetime as dt
 import logging
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -216,6 +216,16 @@ def to_arrow(table: LakeTable, rows: Sequence[Sequence[Any]], node: str) -> Any:
     return pa.Table.from_arrays(arrays, schema=schema)
 
 
+def _narrow(where: list[str], params: list[Any],
+            bounds: Iterable[tuple[str, int | None]]) -> None:
+    """Add each bound that is given (not None) to ``where``, a condition with one ``?``,
+    and its value to ``params``: how both readers narrow rows to a key or time range."""
+    for cond, value in bounds:
+        if value is not None:
+            where.append(cond)
+            params.append(value)
+
+
 def read_rows(conn: sqlite3.Connection, table: LakeTable, node: str,
               after: int | None = None, upto: int | None = None,
               since_ns: int | None = None, until_ns: int | None = None) -> Any:
@@ -236,18 +246,13 @@ def read_rows(conn: sqlite3.Connection, table: LakeTable, node: str,
             sql += (" WHERE hash IN (SELECT DISTINCT stack FROM event_data WHERE id >> 40 = "
                     "(SELECT id FROM nodes WHERE name = ?) AND stack != 0)")
             params = [node]
-    if after is not None and table.key:
-        where.append(f"{table.key} > ?")
-        params.append(after)
-    if upto is not None and table.key:
-        where.append(f"{table.key} <= ?")
-        params.append(upto)
-    if since_ns is not None and table.date_column:
-        where.append(f"{table.date_column} >= ?")
-        params.append(since_ns)
-    if until_ns is not None and table.date_column:
-        where.append(f"{table.date_column} <= ?")
-        params.append(until_ns)
+    bounds: list[tuple[str, int | None]] = []
+    if table.key:
+        bounds += [(f"{table.key} > ?", after), (f"{table.key} <= ?", upto)]
+    if table.date_column:
+        bounds += [(f"{table.date_column} >= ?", since_ns),
+                   (f"{table.date_column} <= ?", until_ns)]
+    _narrow(where, params, bounds)
     if where:
         sql += (" AND " if "WHERE" in sql else " WHERE ") + " AND ".join(where)
     return to_arrow(table, conn.execute(sql, params).fetchall(), node)
@@ -270,11 +275,8 @@ def read_events(conn: sqlite3.Connection, node: str, after: int | None = None,
         return to_arrow(TABLES["events"], [], node)
     key = int(row[0])
     where, params = ["e.id BETWEEN ? AND ?"], [key << 40, ((key + 1) << 40) - 1]
-    for cond, value in (("e.id > ?", after), ("e.id <= ?", upto),
-                        ("e.ts_ns >= ?", since_ns), ("e.ts_ns <= ?", until_ns)):
-        if value is not None:
-            where.append(cond)
-            params.append(value)
+    _narrow(where, params, (("e.id > ?", after), ("e.id <= ?", upto),
+                            ("e.ts_ns >= ?", since_ns), ("e.ts_ns <= ?", until_ns)))
     raw_cols = ("rowkey", "ts_ns", "dur_ns", "pid", "tid", "op_code", "ret", "bytes", "peer",
                 "a0", "a1", "stack", "args")
     rows = conn.execute(

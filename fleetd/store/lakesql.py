@@ -30,7 +30,7 @@ from typing import Any
 from fleetd.errors import QueryError, StoreError
 from fleetd.security.private_dir import UnsafePathError, open_regular
 from fleetd.store.catalog import OPS, SOURCES
-from fleetd.store.guard import Limits, Params, QueryResult, wire_bytes
+from fleetd.store.guard import Limits, Params, QueryDB, QueryResult, wire_bytes
 from fleetd.store.lake import (
     F64,
     I64,
@@ -169,7 +169,7 @@ def _raw_relation(table: LakeTable, files: Sequence[LakeFile],
             f"hive_types = {hive}, union_by_name = true)")
 
 
-class LakeDB:
+class LakeDB(QueryDB):
     """A read-only, guarded DuckDB view of one lake. Use from one thread at a time."""
 
     def __init__(self, root: Path, limits: Limits | None = None,
@@ -223,12 +223,6 @@ class LakeDB:
 
     def close(self) -> None:
         self.conn.close()
-
-    def __enter__(self) -> LakeDB:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def query(self, sql: str, params: Params = (), limits: Limits | None = None) -> QueryResult:
         """Run one read-only SELECT under ``limits`` (default: the ceilings)."""
