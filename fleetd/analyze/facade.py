@@ -18,7 +18,13 @@ from typing import Any
 from fleetd.analyze import collectives as coll
 from fleetd.analyze import explain as explainer
 from fleetd.analyze import pods
-from fleetd.analyze.answers import StackGroup, StacksAnswer
+from fleetd.analyze.answers import (
+    GpuAnswer,
+    GraphsAnswer,
+    OverviewAnswer,
+    StackGroup,
+    StacksAnswer,
+)
 from fleetd.analyze.data import Node, nodes
 from fleetd.analyze.gpu import gpu_report
 from fleetd.analyze.graphs import graph_lifecycle
@@ -37,10 +43,8 @@ ANALYSIS_TIMEOUT_S = 60.0
 class Analysis:
     """Every analysis of one database over one window, for all its nodes or one.
 
-    Overview, stacks, graphs and gpu are built as the typed answers of
-    :mod:`fleetd.analyze.answers` (mypy checks them there) and handed out as plain
-    dictionaries (a shallow copy) while their callers still read ``dict[str, Any]``.
-    """
+    Overview, stacks, graphs and gpu answer with the typed dictionaries of
+    :mod:`fleetd.analyze.answers` (docs/json.md)."""
 
     def __init__(self, conn: sqlite3.Connection, window: Window, node: str | None = None
                  ) -> None:
@@ -92,10 +96,9 @@ class Analysis:
             return [r for sl in self.slices for r in sl.kernel_stats(pid, per_process)]
         return [r for sl in self.slices for r in sl.op_stats(pid, per_process)]
 
-    def overview(self, node: str) -> dict[str, Any]:
-        """One node's events by source, sessions, chain counts and top ops
-        (:class:`~fleetd.analyze.answers.OverviewAnswer`)."""
-        return {**node_overview(self.conn, self.window, node, self.slice(node))}
+    def overview(self, node: str) -> OverviewAnswer:
+        """One node's events by source, sessions, chain counts and top ops."""
+        return node_overview(self.conn, self.window, node, self.slice(node))
 
     def profile(self, node: str) -> dict[str, Any]:
         """The straggler features of one node."""
@@ -142,9 +145,9 @@ class Analysis:
         return procs
 
     def stacks(self, op: str | None, pid: int | None, top_n: int, frames_n: int,
-               *, min_dur_ns: int = 0) -> dict[str, Any]:
+               *, min_dur_ns: int = 0) -> StacksAnswer:
         """The heaviest recorded stacks of CUDA calls (of one op / process, at least
-        ``min_dur_ns`` long; :class:`~fleetd.analyze.answers.StacksAnswer`)."""
+        ``min_dur_ns`` long)."""
         code = op_code(op) if op else None
         found: list[StackGroup] = []
         bare = 0
@@ -158,19 +161,17 @@ class Analysis:
                              "warnings": list(self.window.warnings)}
         if not found:
             out["note"] = NOTE_NO_STACKS
-        return {**out}
+        return out
 
-    def graphs(self, pid: int | None = None, buckets: int = 20) -> dict[str, Any]:
-        """CUDA graph capture / instantiate / launch per process, over time
-        (:class:`~fleetd.analyze.answers.GraphsAnswer`)."""
+    def graphs(self, pid: int | None = None, buckets: int = 20) -> GraphsAnswer:
+        """CUDA graph capture / instantiate / launch per process, over time."""
         out = graph_lifecycle(self.slices, self.window, pid, buckets)
         if not out["processes"]:
             out["note"] = "no CUDA graph call (capture, instantiate, launch) in the window"
-        return {**out}
+        return out
 
     def gpu(self, pid: int | None = None, steps_only: bool = False,
-            thresholds: dict[str, float] | None = None) -> dict[str, Any]:
+            thresholds: dict[str, float] | None = None) -> GpuAnswer:
         """GPU idle, compute/communication/copy shares, launch delays and the M1-M5
-        host-overhead verdict per rank (imported GPU timelines; docs/json.md;
-        :class:`~fleetd.analyze.answers.GpuAnswer`)."""
-        return {**gpu_report(self.slices, self.window, pid, steps_only, thresholds)}
+        host-overhead verdict per rank (imported GPU timelines; docs/json.md)."""
+        return gpu_report(self.slices, self.window, pid, steps_only, thresholds)
