@@ -151,15 +151,19 @@ NOTE_NO_PODS = ("no traced process ran in a container (or the file was recorded 
 
 
 def processes(conn: sqlite3.Connection, node_key: int, node: str) -> list[dict[str, Any]]:
-    """Every process of one node that ran in a container: node, pid, comm and its
-    :func:`fields`, by pod then pid (fleetd pods)."""
-    found = placements(conn, node_key)
-    comms = dict(conn.execute("SELECT pid, comm FROM process_data WHERE node = ?",
-                              (node_key,)).fetchall()) if found else {}
-    rows = [{"node": node, "pid": pid, "comm": str(comms.get(pid) or ""), **fields(place)}
-            for (_, pid), place in found.items()]
-    rows.sort(key=lambda r: (r.get("namespace", ""), r.get("pod", ""), r["pid"]))
-    return rows
+    """Every process of one node that ran in a container or a pod: node, pid, comm and
+    its :func:`fields`, by namespace, pod and pid (fleetd pods)."""
+    cols = columns(conn)
+    placed = " OR ".join(f"{c} IS NOT NULL" for c in ("container", "pod") if c in cols)
+    if not placed:
+        return []
+    rows = conn.execute(f"SELECT pid, comm, {', '.join(cols)} FROM process_data "
+                        f"WHERE node = ? AND ({placed})", (node_key,)).fetchall()
+    found = [{"node": node, "pid": int(r[0]), "comm": str(r[1] or ""),
+              **fields({c: str(v) for c, v in zip(cols, r[2:], strict=True) if v is not None})}
+             for r in rows]
+    found.sort(key=lambda r: (r.get("namespace", ""), r.get("pod", ""), r["pid"]))
+    return found
 
 
 def by_pod(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:

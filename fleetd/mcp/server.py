@@ -8,6 +8,9 @@ Two modes, fixed at start:
 - **fleet** (``--nodes``/``--config``): live agents over mTLS. Tools: get_check (every
   node's health), query_fleet, check_hang, get_cpu_profile, export_timeline.
 
+In both modes, one tool per question of the registry (:mod:`fleetd.questions`) that
+names one (get_pods), through the backend's ``ask``.
+
 Each tool is a synchronous function (the SDK runs it on a worker thread) that returns a
 ``CallToolResult`` built here: the backend's dict, cleaned, marked and size-capped by
 :mod:`fleetd.mcp.safety`, as compact JSON text plus the same object as structured
@@ -17,6 +20,7 @@ assistant can correct its call; anything else is a bug and is logged with its tr
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -44,6 +48,8 @@ from fleetd.mcp import prompts
 from fleetd.mcp.fleet import ACTIONS, FleetBackend
 from fleetd.mcp.local import LocalBackend
 from fleetd.mcp.safety import NAMES_KEY, clean, fit, scrub
+from fleetd.questions.catalog import QUESTIONS
+from fleetd.questions.spec import Param, Question
 from fleetd.security.private_dir import UnsafePathError
 
 log = logging.getLogger("fleetd.mcp.server")
@@ -169,6 +175,9 @@ def build_server(backend: LocalBackend | FleetBackend,
         _fleet_tools(server, backend, answers)
         _hang_tool(server, backend, answers)
     _cpu_profile_tool(server, backend, answers)
+    for q in QUESTIONS:
+        if q.tool:
+            _question_tool(server, backend, answers, q)
     _export_tool(server, backend, answers)
     prompts.register(server, mode)
     return server
@@ -371,6 +380,40 @@ def _cpu_profile_tool(server: MCPServer, b: LocalBackend | FleetBackend,
         "host_cpu_bound chain's victim thread: which code to move off the feeding thread. "
         "In fleet mode the nodes' samples are merged per stack, each stack with its node."
         + DATA_NOTE))
+
+
+def _question_tool(server: MCPServer, b: LocalBackend | FleetBackend, answers: Answers,
+                   q: Question) -> None:
+    """The tool of a registry question (fleetd.questions): its arguments from the
+    question's parameters (a window when it takes one, and node), its answer from the
+    backend's ``ask``, over a local file or the fleet alike."""
+    name = q.tool or q.name
+
+    def tool(**kwargs: Any) -> CallToolResult:
+        win = WindowSpec(kwargs.pop("since", None), kwargs.pop("start", None),
+                         kwargs.pop("end", None))
+        node = kwargs.pop("node", None)
+        return answers(name, lambda: b.ask(q, win, q.values(kwargs), node))
+
+    args: list[tuple[str, Any, Any]] = [(n, t, None) for n, t in (
+        ("since", Since), ("start", Start), ("end", End)) if q.windowed]
+    args += [(p.name, _argument(p), False if p.kind == "bool" else None) for p in q.params]
+    args.append(("node", NodeName, None))
+    tool.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=t, default=d)
+         for n, t, d in args], return_annotation=CallToolResult)
+    server.add_tool(tool, name=name, annotations=READ_ONLY, description=q.description
+                    + DATA_NOTE)
+
+
+def _argument(p: Param) -> Any:
+    """A question parameter as a tool argument's type, bounded as the node bounds it."""
+    if p.kind == "bool":
+        return Annotated[bool, Field(description=p.help)]
+    if p.kind == "int":
+        return Annotated[int | None, Field(gt=0, le=p.limit or INT64_MAX,
+                                           description=p.help)]
+    return Annotated[str | None, Field(max_length=1000, description=p.help)]
 
 
 def _fleet_tools(server: MCPServer, b: FleetBackend, answers: Answers) -> None:

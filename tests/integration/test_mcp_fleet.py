@@ -45,7 +45,7 @@ from fleetd.security import tls
 from conftest import FLEETD, REPO
 
 FLEET_TOOLS = {"get_check", "query_fleet", "check_hang", "get_cpu_profile",
-               "export_timeline"}
+               "export_timeline", "get_pods"}
 HTTP_RE = re.compile(r"listening on (https://127\.0\.0\.1:\d+/mcp)")
 
 

@@ -31,7 +31,7 @@ from fleetd.mcp.server import ServerSettings, build_server
 
 DB_TOOLS = {"get_check", "get_trace_stats", "get_causal_chains", "get_latency_breakdown",
             "get_stacks", "run_sql", "graph_lifecycle", "export_timeline",
-            "get_gpu_breakdown", "get_cpu_profile"}
+            "get_gpu_breakdown", "get_cpu_profile", "get_pods"}
 
 
 @pytest.fixture(scope="module")
