@@ -30,7 +30,7 @@ from fleetd.fleet.fanout import (
 )
 from fleetd.fleet.result import FleetResult, base_json, raise_if_user_error
 from fleetd.fleet.skew import correct_obj, correct_rows
-from fleetd.questions.catalog import OVERVIEW, OVERVIEW_COLUMNS, overview_rows
+from fleetd.questions.catalog import OPS, OVERVIEW, OVERVIEW_COLUMNS, overview_rows
 from fleetd.questions.spec import Params, Question
 from fleetd.runner import run_loop
 from fleetd.wire import paths
@@ -171,33 +171,18 @@ def ops(opts: FleetOptions, window: WindowSpec, pid: int | None, per_process: bo
         namespace: str | None = None) -> FleetResult:
     """Every node's op statistics; with ``pod`` / ``namespace`` per process of that
     pod, a ``pod`` column (add it to ``columns``) naming each row's."""
-    bounds = window.validate()
-    selected = params(pod, namespace)
-
-    def plan(offset_ns: int) -> list[Request]:
-        query = {**bounds.params(offset_ns), **selected}
-        if pid:
-            query["pid"] = str(pid)
-        if per_process:
-            query["per_process"] = "1"
-        if by != "op":
-            query["by"] = by
-        return [Request("GET", paths.OPS, query, expect=("ops",))]
-
-    answer: FleetAnswer = run_loop(fan_out(opts, plan, needs_offset=window.absolute))
-    raise_if_user_error(answer)
+    result = ask(opts, OPS, window, OPS.values({
+        "pid": pid, "per_process": per_process, "by": by, paths.POD_PARAM: pod,
+        paths.NAMESPACE_PARAM: namespace}))
+    answer = result.answer
     cols = [c for c in columns if c != "node"]
     parts = []
     windows: dict[str, Any] = {}
-    for o in answer.answered:
-        assert o.replies is not None
-        reply = o.replies[0]
+    for reply in result.obj["nodes"]:
         rows = [[label(read_placement(r)) if c == "pod" else r.get(c) for c in cols]
                 for r in reply.get("ops") or [] if isinstance(r, dict)]
-        parts.append(NodeRows(o.name, list(cols), rows))
-        windows[o.name] = reply.get("window")
-        answer.warnings += [NodeWarning(o.name, str(w), "window")
-                            for w in reply.get("warnings") or []]
+        parts.append(NodeRows(reply["node"], list(cols), rows))
+        windows[reply["node"]] = reply.get("window")
     merged: Merged = merge(parts)
     answer.warnings += merged.warnings
     obj = {"columns": merged.columns, "rows": merged.rows, "windows": windows,

@@ -1,6 +1,6 @@
-"""The analysis endpoints: chains, ops and collectives here, and one route per
-question of the registry (:mod:`fleetd.questions`: overview, profile, stacks, on-CPU
-stacks, graphs, gpu, pods).
+"""The analysis endpoints: chains and collectives here, and one route per question of
+the registry (:mod:`fleetd.questions`: ops, overview, profile, stacks, on-CPU stacks,
+graphs, gpu, pods).
 
 Each runs the analyzer facade (:class:`fleetd.analyze.facade.Analysis`) on a reader
 thread, on a guarded read-only connection, under a deadline, over the node's own
@@ -26,9 +26,7 @@ from fleetd.questions.spec import Question
 from fleetd.wire import paths
 from fleetd.wire.limits import INT64_MAX
 from fleetd.wire.pods import read_params
-from fleetd.wire.shapes import ChainsReply, OpsReply
-
-OPS_BY = ("op", "kernel")  # /api/v1/ops?by=
+from fleetd.wire.shapes import ChainsReply
 
 
 def _int_param(q: Any, name: str, limit: int | None = None) -> int | None:
@@ -100,36 +98,6 @@ async def chains(request: web.Request) -> web.StreamResponse:
     return await _run(request, go)
 
 
-async def ops(request: web.Request) -> web.StreamResponse:
-    q = request.query
-    pid = _int_param(q, "pid")
-    per_process = q.get("per_process", "") in ("1", "true", "yes")
-    by = q.get("by", "op")
-    if by not in OPS_BY:
-        raise QueryError(f"by={by[:40]!r} is not one of {'|'.join(OPS_BY)}",
-                         "by=op (the default) or by=kernel", code="bad_request")
-    selected = _pod_selector(q, pid)
-
-    def go(a: Analysis, node: str) -> OpsReply:
-        pids = selected(a)
-        if pids is None:
-            rows = a.op_stats(pid, per_process, by)
-        else:
-            # A pod's processes: per process, each row with its pod (as fleetd ops --pod).
-            found = pods.placements(a.conn)
-            rows = []
-            for sl in a.slices:
-                every = (sl.kernel_stats(None, True) if by == "kernel"
-                         else sl.op_stats(None, True))
-                part = [r for r in every if r.get("pid") in pids]
-                pods.annotate(part, sl.node.key, found)
-                rows += part
-        return {"node": node, "window": a.window.to_json(), "warnings": list(a.window.warnings),
-                "ops": rows}
-
-    return await _run(request, go)
-
-
 def question_route(question: Question) -> web.RouteDef:
     """The GET route of a registry question: its parameters parsed (a bad one refused
     with ``bad_request``, the value quoted), then its answer over the node's database."""
@@ -159,7 +127,6 @@ async def collectives(request: web.Request) -> web.StreamResponse:
 
 ROUTES = [
     web.get(paths.CHAINS, chains),
-    web.get(paths.OPS, ops),
     web.get(paths.COLLECTIVES, collectives),
     *(question_route(q) for q in QUESTIONS),
 ]

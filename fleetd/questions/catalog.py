@@ -7,13 +7,14 @@ renderer; the node route, the fleet call, the MCP tool and ``fleetd NAME`` follo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from fleetd.errors import QueryError, UsageError
 from fleetd.questions.spec import Answer, Param, Params, Question, Reply
 from fleetd.wire import paths
 from fleetd.wire.limits import POD_CHARS
-from fleetd.wire.pods import read_placement
+from fleetd.wire.pods import read_params, read_placement
 from fleetd.wire.values import printable, valid_int
 
 if TYPE_CHECKING:
@@ -268,5 +269,66 @@ PODS = Question(
         "'note' says when no traced process ran in a container."))
 
 
-QUESTIONS: tuple[Question, ...] = (STACKS, CPU_STACKS, GRAPHS, GPU, OVERVIEW, PROFILE, PODS)
+# ---- op statistics ------------------------------------------------------------------
+
+OPS_BY = ("op", "kernel")  # /api/v1/ops?by=
+
+
+def _by(text: str) -> str:
+    if text not in OPS_BY:
+        raise QueryError(f"by={text[:40]!r} is not one of {'|'.join(OPS_BY)}",
+                         "by=op (the default) or by=kernel", code="bad_request")
+    return text
+
+
+def _placement(name: str) -> Callable[[str], str]:
+    """The reader of ``pod`` or ``namespace``: a Kubernetes name (fleetd.wire.pods)."""
+    def read(text: str) -> str:
+        try:
+            read_params({name: text})
+        except ValueError as exc:
+            raise QueryError(str(exc), None, code="bad_request") from None
+        return text
+
+    return read
+
+
+def _one_selection(p: Params) -> None:
+    if p.maybe_int("pid") and (p.text(paths.POD_PARAM) or p.text(paths.NAMESPACE_PARAM)):
+        raise UsageError("pid and pod/namespace both select processes", "give one of them")
+
+
+def _ops(a: Analysis, node: str, p: Params) -> Answer:
+    from fleetd.analyze import pods
+
+    by = p.text("by") or "op"
+    pod, ns = p.text(paths.POD_PARAM), p.text(paths.NAMESPACE_PARAM)
+    if not pod and not ns:
+        rows = a.op_stats(p.maybe_int("pid"), p.flag("per_process"), by)
+    else:
+        # A pod's processes: per process, each row with its pod (as fleetd ops --pod).
+        pids = pods.select(a.conn, pod, ns)
+        found = pods.placements(a.conn)
+        rows = []
+        for sl in a.slices:
+            every = sl.kernel_stats(None, True) if by == "kernel" else sl.op_stats(None, True)
+            part = [r for r in every if r.get("pid") in pids]
+            pods.annotate(part, sl.node.key, found)
+            rows += part
+    return {"window": a.window.to_json(), "warnings": list(a.window.warnings), "ops": rows}
+
+
+OPS = Question(
+    "ops", "p50/p95/p99 per op (or kernel name) and process",
+    (PID, Param("per_process", "bool", False, help="one row per process and op"),
+     Param("by", "str", "op", help="op (the default) or kernel", read=_by),
+     Param(paths.POD_PARAM, "str", help="only this pod's processes, [NAMESPACE/]NAME",
+           read=_placement(paths.POD_PARAM)),
+     Param(paths.NAMESPACE_PARAM, "str", help="only processes of pods in this namespace",
+           read=_placement(paths.NAMESPACE_PARAM))),
+    _ops, "ops", path=paths.OPS, validate=_one_selection)
+
+
+QUESTIONS: tuple[Question, ...] = (OPS, STACKS, CPU_STACKS, GRAPHS, GPU, OVERVIEW, PROFILE,
+                                   PODS)
 """The questions of the registry, in the order of the node's routes."""

@@ -134,6 +134,7 @@ class Question:
     rows: str = ""
     tool: str | None = None
     description: str = ""
+    validate: Callable[[Params], None] | None = None  # across parameters; raises FleetdError
 
     @property
     def route(self) -> str:
@@ -141,8 +142,15 @@ class Question:
         return self.path or paths.PREFIX + self.name
 
     def parse(self, query: Mapping[str, str]) -> Params:
-        """A node request's parameters, in declared order (the first bad one refused)."""
-        return Params({p.name: p.parse(query.get(p.name)) for p in self.params})
+        """A node request's parameters, in declared order (the first bad one refused),
+        then checked together."""
+        params = Params({p.name: p.parse(query.get(p.name)) for p in self.params})
+        if self.validate is not None:
+            try:
+                self.validate(params)
+            except FleetdError as exc:
+                raise QueryError(exc.message, exc.hint, code="bad_request") from None
+        return params
 
     def values(self, given: Mapping[str, Any]) -> Params:
         """Typed values from a caller (CLI flags, tool arguments), defaults filled in."""
