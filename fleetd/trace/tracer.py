@@ -2,12 +2,18 @@
 
 Life cycle: ``start()`` checks the environment, compiles (header ladder), fills the
 in-kernel target set, attaches uprobes to every CUDA library the targets map and
-opens one ring buffer per layer, mapped into this process (:mod:`fleetd.trace.ringbuf`);
+opens one ring buffer per layer, mapped into this process (:mod:`fleetd.trace.rings`);
 ``poll()`` takes what the rings hold in bulk, decodes it in bulk into the batch writer
 and, about once a second, does the bookkeeping (new targets from fork/cgroup/
 system-wide discovery, newly mapped libraries, clock re-sampling, in-kernel
 histograms into aggregate rows, session counters); ``stop()`` freezes the BPF side,
 drains what is left, writes the final aggregates and session record, and closes.
+
+The parts, each a module: the configuration and the summary (:mod:`fleetd.trace.config`),
+the targets and the libraries attached (:mod:`fleetd.trace.targets`), the rings
+(:mod:`fleetd.trace.rings`), the path from the rings to the writer
+(:mod:`fleetd.trace.intake`) and the rows made in user space
+(:mod:`fleetd.trace.siderows`). This module starts, runs and stops them in order.
 
 Every loss is counted: ring-buffer reserve failures and full maps (kernel counters),
 rows the writer refused or failed to write. The session row carries them all; what it
@@ -16,122 +22,41 @@ says, and how losses and histograms are counted, is :mod:`fleetd.trace.accountin
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
-import select
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from fleetd.errors import TraceError, UsageError
-from fleetd.store.catalog import op_code
-from fleetd.store.writer import BatchWriter, WriterStats
+from fleetd.store.writer import BatchWriter
 from fleetd.trace import accounting, procinfo
-from fleetd.trace.bpfsrc import (
-    HOST_PARTS,
-    RINGS,
-    TARGET_SLOTS,
-    ProgramOptions,
-    compile_program,
-    detach_all,
-)
-from fleetd.trace.cgroups import ThrottleSampler, process_placement
+from fleetd.trace.bpfsrc import ProgramOptions, compile_program, detach_all
 from fleetd.trace.clock import ClockMap
-from fleetd.trace.decoder import OP_EXEC, OP_EXIT, OP_FORK, Batch, Decoder, Lifecycle
+from fleetd.trace.config import GPU_LAYERS as GPU_LAYERS
+from fleetd.trace.config import TraceConfig as TraceConfig
+from fleetd.trace.config import TraceSummary as TraceSummary
+from fleetd.trace.decoder import Decoder
 from fleetd.trace.dutycycle import DutyCycle
 from fleetd.trace.headers import HeaderRoute
-from fleetd.trace.libs import (
-    LAYER_OF_KIND,
-    Library,
-    all_mapped_libraries,
-    exported_functions,
-    mapped_libraries,
-    override_libraries,
-    search_usual_places,
-)
-from fleetd.trace.memory import KernelWork, MemorySampler, leftover_runs
-from fleetd.trace.modes import LAUNCH_RETURNS
-from fleetd.trace.oncpu import DEFAULT_HZ, CpuSampler, ring_pages, start_sampler
+from fleetd.trace.intake import STAGES as STAGES
+from fleetd.trace.intake import Intake
+from fleetd.trace.libs import Library
+from fleetd.trace.oncpu import CpuSampler, ring_pages, start_sampler
 from fleetd.trace.preflight import ensure_tracefs as ensure_tracefs
 from fleetd.trace.preflight import preflight
 from fleetd.trace.probes import Attacher, AttachReport
-from fleetd.trace.ringbuf import Chunk, RingReader
+from fleetd.trace.ringbuf import RingReader
+from fleetd.trace.rings import DRAIN_BYTES as DRAIN_BYTES
+from fleetd.trace.rings import Rings
+from fleetd.trace.siderows import SideRows
 from fleetd.trace.stacks import KernelNames, PythonTargets, StackResolver, WaitChannels
-from fleetd.trace.symbols import FunctionSymbols, LockNames
+from fleetd.trace.symbols import FunctionSymbols
+from fleetd.trace.targets import Targets, check_pids, prefetch_symbols
 
 log = logging.getLogger("fleetd.trace.tracer")
-
-GPU_LAYERS = ("cuda", "driver", "nccl")
-# Bytes taken from one ring per poll: bounds a batch (and the time it holds the GIL)
-# when a ring is full; whatever is left is taken on the next poll, at once.
-DRAIN_BYTES = 4 << 20
-STAGES = ("poll", "decode", "enrich", "queue")
-_ORIGIN = {1: "named", 2: "cgroup", 3: "cuda-user", 4: "child"}
-
-
-@dataclass
-class TraceConfig:
-    db: Path
-    node: str
-    pids: list[int] = field(default_factory=list)
-    cgroups: list[str] = field(default_factory=list)
-    cuda_libs: list[str] = field(default_factory=list)
-    layers: frozenset[str] = frozenset((*GPU_LAYERS, "host"))
-    host_parts: frozenset[str] = frozenset(HOST_PARTS)
-    sample: int = 100
-    slow_k: int = 8
-    slow_min_ns: int = 20_000
-    err_burst: int = 10
-    stacks: bool = False
-    stack_sample: int = 100  # with stacks: 1 in N kept calls carries one ...
-    stack_slow_ns: int = 1_000_000  # ... and every call at least this long
-    # ... and the waker's on a wakeup by a followed Python thread, at most once per
-    # (waker, woken) thread pair per this many ns (None: never)
-    wake_stack_ns: int | None = 20_000_000
-    ring_pages: int = 256
-    thresholds_ns: dict[str, int] = field(default_factory=lambda: {
-        "offcpu": 50_000, "runq": 50_000, "irq": 20_000, "syscall": 1_000_000,
-        "block": 10_000_000,
-    })
-    agg_interval_ns: int = 10_000_000_000
-    max_db_bytes: int | None = None
-    command: str | None = None
-    follow_children: bool = True
-    cpu_sample_hz: int = DEFAULT_HZ  # on-CPU samples per second per CPU; 0: off
-    # False: launch-type calls traced at entry, their returns sampled (fleetd.trace.modes)
-    launch_returns: bool = LAUNCH_RETURNS
-    # "always-on": launch probes only duty_on_ns of every aggregate window (dutycycle.py)
-    mode: str = "full"
-    duty_on_ns: int = 1_000_000_000
-
-    @property
-    def system_wide(self) -> bool:
-        return not self.pids and not self.cgroups
-
-
-@dataclass
-class TraceSummary:
-    session: int
-    records: int
-    events_written: int
-    lost: dict[str, int]
-    lost_total: int
-    sampled_out: int
-    emitted_by_kernel: int  # with the rows made in user space (below)
-    made_in_user_space: int  # on-CPU sample counts, cgroup samples, map reads: no ring
-    unreported_loss: int
-    duration_s: float
-    targets: list[int]
-    libraries: list[str]
-    probes: int
-    headers_route: str
-    writer: WriterStats
 
 
 class Tracer:
@@ -140,46 +65,65 @@ class Tracer:
         self._writer_given = writer
         self.writer: BatchWriter | None = writer
         self.bpf: Any = None
-        self.attacher: Attacher | None = None
         self.route: HeaderRoute | None = None
         self.clock = ClockMap()
         self.decoder = Decoder(self.clock.to_wall)
         self.session = 0
-        self.report = AttachReport()
-        self.libs: dict[tuple[int, int], Library] = {}
-        self.targets: dict[int, str] = {}  # pid -> origin
-        self.exited: dict[int, int | None] = {}  # pid -> exit code
-        self._pending: list[bytes] = []
-        self.ring_counts: dict[str, int] = {}
-        # Rings mapped into this process and read in bulk (ringbuf); empty when BCC's
-        # per-record callbacks are used instead (a ring that cannot be mapped).
-        self._readers: dict[str, RingReader] = {}
-        self._epoll: select.epoll | None = None
-        # CPU ns this thread spent per stage of the hot path (STAGES; the writer's
-        # commits are in WriterStats.commit_cpu_ns): where each event's time goes.
-        self.stage_ns: dict[str, int] = dict.fromkeys(STAGES, 0)
+        # The parts, each its own module: what is traced (processes, libraries, probes),
+        # the rings, and the path from the rings into the writer.
+        self.scope = Targets(cfg, self._warn)
+        self.rings = Rings()
+        self.intake = Intake(self.decoder, self.scope)
         self.hist = accounting.Histograms()
         self._last_maint = 0.0
-        self._last_maps_scan = 0.0
         self._started_mono = 0
         self._stopped = False
-        self._stacks: StackResolver | None = None
         self._python: PythonTargets | None = None
-        self._kernels: KernelNames | None = None
-        self._wchan: WaitChannels | None = None
         self._oncpu: CpuSampler | None = None
         self._duty: DutyCycle | None = None
-        self._locks = LockNames()
-        self._throttle = ThrottleSampler(op_code("cpu_throttle"), procinfo.environ)
-        self._memory = MemorySampler(op_code("mem_cgroup"), procinfo.environ)
-        self._kwork = KernelWork(op_code("kwork_queued"), lambda addr: self.bpf.ksym(addr))
-        # Rows made here rather than sent through a ring (cgroup samples, reclaim runs read
-        # from their map, queued kernel work): counted beside the kernel's, so that what
-        # was made equals what was written plus what was lost.
-        self._side_rows = 0
-        self._proc_comm: dict[int, str] = {}  # the name each process row was given
+        # Rows made here rather than sent through a ring (cgroup samples, reclaim runs,
+        # queued kernel work); ksym is looked up late: bpf is loaded at start.
+        self.side_rows = SideRows(lambda addr: self.bpf.ksym(addr))
         self.warnings: list[str] = []
         self._python_told: set[int] = set()
+
+    # The parts' state, under the names the callers (CLI, agent, tests, benchmarks) use.
+
+    @property
+    def attacher(self) -> Attacher | None:
+        return self.scope.attacher
+
+    @property
+    def targets(self) -> dict[int, str]:
+        """pid -> how it became a target (named, cgroup, cuda-user, child)."""
+        return self.scope.pids
+
+    @property
+    def exited(self) -> dict[int, int | None]:
+        """pid -> exit code."""
+        return self.scope.exited
+
+    @property
+    def libs(self) -> dict[tuple[int, int], Library]:
+        return self.scope.libs
+
+    @property
+    def report(self) -> AttachReport:
+        return self.scope.report
+
+    @property
+    def ring_counts(self) -> dict[str, int]:
+        return self.rings.counts
+
+    @property
+    def _readers(self) -> dict[str, RingReader]:
+        """The mapped rings (empty on the callback path, which a test checks)."""
+        return self.rings.readers
+
+    @property
+    def stage_ns(self) -> dict[str, int]:
+        """CPU ns this thread spent per stage of the hot path (STAGES)."""
+        return self.intake.stage_ns
 
     # ---- start ------------------------------------------------------------------------
 
@@ -191,7 +135,7 @@ class Tracer:
         finds the libraries, reads their symbols and opens the database."""
         say = progress or (lambda _msg: None)
         preflight()
-        named = self._check_pids()
+        named = check_pids(self.cfg.pids)
         opts = self._program_options()
         say(f"compiling the BPF programs ({len(opts.layers)} layers)")
         compiled: list[tuple[Any, HeaderRoute]] = []
@@ -199,9 +143,9 @@ class Tracer:
         worker = threading.Thread(target=_compile_into, args=(opts, compiled, failure),
                                   name="fleetd-compile", daemon=True)
         worker.start()
-        libs = self._initial_libraries()
+        libs = self.scope.initial_libraries()
         say(f"reading the symbols of {len(libs)} CUDA librar{'y' if len(libs) == 1 else 'ies'}")
-        _prefetch_symbols(libs)
+        prefetch_symbols(libs)
         if self.writer is None:
             self.writer = BatchWriter(self.cfg.db, self.cfg.node, host=socket.gethostname(),
                                       max_bytes=self.cfg.max_db_bytes)
@@ -213,25 +157,15 @@ class Tracer:
             raise failure[0]
         self.bpf, self.route = compiled[0]
         say(f"compiled (headers: {self.route.name}); attaching probes")
-        self.attacher = Attacher(self.bpf, launch_entry=not self.cfg.launch_returns
-                                 or self.cfg.mode == "always-on")
+        self.scope.attacher = Attacher(self.bpf, launch_entry=not self.cfg.launch_returns
+                                       or self.cfg.mode == "always-on")
         try:
-            self._fill_targets(named)
+            self.scope.fill(self.bpf, named)
             for lib in libs:
-                self._attach(lib)
-            self._require_something_attached()
-            self._open_rings(opts)
-            symbols = FunctionSymbols()
-            if self.cfg.stacks or self.cfg.cpu_sample_hz:
-                self._python = PythonTargets(self.bpf)
-            if self.cfg.stacks and self._python is not None:
-                self._stacks = StackResolver(self.bpf, self._python, symbols)
-            if self.cfg.cpu_sample_hz and self._python is not None:
-                self._oncpu = start_sampler(self.bpf, self._python, symbols,
-                                            self.cfg.cpu_sample_hz, self.clock.to_wall, self._warn)
-            self._refresh_python()
-            self._kernels = KernelNames(self.bpf, symbols)
-            self._wchan = _wait_channels(self.bpf)
+                self.scope.attach(lib)
+            self.scope.require_something_attached()
+            self.rings.open(self.bpf, opts.rings())
+            self._start_enrichers()
             self._begin_session()
         except BaseException:
             self._cleanup_bpf()
@@ -242,6 +176,20 @@ class Tracer:
         self.hist.window_start = self._started_mono
         self._last_maint = time.monotonic()
         self._sample_cgroups()  # the baseline: the first interval starts here
+
+    def _start_enrichers(self) -> None:
+        """Python frames and stacks, the on-CPU sampler, kernel names, wait channels."""
+        symbols = FunctionSymbols()
+        if self.cfg.stacks or self.cfg.cpu_sample_hz:
+            self._python = PythonTargets(self.bpf)
+        if self.cfg.stacks and self._python is not None:
+            self.intake.stacks = StackResolver(self.bpf, self._python, symbols)
+        if self.cfg.cpu_sample_hz and self._python is not None:
+            self._oncpu = start_sampler(self.bpf, self._python, symbols,
+                                        self.cfg.cpu_sample_hz, self.clock.to_wall, self._warn)
+        self._refresh_python()
+        self.intake.kernels = KernelNames(self.bpf, symbols)
+        self.intake.wchan = _wait_channels(self.bpf)
 
     def _program_options(self) -> ProgramOptions:
         return ProgramOptions(
@@ -256,131 +204,6 @@ class Tracer:
             cpu_sample_hz=self.cfg.cpu_sample_hz, cpu_ring_pages=ring_pages(self.cfg.cpu_sample_hz),
         )
 
-    def _check_pids(self) -> list[int]:
-        for pid in self.cfg.pids:
-            if pid <= 0:
-                raise UsageError(f"--pid {pid} is not a process id", "pass a positive pid")
-            if pid == os.getpid():
-                raise UsageError(f"--pid {pid} is fleetd itself", "pass the workload's pid")
-        gone = [p for p in self.cfg.pids if not procinfo.alive(p)]
-        if gone:
-            raise TraceError(
-                f"no such process: {', '.join(map(str, gone))}",
-                "check the pid (ps -ef); it may have exited already",
-            )
-        return list(self.cfg.pids)
-
-    def _initial_libraries(self) -> list[Library]:
-        libs = override_libraries(self.cfg.cuda_libs)
-        if self.cfg.cuda_libs:
-            return libs
-        for pid in [*self.cfg.pids, *procinfo.descendants(self.cfg.pids)]:
-            libs += mapped_libraries(pid)
-        if self.cfg.system_wide or not libs:
-            # System-wide, or named targets that have not loaded CUDA yet (torch loads
-            # it lazily): the usual copies, so a later dlopen of one is already covered.
-            libs += search_usual_places()
-            if self.cfg.system_wide:
-                libs += all_mapped_libraries()
-        return libs
-
-    def _fill_targets(self, named: list[int]) -> None:
-        t, slots = self.bpf[b"fl_targets"], self.bpf[b"fl_target_slots"]
-        pids = {p: 1 for p in named}
-        if self.cfg.follow_children:
-            for child in procinfo.descendants(named):
-                pids.setdefault(child, 4)
-        for pid, origin in pids.items():
-            # The hash first, then the slot that answers "is it a target" without it
-            # (the order bpf/common.bpf.c relies on; FL_SLOTS there).
-            t[ctypes.c_uint32(pid)] = ctypes.c_uint32(origin)
-            slots[ctypes.c_int(pid % TARGET_SLOTS)] = ctypes.c_uint64(pid + 1)
-            self.targets[pid] = _ORIGIN[origin]
-        if self.cfg.cgroups:
-            cg = self.bpf[b"fl_cgroups"]
-            for path in self.cfg.cgroups:
-                try:
-                    cid = procinfo.cgroup_id(path)
-                except OSError as exc:
-                    raise UsageError(
-                        f"--cgroup {path!r}: {exc.strerror}",
-                        "pass a cgroup v2 directory, e.g. /sys/fs/cgroup/system.slice/x.service",
-                    ) from exc
-                cg[ctypes.c_uint64(cid)] = ctypes.c_uint32(1)
-
-    def _attach(self, lib: Library) -> None:
-        if lib.key in self.libs:
-            return
-        layer = LAYER_OF_KIND[lib.kind]
-        if layer not in self.cfg.layers:
-            return
-        self.libs[lib.key] = lib
-        assert self.attacher is not None
-        rep = self.attacher.attach(lib, self.cfg.layers)
-        self.report.merge(rep)
-        n = len(rep.attached.get(lib.path, []))
-        log.info("attached %d probes to %s (%s, found by %s, via %s)", n, lib.path, lib.kind,
-                 lib.found_by, rep.mechanism.get(lib.path, "-"))
-        for err in rep.failed.get(lib.path, []):
-            self._warn(f"probe on {lib.path} failed: {err}")
-
-    def _require_something_attached(self) -> None:
-        host_on = "host" in self.cfg.layers
-        if self.report.uprobes == 0:
-            where = ", ".join(sorted({lib.path for lib in self.libs.values()})) or "none found"
-            if not host_on:
-                raise TraceError(
-                    f"no CUDA probe could be attached (libraries: {where})",
-                    "start the workload first and pass --pid, or point --cuda-lib at the "
-                    "libcudart.so the workload loads (see /proc/PID/maps)",
-                )
-            self._warn("no CUDA library attached yet; tracing host events only "
-                       "(libraries mapped later by the targets are picked up)")
-        elif self.report.failed:
-            failed = sum(map(len, self.report.failed.values()))
-            self._warn(f"{failed} probes failed to attach; the rest are active")
-
-    def _open_rings(self, opts: ProgramOptions) -> None:
-        rings = opts.rings()
-        for ring in rings:
-            self.ring_counts[ring] = 0
-        try:
-            if os.environ.get("FLEETD_NO_RING_MMAP"):
-                raise OSError("disabled by FLEETD_NO_RING_MMAP")
-            self._map_rings(rings)
-            return
-        except OSError as exc:  # no mmap of ring buffers here: BCC's callbacks instead
-            self._unmap_rings()
-            log.info("ring buffers not mappable (%s); reading them record by record", exc)
-        for ring in rings:
-            self.bpf[RINGS[ring].encode()].open_ring_buffer(self._make_callback(ring))
-
-    def _map_rings(self, rings: list[str]) -> None:
-        ep = self._epoll = select.epoll()
-        for ring in rings:
-            table = self.bpf[RINGS[ring].encode()]
-            reader = RingReader(table.map_fd, int(table.max_entries))
-            self._readers[ring] = reader
-            ep.register(reader.fd, select.EPOLLIN)
-
-    def _unmap_rings(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
-        self._readers.clear()
-        if self._epoll is not None:
-            self._epoll.close()
-            self._epoll = None
-
-    def _make_callback(self, ring: str) -> Callable[[Any, int, int], int]:
-        pending, counts, string_at = self._pending, self.ring_counts, ctypes.string_at
-
-        def callback(_ctx: Any, data: int, size: int) -> int:
-            pending.append(string_at(data, size))
-            counts[ring] += 1
-            return 0
-
-        return callback
-
     def _begin_session(self) -> None:
         assert self.writer is not None
         fields = accounting.opening_fields(self.clock, accounting.rank_of(self.targets),
@@ -393,25 +216,20 @@ class Tracer:
         """The kernel's count of records it handed to the ring buffers, and the sample
         counts made of its samples (writer thread)."""
         made = self._oncpu.rows_written if self._oncpu is not None else 0
-        return accounting.read_counters(self.bpf)["emitted"] + made + self._side_rows
+        return accounting.read_counters(self.bpf)["emitted"] + made + self.side_rows.made
 
     # ---- poll -------------------------------------------------------------------------
 
     def poll(self, timeout_ms: int = 100) -> int:
         """Wait up to ``timeout_ms`` for records, store them; returns how many."""
-        if self._epoll is not None:
-            if not self.backlog():
-                # The BPF side wakes us only every few hundred records (fl_submit), so
-                # a quiet ring is also drained when the wait times out.
-                self._epoll.poll(timeout_ms / 1000)
-            n = self._drain_rings()
+        assert self.writer is not None
+        self.rings.wait(self.bpf, timeout_ms)
+        if self.rings.mapped:
+            n = self.intake.drain(self.rings, self.writer)
         else:
-            self.bpf.ring_buffer_poll(timeout_ms)
-            # Records that arrived without a wakeup too.
-            self.bpf.ring_buffer_consume()
-            n = self._flush_pending()
+            n = self.intake.flush_pending(self.rings, self.writer)
         if self._oncpu is not None:
-            self._oncpu.drain(self.writer)  # type: ignore[arg-type]
+            self._oncpu.drain(self.writer)
         if self._duty is not None:
             self._duty.tick(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
         if time.monotonic() - self._last_maint >= 1.0:
@@ -436,171 +254,28 @@ class Tracer:
 
     def backlog(self) -> int:
         """Bytes waiting in the mapped rings (0 when read through BCC's callbacks)."""
-        return sum(r.available() for r in self._readers.values())
-
-    def _drain_rings(self, max_bytes: int | None = DRAIN_BYTES) -> int:
-        """Take what every mapped ring holds, decode it in bulk and store it."""
-        clock, st = time.thread_time_ns, self.stage_ns
-        t0 = clock()
-        chunks: list[Chunk] = []
-        for ring, reader in self._readers.items():
-            self.ring_counts[ring] += reader.drain(chunks, max_bytes)
-        t1 = clock()
-        st["poll"] += t1 - t0
-        if not chunks:
-            return 0
-        batch = self.decoder.decode_bulk(chunks)
-        st["decode"] += clock() - t1
-        self._store(batch)
-        return len(batch.rows)
-
-    def _flush_pending(self) -> int:
-        if not self._pending:
-            return 0
-        blobs = self._pending[:]
-        del self._pending[:]
-        t0 = time.thread_time_ns()
-        batch = self.decoder.decode(blobs)
-        self.stage_ns["decode"] += time.thread_time_ns() - t0
-        self._store(batch)
-        return len(blobs)
-
-    def _store(self, batch: Batch) -> None:
-        w = self.writer
-        assert w is not None
-        clock, st = time.thread_time_ns, self.stage_ns
-        t0 = clock()
-        if batch.stacks and self._stacks is not None:
-            self._stacks.resolve(batch, w)
-        if batch.kernels and self._kernels is not None:
-            self._kernels.resolve(batch)
-        self.decoder.remember_launches(batch)
-        if batch.kstack_ids and self._wchan is not None:
-            self._wchan.resolve(batch)
-        self._locks.resolve(batch)
-        t1 = clock()
-        st["enrich"] += t1 - t0
-        # Args may be finished JSON text (repeated launches), which add_events takes
-        # as it is; its signature names only the dicts other callers pass.
-        w.add_events(batch.rows, batch.args)
-        st["queue"] += clock() - t1
-        if batch.tasks:
-            w.add_tasks(batch.tasks)
-        seen = [(tid, pid, procinfo.comm(pid, tid)) for tid, pid in batch.new_tids]
-        if seen:
-            w.add_tasks(seen)
-        for ev in batch.lifecycle:
-            self._lifecycle(ev)
-        self._rename_processes([*batch.tasks, *seen])
-
-    def _rename_processes(self, tasks: list[tuple[int, int | None, str | None]]) -> None:
-        """A process that names itself after fork (prctl PR_SET_NAME in a worker: a
-        DataLoader worker, a producer) shows it on its main thread's comm; the process
-        row, read at fork, still has the parent's name: carry the new one over."""
-        assert self.writer is not None
-        renamed = []
-        for tid, pid, comm in tasks:
-            # A main thread (tid == pid); a peer's pid is often unknown (None), but a tid
-            # that has a process row of ours is that process's main thread too.
-            main = tid == pid or (pid is None and tid in self._proc_comm)
-            if main and comm and self._proc_comm.get(tid) != comm:
-                first = tid not in self._proc_comm
-                self._proc_comm[tid] = comm
-                renamed.append({"pid": tid, "comm": comm, **(_job_of(tid) if first else {})})
-        if renamed:
-            self.writer.add_processes(renamed)
-
-    def _lifecycle(self, ev: Lifecycle) -> None:
-        w = self.writer
-        assert w is not None
-        if ev.op == OP_FORK and ev.child:
-            self.targets.setdefault(ev.child, "child")
-            row = procinfo.process_row(ev.child)
-            row.update(ppid=ev.pid, start_ns=row.get("start_ns") or ev.ts_ns)
-            row["comm"] = row["comm"] or ev.comm  # a child's comm is its parent's at fork
-            self._proc_comm[ev.child] = str(row["comm"] or "")
-            w.add_processes([row])
-        elif ev.op == OP_EXEC:
-            row = procinfo.process_row(ev.pid)
-            row["comm"] = row["comm"] or ev.comm  # short-lived: /proc may be gone already
-            self._proc_comm[ev.pid] = str(row["comm"] or "")
-            w.add_processes([row])
-            self._last_maps_scan = 0.0  # libraries appear right after exec
-        elif ev.op == OP_EXIT:
-            self.exited[ev.pid] = ev.exit_code
-            w.add_processes([{"pid": ev.pid, "exit_ns": ev.ts_ns, "exit_code": ev.exit_code}])
+        return self.rings.backlog()
 
     # ---- bookkeeping ------------------------------------------------------------------
 
     def _maintain(self) -> None:
+        assert self.writer is not None
         self._last_maint = time.monotonic()
         self.clock.maybe_resample()
-        self._discover_targets()
+        self.scope.discover(self.bpf, self.writer)
         self._refresh_python()
-        if time.monotonic() - self._last_maps_scan >= 2.0:
-            self._last_maps_scan = time.monotonic()
-            self._scan_libraries()
+        self.scope.maybe_scan_libraries()
         self._sample_cgroups()
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         if self._oncpu is not None:
-            self._oncpu.maybe_flush(self.writer, now)  # type: ignore[arg-type]
+            self._oncpu.maybe_flush(self.writer, now)
         if now - self.hist.window_start >= self.cfg.agg_interval_ns:
             self._write_aggregates(now)
             self._update_session(final=False)
 
     def _sample_cgroups(self) -> None:
-        """CPU-quota throttling and memory limits of the targets' cgroups since the
-        last sample."""
         assert self.writer is not None
-        live, now = self.live_targets(), time.time_ns()
-        self._add_side_rows(self._throttle.sample(live, now) + self._memory.sample(live, now))
-
-    def _add_side_rows(self, found: list[Any]) -> None:
-        """Rows with their args made in user space: written, and counted as made."""
-        assert self.writer is not None
-        if found:
-            self._side_rows += len(found)
-            self.writer.add_events([row for row, _ in found],
-                                   [(i, args) for i, (_, args) in enumerate(found)])
-
-    def _reclaim_leftovers(self) -> None:
-        """The reclaim stall runs the kernel had not sent yet (it sends a run once it
-        spans 10 ms): read from its map once the BPF side is frozen."""
-        assert self.writer is not None and self.bpf is not None
-        try:
-            table = self.bpf[b"fl_reclaim"]
-        except KeyError:  # no reclaim tracepoints compiled in
-            return
-        rows = leftover_runs(table, self.clock.to_wall)
-        if rows:
-            self._side_rows += len(rows)
-            self.writer.add_events(rows)  # type: ignore[arg-type]
-
-    def _discover_targets(self) -> None:
-        """Targets the kernel added (children, cgroup members, CUDA callers)."""
-        assert self.writer is not None
-        new: list[int] = []
-        for k, v in self.bpf[b"fl_targets"].items():
-            pid = int(k.value)
-            if pid not in self.targets:
-                if procinfo.tgid_of(pid) not in (None, pid):
-                    continue  # a thread id; its process is a target already
-                self.targets[pid] = _ORIGIN.get(int(v.value), "?")
-                new.append(pid)
-        if new:
-            log.info("new targets: %s", ", ".join(map(str, new)))
-            self.writer.add_processes(procinfo.process_row(p) for p in new)
-
-    def _scan_libraries(self) -> None:
-        if self.cfg.cuda_libs:
-            return
-        pids = [p for p in self.targets if p not in self.exited]
-        for pid in pids:
-            for lib in mapped_libraries(pid):
-                self._attach(lib)
-        if self.cfg.system_wide:
-            for lib in all_mapped_libraries():
-                self._attach(lib)
+        self.side_rows.sample_cgroups(self.writer, self.live_targets(), time.time_ns())
 
     def _refresh_python(self) -> None:
         """New Python targets and threads get their frames read from now on; a target
@@ -625,13 +300,11 @@ class Tracer:
         return out
 
     def live_targets(self) -> list[int]:
-        return [p for p in self.targets if p not in self.exited and procinfo.alive(p)]
+        return self.scope.live()
 
     def targets_gone(self) -> bool:
         """True when every named target (and every child it started) has exited."""
-        if self.cfg.system_wide or self.cfg.cgroups:
-            return False
-        return not self.live_targets()
+        return self.scope.gone()
 
     # ---- aggregates and counters --------------------------------------------------------
 
@@ -641,17 +314,9 @@ class Tracer:
         rows = self.hist.close_window(self.bpf, self.session, self.clock.to_wall, now_mono)
         if rows:
             self.writer.add_aggregates(rows)
-        self._kernel_work(start, now_mono)
-
-    def _kernel_work(self, start_mono: int, now_mono: int) -> None:
-        """Kernel work the targets queued over the histograms' window (FL_KWORK)."""
-        assert self.writer is not None and self.bpf is not None
-        try:
-            table = self.bpf[b"fl_kwork"]
-        except KeyError:  # not compiled in: no mem part, or no such tracepoint
-            return
-        self._add_side_rows(self._kwork.rows(table, self.clock.to_wall(start_mono),
-                                             self.clock.to_wall(now_mono)))
+        # Kernel work the targets queued over the same window.
+        self.side_rows.kernel_work(self.writer, self.bpf, self.clock.to_wall(start),
+                              self.clock.to_wall(now_mono))
 
     def counters(self) -> dict[str, int]:
         return accounting.read_counters(self.bpf)
@@ -675,7 +340,7 @@ class Tracer:
         }
 
     def _targets_json(self) -> dict[str, Any]:
-        got = accounting.targets_json(self.cfg, self.targets, self.libs.values(), self.report)
+        got = self.scope.json()
         if self.cfg.stacks:
             got["python"] = self.python_status()
         return got
@@ -684,8 +349,9 @@ class Tracer:
         """Stacks asked for and not stored: the kernel's (stack map full, Python
         frames unreadable) and the symbolizer's (nothing resolved)."""
         c = self.counters()
+        stacks = self.intake.stacks
         return c["stack_lost"] + c["py_stack_lost"] + (
-            self._stacks.unresolved if self._stacks is not None else 0)
+            stacks.unresolved if stacks is not None else 0)
 
     def _update_session(self, *, final: bool) -> None:
         assert self.writer is not None
@@ -716,18 +382,18 @@ class Tracer:
         # what the kernel says it emitted matches what we drained.
         self.bpf[b"fl_ctl"][ctypes.c_int(0)] = ctypes.c_uint64(1)
         time.sleep(0.02)
-        if self._readers:
-            while self._drain_rings():
+        if self.rings.mapped:
+            while self.intake.drain(self.rings, self.writer):
                 pass
         else:
             self.bpf.ring_buffer_consume()
-            self._flush_pending()
+            self.intake.flush_pending(self.rings, self.writer)
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         if self._oncpu is not None:
             self._oncpu.flush(self.writer, now, final=True)
         self._write_aggregates(now)
         self._sample_cgroups()
-        self._reclaim_leftovers()
+        self.side_rows.reclaim_leftovers(self.writer, self.bpf, self.clock.to_wall)
         counters = self.counters()
         self._update_session(final=True)
         # The BPF side goes away below: no commit may still be reading its counters.
@@ -744,7 +410,7 @@ class Tracer:
         drops["writer_failed"] = stats.failed_rows
         lost = self.lost_total(drops)
         records = self.decoder.records
-        made_here = (self._oncpu.rows_written if self._oncpu else 0) + self._side_rows
+        made_here = (self._oncpu.rows_written if self._oncpu else 0) + self.side_rows.made
         emitted = counters["emitted"] + made_here
         return TraceSummary(
             session=self.session, records=records, events_written=stats.events_written,
@@ -764,7 +430,7 @@ class Tracer:
     def _cleanup_bpf(self) -> None:
         if self.bpf is None:
             return
-        self._unmap_rings()  # before the maps' fds close
+        self.rings.close()  # before the maps' fds close
         try:
             if self.attacher is not None:
                 self.attacher.close()
@@ -776,35 +442,12 @@ class Tracer:
 
 # ---- helpers ------------------------------------------------------------------------------
 
-def _job_of(pid: int) -> dict[str, Any]:
-    """The torchrun job of a process seen first as a waker or a culprit, without its
-    rank: a rank that another node traces must be known here as one of the job (a
-    peer's wait is the collective's, never a data-starvation cause), yet must not count
-    among this node's own ranks (tracks, rank books). Its parent tells a worker of the
-    traced rank (which inherits the rank's environment) from a peer. Where it runs (its
-    cgroup, container and pod) comes with it: a culprit is named with its pod too."""
-    env = procinfo.environ(pid)
-    place = {k: v for k, v in process_placement(pid, env).items() if v is not None}
-    if "RANK" not in env:
-        return place
-    size = procinfo.ranks_of(env)["world_size"]
-    return {**place, "ppid": procinfo.ppid_of(pid), "world_size": size,
-            "job": procinfo.job_of(env)}
-
-
 def _compile_into(opts: ProgramOptions, out: list[tuple[Any, HeaderRoute]],
                   failure: list[BaseException]) -> None:
     try:
         out.append(compile_program(opts))
     except BaseException as exc:  # handed to the starting thread, which raises it
         failure.append(exc)
-
-
-def _prefetch_symbols(libs: list[Library]) -> None:
-    """Read each library's exports now (cached), so attaching later does not wait."""
-    for lib in libs:
-        with contextlib.suppress(OSError, ValueError):  # the attach reports it, by name
-            exported_functions(lib.path)
 
 
 def _wait_channels(bpf: Any) -> WaitChannels | None:

@@ -1,0 +1,139 @@
+"""From the rings to the writer: decode what the rings hold, enrich it (stacks, kernel
+names, wait channels, lock names), queue it, and keep the process rows up to date
+(forks, execs, exits, renames, processes seen first as a waker or a culprit).
+
+The CPU time this thread spends per stage (:data:`STAGES`) is counted in ``stage_ns``:
+where each event's time goes (the writer's commits are in ``WriterStats.commit_cpu_ns``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fleetd.store.writer import BatchWriter
+from fleetd.trace import procinfo
+from fleetd.trace.cgroups import process_placement
+from fleetd.trace.decoder import OP_EXEC, OP_EXIT, OP_FORK, Batch, Decoder, Lifecycle
+from fleetd.trace.rings import DRAIN_BYTES, Rings
+from fleetd.trace.stacks import KernelNames, StackResolver, WaitChannels
+from fleetd.trace.symbols import LockNames
+from fleetd.trace.targets import Targets
+
+STAGES = ("poll", "decode", "enrich", "queue")
+
+
+class Intake:
+    def __init__(self, decoder: Decoder, targets: Targets) -> None:
+        self.decoder = decoder
+        self.targets = targets
+        self.stage_ns: dict[str, int] = dict.fromkeys(STAGES, 0)
+        # The enrichers; set by the tracer once the programs are loaded (None: off).
+        self.stacks: StackResolver | None = None
+        self.kernels: KernelNames | None = None
+        self.wchan: WaitChannels | None = None
+        self._locks = LockNames()
+        self._proc_comm: dict[int, str] = {}  # the name each process row was given
+
+    def drain(self, rings: Rings, writer: BatchWriter, max_bytes: int | None = DRAIN_BYTES
+              ) -> int:
+        """Take what every mapped ring holds, decode it in bulk and store it."""
+        clock, st = time.thread_time_ns, self.stage_ns
+        t0 = clock()
+        chunks = rings.take_chunks(max_bytes)
+        t1 = clock()
+        st["poll"] += t1 - t0
+        if not chunks:
+            return 0
+        batch = self.decoder.decode_bulk(chunks)
+        st["decode"] += clock() - t1
+        self.store(batch, writer)
+        return len(batch.rows)
+
+    def flush_pending(self, rings: Rings, writer: BatchWriter) -> int:
+        """Decode and store the records BCC's callbacks copied (rings not mapped)."""
+        blobs = rings.take_pending()
+        if not blobs:
+            return 0
+        t0 = time.thread_time_ns()
+        batch = self.decoder.decode(blobs)
+        self.stage_ns["decode"] += time.thread_time_ns() - t0
+        self.store(batch, writer)
+        return len(blobs)
+
+    def store(self, batch: Batch, w: BatchWriter) -> None:
+        clock, st = time.thread_time_ns, self.stage_ns
+        t0 = clock()
+        if batch.stacks and self.stacks is not None:
+            self.stacks.resolve(batch, w)
+        if batch.kernels and self.kernels is not None:
+            self.kernels.resolve(batch)
+        self.decoder.remember_launches(batch)
+        if batch.kstack_ids and self.wchan is not None:
+            self.wchan.resolve(batch)
+        self._locks.resolve(batch)
+        t1 = clock()
+        st["enrich"] += t1 - t0
+        # Args may be finished JSON text (repeated launches), which add_events takes
+        # as it is; its signature names only the dicts other callers pass.
+        w.add_events(batch.rows, batch.args)
+        st["queue"] += clock() - t1
+        if batch.tasks:
+            w.add_tasks(batch.tasks)
+        seen = [(tid, pid, procinfo.comm(pid, tid)) for tid, pid in batch.new_tids]
+        if seen:
+            w.add_tasks(seen)
+        for ev in batch.lifecycle:
+            self._lifecycle(ev, w)
+        self._rename_processes([*batch.tasks, *seen], w)
+
+    def _rename_processes(self, tasks: list[tuple[int, int | None, str | None]],
+                          w: BatchWriter) -> None:
+        """A process that names itself after fork (prctl PR_SET_NAME in a worker: a
+        DataLoader worker, a producer) shows it on its main thread's comm; the process
+        row, read at fork, still has the parent's name: carry the new one over."""
+        renamed = []
+        for tid, pid, comm in tasks:
+            # A main thread (tid == pid); a peer's pid is often unknown (None), but a tid
+            # that has a process row of ours is that process's main thread too.
+            main = tid == pid or (pid is None and tid in self._proc_comm)
+            if main and comm and self._proc_comm.get(tid) != comm:
+                first = tid not in self._proc_comm
+                self._proc_comm[tid] = comm
+                renamed.append({"pid": tid, "comm": comm, **(_job_of(tid) if first else {})})
+        if renamed:
+            w.add_processes(renamed)
+
+    def _lifecycle(self, ev: Lifecycle, w: BatchWriter) -> None:
+        if ev.op == OP_FORK and ev.child:
+            self.targets.pids.setdefault(ev.child, "child")
+            row = procinfo.process_row(ev.child)
+            row.update(ppid=ev.pid, start_ns=row.get("start_ns") or ev.ts_ns)
+            row["comm"] = row["comm"] or ev.comm  # a child's comm is its parent's at fork
+            self._proc_comm[ev.child] = str(row["comm"] or "")
+            w.add_processes([row])
+        elif ev.op == OP_EXEC:
+            row = procinfo.process_row(ev.pid)
+            row["comm"] = row["comm"] or ev.comm  # short-lived: /proc may be gone already
+            self._proc_comm[ev.pid] = str(row["comm"] or "")
+            w.add_processes([row])
+            self.targets.rescan_soon()
+        elif ev.op == OP_EXIT:
+            self.targets.exited[ev.pid] = ev.exit_code
+            w.add_processes([{"pid": ev.pid, "exit_ns": ev.ts_ns, "exit_code": ev.exit_code}])
+
+
+def _job_of(pid: int) -> dict[str, Any]:
+    """The torchrun job of a process seen first as a waker or a culprit, without its
+    rank: a rank that another node traces must be known here as one of the job (a
+    peer's wait is the collective's, never a data-starvation cause), yet must not count
+    among this node's own ranks (tracks, rank books). Its parent tells a worker of the
+    traced rank (which inherits the rank's environment) from a peer. Where it runs (its
+    cgroup, container and pod) comes with it: a culprit is named with its pod too."""
+    env = procinfo.environ(pid)
+    place = {k: v for k, v in process_placement(pid, env).items() if v is not None}
+    if "RANK" not in env:
+        return place
+    size = procinfo.ranks_of(env)["world_size"]
+    return {**place, "ppid": procinfo.ppid_of(pid), "world_size": size,
+            "job": procinfo.job_of(env)}
