@@ -73,6 +73,8 @@ for _name, _x in {
 # bulk decoder's inline case. Every other op takes the reference path.
 _PLAIN = frozenset({op.code for op in OPS} - _NCCL - set(_EXTRAS) - _LAUNCHES - _SCHED_PEERS
                    - {OP_BLOCK, OP_FORK, OP_EXEC, OP_EXIT})
+# The kinds the bulk decoder handles inline (calls with no extras, launches).
+_INLINE = _PLAIN | _LAUNCHES
 
 
 @dataclass
@@ -191,7 +193,7 @@ class Decoder:
         out = Batch()
         off = self.to_wall(0)
         rows, args, kernels, new_tids = out.rows, out.args, out.kernels, out.new_tids
-        tids, plain, launches, cache = self._tids, _PLAIN, _LAUNCHES, self._launch_text
+        tids, plain, inline, cache = self._tids, _PLAIN, _INLINE, self._launch_text
         misses = out.launch_keys
         one, unpack, size = self._one, REC.unpack_from, REC.size
         for chunk in chunks:
@@ -203,37 +205,34 @@ class Decoder:
             first = len(rows)  # each frame of a run makes one row: row - first = frame
             for (ts, dur, pid, tid, op, ret, nbytes, peer, a0, a1, flags, x0, x1, x2, x3,
                  median, func) in FAST.iter_unpack(raw):
-                if op in plain:
-                    i = len(rows)
-                    rows.append((ts + off, dur, pid, tid, op, ret, nbytes, peer, a0, a1, 0))
-                    if tid not in tids:
-                        tids.add(tid)
-                        new_tids.append((tid, pid))
-                    if flags & WHY_SLOW and median and op < 500:
-                        args.append((i, {"median_ns": median}))
-                elif op in launches:
-                    i = len(rows)
-                    rows.append((ts + off, dur, pid, tid, op, ret, nbytes, peer, a0, a1, 0))
-                    if tid not in tids:
-                        tids.add(tid)
-                        new_tids.append((tid, pid))
-                    slow = flags & WHY_SLOW and median
-                    key = (pid, op, func, x0, x1, x2, x3)
-                    text = None if slow else cache.get(key)
-                    if text is not None:
-                        args.append((i, text))
-                        continue
-                    if func:
-                        kernels.append((i, pid, op, func))
-                    la = launch_args(x0, x1, x2, x3)
-                    if slow:
-                        la["median_ns"] = median
-                    else:
-                        misses.append((i, key))
-                    args.append((i, la))
-                else:
+                if op not in inline:
                     one(out, ts + off, unpack(raw, (len(rows) - first) * FRAME + HDR.size),
                         None)
+                    continue
+                i = len(rows)
+                rows.append((ts + off, dur, pid, tid, op, ret, nbytes, peer, a0, a1, 0))
+                if tid not in tids:
+                    tids.add(tid)
+                    new_tids.append((tid, pid))
+                if op in plain:
+                    if flags & WHY_SLOW and median and op < 500:
+                        args.append((i, {"median_ns": median}))
+                    continue
+                # A launch.
+                slow = flags & WHY_SLOW and median
+                key = (pid, op, func, x0, x1, x2, x3)
+                text = None if slow else cache.get(key)
+                if text is not None:
+                    args.append((i, text))
+                    continue
+                if func:
+                    kernels.append((i, pid, op, func))
+                la = launch_args(x0, x1, x2, x3)
+                if slow:
+                    la["median_ns"] = median
+                else:
+                    misses.append((i, key))
+                args.append((i, la))
         self.records += len(rows)
         return out
 

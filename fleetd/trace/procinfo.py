@@ -75,13 +75,10 @@ def start_wall_ns(pid: int) -> int | None:
 
 
 def environ(pid: int) -> dict[str, str]:
-    text = _read(f"/proc/{pid}/environ")
-    out: dict[str, str] = {}
-    for item in (text or "").split("\0"):
-        key, sep, value = item.partition("=")
-        if sep:
-            out[key] = value
-    return out
+    """NAME=value entries; an entry without "=" is skipped, a repeated name keeps its last."""
+    text = _read(f"/proc/{pid}/environ") or ""
+    pairs = (item.split("=", 1) for item in text.split("\0") if "=" in item)
+    return {key: value for key, value in pairs}
 
 
 def _int(v: str | None) -> int | None:
