@@ -37,13 +37,14 @@ from fleetd.fleet.fanout import (
 )
 from fleetd.fleet.result import FleetResult, raise_if_user_error
 from fleetd.fleet.targets import Target
+from fleetd.questions.catalog import COLLECTIVES
+from fleetd.questions.spec import Params
 from fleetd.runner import run_loop
-from fleetd.wire import paths
 from fleetd.wire.collectives import check_reply
 from fleetd.wire.failure import BadReply, Failure, NodeFailed
 from fleetd.wire.values import printable
 
-PATH = paths.COLLECTIVES
+QUESTION = COLLECTIVES  # GET /api/v1/collectives
 MAX_WARNINGS = 100
 MAX_TEXT = 1000
 FAILED = "_fleetd_failed"  # the key an optional request's failure is kept under
@@ -52,10 +53,9 @@ EXPLAIN_ROWS = coll.EXPLAIN_ROWS  # the newest calls per node explain --nodes co
 
 
 def request(bounds: Bounds, offset_ns: int, max_rows: int | None = None) -> Request:
-    params = bounds.params(offset_ns)
-    if max_rows:
-        params["max_rows"] = str(max_rows)
-    return Request("GET", PATH, params, expect=("columns", "rows"),
+    asked = QUESTION.encode(Params({"max_rows": max_rows}))
+    return Request("GET", QUESTION.route, {**bounds.params(offset_ns), **asked},
+                   expect=("columns", "rows"),
                    check=lambda reply: reply)  # checked whole by check_reply
 
 
@@ -132,7 +132,7 @@ def from_answer(answer: FleetAnswer, index: int, max_rows: int = coll.DEFAULT_RO
                     answer.warnings += node_warnings(reply, o.name)
                 continue
             except BadReply as exc:
-                why = f"{o.target.address}{PATH} answered a malformed reply ({exc})"
+                why = f"{o.target.address}{QUESTION.route} answered a malformed reply ({exc})"
         if strict:
             fail(answer, o, Failure("bad_json", str(why), VERSION_HINT))
         else:

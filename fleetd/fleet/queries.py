@@ -30,7 +30,14 @@ from fleetd.fleet.fanout import (
 )
 from fleetd.fleet.result import FleetResult, base_json, raise_if_user_error
 from fleetd.fleet.skew import correct_obj, correct_rows
-from fleetd.questions.catalog import OPS, OVERVIEW, OVERVIEW_COLUMNS, overview_rows
+from fleetd.questions.catalog import (
+    CHAINS,
+    OPS,
+    OVERVIEW,
+    OVERVIEW_COLUMNS,
+    PROFILE,
+    overview_rows,
+)
 from fleetd.questions.spec import Params, Question
 from fleetd.runner import run_loop
 from fleetd.wire import paths
@@ -109,12 +116,13 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None,
 
     bounds = window.validate()
     selected = params(pod, namespace)
+    asked = CHAINS.encode(CHAINS.values({"pid": pid, paths.POD_PARAM: pod,
+                                         paths.NAMESPACE_PARAM: namespace}))
 
     def plan(offset_ns: int) -> list[Request]:
         base = bounds.params(offset_ns)
-        chains = {**base, **({"pid": str(pid)} if pid else {}), **selected}
-        return [Request("GET", paths.CHAINS, chains, expect=("chains",)),
-                Request("GET", paths.PROFILE, base, expect=("node",))]
+        return [Request("GET", CHAINS.route, {**base, **asked}, expect=(CHAINS.expect,)),
+                Request("GET", PROFILE.route, base, expect=(PROFILE.expect,))]
 
     # Beside chains and profile, each node's collective calls (optional: a failure there
     # is a warning), compared across nodes in our clock.

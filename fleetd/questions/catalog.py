@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from fleetd.analyze import arrivals
 from fleetd.errors import QueryError, UsageError
 from fleetd.questions.spec import Answer, Param, Params, Question, Reply
 from fleetd.wire import paths
@@ -318,17 +319,60 @@ def _ops(a: Analysis, node: str, p: Params) -> Answer:
     return {"window": a.window.to_json(), "warnings": list(a.window.warnings), "ops": rows}
 
 
+POD = Param(paths.POD_PARAM, "str", help="only this pod's processes, [NAMESPACE/]NAME",
+            read=_placement(paths.POD_PARAM))
+NAMESPACE = Param(paths.NAMESPACE_PARAM, "str", help="only processes of pods in this namespace",
+                  read=_placement(paths.NAMESPACE_PARAM))
+
 OPS = Question(
     "ops", "p50/p95/p99 per op (or kernel name) and process",
     (PID, Param("per_process", "bool", False, help="one row per process and op"),
-     Param("by", "str", "op", help="op (the default) or kernel", read=_by),
-     Param(paths.POD_PARAM, "str", help="only this pod's processes, [NAMESPACE/]NAME",
-           read=_placement(paths.POD_PARAM)),
-     Param(paths.NAMESPACE_PARAM, "str", help="only processes of pods in this namespace",
-           read=_placement(paths.NAMESPACE_PARAM))),
+     Param("by", "str", "op", help="op (the default) or kernel", read=_by), POD, NAMESPACE),
     _ops, "ops", path=paths.OPS, validate=_one_selection)
 
 
-QUESTIONS: tuple[Question, ...] = (OPS, STACKS, CPU_STACKS, GRAPHS, GPU, OVERVIEW, PROFILE,
-                                   PODS)
+# ---- causal chains (fleetd explain --nodes asks them beside profile and collectives) ------
+
+
+def _chains(a: Analysis, node: str, p: Params) -> Answer:
+    from fleetd.analyze import pods
+
+    pod, ns = p.text(paths.POD_PARAM), p.text(paths.NAMESPACE_PARAM)
+    report = a.explain(p.maybe_int("pid"),
+                       pids=pods.select(a.conn, pod, ns) if pod or ns else None)
+    top_n = p.maybe_int("top_n")
+    return {"window": report["window"], "verdict": report["verdict"],
+            "chains": report["chains"][:top_n] if top_n else report["chains"],
+            "processes": report["processes"], "warnings": report["warnings"]}
+
+
+CHAINS = Question(
+    "chains", "causal chains, most severe first",
+    (Param("pid", "int", help="only chains whose victim is this process"),
+     Param("top_n", "int", help="chains to return (default: all)"), POD, NAMESPACE),
+    _chains, "chains", path=paths.CHAINS, validate=_one_selection)
+
+
+# ---- NCCL collective calls (fleetd collectives, explain --nodes) -----------------------
+
+
+def _collectives(a: Analysis, node: str, p: Params) -> Answer:
+    """The node's collective calls in the window, newest ``max_rows`` (bounded by rows
+    and bytes), for the fleet client to compare arrivals across nodes."""
+    from fleetd.analyze.collectives import NodeArrivals
+
+    parts = a.arrivals(p.num("max_rows"), arrivals.MAX_BYTES)
+    body = (parts[0] if parts else NodeArrivals(node, [], {})).to_json()
+    return {"window": a.window.to_json(), **body, "warnings": list(a.window.warnings)}
+
+
+COLLECTIVES = Question(
+    "collectives", "the node's NCCL collective calls in the window",
+    (Param("max_rows", "int", arrivals.DEFAULT_ROWS, arrivals.MAX_ROWS,
+           "the newest calls to send"),),
+    _collectives, "rows", path=paths.COLLECTIVES)
+
+
+QUESTIONS: tuple[Question, ...] = (CHAINS, OPS, STACKS, CPU_STACKS, GRAPHS, GPU, OVERVIEW,
+                                   PROFILE, COLLECTIVES, PODS)
 """The questions of the registry, in the order of the node's routes."""
