@@ -687,8 +687,8 @@ static __always_inline int fl_call_exit(struct pt_regs *ctx, u32 op, u32 always,
  * and return code rarely matter, and the return probe (uretprobe trampoline plus, on
  * 6.11+, the return syscall) is about 40% of what tracing one costs. A session link
  * runs one program at entry and, only if that entry returns 0, again at the return.
- * fl_enter_<OP> has stored the call's start and arguments as for any call; here the
- * call is counted, and its return is taken only when
+ * fl_launch_pick counts the call at entry; its start and arguments are stored
+ * (fl_enter_<OP>, as for any call) and its return is taken only when
  *   - it is in the 1-in-FL_SAMPLE_N sample: every stored launch record still comes from
  *     a return, so it has a measured duration and return code (none is a fake 0), and
  *     the histogram's buckets hold the durations of this uniform sample;
@@ -708,26 +708,39 @@ static __always_inline int fl_err_open(struct fl_hist *h, u64 now)
            h->err_in_window < FL_ERR_BURST;
 }
 
-/* 0: run the return half (fl_call_exit with counted = 1); 1: skip it. */
-static __always_inline int fl_launch_entry(u32 op)
+/* Before anything is stored: count the call, and say whether its return is taken.
+ * -1: not a target, or no histogram (counted as hist_full): skip it whole; 0: counted,
+ * and its return skipped (counted as sampled_out): nothing else runs, so the common
+ * launch pays one target check, one histogram lookup and two counters; 1: sampled;
+ * 2: taken for the error budget. The entry's arguments are stored only for 1 and 2. */
+static __always_inline int fl_launch_pick(u32 op)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    u64 key = (id << 32) | op;
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    if (!fl_is_cuda_target(tgid))
+        return -1;
+    struct fl_hist *h = fl_hist_get(tgid, op);
+    if (!h)
+        return -1;
+    __sync_fetch_and_add(&h->count, 1);
+    if (fl_sample_pick())
+        return 1;
+    if (h->last_err != 0 && fl_err_open(h, bpf_ktime_get_ns()))
+        return 2;
+    fl_count(FL_C_SAMPLED_OUT);
+    return 0;
+}
+
+/* After fl_enter_<OP> stored a picked call: mark it as sampled or not, for its return
+ * (fl_call_exit with counted = 1). 0: run the return half; 1: skip it (the entry stored
+ * nothing after all, e.g. its slot was unavailable). */
+static __always_inline int fl_launch_entry(u32 op, int pick)
+{
+    u64 key = (bpf_get_current_pid_tgid() << 32) | op;
     struct fl_call *c = fl_call_slot(key);
     if (!c || c->ts == 0 || c->key != key)
-        return 1; /* not a target: fl_enter_<OP> stored nothing */
-    struct fl_hist *h = fl_hist_get(id >> 32, op);
-    if (!h) {
-        c->ts = 0; /* no histogram (counted as hist_full): nothing to add to */
         return 1;
-    }
-    __sync_fetch_and_add(&h->count, 1);
-    c->sampled = fl_sample_pick() != 0;
-    if (c->sampled || fl_err_open(h, c->ts))
-        return 0;
-    c->ts = 0;
-    fl_count(FL_C_SAMPLED_OUT);
-    return 1;
+    c->sampled = pick == 1;
+    return 0;
 }
 
 #endif /* FL_COMMON_BPF_C */

@@ -32,6 +32,8 @@ from fleetd.errors import ConfigError
 from fleetd.node.analysis import ROUTES as ANALYSIS_ROUTES
 from fleetd.node.api import NodeState, make_app
 from fleetd.node.conns import ConnLimits, Gate, GuardedHandler
+from fleetd.node.detail import DETAIL_TRACER, longest_wait, watch_waits
+from fleetd.node.detail import ROUTES as DETAIL_ROUTES
 from fleetd.node.lake import LakeSettings, lake_ctx
 from fleetd.node.metrics import SOURCES, Sources, metrics
 from fleetd.node.ranks import RANKBOOK, ObservedWriter, RankBook, local_waits
@@ -52,6 +54,7 @@ class TracerHandle(Protocol):
     def start(self) -> None: ...
     def stop(self) -> None: ...
     def stats(self) -> dict[str, Any]: ...
+    def ask_detail(self, seconds: float) -> bool: ...  # fleetd.node.detail
 
 
 TracerFactory = Callable[[BatchWriter], TracerHandle]
@@ -171,7 +174,7 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
                          per_client=s.max_queries_per_client)
     app = make_app(state, readers, max_body_bytes=s.max_body_bytes,
                    extra_routes=[web.get("/metrics", metrics), *ANALYSIS_ROUTES,
-                                 *RANK_ROUTES, *s.extra_routes])
+                                 *RANK_ROUTES, *DETAIL_ROUTES, *s.extra_routes])
     app.middlewares.extend(s.extra_middlewares)  # e.g. the relay rules (fleetd.relay)
     sources = Sources(db_bytes=lambda: s.db.stat().st_size)
     app[SOURCES] = sources
@@ -205,7 +208,11 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
         state.tracing = True
         sources.tracer = tracer.stats
         state.status = lambda: {"trace": tracer.stats()}
+        app[DETAIL_TRACER] = tracer
+        waits = asyncio.get_running_loop().create_task(
+            watch_waits(tracer, longest_wait(app, s.node)))
         yield
+        waits.cancel()
         state.tracing = False
         await asyncio.get_running_loop().run_in_executor(None, tracer.stop)
 

@@ -44,6 +44,11 @@ class AgentTracer:
             self.error = str(exc)
             log.exception("tracing stopped: %s", exc)
 
+    def ask_detail(self, seconds: float) -> bool:
+        """fleetd.node.detail: trace launches whole for ``seconds`` from the next poll;
+        False when there is no duty cycle (--mode full: they always are)."""
+        return self.tracer.ask_launch_window(int(seconds * 1e9))
+
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:

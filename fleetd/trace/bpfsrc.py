@@ -143,11 +143,14 @@ def _session_program(specs: list[Any]) -> list[str]:
            "int fl_sess_multi(struct pt_regs *ctx)\n{\n    u64 c = fl_get_attach_cookie(ctx);",
            "    if (PT_REGS_IP(ctx) != fl_get_func_ip(ctx))",
            "        return fl_call_exit(ctx, (u32)c, (c >> 32) & 1, (c >> 40) & 0xff, 1);",
+           "    int pick = fl_launch_pick((u32)c);",
+           "    if (pick <= 0)",
+           "        return 1;",
            "    switch ((u32)c) {"]
     for spec in specs:
         name = spec.op.upper()
         out.append(f"    case OP_{name}: fl_enter_{name}(ctx); break;")
-    out.append("    default: return 1;\n    }\n    return fl_launch_entry((u32)c);\n}")
+    out.append("    default: return 1;\n    }\n    return fl_launch_entry((u32)c, pick);\n}")
     return out
 
 

@@ -7,6 +7,11 @@ attached all the time. The period is the aggregate window's length, so each wind
 one on-period: its launch histograms are scaled by window / time the probes were on
 (fleetd.trace.accounting), and marked with that time (aggregate bucket -4).
 
+A window can also be opened on demand (``hold``): the probes go on at once and stay on
+until the hold ends, whatever the period says; the agent opens one while a local NCCL
+rank waits in a collective, and when ``fleetd watch`` asks a node for detail
+(fleetd/node/detail.py). The on-time is counted the same way, so scaling stays right.
+
 What it misses: launch records (arguments, kernel names, stacks, errors, slow launches)
 outside the on-periods, and the launch rate's changes inside a period. A window that
 could not switch (no session links: an older kernel, per-symbol probes) is traced
@@ -39,19 +44,41 @@ class DutyCycle:
         self._cycle = start_ns  # start of the current period
         self._on_since: int | None = start_ns  # the probes are on from the start
         self._counted = 0  # on-time in the current window, up to _on_since
+        self._held_until = 0  # a window opened on demand keeps the probes on until then
+        self._asked_ns = 0  # a window asked for from another thread, for the next tick
         self.switchable = True
+
+    def hold(self, now: int, for_ns: int) -> None:
+        """Open a window at once, for ``for_ns`` from ``now`` (extending a longer one
+        already open is a no-op). Called from the tracer's poll thread."""
+        self._held_until = max(self._held_until, now + for_ns)
+        if self.switchable and self._on_since is None:
+            self._on_since = now
+            self.switchable = self._switch.set_launches(True)
+
+    def ask(self, for_ns: int) -> None:
+        """Open a window for ``for_ns`` at the next poll (at most 100 ms later). Any
+        thread may call it: the switch itself stays on the poll thread."""
+        self._asked_ns = max(self._asked_ns, for_ns)
 
     def tick(self, now: int) -> None:
         """Called on every poll: switch when the period says so (a poll's latency late,
         which the on-time counts as it really was)."""
+        asked, self._asked_ns = self._asked_ns, 0
+        if asked:
+            self.hold(now, asked)
         if not self.switchable:
             return
-        if self._on_since is not None and now >= self._cycle + self.on_ns:
+        if self._on_since is not None and now >= max(self._cycle + self.on_ns,
+                                                      self._held_until):
             self._counted += now - self._on_since
             self._on_since = None
             self.switchable = self._switch.set_launches(False)
             if not self.switchable:
                 log.info("no launch probes to switch: launches traced continuously")
+            # A hold that ran past the period used up its on-period: the next opens at
+            # the next period's start, not at once.
+            self._cycle += self.period_ns * ((now - self._cycle) // self.period_ns)
         elif self._on_since is None and now >= self._cycle + self.period_ns:
             self._cycle += self.period_ns * ((now - self._cycle) // self.period_ns)
             self._on_since = now

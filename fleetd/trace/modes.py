@@ -17,4 +17,4 @@ No heavy imports here: a client-only install reads this module.
 from __future__ import annotations
 
 # The default for `fleetd trace`, `fleetd agent` and TraceConfig.
-LAUNCH_RETURNS = True
+LAUNCH_RETURNS = False

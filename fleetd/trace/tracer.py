@@ -245,6 +245,16 @@ class Tracer:
                                time.clock_gettime_ns(time.CLOCK_MONOTONIC))
         self.hist.launch_on = self._duty.take_on_ns
 
+    def ask_launch_window(self, for_ns: int) -> bool:
+        """Launch probes on for ``for_ns`` from the next poll (any thread may ask: the
+        agent's loop does, fleetd.node.detail). False without a duty cycle: in full
+        mode they are on all the time."""
+        duty = self._duty
+        if duty is None:
+            return False
+        duty.ask(for_ns)
+        return True
+
     def stop_duty_cycle(self) -> None:
         """Back to continuous launch probes (the benchmark's comparison)."""
         if self._duty is not None and self.attacher is not None:

@@ -20,6 +20,7 @@ GPU = "/api/v1/gpu"
 COLLECTIVES = "/api/v1/collectives"
 RANKS = "/api/v1/ranks"
 RELAY = "/api/v1/relay"
+DETAIL = "/api/v1/detail"  # POST: launch detail for N seconds (--mode always-on)
 
 # Query parameters of CHAINS and OPS that select processes by where they ran (fleetd
 # explain/ops --pod, --namespace): the node keeps the processes its process_data places

@@ -105,6 +105,7 @@ class SlowTracer:  # compiling and attaching takes a while
         print("probes attached", flush=True)
     def stop(self): pass
     def stats(self): return {}
+    def ask_detail(self, seconds): return False
 
 sys.exit(run(AgentSettings(node="n1", db=Path(sys.argv[1]), listen="127.0.0.1:0",
                            plain_http=True, tracer=SlowTracer)))

@@ -155,10 +155,12 @@ def test_stacks_min_dur_filters_calls(sampled: Any) -> None:
 
 def test_slow_calls_carry_stacks_without_sampling(tmp_path: Path) -> None:
     """--stack-sample 0: only calls past the threshold (1 ns here: every call) are
-    stacked, and kept even though ordinary launches are otherwise sampled out."""
+    stacked, and kept even though ordinary launches are otherwise sampled out. A launch's
+    duration is known only where its return is probed: --launch-returns (the default,
+    entry-only launches, times the 1-in-N sample alone, and --sample 0 is none)."""
     db, made, summary = _trace(tmp_path, ["--steps", "6", "--launches", "2",
-                                          "--sleep-ms", "150"],
-                               sample=0, stack_sample=0, stack_slow_ns=1)
+                                          "--sleep-ms", "150"], sample=0, stack_sample=0,
+                               stack_slow_ns=1, launch_returns=True)
     assert summary.lost_total == 0
     launches = _stacks_of(db, "cudaLaunchKernel")
     assert len(launches) == made["calls"]["cudaLaunchKernel"]

@@ -223,8 +223,11 @@ def test_session_process_and_thread_rows(full_trace: Traced) -> None:
 
 
 def test_sampling_keeps_exact_histograms_and_all_syncs(tmp_path: Path) -> None:
+    """--launch-returns: every launch's return is probed, so every bucket is exact while
+    only 1 in 100 launches is stored. (The default, entry-only launches, times only the
+    sample: test_launch_entry.)"""
     t = run_traced(tmp_path, ["--steps", "200", "--launches", "25", "--memcpy", "2"],
-                   ["--sample", "100", "--no-host"])
+                   ["--sample", "100", "--no-host", "--launch-returns"])
     wl = t.workload
     assert _agg_totals(t, wl["pid"]) == wl["calls"]
     counts = _counts(t, wl["pid"])

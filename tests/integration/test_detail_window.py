@@ -1,0 +1,95 @@
+"""Launch detail on demand (#36): an agent in ``--mode always-on`` traces launches 1 s in
+10; ``POST /api/v1/detail?seconds=N`` opens a window at once. Real agent, real BPF, the
+real CUDA runtime, real TLS.
+
+With ``--sample 1`` every launch whose return is taken is stored, so stored launches
+show when the launch probes were on: the first second of the period, then the asked-for
+window, and nothing in between.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from agents import Pki, agent, client_ssl, make_pki, request
+
+from conftest import REPO, wait_for_libcudart
+
+WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
+pytestmark = [pytest.mark.bpf,
+              pytest.mark.skipif(os.geteuid() != 0, reason="tracing needs root")]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01"], ["laptop"])
+
+
+@pytest.fixture
+def workload(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """A steady stream of launches (~100 per 10 ms step) for up to a minute."""
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKLOAD), "--duration", "60", "--launches", "20",
+         "--cpu-us", "50", "--gpu-ms", "5", "--go-file", str(tmp_path / "go")],
+        stdout=subprocess.PIPE, text=True)
+    wait_for_libcudart(proc.pid)
+    yield proc
+    proc.kill()
+    proc.wait(10)
+
+
+def _wait_tracing(url: str, pki: Pki) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status, health, _ = request(url, client_ssl(pki))
+        if status == 200 and health["tracing"]:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the agent never started tracing")
+
+
+def _launch_times(db: Path) -> list[int]:
+    with sqlite3.connect(db) as c:
+        return [r[0] for r in c.execute(
+            "SELECT ts_ns FROM events WHERE op = 'cudaLaunchKernel' ORDER BY ts_ns")]
+
+
+def test_a_window_asked_for_traces_launches_at_once(
+        tmp_path: Path, pki: Pki, workload: subprocess.Popen[str]) -> None:
+    db = tmp_path / "gpu-01.db"
+    ssl = client_ssl(pki)
+    with agent(db, "gpu-01", pki, "--pid", str(workload.pid), "--sample", "1",
+               "--mode", "always-on", "--cpu-sample-hz", "0") as a:
+        _wait_tracing(a.url, pki)
+        (tmp_path / "go").touch()
+        time.sleep(3.0)  # past the first period's second of launch probes
+        status, bad, _ = request(a.url, ssl, "POST", "/api/v1/detail?seconds=0")
+        assert status == 400 and "seconds='0'" in bad["error"]["message"], bad
+        asked = time.time_ns()
+        status, reply, _ = request(a.url, ssl, "POST", "/api/v1/detail?seconds=4")
+        assert status == 200 and reply["opened"] is True, reply
+        time.sleep(5.0)
+    times = _launch_times(db)
+    inside = [t for t in times if asked + 300_000_000 <= t <= asked + 3_700_000_000]
+    before = [t for t in times if times[0] + 1_500_000_000 <= t < asked - 200_000_000]
+    assert before == [], "launch probes were on between the period's second and the ask"
+    # the window: launches all through it, no gap longer than a few steps
+    assert len(inside) > 50, (len(times), len(inside))
+    gaps = [b - a for a, b in zip(inside, inside[1:], strict=False)]
+    assert max(gaps) < 300_000_000, max(gaps)
+
+
+def test_full_mode_says_no_window_is_needed(tmp_path: Path, pki: Pki,
+                                            workload: subprocess.Popen[str]) -> None:
+    db = tmp_path / "gpu-01.db"
+    with agent(db, "gpu-01", pki, "--pid", str(workload.pid), "--cpu-sample-hz", "0") as a:
+        _wait_tracing(a.url, pki)
+        status, reply, _ = request(a.url, client_ssl(pki), "POST", "/api/v1/detail?seconds=5")
+    assert status == 200 and reply["opened"] is False and "--mode full" in reply["why"], reply

@@ -1,0 +1,52 @@
+"""The agent's own rule for launch detail (fleetd.node.detail.watch_waits): while a local
+rank has waited in a collective for WAIT_NS or more, the window is held open.
+
+The tracer is a recording test double (AskLog): the real ask reaches the duty cycle
+(tests/unit/test_dutycycle.py) and the live agent (tests/integration/test_detail_window.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fleetd.node import detail
+
+
+class AskLog:
+    """Test double for the agent's tracer: records each ask."""
+
+    def __init__(self) -> None:
+        self.asks: list[float] = []
+
+    def ask_detail(self, seconds: float) -> bool:
+        self.asks.append(seconds)
+        return True
+
+
+async def _run(waits: list[int]) -> AskLog:
+    tracer, left = AskLog(), list(waits)
+
+    def waited() -> int:
+        return left.pop(0) if left else 0
+
+    task = asyncio.get_running_loop().create_task(detail.watch_waits(tracer, waited))
+    while left:  # every wait was measured (however slow this machine is)
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.02)
+    task.cancel()
+    return tracer
+
+
+def test_a_long_wait_holds_the_window_and_a_short_one_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(detail, "CHECK_S", 0.005)
+    w = detail.WAIT_NS
+    tracer = asyncio.run(_run([0, w // 2, w, 3 * w, 0]))
+    assert tracer.asks == [detail.HOLD_S, detail.HOLD_S]
+
+
+def test_no_wait_asks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(detail, "CHECK_S", 0.005)
+    assert asyncio.run(_run([0, 0, detail.WAIT_NS - 1])).asks == []
