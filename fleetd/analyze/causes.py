@@ -538,7 +538,7 @@ _ALL = (
           ("spike", "stall", "off_cpu", "runq_wait", "preemption", "page_alloc"),
           _dataloader_fixes,
           why=lambda by: "preempted by its own DataLoader workers"
-                         + (f" (mostly {by})" if by else ""),
+                         + (f" ({by})" if by else ""),
           summary=_dataloader_summary),
     Cause("lock_contention",
           "the GPU-feeding thread waited on a futex that another thread of its own process "
@@ -577,6 +577,11 @@ CAUSES: Mapping[str, Cause] = MappingProxyType({c.name: c for c in _ALL})
 """Every root cause, by name, in the order the MCP tool description lists them."""
 
 
+# A first culprit with less than this share of the attributed time is named as one of
+# several in the summary, with its share.
+MOST_OF_IT = 0.8
+
+
 def summary(ch: Chain) -> str:
     """The chain's one-line summary."""
     v, c = ch.victim, (ch.culprits[0] if ch.culprits else None)
@@ -584,9 +589,15 @@ def summary(ch: Chain) -> str:
     who = f"{v['comm']} (pid {v['pid']}, tid {v['tid']})"
     by = f"{c['comm']} (pid {c['pid']})" if c else None
     if ch.spikes:
+        tail = ""
+        share = c.get("share") if c else None
+        if by and c and isinstance(share, float) and share < MOST_OF_IT:
+            # The sentence gives the cause's share of the extra time; where the first
+            # culprit took only part of it, say so, or it reads as that culprit's.
+            by, tail = f"{by} and others", f", {c['comm']} {share:.0%} of it"
         why = cause.why(by) if cause is not None and cause.why is not None else ch.root_cause
-        return f"{_spike_head(ch, who)}: {why} for {ch.explained:.0%} of the extra time " \
-               f"({_share(ch)})"
+        return f"{_spike_head(ch, who)}: {why} for {ch.explained:.0%} of the extra " \
+               f"time{tail} ({_share(ch)})"
     if cause is not None and cause.summary is not None:
         return cause.summary(ch, who, by)
     return f"{ch.root_cause} in {who}"
