@@ -357,29 +357,45 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         "and a verdict (healthy replay vs re-capturing, with the fix)." + DATA_NOTE))
 
 
+Arg = tuple[str, Any, Any]  # a tool argument: name, type (Annotated), default
+WINDOW: list[Arg] = [("since", Since, None), ("start", Start, None), ("end", End, None)]
+Call = Callable[[WindowSpec, dict[str, Any]], dict[str, Any]]
+
+
+def _tool(server: MCPServer, answers: Answers, name: str, args: list[Arg], call: Call,
+          description: str) -> None:
+    """A read-only tool of both modes: keyword ``args`` (the window's among them, read
+    into a WindowSpec), answered by ``call(window, the other arguments)``."""
+    def tool(**kwargs: Any) -> CallToolResult:
+        win = WindowSpec(kwargs.pop("since", None), kwargs.pop("start", None),
+                         kwargs.pop("end", None))
+        return answers(name, lambda: call(win, kwargs))
+
+    tool.__name__ = name
+    tool.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=t, default=d)
+         for n, t, d in args], return_annotation=CallToolResult)
+    server.add_tool(tool, name=name, annotations=READ_ONLY, description=description + DATA_NOTE)
+
+
 def _cpu_profile_tool(server: MCPServer, b: LocalBackend | FleetBackend,
                       answers: Answers) -> None:
-    def get_cpu_profile(
-        pid: Pid = None,
-        tid: Annotated[int | None, Field(ge=1, description="only this thread")] = None,
-        since: Since = None, start: Start = None, end: End = None,
-        top_n: Annotated[int, Field(ge=1, le=100, description="top frames")] = 15,
-        stacks_n: Annotated[int, Field(ge=1, le=50, description="heaviest stacks")] = 5,
-        node: NodeName = None,
-    ) -> CallToolResult:
-        return answers("get_cpu_profile", lambda: b.cpu_profile(
-            WindowSpec(since, start, end), pid, tid, top_n, stacks_n, node))
-
-    server.add_tool(get_cpu_profile, name="get_cpu_profile", annotations=READ_ONLY,
-                    description=(
+    args: list[Arg] = [
+        ("pid", Pid, None),
+        ("tid", Annotated[int | None, Field(ge=1, description="only this thread")], None),
+        *WINDOW,
+        ("top_n", Annotated[int, Field(ge=1, le=100, description="top frames")], 15),
+        ("stacks_n", Annotated[int, Field(ge=1, le=50, description="heaviest stacks")], 5),
+        ("node", NodeName, None)]
+    _tool(server, answers, "get_cpu_profile", args, lambda win, a: b.cpu_profile(
+        win, a["pid"], a["tid"], a["top_n"], a["stacks_n"], a["node"]), (
         "Where the traced threads spent their time ON a CPU (the tracer samples them at "
         "49 Hz with native and Python frames): samples, gc_samples (in the garbage "
         "collector), period_ns, on_cpu_ns (samples x period), top frames by self and total "
         "share, and the heaviest stacks (frames innermost first; '[garbage collection]' "
         "first when the interpreter was collecting). Use it for a gc_pause or "
         "host_cpu_bound chain's victim thread: which code to move off the feeding thread. "
-        "In fleet mode the nodes' samples are merged per stack, each stack with its node."
-        + DATA_NOTE))
+        "In fleet mode the nodes' samples are merged per stack, each stack with its node."))
 
 
 def _question_tool(server: MCPServer, b: LocalBackend | FleetBackend, answers: Answers,
@@ -387,23 +403,11 @@ def _question_tool(server: MCPServer, b: LocalBackend | FleetBackend, answers: A
     """The tool of a registry question (fleetd.questions): its arguments from the
     question's parameters (a window when it takes one, and node), its answer from the
     backend's ``ask``, over a local file or the fleet alike."""
-    name = q.tool or q.name
-
-    def tool(**kwargs: Any) -> CallToolResult:
-        win = WindowSpec(kwargs.pop("since", None), kwargs.pop("start", None),
-                         kwargs.pop("end", None))
-        node = kwargs.pop("node", None)
-        return answers(name, lambda: b.ask(q, win, q.values(kwargs), node))
-
-    args: list[tuple[str, Any, Any]] = [(n, t, None) for n, t in (
-        ("since", Since), ("start", Start), ("end", End)) if q.windowed]
-    args += [(p.name, _argument(p), False if p.kind == "bool" else None) for p in q.params]
-    args.append(("node", NodeName, None))
-    tool.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, annotation=t, default=d)
-         for n, t, d in args], return_annotation=CallToolResult)
-    server.add_tool(tool, name=name, annotations=READ_ONLY, description=q.description
-                    + DATA_NOTE)
+    args = [*(WINDOW if q.windowed else []),
+            *((p.name, _argument(p), False if p.kind == "bool" else None) for p in q.params),
+            ("node", NodeName, None)]
+    _tool(server, answers, q.tool or q.name, args,
+          lambda win, a: b.ask(q, win, q.values(a), a.get("node")), q.description)
 
 
 def _argument(p: Param) -> Any:
