@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -42,45 +43,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     common.add_argument("--dir", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     common.add_argument("--force", action="store_true", help="overwrite existing files")
 
-    ca = actions.add_parser(
-        "init-ca",
-        parents=[common],
-        help="create ca.pem and ca.key",
-        description="Create the fleet CA. Keep ca.key on the machine that issues "
-        "certificates; copy only ca.pem to nodes and clients.",
-    )
+    ca = _issuer(actions, common, "init-ca", "create ca.pem and ca.key",
+                 "Create the fleet CA. Keep ca.key on the machine that issues "
+                 "certificates; copy only ca.pem to nodes and clients.")
     ca.add_argument("--name", default="fleetd CA", help="the CA's common name")
-    ca.add_argument("--days", type=int, default=certs.CA_DAYS, help="validity (default 3650)")
-    ca.set_defaults(func=_init_ca)
+    _validity(ca, certs.CA_DAYS, _init_ca)
 
-    node = actions.add_parser(
-        "issue-node",
-        parents=[common],
-        help="issue NAME.pem/NAME.key for an agent",
-        description="Issue a node certificate (serverAuth and clientAuth). NAME is a SAN "
-        "when it is a host name or address; add every name and address clients use with "
-        "--san (127.0.0.1/localhost are not added unless asked for).",
-    )
+    node = _issuer(actions, common, "issue-node", "issue NAME.pem/NAME.key for an agent",
+                   "Issue a node certificate (serverAuth and clientAuth). NAME is a SAN "
+                   "when it is a host name or address; add every name and address clients "
+                   "use with --san (127.0.0.1/localhost are not added unless asked for).")
     node.add_argument("name", metavar="NAME", help="node name, e.g. its host name")
-    node.add_argument(
-        "--san",
-        action="append",
-        default=[],
-        metavar="HOST_OR_IP",
-        help="extra DNS name or IP address (repeatable)",
-    )
-    node.add_argument("--days", type=int, default=certs.LEAF_DAYS, help="validity (default 825)")
-    node.set_defaults(func=_issue_node)
+    node.add_argument("--san", action="append", default=[], metavar="HOST_OR_IP",
+                      help="extra DNS name or IP address (repeatable)")
+    _validity(node, certs.LEAF_DAYS, _issue_node)
 
-    client = actions.add_parser(
-        "issue-client",
-        parents=[common],
-        help="issue NAME.pem/NAME.key for a fleet client",
-        description="Issue a client certificate (clientAuth) for `fleetd fleet` and friends.",
-    )
+    client = _issuer(actions, common, "issue-client",
+                     "issue NAME.pem/NAME.key for a fleet client",
+                     "Issue a client certificate (clientAuth) for `fleetd fleet` and friends.")
     client.add_argument("name", metavar="NAME", help="client name, e.g. a user or service")
-    client.add_argument("--days", type=int, default=certs.LEAF_DAYS, help="validity (default 825)")
-    client.set_defaults(func=_issue_client)
+    _validity(client, certs.LEAF_DAYS, _issue_client)
 
     show = actions.add_parser(
         "show",
@@ -91,6 +73,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     show.add_argument("--dir", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     show.add_argument("file", nargs="?", metavar="FILE", help="a .pem file or a NAME in DIR")
     show.set_defaults(func=_show)
+
+
+def _issuer(actions: argparse._SubParsersAction[argparse.ArgumentParser],
+            common: argparse.ArgumentParser, name: str, summary: str, description: str
+            ) -> argparse.ArgumentParser:
+    return actions.add_parser(name, parents=[common], help=summary, description=description)
+
+
+def _validity(p: argparse.ArgumentParser, days: int, func: Callable[[argparse.Namespace], int]
+              ) -> None:
+    """--days (default ``days``) and the action's function, last on the action."""
+    p.add_argument("--days", type=int, default=days, help=f"validity (default {days})")
+    p.set_defaults(func=func)
 
 
 def _missing_action(args: argparse.Namespace) -> int:
