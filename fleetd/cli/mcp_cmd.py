@@ -19,15 +19,16 @@ if TYPE_CHECKING:
     from fleetd.mcp.https import HttpSettings
 
 
+DESCRIPTION = (
+    "Serve the Model Context Protocol over stdio (or Streamable HTTP with --http): tools "
+    "for trace statistics, causal chains, latency breakdown, stacks, read-only SQL, CUDA "
+    "graph lifecycle and timeline export over one database, or fleet-wide queries over "
+    "live agents. Nothing it does writes the database.")
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "mcp",
-        help="serve MCP tools for AI assistants (stdio, or HTTPS with --http)",
-        description="Serve the Model Context Protocol over stdio (or Streamable HTTP with "
-        "--http): tools for trace statistics, causal chains, latency breakdown, stacks, "
-        "read-only SQL, CUDA graph lifecycle and timeline export over one database, or "
-        "fleet-wide queries over live agents. Nothing it does writes the database.",
-    )
+    p = sub.add_parser("mcp", description=DESCRIPTION,
+                       help="serve MCP tools for AI assistants (stdio, or HTTPS with --http)")
     p.add_argument("--db", type=Path,
                    help="database file (default: $FLEETD_DB, else a per-user path)")
     p.add_argument("--export-dir", type=Path, metavar="DIR",
