@@ -407,7 +407,8 @@ def _question_tool(server: MCPServer, b: LocalBackend | FleetBackend, answers: A
             *((p.name, _argument(p), False if p.kind == "bool" else None) for p in q.params),
             ("node", NodeName, None)]
     _tool(server, answers, q.tool or q.name, args,
-          lambda win, a: b.ask(q, win, q.values(a), a.get("node")), q.description)
+          lambda win, a: b.ask(q, win, q.values({k: v for k, v in a.items() if k != "node"}),
+                               a.get("node")), q.description)
 
 
 def _argument(p: Param) -> Any:

@@ -153,7 +153,11 @@ class Question:
         return params
 
     def values(self, given: Mapping[str, Any]) -> Params:
-        """Typed values from a caller (CLI flags, tool arguments), defaults filled in."""
+        """Typed values from a caller (CLI flags, tool arguments), defaults filled in; a
+        name the question does not have is a programming error, said at once."""
+        unknown = sorted(set(given) - {p.name for p in self.params})
+        if unknown:
+            raise TypeError(f"question {self.name!r} has no parameter {', '.join(unknown)}")
         return Params({p.name: p.default if given.get(p.name) is None else given[p.name]
                        for p in self.params})
 

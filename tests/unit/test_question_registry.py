@@ -146,3 +146,8 @@ def test_the_mcp_tool_gives_the_pods_marked_as_data(tmp_path: Path) -> None:
     mine = next(p for p in got["processes"] if p["pid"] == trainer)
     assert mine["pod"] == {"untrusted": "trainer-0"} and mine["comm"] == {"untrusted": "python"}
     assert error(srv, "get_pods", {"node": "nope"})["code"] == "bad_request"
+
+
+def test_a_parameter_the_question_lacks_is_a_programming_error() -> None:
+    with pytest.raises(TypeError, match="no parameter buckets"):
+        STACKS.values({"buckets": 3})
