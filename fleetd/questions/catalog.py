@@ -16,6 +16,7 @@ from fleetd.questions.spec import Answer, Param, Params, Question, Reply
 from fleetd.wire import paths
 from fleetd.wire.limits import POD_CHARS
 from fleetd.wire.pods import read_params, read_placement
+from fleetd.wire.shapes import ChainsReply, OpsReply
 from fleetd.wire.values import printable, valid_int
 
 if TYPE_CHECKING:
@@ -328,7 +329,7 @@ OPS = Question(
     "ops", "p50/p95/p99 per op (or kernel name) and process",
     (PID, Param("per_process", "bool", False, help="one row per process and op"),
      Param("by", "str", "op", help="op (the default) or kernel", read=_by), POD, NAMESPACE),
-    _ops, "ops", path=paths.OPS, validate=_one_selection)
+    _ops, "ops", path=paths.OPS, validate=_one_selection, shape=OpsReply)
 
 
 # ---- causal chains (fleetd explain --nodes asks them beside profile and collectives) ------
@@ -350,7 +351,7 @@ CHAINS = Question(
     "chains", "causal chains, most severe first",
     (Param("pid", "int", help="only chains whose victim is this process"),
      Param("top_n", "int", help="chains to return (default: all)"), POD, NAMESPACE),
-    _chains, "chains", path=paths.CHAINS, validate=_one_selection)
+    _chains, "chains", path=paths.CHAINS, validate=_one_selection, shape=ChainsReply)
 
 
 # ---- NCCL collective calls (fleetd collectives, explain --nodes) -----------------------

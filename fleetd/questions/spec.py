@@ -116,7 +116,8 @@ class Question:
     given an answer whose numbers all fit: ``fleetd.fleet.fanout.check_numbers``);
     ``node_warnings``: the nodes' window warnings become the fleet's. ``columns`` and
     ``rows`` make a table of the answer (the generic command, :mod:`fleetd.cli.questions`),
-    ``tool`` its MCP tool when it has one of its own."""
+    ``tool`` its MCP tool when it has one of its own; ``shape`` the TypedDict of a
+    node's answer (docs/api.md)."""
 
     name: str
     summary: str
@@ -135,6 +136,7 @@ class Question:
     tool: str | None = None
     description: str = ""
     validate: Callable[[Params], None] | None = None  # across parameters; raises FleetdError
+    shape: Any = None  # the TypedDict of a node's answer (fleetd.wire), when declared
 
     @property
     def route(self) -> str:

@@ -151,3 +151,24 @@ def test_the_mcp_tool_gives_the_pods_marked_as_data(tmp_path: Path) -> None:
 def test_a_parameter_the_question_lacks_is_a_programming_error() -> None:
     with pytest.raises(TypeError, match="no parameter buckets"):
         STACKS.values({"buckets": 3})
+
+
+def test_every_question_answers_a_node_database_in_its_shape(tmp_path: Path) -> None:
+    """Each question over a recorded node file, as the agent answers it: its ``expect``
+    key there, the node named, and every key of its declared TypedDict."""
+    from fleetd.analyze.facade import Analysis
+    from fleetd.analyze.window import WindowSpec
+    from fleetd.store.db import open_reader
+
+    from conftest import build_db
+
+    conn = open_reader(build_db(tmp_path / "node.db"))
+    try:
+        node = str(conn.execute("SELECT name FROM nodes").fetchone()[0])
+        for q in QUESTIONS:
+            got = q.on_node(Analysis.of(conn, WindowSpec(), node), node, q.parse({}))
+            assert q.expect in got and got["node"] == node, q.name
+            if q.shape is not None:
+                assert q.shape.__required_keys__ <= set(got), q.name
+    finally:
+        conn.close()
