@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fleetd.cli.explain_cmd import add_window, open_analysis, positive
@@ -79,9 +80,9 @@ def _register(sub: argparse._SubParsersAction[argparse.ArgumentParser], q: Quest
     if q.windowed:
         add_window(p)
     else:
-        p.add_argument("--db", type=_path, help="database file (default: $FLEETD_DB, "
+        p.add_argument("--db", type=Path, help="database file (default: $FLEETD_DB, "
                        "else a per-user path)")
-        p.add_argument("--lake", type=_path, metavar="DIR",
+        p.add_argument("--lake", type=Path, metavar="DIR",
                        help="a Parquet lake (copied into a temporary database first)")
         p.set_defaults(since=None, from_=None, to=None)
     for param in q.params:
@@ -96,12 +97,6 @@ def _register(sub: argparse._SubParsersAction[argparse.ArgumentParser], q: Quest
     p.add_argument("--format", default="table", help=f"output format: {'|'.join(FORMATS)}")
     add_fleet_args(p)
     p.set_defaults(func=lambda args: _run(args, q))
-
-
-def _path(text: str) -> Any:
-    from pathlib import Path
-
-    return Path(text)
 
 
 def _run(args: argparse.Namespace, q: Question) -> int:
