@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
     """Poll until a hang, --once, --for or Ctrl-C; returns the exit status."""
     from fleetd.fleet.client import FleetClient
-    from fleetd.fleet.hang import poll
+    from fleetd.fleet.hang import DetailAsks, poll
 
     live = _tty(err)
     started = time.monotonic()
@@ -101,6 +101,7 @@ async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
     answered_ever = False
     polls = 0
     result: dict[str, Any] = {}
+    detail = DetailAsks()
     async with FleetClient(opts.client) as client:
         while True:
             t0 = time.monotonic()
@@ -108,7 +109,7 @@ async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
             within = spec.hang_after_s if spec.once else max(
                 spec.hang_after_s, t0 - started + 2 * spec.interval_s)
             answer, result = await poll(opts, client, spec.hang_after_s,
-                                        deaths_within_s=within)
+                                        deaths_within_s=within, detail=detail)
             polls += 1
             answered_ever = answered_ever or bool(answer.answered)
             warnings = result["warnings"]

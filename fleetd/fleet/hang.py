@@ -44,6 +44,12 @@ log = logging.getLogger("fleetd.fleet.hang")
 
 CHAIN_CULPRITS = 4  # culprits whose top chain is fetched
 CHAIN_TIMEOUT_S = 5.0
+# fleetd watch asks the nodes of the ranks a group waits for, once it has waited this
+# long (or half the hang threshold, if shorter), to trace launches whole for DETAIL_S
+# (POST /api/v1/detail: agents in --mode always-on trace them 1 s in 10 otherwise).
+# Those ranks are not waiting themselves, so their own agent's wait rule does not fire.
+DETAIL_AFTER_S = 1.0
+DETAIL_S = 30
 
 
 # ---- the verdict --------------------------------------------------------------------------
@@ -228,11 +234,12 @@ def _check(reply: dict[str, Any]) -> dict[str, Any]:
 
 
 async def poll(opts: FleetOptions, client: FleetClient, hang_after_s: float, *,
-               deaths_within_s: float | None = None, chains: bool = True
-               ) -> tuple[FleetAnswer, dict[str, Any]]:
+               deaths_within_s: float | None = None, chains: bool = True,
+               detail: DetailAsks | None = None) -> tuple[FleetAnswer, dict[str, Any]]:
     """Ask every node once for its ranks and judge them; with a hang, fetch the top chain
-    of each culprit's process from its node (``chains``). Clock offsets are not sampled:
-    the verdict uses ages only."""
+    of each culprit's process from its node (``chains``); with ``detail`` (fleetd watch),
+    ask the nodes of the ranks that others wait for to trace launches whole. Clock
+    offsets are not sampled: the verdict uses ages only."""
     quick = dataclasses.replace(opts, skew_samples=0)
     request = Request("GET", paths.RANKS, expect=("ranks",), check=_check)
     started = time.monotonic()
@@ -244,11 +251,58 @@ async def poll(opts: FleetOptions, client: FleetClient, hang_after_s: float, *,
     replies = [(o.name, o.replies[0]) for o in answer.answered if o.replies]
     result = verdict(replies, hang_after_s, deaths_within_s=deaths_within_s,
                      age_error_s=spread)
+    if detail is not None:
+        await detail.ask(answer, client, laggard_nodes(replies, hang_after_s))
     if chains and result["hangs"]:
         await add_chains(answer, client, result, hang_after_s)
     result["warnings"] = [f"node {w.node}: {w.error}" for w in answer.warnings] + \
         result["warnings"]
     return answer, result
+
+
+def laggard_nodes(replies: Sequence[tuple[str, Mapping[str, Any]]], hang_after_s: float
+                  ) -> set[str]:
+    """The nodes of the ranks a group has waited for at least DETAIL_AFTER_S (or half
+    the hang threshold): a hang or a straggler in the making."""
+    views: list[RankView] = []
+    for node, reply in replies:
+        try:
+            views += check_ranks_reply(node, reply)
+        except BadReply:
+            continue  # verdict() warns about it
+    early = min(DETAIL_AFTER_S, hang_after_s / 2)
+    hangs, _ = judge(views, int(early * 1e9))
+    return {c.view.node for h in hangs for c in h.culprits}
+
+
+@dataclasses.dataclass
+class DetailAsks:
+    """Which nodes were asked for launch detail, and until when (monotonic s): a node
+    is asked again only when its window is about to close."""
+
+    until: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    async def ask(self, answer: FleetAnswer, client: FleetClient, nodes: set[str]) -> None:
+        now = time.monotonic()
+        targets = {o.name: o.target for o in answer.answered}
+        due = [n for n in sorted(nodes) if n in targets and self.until.get(n, 0.0) < now + 2]
+        if due:
+            client.restart_deadline()
+            await asyncio.gather(*(self._one(client, targets[n], n) for n in due))
+
+    async def _one(self, client: FleetClient, target: Any, node: str) -> None:
+        self.until[node] = time.monotonic() + DETAIL_S  # asked, answered or not
+        try:
+            async with asyncio.timeout(CHAIN_TIMEOUT_S):
+                reply = await client.post(target, f"{paths.DETAIL}?seconds={DETAIL_S}", {})
+        except (NodeFailed, TimeoutError) as exc:
+            log.info("node %s: launch detail not asked (%s)", node, exc)
+            return
+        if reply.get("opened") is True:
+            log.info("node %s: launch detail on for %d s (a group waits for its ranks)",
+                     node, DETAIL_S)
+        else:
+            log.debug("node %s: no launch detail window: %s", node, reply.get("why"))
 
 
 async def add_chains(answer: FleetAnswer, client: FleetClient, result: dict[str, Any],
