@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fleetd.cli.explain_cmd import add_window, open_analysis, positive
-from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
+from fleetd.cli.explain_cmd import add_window, positive
+from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
+from fleetd.cli.questions import either
 from fleetd.errors import UsageError
+
+if TYPE_CHECKING:
+    from fleetd.analyze.facade import Analysis
+    from fleetd.analyze.window import WindowSpec
+    from fleetd.fleet.fanout import FleetOptions
+    from fleetd.fleet.result import FleetResult
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -39,26 +46,29 @@ def run(args: argparse.Namespace) -> int:
     from fleetd.analyze.collectives import LOCAL_ROWS, MAX_ROWS, ROW_COLUMNS, rows
 
     fmt = check_format(args.format)
-    if fleet_mode(args):
+
+    def local(analysis: Analysis) -> dict[str, Any]:
+        found = analysis.collectives(max_rows=args.max_rows or LOCAL_ROWS)
+        win = analysis.window
+        return {**found, "window": win.to_json(), "warnings": list(win.warnings)}
+
+    def fleet_check() -> None:
         if args.max_rows and args.max_rows > MAX_ROWS:
             raise UsageError(f"--max-rows {args.max_rows} is above the agents' limit of "
                              f"{MAX_ROWS}", "narrow the window instead (--since/--from/--to)")
-        from fleetd.analyze.window import WindowSpec
+
+    def fleet(opts: FleetOptions, window: WindowSpec) -> FleetResult:
         from fleetd.fleet.collectives import collectives
 
-        result = collectives(fleet_options(args), WindowSpec(args.since, args.from_, args.to),
-                             args.max_rows)
-        _write(result.obj, result.columns, result.rows, fmt)
-        if fmt != "json" or args.show_skew:
-            report(result.answer, args.show_skew)
-        return result.exit_code
-    with open_analysis(args) as (_, analysis):
-        found = analysis.collectives(max_rows=args.max_rows or LOCAL_ROWS)
-        win = analysis.window
-    obj = {**found, "window": win.to_json(), "warnings": list(win.warnings)}
-    _write(obj, list(ROW_COLUMNS), rows(found), fmt)
-    print_notes(obj, bool(found["events"]), fmt)
-    return 0
+        return collectives(opts, window, args.max_rows)
+
+    asked = either(args, local, fleet, fleet_check)
+    if asked.result is None:
+        _write(asked.obj, list(ROW_COLUMNS), rows(asked.obj), fmt)
+        print_notes(asked.obj, bool(asked.obj["events"]), fmt)
+    else:
+        _write(asked.obj, asked.result.columns, asked.result.rows, fmt)
+    return asked.done(args, fmt == "json")
 
 
 def _write(obj: dict[str, Any], columns: list[str], values: list[list[Any]], fmt: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,9 @@ from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
 from fleetd.questions.catalog import QUESTIONS
 
 if TYPE_CHECKING:
+    from fleetd.analyze.facade import Analysis
+    from fleetd.analyze.window import WindowSpec
+    from fleetd.fleet.fanout import FleetOptions
     from fleetd.fleet.result import FleetResult
     from fleetd.questions.spec import Question
 
@@ -50,17 +54,32 @@ class Asked:
 def ask(args: argparse.Namespace, question: Question, **given: Any) -> Asked:
     """Ask ``question`` with ``given`` parameter values of the fleet (--nodes, --config,
     a config found) or of the local file (--db, --lake) in the command's window."""
-    from fleetd.analyze.window import WindowSpec
-
     params = question.values(given)
-    if fleet_mode(args):
+
+    def fleet(opts: FleetOptions, window: WindowSpec) -> FleetResult:
         from fleetd.fleet.queries import ask as ask_fleet
 
-        window = WindowSpec(args.since, args.from_, args.to)
-        result = ask_fleet(fleet_options(args), question, window, params)
+        return ask_fleet(opts, question, window, params)
+
+    return either(args, lambda a: dict(question.answer_locally(a, params)), fleet)
+
+
+def either(args: argparse.Namespace, local: Callable[[Analysis], dict[str, Any]],
+           fleet: Callable[[FleetOptions, WindowSpec], FleetResult],
+           fleet_check: Callable[[], None] | None = None) -> Asked:
+    """The one choice between the fleet and a local file: ``fleet(options, window)``
+    with --nodes/--config (or a config found), else ``local(analysis)`` of --db/--lake
+    in the command's window. ``fleet_check`` refuses values only the fleet refuses,
+    before any certificate is read (a typo first)."""
+    from fleetd.analyze.window import WindowSpec
+
+    if fleet_mode(args):
+        if fleet_check is not None:
+            fleet_check()
+        result = fleet(fleet_options(args), WindowSpec(args.since, args.from_, args.to))
         return Asked(result.obj, result)
     with open_analysis(args) as (_, analysis):
-        return Asked(dict(question.answer_locally(analysis, params)))
+        return Asked(local(analysis))
 
 
 # ---- fleetd NAME for a question with a table --------------------------------------------
