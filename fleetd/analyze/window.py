@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fleetd.errors import FleetdError, QueryError, UsageError
+from fleetd.store.bounds import ABSOLUTE, RELATIVE, WHOLE, Bounds
 from fleetd.store.db import present_tables
 from fleetd.store.timeparse import format_ns, parse_duration, parse_timestamp
 
@@ -48,35 +49,6 @@ class Window:
             "end": format_ns(self.end_ns),
             "label": self.label,
         }
-
-
-RELATIVE, ABSOLUTE, WHOLE = "relative", "absolute", "whole"
-
-
-@dataclass(frozen=True, slots=True)
-class Bounds:
-    """A window parsed once, in our clock: its ``origin`` (``relative``: the last
-    ``since`` before now; ``absolute``: ``--from``/``--to``; ``whole``: the whole
-    recording) and ``[start_ns, end_ns)`` in wall-clock UTC ns, None where it is open
-    (the recording's first event; its last, or now for a relative window)."""
-
-    origin: str
-    start_ns: int | None = None
-    end_ns: int | None = None
-    since: str | None = None  # a relative window's duration, as given
-
-    def params(self, offset_ns: int = 0) -> dict[str, str]:
-        """Query parameters for a node whose clock is ``offset_ns`` ahead of ours.
-        ``since`` needs no shift: "the last 5 minutes" by the node's clock is the same
-        span of real time."""
-        if self.origin == RELATIVE:
-            return {"since": str(self.since)}
-        out: dict[str, str] = {}
-        if self.start_ns is not None:
-            out["from"] = str(self.start_ns + offset_ns)
-        if self.end_ns is not None:
-            out["to"] = str(self.end_ns - 1 + offset_ns)  # --to is inclusive
-        return out
 
 
 def _both_given(since: str | None) -> UsageError:

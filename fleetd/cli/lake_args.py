@@ -7,27 +7,22 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from fleetd.cli.fleet_args import fleet_mode
 from fleetd.errors import UsageError
-from fleetd.store.timeparse import parse_duration, parse_timestamp
 
 
 def lake_pruning_window(args: argparse.Namespace) -> tuple[int | None, int | None]:
-    """--since/--from/--to as absolute wall-clock ns (None: unbounded), for pruning a
-    lake's partitions or choosing what to export into one."""
-    since = time.time_ns() - parse_duration(args.since) if args.since else None
-    if args.from_:
-        since = parse_timestamp(args.from_)
-    until = parse_timestamp(args.to) if args.to else None
-    if since is not None and until is not None and since > until:
-        raise UsageError(f"--from {args.from_!r} is later than --to {args.to!r}",
-                         "swap the two times: the window runs from --from to --to")
-    return since, until
+    """--since/--from/--to as ``[first, last]`` wall-clock ns (None: unbounded), for
+    pruning a lake's partitions or choosing what to export into one: parsed by the one
+    window parser (WindowSpec.bounds), so its errors read as every other command's."""
+    from fleetd.analyze.window import WindowSpec
+
+    spec = WindowSpec(args.since or None, args.from_ or None, args.to or None)
+    return spec.bounds().inclusive()
 
 
 @contextmanager

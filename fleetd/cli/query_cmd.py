@@ -21,7 +21,7 @@ from fleetd.errors import UsageError
 from fleetd.store.catalog import BY_NAME
 from fleetd.store.db import default_db_path
 from fleetd.store.guard import Limits, QueryResult, SafeDB
-from fleetd.store.timeparse import format_ns, parse_duration, parse_timestamp
+from fleetd.store.timeparse import format_ns, parse_duration
 
 SHORTCUT_COLUMNS = "id, node, ts_ns, dur_ns, pid, tid, comm, op, ret, bytes"
 
@@ -103,20 +103,16 @@ def _shortcut(args: argparse.Namespace) -> tuple[str, list[Any], set[int]]:
     if args.pid is not None:
         where.append("pid = ?")
         params.append(args.pid)
-    for value in (time.time_ns() - parse_duration(args.since) if args.since else None,
-                  parse_timestamp(args.from_) if args.from_ else None):
+    from fleetd.analyze.window import WindowSpec
+
+    # The window as every command parses it (WindowSpec.bounds: one set of errors).
+    first, last = WindowSpec(args.since or None, args.from_ or None, args.to or None
+                             ).bounds().inclusive()
+    for cond, value in (("ts_ns >= ?", first), ("ts_ns <= ?", last)):
         if value is not None:
-            where.append("ts_ns >= ?")
+            where.append(cond)
             times.add(len(params))
             params.append(value)
-    if args.to:
-        to = parse_timestamp(args.to)
-        if args.from_ and parse_timestamp(args.from_) > to:
-            raise UsageError(f"--from {args.from_!r} is later than --to {args.to!r}",
-                             "swap the two times: the window runs from --from to --to")
-        where.append("ts_ns <= ?")
-        times.add(len(params))
-        params.append(to)
     sql = f"SELECT {SHORTCUT_COLUMNS} FROM events"
     if where:
         sql += " WHERE " + " AND ".join(where)

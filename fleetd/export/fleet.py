@@ -45,7 +45,7 @@ from fleetd.export.model import (
 )
 from fleetd.export.output import check_output, open_output
 from fleetd.export.perfetto import NodeStats, Written, write_trace
-from fleetd.export.pull import NodePull, PullSpec, Span, pull
+from fleetd.export.pull import NodePull, PullSpec, pull
 from fleetd.fleet.fanout import EXIT_NO_ANSWER, FleetAnswer, FleetOptions
 from fleetd.store.clockinfo import SessionClock, session_clock
 from fleetd.store.schema import SEQ_MASK
@@ -84,7 +84,7 @@ class FleetExport:
 def export_fleet(opts: FleetOptions, xopts: FleetExportOptions,
                  out: Path | None, written: Written | None = None) -> FleetExport:
     """Pull every node and write one timeline to ``out`` (stdout for None)."""
-    span = Span.of(xopts.window, time.time_ns())
+    span = xopts.window.bounds(time.time_ns())  # parsed once, its errors worded there
     if out is not None:
         check_output(out)
     spec = PullSpec(span, xopts.pid, xopts.limit_per_node, xopts.chains)
@@ -111,8 +111,8 @@ def export_fleet(opts: FleetOptions, xopts: FleetExportOptions,
         origin = min(starts, default=span.start_ns if span.start_ns is not None
                      else time.time_ns())
         with open_output(out) as stream:
-            stats = write_trace(traces, stream, origin_ns=origin,
-                                meta=_meta(answer, span, warnings), written=written)
+            meta = _meta(answer, span.to_json(xopts.window.label()), warnings)
+            stats = write_trace(traces, stream, origin_ns=origin, meta=meta, written=written)
     return FleetExport(answer, stats, warnings)
 
 
@@ -126,13 +126,14 @@ def _nothing(answer: FleetAnswer) -> tuple[str, str]:
             hint or "check the agents and the --nodes addresses, then export again")
 
 
-def _meta(answer: FleetAnswer, span: Span, warnings: list[str]) -> dict[str, Any]:
+def _meta(answer: FleetAnswer, window: dict[str, object], warnings: list[str]
+          ) -> dict[str, Any]:
     # write_trace writes otherData after the events, so ``warnings`` is complete by then
     # (the spool readers add to it while the events are written).
     skew = {o.name: {"skew_ns": o.skew.correction_ns, "error_ns": round(o.skew.error_ns),
                      "samples": o.skew.used, "corrected": answer.correct}
             for o in answer.outcomes if o.skew is not None}
-    return {"source": "fleet", "window": span.to_json(), "fleet": {
+    return {"source": "fleet", "window": window, "fleet": {
         "status": answer.status,
         "answered": f"{len(answer.answered)} of {len(answer.outcomes)} node(s)",
         "skew": skew,

@@ -33,7 +33,6 @@ from typing import Any, BinaryIO
 import orjson
 
 from fleetd.analyze.data import CALL_SOURCES
-from fleetd.analyze.window import WindowSpec
 from fleetd.errors import UsageError
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import NodeWarning
@@ -47,15 +46,14 @@ from fleetd.fleet.fanout import (
 )
 from fleetd.fleet.result import raise_if_user_error
 from fleetd.fleet.targets import Target
+from fleetd.store.bounds import OPEN_END_NS, Bounds
 from fleetd.store.chainrow import STORED_CHAIN_COLUMNS, STORED_CHAIN_WINDOW
 from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS
-from fleetd.store.timeparse import format_ns
 from fleetd.wire import paths
 from fleetd.wire.failure import Failure, NodeFailed
 
 log = logging.getLogger("fleetd.export.pull")
 
-OPEN_END_NS = 2**62  # "no end", as the node API's events endpoint takes it
 RATES_PAGE = 5_000  # histogram windows per request (under the agent's row ceiling)
 NAMES_SQL = ("SELECT 'process' AS kind, pid AS id, NULL AS pid, comm, rank FROM processes "
              "UNION ALL SELECT 'thread', tid, pid, comm, NULL FROM threads")
@@ -107,34 +105,8 @@ GPU_PROBE_SQL = (
 
 
 @dataclass(frozen=True, slots=True)
-class Span:
-    """The export window in *our* clock, resolved once: ``[start_ns, end_ns)``, None
-    where it is open (the node's first event, or whatever it holds when asked)."""
-
-    start_ns: int | None
-    end_ns: int | None
-    label: str
-
-    @classmethod
-    def of(cls, window: WindowSpec, now_ns: int) -> Span:
-        bounds = window.bounds(now_ns)  # parsed, and its errors worded, in one place
-        return cls(bounds.start_ns, bounds.end_ns, window.label())
-
-    def in_node_clock(self, offset_ns: int) -> tuple[int, int]:
-        """``[start, end)`` as the node's clock reads it (``offset``: node minus ours)."""
-        start = 0 if self.start_ns is None else self.start_ns + offset_ns
-        end = OPEN_END_NS if self.end_ns is None else self.end_ns + offset_ns
-        return start, end
-
-    def to_json(self) -> dict[str, Any]:
-        return {"label": self.label, "start_ns": self.start_ns, "end_ns": self.end_ns,
-                "start": format_ns(self.start_ns) if self.start_ns is not None else None,
-                "end": format_ns(self.end_ns) if self.end_ns is not None else None}
-
-
-@dataclass(frozen=True, slots=True)
 class PullSpec:
-    span: Span
+    span: Bounds  # the window, parsed once (WindowSpec.bounds)
     pid: int | None = None
     limit_per_node: int | None = None
     chains: str = "auto"  # auto | stored | computed | none, as fleetd.export.local
@@ -207,7 +179,7 @@ def _sql(sql: str, params: list[Any], timeout_s: float, max_rows: int | None = N
 
 async def _facts(client: FleetClient, t: Target, spec: PullSpec, offset: int,
                  node_limit: float) -> dict[str, Any]:
-    start, end = spec.span.in_node_clock(offset)
+    start, end = spec.span.in_clock(offset)
     asks = [_sql(NAMES_SQL, [], node_limit), _sql(SESSIONS_SQL, [], node_limit),
             _sql(STACKS_SQL, [start, end], node_limit, MAX_STACKS)]
     if spec.chains in ("auto", "stored"):
@@ -278,7 +250,7 @@ async def _bulk(client: FleetClient, answer: FleetAnswer, o: NodeOutcome, spec: 
     with a warning (a failure of the rates only costs the rates)."""
     assert o.replies is not None
     facts = o.replies[0]
-    start, end = spec.span.in_node_clock(answer.offset_ns(o))
+    start, end = spec.span.in_clock(answer.offset_ns(o))
     node = NodePull(o, facts, base.with_suffix(".events.ndjson"),
                     base.with_suffix(".rates.ndjson"), warnings=list(facts.get("notes") or []),
                     window=(start, end))

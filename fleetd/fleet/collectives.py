@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fleetd.analyze import collectives as coll
-from fleetd.analyze.window import Bounds, WindowSpec
+from fleetd.analyze.window import WindowSpec
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import NodeWarning
 from fleetd.fleet.dispatch import fan_out
@@ -40,6 +40,7 @@ from fleetd.fleet.targets import Target
 from fleetd.questions.catalog import COLLECTIVES
 from fleetd.questions.spec import Params
 from fleetd.runner import run_loop
+from fleetd.store.bounds import Bounds
 from fleetd.wire.collectives import check_reply
 from fleetd.wire.failure import BadReply, Failure, NodeFailed
 from fleetd.wire.values import printable

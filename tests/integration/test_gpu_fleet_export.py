@@ -42,10 +42,11 @@ from fleetd.export.fleet import (
     _gpu,
     export_fleet,
 )
-from fleetd.export.pull import NodePull, PullSpec, Span
+from fleetd.export.pull import NodePull, PullSpec
 from fleetd.fleet.client import ClientOptions
 from fleetd.fleet.fanout import FleetOptions, NodeOutcome
 from fleetd.fleet.targets import parse_nodes
+from fleetd.store.bounds import WHOLE, Bounds
 
 from conftest import FLEETD, REPO, build_db
 
@@ -485,7 +486,7 @@ def test_pages_that_do_not_move_forward_end_the_paging(
     [target] = parse_nodes("127.0.0.1:1")
     node = NodePull(NodeOutcome(target, "liar"), {}, tmp_path / "e", tmp_path / "r",
                     window=WINDOW)
-    spec = PullSpec(Span(None, None, "all"))
+    spec = PullSpec(Bounds(WHOLE))
     got = asyncio.run(pull._pages(None, target, pull.GPU_SQL.format(pid=""),
                                   spec, node, 1.0, tmp_path / "gpu.ndjson", "GPU rows"))
     assert got == 4 and len(pages) == 2

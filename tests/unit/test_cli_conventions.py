@@ -216,7 +216,7 @@ def test_hints_name_what_was_really_wrong(tmp_path: Path) -> None:
     assert "verdict: no events for pid 1" in proc.stdout and "quiet" not in proc.stdout
     window = fleetd("query", "--db", str(SCENARIOS / "cpu_hog.db"),
                     "--from", "2026-11-23T03:00:00Z", "--to", "2026-11-23T02:00:00Z")
-    assert_one_line_error(window, "is later than --to")
+    assert_one_line_error(window, "is not before --to")
     missing = fleetd("merge", str(tmp_path / "gone.db"), "-o", str(tmp_path / "m.db"))
     assert_one_line_error(missing, "merge input")
     assert "--db" not in missing.stderr
