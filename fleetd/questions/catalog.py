@@ -261,7 +261,7 @@ def _pods_combine(nodes: list[Reply]) -> Reply:
 
 PODS = Question(
     "pods", "which Kubernetes pods ran on each node, with their processes",
-    (), _pods, "processes", combine=_pods_combine, windowed=False,
+    (), _pods, "processes", path=paths.PODS, combine=_pods_combine, windowed=False,
     columns=("node", "namespace", "pod", "container", "pid", "comm"), rows="processes",
     tool="get_pods", description=(
         "The Kubernetes pods (and other containers) whose processes fleetd traced, per "

@@ -124,7 +124,7 @@ class Question:
     params: tuple[Param, ...]
     answer: NodeAnswer
     expect: str
-    path: str = ""  # default: /api/v1/NAME
+    path: str = ""  # a fleetd.wire.paths constant (tests/unit/test_wire.py); default /api/v1/NAME
     local: LocalAnswer | None = None
     combine: Combine | None = None
     check: Check | None = None

@@ -19,6 +19,7 @@ GRAPHS = "/api/v1/graphs"
 GPU = "/api/v1/gpu"
 COLLECTIVES = "/api/v1/collectives"
 RANKS = "/api/v1/ranks"
+PODS = "/api/v1/pods"  # the pods that ran on the node, with their processes: fleetd pods
 RELAY = "/api/v1/relay"
 DETAIL = "/api/v1/detail"  # POST: launch detail for N seconds (--mode always-on)
 

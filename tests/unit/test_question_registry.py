@@ -20,6 +20,7 @@ from fleetd.errors import QueryError
 from fleetd.questions.catalog import GPU, QUESTIONS, STACKS
 from fleetd.questions.spec import Params
 from fleetd.store.schema import migrate
+from fleetd.wire import paths
 
 from conftest import REPO
 
@@ -70,6 +71,8 @@ def test_every_question_is_a_route_of_the_agent(tmp_path: Path) -> None:
     app = build_app(AgentSettings(node="n1", db=tmp_path / "n1.db"), NodeState(node="n1"))
     routes = {r.resource.canonical for r in app.router.routes() if r.method == "GET"}
     assert {q.route for q in QUESTIONS} <= routes
+    declared = {v for k, v in vars(paths).items() if k.isupper() and isinstance(v, str)}
+    assert {q.route for q in QUESTIONS} <= declared  # each named once, in fleetd.wire
 
 
 @pytest.mark.parametrize("text", ["0", "-3", "ten", "1001", str(2**70)])
