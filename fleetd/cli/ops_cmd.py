@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING, Any
 
-from fleetd.cli.explain_cmd import add_common, open_analysis
-from fleetd.cli.fleet_args import fleet_mode, fleet_options, report
+from fleetd.cli.explain_cmd import add_common
 from fleetd.cli.output import FORMATS, check_format, human_ns, write_rows
 from fleetd.cli.pod_args import fleet_selection, selected_pids
+from fleetd.cli.questions import either
+
+if TYPE_CHECKING:
+    from fleetd.analyze.facade import Analysis
+    from fleetd.analyze.window import WindowSpec
+    from fleetd.fleet.fanout import FleetOptions
+    from fleetd.fleet.result import FleetResult
 
 _NS_COLUMNS = ("total_ns", "mean_ns", "p50_ns", "p95_ns", "p99_ns", "max_ns")
 
@@ -35,49 +42,50 @@ def run(args: argparse.Namespace) -> int:
     from fleetd.analyze.opstats import COLUMNS, KERNEL_COLUMNS
 
     fmt = check_format(args.format)
-    every = KERNEL_COLUMNS if args.by == "kernel" else COLUMNS
-    if fleet_mode(args):
+    every = list(KERNEL_COLUMNS if args.by == "kernel" else COLUMNS)
+
+    def fleet(opts: FleetOptions, window: WindowSpec) -> FleetResult:
+        from fleetd.fleet.queries import ops
+
         pod, ns = fleet_selection(args)
+        cols = [c for c in every if args.per_process or c not in ("pid", "comm")]
         if pod or ns:
             # Per process, as with --db, and each row's pod beside its process.
             at = every.index("comm") + 1
-            return run_fleet(args, fmt, [*every[:at], "pod", *every[at:]], pod, ns)
-        cols = [c for c in every if args.per_process or c not in ("pid", "comm")]
-        return run_fleet(args, fmt, cols)
-    with open_analysis(args) as (_, analysis):
+            cols = [*every[:at], "pod", *every[at:]]
+        return ops(opts, window, args.pid, args.per_process or bool(pod or ns), cols, args.by,
+                   pod, ns)
+
+    def local(analysis: Analysis) -> dict[str, Any]:
         pids = selected_pids(args, analysis.conn)
         # A pod's processes: per process (a total over all cannot be split afterwards).
         per_process = args.per_process or pids is not None
         rows = analysis.op_stats(args.pid, per_process, args.by)
         if pids is not None:
             rows = [r for r in rows if r.get("pid") in pids]
-    cols = [c for c in every if per_process or c not in ("pid", "comm")]
-    win = analysis.window
-    shown, values = table_view(cols, [[r[c] for c in cols] for r in rows], fmt)
+        cols = [c for c in every if per_process or c not in ("pid", "comm")]
+        win = analysis.window
+        return {"columns": cols, "rows": [[r[c] for c in cols] for r in rows],
+                "window": win.to_json(), "warnings": list(win.warnings)}
+
+    def fleet_check() -> None:
+        fleet_selection(args)  # a --pod mistake is one usage error, not one per node
+
+    asked = either(args, local, fleet, fleet_check)
+    got = asked.result
+    columns, rows = ((list(got.columns), [list(r) for r in got.rows]) if got is not None
+                     else (asked.obj["columns"], asked.obj["rows"]))
+    shown, values = table_view(columns, rows, fmt)
     write_rows(shown, values, fmt, sys.stdout,
-               {"window": win.to_json(), "warnings": list(win.warnings)})
-    if fmt != "json":
-        if not rows and not win.warnings:
+               {k: v for k, v in asked.obj.items() if k not in ("columns", "rows")})
+    if got is None and fmt != "json":
+        warnings = asked.obj["warnings"]
+        if not rows and not warnings:
             what = "launches with a kernel name" if args.by == "kernel" else "ops"
             print(f"fleetd: warning: no {what} in the window", file=sys.stderr)
-        for w in win.warnings:
+        for w in warnings:
             print(f"fleetd: warning: {w}", file=sys.stderr)
-    return 0
-
-
-def run_fleet(args: argparse.Namespace, fmt: str, cols: list[str], pod: str | None = None,
-              namespace: str | None = None) -> int:
-    from fleetd.analyze.window import WindowSpec
-    from fleetd.fleet.queries import ops
-
-    result = ops(fleet_options(args), WindowSpec(args.since, args.from_, args.to), args.pid,
-                 args.per_process or bool(pod or namespace), cols, args.by, pod, namespace)
-    shown, values = table_view(list(result.columns), [list(r) for r in result.rows], fmt)
-    extra = {k: v for k, v in result.obj.items() if k not in ("columns", "rows")}
-    write_rows(shown, values, fmt, sys.stdout, extra)
-    if fmt != "json" or args.show_skew:
-        report(result.answer, args.show_skew)
-    return result.exit_code
+    return asked.done(args, fmt == "json")
 
 
 def table_view(cols: list[str], rows: list[list[object]],
