@@ -8,17 +8,17 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:  # the types of the local and fleet answers' functions
+    from fleetd.analyze.facade import Analysis
+    from fleetd.analyze.window import WindowSpec
+    from fleetd.fleet.fanout import FleetOptions
+    from fleetd.fleet.result import FleetResult
+
 from fleetd.cli.explain_cmd import add_window, positive
 from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
 from fleetd.cli.questions import either
 from fleetd.errors import UsageError
-
-if TYPE_CHECKING:
-    from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.window import WindowSpec
-    from fleetd.fleet.fanout import FleetOptions
-    from fleetd.fleet.result import FleetResult
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
