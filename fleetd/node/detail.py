@@ -60,7 +60,7 @@ def _seconds(text: str | None) -> int:
         value = 0
     if not 1 <= value <= MAX_S:
         raise QueryError(f"seconds={str(text)[:40]!r} must be a whole number from 1 to {MAX_S}",
-                         "e.g. POST /api/v1/detail?seconds=10", code="bad_request")
+                         f"e.g. POST {paths.DETAIL}?seconds=10", code="bad_request")
     return value
 
 

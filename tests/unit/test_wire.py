@@ -48,10 +48,10 @@ def test_paths_and_headers_are_spelled_only_in_the_wire() -> None:
 
 
 def test_every_route_the_agent_serves_is_a_wire_path() -> None:
-    from fleetd.node import analysis, ranks
+    from fleetd.node import analysis, detail, ranks
     from fleetd.relay import RelaySettings, relay_routes
 
-    served = {r.path for r in [*analysis.ROUTES, *ranks.ROUTES,
+    served = {r.path for r in [*analysis.ROUTES, *ranks.ROUTES, *detail.ROUTES,
                                *relay_routes(RelaySettings(node="n1"))]}
     served |= {paths.HEALTH, paths.TIME, paths.QUERY, paths.EVENTS}  # node.api.make_app
     declared = {v for k, v in vars(paths).items()
