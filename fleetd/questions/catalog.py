@@ -14,6 +14,13 @@ from fleetd.analyze import arrivals
 from fleetd.errors import QueryError, UsageError
 from fleetd.questions.spec import Answer, Param, Params, Question, Reply
 from fleetd.wire import paths
+from fleetd.wire.answers import (
+    CpuStacksAnswer,
+    GpuAnswer,
+    GraphsAnswer,
+    OverviewAnswer,
+    StacksAnswer,
+)
 from fleetd.wire.limits import POD_CHARS
 from fleetd.wire.pods import read_params, read_placement
 from fleetd.wire.shapes import ChainsReply, OpsReply
@@ -75,7 +82,8 @@ STACKS = Question(
      Param("frames_n", "int", 16, MAX_FRAMES, "frames per stack, innermost first"),
      Param("min_dur_ns", "int", 0, help="only calls at least this long"),
      Param("op", "str", help="only calls of this CUDA op", read=_op)),
-    _stacks, "stacks", path=paths.STACKS, local=_stacks_local, combine=_stacks_combine)
+    _stacks, "stacks", path=paths.STACKS, local=_stacks_local, combine=_stacks_combine,
+    shape=StacksAnswer)
 
 
 # ---- on-CPU samples -----------------------------------------------------------------
@@ -135,7 +143,7 @@ CPU_STACKS = Question(
      Param("top_n", "int", MAX_CPU_STACKS, MAX_CPU_STACKS, "stacks to return"),
      Param("frames_n", "int", MAX_FRAMES, MAX_FRAMES, "frames per stack")),
     _cpu_stacks, "stacks", path=paths.CPU_STACKS, local=_cpu_stacks_local,
-    combine=_cpu_stacks_combine)
+    combine=_cpu_stacks_combine, shape=CpuStacksAnswer)
 
 
 # ---- CUDA graphs --------------------------------------------------------------------
@@ -149,7 +157,7 @@ GRAPHS = Question(
     "graphs", "CUDA graph lifecycle per process",
     (PID, Param("buckets", "int", 20, MAX_BUCKETS, "timeline rows per process")),
     _graphs, "processes", path=paths.GRAPHS,
-    combine=lambda nodes: {"processes": _tagged(nodes, "processes")})
+    combine=lambda nodes: {"processes": _tagged(nodes, "processes")}, shape=GraphsAnswer)
 
 
 # ---- GPU ranks ----------------------------------------------------------------------
@@ -193,7 +201,7 @@ GPU = Question(
     (PID, Param("steps", "bool", False, help="whole profiler steps only"),
      Param("thresholds", "str", help="verdict thresholds, METRIC=VALUE,...",
            read=_thresholds, write=_thresholds_text)),
-    _gpu, "ranks", path=paths.GPU, combine=_gpu_combine, check=_gpu_check)
+    _gpu, "ranks", path=paths.GPU, combine=_gpu_combine, check=_gpu_check, shape=GpuAnswer)
 
 
 # ---- overview and straggler profile -------------------------------------------------
@@ -223,7 +231,7 @@ def _overview_local(a: Analysis, p: Params) -> Answer:
 OVERVIEW = Question(
     "overview", "per node: events, lost events, chains by severity, verdict",
     (), lambda a, node, p: a.overview(node), "events", path=paths.OVERVIEW,
-    local=_overview_local, tag_node=False, node_warnings=False)
+    local=_overview_local, tag_node=False, node_warnings=False, shape=OverviewAnswer)
 
 PROFILE = Question(
     "profile", "the node's straggler features",
