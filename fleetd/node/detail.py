@@ -85,9 +85,11 @@ async def watch_waits(tracer: Detailed, waited: Callable[[], int]) -> None:
     """Until cancelled: hold a window open while ``waited()`` (the longest local
     collective wait, ns) has reached :data:`WAIT_NS`."""
     opened = False
+    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(CHECK_S)
-        longest = waited()
+        # Off the loop: each rank's state is a /proc read (up to 512 ranks).
+        longest = await loop.run_in_executor(None, waited)
         if longest >= WAIT_NS:
             if tracer.ask_detail(HOLD_S) and not opened:
                 log.info("a rank has waited %.1f s in a collective: launch detail on",
