@@ -92,6 +92,9 @@ def _advice(cause: str) -> Callable[[Chain], list[str]]:
     return fixes
 
 
+SHARED_CULPRIT = 0.25  # a further culprit with this share of the time is named in fixes
+
+
 def _cpu_contention_fixes(ch: Chain) -> list[str]:
     v, c = ch.victim, (ch.culprits[0] if ch.culprits else None)
     vp = v["pid"]
@@ -125,11 +128,17 @@ def _cpu_contention_fixes(ch: Chain) -> list[str]:
         out.insert(0, f"move {cn} (pid {cp}) out of the workload's cgroup {q['cgroup']}: "
                       f"it spends the same {q['cpus']:g}-CPU quota, which ran out in "
                       f"{q['throttled_period_share']:.0%} of the periods")
-    if cp is not None:
-        out += [f"lower the priority of {cn} (pid {cp}): renice -n 19 -p {cp}, or run it "
-                f"with chrt --idle 0",
-                f"move {cn} (pid {cp}) off the workload's cores: taskset -acp "
-                "<other cores> " + str(cp)]
+    if c is not None:
+        # Tasks that took turns on the CPU share the time: name each that took a large
+        # part of it, not only the first.
+        every = [c, *(x for x in ch.culprits[1:3] if not x.get("self")
+                      and float(x.get("share") or 0) >= SHARED_CULPRIT)]
+        names = " and ".join(f"{x['comm']} (pid {x['pid']})" for x in every)
+        out += [f"lower the priority of {names}: renice -n 19 -p "
+                f"{' '.join(str(x['pid']) for x in every)}, or run "
+                f"{'them' if len(every) > 1 else 'it'} with chrt --idle 0",
+                f"move {names} off the workload's cores: "
+                + "; ".join(f"taskset -acp <other cores> {x['pid']}" for x in every)]
     return out
 
 

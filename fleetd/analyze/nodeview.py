@@ -57,6 +57,18 @@ def overlap(a0: int, a1: int, b0: int, b1: int) -> int:
     return max(0, min(a1, b1) - max(a0, b0))
 
 
+def preempt_takers(tid: int, first: int, last: int, ns: int) -> list[tuple[int, int]]:
+    """Who held the CPU while preempted ``tid`` waited ``ns`` for it: the task that took
+    the CPU (``first``, the switch's next) and the one that had it last before ``tid``
+    got it back (``last``). Two busy loops sharing its CPU take turns: the first always
+    takes over and the second always hands back, and charging the whole wait to the
+    first named one task for work two did. So two different takers share it half and
+    half (a third one between them is not seen: the tracer keeps the two ends)."""
+    if last and last != first and last != tid:
+        return [(first, ns - ns // 2), (last, ns // 2)]
+    return [(first, ns)]
+
+
 class NodeView:
     """Everything chains need from one node's window, read with bounded queries."""
 
@@ -121,7 +133,8 @@ class NodeView:
         ):
             state = task_state(int(a0 or 0))
             if op == OFF_CPU and state == "R" and peer:
-                out[int(peer)] += int(dur)
+                for taker, ns in preempt_takers(tid, int(peer), int(a1 or 0), int(dur)):
+                    out[taker] += ns
             elif op == RUNQ and state != "R" and a1:
                 out[int(a1)] += int(dur)
         return out

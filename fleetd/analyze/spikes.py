@@ -29,6 +29,7 @@ from fleetd.analyze.nodeview import (
     Ev,
     NodeView,
     overlap,
+    preempt_takers,
     task_state,
 )
 from fleetd.analyze.waits import reason
@@ -224,11 +225,15 @@ def _off_cpu(view: NodeView, spike: Spike, e: Ev, wakes: list[tuple[int, int]]) 
         ov = overlap(c.ts, c.end, e.ts, e.end)
         if ov:
             spike.cause_ns["preempted"] += ov
-            spike.culprit_ns[("cpu", e.peer)] += ov
+            takers = preempt_takers(c.tid, e.peer, e.a1, ov)
+            for tid, ns in takers:
+                spike.culprit_ns[("cpu", tid)] += ns
             ran = view.who(e.peer)
-            spike.evidence.append(_item(view, e, "off_cpu", ov,
-                                        f"preempted; {ran['comm']} (pid {ran['pid']}) ran instead",
-                                        state="R", culprit=ran))
+            text = f"preempted; {ran['comm']} (pid {ran['pid']}) ran instead"
+            if len(takers) > 1:
+                last = view.who(e.a1)
+                text += f", {last['comm']} (pid {last['pid']}) last before it got the CPU back"
+            spike.evidence.append(_item(view, e, "off_cpu", ov, text, state="R", culprit=ran))
         return
     i = bisect.bisect_left(wakes, (e.ts, -1))
     wake, waker = wakes[i] if i < len(wakes) and wakes[i][0] <= e.end else (e.end, 0)
