@@ -65,17 +65,37 @@ def verdict(replies: Sequence[tuple[str, Mapping[str, Any]]], hang_after_s: floa
     ``age_error_s``: how far apart the nodes' "now"s may be (the poll's duration; None
     when unknown), the error of comparing their ages when ranks are aligned.
     """
-    if not (math.isfinite(hang_after_s) and hang_after_s > 0):
-        raise ValueError(f"hang_after_s must be a positive number, not {hang_after_s!r}")
-    views: list[RankView] = []
-    warnings: list[str] = []
-    nodes: list[str] = []
+    return judged(checked(replies), hang_after_s, deaths_within_s=deaths_within_s,
+                  age_error_s=age_error_s)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Checked:
+    """The nodes' ranks answers read once: every rank rebuilt from checked values, the
+    nodes whose answers held, and a warning for each that did not."""
+
+    views: list[RankView]
+    nodes: list[str]
+    warnings: list[str]
+
+
+def checked(replies: Sequence[tuple[str, Mapping[str, Any]]]) -> Checked:
+    out = Checked([], [], [])
     for node, reply in replies:
         try:
-            views += check_ranks_reply(node, reply)
-            nodes.append(node)
+            out.views.extend(check_ranks_reply(node, reply))
+            out.nodes.append(node)
         except BadReply as exc:
-            warnings.append(f"node {node}: malformed ranks answer, left out ({exc})")
+            out.warnings.append(f"node {node}: malformed ranks answer, left out ({exc})")
+    return out
+
+
+def judged(ranks: Checked, hang_after_s: float, *, deaths_within_s: float | None = None,
+           age_error_s: float | None = 0.0) -> dict[str, Any]:
+    """:func:`verdict` over answers already read (:func:`checked`)."""
+    if not (math.isfinite(hang_after_s) and hang_after_s > 0):
+        raise ValueError(f"hang_after_s must be a positive number, not {hang_after_s!r}")
+    views, nodes, warnings = ranks.views, ranks.nodes, list(ranks.warnings)
     within = None if deaths_within_s is None else int(deaths_within_s * 1e9)
     err = None if age_error_s is None else int(age_error_s * 1e9)
     hangs, groups = judge(views, int(hang_after_s * 1e9), within, err)
@@ -248,11 +268,10 @@ async def poll(opts: FleetOptions, client: FleetClient, hang_after_s: float, *,
     spread = time.monotonic() - started
     # No offsets are sampled, so "clock offset unknown" says nothing here.
     answer.warnings = [w for w in answer.warnings if w.kind != "skew"]
-    replies = [(o.name, o.replies[0]) for o in answer.answered if o.replies]
-    result = verdict(replies, hang_after_s, deaths_within_s=deaths_within_s,
-                     age_error_s=spread)
+    ranks = checked([(o.name, o.replies[0]) for o in answer.answered if o.replies])
+    result = judged(ranks, hang_after_s, deaths_within_s=deaths_within_s, age_error_s=spread)
     if detail is not None:
-        await detail.ask(answer, client, laggard_nodes(replies, hang_after_s))
+        await detail.ask(answer, client, laggard_nodes(ranks.views, hang_after_s))
     if chains and result["hangs"]:
         await add_chains(answer, client, result, hang_after_s)
     result["warnings"] = [f"node {w.node}: {w.error}" for w in answer.warnings] + \
@@ -260,16 +279,9 @@ async def poll(opts: FleetOptions, client: FleetClient, hang_after_s: float, *,
     return answer, result
 
 
-def laggard_nodes(replies: Sequence[tuple[str, Mapping[str, Any]]], hang_after_s: float
-                  ) -> set[str]:
+def laggard_nodes(views: Sequence[RankView], hang_after_s: float) -> set[str]:
     """The nodes of the ranks a group has waited for at least DETAIL_AFTER_S (or half
     the hang threshold): a hang or a straggler in the making."""
-    views: list[RankView] = []
-    for node, reply in replies:
-        try:
-            views += check_ranks_reply(node, reply)
-        except BadReply:
-            continue  # verdict() warns about it
     early = min(DETAIL_AFTER_S, hang_after_s / 2)
     hangs, _ = judge(views, int(early * 1e9))
     return {c.view.node for h in hangs for c in h.culprits}

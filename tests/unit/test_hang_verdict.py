@@ -338,15 +338,18 @@ def test_ranks_that_queued_further_collectives_wait_at_the_culprits_next_one() -
 
 
 def test_watch_asks_the_laggards_node_for_detail_before_the_hang() -> None:
-    from fleetd.fleet.hang import DETAIL_AFTER_S, laggard_nodes
+    from fleetd.fleet.hang import DETAIL_AFTER_S, checked, laggard_nodes
+
+    def laggards(replies: list[tuple[str, dict[str, Any]]], hang_after_s: float) -> set[str]:
+        return laggard_nodes(checked(replies).views, hang_after_s)
 
     # 2 s of waiting: no hang at 10 s, but rank 2's node is where the detail is
     early = four_ranks(stopped_state="running", behind_s=2.1, wait_s=2.0)
     assert verdict(early, hang_after_s=10)["status"] == "ok"
-    assert laggard_nodes(early, hang_after_s=10) == {"node-b"}
+    assert laggards(early, hang_after_s=10) == {"node-b"}
     # nobody has waited DETAIL_AFTER_S yet: nothing is asked
     quiet = four_ranks(stopped_state="running", behind_s=DETAIL_AFTER_S / 2 + 0.1,
                        wait_s=DETAIL_AFTER_S / 2)
-    assert laggard_nodes(quiet, hang_after_s=10) == set()
+    assert laggards(quiet, hang_after_s=10) == set()
     # a short hang threshold asks at half of it
-    assert laggard_nodes(quiet, hang_after_s=0.8) == {"node-b"}
+    assert laggards(quiet, hang_after_s=0.8) == {"node-b"}
