@@ -121,9 +121,10 @@ class NodeView:
 
     def cpu_takers(self, tid: int) -> dict[int, int]:
         """Who held the CPU while ``tid`` was runnable, over all its recorded run-queue
-        time (the breakdown's ``runq`` column): a preemption goes to the task that ran
-        instead, the queued tail of a sleep to the task that ran until it got the CPU
-        back. The same attribution as a spike's, for the whole window."""
+        time (the breakdown's ``runq`` column): a preemption goes to the tasks at its two
+        ends (:func:`preempt_takers`), the queued tail of a sleep to the task that ran
+        until it got the CPU back. The same attribution as a spike's, for the whole
+        window."""
         out: dict[int, int] = defaultdict(int)
         for op, a0, peer, a1, dur in self.conn.execute(
             "SELECT op, a0, peer, a1, dur_ns FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "

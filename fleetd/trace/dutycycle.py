@@ -78,11 +78,15 @@ class DutyCycle:
                 log.info("no launch probes to switch: launches traced continuously")
             # A hold that ran past the period used up its on-period: the next opens at
             # the next period's start, not at once.
-            self._cycle += self.period_ns * ((now - self._cycle) // self.period_ns)
+            self._to_period_of(now)
         elif self._on_since is None and now >= self._cycle + self.period_ns:
-            self._cycle += self.period_ns * ((now - self._cycle) // self.period_ns)
+            self._to_period_of(now)
             self._on_since = now
             self._switch.set_launches(True)
+
+    def _to_period_of(self, now: int) -> None:
+        """The current period becomes the one ``now`` falls in (whole periods only)."""
+        self._cycle += self.period_ns * ((now - self._cycle) // self.period_ns)
 
     def take_on_ns(self, now: int, window_ns: int) -> int | None:
         """The launch probes' on-time in the window ending at ``now`` (then a new window
