@@ -101,7 +101,27 @@ def assert_one_line_error(proc: Any, *needles: str) -> None:
 
 
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager as _contextmanager  # noqa: E402
+
 from recorder import wait_for_libcudart  # noqa: E402,F401  (one copy: the recorder's)
+
+
+@_contextmanager
+def running_workload(go: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
+    """The reference workload (tests/workloads/train_loop.py ARGS), waiting for the
+    ``go`` file, yielded once it has loaded libcudart (so probes can attach); killed on
+    the way out."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "workloads" / "train_loop.py"),
+                             *args, "--go-file", str(go)], stdout=subprocess.PIPE, text=True)
+    try:
+        wait_for_libcudart(proc.pid)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 def trace_in_process(wl: Any, db: Path, node: str, go: Path,

@@ -20,9 +20,8 @@ import pytest
 from agents import Agent, Pki, agent, client_ssl, make_pki, request
 from hostile import HOSTILE_OVER_HTTP
 
-from conftest import REPO, wait_for_libcudart
+from conftest import running_workload
 
-WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
 pytestmark = [pytest.mark.bpf,
               pytest.mark.skipif(os.geteuid() != 0, reason="tracing needs root")]
 
@@ -35,14 +34,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 @pytest.fixture
 def workload(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     """The reference workload, a steady ~2k CUDA calls/s for up to a minute."""
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKLOAD), "--duration", "60", "--launches", "8", "--memcpy", "1",
-         "--cpu-us", "50", "--gpu-ms", "2", "--go-file", str(tmp_path / "go")],
-        stdout=subprocess.PIPE, text=True)
-    wait_for_libcudart(proc.pid)
-    yield proc
-    proc.kill()
-    proc.wait(10)
+    with running_workload(tmp_path / "go", "--duration", "60", "--launches", "8", "--memcpy",
+                          "1", "--cpu-us", "50", "--gpu-ms", "2") as proc:
+        yield proc
 
 
 def _count(a: Agent, pki: Pki) -> int:

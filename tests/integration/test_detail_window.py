@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import sqlite3
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +19,8 @@ from pathlib import Path
 import pytest
 from agents import Pki, agent, client_ssl, make_pki, request
 
-from conftest import REPO, wait_for_libcudart
+from conftest import running_workload
 
-WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
 pytestmark = [pytest.mark.bpf,
               pytest.mark.skipif(os.geteuid() != 0, reason="tracing needs root")]
 
@@ -35,14 +33,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 @pytest.fixture
 def workload(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     """A steady stream of launches (~100 per 10 ms step) for up to a minute."""
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKLOAD), "--duration", "60", "--launches", "20",
-         "--cpu-us", "50", "--gpu-ms", "5", "--go-file", str(tmp_path / "go")],
-        stdout=subprocess.PIPE, text=True)
-    wait_for_libcudart(proc.pid)
-    yield proc
-    proc.kill()
-    proc.wait(10)
+    with running_workload(tmp_path / "go", "--duration", "60", "--launches", "20",
+                          "--cpu-us", "50", "--gpu-ms", "5") as proc:
+        yield proc
 
 
 def _wait_tracing(url: str, pki: Pki) -> None:

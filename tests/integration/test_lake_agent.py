@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,9 +24,7 @@ from fleetd.store.lake import lake_files
 from fleetd.store.lakesql import LakeDB
 from fleetd.store.writer import BatchWriter
 
-from conftest import REPO, synthetic_events, wait_for_libcudart
-
-WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
+from conftest import running_workload, synthetic_events
 
 
 def _segments(root: Path) -> list[Path]:
@@ -102,15 +99,10 @@ def test_segments_close_survive_kill_9_and_resume(tmp_path: Path) -> None:
 @pytest.fixture
 def workload(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     """The reference workload, a steady ~2k CUDA calls/s for up to a minute."""
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKLOAD), "--duration", "60", "--launches", "8", "--memcpy", "1",
-         "--cpu-us", "50", "--gpu-ms", "2", "--go-file", str(tmp_path / "go")],
-        stdout=subprocess.PIPE, text=True)
-    wait_for_libcudart(proc.pid)
-    (tmp_path / "go").touch()
-    yield proc
-    proc.kill()
-    proc.wait(10)
+    with running_workload(tmp_path / "go", "--duration", "60", "--launches", "8", "--memcpy",
+                          "1", "--cpu-us", "50", "--gpu-ms", "2") as proc:
+        (tmp_path / "go").touch()
+        yield proc
 
 
 @pytest.mark.bpf
