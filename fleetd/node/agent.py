@@ -13,6 +13,7 @@ STOPPING=1 when it begins to shut down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -213,6 +214,8 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
             watch_waits(tracer, longest_wait(app, s.node)))
         yield
         waits.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waits
         state.tracing = False
         await asyncio.get_running_loop().run_in_executor(None, tracer.stop)
 

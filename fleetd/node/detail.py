@@ -83,20 +83,22 @@ async def detail(request: web.Request) -> web.StreamResponse:
 
 async def watch_waits(tracer: Detailed, waited: Callable[[], int]) -> None:
     """Until cancelled: hold a window open while ``waited()`` (the longest local
-    collective wait, ns) has reached :data:`WAIT_NS`."""
+    collective wait, ns) has reached :data:`WAIT_NS`; ends at the first ask a tracer
+    without a duty cycle refuses."""
     opened = False
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(CHECK_S)
         # Off the loop: each rank's state is a /proc read (up to 512 ranks).
         longest = await loop.run_in_executor(None, waited)
-        if longest >= WAIT_NS:
-            if tracer.ask_detail(HOLD_S) and not opened:
-                log.info("a rank has waited %.1f s in a collective: launch detail on",
-                         longest / 1e9)
-            opened = True
-        else:
+        if longest < WAIT_NS:
             opened = False
+        elif not tracer.ask_detail(HOLD_S):
+            return  # launches are traced all the time (--mode full): nothing to hold
+        elif not opened:
+            log.info("a rank has waited %.1f s in a collective: launch detail on",
+                     longest / 1e9)
+            opened = True
 
 
 def longest_wait(app: web.Application, node: str) -> Callable[[], int]:

@@ -50,3 +50,20 @@ def test_a_long_wait_holds_the_window_and_a_short_one_does_not(
 def test_no_wait_asks_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(detail, "CHECK_S", 0.005)
     assert asyncio.run(_run([0, 0, detail.WAIT_NS - 1])).asks == []
+
+
+def test_a_tracer_without_a_duty_cycle_ends_the_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--mode full: the first ask is refused, and the rule stops checking."""
+    monkeypatch.setattr(detail, "CHECK_S", 0.005)
+
+    class Full(AskLog):
+        def ask_detail(self, seconds: float) -> bool:
+            self.asks.append(seconds)
+            return False
+
+    async def run() -> Full:
+        tracer = Full()
+        await asyncio.wait_for(detail.watch_waits(tracer, lambda: detail.WAIT_NS), 5)
+        return tracer
+
+    assert asyncio.run(run()).asks == [detail.HOLD_S]
