@@ -24,8 +24,8 @@ import os
 import socket
 import ssl
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -200,12 +200,11 @@ class FleetClient:
 
     async def get_raw(self, target: Target, path: str) -> tuple[int, int, bytes]:
         """One GET without retries: (t0_ns, t3_ns, body), for clock samples."""
-        session = self._need_session()
         async with self._sem:
             timeout = self._timeout()
             with _dialing(target) as dial, self._as_failure(target):
                 t0 = time.time_ns()
-                async with session.get(target.url(path), timeout=timeout) as resp:
+                async with self._exchange("GET", target, path, timeout=timeout) as resp:
                     t3 = time.time_ns()
                     _record(resp, dial, t0, t3)
                     t0 = dial.sent_ns or t0
@@ -219,7 +218,6 @@ class FleetClient:
         """One GET whose body goes to ``sink`` piece by piece as it arrives, never held
         whole; returns its size. No deadline (a large body takes as long as it takes),
         but a pause longer than ``idle_s`` fails it, and so does a body cut short."""
-        session = self._need_session()
         timeout = aiohttp.ClientTimeout(total=None, sock_read=idle_s,
                                         connect=min(self.opts.connect_timeout_s, idle_s))
         got = 0
@@ -227,8 +225,8 @@ class FleetClient:
             with _dialing(target) as dial:
                 t0 = time.time_ns()
                 try:
-                    async with session.get(target.url(path), params=params,
-                                           timeout=timeout) as resp:
+                    async with self._exchange("GET", target, path, params=params,
+                                              timeout=timeout) as resp:
                         _record(resp, dial, t0, time.time_ns())
                         if resp.status >= 400:
                             raw = await resp.content.read(ERROR_BODY_BYTES)
@@ -263,6 +261,20 @@ class FleetClient:
         except Exception as exc:
             raise NodeFailed(classify(exc, target, self.opts)) from None
 
+    @asynccontextmanager
+    async def _exchange(self, method: str, target: Target, path: str, **kwargs: Any
+                        ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """Every request of the client goes out here, to the configured address only:
+        a redirect is never followed (the request's body and headers, the bearer token
+        among them, would go to wherever a node points), it is that node's failure."""
+        session = self._need_session()
+        async with session.request(method, target.url(path), allow_redirects=False,
+                                   **kwargs) as resp:
+            if 300 <= resp.status < 400:
+                raise NodeFailed(redirect_failure(target, resp.status,
+                                                  resp.headers.get("Location")))
+            yield resp
+
     def _need_session(self) -> aiohttp.ClientSession:
         if self._session is None:
             raise RuntimeError("FleetClient used outside 'async with'")
@@ -296,15 +308,14 @@ class FleetClient:
 
     async def _once(self, method: str, target: Target, path: str,
                     params: dict[str, str] | None, body: bytes | None) -> dict[str, Any]:
-        session = self._need_session()
         headers = {"Content-Type": "application/json"} if body is not None else None
         if path == paths.QUERY:  # rows line by line, never the whole body at once
             headers = {**(headers or {}), "Accept": paths.NDJSON}
         async with self._sem:
             with _dialing(target) as dial, self._as_failure(target):
                 t0 = time.time_ns()
-                async with session.request(method, target.url(path), params=params, data=body,
-                                           headers=headers, timeout=self._timeout()) as resp:
+                async with self._exchange(method, target, path, params=params, data=body,
+                                          headers=headers, timeout=self._timeout()) as resp:
                     _record(resp, dial, t0, time.time_ns())
                     cap = ERROR_BODY_BYTES if resp.status >= 400 else self.opts.max_answer_bytes
                     if resp.status < 400 and stream.is_ndjson(resp):
@@ -391,6 +402,15 @@ def http_failure(status: int, raw: bytes) -> Failure:
         hint = "pass the fleet's bearer token with --token-file"
     return Failure("http", f"HTTP {status}{f' {code}' if code else ''}: {message}",
                    hint or None, status=status, code=code or None)
+
+
+def redirect_failure(target: Target, status: int, location: str | None) -> Failure:
+    """A 3xx: not followed, whatever it points at."""
+    where = printable(location, 200) if location else "nowhere (no Location header)"
+    return Failure("http", f"{target.address}: node answered a redirect to {where}; not "
+                   "followed", "a fleetd agent never redirects: check that the node's "
+                   "address is its agent's, not a proxy or another service", status=status,
+                   code="redirect")
 
 
 # ---- classifying transport failures ---------------------------------------------------
