@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from fleetd.security import tls
 
@@ -119,3 +121,34 @@ def request(
             parsed = await r.json() if r.content_type == "application/json" else None
             return r.status, parsed, body
     return asyncio.run(go())
+
+
+@contextmanager
+def stand_in_node(pki: Pki, name: str, routes: list[web.RouteDef]) -> Iterator[str]:
+    """A test server speaking (some of) the node API over TLS with node ``name``'s
+    certificate, on its own loop in a thread: yields HOST:PORT."""
+    cert, key = pki.pair(name)
+    ctx = tls.server_context(cert, key, pki.ca)
+    ready: list[str] = []
+    loop = asyncio.new_event_loop()
+
+    async def start() -> web.AppRunner:
+        app = web.Application()
+        app.add_routes(routes)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
+        await site.start()
+        ready.append(f"127.0.0.1:{runner.addresses[0][1]}")
+        return runner
+
+    runner = loop.run_until_complete(start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield ready[0]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.run_until_complete(runner.cleanup())
+        loop.close()

@@ -4,21 +4,17 @@ from `fleetd certs`) next to a real agent, whose rows must survive every attack.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
-from agents import Agent, Pki, agent, make_pki
+from agents import Agent, Pki, agent, make_pki, stand_in_node
 from aiohttp import web
-
-from fleetd.security import tls
 
 from conftest import FLEETD, REPO, build_db
 
@@ -44,35 +40,11 @@ def _clock(t1: object) -> Handler:
     return clock
 
 
-@contextmanager
-def hostile_node(pki: Pki, query: Handler, t1: object = None) -> Iterator[str]:
-    """A test server speaking the node API over TLS: returns HOST:PORT."""
-    cert, key = pki.pair("hostile")
-    ctx = tls.server_context(cert, key, pki.ca)
-    ready: list[str] = []
-    loop = asyncio.new_event_loop()
-
-    async def start() -> web.AppRunner:
-        app = web.Application()
-        app.router.add_get("/api/v1/time", _clock(t1 if t1 is not None else time.time_ns()))
-        app.router.add_post("/api/v1/query", query)  # type: ignore[arg-type]
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
-        await site.start()
-        ready.append(f"127.0.0.1:{runner.addresses[0][1]}")
-        return runner
-
-    runner = loop.run_until_complete(start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield ready[0]
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
+def hostile_node(pki: Pki, query: Handler, t1: object = None) -> AbstractContextManager[str]:
+    """A test server speaking the node API over TLS: yields HOST:PORT."""
+    return stand_in_node(pki, "hostile", [
+        web.get("/api/v1/time", _clock(t1 if t1 is not None else time.time_ns())),
+        web.post("/api/v1/query", query)])  # type: ignore[arg-type]
 
 
 _PEAK_OF_CHILD = (

@@ -7,19 +7,16 @@ bearer token leaves for an address that is not configured."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import subprocess
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import pytest
-from agents import Agent, Pki, agent, make_pki
+from agents import Agent, Pki, agent, make_pki, stand_in_node
 from aiohttp import web
-
-from fleetd.security import tls
 
 from conftest import FLEETD, REPO, build_db
 
@@ -57,37 +54,12 @@ class Recorder:
             conn.close()
 
 
-@contextmanager
-def redirecting_node(pki: Pki, to: str) -> Iterator[str]:
+def redirecting_node(pki: Pki, to: str) -> AbstractContextManager[str]:
     """A node-API stand-in over TLS that answers every request with a 307 to ``to``."""
-    cert, key = pki.pair("hostile")
-    ctx = tls.server_context(cert, key, pki.ca)
-    ready: list[str] = []
-    loop = asyncio.new_event_loop()
-
     async def redirect(request: web.Request) -> web.Response:
         raise web.HTTPTemporaryRedirect(f"{to}{request.path}")
 
-    async def start() -> web.AppRunner:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", redirect)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
-        await site.start()
-        ready.append(f"127.0.0.1:{runner.addresses[0][1]}")
-        return runner
-
-    runner = loop.run_until_complete(start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield ready[0]
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
+    return stand_in_node(pki, "hostile", [web.route("*", "/{tail:.*}", redirect)])
 
 
 @pytest.fixture(scope="module")
