@@ -3,6 +3,8 @@
 # fleetd for x86_64 (docs/deploy.md, "Air-gapped nodes"), as one archive:
 #   dist/fleetd-bundle-py<X.Y>-x86_64.tar.xz   (at most 44 MiB; the build fails above)
 #   dist/fleetd-bundle-py<X.Y>-x86_64.json     what each layer weighs, packed and unpacked
+#   dist/fleetd-bundle-py<X.Y>-x86_64.tar.xz.sha256   its SHA-256 (sha256sum -c reads it)
+#   dist/fleetd-bundle-unpack.py                  verifies it, then unpacks it safely
 #
 # fleetd-bundle/
 #   bin/fleetd, bin/fleetd-python   the launcher (scripts/bundle-launcher)
@@ -177,12 +179,28 @@ PIPDL=("$BPY" -m pip download -q --only-binary=:all: --python-version "$PYVER" -
        --platform manylinux_2_26_x86_64 --platform manylinux_2_24_x86_64
        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
        --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$WORK/wheels")
-# Offline from the cache when it holds a full set; the package index otherwise.
-if ! "${PIPDL[@]}" --no-index --find-links "$CACHE/wheels/$CP" "${REQS[@]}" >/dev/null 2>&1; then
-  say "fetching wheels for $CP: ${REQS[*]}"
+# Every wheel is pinned by its SHA-256 in scripts/bundle-lock/$CP.txt (pip refuses one that
+# differs, from the cache or the index); FLEETD_BUNDLE_RELOCK=1, or a version with no lock
+# yet, resolves the requirements again and writes the lock to commit.
+LOCK=scripts/bundle-lock/$CP.txt
+if [ -f "$LOCK" ] && [ -z "${FLEETD_BUNDLE_RELOCK:-}" ]; then
+  "${TOOL[@]}" lock-check --lock "$LOCK" "${REQS[@]}" || die "the wheel lock $LOCK is out of date"
+  # Offline from the cache when it holds the locked set; the package index otherwise.
+  if ! "${PIPDL[@]}" --require-hashes --no-index --find-links "$CACHE/wheels/$CP" -r "$LOCK" \
+      >/dev/null 2>&1; then
+    say "fetching the wheels of $LOCK"
+    rm -f "$WORK"/wheels/*.whl
+    "${PIPDL[@]}" --require-hashes -r "$LOCK" || die "pip download of the locked wheels failed"
+    cp -f "$WORK"/wheels/*.whl "$CACHE/wheels/$CP/"
+  fi
+else
+  say "resolving wheels for $CP: ${REQS[*]} (no lock, or FLEETD_BUNDLE_RELOCK)"
   rm -f "$WORK"/wheels/*.whl
   "${PIPDL[@]}" "${REQS[@]}" || die "pip download failed"
   cp -n "$WORK"/wheels/*.whl "$CACHE/wheels/$CP/"
+  mkdir -p scripts/bundle-lock
+  "${TOOL[@]}" lock --cp "$CP" --out "$LOCK" "$WORK"/wheels/*.whl
+  say "wrote $LOCK: commit it, so the next build takes exactly these wheels"
 fi
 "${TOOL[@]}" wheels --dest "$B/lib/python" --without "$WITHOUT" \
   --manifest "$WORK/wheels.json" "$WHEEL" "$WORK"/wheels/*.whl
@@ -241,4 +259,7 @@ PYDEPS=${PYDEPS%,}
   "rest=plain:$L/bin,$L/check,$L/BUNDLE.json"
 # The staging tree (about 400 MB unpacked) goes; FLEETD_BUNDLE_KEEP=1 keeps it.
 [ -n "${FLEETD_BUNDLE_KEEP:-}" ] || rm -rf "$WORK/debs" "$STAGE"
+# The unpacker goes beside the archive: on the node it verifies OUT.sha256 and unpacks
+# inside its destination only (docs/deploy.md, "Air-gapped nodes").
+cp scripts/bundle_unpack.py "$(dirname "$OUT")/fleetd-bundle-unpack.py"
 say "done in $(( $(date +%s) - T0 )) s: $OUT ($(du -h "$OUT" | cut -f1))"

@@ -192,6 +192,10 @@ def cmd_wheels(a: argparse.Namespace) -> int:
                     continue
                 if rel.endswith(".dist-info/RECORD"):  # lists files we strip: would lie
                     continue
+                if rel.startswith("/") or ".." in rel.split("/"):
+                    print(f"bundle: {w.name} holds {rel!r}, outside its own tree: refused",
+                          file=sys.stderr)
+                    return 1
                 target = dest / rel
                 target.parent.mkdir(parents=True, exist_ok=True)
                 with z.open(info) as src, open(target, "wb") as out:
@@ -208,6 +212,52 @@ def cmd_wheels(a: argparse.Namespace) -> int:
     print(f"  unpacked {len(report)} wheels into {dest}; strip removed {stripped / 2**20:.1f} MiB")
     if a.manifest:
         Path(a.manifest).write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+# ---- the wheel lock: every wheel the bundle downloads, pinned by its SHA-256 ---------------
+
+def _wheel_version(wheel: Path) -> str:
+    return wheel.name.split("-")[1]
+
+
+def cmd_lock(a: argparse.Namespace) -> int:
+    """Write the lock from the wheels just resolved (pip download --require-hashes reads it)."""
+    lines = [f"# {a.cp}: the node side's wheels, pinned by hash (scripts/bundle.sh).",
+             "# FLEETD_BUNDLE_RELOCK=1 make bundle PYTHON=X.Y resolves again and rewrites it."]
+    for w in sorted((Path(p) for p in a.wheels), key=_dist_name):
+        digest = hashlib.sha256(w.read_bytes()).hexdigest()
+        lines.append(f"{_dist_name(w)}=={_wheel_version(w)} --hash=sha256:{digest}")
+    Path(a.out).write_text("\n".join(lines) + "\n")
+    print(f"  wrote {a.out}: {len(lines) - 2} wheels pinned by hash")
+    return 0
+
+
+def _locked(lock: Path) -> dict[str, str]:
+    pins: dict[str, str] = {}
+    for line in lock.read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9._-]+)==(\S+)\s", line)
+        if m:
+            pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
+    return pins
+
+
+def cmd_lock_check(a: argparse.Namespace) -> int:
+    """Every requirement of fleetd's wheel is pinned in the lock, at a version it accepts."""
+    from pip._vendor.packaging.requirements import Requirement
+
+    pins = _locked(Path(a.lock))
+    bad = []
+    for text in a.requirements:
+        req = Requirement(text)
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        have = pins.get(name)
+        if have is None or not req.specifier.contains(have, prereleases=True):
+            bad.append(f"{text} (lock: {have or 'absent'})")
+    if bad:
+        print(f"bundle: {a.lock} does not satisfy {', '.join(bad)}: rebuild with "
+              "FLEETD_BUNDLE_RELOCK=1 and commit the new lock", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -344,12 +394,18 @@ def cmd_pack(a: argparse.Namespace) -> int:
             fut.result()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    digest = hashlib.sha256()
     with open(tmp, "wb") as f:
         for j in jobs:
             with open(j["dest"], "rb") as src:
-                shutil.copyfileobj(src, f)
+                for block in iter(lambda: src.read(1 << 20), b""):
+                    digest.update(block)
+                    f.write(block)
             j["xz"] = j["dest"].stat().st_size
     os.replace(tmp, out)
+    # What the unpacker (scripts/bundle_unpack.py) and `sha256sum -c` check before a byte
+    # of the archive is unpacked.
+    out.with_name(out.name + ".sha256").write_text(f"{digest.hexdigest()}  {out.name}\n")
     total = out.stat().st_size
     rows = [{"layer": j["name"], "paths": j["paths"], "files": j["files"],
              "unpacked_bytes": j["raw"], "compressed_bytes": j["xz"]} for j in jobs]
@@ -446,6 +502,15 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--report")
     k.add_argument("layers", nargs="+", help="NAME=x86|plain:PATH[,PATH...]")
     k.set_defaults(func=cmd_pack)
+    lk = sub.add_parser("lock")
+    lk.add_argument("--out", required=True)
+    lk.add_argument("--cp", required=True)
+    lk.add_argument("wheels", nargs="+")
+    lk.set_defaults(func=cmd_lock)
+    lc = sub.add_parser("lock-check")
+    lc.add_argument("--lock", required=True)
+    lc.add_argument("requirements", nargs="*")
+    lc.set_defaults(func=cmd_lock_check)
     z = sub.add_parser("sizes")
     z.add_argument("dir")
     z.add_argument("--json")

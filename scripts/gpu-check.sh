@@ -3,13 +3,14 @@
 #
 #   bash scripts/gpu-check.sh [ARCHIVE|BUNDLE-DIR] [-- gpu_check.py options]
 #
-# Unpacks the bundle (default: the newest dist/fleetd-bundle-py*-x86_64.tar.xz beside this
-# script) into a fresh directory, then runs fleetd-bundle/check/gpu_check.py with the
-# bundle's launcher (the node's python3, the bundle's BCC, LLVM and packages): fleetd
-# check, a PyTorch training job and a torch.distributed NCCL job traced while the PyTorch
-# profiler records, the profiler's trace imported beside the traced calls. Writes
-# $OUT/gpu-check.json and $OUT/gpu-check.db (OUT defaults to ./gpu-check-out) and exits 1
-# naming each item that does not hold. Needs root (BPF), about 3 to 5 minutes.
+# Verifies the bundle against its .sha256 and unpacks it (default: the newest
+# dist/fleetd-bundle-py*-x86_64.tar.xz beside this script) into a fresh directory, then
+# runs fleetd-bundle/check/gpu_check.py with the bundle's launcher (the node's python3,
+# the bundle's BCC, LLVM and packages): fleetd check, a PyTorch training job and a
+# torch.distributed NCCL job traced while the PyTorch profiler records, the profiler's
+# trace imported beside the traced calls. Writes $OUT/gpu-check.json and
+# $OUT/gpu-check.db (OUT defaults to ./gpu-check-out) and exits 1 naming each item that
+# does not hold. Needs root (BPF), about 3 to 5 minutes.
 #
 # Without a GPU (or without torch) it is the dry run: the reference workloads shipped in
 # the bundle stand in for PyTorch, over the CUDA libraries of FLEETD_CHECK_WORKLOAD_LIBS
@@ -51,13 +52,15 @@ else
   DEST=$(mktemp -d "$base/fleetd-bundle.XXXXXX")
   # The unpacked bundle goes when the check ends (GPU_CHECK_KEEP=1 keeps it).
   [ -n "${GPU_CHECK_KEEP:-}" ] || trap 'rm -rf "$DEST"' EXIT
+  # The unpacker checks SRC.sha256 before a byte is unpacked and writes nothing outside
+  # DEST (scripts/bundle_unpack.py; make bundle copies it beside the archive).
+  UNPACK=
+  for u in "$HERE/bundle_unpack.py" "$(dirname "$SRC")/fleetd-bundle-unpack.py"; do
+    [ -f "$u" ] && { UNPACK=$u; break; }
+  done
+  [ -n "$UNPACK" ] || die "no fleetd-bundle-unpack.py beside $SRC: copy it with the archive and its .sha256"
   t0=$(date +%s.%N)
-  if command -v xz >/dev/null && tar --version >/dev/null 2>&1; then
-    tar -xJf "$SRC" -C "$DEST" || die "unpacking $SRC failed"
-  else  # no xz program: the node's python3 reads .tar.xz itself
-    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
-      "$SRC" "$DEST" || die "unpacking $SRC failed"
-  fi
+  python3 "$UNPACK" "$SRC" "$DEST" || die "$SRC was not unpacked (above: why)"
   unpack_s=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
   B=$DEST/fleetd-bundle
   say "unpacked $(basename "$SRC") ($(du -sh "$SRC" | cut -f1)) into $B in ${unpack_s} s"

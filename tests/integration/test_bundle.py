@@ -18,6 +18,7 @@ warm one takes well under a minute.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -73,10 +74,19 @@ def archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def unpacked(archive: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Unpacked as docs/deploy.md says, by the unpacker make bundle puts beside it."""
     dest = tmp_path_factory.mktemp("unpacked")
-    with tarfile.open(archive) as tf:  # Python's reader, as a node without xz would
-        tf.extractall(dest, filter="tar")
+    r = subprocess.run([str(SYS_PY), str(archive.parent / "fleetd-bundle-unpack.py"),
+                        str(archive), str(dest)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
     return dest / "fleetd-bundle"
+
+
+def _copy_as_shipped(archive: Path, here: Path) -> None:
+    """What travels to a node: the archive, its .sha256 and the unpacker."""
+    for f in (archive, archive.with_name(archive.name + ".sha256"),
+              archive.with_name("fleetd-bundle-unpack.py")):
+        shutil.copy(f, here)
 
 
 def workload_libs(dest: Path) -> Path:
@@ -94,6 +104,8 @@ def workload_libs(dest: Path) -> Path:
 def test_the_archive_is_under_the_limit(archive: Path) -> None:
     size = archive.stat().st_size
     assert size <= LIMIT, f"{archive.name}: {size / 2**20:.2f} MiB > 44 MiB"
+    sums = archive.with_name(archive.name + ".sha256").read_text()
+    assert sums == f"{hashlib.sha256(archive.read_bytes()).hexdigest()}  {archive.name}\n"
     report = json.loads(archive.with_name(archive.name.replace(".tar.xz", ".json")).read_text())
     assert report["bytes"] == size
     layers = {row["layer"]: row for row in report["layers"]}
@@ -112,7 +124,7 @@ def test_the_archive_is_under_the_limit(archive: Path) -> None:
 def test_dry_run_passes_from_a_copy_outside_the_checkout(archive: Path, tmp_path: Path) -> None:
     here = tmp_path / "elsewhere"
     here.mkdir()
-    shutil.copy(archive, here)
+    _copy_as_shipped(archive, here)
     shutil.copy(REPO / "scripts" / "gpu-check.sh", here)
     out = tmp_path / "out"
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8",
