@@ -75,6 +75,13 @@ _FIXED_ADVICE: Mapping[str, tuple[str, ...]] = {
         "torch.cuda.empty_cache() in the loop)",
         "allocate buffers once before the loop; use cudaMallocAsync with a memory pool for "
         "per-step temporaries"),
+    "startup": (
+        "nothing to fix in the loop: a one-time cost per process; where processes start "
+        "often (short jobs, restarts), keep them alive (persistent workers, a serving "
+        "process) rather than starting new ones",
+        "create the context early and overlap it with other set-up: torch.cuda.init() or "
+        "cudaFree(0) while the data loads; CUDA_MODULE_LOADING=LAZY loads kernels on "
+        "first use"),
     "unexplained": (
         "the host shows no cause during these calls: the time is on the GPU side (kernel "
         "duration, queueing); profile the kernels with nsys or ncu",),
@@ -270,8 +277,15 @@ def _host_sync_summary(ch: Chain, who: str, by: str | None) -> str:
 
 def _alloc_churn_summary(ch: Chain, who: str, by: str | None) -> str:
     d = ch.detail
-    return (f"{who} calls cudaMalloc/cudaFree {d['allocs_per_s']}/s after warm-up "
+    return (f"{who} calls cudaMalloc/cudaFree {d['allocs_per_s']}/s after start-up "
             f"({d['alloc_share']:.1%} of its time): allocation churn")
+
+
+def _startup_summary(ch: Chain, who: str, by: str | None) -> str:
+    d = ch.detail
+    return (f"{who} spent {_ms(d['startup_ns'])} in {d['calls']} allocation call(s) before "
+            f"its first launch, the first {d['first_op']} {_ms(d['first_ns'])} (the CUDA "
+            "context's creation): start-up, paid once, not churn")
 
 
 def _graph_recapture_summary(ch: Chain, who: str, by: str | None) -> str:
@@ -536,8 +550,13 @@ _ALL = (
           ("op_stats", "ratio", "readback", "call"), _advice("host_sync"),
           summary=_host_sync_summary),
     Cause("alloc_churn",
-          "cudaMalloc/cudaFree keep being called after warm-up",
+          "cudaMalloc/cudaFree keep being called after start-up (the process's first "
+          "launch)",
           ("op_stats", "ratio", "call"), _advice("alloc_churn"), summary=_alloc_churn_summary),
+    Cause("startup",
+          "allocation calls before the process's first launch, the CUDA context's creation "
+          "among them: a one-time start-up cost, LOW",
+          ("call",), _advice("startup"), summary=_startup_summary),
     Cause("graph_recapture",
           "CUDA graphs are captured and instantiated again and again, and the launch rate "
           "drops while it happens",

@@ -142,9 +142,17 @@ def _examples(ctx: Context, pid: int, ops: frozenset[str], n: int = 3) -> list[d
         f"ORDER BY dur_ns DESC LIMIT {n}",
         (ctx.span[0], ctx.span[1] + 1, v.node.lo, v.node.hi, pid),
     ).fetchall()
+    return _call_items(ctx, rows)
+
+
+def _call_items(ctx: Context, rows: list[Any], notes: dict[int, str] | None = None
+                ) -> list[dict[str, Any]]:
+    """Stored calls (id, ts_ns, dur_ns, tid, op) as ``call`` evidence in time order,
+    with a note after the text of those ``notes`` names by id."""
+    node, notes = ctx.view.node, notes or {}
     return sorted(({"ts_ns": ts, "time": format_ns(ts), "dur_ns": dur, "kind": "call",
-                    "id": v.node.event_id(k), "tid": tid, "op": name_of(op),
-                    "text": f"{name_of(op)} took {dur / 1e6:.2f} ms"}
+                    "id": node.event_id(k), "tid": tid, "op": name_of(op),
+                    "text": f"{name_of(op)} took {dur / 1e6:.2f} ms{notes.get(k, '')}"}
                    for k, ts, dur, tid, op in rows), key=lambda e: int(e["ts_ns"]))
 
 
@@ -320,39 +328,98 @@ def _readbacks(ctx: Context, pid: int) -> Chain | None:
 
 
 def alloc_churn_rule(ctx: Context) -> list[Chain]:
+    """Allocation calls after the process's start-up, again and again: churn. Those
+    before its first launch (buffers allocated once, the CUDA context the first call
+    creates) are start-up, stated by a LOW ``startup`` chain when they cost time."""
     out: list[Chain] = []
-    v = ctx.view
-    mid = (ctx.span[0] + ctx.span[1]) // 2
     for pid in ctx.gpu_pids():
-        rows = ctx.op_rows(pid, ALLOC_OPS)
-        allocs = sum(int(r["count"]) for r in rows if "Free" not in str(r["op"]))
-        frees = sum(int(r["count"]) for r in rows if "Free" in str(r["op"]))
-        if allocs < MIN_ALLOCS or frees < MIN_ALLOCS // 2:
-            continue
-        # Alloc calls are always stored: the second half shows whether it is warm-up.
-        late = v.conn.execute(
-            "SELECT count(*) FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? "
-            f"AND ? AND pid = ? AND op IN {in_list(code(o) for o in ALLOC_OPS)}",
-            (mid, ctx.span[1] + 1, v.node.lo, v.node.hi, pid),
-        ).fetchone()[0]
-        late_share = late / max(1, allocs + frees)
-        if late_share < MIN_LATE_ALLOC_SHARE:
-            continue
-        total = sum(int(r["total_ns"]) for r in rows)
-        share = total / ctx.span_ns
-        rate = allocs / (ctx.span_ns / 1e9)
-        ev = [_stat_item(r, f"{r['op']}: {r['count']} calls ({r['calls_per_s']}/s), "
-                            f"{int(r['total_ns']) / 1e6:.1f} ms in all") for r in rows]
-        ev.append({"kind": "ratio", "late_share": round(late_share, 3),
-                   "text": f"{late_share:.0%} of allocation calls came in the second half of "
-                           "the window: allocation continues after warm-up"})
-        ev += _examples(ctx, pid, ALLOC_OPS)
-        top = max(rows, key=lambda r: int(r["total_ns"]))
-        out.append(rule_chain(ctx, "alloc_churn", pid, str(top["op"]), 2 * late_share, share,
-                               ev, {"allocs": allocs, "frees": frees,
-                                    "allocs_per_s": round(rate, 2),
-                                    "alloc_share": round(share, 4)}))
+        started = _first_launch(ctx, pid)
+        early = _alloc_calls(ctx, pid, ctx.span[0], started)
+        if started is not None and sum(r[2] for r in early) >= STARTUP_MIN_NS:
+            out.append(_startup_chain(ctx, pid, started, early))
+        begin = started if started is not None else ctx.span[0]
+        ch = _churn(ctx, pid, begin)
+        if ch is not None:
+            out.append(ch)
     return out
+
+
+AllocRows = list[tuple[int, int, int, int, int]]  # id, ts_ns, dur_ns, tid, op
+
+
+def _first_launch(ctx: Context, pid: int) -> int | None:
+    """When the process first launched work: its set-up ends there. None: no launch
+    in the window (then the first call of each allocation op is the start-up)."""
+    v = ctx.view
+    row = v.conn.execute(
+        "SELECT min(ts_ns) FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? "
+        f"AND ? AND pid = ? AND op IN {in_list(code(o) for o in LAUNCH_OPS)}",
+        (ctx.span[0], ctx.span[1] + 1, v.node.lo, v.node.hi, pid)).fetchone()
+    return int(row[0]) if row and row[0] is not None else None
+
+
+def _alloc_calls(ctx: Context, pid: int, t0: int, t1: int | None) -> AllocRows:
+    """The process's allocation calls in [t0, t1) (all stored: they are always kept)."""
+    v = ctx.view
+    rows = v.conn.execute(
+        "SELECT id, ts_ns, dur_ns, tid, op FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
+        f"AND id BETWEEN ? AND ? AND pid = ? AND op IN {in_list(code(o) for o in ALLOC_OPS)} "
+        "ORDER BY ts_ns",
+        (t0, ctx.span[1] + 1 if t1 is None else t1, v.node.lo, v.node.hi, pid))
+    return [(int(k), int(ts), int(dur), int(tid), int(op)) for k, ts, dur, tid, op in rows]
+
+
+STARTUP_MIN_NS = 10_000_000  # start-up allocation time below this is not worth a line
+
+
+def _startup_chain(ctx: Context, pid: int, started: int, early: AllocRows) -> Chain:
+    """The allocation calls before the first launch: one-time start-up (the first one
+    also creates the CUDA context), LOW whatever it cost: it does not recur."""
+    total = sum(r[2] for r in early)
+    first = early[0]
+    ev = _call_items(ctx, sorted(early, key=lambda r: -r[2])[:3],
+                     {first[0]: " (its first allocation: a process's first CUDA call also "
+                                "creates its context)"})
+    ch = rule_chain(ctx, "startup", pid, name_of(first[4]), 1.0, total / ctx.span_ns,
+                    ev, {"calls": len(early), "startup_ns": total, "first_ns": first[2],
+                         "first_op": name_of(first[4]), "first_launch_ns": started})
+    ch.severity = "LOW"  # paid once per process: no fix in the loop makes it go away
+    return ch
+
+
+def _churn(ctx: Context, pid: int, begin: int) -> Chain | None:
+    """Allocation calls from ``begin`` on that keep coming in the second half of the
+    rest of the window (not warm-up). Without a launch, each op's first call is left
+    out as start-up."""
+    calls = _alloc_calls(ctx, pid, begin, None)
+    if begin == ctx.span[0]:
+        firsts = {op: k for k, _, _, _, op in reversed(calls)}
+        calls = [r for r in calls if firsts[r[4]] != r[0]]
+    frees_ops = {code(o) for o in ALLOC_OPS if "Free" in o}
+    allocs = sum(1 for r in calls if r[4] not in frees_ops)
+    frees = len(calls) - allocs
+    if allocs < MIN_ALLOCS or frees < MIN_ALLOCS // 2:
+        return None
+    mid = (begin + ctx.span[1]) // 2
+    late_share = sum(1 for r in calls if r[1] >= mid) / max(1, len(calls))
+    if late_share < MIN_LATE_ALLOC_SHARE:
+        return None
+    share = sum(r[2] for r in calls) / ctx.span_ns
+    rate = allocs / (ctx.span_ns / 1e9)
+    rows = ctx.op_rows(pid, ALLOC_OPS)
+    ev = [_stat_item(r, f"{r['op']}: {r['count']} calls ({r['calls_per_s']}/s), "
+                        f"{int(r['total_ns']) / 1e6:.1f} ms in all") for r in rows]
+    ev.append({"kind": "ratio", "late_share": round(late_share, 3),
+               "text": f"{late_share:.0%} of the allocation calls after start-up came in the "
+                       "second half of the rest of the window: allocation continues"})
+    ev += _call_items(ctx, sorted(calls, key=lambda r: -r[2])[:3])
+    by_op: dict[int, int] = defaultdict(int)
+    for r in calls:
+        by_op[r[4]] += r[2]
+    top = max(by_op.items(), key=lambda kv: kv[1])[0]
+    return rule_chain(ctx, "alloc_churn", pid, name_of(top), 2 * late_share, share, ev,
+                      {"allocs": allocs, "frees": frees, "allocs_per_s": round(rate, 2),
+                       "alloc_share": round(share, 4)})
 
 
 def graph_recapture_rule(ctx: Context) -> list[Chain]:
