@@ -42,13 +42,11 @@ from fleetd.analyze.chains import (
 )
 from fleetd.analyze.data import (
     CALL_SOURCES,
-    LAUNCH_OPS,
-    SYNC_OPS,
-    active_span,
     code,
     nodes,
 )
 from fleetd.analyze.model import NodeSlice
+from fleetd.analyze.stragglers import node_profile as node_profile  # facade, agents
 from fleetd.analyze.window import Window, WindowSpec
 from fleetd.store.chainrow import chain_row
 from fleetd.store.db import open_reader
@@ -254,57 +252,3 @@ def profile(conn: sqlite3.Connection, window: Window, node: str) -> dict[str, An
     if not found:
         return {"node": node, "error": "no such node in this database"}
     return node_profile(NodeSlice(conn, found[0], window))
-
-
-def node_profile(sl: NodeSlice) -> dict[str, Any]:
-    """:func:`profile` of one slice."""
-    node, window, names = sl.name, sl.window, sl.names
-    span_s = max(1e-9, (sl.span[1] - sl.span[0]) / 1e9)
-    ops, threads = sl.ops, sl.threads
-    cuda_time: dict[int, int] = {}
-    for r in ops:
-        if r["source"] in CALL_SOURCES:
-            # None: launches none of which was timed (entry-only); they add no time
-            cuda_time[int(r["pid"])] = cuda_time.get(int(r["pid"]), 0) + int(r["total_ns"] or 0)
-    if not cuda_time:
-        return {"node": node, "window": window.to_json(), "main_pid": None, "features": {}}
-    main = max(cuda_time, key=lambda p: cuda_time[p])
-    mine = [r for r in ops if r["pid"] == main]
-    feeding = [t for t in threads if t["pid"] == main and t["cuda_calls_stored"]]
-    start, end = active_span(sl.conn, sl.node, window, main)
-    active_s = max(1e-9, (end - start) / 1e9)
-    return {
-        "node": node, "window": window.to_json(), "span_s": round(span_s, 3),
-        "main_pid": main, "main_comm": names.get(main),
-        "features": {
-            "cuda_calls_per_s": round(sum(int(r["count"]) for r in mine
-                                          if r["source"] in CALL_SOURCES) / active_s, 3),
-            "launches_per_s": round(sum(int(r["count"]) for r in mine
-                                        if r["op"] in LAUNCH_OPS) / active_s, 3),
-            **_pct(mine, LAUNCH_OPS, "launch"),
-            **_pct(mine, SYNC_OPS, "sync"),
-            "feeding_threads": len(feeding),
-            "off_cpu_share": _share(feeding, "off_cpu_ns"),
-            "runq_share": _share(feeding, "runq_ns"),
-            "d_state_share": _share(feeding, "d_state_ns"),
-            "lock_share": _share(feeding, "lock_ns"),
-            "data_wait_share": _share(feeding, "data_ns"),
-            "block_io_ns": sum(int(r["total_ns"]) for r in ops if r["op"] == "block_io"
-                               and r["pid"] == main),
-        },
-    }
-
-
-def _pct(rows: list[dict[str, Any]], names: frozenset[str], prefix: str) -> dict[str, Any]:
-    """p50/p99 of the busiest op of a family (percentiles do not add across ops)."""
-    fam = [r for r in rows if r["op"] in names]
-    if not fam:
-        return {f"{prefix}_op": None, f"{prefix}_p50_ns": None, f"{prefix}_p99_ns": None}
-    top = max(fam, key=lambda r: int(r["count"]))
-    return {f"{prefix}_op": top["op"], f"{prefix}_p50_ns": top["p50_ns"],
-            f"{prefix}_p99_ns": top["p99_ns"]}
-
-
-def _share(threads: list[dict[str, Any]], key: str) -> float | None:
-    wall = sum(int(t["wall_ns"]) for t in threads)
-    return round(sum(int(t[key]) for t in threads) / wall, 4) if wall else None

@@ -1,8 +1,10 @@
 """Straggler ranking: which node's comparable work is slower than its peers', and why.
 
-Input: one ``profile`` per node (``fleetd.analyze.explain.profile``: features of the
-node's main CUDA process over the same window). Each metric is turned into a *speed*
-where higher is better:
+Input: one ``profile`` per node (:func:`node_profile`, at the end of this module:
+features of the node's main CUDA process over the same window). A live agent computes
+its answer to ``GET /api/v1/profile`` with it and ``explain --db`` each node of a file,
+so the same data in the same window gets the same verdict. Each metric is turned into a
+*speed* where higher is better:
 
 * rates (CUDA calls per second): the rate itself;
 * shares of the GPU-feeding threads' wall time lost to the run queue or to D state:
@@ -22,8 +24,10 @@ For each metric, a node gets
 A metric flags the node when both hold: z >= :data:`Z_THRESHOLD` (an outlier, not the
 fleet's normal spread) and the score is below the metric's own threshold (slow enough
 to matter: 0.8 for rates and shares, lower for latency percentiles, which come from
-log2 histograms and jump by 2x between buckets). With fewer than three nodes a median
-absolute deviation means nothing, so only the score threshold applies.
+log2 histograms and jump by 2x between buckets). With fewer than three nodes there is
+no odd one out (of two that differ, either may be it, and each may be worse on another
+metric): none is flagged, and the reason says two cannot be ranked; collective arrival
+(fleetd.analyze.collectives) still names a late rank from the job's own signal.
 
 The node's ``metric`` is its flagged metric with the highest z (for an unflagged node:
 its worst-scoring rate or share metric) and ``score`` is its relative score on it.
@@ -31,6 +35,7 @@ its worst-scoring rate or share metric) and ``score`` is its relative score on i
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -38,6 +43,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetd.analyze import pods
+from fleetd.analyze.data import (
+    CALL_SOURCES,
+    LAUNCH_OPS,
+    MAX_AGG_WINDOW_NS,
+    SYNC_OPS,
+    Node,
+    active_span,
+    histograms,
+    in_list,
+)
+from fleetd.analyze.model import NodeSlice
+from fleetd.analyze.window import Window
+from fleetd.store.catalog import OPS
 
 Z_THRESHOLD = 3.5  # Iglewicz and Hoaglin's cut-off for the modified z-score
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its sigma
@@ -45,6 +63,8 @@ MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its sigma
 # are: it keeps sigma above 0 when most nodes match exactly (MAD == 0).
 SIGMA_FLOOR = 0.01
 LATENCY_FLOOR_NS = 1_000
+# With two nodes there is no majority to compare against: a median of two is halfway.
+MIN_RANKED = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +106,9 @@ class Score:
 
     @property
     def flagged(self) -> bool:
-        if self.score >= self.metric.max_score:
-            return False
-        return self.z is None or self.z >= Z_THRESHOLD
+        # Without a z (fewer than three nodes with the metric) nobody is the outlier.
+        return self.score < self.metric.max_score and self.z is not None \
+            and self.z >= Z_THRESHOLD
 
 
 def rank(profiles: Mapping[str, Mapping[str, Any]], unreachable: Mapping[str, str],
@@ -107,8 +127,10 @@ def rank(profiles: Mapping[str, Mapping[str, Any]], unreachable: Mapping[str, st
         if node not in comparable:
             out.append(_entry(node, None, None, None,
                               "no traced CUDA work in the window to compare"))
-            continue
-        out.append(_judge(node, scores.get(node, []), chains))
+        elif len(comparable) < MIN_RANKED:
+            out.append(_unranked(node, scores.get(node, []), len(comparable)))
+        else:
+            out.append(_judge(node, scores.get(node, []), chains))
     for node, why in unreachable.items():
         out.append(_entry(node, None, None, None, f"unreachable: {why}"))
     return sorted(out, key=_order)
@@ -164,9 +186,7 @@ def _robust_sigma(xs: list[float], med: float) -> float:
 
 def _judge(node: str, scores: list[Score], chains: Sequence[Mapping[str, Any]]
            ) -> dict[str, Any]:
-    details = {s.metric.name: {"value": s.value, "score": round(s.score, 4),
-                               "z": _round(s.z), "fleet_median": s.median, "best": s.best}
-               for s in scores}
+    details = _details(scores)
     flagged = [s for s in scores if s.flagged]
     if flagged:
         worst = max(flagged, key=lambda s: (s.z if s.z is not None else math.inf, -s.score))
@@ -180,6 +200,27 @@ def _judge(node: str, scores: list[Score], chains: Sequence[Mapping[str, Any]]
     worst = min(primary, key=lambda s: s.score)
     return _entry(node, round(worst.score, 4), False, worst.metric.name,
                   "within the fleet's spread", z=_round(worst.z), metrics=details)
+
+
+def _unranked(node: str, scores: list[Score], n: int) -> dict[str, Any]:
+    """A node of a two-node fleet: neither flagged nor called healthy. Of two nodes that
+    differ, either may be the odd one (one slow, or the other fast), and each may look
+    worse on another metric: judging each by the score alone flagged both."""
+    primary = [s for s in scores if s.metric.primary] or scores
+    worst = min(primary, key=lambda s: s.score) if primary else None
+    gap = (f"; its worst metric: {_why(worst)}" if worst is not None and worst.score < 1.0
+           else "")
+    return _entry(node, round(worst.score, 4) if worst else None, None,
+                  worst.metric.name if worst else None,
+                  f"{n} node(s) cannot be ranked: it takes {MIN_RANKED} or more to tell the odd "
+                  "one out (the job's collective arrival ranks its ranks when their NCCL "
+                  f"calls were traced){gap}", z=None, metrics=_details(scores))
+
+
+def _details(scores: list[Score]) -> dict[str, Any]:
+    return {s.metric.name: {"value": s.value, "score": round(s.score, 4),
+                            "z": _round(s.z), "fleet_median": s.median, "best": s.best}
+            for s in scores}
 
 
 def _round(z: float | None) -> float | None:
@@ -228,3 +269,139 @@ def _what_it_ran(c: Mapping[str, Any]) -> str:
         return (f", {d['pauses']} GC pause(s), longest "
                 f"{int(d.get('longest_ns') or 0) / 1e6:.0f} ms")
     return ""
+
+
+# ---- the features: one computation for a live agent's answer and a file's node -------
+
+CALL_CODES = tuple(sorted(o.code for o in OPS if o.source in CALL_SOURCES))
+LAUNCH_CODES = frozenset(o.code for o in OPS if o.name in LAUNCH_OPS)
+
+
+@dataclass(frozen=True, slots=True)
+class Counted:
+    """A process's CUDA calls and launches, and the span every one of them was counted in."""
+
+    calls: int
+    launches: int
+    start_ns: int
+    end_ns: int
+    source: str  # histograms | events
+
+    @property
+    def seconds(self) -> float:
+        return max(1e-9, (self.end_ns - self.start_ns) / 1e9)
+
+
+def node_profile(sl: NodeSlice) -> dict[str, Any]:
+    """The straggler features of one node's window (``GET /api/v1/profile`` of an agent,
+    and each node of a file for ``explain --db``): of its main CUDA process (the most
+    CUDA time) and the threads of it that called CUDA."""
+    node, window, names = sl.name, sl.window, sl.names
+    span_s = max(1e-9, (sl.span[1] - sl.span[0]) / 1e9)
+    ops, threads = sl.ops, sl.threads
+    cuda_time: dict[int, int] = {}
+    for r in ops:
+        if r["source"] in CALL_SOURCES:
+            # None: launches none of which was timed (entry-only); they add no time
+            cuda_time[int(r["pid"])] = cuda_time.get(int(r["pid"]), 0) + int(r["total_ns"] or 0)
+    if not cuda_time:
+        return {"node": node, "window": window.to_json(), "main_pid": None, "features": {}}
+    main = max(cuda_time, key=lambda p: cuda_time[p])
+    mine = [r for r in ops if r["pid"] == main]
+    feeding = [t for t in threads if t["pid"] == main and t["cuda_calls_stored"]]
+    counted = counted_calls(sl, main)
+    return {
+        "node": node, "window": window.to_json(), "span_s": round(span_s, 3),
+        "main_pid": main, "main_comm": names.get(main),
+        # What the call rates divide by, and where the calls were counted from.
+        "rate_span_s": round(counted.seconds, 3) if counted else None,
+        "counted_from": counted.source if counted else None,
+        "features": {
+            "cuda_calls_per_s": round(counted.calls / counted.seconds, 3) if counted else None,
+            "launches_per_s": round(counted.launches / counted.seconds, 3) if counted else None,
+            **_pct(mine, LAUNCH_OPS, "launch"),
+            **_pct(mine, SYNC_OPS, "sync"),
+            "feeding_threads": len(feeding),
+            "off_cpu_share": _share(feeding, "off_cpu_ns"),
+            "runq_share": _share(feeding, "runq_ns"),
+            "d_state_share": _share(feeding, "d_state_ns"),
+            "lock_share": _share(feeding, "lock_ns"),
+            "data_wait_share": _share(feeding, "data_ns"),
+            "block_io_ns": sum(int(r["total_ns"] or 0) for r in ops if r["op"] == "block_io"
+                               and r["pid"] == main),
+        },
+    }
+
+
+def counted_calls(sl: NodeSlice, pid: int) -> Counted | None:
+    """``pid``'s CUDA calls over the part of the window in which every call was counted.
+
+    A rate is calls over the time they were counted in, and the two must be the same
+    span. A sampling tracer (``--sample N``, 100 by default) stores one call in N as an
+    event and counts every call in histograms it writes every 10 s; a live agent's newest
+    calls are in no histogram yet, while its events reach the file within a second.
+    Dividing the histograms' count by the events' span called a node slow for where its
+    agent happened to be in its 10 s, and the same run merged into a file, its histograms
+    complete, was judged differently. So: with histograms, their count over the span
+    they cover, clipped to when the process made calls; without, the stored events, when
+    they are every call; else nothing yet (None), never a hundredth of the rate."""
+    start, end = active_span(sl.conn, sl.node, sl.window, pid)
+    covered = _histogram_cover(sl, pid)
+    if covered is not None:
+        lo, hi = max(start, covered[0]), min(end, covered[1])
+        if hi <= lo:
+            return None
+        hists = histograms(sl.conn, sl.node, sl.window, CALL_CODES, pid)
+        return Counted(sum(h.count for h in hists.values()),
+                       sum(h.count for (_, op), h in hists.items() if op in LAUNCH_CODES),
+                       lo, hi, "histograms")
+    if _sampled(sl):
+        return None
+    rows = [r for r in sl.ops if r["pid"] == pid and r["source"] in CALL_SOURCES]
+    return Counted(sum(int(r["count"]) for r in rows),
+                   sum(int(r["count"]) for r in rows if r["op"] in LAUNCH_OPS),
+                   start, end, "events")
+
+
+def _histogram_cover(sl: NodeSlice, pid: int) -> tuple[int, int] | None:
+    """[first start, last end) of ``pid``'s call histograms that overlap the window,
+    clipped to it."""
+    win: Window = sl.window
+    node: Node = sl.node
+    row = sl.conn.execute(
+        "SELECT min(ts_ns), max(ts_ns + dur_ns) FROM aggregate_data WHERE node = ? AND "
+        f"pid = ? AND op IN {in_list(CALL_CODES)} AND ts_ns >= ? AND ts_ns < ? "
+        "AND ts_ns + dur_ns > ?",
+        (node.key, pid, win.start_ns - MAX_AGG_WINDOW_NS, win.end_ns, win.start_ns),
+    ).fetchone()
+    if row is None or row[0] is None:
+        return None
+    return max(win.start_ns, int(row[0])), min(win.end_ns, int(row[1]))
+
+
+def _sampled(sl: NodeSlice) -> bool:
+    """Whether a trace session of the node kept only a sample of the calls as events."""
+    for (text,) in sl.conn.execute("SELECT targets FROM session_data WHERE node = ? AND "
+                                   "targets IS NOT NULL", (sl.node.key,)):
+        try:
+            sample = json.loads(text).get("sample")
+        except (ValueError, AttributeError):
+            continue  # an older or foreign row
+        if isinstance(sample, int) and sample > 1:
+            return True
+    return False
+
+
+def _pct(rows: list[dict[str, Any]], names: frozenset[str], prefix: str) -> dict[str, Any]:
+    """p50/p99 of the busiest op of a family (percentiles do not add across ops)."""
+    fam = [r for r in rows if r["op"] in names]
+    if not fam:
+        return {f"{prefix}_op": None, f"{prefix}_p50_ns": None, f"{prefix}_p99_ns": None}
+    top = max(fam, key=lambda r: int(r["count"]))
+    return {f"{prefix}_op": top["op"], f"{prefix}_p50_ns": top["p50_ns"],
+            f"{prefix}_p99_ns": top["p99_ns"]}
+
+
+def _share(threads: list[dict[str, Any]], key: str) -> float | None:
+    wall = sum(int(t["wall_ns"]) for t in threads)
+    return round(sum(int(t[key]) for t in threads) / wall, 4) if wall else None

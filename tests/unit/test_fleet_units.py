@@ -190,10 +190,15 @@ def test_spread_below_the_score_threshold_is_not_a_straggler() -> None:
     assert not any(s["flagged"] for s in stragglers.rank(profiles, {}))
 
 
-def test_two_nodes_use_the_score_alone() -> None:
-    ranked = stragglers.rank({"a": features(1000, 0.0), "b": features(300, 0.0)}, {})
-    assert ranked[0]["node"] == "b" and ranked[0]["flagged"] is True
-    assert ranked[0]["z"] is None
+def test_two_nodes_cannot_be_ranked() -> None:
+    # Each worse on another metric: judged by the score alone, both were flagged.
+    ranked = stragglers.rank({"a": features(1000, 0.5), "b": features(300, 0.0)}, {})
+    assert [s["flagged"] for s in ranked] == [None, None], ranked
+    by = {s["node"]: s for s in ranked}
+    assert by["b"]["metric"] == "cuda_calls_per_s" and by["b"]["score"] == 0.3
+    assert by["a"]["metric"] == "runq_share" and by["a"]["score"] == 0.5
+    assert all("2 node(s) cannot be ranked" in s["reason"] for s in ranked), ranked
+    assert all(s["z"] is None for s in ranked)
 
 
 def test_unreachable_and_idle_nodes_are_never_reported_healthy() -> None:
