@@ -115,7 +115,9 @@ def _open_stream(archive: str) -> tuple[tarfile.TarFile, subprocess.Popen[bytes]
     """A streaming reader of the .tar.xz: Python's lzma, else the xz program."""
     try:
         import lzma  # noqa: F401  (a CPython built without liblzma has no module)
-        return tarfile.open(archive, mode="r|xz"), None
+        # "r:xz" (LZMAFile) and not the "r|xz" stream: the bundle is one xz stream per
+        # layer, one after the other, and only LZMAFile reads past the first.
+        return tarfile.open(archive, mode="r:xz"), None
     except ImportError:
         pass
     xz = shutil.which("xz")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import lzma
 import os
 import shutil
 import subprocess
@@ -104,6 +105,27 @@ def test_a_verified_bundle_unpacks_with_its_links_and_without_setuid(box: Path) 
     assert (b / "bin" / "fleetd").stat().st_mode & 0o7777 == 0o755  # setuid dropped
     assert "matches" in r.stderr and "unpacked" in r.stderr
     assert _run("--check", archive).returncode == 0
+
+
+def test_an_archive_of_several_xz_streams_unpacks_whole(box: Path) -> None:
+    """make bundle writes one xz stream per layer, one after the other (bundle_tool pack):
+    every stream is read, by lzma and by the xz program alike."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for ti, data in (_file("fleetd-bundle/a", b"first layer"),
+                         _file("fleetd-bundle/b", b"second layer")):
+            tf.addfile(ti, io.BytesIO(data))
+    raw = buf.getvalue()
+    cut = 512 + 512  # the first member's header and its one block of data
+    archive = box / "src" / "fleetd-bundle-py3.11-x86_64.tar.xz"
+    archive.write_bytes(lzma.compress(raw[:cut]) + lzma.compress(raw[cut:]))
+    (box / "src" / (archive.name + ".sha256")).write_text(
+        f"{hashlib.sha256(archive.read_bytes()).hexdigest()}  {archive.name}\n")
+    py, env = _no_lzma_python(box)
+    for dest, kw in (("dest", {}), ("dest-xz", {"env": env, "python": py})):
+        r = _run(archive, box / dest, **kw)  # type: ignore[arg-type]
+        assert r.returncode == 0, r.stderr
+        assert (box / dest / "fleetd-bundle" / "b").read_bytes() == b"second layer"
 
 
 HOSTILE: dict[str, tuple[list[Member], str]] = {
