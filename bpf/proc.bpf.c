@@ -83,8 +83,181 @@ TRACEPOINT_PROBE(sched, sched_process_fork)
     return 0;
 }
 
+/* ---- Probes before the first call: the mapping hook ------------------------------
+ * A uprobe on a file is installed by the kernel when a process maps the file, so a CUDA
+ * library fleetd attached before it is mapped is covered from its first call. A file
+ * it has never seen (a dlopen from an unknown directory, an executable that carries
+ * the runtime inside) is caught where it is mapped executable: a candidate's mmap with
+ * PROT_EXEC of a file, or its exec. Unless user space has already classified that file
+ * (fl_known_files, keyed by a hash of the name the process opened it by), the process
+ * is stopped (SIGSTOP, delivered before it returns to user space) and user space told
+ * (fl_rb_hold); it attaches whatever CUDA code the file carries, marks it known and
+ * sends SIGCONT. So no call can run before its probes, and each file costs one stop,
+ * once per node, not one per process. */
+#define FL_SIGSTOP 19
+#define FL_PROT_EXEC 0x4
+#define FL_NAME_MAX 256
+
+struct fl_hold {
+    u64 ts;
+    u32 pid;
+    u32 tid;
+    u64 hash;     /* of the file's name as opened (0: not known) */
+    u32 how;      /* 0: mmap of an executable file, 1: exec */
+    u32 held;     /* 1: the process was sent SIGSTOP */
+};
+BPF_RINGBUF_OUTPUT(fl_rb_hold, 16);
+/* [0]: 1 while user space reads fl_rb_hold and may hold processes (the tracer's watcher
+ * thread runs; FLEETD_NO_HOLD unset). Without it the events still come, unheld, and
+ * their window is measured. */
+BPF_ARRAY(fl_hold_ctl, u32, 1);
+BPF_TABLE("lru_hash", u32, u64, fl_open_name, 4096);   /* tid -> name pointer (openat) */
+BPF_TABLE("lru_hash", u64, u64, fl_fd_name, 16384);    /* tgid << 32 | fd -> name pointer */
+BPF_TABLE("lru_hash", u32, u32, fl_mmap_fd, 4096);     /* tid -> fd of an exec mmap */
+BPF_TABLE("lru_hash", u64, u8, fl_known_files, 65536); /* name hash -> classified */
+struct fl_name_buf { char s[FL_NAME_MAX]; };
+BPF_PERCPU_ARRAY(fl_name_scratch, struct fl_name_buf, 1);
+
+/* Whose mappings are hooked: the targets, or every process when tracing system-wide
+ * (a process there becomes a target at its first CUDA call: its probes must be in
+ * place before it). */
+static __always_inline int fl_hook_candidate(u32 tgid)
+{
+    if (tgid == FL_TRACER_PID || tgid == 0)
+        return 0;
+#if FL_SYSTEM_WIDE
+    return 1;
+#else
+    return fl_is_target(tgid);
+#endif
+}
+
+/* FNV-1a over a NUL-terminated name; user space never computes it, it only stores the
+ * hash an event carried. */
+static __always_inline u64 fl_name_hash(struct fl_name_buf *b, int len)
+{
+    u64 h = 0xcbf29ce484222325ull;
+    if (b->s[0] != '/')
+        return 0; /* a relative name says too little: such a file is held every time */
+    for (int i = 0; i < FL_NAME_MAX; i++) {
+        if (i >= len)
+            break;
+        char c = b->s[i];
+        if (!c)
+            break;
+        h ^= (u8)c;
+        h *= 0x100000001b3ull;
+    }
+    return h ? h : 1;
+}
+
+static __always_inline void fl_hold_now(u64 hash, u32 how)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (hash && fl_known_files.lookup(&hash))
+        return;
+    u32 held = 0;
+    int zero = 0;
+    u32 *on = fl_hold_ctl.lookup(&zero);
+    if (on && *on && !fl_stopped() && bpf_send_signal(FL_SIGSTOP) == 0)
+        held = 1;
+    struct fl_hold *h = fl_rb_hold.ringbuf_reserve(sizeof(struct fl_hold));
+    if (!h) {
+        fl_count(FL_C_LOST_SYS);
+        return;
+    }
+    h->ts = bpf_ktime_get_ns();
+    h->pid = id >> 32;
+    h->tid = (u32)id;
+    h->hash = hash;
+    h->how = how;
+    h->held = held;
+    fl_rb_hold.ringbuf_submit(h, 0);
+}
+
+/* sys_enter_openat's record has a umode_t field; the generated header route has no
+ * such type (a typedef cannot be tested for, a macro can). */
+#ifndef umode_t
+#define umode_t unsigned short
+#endif
+TRACEPOINT_PROBE(syscalls, sys_enter_openat)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!fl_hook_candidate(id >> 32))
+        return 0;
+    u32 tid = (u32)id;
+    u64 name = (u64)args->filename;
+    fl_open_name.update(&tid, &name);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_openat)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    u64 *name = fl_open_name.lookup(&tid);
+    if (!name)
+        return 0;
+    u64 n = *name;
+    fl_open_name.delete(&tid);
+    if (args->ret < 0)
+        return 0;
+    u64 key = (id & 0xffffffff00000000ull) | (u32)args->ret;
+    fl_fd_name.update(&key, &n);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!(args->prot & FL_PROT_EXEC) || (s64)args->fd < 0 || !fl_hook_candidate(id >> 32))
+        return 0;
+    u32 tid = (u32)id, fd = (u32)args->fd;
+    fl_mmap_fd.update(&tid, &fd);
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_exit_mmap)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = (u32)id;
+    u32 *fd = fl_mmap_fd.lookup(&tid);
+    if (!fd)
+        return 0;
+    u64 key = (id & 0xffffffff00000000ull) | *fd;
+    fl_mmap_fd.delete(&tid);
+    if ((u64)args->ret >= (u64)-4095)
+        return 0; /* the mapping failed: nothing to probe */
+    u64 hash = 0;
+    u64 *name = fl_fd_name.lookup(&key);
+    int zero = 0;
+    struct fl_name_buf *b = fl_name_scratch.lookup(&zero);
+    if (name && b) {
+        int len = bpf_probe_read_user_str(b->s, sizeof(b->s), (void *)*name);
+        if (len > 0)
+            hash = fl_name_hash(b, len);
+    }
+    fl_hold_now(hash, 0);
+    return 0;
+}
+
+/* The exec'd file: a program linked with the static runtime maps no library. ``args``
+ * is the tracepoint's record, whose __data_loc field says where the name is. */
+static __always_inline void fl_exec_hook(void *args, u32 data_loc)
+{
+    if (!fl_hook_candidate(bpf_get_current_pid_tgid() >> 32))
+        return;
+    int zero = 0;
+    struct fl_name_buf *b = fl_name_scratch.lookup(&zero);
+    if (!b)
+        return;
+    int len = bpf_probe_read_kernel_str(b->s, sizeof(b->s), args + (data_loc & 0xFFFF));
+    fl_hold_now(len > 0 ? fl_name_hash(b, len) : 0, 1);
+}
+
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
+    fl_exec_hook((void *)args, args->data_loc_filename);
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
     if (!fl_is_target(tgid))

@@ -22,12 +22,12 @@ from fleetd.trace.headers import ROUTES, HeaderRoute, prepare_route
 from fleetd.trace.libs import (
     Library,
     all_mapped_libraries,
-    exported_functions,
+    kind_of,
     search_usual_places,
 )
 from fleetd.trace.podcheck import containers_check, memory_stalls_check
 from fleetd.trace.preflight import cpu_clock_check
-from fleetd.trace.probes import SPECS_BY_KIND, planned_symbols
+from fleetd.trace.probes import SPECS_BY_KIND, library_symbols, planned_symbols
 
 log = logging.getLogger("fleetd.trace.checks")
 
@@ -297,7 +297,7 @@ def _libraries(overrides: list[str]) -> list[Library]:
 
     if overrides:
         return override_libraries(overrides)
-    found: dict[tuple[int, int], Library] = {}
+    found: dict[tuple[int, int, str], Library] = {}
     for lib in [*all_mapped_libraries(), *search_usual_places()]:
         found.setdefault(lib.key, lib)
     return list(found.values())
@@ -317,6 +317,13 @@ def _libs_check(libs: list[Library]) -> Check:
                  + ", ".join(f"{lib.path} [{lib.found_by}]" for lib in libs), fix)
 
 
+def _label(lib: Library) -> str:
+    """A library's file name, and the kind when its name does not say it (the runtime
+    that libnccl links in, an executable built with the static runtime)."""
+    name = Path(lib.path).name
+    return name if kind_of(name) == lib.kind else f"{name} [{lib.kind}]"
+
+
 def _vanished(lib: Library, what: str) -> Check | None:
     """A SKIP for a library seen through a process that has exited since it was found.
 
@@ -326,27 +333,27 @@ def _vanished(lib: Library, what: str) -> Check | None:
     m = re.match(r"/proc/(\d+)/", lib.path)
     if m is None or os.path.exists(lib.path):
         return None
-    return Check(f"{what} {Path(lib.path).name}", SKIP,
+    return Check(f"{what} {_label(lib)}", SKIP,
                  f"process {m.group(1)} exited during the check; its mapping of "
                  f"{Path(lib.path).name} is gone", "")
 
 
 def _symbols_check(lib: Library) -> Check:
     try:
-        exports = exported_functions(lib.path)
+        exports = library_symbols(lib.path)
     except (OSError, ValueError) as exc:
         if (gone := _vanished(lib, "symbols")) is not None:
             return gone
-        return Check(f"symbols {Path(lib.path).name}", FAIL, f"cannot read: {exc}",
+        return Check(f"symbols {_label(lib)}", FAIL, f"cannot read: {exc}",
                      "is the file a complete shared library?")
     specs = SPECS_BY_KIND[lib.kind]
     absent = [s.op for s in specs if not planned_symbols(s, exports.offsets)]
     detail = f"{len(specs) - len(absent)}/{len(specs)} ops exported by {lib.path}"
     if absent:
-        return Check(f"symbols {Path(lib.path).name}", WARN,
+        return Check(f"symbols {_label(lib)}", WARN,
                      detail + f"; absent: {', '.join(absent)}",
                      "an older library version: those ops cannot be traced")
-    return Check(f"symbols {Path(lib.path).name}", OK, detail)
+    return Check(f"symbols {_label(lib)}", OK, detail)
 
 
 def _attach_check(libs: list[Library]) -> list[Check]:
@@ -367,7 +374,7 @@ def _attach_check(libs: list[Library]) -> list[Check]:
             rep = attacher.attach(lib, ("cuda", "driver", "nccl"))
             ok = len(rep.attached.get(lib.path, []))
             failed = rep.failed.get(lib.path, [])
-            name = f"probes {Path(lib.path).name}"
+            name = f"probes {_label(lib)}"
             if failed and not ok and (gone := _vanished(lib, "probes")) is not None:
                 out.append(gone)
             elif failed:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetd.store.catalog import BY_NAME, OPS
-from fleetd.trace.libs import Library, exported_functions
+from fleetd.trace.libs import ElfExports, Library, exported_functions
 
 log = logging.getLogger("fleetd.trace.probes")
 
@@ -132,6 +132,17 @@ NAME_PROBES: tuple[tuple[str, str], ...] = (
 )
 NAME_RETURN_FN = "fl_kn_out"
 
+# Every symbol a probe may attach to: what a library's symbol tables are searched for.
+PROBE_SYMBOLS: frozenset[str] = frozenset(
+    {sym for s in SPECS for group in s.groups for sym in group}
+    | {sym for sym, _ in NAME_PROBES})
+
+
+def library_symbols(path: str) -> ElfExports:
+    """The probed entry points ``path`` defines (.dynsym and .symtab), with offsets."""
+    return exported_functions(path, PROBE_SYMBOLS)
+
+
 SPECS_BY_KIND: dict[str, tuple[ProbeSpec, ...]] = {
     k: tuple(s for s in SPECS if s.kind == k) for k in ("cudart", "cuda", "nccl")
 }
@@ -206,7 +217,7 @@ class Attacher:
         if not specs:
             return report
         try:
-            exports = exported_functions(lib.path)
+            exports = library_symbols(lib.path)
         except (OSError, ValueError) as exc:
             report.failed[lib.path] = [f"*: cannot read symbols: {exc}"]
             return report

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,12 +27,13 @@ from fleetd.trace.libs import (
     LAYER_OF_KIND,
     Library,
     all_mapped_libraries,
-    exported_functions,
     mapped_libraries,
     override_libraries,
+    scan_mapped,
     search_usual_places,
 )
-from fleetd.trace.probes import Attacher, AttachReport
+from fleetd.trace.mapwatch import MapWatch
+from fleetd.trace.probes import Attacher, AttachReport, library_symbols
 
 log = logging.getLogger("fleetd.trace.targets")
 
@@ -61,7 +63,7 @@ def prefetch_symbols(libs: list[Library]) -> None:
     """Read each library's exports now (cached), so attaching later does not wait."""
     for lib in libs:
         with contextlib.suppress(OSError, ValueError):  # the attach reports it, by name
-            exported_functions(lib.path)
+            library_symbols(lib.path)
 
 
 class Targets:
@@ -69,11 +71,16 @@ class Targets:
         self.cfg = cfg
         self.pids: dict[int, str] = {}  # pid -> origin
         self.exited: dict[int, int | None] = {}  # pid -> exit code
-        self.libs: dict[tuple[int, int], Library] = {}
+        self.libs: dict[tuple[int, int, str], Library] = {}
         self.report = AttachReport()
         self.attacher: Attacher | None = None  # set once the programs are compiled
         self._warn = warn
         self._last_maps_scan = 0.0
+        # Attaching happens on the tracer's thread (maps scans) and on the mapping
+        # watcher's (a held process): one at a time.
+        self.lock = threading.RLock()
+        self.watch: MapWatch | None = None
+        self.hidden: dict[str, list[int]] = {}  # stripped runtime's path -> pids seen
 
     def initial_libraries(self) -> list[Library]:
         cfg = self.cfg
@@ -82,12 +89,12 @@ class Targets:
             return libs
         for pid in [*cfg.pids, *procinfo.descendants(cfg.pids)]:
             libs += mapped_libraries(pid)
-        if cfg.system_wide or not libs:
-            # System-wide, or named targets that have not loaded CUDA yet (torch loads
-            # it lazily): the usual copies, so a later dlopen of one is already covered.
-            libs += search_usual_places()
-            if cfg.system_wide:
-                libs += all_mapped_libraries()
+        # Always the usual copies too: a uprobe on a file is installed when a process
+        # maps it, so a later dlopen of one (torch loads CUDA lazily) or a process started
+        # later that maps one is covered from its first call, with no stop.
+        libs += search_usual_places()
+        if cfg.system_wide:
+            libs += all_mapped_libraries()
         return libs
 
     def fill(self, bpf: Any, named: list[int]) -> None:
@@ -115,12 +122,17 @@ class Targets:
                     ) from exc
                 cg[ctypes.c_uint64(cid)] = ctypes.c_uint32(1)
 
-    def attach(self, lib: Library) -> None:
+    def attach(self, lib: Library) -> bool:
+        """Probes on ``lib`` unless it has them already; whether it got them now."""
+        with self.lock:
+            return self._attach(lib)
+
+    def _attach(self, lib: Library) -> bool:
         if lib.key in self.libs:
-            return
+            return False
         layer = LAYER_OF_KIND[lib.kind]
         if layer not in self.cfg.layers:
-            return
+            return False
         self.libs[lib.key] = lib
         assert self.attacher is not None
         rep = self.attacher.attach(lib, self.cfg.layers)
@@ -130,6 +142,31 @@ class Targets:
                  lib.found_by, rep.mechanism.get(lib.path, "-"))
         for err in rep.failed.get(lib.path, []):
             self._warn(f"probe on {lib.path} failed: {err}")
+        return True
+
+    def settle(self, pid: int) -> list[str]:
+        """Attach the CUDA code ``pid`` maps now that has no probes yet (the mapping
+        watcher calls it while the process is held); the paths attached. A stripped file
+        that carries the runtime is said once per file."""
+        if self.cfg.cuda_libs:
+            return []
+        mapped = scan_mapped(pid)
+        attached = [lib.path for lib in mapped.libs if self.attach(lib)]
+        for path in mapped.hidden_runtimes:
+            self._hidden_runtime(pid, path)
+        return attached
+
+    def _hidden_runtime(self, pid: int, path: str) -> None:
+        with self.lock:
+            seen = self.hidden.setdefault(path, [])
+            if pid in seen:
+                return
+            seen.append(pid)
+        self._warn(
+            f"pid {pid} ({procinfo.comm(pid) or '?'}) runs {path}, which carries the CUDA "
+            "runtime linked in (libcudart_static) with its symbols stripped: its runtime "
+            "calls cannot be probed; the driver layer (libcuda) is still traced. Build "
+            "it unstripped (or keep .symtab) to trace the runtime layer")
 
     def require_something_attached(self) -> None:
         host_on = "host" in self.cfg.layers
@@ -175,8 +212,13 @@ class Targets:
             return
         pids = [p for p in self.pids if p not in self.exited]
         for pid in pids:
-            for lib in mapped_libraries(pid):
-                self.attach(lib)
+            attached = self.settle(pid)
+            if attached and self.watch is not None:
+                # No mapping event announced these: probed late, by an unknown margin.
+                self.watch.late_from_scan(pid, attached)
+                self._warn(f"pid {pid}: probes on {', '.join(attached)} attached at a maps "
+                           "scan, after the process mapped it: its first calls may be "
+                           "missing (see the session's targets.mapping)")
         if self.cfg.system_wide:
             for lib in all_mapped_libraries():
                 self.attach(lib)
@@ -192,4 +234,10 @@ class Targets:
 
     def json(self) -> dict[str, Any]:
         """What is traced, for the session row (:func:`fleetd.trace.accounting.targets_json`)."""
-        return accounting.targets_json(self.cfg, self.pids, self.libs.values(), self.report)
+        got = accounting.targets_json(self.cfg, self.pids, list(self.libs.values()),
+                                      self.report)
+        if self.watch is not None:
+            got["mapping"] = self.watch.json()
+        if self.hidden:
+            got["hidden_runtimes"] = {path: pids[:20] for path, pids in self.hidden.items()}
+        return got

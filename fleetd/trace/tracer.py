@@ -44,6 +44,7 @@ from fleetd.trace.headers import HeaderRoute
 from fleetd.trace.intake import STAGES as STAGES
 from fleetd.trace.intake import Intake
 from fleetd.trace.libs import Library
+from fleetd.trace.mapwatch import MapWatch
 from fleetd.trace.oncpu import CpuSampler, ring_pages, start_sampler
 from fleetd.trace.preflight import ensure_tracefs as ensure_tracefs
 from fleetd.trace.preflight import preflight
@@ -104,7 +105,7 @@ class Tracer:
         return self.scope.exited
 
     @property
-    def libs(self) -> dict[tuple[int, int], Library]:
+    def libs(self) -> dict[tuple[int, int, str], Library]:
         return self.scope.libs
 
     @property
@@ -163,6 +164,7 @@ class Tracer:
             self.scope.fill(self.bpf, named)
             for lib in libs:
                 self.scope.attach(lib)
+            self._watch_mappings()
             self.scope.require_something_attached()
             self.rings.open(self.bpf, opts.rings())
             self._start_enrichers()
@@ -176,6 +178,15 @@ class Tracer:
         self.hist.window_start = self._started_mono
         self._last_maint = time.monotonic()
         self._sample_cgroups()  # the baseline: the first interval starts here
+
+    def _watch_mappings(self) -> None:
+        """From here on a target that maps an unknown file is held until its CUDA code
+        is probed (fleetd.trace.mapwatch); then the targets are read once more, for
+        what they mapped between the first read and now."""
+        self.scope.watch = MapWatch(self.bpf, self.scope.settle, self._warn)
+        self.scope.watch.start()
+        for pid in list(self.scope.pids):
+            self.scope.settle(pid)
 
     def _start_enrichers(self) -> None:
         """Python frames and stacks, the on-CPU sampler, kernel names, wait channels."""
@@ -440,6 +451,8 @@ class Tracer:
     def _cleanup_bpf(self) -> None:
         if self.bpf is None:
             return
+        if self.scope.watch is not None:
+            self.scope.watch.stop()  # no process may stay held once we are gone
         self.rings.close()  # before the maps' fds close
         try:
             if self.attacher is not None:

@@ -1,0 +1,160 @@
+"""Probes before the first call, and runtimes inside other files (issue #41, points 2-3).
+
+One ``fleetd trace`` follows two named processes, both started before it and both
+waiting for a go file: a Python process that dlopens a copy of the real libcudart only
+after the tracer says ``tracing`` (a copy under an auditwheel-style name, in a directory
+fleetd never searches: nothing was probed on that file before the process mapped it),
+and a launcher that, once told to go, starts the rest (all of them started after the
+tracer and calling at once):
+
+- a C program linked against the venv's ``libcudart_static.a`` (no libcudart.so mapped);
+- a Python process that dlopens another fresh copy and calls at once;
+- the same C program, stripped: its runtime cannot be probed, and fleetd must say so.
+
+Every call each process made must be recorded (they fail fast without a GPU and the
+probes still fire), and the stripped one named in a warning that says the driver layer
+is still traced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+SITE = Path(sys.prefix) / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / \
+    "site-packages" / "nvidia" / "cuda_runtime" / "lib"
+CUDART = SITE / "libcudart.so.12"
+STATIC = SITE / "libcudart_static.a"
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (BPF)"
+    if not CUDART.exists() or not STATIC.exists():
+        return "needs the nvidia-cuda-runtime-cu12 wheel (libcudart.so.12, libcudart_static.a)"
+    if shutil.which("cc") is None:
+        return "needs a C compiler"
+    return None
+
+
+_WHY = _why_not()
+pytestmark = [pytest.mark.bpf, pytest.mark.timeout(600),
+              pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
+
+# A Python process that waits for GO (if given), dlopens LIB and calls the runtime.
+DLOPENER = r"""
+import ctypes, json, os, sys, time
+lib, go, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+while go != "-" and not os.path.exists(go):
+    time.sleep(0.002)
+rt = ctypes.CDLL(lib)
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+rt.cudaLaunchKernel.argtypes = [ctypes.c_void_p, Dim3, Dim3, ctypes.c_void_p,
+                                ctypes.c_size_t, ctypes.c_void_p]
+buf = ctypes.create_string_buffer(64)
+for _ in range(n):
+    rt.cudaLaunchKernel(ctypes.cast(rt.cudaLaunchKernel, ctypes.c_void_p), Dim3(8, 1, 1),
+                        Dim3(32, 1, 1), None, 0, None)
+    rt.cudaMemcpy(buf, buf, 64, 1)
+rt.cudaDeviceSynchronize()
+print(json.dumps({"pid": os.getpid(), "calls": {"cudaLaunchKernel": n, "cudaMemcpy": n,
+                                                 "cudaDeviceSynchronize": 1}}), flush=True)
+"""
+
+
+def _build(tmp: Path) -> tuple[Path, Path]:
+    exe = tmp / "static_cudart"
+    subprocess.run(["cc", "-O1", "-o", str(exe), str(REPO / "tests/workloads/static_cudart.c"),
+                    str(STATIC), "-lpthread", "-ldl", "-lrt"], check=True, timeout=120)
+    stripped = tmp / "static_cudart_stripped"
+    shutil.copy(exe, stripped)
+    subprocess.run(["strip", str(stripped)], check=True, timeout=60)
+    return exe, stripped
+
+
+def _copy(tmp: Path, name: str) -> Path:
+    """A fresh inode of the real runtime under a vendored name, where fleetd never looks."""
+    d = tmp / name
+    d.mkdir()
+    out = d / "libcudart-1a2b3c4d.so.12"
+    shutil.copy(CUDART, out)
+    return out
+
+
+def _counts(db: Path, pid: int) -> dict[str, int]:
+    with sqlite3.connect(db) as c:
+        return dict(c.execute("SELECT op, count(*) FROM events WHERE pid = ? AND "
+                              "source = 'cuda' GROUP BY op", (pid,)).fetchall())
+
+
+def test_calls_counted_from_the_first_one(tmp_path: Path) -> None:
+    exe, stripped = _build(tmp_path)
+    late_lib, child_lib = _copy(tmp_path, "late"), _copy(tmp_path, "child")
+    go, db, outs = tmp_path / "go", tmp_path / "t.db", tmp_path / "outs"
+    outs.mkdir()
+    py = sys.executable
+    late = subprocess.Popen([py, "-c", DLOPENER, str(late_lib), str(go), "300"],
+                            stdout=subprocess.PIPE, text=True)
+    # The launcher: once told to go, starts three processes that call at once.
+    script = (f"while [ ! -e {go} ]; do sleep 0.01; done; "
+              f"{exe} 40 25 3 > {outs}/static.json & "
+              f"{py} -c '{DLOPENER}' {child_lib} - 300 > {outs}/child.json & "
+              f"{stripped} 5 4 1 > {outs}/stripped.json & wait")
+    launcher = subprocess.Popen(["sh", "-c", script])
+    tracer = subprocess.Popen(
+        [str(REPO / ".venv/bin/fleetd"), "trace", "--pid", str(late.pid), "--pid",
+         str(launcher.pid), "--db", str(db), "--sample", "1", "--node", "first-call"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert tracer.stderr is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = tracer.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "fleetd: tracing" in line:
+                break
+        assert any("fleetd: tracing" in ln for ln in lines), "".join(lines)
+        go.touch()
+        out, _ = late.communicate(timeout=120)
+        assert launcher.wait(timeout=120) == 0
+        _, err = tracer.communicate(timeout=120)  # the targets exited: it stops itself
+    finally:
+        for p in (late, launcher, tracer):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    err = "".join(lines) + err
+    made = {"late dlopen": json.loads(out),
+            "static runtime": json.loads((outs / "static.json").read_text()),
+            "started after, at once": json.loads((outs / "child.json").read_text())}
+    for what, m in made.items():
+        got = _counts(db, m["pid"])
+        assert got == m["calls"], (what, got, m["calls"], err[-3000:])
+    # The stripped program: nothing of its runtime recorded, and said so, by pid.
+    hidden = json.loads((outs / "stripped.json").read_text())
+    assert _counts(db, hidden["pid"]) == {}
+    warned = [ln for ln in err.splitlines() if str(stripped) in ln]
+    assert warned and f"pid {hidden['pid']}" in warned[0], err[-3000:]
+    assert "driver layer (libcuda) is still traced" in warned[0]
+    with sqlite3.connect(db) as c:
+        targets = json.loads(c.execute("SELECT targets FROM sessions").fetchone()[0])
+    mapping = targets["mapping"]
+    assert mapping["hook"] == "hold" and mapping["late"] == 0, mapping
+    assert mapping["held"] >= 3, mapping  # the late dlopen, the child's, the static exec
+    assert str(stripped) in targets["hidden_runtimes"]
+    kinds = {(Path(lib["path"]).name, lib["kind"]) for lib in targets["libraries"]}
+    assert {("libcudart-1a2b3c4d.so.12", "cudart"), ("static_cudart", "cudart")} <= kinds
