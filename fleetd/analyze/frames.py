@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import PurePosixPath
 
+from fleetd.printable import printable
+
 _PY_FRAME = re.compile(r" \(([^()]*\.pyw?|<[^>]+>):(\d+)\)$")
 
 
@@ -31,6 +33,8 @@ def top_python_frame(frames: list[str]) -> str | None:
 def folded(frames: list[str], count: int) -> str:
     """One line of the folded format flame-graph tools read: frames outermost first,
     joined by ``;``, then a space and the count. The format has no quoting: a ``;``
-    inside a frame (C++ templates rarely have one) becomes ``:``."""
-    parts = [short_frame(f).replace(";", ":") for f in reversed(frames)]
+    inside a frame (C++ templates rarely have one; a traced process can name a function
+    or file with one) becomes ``:``, and a newline or other control character is shown
+    escaped (fleetd.printable), so a frame can neither split nor add a line."""
+    parts = [printable(short_frame(f)).replace(";", ":") for f in reversed(frames)]
     return f"{';'.join(parts) or '[no frames]'} {count}"

@@ -29,9 +29,10 @@ from fleetd.analyze.collectives import host_chains
 from fleetd.analyze.facade import Analysis
 from fleetd.analyze.window import WindowSpec
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
-from fleetd.cli.output import dumps, table
+from fleetd.cli.output import dumps, table, warn
 from fleetd.cli.pod_args import add_pod_args, fleet_selection, selected_pids
 from fleetd.errors import UsageError
+from fleetd.printable import printable_tree
 from fleetd.store.db import default_db_path, open_reader
 from fleetd.store.timeparse import format_ns
 
@@ -165,8 +166,7 @@ def run(args: argparse.Namespace) -> int:
             # -v (more log output everywhere) also prints slow calls' whole stacks.
             verbose = bool(getattr(args, "verbose", 0))
             emit(args, found, lambda out: render(found, out, verbose=verbose))
-        for w in found["warnings"]:
-            print(f"fleetd: warning: {w}", file=sys.stderr)
+        warn(found["warnings"])
     return failed(args, found["chains"], 0)
 
 
@@ -319,6 +319,10 @@ def _dur(ns: int | None) -> str:
 
 
 def render(report: dict[str, Any], out: TextIO, *, verbose: bool = False) -> None:
+    """The report as text. Every string in it is made printable first: names a traced
+    process chose (comm, threads, pod, Python frames) are quoted in summaries,
+    evidence and fixes, and one with a newline must not start a line of its own."""
+    report = printable_tree(report)
     w = report["window"]
     out.write(f"fleetd explain: {', '.join(report['nodes']) or '(no nodes)'}; {w['label']} "
               f"({w['start']} .. {w['end']})\n")
@@ -335,7 +339,9 @@ def render(report: dict[str, Any], out: TextIO, *, verbose: bool = False) -> Non
 
 def render_fleet(report: dict[str, Any], out: TextIO) -> None:
     """Stragglers first, each with its own top chains as the why; then every node's
-    chains, most severe first, each tagged with its node."""
+    chains, most severe first, each tagged with its node (made printable first, as in
+    :func:`render`)."""
+    report = printable_tree(report)
     label = report["window"].get("label", "")
     names = report.get("nodes") or []
     out.write(f"fleetd explain: {len(names)} node(s) ({', '.join(names) or 'none'}); "

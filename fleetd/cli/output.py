@@ -13,6 +13,11 @@ cell in full, ``--format json`` too). On a terminal it is drawn with ``rich``
 large to lay out at once, the plain writer prints it aligned, without escape codes.
 Prose lines (explain, gpu, check) are wrapped to the same width at spaces, with a
 hanging indent (:class:`Wrapped`).
+
+Every cell, note and warning is :func:`fleetd.printable.printable`: a name a traced
+process chose (a comm, a thread name, a Python function) shows its control characters
+escaped (``\\x1b``, ``\\n``), never as a terminal command or a line of its own. JSON,
+CSV and NDJSON keep the exact values.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Any, TextIO
 import orjson
 
 from fleetd.errors import UsageError
+from fleetd.printable import printable, printable_cell
 from fleetd.store.catalog import BY_NAME
 from fleetd.store.cuda_errors import runtime_error
 from fleetd.store.timeparse import format_ns
@@ -46,6 +52,7 @@ _NAMES = ("node", "op", "comm", "thread", "name", "check", "metric")
 _DROP_FIRST = ("stats_from", "events", "calls_per_s", "source", "mean", "total",
                "lost_events", "sessions", "crashed", "thread", "other", "in_cuda")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_SGR_SPLIT = re.compile(r"(\x1b\[[0-9;]*m)")
 # A number and its unit, or a metric and its value, stay on one line when text wraps.
 _GLUE = re.compile(r"(?<=\d) (?=(?:ns|us|ms|s|min|h|MB|GB|KiB|MiB|GiB|%)\b)|(?<=\bM\d) (?=\d)"
                    r"|(?<=\bM\d[abc]) (?=\d)")
@@ -162,6 +169,10 @@ class Wrapped(io.TextIOBase):
         return len(text)
 
     def _wrap(self, line: str) -> str:
+        # Values come escaped (fleetd.printable); a control character a writer let
+        # through is escaped here too. Only our own colours (SGR) pass as they are.
+        line = "".join(part if _ANSI.fullmatch(part) else printable(part)
+                       for part in _SGR_SPLIT.split(line))
         if len(_ANSI.sub("", line)) <= self.width:
             return line
         plain = _GLUE.sub(_NBSP, _ANSI.sub("", line))
@@ -227,9 +238,15 @@ def print_notes(obj: Mapping[str, Any], found: bool, fmt: str) -> None:
     if fmt == "json":
         return
     if not found and obj.get("note"):
-        print(f"fleetd: note: {obj['note']}", file=sys.stderr)
-    for w in obj.get("warnings") or []:
-        print(f"fleetd: warning: {w}", file=sys.stderr)
+        print(f"fleetd: note: {printable(str(obj['note']))}", file=sys.stderr)
+    warn(obj.get("warnings") or [])
+
+
+def warn(warnings: Sequence[object], prefix: str = "") -> None:
+    """Each warning as one ``fleetd: warning:`` line on stderr, whatever it quotes (a
+    comm, a node's error text: shown escaped, never a line of its own)."""
+    for w in warnings:
+        print(f"fleetd: warning: {printable(prefix + str(w))}", file=sys.stderr)
 
 
 def check_format(fmt: str) -> str:
@@ -330,8 +347,7 @@ def _cell(col: str, value: Any) -> str:
         return format_ns(value)
     if isinstance(value, float):
         return _float(value)
-    text = str(_plain(value)).replace("\n", "\\n").replace("\t", " ")
-    return "".join(ch if ch.isprintable() else "?" for ch in text)
+    return printable_cell(str(_plain(value)))
 
 
 def _float(value: float) -> str:

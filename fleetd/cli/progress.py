@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
+from fleetd.printable import printable
+
 log = logging.getLogger("fleetd.progress")
 TICK_S = 1.0
 
@@ -24,7 +26,10 @@ TICK_S = 1.0
 def stage(what: str, out: TextIO | None = None,
           count: Callable[[], str] | None = None) -> Iterator[None]:
     """Show ``what`` while the body runs; ``count`` adds a running figure to the line
-    (``120,000 events``), read each tick."""
+    (``120,000 events``), read each tick. Both may quote a file or a process's name:
+    shown printable (fleetd.printable), so only this line's own ``\\r`` and erase
+    reach the terminal."""
+    what = printable(what)
     stream = out if out is not None else sys.stderr
     if not _tty(stream):
         log.info("%s...", what)
@@ -36,7 +41,7 @@ def stage(what: str, out: TextIO | None = None,
     def tick() -> None:
         while True:
             elapsed = int(time.monotonic() - started)
-            figure = f", {count()}" if count is not None else ""
+            figure = f", {printable(count())}" if count is not None else ""
             stream.write(f"\r\x1b[Kfleetd: {what}... {elapsed} s{figure}" if elapsed
                          else f"\r\x1b[Kfleetd: {what}...")
             stream.flush()
