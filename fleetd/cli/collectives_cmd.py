@@ -19,6 +19,7 @@ from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
 from fleetd.cli.questions import either
 from fleetd.errors import UsageError
+from fleetd.printable import printable_tree
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -76,6 +77,7 @@ def _write(obj: dict[str, Any], columns: list[str], values: list[list[Any]], fmt
         extra = {k: v for k, v in obj.items() if k not in ("columns", "rows")}
         write_rows(columns, values, fmt, sys.stdout, extra)
         return
+    obj = printable_tree(obj)  # communicator keys and notes quote what ranks reported
     shown = [c.removesuffix("_ns") for c in columns]
     cells = [[_cell(c, v) for c, v in zip(columns, r, strict=True)] for r in values]
     if cells:

@@ -14,6 +14,7 @@ from typing import Any
 
 from fleetd.cli.explain_cmd import positive
 from fleetd.cli.output import dumps, table
+from fleetd.printable import printable_tree
 
 FORMATS = ("table", "json")
 _HEADER = 72  # an SQLite header, through its application_id
@@ -107,6 +108,7 @@ def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:
     if args.format == "json":
         sys.stdout.write(dumps(obj).decode() + "\n")
         return
+    obj = printable_tree(obj)  # kernel and file names come from the recorded jobs
     print(f"baseline: {obj['baseline']['source']} ({len(obj['baseline']['ranks'])} rank(s))")
     print(f"target:   {obj['target']['source']} ({len(obj['target']['ranks'])} rank(s))\n")
     rows = []

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from fleetd.errors import UsageError
+from fleetd.printable import printable
 from fleetd.store.timeparse import parse_duration
 
 if TYPE_CHECKING:
@@ -198,7 +199,8 @@ def report(answer: FleetAnswer, show_skew: bool, out: TextIO = sys.stderr) -> No
 
 def print_warnings(warnings: list[NodeWarning], out: TextIO = sys.stderr) -> None:
     for w in warnings:
-        print(f"fleetd: warning: node {w.node}: {w.error}", file=out)
+        # A node's error text is the node's to choose: one line, no escape sequence.
+        print(f"fleetd: warning: {printable(f'node {w.node}: {w.error}')}", file=out)
 
 
 def print_skew(answer: FleetAnswer, out: TextIO = sys.stderr) -> None:

@@ -12,6 +12,7 @@ from fleetd.cli.explain_cmd import add_window, positive
 from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.output import dumps, human_ns, print_notes, table
 from fleetd.cli.questions import ask
+from fleetd.printable import printable_tree
 from fleetd.questions.catalog import GPU
 
 FORMATS = ("table", "json")
@@ -62,6 +63,7 @@ def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:
     if args.format == "json":
         sys.stdout.write(dumps(obj).decode() + "\n")
         return
+    obj = printable_tree(obj)  # kernel and step names come from the traced job
     ranks = obj.get("ranks") or []
     rows = [[r["node"], r["pid"], r.get("rank"), r["device"], human_ns(r["window_ns"]),
              f"{r['idle_pct']:.1f}", f"{r['compute_pct']:.1f}", f"{r['comm_pct']:.1f}",
