@@ -41,6 +41,7 @@ from fleetd.analyze.hangs import (
     waits,
 )
 from fleetd.node.api import STATE, json_response
+from fleetd.security.procfs import ENVIRON_MAX, STAT_MAX, read_bounded
 from fleetd.store.catalog import BY_CODE, BY_NAME
 from fleetd.store.schema import EventArgs, EventRow
 from fleetd.store.writer import BatchWriter
@@ -407,11 +408,8 @@ def view_of(node: str, r: Mapping[str, Any]) -> RankView:
 
 
 def _read(path: Path) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4096).decode(errors="replace")
-    except OSError:
-        return None
+    raw = read_bounded(str(path), STAT_MAX)
+    return None if raw is None else raw.decode(errors="replace")
 
 
 def _stat(path: Path) -> list[str] | None:
@@ -423,10 +421,8 @@ def _stat(path: Path) -> list[str] | None:
 
 
 def _environ(path: Path) -> dict[str, str]:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(256 * 1024)
-    except OSError:
+    raw = read_bounded(str(path), ENVIRON_MAX)
+    if raw is None:
         return {}
     out: dict[str, str] = {}
     for item in raw.split(b"\0"):

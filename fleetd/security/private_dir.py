@@ -162,7 +162,7 @@ def open_regular(path: Path, dir_fd: int | None = None) -> tuple[int, os.stat_re
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{str(path)!r} is {_kind(st.st_mode)}, not a regular file",
+            raise UnsafePathError(f"{str(path)!r} is {file_kind(st.st_mode)}, not a regular file",
                                   "replace it with a regular file")
         os.set_blocking(fd, True)
     except BaseException:
@@ -186,14 +186,7 @@ def read_regular(path: Path, limit: int) -> bytes:
         if st.st_size > limit:
             raise UnsafePathError(f"{str(path)!r} is {st.st_size} bytes, over the limit of "
                                   f"{limit}", "replace it with the file fleetd wrote")
-        chunks, left = [], limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 16))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
+        data = read_at_most(fd, limit + 1)
         if len(data) > limit:  # it grew while we read
             raise UnsafePathError(f"{str(path)!r} is over the limit of {limit} bytes",
                                   "replace it with the file fleetd wrote")
@@ -202,7 +195,20 @@ def read_regular(path: Path, limit: int) -> bytes:
         os.close(fd)
 
 
-def _kind(mode: int) -> str:
+def read_at_most(fd: int, limit: int) -> bytes:
+    """At most ``limit`` bytes of the open file ``fd``, read to its end or the limit."""
+    chunks: list[bytes] = []
+    left = limit
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 16))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def file_kind(mode: int) -> str:
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):

@@ -16,6 +16,9 @@ traced process is named by its cgroup, container and pod, without the Kubernetes
   kubelet sets to the pod name); its namespace is the service-account file the kubelet
   mounts into the pod (``/proc/PID/root/var/run/secrets/kubernetes.io/serviceaccount/
   namespace``), when the pod has one. What cannot be read is left None and shown so.
+  Both are the process's to write: the file is read inside the process's root, as a
+  regular file of at most 64 bytes (fleetd.security.procfs), and kept only when it is a
+  namespace name (a DNS label of at most 63 characters).
 * The CPU limit: v2 ``cpu.max`` (``max 100000`` = none), v1 ``cpu.cfs_quota_us`` and
   ``cpu.cfs_period_us`` (-1 = none); throttling from ``cpu.stat`` (``nr_periods``,
   ``nr_throttled``, ``throttled_usec`` on v2, ``throttled_time`` in ns on v1).
@@ -36,6 +39,7 @@ import orjson
 
 from fleetd.errors import FleetdError
 from fleetd.security.private_dir import read_regular
+from fleetd.security.procfs import CGROUP_MAX, read_in_root, read_proc_text
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _ID = r"([0-9a-f]{64})"
@@ -52,6 +56,8 @@ _POD_UID = re.compile(r"pod([0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f
                       r"[0-9a-f]{12})")
 _QOS = re.compile(r"kubepods[-/.](?:slice/kubepods-)?(besteffort|burstable)")
 SA_NAMESPACE = "var/run/secrets/kubernetes.io/serviceaccount/namespace"
+NAMESPACE_READ = 64  # bytes: a namespace is a DNS label of at most 63, plus a newline
+_NAMESPACE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,11 +173,9 @@ def cpu_limit(groups: dict[str, str], root: Path = CGROUP_ROOT) -> CpuLimit | No
 def pod_name_and_namespace(pid: int, env: dict[str, str]) -> tuple[str | None, str | None]:
     """The pod's name (its hostname) and namespace (its service-account file)."""
     name = env.get("HOSTNAME") or None
-    try:
-        ns = Path(f"/proc/{pid}/root/{SA_NAMESPACE}").read_text().strip() or None
-    except OSError:
-        ns = None
-    return name, ns
+    raw = read_in_root(pid, SA_NAMESPACE, NAMESPACE_READ)
+    text = raw.decode(errors="replace").strip() if raw else ""
+    return name, text if _NAMESPACE.fullmatch(text) else None
 
 
 MAX_MEMBERS = 64  # processes of one cgroup listed with each sample
@@ -216,10 +220,8 @@ def groups_by_path(cache: dict[int, dict[str, str] | None], pids: Iterable[int],
 
 def read_groups(pid: int) -> dict[str, str] | None:
     host_cgroup_view()
-    try:
-        return parse_proc_cgroup(Path(f"/proc/{pid}/cgroup").read_text())
-    except OSError:
-        return None
+    text = read_proc_text(pid, "cgroup", CGROUP_MAX)
+    return None if text is None else parse_proc_cgroup(text)
 
 
 _CLONE_NEWCGROUP = 0x02000000

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from fleetd.checks import OK, WARN, Check
+from fleetd.security.procfs import CGROUP_MAX, read_proc_text
 from fleetd.trace.cgroups import HOST_PID, RUNTIME_FILES
 from fleetd.trace.memory import TRACEPOINTS, tracepoints
 
@@ -29,24 +30,16 @@ def _cgroup_namespace() -> tuple[bool, bool]:
         return own == host, os.geteuid() == 0
     except OSError:
         pass
-    try:
-        relative = "/.." in Path(f"/proc/{HOST_PID}/cgroup").read_text()
-    except OSError:
+    text = read_proc_text(HOST_PID, "cgroup", CGROUP_MAX)
+    if text is None:
         return False, False
-    return not relative, False
+    return "/.." not in text, False
 
 
-def _pods_here(proc: Path = Path("/proc")) -> int:
+def _pods_here() -> int:
     """How many visible processes run in a Kubernetes pod (kubepods in the path)."""
-    n = 0
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            n += _KUBEPODS in (entry / "cgroup").read_text()
-        except OSError:
-            continue
-    return n
+    return sum(_KUBEPODS in (read_proc_text(int(e.name), "cgroup", CGROUP_MAX) or "")
+               for e in os.scandir("/proc") if e.name.isdigit())
 
 
 def runtime_dirs(host: Path = Path("/")) -> dict[str, str]:

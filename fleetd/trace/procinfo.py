@@ -3,7 +3,8 @@
 Rank, local rank and world size come from torchrun's environment variables (RANK,
 LOCAL_RANK, WORLD_SIZE) in /proc/PID/environ, and so does the job the rank belongs to
 (TORCHELASTIC_RUN_ID, else MASTER_ADDR:MASTER_PORT). Every read tolerates the process
-having exited in the meantime: a missing fact is None, never an exception.
+having exited in the meantime: a missing fact is None, never an exception. The files are
+the process's to fill: each is read through fleetd.security.procfs, bounded per file.
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from fleetd.security.procfs import (
+    CMDLINE_MAX,
+    COMM_MAX,
+    ENVIRON_MAX,
+    STAT_MAX,
+    STATUS_MAX,
+    read_proc_text,
+)
 from fleetd.trace.cgroups import process_placement
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -23,24 +32,15 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read().decode(errors="replace")
-    except OSError:
-        return None
-
-
 def comm(pid: int, tid: int | None = None) -> str | None:
-    path = f"/proc/{pid}/task/{tid}/comm" if tid else f"/proc/{pid}/comm"
-    text = _read(path)
+    text = read_proc_text(pid, "comm", COMM_MAX, tid)
     if text is None and tid:
-        text = _read(f"/proc/{tid}/comm")
+        text = read_proc_text(tid, "comm", COMM_MAX)
     return text.strip() if text else None
 
 
 def tgid_of(tid: int) -> int | None:
-    text = _read(f"/proc/{tid}/status")
+    text = read_proc_text(tid, "status", STATUS_MAX)
     if not text:
         return None
     for line in text.splitlines():
@@ -51,7 +51,7 @@ def tgid_of(tid: int) -> int | None:
 
 def stat_fields(pid: int) -> list[str] | None:
     """/proc/PID/stat fields after the command name (which may hold spaces)."""
-    text = _read(f"/proc/{pid}/stat")
+    text = read_proc_text(pid, "stat", STAT_MAX)
     if not text or ")" not in text:
         return None
     return text.rsplit(")", 1)[1].split()
@@ -76,7 +76,7 @@ def start_wall_ns(pid: int) -> int | None:
 
 def environ(pid: int) -> dict[str, str]:
     """NAME=value entries; an entry without "=" is skipped, a repeated name keeps its last."""
-    text = _read(f"/proc/{pid}/environ") or ""
+    text = read_proc_text(pid, "environ", ENVIRON_MAX) or ""
     pairs = (item.split("=", 1) for item in text.split("\0") if "=" in item)
     return {key: value for key, value in pairs}
 
@@ -119,7 +119,7 @@ def process_row(pid: int) -> dict[str, Any]:
         exe = os.readlink(f"/proc/{pid}/exe")
     except OSError:
         exe = None
-    raw = _read(f"/proc/{pid}/cmdline")
+    raw = read_proc_text(pid, "cmdline", CMDLINE_MAX)
     cmdline = " ".join(a for a in raw.split("\0") if a) if raw else None
     env = environ(pid)
     return {
