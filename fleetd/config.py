@@ -41,6 +41,8 @@ class LimitsConfig:
     handshake_timeout_s: float = 5.0  # a TLS handshake must finish within this
     header_timeout_s: float = 10.0  # request headers, from their first byte
     body_timeout_s: float = 30.0  # a request body, once its headers are in
+    write_timeout_s: float = 10.0  # a client must take some of its answer within this
+    max_queued_bytes: int = 128 * 1024 * 1024  # answers made and not yet taken, in all
 
 
 @dataclass

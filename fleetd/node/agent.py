@@ -95,10 +95,14 @@ def hardening(cfg: Config) -> dict[str, Any]:
     config's ``limits`` and ``tls`` (each checked positive)."""
     lim = cfg.limits
     for key in ("max_connections", "max_connections_per_source", "handshake_timeout_s",
-                "header_timeout_s", "body_timeout_s"):
+                "header_timeout_s", "body_timeout_s", "write_timeout_s"):
         if getattr(lim, key) <= 0:
             raise ConfigError(f"limits.{key} must be positive, got {getattr(lim, key)!r}",
                               "see configs/README.md for the defaults")
+    if lim.max_queued_bytes < lim.max_bytes:
+        raise ConfigError(f"limits.max_queued_bytes ({lim.max_queued_bytes}) is below "
+                          f"limits.max_bytes ({lim.max_bytes}): a full answer could never "
+                          "be sent", "raise max_queued_bytes (default 134217728)")
     if lim.max_queries_per_client < 0:
         raise ConfigError("limits.max_queries_per_client must be 0 (half) or positive",
                           "see configs/README.md")
@@ -107,7 +111,9 @@ def hardening(cfg: Config) -> dict[str, Any]:
         "conns": ConnLimits(max_total=lim.max_connections,
                             max_per_source=lim.max_connections_per_source,
                             handshake_timeout_s=lim.handshake_timeout_s,
-                            header_timeout_s=lim.header_timeout_s),
+                            header_timeout_s=lim.header_timeout_s,
+                            write_timeout_s=lim.write_timeout_s,
+                            max_queued_bytes=lim.max_queued_bytes),
         "body_timeout_s": lim.body_timeout_s,
         "relay_nodes": frozenset(cfg.tls.relay_nodes),
     }

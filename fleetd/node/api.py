@@ -22,7 +22,7 @@ from aiohttp import web
 from fleetd import __version__
 from fleetd.errors import FleetdError, QueryError
 from fleetd.node import stamps
-from fleetd.node.conns import GuardedHandler
+from fleetd.node.conns import GuardedHandler, Outbox
 from fleetd.node.readers import ReaderPool
 from fleetd.security.certs import peer_role
 from fleetd.security.tls import client_refusal, token_ok
@@ -52,7 +52,9 @@ EVENT_COLUMNS = (
     "peer_comm, a0, a1, stack, args, rank, rowkey"
 )
 EVENTS_PAGE = 2_000
-STREAM_STALL_S = 10.0  # a streamed answer's client must take each piece within this
+# A large answer is handed to its connection this much at a time, each piece once the
+# last has left (docs/security.md "Connections and memory").
+ANSWER_PIECE = 256 * 1024
 _CLOSE = "fleetd.close"  # request key: answer, then close the connection
 CLIENT = "fleetd.client"  # request key: who asks, for the per-client reader share
 QUERY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -306,14 +308,16 @@ async def query(request: web.Request) -> web.StreamResponse:
             "elapsed_ms": round(result.elapsed_ms, 3)}
         return encode(reply)
 
-    try:
-        raw = await readers.run(answer, client_of(request))
-    except QueryError:
-        st.query_errors += 1
-        raise
-    finally:
-        _observe(st, time.perf_counter() - started)
-    return web.Response(body=raw, content_type="application/json")
+    with AnswerRoom(request, limits.max_bytes) as room:
+        try:
+            raw = await readers.run(answer, client_of(request))
+        except QueryError:
+            st.query_errors += 1
+            raise
+        finally:
+            _observe(st, time.perf_counter() - started)
+        room.keep(len(raw))
+        return await send_paced(request, raw)
 
 
 async def _query_stream(request: web.Request, sql: str, params: list[Any] | dict[str, Any],
@@ -348,7 +352,10 @@ async def _query_stream(request: web.Request, sql: str, params: list[Any] | dict
                     end["rows"] += item.count(b"\n")  # for the trailer of a failed stream
                     pending += item
                     if len(pending) >= STREAM_CHUNK_BYTES:
-                        await _send(request, resp, pending)
+                        # Awaits room in the connection: a client that stops reading
+                        # is cut by its write deadline, and the reader slot it held with
+                        # it (conns.GuardedHandler).
+                        await resp.write(pending)
                         pending = b""
     except QueryError as exc:
         st.query_errors += 1
@@ -363,18 +370,56 @@ async def _query_stream(request: web.Request, sql: str, params: list[Any] | dict
     return resp
 
 
-async def _send(request: web.Request, resp: web.StreamResponse, data: bytes) -> None:
-    """One piece of a streamed answer. A client that stops reading must not hold a
-    reader thread (and its snapshot of the database) for ever: past STREAM_STALL_S
-    without room to write, the connection is cut."""
-    try:
-        async with asyncio.timeout(STREAM_STALL_S):
-            await resp.write(data)
-    except TimeoutError:
-        log.info("cutting a streamed answer to %s: it stopped reading", client_of(request))
-        if request.transport is not None:
-            request.transport.abort()
-        raise ConnectionResetError("the client stopped reading") from None
+class AnswerRoom:
+    """Room in the connections' :class:`~fleetd.node.conns.Outbox` for one answer: the
+    most it may take is held before it is made (a refusal is 429 busy, nothing run),
+    what it took once it is made, and nothing once it has left or its connection was
+    cut. Without a gate (an app not served by :func:`fleetd.node.agent.serve`) there is
+    nothing to hold."""
+
+    def __init__(self, request: web.Request, most: int) -> None:
+        conn = request.protocol if isinstance(request.protocol, GuardedHandler) else None
+        self.outbox: Outbox | None = conn.gate.outbox if conn and conn.gate else None
+        self.client = client_of(request)
+        self.held = 0
+        self.most = most
+
+    def __enter__(self) -> AnswerRoom:
+        if self.outbox is not None:
+            why = self.outbox.reserve(self.client, self.most)
+            if why is not None:
+                raise QueryError(f"the node is busy: {why}", "take the answers already "
+                                 "asked for (a client that takes nothing of an answer for "
+                                 "limits.write_timeout_s is cut), then ask again",
+                                 code="busy")
+            self.held = self.most
+        return self
+
+    def keep(self, size: int) -> None:
+        if self.outbox is not None and size < self.held:
+            self.outbox.release(self.client, self.held - size)
+            self.held = size
+
+    def __exit__(self, *exc: object) -> None:
+        if self.outbox is not None and self.held:
+            self.outbox.release(self.client, self.held)
+            self.held = 0
+
+
+async def send_paced(request: web.Request, raw: bytes,
+                     content_type: str = "application/json") -> web.StreamResponse:
+    """An answer handed to the connection a piece at a time, each once the last has left:
+    what waits in the connection's buffers is about one piece, whatever the answer's
+    size, and a client that takes nothing is cut by the connection's write deadline
+    (:class:`~fleetd.node.conns.GuardedHandler`)."""
+    resp = web.StreamResponse(headers={"Content-Type": content_type})
+    resp.content_length = len(raw)
+    await resp.prepare(request)
+    view = memoryview(raw)
+    for at in range(0, len(view), ANSWER_PIECE):
+        await resp.write(view[at:at + ANSWER_PIECE])
+    await resp.write_eof()
+    return resp
 
 
 def _observe(st: NodeState, seconds: float) -> None:

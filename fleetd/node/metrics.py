@@ -234,6 +234,17 @@ class AgentCollector(Collector):
                        "total or per-source cap", src.conns.refused)
         yield _counter("fleetd_slow_requests_closed", "connections closed because headers "
                        "or a body did not arrive in time", src.conns.slow_closed)
+        yield _counter("fleetd_connections_evicted", "connections (handshaking or idle) of "
+                       "the address holding the most, closed at the total cap to admit an "
+                       "address holding fewer", src.conns.evicted)
+        yield _counter("fleetd_slow_readers_cut", "connections cut because their client "
+                       "took nothing of its answer within limits.write_timeout_s",
+                       src.conns.slow_readers_cut)
+        yield _gauge("fleetd_answer_queued_bytes", "bytes of answers made (or being made) "
+                     "and not yet taken by their clients", src.conns.queued_bytes)
+        yield _counter("fleetd_answer_queue_refusals", "requests refused as busy because "
+                       "their client's (or all clients') answers wait unread over "
+                       "limits.max_queued_bytes", src.conns.queue_refusals)
         yield _counter("fleetd_queries_failed", "queries refused or failed",
                        state.query_errors)
         query = HistogramMetricFamily("fleetd_query_seconds", "time to answer a query")
