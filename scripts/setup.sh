@@ -70,4 +70,18 @@ fi
 # The CUDA driver library (Debian non-free libcuda1), unpacked into .venv/libcuda only,
 # so driver-layer uprobes can be tested on machines without a GPU driver.
 bash scripts/fetch-libcuda.sh
+# promtool (Debian's prometheus package, unpacked, never installed: installing it would
+# start a Prometheus server where systemd runs) checks and unit-tests configs/prometheus/.
+if [ ! -x .venv/bin/promtool ]; then
+  say "unpacking promtool from Debian's prometheus package into .venv/bin"
+  tmp=$(mktemp -d)
+  if (cd "$tmp" && apt-get download -qq prometheus >/dev/null 2>&1) ||
+     { apt-get update -qq && (cd "$tmp" && apt-get download -qq prometheus >/dev/null); }; then
+    dpkg-deb -x "$tmp"/prometheus_*.deb "$tmp/x"
+    install -m 0755 "$tmp/x/usr/bin/promtool" .venv/bin/promtool
+  else
+    say "could not download Debian's prometheus package: the alerting-rule tests will fail"
+  fi
+  rm -rf "$tmp"
+fi
 say "ready: .venv/bin/fleetd"

@@ -17,14 +17,17 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 from fleetd.cli.fleet_args import add_fleet_args, fleet_options, seconds
 from fleetd.errors import UsageError
+from fleetd.fleet.notify import Delivery
 
 log = logging.getLogger("fleetd.watch")
 
 EXIT_OK = 0
+EXIT_PARTIAL = 3  # --once: some node did not answer (as every fleet command)
 EXIT_NO_ANSWER = 4  # no node answered any poll
 EXIT_HANG = 6  # a hang (or a job that died while watched) was found
 POLL_TIMEOUT_S = 3.0  # per poll, unless --timeout says otherwise (at least the interval)
@@ -37,6 +40,9 @@ class WatchSpec:
     once: bool
     for_s: float | None
     fmt: str
+    # Where findings and recoveries go (fleetd.fleet.notify); with one, watch keeps
+    # watching after a hang to see it recover.
+    delivery: Delivery | None = None
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,7 +59,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "on it; then exit 6. A job that dies while watched is reported the same way. A "
         "node that does not answer within --timeout (here 3 s by default, or the interval "
         "when longer) is a warning, not a hang. Exit status: 0 no hang (--once, --for), "
-        "6 a hang, 4 no node ever answered, 2 a usage mistake.",
+        "3 no hang but some node did not answer (--once), 6 a hang, 4 no node ever "
+        "answered, 2 a usage mistake.",
     )
     p.add_argument("--hang-after", default="15s", metavar="DURATION",
                    help="how long ranks may wait for one that has not arrived (default 15s)")
@@ -64,6 +71,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--for", dest="for_", metavar="DURATION",
                    help="stop after watching this long without a hang (exit 0)")
     p.add_argument("--format", default="table", help="output format: table|json")
+    n = p.add_argument_group(
+        "telling someone", "send each finding and each recovery as JSON (docs/fleet.md); "
+        "with either, watch keeps watching after a hang until it recovers, --for ends or "
+        "Ctrl-C (exit 6 if any hang was found)")
+    n.add_argument("--webhook", metavar="URL",
+                   help="POST each finding and recovery to this http(s) URL (redirects are "
+                   "not followed)")
+    n.add_argument("--webhook-secret-file", type=Path, metavar="FILE",
+                   help="shared secret: each POST carries X-Fleetd-Signature, "
+                   "sha256=HMAC(secret, timestamp '.' body)")
+    n.add_argument("--exec", dest="exec_", metavar="CMD",
+                   help="run CMD (split as a shell would, no shell) with each finding as "
+                   "JSON on its stdin")
+    n.add_argument("--notify-timeout", default="5s", metavar="DURATION",
+                   help="time allowed per POST or per run of --exec (default 5s)")
+    n.add_argument("--notify-attempts", type=int, default=3, metavar="N",
+                   help="tries per message, the pause doubling from 0.5 s (default 3)")
     add_fleet_args(p, skew=False)
     p.set_defaults(func=run)
 
@@ -78,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         interval_s=seconds(args.interval, "--interval"),
         once=bool(args.once),
         for_s=seconds(args.for_, "--for") if args.for_ else None,
-        fmt=args.format)
+        fmt=args.format,
+        delivery=_delivery(args))
     opts = fleet_options(args)
     if not args.timeout:  # one slow node must not hold a poll back for 10 s
         per_poll = max(POLL_TIMEOUT_S, spec.interval_s)
@@ -90,18 +115,38 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
+def _delivery(args: argparse.Namespace) -> Delivery | None:
+    d = Delivery.parse(args.webhook, args.webhook_secret_file, args.exec_,
+                       seconds(args.notify_timeout, "--notify-timeout"), args.notify_attempts)
+    return d if d.wanted else None
+
+
+def _evidence(answer: Any, hangs: list[dict[str, Any]]) -> str | None:
+    """Where the first culprit's node shows its ranks (the agent's ranks route)."""
+    from fleetd.wire.paths import RANKS
+
+    node = ((hangs[0].get("culprits") or [{}])[0]).get("node") if hangs else None
+    for o in answer.outcomes:
+        if o.name == node:
+            return f"https://{o.target.address}{RANKS}"
+    return None
+
+
 async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
     """Poll until a hang, --once, --for or Ctrl-C; returns the exit status."""
     from fleetd.fleet.client import FleetClient
     from fleetd.fleet.hang import DetailAsks, poll
+    from fleetd.fleet.notify import Notifier
 
     live = _tty(err)
     started = time.monotonic()
     shown: set[str] = set()
     answered_ever = False
+    hung_ever = False
     polls = 0
     result: dict[str, Any] = {}
     detail = DetailAsks()
+    notifier = Notifier(spec.delivery) if spec.delivery is not None else None
     async with FleetClient(opts.client) as client:
         while True:
             t0 = time.monotonic()
@@ -119,12 +164,31 @@ async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
             for w in fresh:
                 print(f"fleetd: warning: {w}", file=err)
             shown = set(warnings)
-            if result["status"] == "hang":
-                if live:
+            hangs = result.get("hangs") or [] if result["status"] == "hang" else []
+            if notifier is not None and answer.answered:  # no answer: nothing recovered
+                sent = await notifier.update(hangs, _evidence(answer, hangs))
+                if live and sent:
                     err.write("\r\x1b[K")
-                print_verdict(result, spec.fmt, out)
-                return EXIT_HANG
+                for f in sent:
+                    if f["status"] == "resolved":
+                        print(f"RECOVERED ({f['kind']}): {f['job']}: {f['culprit']} "
+                              f"(first seen {f['first_seen']})", file=out, flush=True)
+                    elif not spec.once:
+                        print_verdict({**result, "hangs": [
+                            h for h in hangs if f["summary"] == h.get("summary")]},
+                            spec.fmt, out)
+            if hangs:
+                hung_ever = True
+                if notifier is None or spec.once:
+                    if live:
+                        err.write("\r\x1b[K")
+                    print_verdict(result, spec.fmt, out)
+                    return EXIT_HANG
             code = EXIT_OK if answered_ever else EXIT_NO_ANSWER
+            if hung_ever:
+                code = EXIT_HANG
+            elif answer.failed and answer.answered and spec.once:
+                code = EXIT_PARTIAL
             if spec.once:
                 print_verdict(result, spec.fmt, out)
                 return code

@@ -2,10 +2,11 @@
 certificates from `fleetd certs`, tracing four ranks of tests/workloads/nccl_ranks.py
 (the real libnccl, in lockstep over a TCP barrier), and `fleetd watch` against it.
 
-- one job, three states: first quiet (no hang, bounded with --for); then one rank
+- one job, four states: first quiet (no hang, bounded with --for); then one rank
   SIGSTOPped: `fleetd watch --hang-after 10s` exits 6 within 20 s of the stop, naming the
-  rank, its node and pid, state `stopped`, and the collective number; then that rank
-  killed: named `exited`;
+  rank, its node and pid, state `stopped`, and the collective number; a watch with
+  --webhook and --exec posts that finding, then its recovery once the rank is continued
+  (issue 43.2); then that rank stopped again and killed: named `exited`;
 - without tracing (no root needed): the endpoint answers empty, is not held up by a
   flood of slow queries, and `watch` treats a dead node as a warning.
 """
@@ -28,6 +29,7 @@ from typing import Any, TypeVar
 import aiohttp
 import pytest
 from agents import Agent, Pki, agent, client_ssl, make_pki, request
+from webhook_receiver import receiver
 
 from conftest import FLEETD, REPO, build_db
 
@@ -140,7 +142,8 @@ def test_quiet_then_a_stopped_rank_then_the_same_rank_killed(tmp_path: Path, pki
     agent start and a BPF compile): quiet, a stopped rank, then that rank exited."""
     with traced_job(tmp_path, pki) as job:
         _quiet(job, pki)
-        verdict = _stopped(job, pki)
+        _stopped(job, pki)
+        verdict = _notified_then_recovered(job, pki, tmp_path)
         _exited(job, pki, verdict)
 
 
@@ -202,6 +205,49 @@ def _stopped(job: Job, pki: Pki) -> dict[str, Any]:
              if x.startswith("fleetd_nccl_wait_seconds{")]
     assert gauge and float(gauge[0].rsplit(" ", 1)[1]) >= 10
     return v
+
+
+def _notified_then_recovered(job: Job, pki: Pki, tmp: Path) -> dict[str, Any]:
+    """Rank 2 still stopped: a watch with --webhook (a real receiver checking the HMAC,
+    failing its first request so the retry is exercised) and --exec posts the finding;
+    SIGCONT: it posts the recovery, once each. Then rank 2 is stopped again: the verdict
+    the next step kills it in."""
+    secret = tmp / "secret"
+    secret.write_text("shared-secret\n")
+    execd = tmp / "exec.ndjson"
+    with receiver(fail_first=1) as rec:
+        w = watch(pki, address(job.agent), "--hang-after", "10s", "--interval", "0.5s",
+                  "--for", "90s", "--webhook", rec.url, "--webhook-secret-file", str(secret),
+                  "--exec", f"sh -c 'cat >> {execd}'", "--format", "json")
+        try:
+            [fire] = rec.wait_for(1, 30)
+            os.kill(job.pids[2], signal.SIGCONT)
+            resumed = time.monotonic()
+            [_, done] = rec.wait_for(2, 30)
+            print(f"SIGCONT to recovery posted: {time.monotonic() - resumed:.1f} s")
+        finally:
+            w.terminate()
+            w.communicate(timeout=20)
+    assert fire.signed_by(b"shared-secret") and done.signed_by(b"shared-secret")
+    f, d = fire.json(), done.json()
+    assert (f["status"], d["status"]) == ("firing", "resolved") and f["id"] == d["id"]
+    assert (f["node"], f["rank"], f["pid"]) == ("n1", 2, job.pids[2])
+    assert f["evidence"] == f"{job.agent.url}/api/v1/ranks"
+    assert rec.requests == 3  # the failed first try, then each message once
+    lines = [json.loads(x) for x in execd.read_text().splitlines()]
+    assert [x["status"] for x in lines] == ["firing", "resolved"]
+    os.kill(job.pids[2], signal.SIGSTOP)
+    verdict: dict[str, Any] = {}
+
+    def hung() -> bool:
+        nonlocal verdict
+        r = subprocess.run([FLEETD, "watch", "--nodes", address(job.agent), *tls_args(pki),
+                            "--hang-after", "3s", "--once", "--format", "json"],
+                           capture_output=True, text=True, timeout=60)
+        verdict = json.loads(r.stdout)
+        return r.returncode == 6
+    _wait(hung, "rank 2 stopped again, a hang", 30)
+    return verdict
 
 
 def _exited(job: Job, pki: Pki, before: dict[str, Any]) -> None:
