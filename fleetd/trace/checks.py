@@ -86,7 +86,8 @@ def _host_checks() -> tuple[list[Check], HeaderRoute | None]:
 def _cuda_checks(overrides: list[str], attach: bool, host: list[Check],
                  route: HeaderRoute | None, skips: bool) -> list[Check]:
     libs = _libraries(overrides)
-    checks = [_libs_check(libs), *(_symbols_check(lib) for lib in libs), _python_check()]
+    checks = [_libs_check(libs), *(_symbols_check(lib) for lib in libs), _mapping_check(),
+              _python_check()]
     failed = [c.name for c in host if c.name in _NEEDED_TO_ATTACH and c.status == FAIL]
     if attach and not failed and route is not None:
         checks += _attach_check(libs)
@@ -100,6 +101,33 @@ def _cuda_checks(overrides: list[str], attach: bool, host: list[Check],
     for c in checks:
         c.group = "cuda"
     return checks
+
+
+# The mapping hook's tracepoints (bpf/proc.bpf.c): a library mapped after a session
+# started is probed before its first call only where they exist.
+MAPPING_TRACEPOINTS = ("syscalls/sys_enter_openat", "syscalls/sys_exit_openat",
+                       "syscalls/sys_enter_mmap", "syscalls/sys_exit_mmap",
+                       "sched/sched_process_exec")
+
+
+def _mapping_check() -> Check:
+    base = next((Path(p) for p in ("/sys/kernel/tracing/events",
+                                   "/sys/kernel/debug/tracing/events") if Path(p).is_dir()),
+                None)
+    missing = [tp for tp in MAPPING_TRACEPOINTS
+               if base is None or not (base / tp / "format").exists()]
+    if missing:
+        return Check("mapping hook", WARN, f"tracepoints missing: {', '.join(missing)}",
+                     "libraries mapped after a session starts are found by the maps scan "
+                     "(up to 2 s late): their first calls can be missed; sessions count "
+                     "them in targets.mapping.late")
+    if os.environ.get("FLEETD_NO_HOLD"):
+        return Check("mapping hook", WARN, "FLEETD_NO_HOLD is set: a process that maps an "
+                     "unknown CUDA library is not held until its probes are attached",
+                     "unset FLEETD_NO_HOLD; the window of each late library is still "
+                     "measured (targets.mapping.late_windows)")
+    return Check("mapping hook", OK, "a library mapped after a session starts is probed "
+                 "before its first call (the mapping process is held until then)")
 
 
 def _python_check() -> Check:
@@ -314,7 +342,11 @@ def _libs_check(libs: list[Library]) -> Check:
     fix = "" if status == OK else "no CUDA runtime found: runtime probes will not attach"
     return Check("cuda-libraries", status,
                  f"{len(libs)} found ({', '.join(kinds)}): "
-                 + ", ".join(f"{lib.path} [{lib.found_by}]" for lib in libs), fix)
+                 + ", ".join(f"{lib.path} [{lib.found_by}{_kind_note(lib)}]" for lib in libs), fix)
+
+
+def _kind_note(lib: Library) -> str:
+    return "" if kind_of(lib.path) == lib.kind else f", {lib.kind} inside"
 
 
 def _label(lib: Library) -> str:
