@@ -27,6 +27,7 @@ from typing import Any
 
 import orjson
 
+from fleetd.store.caps import cap, capped
 from fleetd.store.chainrow import CHAIN_FIELDS
 from fleetd.store.db import ensure_node, open_writer
 from fleetd.store.schema import (
@@ -173,22 +174,27 @@ class BatchWriter:
         a ``str`` in place of the dict is taken as its JSON text, already made (the
         tracer reuses the text of repeated launches).
         """
-        extra = {"args": [(i, a if isinstance(a, str) else orjson.dumps(a).decode())
+        # Finished JSON text comes from args that were capped when first made (the
+        # tracer's launch cache); a dict is capped here.
+        extra = {"args": [(i, a if isinstance(a, str) else orjson.dumps(capped(a)).decode())
                           for i, a in args]} if args else {}
         return self._put(_Item("events", rows, extra=extra), len(rows))
 
     def add_processes(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        tuples = [tuple(r.get(c) for c in PROCESS_COLS) for r in rows]
+        """Process facts by PROCESS_COLS name; the names the process chose are capped
+        (fleetd.store.caps)."""
+        tuples = [tuple(capped(r).get(c) for c in PROCESS_COLS) for r in rows]
         self._put(_Item("processes", tuples), len(tuples))
 
     def add_tasks(self, rows: Iterable[tuple[int, int | None, str | None]]) -> None:
-        """(tid, pid, comm) triples."""
-        tuples = list(rows)
+        """(tid, pid, comm) triples; a thread's name is capped like a comm."""
+        tuples = [(t, p, c if c is None else cap("comm", c)) for t, p, c in rows]
         self._put(_Item("tasks", tuples), len(tuples))
 
     def add_stacks(self, rows: Iterable[tuple[int, list[str]]]) -> None:
         """(hash, frames) pairs; a hash already stored is kept as it is."""
-        tuples = [(h, orjson.dumps(frames).decode()) for h, frames in rows]
+        tuples = [(h, orjson.dumps([cap("frame", f) for f in frames]).decode())
+                  for h, frames in rows]
         self._put(_Item("stacks", tuples), len(tuples))
 
     def add_aggregates(

@@ -31,6 +31,7 @@ from typing import Any
 
 import orjson
 
+from fleetd.store.caps import cap
 from fleetd.store.catalog import BY_NAME
 from fleetd.store.writer import BatchWriter
 from fleetd.trace import pyframes
@@ -224,6 +225,8 @@ class KernelNames:
             found = self._driver_name(pid, func)
         if found is None and op != OP_CUDA_LAUNCH:
             return None  # the naming call may not have been seen yet: ask again later
+        # Capped now, not only by the writer: launches reuse their args as finished JSON.
+        found = cap("kernel", found) if found is not None else None
         if len(self._names) >= MAX_KERNELS:
             self._names.clear()
         self._names[key] = found
