@@ -99,6 +99,26 @@ def _wait_listening(proc: subprocess.Popen[str], log: Path, timeout: float = 30)
     raise RuntimeError(f"agent did not start listening: {log.read_text()}")
 
 
+def mem_mb(pid: int) -> dict[str, float]:
+    """A process's resident memory now (VmRSS) and at its peak (VmHWM), MB."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(("VmHWM:", "VmRSS:")):
+            out[line.split(":")[0]] = int(line.split()[1]) / 1024
+    return out
+
+
+def metric_value(text: str, name: str) -> float:
+    """The value of series ``fleetd_<name>`` in a /metrics answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"fleetd_{name}":
+                return float(sample.value)
+    raise AssertionError(f"no series {name}")
+
+
 def client_ssl(pki: Pki, client: str = "laptop") -> Any:
     cert, key = pki.pair(client)
     return tls.client_context(pki.ca, cert, key)

@@ -247,6 +247,11 @@ def _drop(conn: socket.socket) -> None:
     conn.close()
 
 
+def _cancel(timer: asyncio.TimerHandle | None) -> None:
+    if timer is not None:
+        timer.cancel()
+
+
 class GuardedHandler(RequestHandler):
     """aiohttp's request handler with a header deadline, connection accounting, the
     peer's identity cached for the connection, and parser errors answered as JSON."""
@@ -298,10 +303,8 @@ class GuardedHandler(RequestHandler):
             self.gate.limits.write_timeout_s, self._write_expired)
 
     def _disarm_write(self) -> None:
-        if getattr(self, "_write_check", None) is not None:
-            assert self._write_check is not None
-            self._write_check.cancel()
-            self._write_check = None
+        _cancel(getattr(self, "_write_check", None))
+        self._write_check = None
 
     def _write_expired(self) -> None:
         self._write_check = None
@@ -358,10 +361,8 @@ class GuardedHandler(RequestHandler):
             self.gate.limits.header_timeout_s, self._expired)
 
     def _disarm(self) -> None:
-        if getattr(self, "_deadline", None) is not None:
-            assert self._deadline is not None
-            self._deadline.cancel()
-            self._deadline = None
+        _cancel(getattr(self, "_deadline", None))
+        self._deadline = None
 
     def _expired(self) -> None:
         self._deadline = None

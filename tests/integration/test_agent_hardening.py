@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, request
+from agents import Agent, Pki, agent, client_ssl, make_pki, mem_mb, metric_value, request
 from cryptography import x509
 
 from fleetd.security import certs, tls
@@ -74,23 +74,9 @@ def node(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Agent]:
         yield a
 
 
-def _mem_mb(pid: int) -> dict[str, float]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("VmHWM:", "VmRSS:")):
-            out[line.split(":")[0]] = int(line.split()[1]) / 1024
-    return out
-
-
 def _metric(a: Agent, pki: Pki, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
     _, _, text = request(a.url, client_ssl(pki), path="/metrics")
-    for family in text_string_to_metric_families(text.decode()):
-        for sample in family.samples:
-            if sample.name == f"fleetd_{name}":
-                return float(sample.value)
-    raise AssertionError(f"no series {name}")
+    return metric_value(text.decode(), name)
 
 
 def _hostport(a: Agent) -> tuple[str, int]:
@@ -195,7 +181,7 @@ def test_huge_values_are_refused_or_cut_at_the_byte_limit_on_the_wire(node: Agen
 def test_blob_queries_at_once_keep_the_agent_small_and_health_quick(node: Agent,
                                                                    pki: Pki) -> None:
     ctx = client_ssl(pki)
-    before = _mem_mb(node.proc.pid)["VmRSS"]
+    before = mem_mb(node.proc.pid)["VmRSS"]
 
     async def go() -> float:
         # Ten connections (under the per-source cap of 20) carry the twenty queries.
@@ -217,7 +203,7 @@ def test_blob_queries_at_once_keep_the_agent_small_and_health_quick(node: Agent,
             return took
 
     health_s = asyncio.run(go())
-    mem = _mem_mb(node.proc.pid)
+    mem = mem_mb(node.proc.pid)
     assert health_s < 1.0
     assert mem["VmHWM"] - before < 150, (before, mem)  # was +1 GB for a single query
 

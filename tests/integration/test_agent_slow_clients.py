@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki
+from agents import Agent, Pki, agent, client_ssl, make_pki, mem_mb, metric_value
 
 from conftest import build_db
 
@@ -65,24 +65,10 @@ def _hostport(a: Agent) -> tuple[str, int]:
     return host, int(port)
 
 
-def _rss_mb(pid: int) -> dict[str, float]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(("VmHWM:", "VmRSS:")):
-            out[line.split(":")[0]] = int(line.split()[1]) / 1024
-    return out
-
-
 def _metric(a: Agent, pki: Pki, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
     status, text = asyncio.run(_get(a.url, client_ssl(pki, "desk"), LEGIT, "/metrics"))
     assert status == 200
-    for family in text_string_to_metric_families(text.decode()):
-        for sample in family.samples:
-            if sample.name == f"fleetd_{name}":
-                return float(sample.value)
-    raise AssertionError(f"no series {name}")
+    return metric_value(text.decode(), name)
 
 
 async def _get(url: str, ctx: ssl.SSLContext, local: str, path: str,
@@ -115,7 +101,7 @@ def test_clients_that_do_not_read_cannot_grow_the_agent(node: Agent, pki: Pki) -
     status, raw = asyncio.run(_get(node.url, legit, LEGIT, "/api/v1/query", BIG))
     assert status == 200 and len(raw) > 14_000_000, (status, raw[:200])
     time.sleep(0.5)
-    before = _rss_mb(node.proc.pid)["VmRSS"]
+    before = mem_mb(node.proc.pid)["VmRSS"]
     ctx = client_ssl(pki, "laptop")
     held: list[ssl.SSLSocket] = []
     served: list[float] = []
@@ -134,7 +120,7 @@ def test_clients_that_do_not_read_cannot_grow_the_agent(node: Agent, pki: Pki) -
         status, raw = asyncio.run(_get(node.url, legit, LEGIT, "/api/v1/query", BIG))
         served.append(time.monotonic() - t0)
         assert status == 200 and len(raw) > 14_000_000, (status, raw[:300])
-        grown = _rss_mb(node.proc.pid)["VmHWM"] - before
+        grown = mem_mb(node.proc.pid)["VmHWM"] - before
         _say(f"non_readers={NON_READERS} rss_before_mb={before:.0f} "
              f"rss_growth_mb={grown:.0f} legit_s={max(served):.2f}")
         assert grown <= RSS_GROWTH_MB, (before, grown)
