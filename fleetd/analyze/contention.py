@@ -66,6 +66,8 @@ class Sleep:
     arg: int
     waker: int
     stack: int = 0
+    ret: int = 0  # the syscall it slept in, + 1 (waits.reason's input)
+    rowkey: int = 0  # the off-CPU record, for its args (the fd it slept on)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +92,8 @@ def sleeps(ctx: Context, tid: int) -> list[Sleep]:
     tails = v.conn.execute(f"SELECT ts_ns, dur_ns FROM event_data WHERE {where} AND op = ? "
                            "ORDER BY ts_ns", (*args, RUNQ)).fetchall()
     out = []
-    for ts, dur, ret, arg in v.conn.execute(
-        f"SELECT ts_ns, dur_ns, ret, bytes FROM event_data WHERE {where} AND op = ? AND "
+    for ts, dur, ret, arg, key in v.conn.execute(
+        f"SELECT ts_ns, dur_ns, ret, bytes, id FROM event_data WHERE {where} AND op = ? AND "
         "a0 & 255 != 0 AND a0 & 2 = 0 ORDER BY ts_ns", (*args, OFF_CPU),
     ):
         end = ts + dur
@@ -99,7 +101,7 @@ def sleeps(ctx: Context, tid: int) -> list[Sleep]:
         tail = _first_row(tails, ts, end + 1)
         out.append(Sleep(ts, max(0, dur - (int(tail[1]) if tail else 0)), reason(ret),
                          int(arg or 0), int(wake[1]) if wake else 0,
-                         int(wake[2] or 0) if wake else 0))
+                         int(wake[2] or 0) if wake else 0, int(ret or 0), int(key)))
     return out
 
 
@@ -138,7 +140,7 @@ def waker_where(ctx: Context, hashes: list[int]) -> Where | None:
     return Where(top, frames[best], hits, len(hashes))
 
 
-def _feeders(ctx: Context) -> list[tuple[int, dict[str, Any]]]:
+def feeders(ctx: Context) -> list[tuple[int, dict[str, Any]]]:
     """(pid, feeding thread) of every process with CUDA calls."""
     out = []
     for pid in ctx.gpu_pids():
@@ -198,10 +200,10 @@ def _examples(ctx: Context, mine: list[Sleep], text: str,
 
 def wait_rules(ctx: Context) -> list[Chain]:
     """Both rules over each feeding thread's sleeps, read once per thread."""
-    feeders = _feeders(ctx)
+    fed = feeders(ctx)
     # Another rank of the job is never a producer: that wait is the collective's.
-    peers = job_peers(ctx.view.conn, ctx.view.node, ctx.view.win) if feeders else {}
-    return [ch for pid, main in feeders for ch in _feeder_chains(
+    peers = job_peers(ctx.view.conn, ctx.view.node, ctx.view.win) if fed else {}
+    return [ch for pid, main in fed for ch in _feeder_chains(
         ctx, pid, int(main["tid"]), peers.get(pid, frozenset()))]
 
 

@@ -22,6 +22,7 @@ from fleetd.analyze import (
     gpu_chains,
     memory,
     oncpu,
+    pipes,
     pods,
     rules,
     throttle,
@@ -146,6 +147,7 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
     chains += rules.host_sync_rule(ctx, chains) + rules.alloc_churn_rule(ctx)
     chains += rules.graph_recapture_rule(ctx)
     chains += contention.wait_rules(ctx)
+    chains += pipes.pipe_rule(ctx)  # writes that wait for a slow reader
     chains += gpu_chains.gpu_idle_rule(ctx)  # imported GPU timelines only
     failed, warnings = collectives.failures(ctx)  # NCCL calls that returned an error
     chains += failed

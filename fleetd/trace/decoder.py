@@ -31,6 +31,11 @@ OP_BLOCK = BY_NAME["block_io"].code
 OP_OFF_CPU = BY_NAME["off_cpu"].code
 OP_WAKEUP = BY_NAME["wakeup"].code
 FUTEX_RET = NR["futex"] + 1  # an off-CPU record's ret: the syscall it slept in + 1
+# Syscalls whose first argument is an fd worth naming when a thread sleeps in them:
+# reads and writes of pipes, sockets, terminals and files (fleetd.trace.fdpeers).
+FD_RETS = frozenset(NR[n] + 1 for n in (
+    "read", "write", "readv", "writev", "pread64", "pwrite64", "recvfrom", "sendto",
+    "recvmsg", "sendmsg", "recvmmsg", "sendmmsg", "fsync", "fdatasync") if n in NR)
 _NCCL_TYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32",
                "float64", "bfloat16", "fp8e4m3", "fp8e5m2")
 _NCCL_REDOPS = ("sum", "prod", "max", "min", "avg")  # ncclRedOp_t 0..4; custom ops beyond
@@ -116,6 +121,7 @@ class Batch:
     kernels: list[tuple[int, int, int, int]] = field(default_factory=list)  # row, pid, op, func
     kstack_ids: list[tuple[int, int]] = field(default_factory=list)  # (row, kernel stack id)
     futex_waits: list[tuple[int, int, int]] = field(default_factory=list)  # (row, pid, addr)
+    fd_waits: list[tuple[int, int, int]] = field(default_factory=list)  # (row, pid, fd)
     # Launches whose finished args may be kept for reuse: (row, launch key).
     launch_keys: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
@@ -288,6 +294,8 @@ class Decoder:
                 out.kstack_ids.append((i, x2 - 1))
             if op == OP_OFF_CPU and ret == FUTEX_RET and nbytes:
                 out.futex_waits.append((i, pid, nbytes))
+            elif op == OP_OFF_CPU and ret in FD_RETS and 0 <= nbytes < 1 << 31:
+                out.fd_waits.append((i, pid, nbytes))
             if op == OP_BLOCK and x0:
                 args = {"rw": x0.to_bytes(8, "little").rstrip(b"\0").decode(
                     errors="replace")}

@@ -15,6 +15,7 @@ from fleetd.store.writer import BatchWriter
 from fleetd.trace import procinfo
 from fleetd.trace.cgroups import process_placement
 from fleetd.trace.decoder import OP_EXEC, OP_EXIT, OP_FORK, Batch, Decoder, Lifecycle
+from fleetd.trace.fdpeers import FdNames
 from fleetd.trace.rings import DRAIN_BYTES, Rings
 from fleetd.trace.stacks import KernelNames, StackResolver, WaitChannels
 from fleetd.trace.symbols import LockNames
@@ -33,6 +34,7 @@ class Intake:
         self.kernels: KernelNames | None = None
         self.wchan: WaitChannels | None = None
         self._locks = LockNames()
+        self._fds = FdNames()  # what reads and writes slept on, and its other end
         self._proc_comm: dict[int, str] = {}  # the name each process row was given
 
     def drain(self, rings: Rings, writer: BatchWriter, max_bytes: int | None = DRAIN_BYTES
@@ -72,6 +74,7 @@ class Intake:
         if batch.kstack_ids and self.wchan is not None:
             self.wchan.resolve(batch)
         self._locks.resolve(batch)
+        self._fds.resolve(batch)
         t1 = clock()
         st["enrich"] += t1 - t0
         # Args may be finished JSON text (repeated launches), which add_events takes

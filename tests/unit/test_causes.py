@@ -26,7 +26,7 @@ DOC = REPO / "docs" / "explain.md"
 RECORDED = sorted((REPO / "tests" / "data" / "scenarios").glob("*.db"))
 CLUSTER = REPO / "investigations" / "fleet" / "cluster.db"
 ANALYZERS = ("chains", "spikes", "rules", "contention", "gpu_chains", "collectives",
-             "nccl_failures", "throttle", "memory", "oncpu")
+             "nccl_failures", "throttle", "memory", "oncpu", "pipes")
 
 
 # ---- docs ---------------------------------------------------------------------------
