@@ -15,6 +15,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, TextIO
 
 from fleetd.cli.argtypes import byte_size
+from fleetd.cli.launch import SIGNALS, Child, command_of, resolve
 from fleetd.errors import UsageError
 from fleetd.store.db import default_db_path, validate_node_name
 from fleetd.store.timeparse import parse_duration
@@ -36,8 +37,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "events that delay them (scheduler, D-state, wakeups, page allocations, block I/O, "
         "interrupts, slow syscalls) into the node database, until Ctrl-C, --duration, or "
         "the traced processes exit. Without --pid/--cgroup, every process that calls CUDA "
-        "is traced. Needs root.",
+        "is traced. With -- CMD ARGS, CMD is started under the tracer (its probes in place "
+        "before its first instruction), traced with its children until it exits, and its "
+        "exit status is fleetd's (SIGTERM and SIGHUP go on to it). Needs root.",
     )
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
+                   help="start this program under the tracer (e.g. fleetd trace -- "
+                   "python3 train.py)")
     p.add_argument("--pid", type=int, action="append", default=[], metavar="PID",
                    help="trace this process and the children it starts (repeatable)")
     p.add_argument("--cgroup", action="append", default=[], metavar="PATH",
@@ -207,15 +213,39 @@ def build_config(args: argparse.Namespace) -> TraceConfig:
 
 
 class _Stop:
-    """SIGTERM/SIGINT set a flag; the loop stops and flushes (no traceback, no loss)."""
+    """SIGTERM/SIGINT set a flag; the loop stops and flushes (no traceback, no loss).
+    With a program started under the tracer, they go on to it instead (launch.Child) and
+    tracing stops when it exits."""
 
-    def __init__(self) -> None:
+    def __init__(self, child: Child | None = None) -> None:
         self.event = threading.Event()
         self.signal: int | None = None
+        self.child = child
 
     def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        if self.child is not None:
+            self.child.forward(signum)
+            return
         self.signal = signum
         self.event.set()
+
+    def done(self) -> str | None:
+        """Why the loop should end now, if it should."""
+        if self.event.is_set():
+            return "interrupted" if self.signal == signal.SIGINT else "terminated"
+        if self.child is not None and self.child.poll() is not None:
+            return f"the command exited with status {self.child.code}"
+        return None
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    cmd = command_of(list(args.command or []))
+    if cmd and (args.pid or args.cgroup):
+        raise UsageError("a command after -- with --pid/--cgroup",
+                         "trace either the program you start or running processes")
+    if cmd:
+        resolve(cmd)  # not found: said before anything starts
+    return cmd
 
 
 def run(args: argparse.Namespace) -> int:
@@ -223,17 +253,28 @@ def run(args: argparse.Namespace) -> int:
 
     duration_ns = _ns(args.duration, "--duration") if args.duration else None
     interval_s = _ns(args.status_interval, "--status-interval") / 1e9
+    cmd = _command(args)
     cfg = build_config(args)
     require_tracing("fleetd trace")  # a client-only install says so, and how to fix it
     from fleetd.trace.tracer import Tracer
 
+    child = Child.spawn(cmd) if cmd else None
+    if child is not None:
+        cfg.pids = [child.pid]
     tracer = Tracer(cfg)
     t0 = time.monotonic()
-    tracer.start(lambda msg: print(f"fleetd: starting ({time.monotonic() - t0:.1f}s): {msg}",
-                                   file=sys.stderr, flush=True))
+    try:
+        tracer.start(lambda msg: print(f"fleetd: starting ({time.monotonic() - t0:.1f}s): "
+                                       f"{msg}", file=sys.stderr, flush=True))
+    except BaseException:
+        if child is not None:
+            child.abandon()
+        raise
     _announce(tracer, cfg, sys.stderr)
-    stop = _Stop()
-    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    stop = _Stop(child)
+    old = {s: signal.signal(s, stop) for s in SIGNALS}
+    if child is not None:
+        child.release()
     try:
         reason = _loop(tracer, stop, duration_ns, interval_s, sys.stderr)
     finally:
@@ -243,7 +284,18 @@ def run(args: argparse.Namespace) -> int:
     _report(summary, cfg, reason, sys.stderr)
     if args.summary_json:
         print(_summary_json(summary, cfg), flush=True)
-    return 0
+    return _exit_status(child)
+
+
+def _exit_status(child: Child | None) -> int:
+    """fleetd's status: the program's when it ran one (waiting for it if --duration ended
+    the trace first: it was never fleetd's to stop)."""
+    if child is None:
+        return 0
+    while child.poll() is None:
+        time.sleep(0.05)
+    assert child.code is not None
+    return child.code
 
 
 def _announce(tracer: Tracer, cfg: TraceConfig, err: TextIO) -> None:
@@ -264,13 +316,13 @@ def _loop(tracer: Tracer, stop: _Stop, duration_ns: int | None, interval_s: floa
     t0 = time.monotonic()
     tty = err.isatty()
     last_status, last_records, last_t, last_check = t0, 0, t0, t0
-    while not stop.event.is_set():
+    while (why := stop.done()) is None:
         tracer.poll(100)
         now = time.monotonic()
         if duration_ns is not None and (now - t0) * 1e9 >= duration_ns:
             _end_line(err, tty)
             return "duration reached"
-        if now - last_check >= 0.25:
+        if now - last_check >= 0.25 and stop.child is None:
             last_check = now
             if tracer.targets_gone():
                 _end_line(err, tty)
@@ -287,7 +339,7 @@ def _loop(tracer: Tracer, stop: _Stop, duration_ns: int | None, interval_s: floa
                 print(line, file=err, flush=True)
             last_status, last_records, last_t = now, st["records"], now
     _end_line(err, tty)
-    return "interrupted" if stop.signal == signal.SIGINT else "terminated"
+    return why
 
 
 def _end_line(err: TextIO, tty: bool) -> None:
