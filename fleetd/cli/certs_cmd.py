@@ -60,7 +60,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     client = _issuer(actions, common, "issue-client",
                      "issue NAME.pem/NAME.key for a fleet client",
-                     "Issue a client certificate (clientAuth) for `fleetd fleet` and friends.")
+                     "Issue a client certificate (clientAuth) for the fleet commands "
+                     "(`fleetd query --nodes`, `fleetd explain --nodes`, `fleetd watch`...).")
     client.add_argument("name", metavar="NAME", help="client name, e.g. a user or service")
     _validity(client, certs.LEAF_DAYS, _issue_client)
 

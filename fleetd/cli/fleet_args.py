@@ -34,11 +34,16 @@ FLEET_FLAGS = ("nodes", "config", "ca_cert", "client_cert", "client_key", "token
 _FLAG_NAMES = {"no_skew_correct": "--no-clock-correction"}  # dest -> the flag's one name
 
 
+TIMEOUT_DEFAULT = "the config's timeout_s, else 10s"
+
+
 def add_fleet_args(p: argparse.ArgumentParser, *, timeout: bool = True,
-                   skew: bool = True, correction: bool = True) -> None:
+                   skew: bool = True, correction: bool = True,
+                   timeout_default: str = TIMEOUT_DEFAULT) -> None:
     """The shared fleet flags; ``skew=False`` leaves out --show-skew and
     --no-clock-correction for commands that always report offsets and never shift
-    timestamps; ``correction=False`` leaves --no-clock-correction to the command."""
+    timestamps; ``correction=False`` leaves --no-clock-correction to the command;
+    ``timeout_default`` says what --timeout is when not given, where a command differs."""
     g = p.add_argument_group(
         "fleet", "ask every node's agent (in parallel, over mTLS) instead of a local --db")
     g.add_argument("--nodes", metavar="HOST:PORT,...",
@@ -66,7 +71,7 @@ def add_fleet_args(p: argparse.ArgumentParser, *, timeout: bool = True,
     if timeout:
         g.add_argument("--timeout", metavar="DURATION",
                        help="time for the whole fan-out; slower nodes become warnings "
-                       "(default: the config's timeout_s, else 10s)")
+                       f"(default: {timeout_default})")
     if skew:
         g.add_argument("--show-skew", action="store_true",
                        help="print each node's clock offset and its error bound")

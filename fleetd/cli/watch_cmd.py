@@ -88,7 +88,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="time allowed per POST or per run of --exec (default 5s)")
     n.add_argument("--notify-attempts", type=int, default=3, metavar="N",
                    help="tries per message, the pause doubling from 0.5 s (default 3)")
-    add_fleet_args(p, skew=False)
+    add_fleet_args(p, skew=False, timeout_default=f"{POLL_TIMEOUT_S:g}s per poll, or "
+                   "--interval when longer, at most the config's timeout_s")
     p.set_defaults(func=run)
 
 
