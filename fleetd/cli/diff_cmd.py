@@ -104,6 +104,10 @@ _UNITS = {"step_ns": ("ms", 1e6), "window_ns": ("ms", 1e6), "kernel_ns": ("ms", 
           "queue_delay_p50_ns": ("us", 1e3)}
 
 
+# A metric's "worse" in the diff: True, False, or None when the metric is not judged.
+_VERDICT = {True: "worse", False: "better", None: ""}
+
+
 def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:
     if args.format == "json":
         sys.stdout.write(dumps(obj).decode() + "\n")
@@ -118,8 +122,8 @@ def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:
         digits = 0 if m["metric"] in ("kernels", "launches") else 2
         rows.append([name, _num(m["baseline"], scale, digits), _num(m["target"], scale, digits),
                      _num(m["delta"], scale, digits), _num(m["delta_pct"], 1.0, 1),
-                     "worse" if m["worse"] else ""])
-    print(table(["metric", "baseline", "target", "change", "change%", ""], rows))
+                     _VERDICT[m["worse"]]])
+    print(table(["metric", "baseline", "target", "change", "change%", "verdict"], rows))
     if obj["steps"]:
         print(table(["step", "baseline", "target", "baseline_ms", "target_ms", "change%"],
                     [[s["index"], s["baseline_name"] or "", s["target_name"] or "",

@@ -91,6 +91,18 @@ def test_databases_diff_like_their_files(capsys: pytest.CaptureFixture[str],
     rc = main(["diff", str(dbs[0]), str(dbs[1])])  # positional, as a user types it
     table = capsys.readouterr().out
     assert rc == 0 and "ProfilerStep#551" in table and "regressions, largest first" in table
+    # Every column of the metrics table is named: the judged direction is "verdict".
+    header = next(line for line in table.splitlines() if line.startswith("metric "))
+    assert header.split() == ["metric", "baseline", "target", "change", "change%", "verdict"]
+    judged = {r["metric"].removesuffix("_ns"): r["worse"] for r in from_dbs["metrics"]}
+    lines = table.splitlines()
+    first = lines.index(header) + 2
+    rows = lines[first:first + len(judged)]
+    for line in rows:
+        name = line.split(" (")[0].split()[0]
+        if judged.get(name) is not None:
+            assert line.split()[-1] == ("worse" if judged[name] else "better"), line
+    assert any(line.endswith("better") for line in rows)
 
 
 @pytest.mark.parametrize("argv, says", [
