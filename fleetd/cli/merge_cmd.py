@@ -16,7 +16,7 @@ from fleetd.cli.output import table
 from fleetd.errors import UsageError
 from fleetd.store.clockinfo import boot_groups
 from fleetd.store.merge import DEFAULT_CLOCK_THRESHOLD_NS, MergeReport, Progress, merge
-from fleetd.store.timeparse import parse_duration
+from fleetd.store.timeparse import format_ns, parse_duration
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -122,10 +122,15 @@ def _summary(report: MergeReport, out: TextIO) -> None:
     # Nodes of one boot read one clock: aligned exactly, whatever each clock's error.
     # (Their sessions are counted in the table above: this one fits 100 columns.)
     shared = boot_groups(report.nodes)
-    clocks = [[c.name, c.first_ns, c.last_ns, c.describe_error(),
+    clocks = [[c.name, _utc(c.first_ns), _utc(c.last_ns), c.describe_error(),
                _one_clock(shared.get(c.name, []))] for c in report.nodes]
-    out.write("\n" + table(["node", "first_ts_ns", "last_ts_ns", "clock", "same boot as"],
+    out.write("\n" + table(["node", "first (UTC)", "last (UTC)", "clock", "same boot as"],
                            clocks))
+
+
+def _utc(ns: int | None) -> str | None:
+    """A node's first or last event as the UTC time it is (the column says so)."""
+    return None if ns is None else format_ns(ns)
 
 
 def _one_clock(others: list[str], shown: int = 3) -> str:

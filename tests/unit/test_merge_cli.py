@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -33,6 +34,11 @@ def test_merge_prints_a_summary_and_progress(tmp_path: Path) -> None:
     proc = fleetd("merge", str(a), str(b), "-o", str(tmp_path / "c.db"), "--progress")
     assert proc.returncode == 0, proc.stderr
     assert "merged 2 input(s)" in proc.stdout and "gpu-01" in proc.stdout
+    # The clock table's columns say what they hold: UTC times, not ns (#44.8).
+    header = next(x for x in proc.stdout.splitlines() if x.startswith("node "))
+    assert "first (UTC)" in header and "last (UTC)" in header and "_ns" not in header
+    row = next(x for x in proc.stdout.splitlines() if x.startswith("gpu-01 "))
+    assert re.search(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", row), row
     assert "merge [1/2] a.db: events 100% (300/300)" in proc.stderr
     assert "merge [1/2] a.db: done 100% (300/300)" in proc.stderr
     assert "merge [2/2] b.db" in proc.stderr
