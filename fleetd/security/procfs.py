@@ -31,6 +31,8 @@ import logging
 import os
 import stat
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from fleetd.security.private_dir import file_kind, read_at_most
 
@@ -138,29 +140,37 @@ def _note(pid: int, path: str, why: str) -> None:
     log.warning("pid %d: not reading %s: %s", pid, path, why)
 
 
-def _read_opened(path_fd: int, limit: int) -> bytes | None:
-    """At most ``limit`` bytes of the regular file behind an O_PATH descriptor, read
-    through a second descriptor (opened from the first, so it is the same file)."""
-    fd = os.open(f"{PROC}/self/fd/{path_fd}", _READ_FLAGS)
-    try:
-        return read_at_most(fd, limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
-    finally:
-        os.close(fd)
-
-
-def _read_regular(pid: int, path_fd: int, shown: str, limit: int) -> bytes | None:
-    """:func:`_read_opened` of a regular file, a note for anything else; the O_PATH
-    descriptor is closed either way."""
+def _reopen_regular(pid: int, path_fd: int, shown: str) -> int | None:
+    """A descriptor open for reading (O_NONBLOCK, O_NOCTTY) of the file behind the
+    O_PATH descriptor ``path_fd`` (which is closed), when it is a regular file: the same
+    file, reopened through it. Anything else gets a note and None."""
     try:
         mode = os.fstat(path_fd).st_mode
         if not stat.S_ISREG(mode):
             _note(pid, shown, f"not a regular file ({file_kind(mode)})")
             return None
-        return _read_opened(path_fd, limit)
+        fd = os.open(f"{PROC}/self/fd/{path_fd}", _READ_FLAGS)
     except OSError:
         return None
     finally:
         os.close(path_fd)
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    os.close(fd)
+    return None
+
+
+def _read_regular(pid: int, path_fd: int, shown: str, limit: int) -> bytes | None:
+    """At most ``limit`` bytes of :func:`_reopen_regular`'s file; None where it has none."""
+    fd = _reopen_regular(pid, path_fd, shown)
+    if fd is None:
+        return None
+    try:
+        return read_at_most(fd, limit)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def open_in_root(root_fd: int, path: str, *, walk: bool = False) -> int:
@@ -175,30 +185,63 @@ def open_in_root(root_fd: int, path: str, *, walk: bool = False) -> int:
     raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN), path)
 
 
-def read_under(root_fd: int, path: str, limit: int, pid: int = 0, *,
-               walk: bool = False) -> bytes | None:
-    """At most ``limit`` bytes of the regular file ``path`` inside the directory
-    ``root_fd`` (notes name ``pid``); None when it cannot be read."""
+def _path_under(root_fd: int, path: str, pid: int, walk: bool = False) -> int | None:
+    """:func:`open_in_root`, None (and a note, unless the file is simply not there)
+    where it fails."""
     try:
-        fd = open_in_root(root_fd, path, walk=walk)
+        return open_in_root(root_fd, path, walk=walk)
     except OSError as exc:
         if exc.errno not in (errno.ENOENT, errno.ESRCH, errno.ENOTDIR):
             _note(pid, path, f"{exc.strerror} (resolved inside its root)")
         return None
-    return _read_regular(pid, fd, path, limit)
+
+
+def read_under(root_fd: int, path: str, limit: int, pid: int = 0, *,
+               walk: bool = False) -> bytes | None:
+    """At most ``limit`` bytes of the regular file ``path`` inside the directory
+    ``root_fd`` (notes name ``pid``); None when it cannot be read."""
+    fd = _path_under(root_fd, path, pid, walk)
+    return None if fd is None else _read_regular(pid, fd, path, limit)
+
+
+def _open_root(pid: int) -> int | None:
+    try:
+        return os.open(f"{PROC}/{pid}/root", _PATH_FLAGS | os.O_DIRECTORY)
+    except OSError:
+        return None
 
 
 def read_in_root(pid: int, path: str, limit: int) -> bytes | None:
     """At most ``limit`` bytes of the regular file ``path`` as process ``pid`` sees it,
     resolved inside its root (module docstring); None when it cannot be read."""
-    try:
-        root = os.open(f"{PROC}/{pid}/root", _PATH_FLAGS | os.O_DIRECTORY)
-    except OSError:
+    root = _open_root(pid)
+    if root is None:
         return None
     try:
         return read_under(root, path, limit, pid)
     finally:
         os.close(root)
+
+
+@contextmanager
+def regular_in_root(pid: int, path: str) -> Iterator[str | None]:
+    """A path for the whole regular file ``path`` as process ``pid`` sees it (resolved
+    inside its root, never a FIFO or device): ``/proc/self/fd/N`` of a descriptor open
+    for the ``with`` block, for readers that take a path (an ELF parser: a mapped
+    library is read whole, however large). None when there is no such file."""
+    root = _open_root(pid)
+    fd = None
+    if root is not None:
+        try:
+            found = _path_under(root, path, pid)
+            fd = None if found is None else _reopen_regular(pid, found, path)
+        finally:
+            os.close(root)
+    try:
+        yield None if fd is None else f"{PROC}/self/fd/{fd}"
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def read_bounded(path: str, limit: int, pid: int = 0) -> bytes | None:

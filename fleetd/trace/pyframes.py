@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleetd.security.procfs import regular_in_root
 from fleetd.trace import pydebug, symbols
 
 log = logging.getLogger("fleetd.trace.pyframes")
@@ -185,20 +186,22 @@ def find_interpreter(pid: int) -> Interpreter | None:
 def _open(pid: int, path: str, base: int, m: re.Match[str]) -> Interpreter:
     interp = Interpreter(pid, (int(m.group(1)), int(m.group(2))), path,
                          free_threaded=bool(m.group(3)))
-    file = f"/proc/{pid}/root{path}"
-    image = symbols.load_image(file, ("STT_OBJECT",))
-    runtime = _symbol(image, "_PyRuntime") if image is not None else None
-    if image is None or runtime is None:
-        interp.problem = (f"{interp.label} at {path} has no _PyRuntime symbol "
-                          "(stripped?); native stacks only")
-        return interp
-    interp.runtime = at = base - (image.first_vaddr & ~0xFFF) + runtime
-    mem = Memory(pid)
-    try:
-        _choose_layout(interp, lambda n: mem.read(at, n),
-                       lambda n: _file_bytes(file, runtime, n))
-    finally:
-        mem.close()
+    # The file as the process maps it, resolved inside its root: a container may have
+    # put a link, a FIFO or a device at that path since (fleetd.security.procfs).
+    with regular_in_root(pid, path) as file:
+        image = symbols.load_image(file, ("STT_OBJECT",)) if file is not None else None
+        runtime = _symbol(image, "_PyRuntime") if image is not None else None
+        if file is None or image is None or runtime is None:
+            interp.problem = (f"{interp.label} at {path} has no _PyRuntime symbol "
+                              "(stripped?); native stacks only")
+            return interp
+        interp.runtime = at = base - (image.first_vaddr & ~0xFFF) + runtime
+        mem, real = Memory(pid), file
+        try:
+            _choose_layout(interp, lambda n: mem.read(at, n),
+                           lambda n: _file_bytes(real, runtime, n))
+        finally:
+            mem.close()
     return interp
 
 

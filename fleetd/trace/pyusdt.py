@@ -24,6 +24,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from fleetd.security.procfs import regular_in_root
+
 log = logging.getLogger("fleetd.trace.pyusdt")
 
 NT_STAPSDT = 3
@@ -216,9 +218,13 @@ def load_bias(pid: int, path: str) -> int | None:
                     break
         if start is None:
             return None
-        with open(f"/proc/{pid}/root{path}", "rb") as f:
-            vaddr = min(int(s["p_vaddr"]) for s in ELFFile(f).iter_segments()
-                        if s["p_type"] == "PT_LOAD")
+        # Inside the process's root, a regular file only (fleetd.security.procfs).
+        with regular_in_root(pid, path) as real:
+            if real is None:
+                return None
+            with open(real, "rb") as f:
+                vaddr = min(int(s["p_vaddr"]) for s in ELFFile(f).iter_segments()
+                            if s["p_type"] == "PT_LOAD")
     except (OSError, ValueError, ELFError) as exc:
         log.debug("load address of %s in pid %d: %s", path, pid, exc)
         return None

@@ -9,6 +9,7 @@ import os
 import subprocess
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -120,29 +121,53 @@ def test_reads_stop_at_the_cap(tree: tuple[Path, Path, int], walk: bool) -> None
     assert procfs.read_under(fd, SA, 0, walk=walk) == b""
 
 
-def test_a_chrooted_process_is_read_in_its_root(tree: tuple[Path, Path, int]) -> None:
-    """/proc/PID/root of a real process chrooted in the tree: its namespace file, a link
-    to the host's secret resolved in its root (absent there)."""
-    root, secret, _ = tree
-    (root / SA).write_text("team-a\n")
-    (root / "etc" / "link").symlink_to(secret)
+@contextmanager
+def chrooted(root: Path) -> Iterator[int]:
+    """A real process chrooted in ``root`` (no binary needed inside: it chroots itself,
+    says so, and waits for its stdin to close); its pid."""
     ready_r, ready_w = os.pipe()
-    # The child chroots, says so, and waits for the pipe to close; no binary needed inside.
     child = subprocess.Popen(
         ["python3", "-c", f"import os,sys; os.chroot({str(root)!r}); os.write({ready_w}, b'x');"
          " sys.stdin.read()"], stdin=subprocess.PIPE, pass_fds=(ready_w,))
     os.close(ready_w)
     try:
         assert os.read(ready_r, 1) == b"x"
-        assert procfs.read_in_root(child.pid, SA, 64) == b"team-a\n"
-        assert procfs.read_in_root(child.pid, "etc/link", 64) is None
-        assert procfs.read_in_root(child.pid, str(secret), 64) is None
+        yield child.pid
     finally:
         assert child.stdin is not None
         child.stdin.close()
         child.wait(10)
         os.close(ready_r)
-    assert procfs.read_in_root(child.pid, SA, 64) is None  # gone: None, no exception
+
+
+def test_a_chrooted_process_is_read_in_its_root(tree: tuple[Path, Path, int]) -> None:
+    """/proc/PID/root of a real chrooted process: its namespace file, a link to the
+    host's secret resolved in its root (absent there)."""
+    root, secret, _ = tree
+    (root / SA).write_text("team-a\n")
+    (root / "etc" / "link").symlink_to(secret)
+    with chrooted(root) as pid:
+        assert procfs.read_in_root(pid, SA, 64) == b"team-a\n"
+        assert procfs.read_in_root(pid, "etc/link", 64) is None
+        assert procfs.read_in_root(pid, str(secret), 64) is None
+    assert procfs.read_in_root(pid, SA, 64) is None  # gone: None, no exception
+
+
+def test_a_whole_file_for_a_path_reader(tree: tuple[Path, Path, int]) -> None:
+    """regular_in_root: a path an ELF parser can open, to the container's file only."""
+    root, secret, _ = tree
+    (root / "lib").mkdir()
+    (root / "lib" / "libpython.so").write_bytes(b"\x7fELF" + b"\0" * 100_000)
+    (root / "lib" / "host.so").symlink_to(secret)
+    os.mkfifo(root / "lib" / "fifo.so")
+    with chrooted(root) as pid:
+        with procfs.regular_in_root(pid, "/lib/libpython.so") as real:
+            assert real is not None and real.startswith("/proc/self/fd/")
+            assert Path(real).read_bytes()[:4] == b"\x7fELF"
+            assert len(Path(real).read_bytes()) == 100_004  # whole, not capped
+        for hostile in ("/lib/host.so", "/lib/fifo.so", "/lib/absent.so"):
+            with procfs.regular_in_root(pid, hostile) as real:
+                assert real is None, hostile
 
 
 def test_proc_files_are_capped_and_never_follow() -> None:
