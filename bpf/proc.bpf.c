@@ -111,6 +111,9 @@ BPF_RINGBUF_OUTPUT(fl_rb_hold, 16);
  * thread runs; FLEETD_NO_HOLD unset). Without it the events still come, unheld, and
  * their window is measured. */
 BPF_ARRAY(fl_hold_ctl, u32, 1);
+/* tgid -> when it was stopped, until user space resumes it: what a tracer killed
+ * before it could resume them leaves behind, for its releaser (fleetd.trace.mapwatch). */
+BPF_HASH(fl_held, u32, u64, 4096);
 BPF_TABLE("lru_hash", u32, u64, fl_open_name, 4096);   /* tid -> name pointer (openat) */
 BPF_TABLE("lru_hash", u64, u64, fl_fd_name, 16384);    /* tgid << 32 | fd -> name pointer */
 BPF_TABLE("lru_hash", u32, u32, fl_mmap_fd, 4096);     /* tid -> fd of an exec mmap */
@@ -156,18 +159,26 @@ static __always_inline void fl_hold_now(u64 hash, u32 how)
     u64 id = bpf_get_current_pid_tgid();
     if (hash && fl_known_files.lookup(&hash))
         return;
-    u32 held = 0;
-    int zero = 0;
-    u32 *on = fl_hold_ctl.lookup(&zero);
-    if (on && *on && !fl_stopped() && bpf_send_signal(FL_SIGSTOP) == 0)
-        held = 1;
+    /* The record first: a process must never be stopped without user space told. */
     struct fl_hold *h = fl_rb_hold.ringbuf_reserve(sizeof(struct fl_hold));
     if (!h) {
         fl_count(FL_C_LOST_SYS);
         return;
     }
-    h->ts = bpf_ktime_get_ns();
-    h->pid = id >> 32;
+    u32 held = 0;
+    int zero = 0;
+    u32 *on = fl_hold_ctl.lookup(&zero);
+    u32 tgid = id >> 32;
+    u64 now = bpf_ktime_get_ns();
+    /* Listed before the signal: a process is never stopped without its entry. */
+    if (on && *on && !fl_stopped() && fl_held.update(&tgid, &now) == 0) {
+        if (bpf_send_signal(FL_SIGSTOP) == 0)
+            held = 1;
+        else
+            fl_held.delete(&tgid);
+    }
+    h->ts = now;
+    h->pid = tgid;
     h->tid = (u32)id;
     h->hash = hash;
     h->how = how;

@@ -319,7 +319,10 @@ def _exports_cached(path: str, _dev: int, _ino: int, _mtime: int, wanted: frozen
         except ValueError as exc:  # an empty file
             raise ValueError(f"{path} is not an ELF file") from exc
     with data:
-        return _scan(path, data, wanted, fingerprint)
+        try:
+            return _scan(path, data, wanted, fingerprint)
+        except (struct.error, IndexError, TypeError) as exc:  # a truncated or odd ELF file
+            raise ValueError(f"{path}: malformed ELF file ({exc})") from exc
 
 
 def _scan(path: str, data: mmap.mmap, wanted: frozenset[str], fingerprint: bool
