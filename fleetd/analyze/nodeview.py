@@ -69,6 +69,26 @@ def preempt_takers(tid: int, first: int, last: int, ns: int) -> list[tuple[int, 
     return [(first, ns)]
 
 
+# A sleep this short before a run-queue wait: the task that took the CPU when the thread
+# went to sleep is most likely still on it when the thread wakes (a busy loop is).
+MAX_SLEEP_BEFORE_TAIL_NS = 50_000_000
+
+
+def tail_takers(tid: int, left_to: int, slept_ns: int, last: int, ns: int
+                ) -> list[tuple[int, int]]:
+    """Who held the CPU while ``tid``, just woken, waited ``ns`` for it: the task that
+    ran until it got the CPU (``last``, the switch's prev) and, after a short sleep,
+    the one that took the CPU when it went to sleep (``left_to``). The prev alone is
+    often a bystander: a kernel thread (rcu_preempt, a kworker) or another short task
+    preempts a busy loop for microseconds, and the scheduler then picks the woken
+    thread, so the loop that held the CPU for the whole wait was never the prev and a
+    hog inside the thread's own CPU share was never named. A sleep of more than
+    :data:`MAX_SLEEP_BEFORE_TAIL_NS` says nothing about who runs at its end."""
+    if 0 <= slept_ns <= MAX_SLEEP_BEFORE_TAIL_NS and left_to:
+        return preempt_takers(tid, left_to, last, ns)
+    return [(last, ns)]
+
+
 class NodeView:
     """Everything chains need from one node's window, read with bounded queries."""
 
@@ -122,22 +142,31 @@ class NodeView:
     def cpu_takers(self, tid: int) -> dict[int, int]:
         """Who held the CPU while ``tid`` was runnable, over all its recorded run-queue
         time (the breakdown's ``runq`` column): a preemption goes to the tasks at its two
-        ends (:func:`preempt_takers`), the queued tail of a sleep to the task that ran
-        until it got the CPU back. The same attribution as a spike's, for the whole
+        ends (:func:`preempt_takers`), the queued tail of a short sleep to the task that
+        took the CPU when the thread went to sleep and the one that ran until it got
+        the CPU back (:func:`tail_takers`). The same ends as a spike's, for the whole
         window."""
         out: dict[int, int] = defaultdict(int)
-        for op, a0, peer, a1, dur in self.conn.execute(
-            "SELECT op, a0, peer, a1, dur_ns FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
-            "AND id BETWEEN ? AND ? AND tid = ? AND op IN (?, ?)",
-            (self.win.start_ns, self.win.end_ns, self.node.lo, self.node.hi, tid, OFF_CPU,
-             RUNQ),
+        left_to: dict[int, tuple[int, int]] = {}  # end of an off-CPU wait -> (next, dur)
+        tails = []
+        for op, ts, a0, peer, a1, dur in self.conn.execute(
+            "SELECT op, ts_ns, a0, peer, a1, dur_ns FROM event_data WHERE ts_ns >= ? AND "
+            "ts_ns < ? AND id BETWEEN ? AND ? AND tid = ? AND op IN (?, ?)",
+            (self.win.start_ns - MAX_SLEEP_BEFORE_TAIL_NS, self.win.end_ns, self.node.lo,
+             self.node.hi, tid, OFF_CPU, RUNQ),
         ):
             state = task_state(int(a0 or 0))
-            if op == OFF_CPU and state == "R" and peer:
-                for taker, ns in preempt_takers(tid, int(peer), int(a1 or 0), int(dur)):
-                    out[taker] += ns
-            elif op == RUNQ and state != "R" and a1:
-                out[int(a1)] += int(dur)
+            if op == OFF_CPU:
+                left_to[int(ts) + int(dur)] = (int(peer or 0), int(dur))
+                if state == "R" and peer and ts >= self.win.start_ns:
+                    for taker, ns in preempt_takers(tid, int(peer), int(a1 or 0), int(dur)):
+                        out[taker] += ns
+            elif state != "R" and a1 and ts >= self.win.start_ns:
+                tails.append((int(ts) + int(dur), int(a1), int(dur)))
+        for end, last, ns in tails:
+            first, off = left_to.get(end, (0, 0))
+            for taker, part in tail_takers(tid, first, off - ns, last, ns):
+                out[taker] += part
         return out
 
     def wait_channel(self, ev: Ev) -> str | None:

@@ -1,18 +1,27 @@
 """``fleetd demo``: a three-node fleet on loopback, one node slowed by a CPU hog.
 
 Everything is real: a fresh CA and certificates from ``fleetd certs``, three
-``fleetd agent`` daemons tracing three copies of the reference workload and three
-ranks of a distributed job (tests/workloads/nccl_ranks.py: the real libnccl, the
-ranks in lockstep over TCP) with eBPF,
+``fleetd agent`` daemons tracing the three ranks of a distributed job
+(tests/workloads/nccl_ranks.py: the real libnccl and CUDA runtime, the ranks in
+lockstep over TCP, a step of host work and of "GPU" time each) with eBPF, one rank per
+node in a CPU share of its own (a cgroup cpuset and CPU limit, fleetd.cli.demo_slices)
+with the hog inside node-3's. A node runs its rank alone, as a GPU node runs its job:
+a second process of its own beside the rank (the demo once ran the reference workload
+there too) shared the hog's CPU with it, and on two cores took turns with the rank so
+that each was named the other's culprit instead of the hog.
 mTLS fan-out with ``fleetd query --nodes`` and ``fleetd explain --nodes``, then
 ``fleetd merge`` and ``fleetd export``. The demo drives fleetd's own commands as a user
 would type them, and prints each one before it runs.
+
+It tells the truth about itself: every part it starts is checked, a part that failed is
+said on the terminal with its reason, the summary repeats the one explain answer step 5
+showed, only files that exist are listed, and the demo exits 1 when its headline (the
+NCCL rank the others wait for) could not be shown.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -27,13 +36,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleetd.cli.demo_slices import Slices, pin
 from fleetd.errors import FleetdError, TraceError, UsageError
-from fleetd.store.timeparse import parse_duration
+from fleetd.store.timeparse import format_ns, parse_duration
 
 NODES = ("node-1", "node-2", "node-3")
-SLOW = "node-3"  # the node whose workload shares its CPU with a hog
+SLOW = "node-3"  # the node whose CPU share holds a hog
 HOG_NAME = "cpu-hog"
-AGENT_START_S = 180
+HOG_NICE = -10  # within its share the hog gets ~90 % whenever both want to run
+# Compiling the BPF programs: about 30 s for the three agents on a quiet 2-core machine,
+# several minutes on a loaded one.
+AGENT_START_S = 480
+TICK_S = 5.0  # a progress line this often when stdout is not a terminal
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,7 +55,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "demo",
         help="run a local 3-node fleet on loopback and find the straggler",
         description="Start three fleetd agents on loopback with fresh certificates, trace "
-        "the reference workload on each (one node's CPU shared with a hog), then show the "
+        "one rank of a 3-rank NCCL job on each (one node's CPU shared with a hog), then show the "
         "fleet query, the straggler and why, and write a merged database and a Perfetto "
         "timeline. Needs root (eBPF).",
     )
@@ -61,6 +75,23 @@ class Fleet:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     addresses: dict[str, str] = field(default_factory=dict)
+    # What the demo started, by what it is to the user, with the log that says why it
+    # ended (none for the hog).
+    parts: dict[str, tuple[subprocess.Popen[bytes], Path | None]] = field(
+        default_factory=dict)
+    reported: list[str] = field(default_factory=list)  # failures said on the terminal
+
+    def failures(self) -> list[str]:
+        """One line per part that ended badly: what it was, its exit status, and the last
+        line of its log (a rank's 'no go-file within 80 s')."""
+        out = []
+        for what, (p, log) in self.parts.items():
+            code = p.poll()
+            if code is None or (code == 0 and log is not None):
+                continue  # running, or a rank that finished its run
+            why = _last_line(log) if log is not None else "it should run until the end"
+            out.append(f"{what} (pid {p.pid}) exited with {code}: {why}")
+        return out
 
     def stop(self) -> None:
         for a in self.agents.values():
@@ -102,7 +133,7 @@ def _show(cmd: list[str], *, check: bool = True, quiet: bool = False) -> int:
     return proc.returncode
 
 
-def _workload(name: str = "train_loop.py") -> Path:
+def _workload(name: str) -> Path:
     here = Path(__file__).resolve()
     for parent in here.parents:
         candidate = parent / "tests" / "workloads" / name
@@ -135,53 +166,32 @@ def _certs(d: Path) -> None:
     _show([*base, "issue-client", "demo-client", "--force"], quiet=True)
 
 
-def _pin(cpu: int) -> None:
-    # Runs in the child before exec: the workload (and the hog) stay on one CPU.
-    with suppress(OSError):
-        os.sched_setaffinity(0, {cpu})
-
-
-def _hog_setup(cpu: int) -> None:
-    # A noisy neighbour with a higher priority (nice -10): on its CPU it gets about 90%
-    # whenever both want to run, so the node it shares with really falls behind.
-    _pin(cpu)
-    with suppress(OSError):
-        os.nice(-10)
-
-
-def _node_cpus() -> dict[str, int]:
-    """The CPU each node's processes run on: the slow node's is the last one, which it
-    shares with the hog."""
-    cpus = sorted(os.sched_getaffinity(0))
-    last = cpus[-1]
-    others = [c for c in cpus if c != last] or [last]
-    return {n: last if n == SLOW else others[i % len(others)] for i, n in enumerate(NODES)}
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
-def _start_ranks(fleet: Fleet, seconds: float) -> dict[str, subprocess.Popen[bytes]]:
+def _start_ranks(fleet: Fleet, slices: Slices, seconds: float
+                 ) -> dict[str, subprocess.Popen[bytes]]:
     """Rank i of a 3-rank job on node i, as torchrun would start it: collectives on the
     real libnccl in lockstep, 1 ms of work and 8 ms "on the GPU" per step. Waits until
-    each has loaded libnccl, so its agent attaches to it."""
+    each has loaded libnccl, so its agent attaches to it. They wait for the go-file as
+    long as the agents may take to start, plus the run."""
     job = {"WORLD_SIZE": str(len(NODES)), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port()), "TORCHELASTIC_RUN_ID": "fleetd-demo"}
-    cpus = _node_cpus()
     ranks: dict[str, subprocess.Popen[bytes]] = {}
     for i, n in enumerate(NODES):
         log = (fleet.dir / f"{n}.rank.log").open("wb")
         p = subprocess.Popen(
             [sys.executable, str(_workload("nccl_ranks.py")), "--seconds", str(seconds + 30),
              "--compute-ms", "1", "--sleep-ms", "8", "--go-file", str(fleet.dir / f"{n}.go"),
-             "--barrier-timeout", str(int(seconds) + 60), "--max-listed", "0"],
+             "--barrier-timeout", str(int(AGENT_START_S + seconds + 60)), "--max-listed", "0"],
             stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, **job, "RANK": str(i), "LOCAL_RANK": "0"},
-            preexec_fn=functools.partial(_pin, cpus[n]))
+            preexec_fn=slices.enter(n))
         fleet.procs.append(p)
+        fleet.parts[f"{n}: rank {i} of the NCCL job"] = (p, fleet.dir / f"{n}.rank.log")
         ranks[n] = p
     deadline = time.monotonic() + 60
     for n, p in ranks.items():
@@ -195,31 +205,27 @@ def _start_ranks(fleet: Fleet, seconds: float) -> dict[str, subprocess.Popen[byt
     return ranks
 
 
-def _start_workloads(fleet: Fleet, seconds: float) -> dict[str, subprocess.Popen[bytes]]:
-    """One workload per node; the slow node's shares the last CPU with a busy loop."""
-    cpus = _node_cpus()
-    last = cpus[SLOW]
-    wl: dict[str, subprocess.Popen[bytes]] = {}
-    for n in NODES:
-        cpu = cpus[n]
-        log = (fleet.dir / f"{n}.workload.log").open("wb")
-        p = subprocess.Popen(
-            [sys.executable, str(_workload()), "--duration", str(seconds + 30),
-             "--launches", "8", "--memcpy", "1", "--cpu-us", "100", "--gpu-ms", "4",
-             "--go-file", str(fleet.dir / f"{n}.go")],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=functools.partial(_pin, cpu))
-        fleet.procs.append(p)
-        wl[n] = p
+def _start_hog(fleet: Fleet, slices: Slices) -> None:
+    """The busy loop in the slow node's share; started once the agents trace, so it
+    does not slow their compile."""
     hog = subprocess.Popen(
         [sys.executable, "-c",
          # prctl(PR_SET_NAME) names the hog, so the culprit reads well in explain
          "import ctypes; ctypes.CDLL(None).prctl(15, b'" + HOG_NAME + "', 0, 0, 0)\n"
-         "while True: pass"], preexec_fn=functools.partial(_hog_setup, last))
+         "while True: pass"], preexec_fn=slices.enter(SLOW, nice=HOG_NICE))
     fleet.procs.append(hog)
-    return wl
+    fleet.parts[f"{SLOW}: {HOG_NAME}"] = (hog, None)
 
 
-def _start_agents(fleet: Fleet, wl: dict[str, subprocess.Popen[bytes]],
+def _last_line(log: Path) -> str:
+    try:
+        lines = log.read_text(errors="replace").strip().splitlines()
+    except OSError as exc:
+        return f"its log {log} cannot be read ({exc.strerror})"
+    return f"{lines[-1].strip()} (log: {log})" if lines else f"nothing in its log {log}"
+
+
+def _start_agents(fleet: Fleet, slices: Slices,
                   ranks: dict[str, subprocess.Popen[bytes]]) -> None:
     d = fleet.dir
     for n in NODES:
@@ -229,13 +235,12 @@ def _start_agents(fleet: Fleet, wl: dict[str, subprocess.Popen[bytes]],
         log = (d / f"{n}.agent.log").open("wb")
         fleet.agents[n] = subprocess.Popen(
             [*_fleetd(), "agent", "--node", n, "--db", str(db), "--listen", "127.0.0.1:0",
-             "--pid", str(wl[n].pid), "--pid", str(ranks[n].pid), "--sample", "10",
+             "--pid", str(ranks[n].pid), "--sample", "10",
              "--tls-cert", str(d / f"{n}.pem"),
              "--tls-key", str(d / f"{n}.key"), "--client-ca", str(d / "ca.pem")],
             stdout=log, stderr=subprocess.STDOUT)
-    # Compiling the BPF programs is the slow part: about 5 s of CPU per agent on a quiet
-    # machine, all three at once on two cores; a busy machine takes several times that.
-    deadline = time.monotonic() + AGENT_START_S
+    start = time.monotonic()
+    ticker = Ticker()
     pattern = re.compile(r"listening on https://([\d.]+:\d+)")
     while len(fleet.addresses) < len(NODES):
         for n, a in fleet.agents.items():
@@ -244,12 +249,60 @@ def _start_agents(fleet: Fleet, wl: dict[str, subprocess.Popen[bytes]],
                 raise TraceError(f"the agent of {n} exited ({a.returncode}):\n{text.strip()}",
                                  "run fleetd check for what this machine lacks")
             # The agent announces its address only once its tracer is attached.
-            if m := pattern.search(text):
+            if n not in fleet.addresses and (m := pattern.search(text)):
                 fleet.addresses[n] = m.group(1)
-        if time.monotonic() > deadline:
+                # Compiled (on every CPU): from now on it measures, off the slow node's.
+                pin(a.pid, slices.agent_cpus)
+        waited = time.monotonic() - start
+        ticker.say(f"  compiling the agents' BPF programs: {len(fleet.addresses)} of "
+                   f"{len(NODES)} tracing after {waited:.0f} s")
+        if failed := fleet.failures():
+            raise TraceError("a part of the demo failed while the agents started:\n  "
+                             + "\n  ".join(failed), f"see the logs in {d}")
+        if waited > AGENT_START_S:
             raise TraceError(f"the agents did not start tracing within {AGENT_START_S} s",
-                             f"see the logs in {d}")
+                             f"see the logs in {d}; fleetd check times this machine's "
+                             "BPF compile")
         time.sleep(0.2)
+    ticker.done(f"  {len(NODES)} agents tracing after {time.monotonic() - start:.0f} s")
+
+
+class Ticker:
+    """A progress line: redrawn in place on a terminal, else printed every TICK_S."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self.last = time.monotonic()
+
+    def say(self, line: str) -> None:
+        if self.tty:
+            sys.stdout.write(f"\r{line}  ")
+        elif time.monotonic() - self.last >= TICK_S:
+            sys.stdout.write(f"{line}\n")
+            self.last = time.monotonic()
+        else:
+            return
+        sys.stdout.flush()
+
+    def done(self, line: str) -> None:
+        sys.stdout.write(f"\r{line}{' ' * 20}\n" if self.tty else f"{line}\n")
+        sys.stdout.flush()
+
+
+def _show_ticking(cmd: list[str], what: str) -> None:
+    """:func:`_show` for a command that takes a while: a progress line as it runs."""
+    shown = ["fleetd", *cmd[len(_fleetd()):]]
+    _say(f"\n$ {shlex.join(shown)}")
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd)
+    ticker = Ticker()
+    while proc.poll() is None:
+        ticker.say(f"  {what}: {time.monotonic() - start:.0f} s")
+        time.sleep(0.2)
+    if proc.returncode != 0:
+        raise FleetdError(f"{shlex.join(shown)} exited with {proc.returncode}",
+                          "see the output above; the node logs are in the demo directory")
+    ticker.done(f"  {what}: done in {time.monotonic() - start:.0f} s")
 
 
 def _progress(seconds: float) -> None:
@@ -274,62 +327,111 @@ def run(args: argparse.Namespace) -> int:
     d.mkdir(parents=True, exist_ok=True)
     out: Path = args.out.resolve()
     merged, trace = out / "fleet-demo.db", out / "fleet-demo.json"
+    explained = out / "fleet-demo-explain.json"
+    for stale in (trace, explained):  # an earlier run's files are not this run's
+        stale.unlink(missing_ok=True)
     fleet = Fleet(d)
-    _say(f"fleetd demo: 3 agents on loopback, {SLOW}'s CPU shared with a busy loop "
-         f"({HOG_NAME}); files in {d}")
+    _say(f"fleetd demo: 3 agents on loopback, a busy loop ({HOG_NAME}) inside {SLOW}'s CPU "
+         f"share; files in {d}")
     _say("[1/7] fleet CA and certificates (fleetd certs)")
     _certs(d)
+    slices = Slices.create(NODES, SLOW)
     try:
-        _say("[2/7] on each node the reference workload and one rank of a 3-rank NCCL "
-             "job, agents tracing them with eBPF")
-        wl = _start_workloads(fleet, seconds)
-        ranks = _start_ranks(fleet, seconds)
-        _start_agents(fleet, wl, ranks)
+        shares = ", ".join(f"{n} {slices.label(n)}" for n in NODES)
+        _say("[2/7] on each node one rank of a 3-rank NCCL job, its agent tracing it with "
+             f"eBPF; each node in its own CPU share "
+             f"({slices.kind()}: {shares})")
+        ranks = _start_ranks(fleet, slices, seconds)
+        _start_agents(fleet, slices, ranks)
+        _start_hog(fleet, slices)
         for n in NODES:
             (d / f"{n}.go").touch()
+        began = time.time_ns()
         for n in NODES:
             _say(f"  {n}: agent on https://{fleet.addresses[n]} (mTLS), tracing pid "
-                 f"{wl[n].pid} (workload) and pid {ranks[n].pid} (rank {NODES.index(n)})")
+                 f"{ranks[n].pid} (rank {NODES.index(n)})")
         _say(f"[3/7] tracing for {seconds:g} s")
         _progress(seconds)
+        window = ["--from", format_ns(began), "--to", format_ns(time.time_ns())]
+        _check_parts(fleet)
         nodes = ",".join(f"{n}={a}" for n, a in fleet.addresses.items())
         tls = ["--ca-cert", str(d / "ca.pem"), "--client-cert", str(d / "demo-client.pem"),
                "--client-key", str(d / "demo-client.key")]
         _say("[4/7] one query, every node (fan-out over mTLS, clock skew corrected)")
         _show([*_fleetd(), "query", "--nodes", nodes, *tls, "--show-skew",
                "SELECT op, count(*) AS calls, round(avg(dur_ns) / 1000.0, 1) AS avg_us "
-               "FROM events WHERE source = 'cuda' GROUP BY op ORDER BY calls DESC"])
-        _say("\n[5/7] which node is the straggler, and why")
-        _show([*_fleetd(), "explain", "--nodes", nodes, *tls], check=False)
-        verdict = _explain_json([*_fleetd(), "explain", "--nodes", nodes, *tls,
-                                 "--format", "json"], out / "fleet-demo-explain.json")
+               "FROM events WHERE source IN ('cuda', 'nccl') GROUP BY op ORDER BY calls DESC"])
+        _say("\n[5/7] which node is the straggler, and why (the traced window)")
+        verdict = _explain([*_fleetd(), "explain", "--nodes", nodes, *tls, *window,
+                            "--format", "json", "-o", str(explained)], explained)
         _say("\n[6/7] the fleet as one Perfetto timeline, straight from the agents")
-        trace.unlink(missing_ok=True)
-        _show([*_fleetd(), "export", "--format", "perfetto", "--nodes", nodes, *tls,
-               "-o", str(trace)])
+        _show_ticking([*_fleetd(), "export", "--format", "perfetto", "--nodes", nodes, *tls,
+                       "-o", str(trace)], "exporting the fleet's events")
+        _check_parts(fleet)
     finally:
         fleet.stop()
+        slices.remove()
     _say("\n[7/7] the node databases merged into one file, as an air-gapped cluster would")
     for f in (merged, Path(f"{merged}-wal"), Path(f"{merged}-shm")):
         f.unlink(missing_ok=True)
     _show([*_fleetd(), "merge", *(str(d / f"{n}.db") for n in NODES), "-o", str(merged)])
     _say("")
-    for line in summary_lines(verdict, [merged, trace, out / "fleet-demo-explain.json"]):
+    for line in summary_lines(verdict, [f for f in (merged, trace, explained) if f.exists()],
+                              window):
         _say(line)
+    if why := headline_missing(verdict, fleet.reported):
+        print(f"fleetd: error: the demo could not show its headline, the NCCL rank the "
+              f"others wait for: {why}", file=sys.stderr)
+        return 1
     return 0
 
 
-def _explain_json(cmd: list[str], dest: Path) -> dict[str, Any]:
-    """The fleet explain as JSON, kept in ``dest``; {} when it could not be had."""
+def _check_parts(fleet: Fleet) -> None:
+    """Say on the terminal, once, each part that failed since the last look."""
+    for line in fleet.failures():
+        if line not in fleet.reported:
+            fleet.reported.append(line)
+            _say(f"  FAILED {line}")
+
+
+def _explain(cmd: list[str], dest: Path) -> dict[str, Any]:
+    """Run the fleet explain once, as JSON into ``dest``, and print that answer as the
+    table ``fleetd explain`` prints: the summary then repeats the same answer."""
+    from fleetd.cli.explain_cmd import render_fleet
+
+    shown = ["fleetd", *cmd[len(_fleetd()):]]
+    _say(f"\n$ {shlex.join(shown)}")
     proc = subprocess.run(cmd, capture_output=True, text=True)
     try:
-        doc = json.loads(proc.stdout) if proc.returncode == 0 else {}
-    except ValueError:
-        doc = {}
-    if isinstance(doc, dict) and doc:
-        dest.write_text(json.dumps(doc, indent=1) + "\n")
-        return doc
-    return {}
+        doc = json.loads(dest.read_text())
+    except (OSError, ValueError) as exc:
+        raise FleetdError(f"{shlex.join(shown)} exited with {proc.returncode} and wrote no "
+                          f"answer ({exc}): {proc.stderr.strip()[-500:]}",
+                          "the node logs are in the demo directory") from None
+    if not isinstance(doc, dict):
+        raise FleetdError(f"{dest} holds no explain answer", "run the demo again")
+    _say("(the answer, as fleetd explain prints it without --format json)")
+    render_fleet(doc, sys.stdout)
+    for w in doc.get("warnings") or []:
+        if isinstance(w, dict):
+            _say(f"  warning: {w.get('node')}: {w.get('error')}")
+    sys.stdout.flush()
+    return doc
+
+
+def _late_ranks(verdict: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for s in verdict.get("stragglers") or [] if isinstance(s, dict)
+            and s.get("metric") == "collective_arrival" and s.get("flagged")]
+
+
+def headline_missing(verdict: dict[str, Any], failures: list[str]) -> str | None:
+    """Why the late rank could not be named (None when it was)."""
+    if _late_ranks(verdict):
+        return None
+    found = verdict.get("collectives") or {}
+    said = found.get("verdict") if isinstance(found, dict) else None
+    return "; ".join([f"collective arrival: {said or 'no collective was recorded'}",
+                      *failures])
 
 
 def _top_chains(verdict: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -348,11 +450,12 @@ def _culprit_text(chain: dict[str, Any]) -> str:
     return f"culprit {c.get('comm', '?')} pid {c.get('pid', '?')}"
 
 
-def summary_lines(verdict: dict[str, Any], files: list[Path]) -> list[str]:
-    """At most 12 lines: who is late, each node's top cause, the files, what next."""
-    lines = ["Summary (the full explain is above, and as JSON in the file below):"]
-    ranks = [s for s in verdict.get("stragglers") or []
-             if isinstance(s, dict) and s.get("metric") == "collective_arrival"]
+def summary_lines(verdict: dict[str, Any], files: list[Path],
+                  window: list[str] | None = None) -> list[str]:
+    """At most 12 lines: who is late, each node's top cause, the files written, what
+    next. From the one explain answer step 5 printed; only ``files`` that exist."""
+    lines = ["Summary (the full explain is above):"]
+    ranks = _late_ranks(verdict)
     nodes = [s for s in verdict.get("stragglers") or []
              if isinstance(s, dict) and s.get("flagged") and s.get("metric") !=
              "collective_arrival"]
@@ -361,15 +464,22 @@ def summary_lines(verdict: dict[str, Any], files: list[Path]) -> list[str]:
         lines.append(f"  straggler: rank {r.get('rank')} on {r.get('node')} (pid {r.get('pid')}), "
                      f"last in {float(r.get('share_last') or 0):.0%} of the collectives")
     if nodes:
-        lines.append(f"  straggler node: {nodes[0].get('node')} ({nodes[0].get('metric')})")
+        lines.append(f"  straggler node: {nodes[0].get('node')} ({nodes[0].get('metric')}, "
+                     f"score {float(nodes[0].get('score') or 0):.2f})")
     if not ranks and not nodes:
         lines.append("  no straggler named (see the explain above)")
     for node, chain in sorted(_top_chains(verdict).items())[:3]:
         lines.append(f"  {node}: [{chain.get('severity')}] {chain.get('root_cause')}, "
                      f"{_culprit_text(chain)}")
-    lines.append("  written: " + ", ".join(str(f) for f in files[:2]))
-    lines.append(f"           {files[2]}" if len(files) > 2 else "")
-    lines.append("  next: .venv/bin/fleetd explain --db " + str(files[0]))
-    lines.append("        .venv/bin/fleetd ops --db " + str(files[0]) + " --per-process")
+    if files:
+        lines.append("  written: " + ", ".join(str(f) for f in files[:2]))
+        lines.append(f"           {files[2]}" if len(files) > 2 else "")
+    else:
+        lines.append("  written: nothing (see the errors above)")
+    db = next((f for f in files if f.suffix == ".db"), None)
+    if db is not None:
+        # The same window from the merged file: the same verdict (docs/fleet.md).
+        lines.append(f"  next: .venv/bin/fleetd explain --db {db} {shlex.join(window or [])}")
+        lines.append(f"        .venv/bin/fleetd ops --db {db} --per-process")
     lines.append("        README.md: agents on real nodes with certificates (fleetd certs)")
-    return [line for line in lines if line][:12]
+    return [line.rstrip() for line in lines if line][:12]
