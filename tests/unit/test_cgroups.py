@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from chroot_proc import chrooted
 
 from fleetd.trace import cgroups as cg
 
@@ -77,3 +78,38 @@ def test_a_real_quota_is_read_from_the_cpu_controller() -> None:
         assert unlimited is not None and unlimited.quota_us is None
     finally:
         Path(d).rmdir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chroot needs root")
+@pytest.mark.parametrize(("content", "namespace"), [
+    (b"ml\n", "ml"),
+    (b"team-a", "team-a"),
+    (b"a" * 63, "a" * 63),
+    (b"a" * 64, None),  # longer than a DNS label
+    (b"a" * (10 << 20), None),  # a 10 MB file: 64 bytes read, not a namespace
+    (b"Not_A_Namespace\n", None),
+    (b"ml\n\x1b]0;owned\x07", None),
+    (b"", None),
+])
+def test_the_namespace_file_is_a_namespace_or_nothing(tmp_path: Path, content: bytes,
+                                                       namespace: str | None) -> None:
+    """Read inside a real chrooted process's root: its service-account file is its pod's
+    namespace only when it is one."""
+    sa = tmp_path / cg.SA_NAMESPACE
+    sa.parent.mkdir(parents=True)
+    sa.write_bytes(content)
+    with chrooted(tmp_path) as pid:
+        assert cg.pod_name_and_namespace(pid, {"HOSTNAME": "trainer-0"}) == \
+            ("trainer-0", namespace)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chroot needs root")
+def test_a_namespace_link_to_a_host_file_is_not_followed(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("hostsecret\n")
+    root = tmp_path / "root"
+    sa = root / cg.SA_NAMESPACE
+    sa.parent.mkdir(parents=True)
+    sa.symlink_to(secret)
+    with chrooted(root) as pid:
+        assert cg.pod_name_and_namespace(pid, {}) == (None, None)

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from chroot_proc import chrooted
 
 from fleetd.security import procfs
 
@@ -119,25 +118,6 @@ def test_reads_stop_at_the_cap(tree: tuple[Path, Path, int], walk: bool) -> None
     (root / SA).write_bytes(b"a" * (10 << 20))
     assert procfs.read_under(fd, SA, 64, walk=walk) == b"a" * 64
     assert procfs.read_under(fd, SA, 0, walk=walk) == b""
-
-
-@contextmanager
-def chrooted(root: Path) -> Iterator[int]:
-    """A real process chrooted in ``root`` (no binary needed inside: it chroots itself,
-    says so, and waits for its stdin to close); its pid."""
-    ready_r, ready_w = os.pipe()
-    child = subprocess.Popen(
-        ["python3", "-c", f"import os,sys; os.chroot({str(root)!r}); os.write({ready_w}, b'x');"
-         " sys.stdin.read()"], stdin=subprocess.PIPE, pass_fds=(ready_w,))
-    os.close(ready_w)
-    try:
-        assert os.read(ready_r, 1) == b"x"
-        yield child.pid
-    finally:
-        assert child.stdin is not None
-        child.stdin.close()
-        child.wait(10)
-        os.close(ready_r)
 
 
 def test_a_chrooted_process_is_read_in_its_root(tree: tuple[Path, Path, int]) -> None:
