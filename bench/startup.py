@@ -7,7 +7,7 @@ Four starts, each on its own database:
   start), then warm: the same cache again;
 * both again with every CPU held by a busy loop at normal priority (what
   ``../shared/tools/busy-node.sh`` does: a node whose cores are never idle), the cold
-  one on a second empty cache.
+  one on a second empty cache, the warm one on the first cache.
 
 The job is the traced workload itself (CPU-bound: every call fails fast without a GPU,
 so its progress is the CPU time it gets). ``job_ratio_during_cold_start`` is its CPU
@@ -151,7 +151,8 @@ def main() -> None:
                 cold_l = first_event(wl.pid, root / "cold-l.db", root / "cache-l",
                                      baseline_s=min(max(cold.ready_s, 2.0), 10.0))
                 _show("loaded, cold cache", cold_l)
-                warm_l = first_event(wl.pid, root / "warm-l.db", root / "cache-l")
+                # The quiet starts' cache: warm whatever became of the loaded cold start.
+                warm_l = first_event(wl.pid, root / "warm-l.db", root / "cache")
                 _show("loaded, warm cache", warm_l)
     finally:
         wl.kill()
