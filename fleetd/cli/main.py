@@ -134,10 +134,13 @@ def _verbose_anywhere(p: argparse.ArgumentParser) -> None:
 
 
 def _setup_logging(verbosity: int) -> None:
+    from fleetd.printable import PrintableFormatter
+
     level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
-    logging.basicConfig(
-        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    # One line per record, whatever a message quotes (a comm, a path): fleetd.printable.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(PrintableFormatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
 
 
 @contextlib.contextmanager
@@ -174,9 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _fitted_stdout(args):
             return int(args.func(args) or 0)
     except FleetdError as exc:
-        print(f"fleetd: error: {exc.message}", file=sys.stderr)
+        from fleetd.printable import printable_lines
+
+        # An error quotes the bad value, which a node or a file may have chosen: no
+        # escape sequence reaches the terminal (its own line breaks are kept).
+        print(f"fleetd: error: {printable_lines(exc.message)}", file=sys.stderr)
         if exc.hint:
-            print(f"  hint: {exc.hint}", file=sys.stderr)
+            print(f"  hint: {printable_lines(exc.hint)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("fleetd: interrupted", file=sys.stderr)

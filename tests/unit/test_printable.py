@@ -8,6 +8,7 @@ import io
 import logging
 import os
 import re
+import sys
 from typing import Any
 
 import pytest
@@ -138,3 +139,18 @@ def test_a_progress_line_on_a_terminal_escapes_the_name() -> None:
     assert got.count("\x1b") == 2 and got.count("\r") == 2, got  # the line's, and the erase
     assert "\n" not in got
 
+
+
+def test_the_cli_logs_through_the_printable_formatter() -> None:
+    from fleetd.cli.main import _setup_logging
+
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers.clear()
+    try:
+        _setup_logging(1)
+        [handler] = root.handlers
+        assert isinstance(handler.formatter, PrintableFormatter)
+        assert isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr
+    finally:
+        root.handlers[:] = saved
