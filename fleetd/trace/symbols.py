@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fleetd.security.procfs import regular_in_root
+
 if TYPE_CHECKING:
     from fleetd.trace.decoder import Batch
 
@@ -270,13 +272,19 @@ class FunctionSymbols:
             return None
         key = (st.st_dev, st.st_ino, int(st.st_mtime))
         bid = self._ids.get(key)
-        if bid is None:
-            bid = build_id(real) or path
-            self._ids[key] = bid
-        if bid not in self._by_id:
+        if bid is not None and bid in self._by_id:
+            return self._by_id[bid]
+        # A file read for the first time: inside the process's root and a regular file
+        # only, never a FIFO or device put at the mapped path (fleetd.security.procfs).
+        with regular_in_root(pid, path) as safe:
+            if safe is None:
+                return None
+            if bid is None:
+                bid = build_id(safe) or path
+                self._ids[key] = bid
             if len(self._by_id) >= MAX_FILES:
                 self._by_id.clear()
-            self._by_id[bid] = load_image(real, ("STT_FUNC", "STT_GNU_IFUNC"))
+            self._by_id[bid] = load_image(safe, ("STT_FUNC", "STT_GNU_IFUNC"))
         return self._by_id[bid]
 
 
