@@ -97,6 +97,15 @@ class RelayConfig:
 
 
 @dataclass
+class DetailConfig:
+    """Launch-detail windows (POST /api/v1/detail): who may open them, and how much."""
+
+    clients: list[str] = field(default_factory=list)  # client certificate CNs / DNS names
+    client_ous: list[str] = field(default_factory=list)  # or a certificate with such an OU
+    max_s_per_hour: float = 360.0  # on-time per hour, the agent's own rule included (10%)
+
+
+@dataclass
 class Config:
     node: str | None = None  # node name (default: hostname); ':' is not allowed
     listen: str = "127.0.0.1:7600"  # host:port of the agent's API
@@ -107,6 +116,7 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     relay: RelayConfig = field(default_factory=RelayConfig)
+    detail: DetailConfig = field(default_factory=DetailConfig)
 
 
 def discover_config(env: dict[str, str] | None = None) -> Path | None:

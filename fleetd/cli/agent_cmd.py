@@ -179,9 +179,11 @@ def _tracer_factory(args: argparse.Namespace, cfg: Config, s: AgentSettings) -> 
 def run(args: argparse.Namespace) -> int:
     from fleetd.node.agent import run as run_agent
 
-    # A daemon's life cycle (a stop, the final flush) belongs in its log at the default
-    # verbosity; -v adds everyone else's info lines, -vv debug.
-    for name in ("fleetd.node.agent", "fleetd.trace.agent", "fleetd.relay"):
+    # A daemon's life cycle (a stop, the final flush) and its audit lines (relayed
+    # requests, launch-detail windows opened and refused) belong in its log at the
+    # default verbosity; -v adds everyone else's info lines, -vv debug.
+    for name in ("fleetd.node.agent", "fleetd.trace.agent", "fleetd.relay",
+                 "fleetd.node.detail"):
         lifecycle = logging.getLogger(name)
         if lifecycle.getEffectiveLevel() > logging.INFO:
             lifecycle.setLevel(logging.INFO)

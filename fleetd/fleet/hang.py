@@ -293,6 +293,7 @@ class DetailAsks:
     is asked again only when its window is about to close."""
 
     until: dict[str, float] = dataclasses.field(default_factory=dict)
+    refused: set[str] = dataclasses.field(default_factory=set)  # warned of once each
 
     async def ask(self, answer: FleetAnswer, client: FleetClient, nodes: set[str]) -> None:
         now = time.monotonic()
@@ -307,7 +308,15 @@ class DetailAsks:
         try:
             async with asyncio.timeout(CHAIN_TIMEOUT_S):
                 reply = await client.post(target, f"{paths.DETAIL}?seconds={DETAIL_S}", {})
-        except (NodeFailed, TimeoutError) as exc:
+        except NodeFailed as exc:
+            if exc.failure.status != 403:
+                log.info("node %s: launch detail not asked (%s)", node, exc)
+            elif node not in self.refused:  # not permitted, or its hourly budget spent
+                self.refused.add(node)
+                log.warning("node %s refused launch detail (watching on without it): %s",
+                            node, exc.failure.text())
+            return
+        except TimeoutError as exc:
             log.info("node %s: launch detail not asked (%s)", node, exc)
             return
         if reply.get("opened") is True:

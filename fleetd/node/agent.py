@@ -33,7 +33,14 @@ from fleetd.errors import ConfigError
 from fleetd.node.analysis import ROUTES as ANALYSIS_ROUTES
 from fleetd.node.api import NodeState, make_app
 from fleetd.node.conns import ConnLimits, Gate, GuardedHandler
-from fleetd.node.detail import DETAIL_TRACER, longest_wait, watch_waits
+from fleetd.node.detail import (
+    DETAIL_GATE,
+    DETAIL_TRACER,
+    DetailGate,
+    DetailPolicy,
+    longest_wait,
+    watch_waits,
+)
 from fleetd.node.detail import ROUTES as DETAIL_ROUTES
 from fleetd.node.lake import LakeSettings, lake_ctx
 from fleetd.node.metrics import SOURCES, Sources, metrics
@@ -78,6 +85,7 @@ class AgentSettings:
     conns: ConnLimits = field(default_factory=ConnLimits)
     body_timeout_s: float = 30.0
     relay_nodes: frozenset[str] = frozenset()  # node certificates allowed to query
+    detail: DetailPolicy = field(default_factory=DetailPolicy)  # who opens windows, how long
     store_max_bytes: int | None = None
     tracer: TracerFactory | None = None  # None: serve the database only
     self_signed_dir: Path | None = None
@@ -116,6 +124,8 @@ def hardening(cfg: Config) -> dict[str, Any]:
                             max_queued_bytes=lim.max_queued_bytes),
         "body_timeout_s": lim.body_timeout_s,
         "relay_nodes": frozenset(cfg.tls.relay_nodes),
+        "detail": DetailPolicy(frozenset(cfg.detail.clients),
+                               frozenset(cfg.detail.client_ous), cfg.detail.max_s_per_hour),
     }
 
 
@@ -183,6 +193,7 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
                    extra_routes=[web.get("/metrics", metrics), *ANALYSIS_ROUTES,
                                  *RANK_ROUTES, *DETAIL_ROUTES, *s.extra_routes])
     app.middlewares.extend(s.extra_middlewares)  # e.g. the relay rules (fleetd.relay)
+    app[DETAIL_GATE] = DetailGate(s.detail)
     sources = Sources(db_bytes=lambda: s.db.stat().st_size)
     app[SOURCES] = sources
     book = app[RANKBOOK] = RankBook()  # fed by the writer the tracer writes into
@@ -217,7 +228,7 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
         state.status = lambda: {"trace": tracer.stats()}
         app[DETAIL_TRACER] = tracer
         waits = asyncio.get_running_loop().create_task(
-            watch_waits(tracer, longest_wait(app, s.node)))
+            watch_waits(tracer, longest_wait(app, s.node), app[DETAIL_GATE].budget))
         yield
         waits.cancel()
         with contextlib.suppress(asyncio.CancelledError):

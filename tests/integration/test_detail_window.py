@@ -1,6 +1,7 @@
 """Launch detail on demand (#36): an agent in ``--mode always-on`` traces launches 1 s in
 10; ``POST /api/v1/detail?seconds=N`` opens a window at once. Real agent, real BPF, the
-real CUDA runtime, real TLS.
+real CUDA runtime, real TLS. Opening one is a permission of the clients the agent's
+fleetd.yaml names, within an hourly budget (#40).
 
 With ``--sample 1`` every launch whose return is taken is stored, so stored launches
 show when the launch probes were on: the first second of the period, then the asked-for
@@ -27,7 +28,14 @@ pytestmark = [pytest.mark.bpf,
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01"], ["laptop"])
+    return make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01"], ["laptop", "desk"])
+
+
+def _config(d: Path, per_hour_s: float = 360) -> str:
+    """A fleetd.yaml that lets the client certificate "laptop" open windows."""
+    path = d / "fleetd.yaml"
+    path.write_text(f"detail:\n  clients: [laptop]\n  max_s_per_hour: {per_hour_s}\n")
+    return str(path)
 
 
 @pytest.fixture
@@ -59,7 +67,8 @@ def test_a_window_asked_for_traces_launches_at_once(
     db = tmp_path / "gpu-01.db"
     ssl = client_ssl(pki)
     with agent(db, "gpu-01", pki, "--pid", str(workload.pid), "--sample", "1",
-               "--mode", "always-on", "--cpu-sample-hz", "0") as a:
+               "--mode", "always-on", "--cpu-sample-hz", "0",
+               "--config", _config(tmp_path)) as a:
         _wait_tracing(a.url, pki)
         (tmp_path / "go").touch()
         time.sleep(3.0)  # past the first period's second of launch probes
@@ -82,7 +91,39 @@ def test_a_window_asked_for_traces_launches_at_once(
 def test_full_mode_says_no_window_is_needed(tmp_path: Path, pki: Pki,
                                             workload: subprocess.Popen[str]) -> None:
     db = tmp_path / "gpu-01.db"
-    with agent(db, "gpu-01", pki, "--pid", str(workload.pid), "--cpu-sample-hz", "0") as a:
+    with agent(db, "gpu-01", pki, "--pid", str(workload.pid), "--cpu-sample-hz", "0",
+               "--config", _config(tmp_path)) as a:
         _wait_tracing(a.url, pki)
         status, reply, _ = request(a.url, client_ssl(pki), "POST", "/api/v1/detail?seconds=5")
     assert status == 200 and reply["opened"] is False and "--mode full" in reply["why"], reply
+
+
+def test_windows_are_a_permission_within_an_hourly_budget(
+        tmp_path: Path, pki: Pki, workload: subprocess.Popen[str]) -> None:
+    db = tmp_path / "gpu-01.db"
+    with agent(db, "gpu-01", pki, "--pid", str(workload.pid), "--mode", "always-on",
+               "--cpu-sample-hz", "0", "--config", _config(tmp_path, per_hour_s=8)) as a:
+        _wait_tracing(a.url, pki)
+        laptop, desk = client_ssl(pki, "laptop"), client_ssl(pki, "desk")
+        status, no, _ = request(a.url, desk, "POST", "/api/v1/detail?seconds=5")
+        assert status == 403 and no["error"]["code"] == "forbidden", no
+        assert "cert:desk may not open launch-detail windows" in no["error"]["message"], no
+        assert "detail.clients" in no["error"]["hint"], no
+        status, first, _ = request(a.url, laptop, "POST", "/api/v1/detail?seconds=5")
+        assert status == 200 and first["opened"] is True and first["seconds"] == 5, first
+        assert first["budget"]["per_hour_s"] == 8 and 2.9 <= first["budget"][
+            "remaining_s"] <= 3.0, first
+        # More than is left: cut to the budget (the 5 s open plus the 3 s left).
+        status, cut, _ = request(a.url, laptop, "POST", "/api/v1/detail?seconds=60")
+        assert status == 200 and cut["opened"] is True and cut["asked"] == 60, cut
+        assert 7 <= cut["seconds"] <= 8 and "cut to" in cut["why"], cut
+        assert cut["budget"]["remaining_s"] == 0, cut
+        # Inside the open window: costs nothing. Past it: nothing is left.
+        status, inside, _ = request(a.url, laptop, "POST", "/api/v1/detail?seconds=2")
+        assert status == 200 and inside["opened"] is True, inside
+        status, spent, _ = request(a.url, laptop, "POST", "/api/v1/detail?seconds=20")
+        assert status == 403 and "budget is spent" in spent["error"]["message"], spent
+        assert "8 of 8 s" in spent["error"]["message"], spent
+    log = a.log.read_text()
+    assert "launch detail opened for cert:laptop: " in log and "(asked 5)" in log, log
+    assert "(asked 60)" in log and "launch detail refused to cert:desk" in log, log
