@@ -246,5 +246,13 @@ def test_a_container_cannot_steer_the_agents_reads(tmp_path: Path) -> None:
     assert by_case == {"absolute-link": None, "climbing-link": None, "fifo": None,
                        "dev-zero": None, "10MB": None, "honest": "ml"}, by_case
     assert value.encode() not in _stored_bytes(db)
+    # What the node serves of its pods (the answer of GET /api/v1/pods) and explain.
+    answers = {}
+    for cmd in ("pods", "explain"):
+        r = subprocess.run([FLEETD, cmd, "--db", str(db), "--format", "json"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (cmd, r.stderr)
+        answers[cmd] = r.stdout
+    assert value not in "".join(answers.values()) and '"ml"' in answers["pods"]
     # The skipped files are named on stderr, once each, by what they were.
     assert "not a regular file (a FIFO)" in said and "a character device" in said, said
