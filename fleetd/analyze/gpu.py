@@ -68,8 +68,9 @@ WHOLE = "whole recording"  # the label of a window the user did not narrow
 THRESHOLDS: dict[str, float] = {"M1": 0.30, "M2": 0.10, "M3a": 0.50, "M3b": 0.05,
                                 "M3c": 0.50, "M4": 0.60, "M5": 0.20}
 # Which side of its threshold means "host overhead": above for all but utilization.
-_ABOVE = {"M1": True, "M2": True, "M3a": True, "M3b": True, "M3c": True, "M4": False,
-          "M5": True}
+# Which side of its threshold a metric counts on: above (True) or below (M4).
+OVERHEAD_ABOVE = {"M1": True, "M2": True, "M3a": True, "M3b": True, "M3c": True,
+                  "M4": False, "M5": True}
 _WHAT = {"M1": "GPU idle ratio", "M2": "launch overhead ratio",
          "M3a": "host prep exposed ratio", "M3b": "host prep perf impact",
          "M3c": "host prep idle attribution", "M4": "GPU utilization", "M5": "NCCL ratio"}
@@ -314,9 +315,10 @@ def verdict(metrics: Mapping[str, float | None], thresholds: Mapping[str, float]
     lines: dict[str, str] = {}
     for key, limit in limits.items():
         value = metrics.get(key)
-        if value is None or not (value > limit if _ABOVE[key] else value < limit):
+        if value is None or not (value > limit if OVERHEAD_ABOVE[key] else value < limit):
             continue
-        lines[key] = f"{key} {_WHAT[key]} {value:.3f} {'>' if _ABOVE[key] else '<'} {limit:g}"
+        side = ">" if OVERHEAD_ABOVE[key] else "<"
+        lines[key] = f"{key} {_WHAT[key]} {value:.3f} {side} {limit:g}"
     confirmed = all(k in lines for k in _CONFIRM)
     crossed = [line for k, line in lines.items() if k not in _CAVEATS and k not in _CONFIRM]
     if confirmed:

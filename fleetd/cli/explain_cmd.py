@@ -170,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
     return failed(args, found["chains"], 0)
 
 
+
+# The GPU time shares an explain report carries per rank (the HTML report draws them).
+GPU_SHARES = ("idle_pct", "compute_pct", "comm_pct", "memcpy_pct")
+
 def _gpu_verdict(found: dict[str, Any], analysis: Analysis, pid: int | None) -> None:
     """An imported GPU timeline's verdict, the one ``fleetd gpu`` prints, joins the
     report (``gpu``) and leads the verdict when it finds host overhead: one answer for
@@ -179,7 +183,10 @@ def _gpu_verdict(found: dict[str, Any], analysis: Analysis, pid: int | None) -> 
         return
     found["gpu"] = [{"node": r["node"], "pid": r["pid"], "rank": r.get("rank"),
                      "host_overhead": r["verdict"]["host_overhead"],
-                     "summary": r["summary"]} for r in ranks]
+                     "summary": r["summary"],
+                     **{k: r.get(k) for k in GPU_SHARES},
+                     "metrics": r["verdict"].get("metrics"),
+                     "thresholds": r["verdict"].get("thresholds")} for r in ranks]
     bound = [g for g in found["gpu"] if g["host_overhead"] == "YES"]
     if bound and str(found["verdict"]).startswith("quiet"):
         g = bound[0]

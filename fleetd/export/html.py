@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TextIO
 
 from fleetd.analyze import pods
+from fleetd.analyze.gpu import OVERHEAD_ABOVE
 from fleetd.export.html_frames import flame_graph, top_frames_chart
 
 # The per-thread columns that add up to the wall time (docs/explain.md), with a colour
@@ -76,6 +77,7 @@ th, td { border-bottom: 1px solid #e0e0e0; padding: .25em .6em; text-align: left
          vertical-align: top; }
 th { background: #fafafa; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.node { white-space: nowrap; }
 .warn { color: #8a4b00; }
 .badge { display: inline-block; min-width: 4.5em; text-align: center; color: #fff;
          border-radius: 3px; padding: 0 .4em; font-size: 12px; font-weight: 700; }
@@ -117,6 +119,7 @@ def write_report(report: Mapping[str, Any], out: TextIO) -> None:
     out.write(_header(report, nodes, window))
     out.write(_warnings(report))
     out.write(_stragglers(_list(report.get("stragglers")), "stragglers" in report))
+    out.write(_gpu(_list(report.get("gpu"))))
     out.write(_threads(_list(report.get("processes"))))
     out.write(_ops(_list(report.get("ops"))))
     out.write(_chains(_list(report.get("chains"))))
@@ -237,14 +240,15 @@ def _header(report: Mapping[str, Any], nodes: list[str], window: Mapping[str, An
     verdicts = _dict(report.get("verdicts"))
     if verdicts:
         parts.append("<table><tr><th>node</th><th>verdict</th></tr>"
-                     + "".join(f"<tr><td>{_e(n)}</td><td>{_e(v)}</td></tr>"
+                     + "".join(f"<tr><td class=\"node\">{_e(n)}</td><td>{_e(v)}</td></tr>"
                                for n, v in verdicts.items()) + "</table>\n")
     coll = _dict(report.get("collectives"))
     if coll.get("communicators"):
         parts.append(f"<p>Collective arrival: {_e(coll.get('verdict'))}</p>\n")
-    parts.append("<nav><a href=\"#stragglers\">stragglers</a><a href=\"#threads\">threads</a>"
-                 "<a href=\"#ops\">op latency</a><a href=\"#chains\">chains</a></nav>\n"
-                 "</header>\n")
+    gpu = "<a href=\"#gpu\">GPU</a>" if _list(report.get("gpu")) else ""
+    parts.append(f"<nav><a href=\"#stragglers\">stragglers</a>{gpu}"
+                 "<a href=\"#threads\">threads</a><a href=\"#ops\">op latency</a>"
+                 "<a href=\"#chains\">chains</a></nav>\n</header>\n")
     return "".join(parts)
 
 
@@ -291,7 +295,7 @@ def _stragglers(entries: list[Any], ranked: bool) -> str:
         metric = str(s.get("metric") or "")
         if s.get("rank") is not None:
             metric += f" (rank {s.get('rank')})"
-        rows.append(f"<tr><td>{_e(s.get('node'))}</td><td class=\"num\">"
+        rows.append(f"<tr><td class=\"node\">{_e(s.get('node'))}</td><td class=\"num\">"
                     f"{'-' if score is None else f'{score:.2f}'}</td><td>{flagged}</td>"
                     f"<td>{_e(metric)}</td><td>{_e(s.get('reason'))}</td></tr>")
     return (head + "<p class=\"note\">Each bar is a node's value of the metric that makes a "
@@ -361,6 +365,82 @@ def _straggler_chart(metric: str, entries: list[dict[str, Any]]) -> str:
         body.append(_text(x, top - 8, f"fleet median {_metric_value(metric, median)}",
                           "middle"))
     return f"<figure>{_svg(width, height, f'{metric} per node', body)}</figure>\n"
+
+
+# ---- the GPU timeline of an imported trace ------------------------------------------------
+
+GPU_SHARES = (("compute_pct", "compute", "#1e88e5"), ("comm_pct", "communication", "#8e24aa"),
+              ("memcpy_pct", "memcpy", "#00897b"), ("idle_pct", "idle", "#bdbdbd"))
+GPU_METRICS = ("M1", "M2", "M3a", "M3b", "M3c", "M4", "M5")
+
+
+def _gpu(ranks: list[Any]) -> str:
+    """Per rank of an imported GPU timeline: where the GPU's time went, and M1-M5 against
+    the thresholds that make the host-overhead verdict (docs/json.md, fleetd gpu)."""
+    found = [_dict(r) for r in ranks]
+    if not found:
+        return ""
+    legend = "<p class=\"legend\">" + "".join(
+        f"<span><i style=\"background:{c}\"></i>{_e(label)}</span>"
+        for _, label, c in GPU_SHARES) + "</p>\n"
+    parts = ["<section id=\"gpu\">\n<h2>GPU timeline</h2>\n<p class=\"note\">Each rank's "
+             "GPU time by what ran, and the host-overhead metrics M1-M5 against the "
+             "threshold that makes them count (the tick; red: on the side that counts)."
+             "</p>\n", legend]
+    for r in found:
+        who = f"{r.get('node')} pid {r.get('pid')}" + (
+            f" rank {r.get('rank')}" if r.get("rank") is not None else "")
+        verdict = str(r.get("host_overhead") or "?")
+        parts.append(f"<h3>{_e(who)}: host overhead <span class=\""
+                     f"{'yes' if verdict == 'YES' else 'note'}\">{_e(verdict)}</span></h3>\n"
+                     f"<p>{_e(r.get('summary'))}</p>\n")
+        parts.append(_gpu_shares(r, who) + _gpu_metrics(r, who))
+    return "".join(parts) + "</section>\n"
+
+
+def _gpu_shares(r: Mapping[str, Any], who: str) -> str:
+    shares = [(key, label, c, v) for key, label, c in GPU_SHARES
+              if (v := _num(r.get(key))) is not None and v > 0]
+    if not shares:
+        return ""
+    bar_w, h = 600.0, 22.0
+    total = max(sum(v for *_, v in shares), 100.0)
+    body, x = [], 0.0
+    for _, label, colour, v in shares:
+        w = v / total * bar_w
+        body.append(_rect(x, 2, w, h, colour, f"{who}: {label} {v:.1f}%"))
+        if w > 70:
+            body.append(_text(x + 4, 17, f"{label} {v:.1f}%", extra=" style=\"fill:#fff\""))
+        x += w
+    return f"<figure>{_svg(bar_w, h + 4, f'GPU time of {who}', body)}</figure>\n"
+
+
+def _gpu_metrics(r: Mapping[str, Any], who: str) -> str:
+    """M1-M5 on one 0-1 axis, each with its threshold's tick; red where the value is on
+    the side that counts as host overhead (above it, or below for M4)."""
+    metrics, limits = _dict(r.get("metrics")), _dict(r.get("thresholds"))
+    rows = [(m, v, t) for m in GPU_METRICS
+            if (v := _num(metrics.get(m))) is not None and (t := _num(limits.get(m))) is not None]
+    if not rows:
+        return ""
+    label_w, bar_w, row_h, top = 50.0, 400.0, 18.0, 4.0
+    body = []
+    for i, (m, v, t) in enumerate(rows):
+        y = top + i * row_h
+        above = OVERHEAD_ABOVE.get(m, True)
+        over = v > t if above else v < t
+        w = min(max(v, 0.0), 1.0) * bar_w
+        body.append(_text(label_w - 6, y + 12, m, "end"))
+        body.append(_rect(label_w, y + 2, max(w, 1.5), row_h - 5,
+                          "#c62828" if over else "#1e88e5",
+                          f"{who}: {m} = {v:.3f}, counts {'above' if above else 'below'} {t:g}"))
+        tx = label_w + min(max(t, 0.0), 1.0) * bar_w
+        body.append(_line(tx, y, tx, y + row_h - 1, "median"))
+        body.append(_text(label_w + bar_w + 6, y + 12,
+                          f"{v:.3f} (counts {'>' if above else '<'} {t:g})"))
+    end = top + row_h * len(rows)
+    return (f"<figure>{_svg(label_w + bar_w + 160, end + 4, f'M1-M5 of {who}', body)}"
+            "</figure>\n")
 
 
 # ---- where each thread's time went ------------------------------------------------------
@@ -455,6 +535,35 @@ def _total(r: Mapping[str, Any]) -> float:
     return _num(r.get("total_ns")) or 0.0
 
 
+CHAR_W = 6.2  # px per character of svg text at 11 px (a wide estimate: no overlap)
+
+
+def _extent(x: float, text: str, anchor: str) -> tuple[float, float]:
+    w = len(text) * CHAR_W
+    left = x if anchor == "start" else x - w if anchor == "end" else x - w / 2
+    return left, left + w
+
+
+def axis_labels(ticks: list[tuple[float, str, str]], gap: float = 6.0
+                ) -> list[tuple[float, str, str]]:
+    """The tick labels (x, text, anchor) that fit: the first always, the last unless it
+    would overlap the first, a middle one only where it clears its kept neighbours by
+    ``gap`` px (never '10 ms100 ms')."""
+    if len(ticks) <= 1:
+        return ticks
+    last_left = _extent(*ticks[-1])[0]
+    kept = [ticks[0]]
+    right = _extent(*ticks[0])[1]
+    for tick in ticks[1:-1]:
+        left, end = _extent(*tick)
+        if left >= right + gap and end <= last_left - gap:
+            kept.append(tick)
+            right = end
+    if _extent(*ticks[-1])[0] >= right + gap or len(kept) > 1:
+        kept.append(ticks[-1])
+    return kept
+
+
 def _decade_label(ns: float) -> str:
     for unit, div in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
         if ns >= div:
@@ -501,12 +610,13 @@ def _histogram(r: Mapping[str, Any]) -> str:
     body.append(_text(x(lo) + 2, base - 7, "50%"))
     body.append(_line(left, base, width - right, base, "axis"))
     decades = int(round(span))
-    step = 1 if decades <= 6 else 2
-    for i in range(0, decades + 1, step):
+    ticks = []
+    for i in range(decades + 1):
         v = lo * 10 ** i
         body.append(_line(x(v), base, x(v), base + 4, "axis"))
         anchor = "start" if i == 0 else "end" if i == decades else "middle"
-        body.append(_text(x(v), base + 15, _decade_label(v), anchor))
+        ticks.append((x(v), _decade_label(v), anchor))
+    body += [_text(tx, base + 15, label, anchor) for tx, label, anchor in axis_labels(ticks)]
     max_mark = "" if r.get("max_exact") is not False else "≥ "
     count = _num(r.get("count")) or 0
     how = {"events": "exact, from stored events",
@@ -592,6 +702,45 @@ def _groups(evidence: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return groups[:MAX_EVIDENCE_GROUPS]
 
 
+def _call_lengths(groups: list[list[dict[str, Any]]]) -> str:
+    """Each slow call's duration as a bar on one logarithmic axis shared by the chain's
+    calls, labelled with its value: the zoomed timelines below give every call the same
+    width, so a 234 ms call and a 330 us one would look alike."""
+    durs = [max(_num(g[0].get("dur_ns")) or 0.0, 0.0) for g in groups]
+    if len(groups) < 2 or not any(durs):
+        return ""
+    label_w, bar_w, row_h, top = 150.0, 420.0, 16.0, 20.0
+    positive = [d for d in durs if d > 0]
+    lo = 10 ** math.floor(math.log10(min(positive)))
+    hi = 10 ** math.ceil(math.log10(max(positive) * 1.001))
+    span = max(math.log10(hi / lo), 1.0)
+
+    def x(ns: float) -> float:
+        return label_w + (math.log10(max(ns, lo)) - math.log10(lo)) / span * bar_w
+
+    body = [_text(0, 12, "each call's duration (log scale)", extra=" font-weight=\"bold\"")]
+    for i, (g, d) in enumerate(zip(groups, durs, strict=True)):
+        y = top + i * row_h
+        first = g[0]
+        when = str(first.get("time") or "")[11:23]
+        body.append(_text(label_w - 6, y + 11, _short(f"{first.get('kind')} {when}", 24),
+                          "end"))
+        w = max(x(d) - label_w, 1.5) if d > 0 else 0.0
+        body.append(_rect(label_w, y + 2, w, row_h - 4,
+                          EVIDENCE_COLOURS.get(str(first.get("kind")), "#9e9e9e"),
+                          f"{first.get('text') or first.get('kind')} ({_dur(d)})"))
+        body.append(_text(label_w + w + 4, y + 11, _dur(d)))
+    base = top + len(groups) * row_h + 2
+    body.append(_line(label_w, base, label_w + bar_w, base, "axis"))
+    ticks = []
+    for i in range(int(round(span)) + 1):
+        v = lo * 10 ** i
+        body.append(_line(x(v), base, x(v), base + 4, "axis"))
+        ticks.append((x(v), _decade_label(v), "middle" if i else "start"))
+    body += [_text(tx, base + 15, t, a) for tx, t, a in axis_labels(ticks)]
+    return f"<figure>{_svg(label_w + bar_w + 80, base + 20, 'call durations', body)}</figure>\n"
+
+
 def _evidence_svg(evidence: Sequence[dict[str, Any]]) -> str:
     groups = _groups(evidence)
     if not groups:
@@ -620,7 +769,8 @@ def _evidence_svg(evidence: Sequence[dict[str, Any]]) -> str:
                               f"{e.get('text') or kind} ({_dur(e.get('dur_ns'))})"))
             y += row_h
         y += 8
-    return f"<figure>{_svg(label_w + bar_w + 10, y, 'evidence timeline', body)}</figure>\n"
+    return (_call_lengths(groups)
+            + f"<figure>{_svg(label_w + bar_w + 10, y, 'evidence timeline', body)}</figure>\n")
 
 
 def _evidence_table(evidence: Sequence[dict[str, Any]]) -> str:

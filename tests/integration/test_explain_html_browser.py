@@ -170,3 +170,35 @@ def test_a_live_fleet_renders_in_chromium(fleet: tuple[Path, list[str]],
     # The same refusal as for a local file.
     again = fleetd("explain", *flags, "--format", "html", "-o", str(page))
     assert again.returncode == 2 and "exists" in again.stderr
+
+
+def screenshot(page: Path, tmp: Path, width: int = 1000, height: int = 1400) -> bytes:
+    """A real PNG of the page as Chromium draws it."""
+    png = tmp / f"{page.stem}.png"
+    cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+           "--disable-background-networking", "--disable-component-update", "--no-first-run",
+           f"--user-data-dir={tmp / 'chromium-shot'}", f"--window-size={width},{height}",
+           f"--screenshot={png}", page.resolve().as_uri()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HOME": str(tmp)})
+    assert proc.returncode == 0 and png.exists(), proc.stderr[-2000:]
+    return png.read_bytes()
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_an_imported_gpu_timeline_draws_its_gpu_chart_in_chromium(tmp_path: Path) -> None:
+    """Issue 44.7: the GPU section of an imported nsys timeline, loaded and drawn."""
+    page = tmp_path / "gpu.html"
+    proc = fleetd("explain", "--db", str(REPO / "investigations" / "gpu" / "cloverleaf-nsys.db"),
+                  "--format", "html", "-o", str(page))
+    assert proc.returncode == 0, proc.stderr
+    got = load(page, tmp_path)
+    assert got.console == [], got.console
+    assert 'id="gpu"' in got.dom and "M1-M5 of" in got.dom and "GPU time of" in got.dom
+    shot = screenshot(page, tmp_path)
+    assert _png_size(shot) == (1000, 1400)
+    assert len(shot) > 20_000  # charts and text drawn, not an empty page

@@ -194,3 +194,99 @@ def test_explain_writes_the_page_and_never_over_a_file(tmp_path: Path) -> None:
     js = tmp_path / "r.json"
     assert fleetd("explain", "--db", db, "--format", "json", "-o", str(js)).returncode == 0
     assert json.loads(js.read_text()) == report
+
+
+# ---- issue 44.7: labels that never collide, log-scaled call bars, a GPU chart ------------
+
+RECORDINGS = sorted((REPO / "investigations").rglob("*.db"))
+
+
+def _explained(db: Path) -> dict[str, Any]:
+    r = subprocess.run([FLEETD, "explain", "--db", str(db), "--format", "json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out: dict[str, Any] = json.loads(r.stdout)
+    return out
+
+
+def _collisions(page: str) -> list[str]:
+    """Text of one row of a chart (same svg, same y) whose estimated extents overlap."""
+    import re
+
+    from fleetd.export.html import _extent
+
+    found = []
+    for n, svg in enumerate(re.findall(r"<svg.*?</svg>", page, flags=re.S)):
+        rows: dict[str, list[tuple[float, float, str]]] = {}
+        for x, y, anchor, text in re.findall(
+                r'<text x="([\d.]+)" y="([\d.]+)" text-anchor="(\w+)"[^>]*>([^<]*)</text>', svg):
+            left, right = _extent(float(x), text, anchor)
+            rows.setdefault(y, []).append((left, right, text))
+        for y, items in rows.items():
+            items.sort()
+            for (_, r1, t1), (l2, _, t2) in zip(items, items[1:], strict=False):
+                if l2 < r1:
+                    found.append(f"svg {n} y={y}: {t1!r} overlaps {t2!r}")
+    return found
+
+
+def test_axis_labels_drop_the_ones_that_would_collide() -> None:
+    from fleetd.export.html import axis_labels
+
+    # Six decades in 310 px: '10 ms' (middle) and '100 ms' (end) used to touch.
+    ticks = [(10 + i * 310 / 6, label, "start" if i == 0 else "end" if i == 6 else "middle")
+             for i, label in enumerate(["100 ns", "1 us", "10 us", "100 us", "1 ms",
+                                        "10 ms", "100 ms"])]
+    kept = axis_labels(ticks)
+    assert kept[0] == ticks[0] and kept[-1] == ticks[-1]
+    assert ("10 ms" not in [t for _, t, _ in kept]) and len(kept) < len(ticks)
+    page = render({"ops": [{"node": "n", "op": "op", "count": 10, "p50_ns": 150,
+                            "p95_ns": 9e6, "p99_ns": 5e7, "max_ns": 9e7, "mean_ns": 100}]})
+    assert "latency histogram of op" in page and not _collisions(page)
+
+
+def test_no_chart_of_a_shipped_recording_has_colliding_labels() -> None:
+    pages = [render(golden_report()), *(render(_explained(db)) for db in RECORDINGS)]
+    assert len(pages) > 5
+    for page in pages:
+        assert not _collisions(page), _collisions(page)[:5]
+
+
+def _chain_with(durs: list[float]) -> dict[str, Any]:
+    evidence = [{"kind": "stall", "ts_ns": 1_700_000_000_000_000_000 + i * 10**9,
+                 "dur_ns": d, "time": f"2023-11-14T22:13:2{i}.000000Z",
+                 "text": f"stall {i}"} for i, d in enumerate(durs)]
+    return {"chains": [{"severity": "HIGH", "root_cause": "cpu_contention",
+                        "evidence": evidence, "victim": {"comm": "python", "pid": 1}}]}
+
+
+def test_a_chains_calls_are_drawn_to_a_log_scale_with_their_values() -> None:
+    import re
+
+    page = render(_chain_with([234e6, 330e3]))
+    fig = page[page.index("call durations"):page.index("evidence timeline")]
+    widths = [float(w) for w in re.findall(r'<rect [^>]*width="([\d.]+)"', fig)]
+    assert len(widths) == 2 and widths[0] > 1.5 * widths[1], widths
+    assert ">234.00 ms<" in fig and ">330.0 us<" in fig, fig
+    # One call: nothing to compare, no such chart.
+    assert "call durations" not in render(_chain_with([5e6]))
+
+
+def test_an_imported_gpu_timeline_gets_a_gpu_chart() -> None:
+    report = _explained(REPO / "investigations" / "gpu" / "cloverleaf-nsys.db")
+    [g] = report["gpu"]
+    assert {"idle_pct", "compute_pct", "metrics", "thresholds"} <= set(g)
+    page = render(report)
+    assert 'id="gpu"' in page and 'href="#gpu"' in page
+    assert "GPU time of" in page and "M1-M5 of" in page
+    assert "counts &lt; 0.6" in page  # M4 counts below its threshold
+    # Red only on the side that counts: M4 = 0.86 is above 0.6, which is no overhead.
+    m4 = next(x for x in page.split("<rect") if "M4 =" in x)
+    assert "#1e88e5" in m4
+    # A host-side report has no GPU section.
+    assert 'id="gpu"' not in render(golden_report())
+
+
+def test_node_names_never_wrap() -> None:
+    page = render(golden_report())
+    assert "td.node { white-space: nowrap; }" in page and '<td class="node">' in page
