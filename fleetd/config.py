@@ -59,6 +59,7 @@ class TraceConfig:
 class StoreConfig:
     db: Path | None = None  # default: /var/lib/fleetd/fleetd.db for root
     max_bytes: int | None = None  # prune the oldest events beyond this size
+    on_damaged_db: str = "refuse"  # a damaged database at start: refuse, or move-aside
 
 
 @dataclass

@@ -110,6 +110,7 @@ def _settings(args: argparse.Namespace, cfg: Config) -> AgentSettings:
         max_body_bytes=lim.max_body_bytes,
         max_concurrent_queries=lim.max_concurrent_queries,
         store_max_bytes=args.max_db_bytes or cfg.store.max_bytes,
+        on_damaged_db=cfg.store.on_damaged_db,
         **hardening(cfg),  # connection caps, deadlines, reader shares, relay nodes
     )
     settings.lake = _lake(args)

@@ -164,6 +164,27 @@ def _fitted_stdout(args: argparse.Namespace) -> Iterator[None]:
         wrapped.flush()
 
 
+def _report(exc: FleetdError) -> int:
+    from fleetd.printable import printable_lines
+
+    # An error quotes the bad value, which a node or a file may have chosen: no
+    # escape sequence reaches the terminal (its own line breaks are kept).
+    print(f"fleetd: error: {printable_lines(exc.message)}", file=sys.stderr)
+    if exc.hint:
+        print(f"  hint: {printable_lines(exc.hint)}", file=sys.stderr)
+    return exc.exit_code
+
+
+def _damaged_database(exc: Exception) -> FleetdError | None:
+    """A damaged database surfaces wherever a statement first reads the bad page, in any
+    reader (explain, ops, overview...): told here once, as one line naming the file."""
+    if "sqlite3" not in sys.modules:
+        return None
+    from fleetd.store.db import damage_error
+
+    return damage_error(exc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
@@ -177,14 +198,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _fitted_stdout(args):
             return int(args.func(args) or 0)
     except FleetdError as exc:
-        from fleetd.printable import printable_lines
-
-        # An error quotes the bad value, which a node or a file may have chosen: no
-        # escape sequence reaches the terminal (its own line breaks are kept).
-        print(f"fleetd: error: {printable_lines(exc.message)}", file=sys.stderr)
-        if exc.hint:
-            print(f"  hint: {printable_lines(exc.hint)}", file=sys.stderr)
-        return exc.exit_code
+        return _report(exc)
+    except Exception as exc:
+        known = _damaged_database(exc)
+        if known is None:
+            raise  # a bug: it keeps its traceback
+        return _report(known)
     except KeyboardInterrupt:
         print("fleetd: interrupted", file=sys.stderr)
         return 130

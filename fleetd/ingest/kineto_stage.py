@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import resource
-import sqlite3
 from collections.abc import Iterator
 from itertools import chain, islice
 from operator import itemgetter
@@ -22,6 +21,7 @@ from typing import Any
 
 from fleetd.errors import UsageError
 from fleetd.ingest.session import MAX_EVENTS, Source
+from fleetd.store.db import connect
 from fleetd.store.imports import GPU_KINDS
 
 MAX_RSS_BYTES = 2 << 30  # the memory ceiling of an import (resident set)
@@ -68,7 +68,7 @@ class Stage:
         self.rows = 0
         self.pids: set[int] = set()  # of the CUDA calls and ranges (GPU rows: their launch's)
         self.tasks: set[tuple[int, int]] = set()  # (tid, pid)
-        self.db = sqlite3.connect("", isolation_level=None)
+        self.db = connect("", isolation_level=None)
         for pragma in ("journal_mode=OFF", "synchronous=OFF", "temp_store=FILE",
                        f"cache_size=-{_STAGE_CACHE_KIB}"):
             self.db.execute(f"PRAGMA {pragma}")

@@ -28,7 +28,7 @@ from fleetd import __version__
 from fleetd.errors import FleetdError, UsageError
 from fleetd.store import foreign
 from fleetd.store.catalog import BY_NAME
-from fleetd.store.db import validate_node_name
+from fleetd.store.db import connect_foreign, validate_node_name
 from fleetd.store.imports import ImportBatch, ImportOutcome, write_imports
 
 MAX_FILE_BYTES = 8 << 30  # an nsys export or a compressed Kineto file
@@ -304,7 +304,7 @@ def open_sqlite(path: Path, text: Callable[[bytes], str] | None = None) -> sqlit
                           "export the report again with 'nsys export --type sqlite'")
 
     try:
-        conn = foreign.connect(path, immutable=True)
+        conn = connect_foreign(path, immutable=True)
     except FleetdError as exc:
         raise unreadable(exc) from None
     if text is not None:

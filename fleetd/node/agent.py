@@ -49,7 +49,17 @@ from fleetd.node.ranks import ROUTES as RANK_ROUTES
 from fleetd.node.readers import ReaderPool
 from fleetd.runner import run_loop
 from fleetd.security import tls
-from fleetd.store.db import ensure_node, open_reader, open_writer, validate_node_name
+from fleetd.store.db import (
+    DAMAGE_CHECK_S,
+    DAMAGED_CHOICES,
+    damaged_db_error,
+    ensure_node,
+    find_damage,
+    move_aside,
+    open_reader,
+    open_writer,
+    validate_node_name,
+)
 from fleetd.store.guard import Limits
 from fleetd.store.writer import BatchWriter
 
@@ -87,6 +97,7 @@ class AgentSettings:
     relay_nodes: frozenset[str] = frozenset()  # node certificates allowed to query
     detail: DetailPolicy = field(default_factory=DetailPolicy)  # who opens windows, how long
     store_max_bytes: int | None = None
+    on_damaged_db: str = "refuse"  # store.on_damaged_db: refuse, or move-aside
     tracer: TracerFactory | None = None  # None: serve the database only
     self_signed_dir: Path | None = None
     extra_routes: list[web.RouteDef] = field(default_factory=list)
@@ -152,6 +163,7 @@ def _prepare_db(s: AgentSettings) -> None:
     if s.tracer is None and not s.db.exists():
         raise ConfigError(f"database {str(s.db)!r} does not exist and tracing is off",
                           "pass --db to an existing database, or drop --no-trace")
+    _refuse_damaged_db(s)
     if s.tracer is None:
         _check_served_node(s)
         return  # serve as is: a copied database is never modified
@@ -160,6 +172,29 @@ def _prepare_db(s: AgentSettings) -> None:
         ensure_node(conn, s.node)
     finally:
         conn.close()
+
+
+def _refuse_damaged_db(s: AgentSettings) -> None:
+    """A database with a torn or overwritten page is refused at start, before anything
+    writes into it (SQLite would fail later, on whichever write meets the page), or moved
+    aside for a new one with ``store.on_damaged_db: move-aside``. A database the agent
+    only serves (tracing off) is never moved: it is someone's copy."""
+    if s.on_damaged_db not in DAMAGED_CHOICES:
+        raise ConfigError(f"store.on_damaged_db is {s.on_damaged_db!r}",
+                          f"use one of: {', '.join(DAMAGED_CHOICES)}")
+    if not s.db.is_file() or s.db.stat().st_size == 0:
+        return
+    found, finished = find_damage(s.db)
+    if not finished:
+        log.warning("integrity check of %s did not finish within %g s; starting anyway",
+                    s.db, DAMAGE_CHECK_S)
+    if not found:
+        return
+    if s.on_damaged_db != "move-aside" or s.tracer is None:
+        raise damaged_db_error(s.db, found)
+    aside = move_aside(s.db)
+    log.warning("database %s is damaged (%s): moved aside to %s; starting a new one",
+                s.db, "; ".join(found[:2]), aside)
 
 
 def _check_served_node(s: AgentSettings) -> None:

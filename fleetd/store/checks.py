@@ -15,7 +15,8 @@ from typing import Any
 
 from fleetd.checks import FAIL, OK, WARN, Check, Finding, Stop, row, stopped
 from fleetd.errors import StoreError
-from fleetd.store.db import check_identity
+from fleetd.store import foreign
+from fleetd.store.db import DAMAGE_CHECK_S, check_identity, connect, find_damage
 from fleetd.store.schema import SCHEMA_VERSION
 
 DISK_FAIL_BYTES = 100 * 2**20  # below this the writer fails within minutes of tracing
@@ -68,23 +69,45 @@ def _db_directory(path: Path) -> Path:
 
 def _db_file(path: Path, data: dict[str, Any]) -> list[Finding]:
     try:
-        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
+        conn = connect(f"file:{foreign.uri_path(path)}?mode=ro", uri=True, path=path)
     except sqlite3.Error as exc:
         raise Stop(Finding(FAIL, f"cannot open: {exc}", "check the file's permissions")
                     ) from None
     try:
         version = check_identity(conn, path)
     except StoreError as exc:
-        raise Stop(Finding(FAIL, exc.message, exc.hint or "")) from None
+        damaged = "malformed" in exc.message  # the header or the schema's page is torn
+        raise Stop(Finding(FAIL, exc.message, _damage_fix(path) if damaged else exc.hint or "")
+                   ) from None
     finally:
         conn.close()
     data["schema_version"] = version
     size = path.stat().st_size
-    out = [_schema_finding(version, size)]
+    out = [_schema_finding(version, size), _damage_finding(path, data)]
     if not os.access(path, os.W_OK):
         out.append(Finding(FAIL, "the file is read-only for this user",
                            f"chmod u+w {path}, or run the agent as its owner"))
     return out
+
+
+def _damage_finding(path: Path, data: dict[str, Any]) -> Finding:
+    """PRAGMA quick_check under a deadline: a torn page, a file cut short."""
+    found, finished = find_damage(path, DAMAGE_CHECK_S)
+    data["damage"] = found
+    if found:
+        return Finding(FAIL, f"damaged: {'; '.join(found[:3])[:300]}", _damage_fix(path))
+    if not finished:
+        return Finding(WARN, f"integrity check did not finish within {DAMAGE_CHECK_S:g} s",
+                       "a large file: run sqlite3 FILE 'PRAGMA quick_check' on it while "
+                       "the agent is stopped, to be sure")
+    return Finding(OK, "no damaged page (quick_check)")
+
+
+def _damage_fix(path: Path) -> str:
+    return (f"stop the agent, then either move the file aside (mv {path} {path}.damaged; "
+            "the agent starts a new one) or set store.on_damaged_db: move-aside, which does "
+            f"that at start; what is still readable can be saved with sqlite3 {path} "
+            ".recover | sqlite3 recovered.db")
 
 
 def _schema_finding(version: int, size: int) -> Finding:

@@ -7,8 +7,8 @@ computed on every read, a virtual table is code). Every reader of such a file go
 through this module, so the rules are one:
 
 - the file is opened read-only (``mode=ro``; ``immutable=1`` where no writer can be
-  present) with ``PRAGMA trusted_schema=OFF``, so its schema may call only functions
-  SQLite marks harmless;
+  present; :func:`fleetd.store.db.connect_foreign`) with ``PRAGMA trusted_schema=OFF``,
+  so its schema may call only functions SQLite marks harmless;
 - the tables fleetd reads must be plain tables (:func:`check_tables`): a view, a virtual
   table, a computed column or a trigger in their place is refused, by name, before
   anything is read from them;
@@ -49,7 +49,7 @@ PROGRESS_EVERY = 1_000  # VM instructions between two checks of the deadline and
 # for a real file on a slow disk (a scan reads far faster), finite for SQL that never ends.
 BASE_DEADLINE_S = 60.0
 SLOW_BYTES_PER_S = 10_000_000
-_DAMAGED = ("malformed", "not a database", "file is encrypted", "disk i/o error",
+DAMAGED = ("malformed", "not a database", "file is encrypted", "disk i/o error",
             "database corruption")
 
 
@@ -66,19 +66,6 @@ def uri_path(path: Path) -> str:
     """``path`` for a ``file:`` URI: '?' and '#' would end the path part, '%' escapes."""
     s = str(path.absolute())
     return s.replace("%", "%25").replace("?", "%3f").replace("#", "%23")
-
-
-def connect(path: Path, *, immutable: bool, attach: int = 0) -> sqlite3.Connection:
-    """``path`` opened read-only, schema untrusted, values capped. ``immutable`` for a
-    file no process writes (an export); a node database may still have a writer, whose
-    WAL must then be read. ``attach`` is how many databases it may attach later."""
-    uri = f"file:{uri_path(path)}?mode=ro" + ("&immutable=1" if immutable else "")
-    try:
-        conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
-    except sqlite3.Error as exc:
-        raise explain(exc, path) from None
-    harden(conn, attach=attach)
-    return conn
 
 
 def harden(conn: sqlite3.Connection, *, attach: int = 0) -> None:
@@ -311,7 +298,7 @@ def explain(exc: BaseException, path: Path, watch: Watch | None = None) -> BaseE
         return StoreError(f"{path}: its schema calls a function fleetd does not run from a "
                           f"file ({text})", "copy the file again from its source")
     low = text.lower()
-    if any(w in low for w in _DAMAGED):
+    if any(w in low for w in DAMAGED):
         return StoreError(f"{path}: damaged SQLite file ({text})",
                           "copy it again from its source; it was damaged on the way")
     if "unable to open" in low:

@@ -37,7 +37,7 @@ from typing import Any, Self, TypeVar
 import orjson
 
 from fleetd.errors import QueryError, UsageError
-from fleetd.store.db import open_reader
+from fleetd.store.db import connect, damage_error, open_reader
 
 Params = Sequence[Any] | Mapping[str, Any]
 T = TypeVar("T")
@@ -255,7 +255,7 @@ class SafeDB(QueryDB):
         query-only, and untrusted SQL over it runs under the same authorizer, deadline
         and row/byte limits as over a file.
         """
-        conn = sqlite3.connect(":memory:")
+        conn = connect(":memory:")
         try:
             _load_table(conn, table, columns, rows)
             conn.execute("PRAGMA query_only=1")
@@ -382,19 +382,33 @@ class SafeDB(QueryDB):
         self.conn.set_progress_handler(lambda: int(time.monotonic() > deadline), _PROGRESS_EVERY)
         try:
             return fn(self.conn)
-        except sqlite3.OperationalError as exc:
+        except sqlite3.DatabaseError as exc:
             if "interrupted" in str(exc):
                 raise QueryError(
                     f"analysis stopped after its {timeout_s:g} s time limit",
                     "narrow the window (since/from/to) or analyze a copy offline",
                     code="timeout",
                 ) from None
+            damaged = self._damaged(exc)
+            if damaged is not None:
+                raise damaged from None
             raise
         finally:
             self.conn.set_progress_handler(None, 0)
 
+    def _damaged(self, exc: BaseException) -> QueryError | None:
+        """A damaged page met by a statement: the query's answer is an error that says
+        so (503: the node cannot answer from this file), never a crash of the server."""
+        err = damage_error(exc, self.path)
+        if err is None:
+            return None
+        return QueryError(err.message, err.hint, code="unavailable")
+
     def _explain(self, exc: sqlite3.Error, sql: str, lim: Limits, timed_out: bool) -> QueryError:
         text = str(exc)
+        damaged = self._damaged(exc)
+        if damaged is not None:
+            return damaged
         if timed_out or "interrupted" in text:
             return QueryError(
                 f"query stopped after its {lim.timeout_s:g} s time limit",

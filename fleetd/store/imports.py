@@ -38,7 +38,8 @@ from typing import Any
 import orjson
 
 from fleetd.errors import StoreError, UsageError
-from fleetd.store.db import ensure_node, open_writer
+from fleetd.store import files, foreign
+from fleetd.store.db import connect, ensure_node, open_writer
 from fleetd.store.schema import EVENT_FIELDS, SCHEMA_VERSION, SEQ_BITS, SEQ_MASK, EventRow
 from fleetd.store.writer import PROCESS_COLS, PROCESS_SQL, TASK_SQL
 
@@ -125,6 +126,7 @@ def write_imports(path: Path, batches: Sequence[ImportBatch]) -> list[ImportOutc
     checking every value beforehand would cost a pass over every row."""
     if not batches:
         return []
+    files.refuse_link(path, "database")  # before anything reads or removes it
     created = not path.exists()
     if not created:
         for node in dict.fromkeys(batch.node for batch in batches):
@@ -309,7 +311,7 @@ def _check_before_opening(path: Path, node: str) -> None:
     """The recorder check on a read-only connection: opening the writer may already
     change the file (journal mode, a schema migration), and a refusal writes nothing."""
     try:
-        conn = sqlite3.connect(f"file:{path.absolute()}?mode=ro", uri=True)
+        conn = connect(f"file:{foreign.uri_path(path)}?mode=ro", uri=True, path=path)
     except sqlite3.Error:
         return  # not openable: the writer reports it
     try:

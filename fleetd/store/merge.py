@@ -45,9 +45,9 @@ from pathlib import Path
 import orjson
 
 from fleetd.errors import StoreError
-from fleetd.store import foreign
+from fleetd.store import files, foreign
 from fleetd.store.clockinfo import NodeClock
-from fleetd.store.db import check_store_shape, open_writer
+from fleetd.store.db import check_store_shape, connect, open_writer
 from fleetd.store.mergeplan import (
     SEQ_BITS,
     Existing,
@@ -220,8 +220,9 @@ def _build(output: Path, existing: Existing, sources: list[Source],
 
 def _copy_existing(output: Path, tmp: Path) -> None:
     """Start from a consistent copy of the existing output (its WAL included)."""
-    src = sqlite3.connect(f"file:{_uri_path(output)}?mode=ro", uri=True)
-    dst = sqlite3.connect(tmp)
+    src = connect(f"file:{_uri_path(output)}?mode=ro", uri=True, path=output)
+    os.close(files.create_private(tmp))  # 0600, and never through a link
+    dst = connect(tmp)
     try:
         src.backup(dst)
     except sqlite3.Error as exc:
@@ -234,7 +235,7 @@ def _copy_existing(output: Path, tmp: Path) -> None:
 
 def _connect_temp(tmp: Path) -> sqlite3.Connection:
     # A URI connection, so that inputs can be attached with mode=ro.
-    conn = sqlite3.connect(f"file:{_uri_path(tmp)}", uri=True, isolation_level=None)
+    conn = connect(f"file:{_uri_path(tmp)}", uri=True, isolation_level=None, path=tmp)
     for pragma in _TEMP_PRAGMAS:
         conn.execute(pragma)
     foreign.harden(conn, attach=1)  # an input is attached to it, one at a time

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from fleetd.errors import StoreError, UsageError
-from fleetd.store import foreign, schema
+from fleetd.store import files, foreign, schema
 from fleetd.store.clockinfo import (
     SESSION_CLOCK_COLUMNS,
     BadClockRecord,
@@ -37,6 +37,7 @@ from fleetd.store.clockinfo import (
 from fleetd.store.db import (
     NODE_NAME_RULE,
     check_identity,
+    check_own_schema,
     node_name_ok,
     open_reader,
     validate_node_name,
@@ -115,6 +116,7 @@ def plan(inputs: Sequence[Path], output: Path, force_nodes: Sequence[str],
          upgrades: Upgrades, clock_threshold_ns: int) -> Plan:
     """Read and check ``inputs`` (and ``output`` if it exists); nothing is written."""
     paths = _check_paths(inputs, output)
+    files.refuse_link(output, "merge output")
     existing = _existing_output(output, upgrades)
     sources = [_read_source(p, upgrades) for p in paths]
     _apply_forced_names(sources, force_nodes)
@@ -369,6 +371,9 @@ def _existing_output(output: Path, upgrades: Upgrades) -> Existing:
         with foreign.Watch(output).guard(conn):
             ex = Existing(fresh=False)
             version = check_identity(conn, output)
+            # Refused here, naming the output: what it holds would run inside the copy
+            # of every input, and a slow copy used to be blamed on the input.
+            check_own_schema(conn, output, version)
             if version < schema.SCHEMA_VERSION:
                 conn.execute("PRAGMA query_only=0")  # TEMP views only; the file is mode=ro
             layout = source_layout(conn, "main", version, upgrades)
