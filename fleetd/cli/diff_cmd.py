@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetd.cli.explain_cmd import positive
-from fleetd.cli.output import dumps, table
+from fleetd.cli.output import dumps, table, warn
 from fleetd.printable import printable_tree
 
 FORMATS = ("table", "json")
@@ -85,8 +85,7 @@ def _report(path: Path, scratch: Path, steps: bool) -> dict[str, Any]:
         from fleetd.ingest import import_traces
 
         for r in import_traces([path], scratch):
-            for w in r.warnings:
-                print(f"fleetd: warning: {path}: {w}", file=sys.stderr)
+            warn(r.warnings, f"{path}: ")
         db = scratch
     conn = open_reader(db)
     try:
@@ -139,8 +138,7 @@ def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:
                      for k in kernels]))
     if obj["regressions"]:
         print("regressions, largest first: " + ", ".join(obj["regressions"]))
-    for w in obj["warnings"]:
-        print(f"fleetd: warning: {w}", file=sys.stderr)
+    warn(obj["warnings"])
 
 
 def _short(name: str, width: int = 60) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
+from fleetd.cli.output import warn
 from fleetd.cli.progress import stage
 from fleetd.errors import UsageError
 from fleetd.store.db import default_db_path, open_reader
@@ -110,8 +111,7 @@ def run(args: argparse.Namespace) -> int:
     with stage(f"exporting {args.db or 'the database'}", count=_count(written)):
         stats, warnings = export_db(args, out, written)
     _wrote(out, stats)
-    for w in warnings:
-        print(f"fleetd: warning: {w}", file=sys.stderr)
+    warn(warnings)
     return 0
 
 
@@ -131,8 +131,7 @@ def run_fleet(args: argparse.Namespace, out: Path | None) -> int:
         done = export_fleet(fleet_options(args), xopts, out, written)
     _wrote(out, done.stats)
     report(done.answer, args.show_skew)
-    for w in done.warnings:
-        print(f"fleetd: warning: {w}", file=sys.stderr)
+    warn(done.warnings)
     return done.answer.exit_code
 
 
@@ -217,5 +216,4 @@ def _wrote_lake(done: LakeExport) -> None:
     tables = sorted({t for per in done.rows.values() for t in per})
     counts = ", ".join(f"{t} {sum(p.get(t, 0) for p in done.rows.values()):,}" for t in tables)
     print(f"wrote lake {done.root}: {len(done.rows)} node(s); rows: {counts or 'none'}")
-    for w in done.warnings:
-        print(f"fleetd: warning: {w}", file=sys.stderr)
+    warn(done.warnings)

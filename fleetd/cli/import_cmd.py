@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from fleetd.cli.output import table
+from fleetd.cli.output import table, warn
 from fleetd.cli.progress import stage
 
 
@@ -43,6 +42,5 @@ def run(args: argparse.Namespace) -> int:
         rows.append([str(r.path), r.fmt, o.node, f"{o.node}:{o.session}", added])
     print(table(["file", "format", "node", "session", "added"], rows))
     for r in reports:
-        for w in r.warnings:
-            print(f"fleetd: warning: {r.path}: {w}", file=sys.stderr)
+        warn(r.warnings, f"{r.path}: ")
     return 0

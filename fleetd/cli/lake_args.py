@@ -5,13 +5,13 @@ window are copied into a temporary node database first (docs/scale-out.md)."""
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from fleetd.cli.fleet_args import fleet_mode
+from fleetd.cli.output import warn
 from fleetd.errors import UsageError
 
 
@@ -38,6 +38,5 @@ def materialized(args: argparse.Namespace) -> Iterator[Path]:
     since, until = lake_pruning_window(args)
     with tempfile.TemporaryDirectory(prefix="fleetd-lake-") as d:
         path = Path(d) / "lake.db"
-        for w in materialize(args.lake, path, Pruning(None, since, until)):
-            print(f"fleetd: warning: {w}", file=sys.stderr)
+        warn(materialize(args.lake, path, Pruning(None, since, until)))
         yield path

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
-from fleetd.cli.output import table
+from fleetd.cli.output import table, warn
 from fleetd.errors import UsageError
 from fleetd.store.clockinfo import boot_groups
 from fleetd.store.merge import DEFAULT_CLOCK_THRESHOLD_NS, MergeReport, Progress, merge
@@ -61,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if reporter is not None:
         reporter.finish()
     _summary(report, sys.stdout)
-    for w in report.warnings:
-        print(f"fleetd: warning: {w}", file=sys.stderr)
+    warn(report.warnings)
     return 0
 
 

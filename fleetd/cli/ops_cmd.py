@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from fleetd.cli.explain_cmd import add_common
-from fleetd.cli.output import FORMATS, check_format, human_ns, write_rows
+from fleetd.cli.output import FORMATS, check_format, human_ns, warn, write_rows
 from fleetd.cli.pod_args import fleet_selection, selected_pids
 from fleetd.cli.questions import either
 
@@ -83,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
         if not rows and not warnings:
             what = "launches with a kernel name" if args.by == "kernel" else "ops"
             print(f"fleetd: warning: no {what} in the window", file=sys.stderr)
-        for w in warnings:
-            print(f"fleetd: warning: {w}", file=sys.stderr)
+        warn(warnings)
     return asked.done(args, fmt == "json")
 
 

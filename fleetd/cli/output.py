@@ -242,11 +242,13 @@ def print_notes(obj: Mapping[str, Any], found: bool, fmt: str) -> None:
     warn(obj.get("warnings") or [])
 
 
-def warn(warnings: Sequence[object], prefix: str = "") -> None:
-    """Each warning as one ``fleetd: warning:`` line on stderr, whatever it quotes (a
-    comm, a node's error text: shown escaped, never a line of its own)."""
+def warn(warnings: Sequence[object], prefix: str = "", out: TextIO | None = None) -> None:
+    """Each warning as one ``fleetd: warning:`` line on ``out`` (stderr), whatever it
+    quotes (a comm, a file name, a node's error text: shown escaped, never a line of
+    its own)."""
     for w in warnings:
-        print(f"fleetd: warning: {printable(prefix + str(w))}", file=sys.stderr)
+        print(f"fleetd: warning: {printable(prefix + str(w))}",
+              file=out if out is not None else sys.stderr)
 
 
 def check_format(fmt: str) -> str:

@@ -8,7 +8,7 @@ import sys
 
 from fleetd.cli.explain_cmd import add_window
 from fleetd.cli.fleet_args import add_fleet_args
-from fleetd.cli.output import FORMATS, check_format, dumps, write_rows
+from fleetd.cli.output import FORMATS, check_format, dumps, warn, write_rows
 from fleetd.cli.questions import ask
 from fleetd.questions.catalog import OVERVIEW, OVERVIEW_COLUMNS, overview_rows
 
@@ -35,6 +35,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         write_rows(OVERVIEW_COLUMNS, overview_rows(asked.obj["nodes"]), fmt, sys.stdout)
     if asked.result is None:
-        for w in asked.obj["warnings"]:
-            print(f"fleetd: warning: {w}", file=sys.stderr)
+        warn(asked.obj["warnings"])
     return asked.done(args, fmt == "json")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report, seconds
-from fleetd.cli.output import FORMATS, check_format, write_rows
+from fleetd.cli.output import FORMATS, check_format, warn, write_rows
 from fleetd.errors import UsageError
 from fleetd.store.catalog import BY_NAME
 from fleetd.store.db import default_db_path
@@ -222,8 +222,7 @@ def _print(result: QueryResult, fmt: str, hint: str | None, asked: int | None) -
     extra = {"truncated": result.truncated, "warnings": warnings, "skew": {}}
     write_rows(result.columns, result.rows, fmt, sys.stdout, extra)
     if fmt != "json":
-        for w in warnings:
-            print(f"fleetd: warning: {w}", file=sys.stderr)
+        warn(warnings)
 
 
 def _empty_hint(db: SafeDB, args: argparse.Namespace) -> str | None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from fleetd.cli.argtypes import byte_size
 from fleetd.cli.launch import SIGNALS, Child, command_of, resolve
+from fleetd.cli.output import warn
 from fleetd.errors import UsageError
 from fleetd.store.db import default_db_path, validate_node_name
 from fleetd.store.timeparse import parse_duration
@@ -301,8 +302,7 @@ def _exit_status(child: Child | None) -> int:
 def _announce(tracer: Tracer, cfg: TraceConfig, err: TextIO) -> None:
     what = (f"pid {', '.join(map(str, cfg.pids))}" if cfg.pids else
             f"cgroup {', '.join(cfg.cgroups)}" if cfg.cgroups else "every CUDA process")
-    for w in tracer.warnings:
-        print(f"fleetd: warning: {w}", file=err)
+    warn(tracer.warnings, out=err)
     libs = len(tracer.libs)
     route = tracer.route.name if tracer.route else "?"
     print(f"fleetd: tracing {what}: {tracer.report.uprobes} uprobes on {libs} "
@@ -359,7 +359,7 @@ def _report(s: TraceSummary, cfg: TraceConfig, reason: str, err: TextIO) -> None
         print(f"fleetd: warning: events were lost ({worst}); try a larger --ring-mb or a "
               "higher --sample", file=err)
     if s.writer.last_error:
-        print(f"fleetd: warning: database writes failed: {s.writer.last_error}", file=err)
+        warn([f"database writes failed: {s.writer.last_error}"], out=err)
 
 
 def _summary_json(s: TraceSummary, cfg: TraceConfig) -> str:
