@@ -15,8 +15,12 @@ seconds per wall second while the loaded cold start runs (from the command's lau
 its ``tracing`` line) over the same measure in the same loaded conditions for as long
 just before the start, untraced: what starting the agent takes from the job.
 
+Each start also reports the tracer's CPU seconds up to its ``tracing`` line: the wall
+times move with whatever else the machine runs, the CPU a start costs does not.
+
 Last line: ``BENCH startup first_event_warm_s=.. first_event_cold_s=..
-first_event_warm_loaded_s=.. first_event_cold_loaded_s=.. job_ratio_during_cold_start=..``
+first_event_warm_loaded_s=.. first_event_cold_loaded_s=.. job_ratio_during_cold_start=..
+start_cpu_warm_s=.. start_cpu_cold_s=..``
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class Start:
     first_event_s: float  # launch -> the first recorded CUDA call
     ready_s: float  # launch -> the 'fleetd: tracing' line
     job_ratio: float  # the job's CPU share during [launch, ready] / before the start
+    cpu_s: float = 0.0  # the tracer's CPU seconds up to ready: what the start cost, whatever
+    # else ran on the machine (wall times here move with other load; this does not)
 
 
 def _wait_mapped(pid: int) -> None:
@@ -80,13 +86,14 @@ def first_event(pid: int, db: Path, cache: Path, baseline_s: float = 0.0) -> Sta
     tr = subprocess.Popen([FLEETD, "trace", "--pid", str(pid), "--db", str(db)],
                           stderr=subprocess.PIPE, text=True, env=env)
     assert tr.stderr is not None
-    ready = None
+    ready, cpu = None, 0.0
     timer = _kill_after(tr, START_LIMIT_S)
     said: list[str] = []
     for line in tr.stderr:
         said.append(line)
         if line.startswith("fleetd: tracing"):
             ready = time.time() - t0
+            cpu = _cpu_s(tr.pid)
             break
     during = (_cpu_s(pid) - c0) / (time.monotonic() - m0)
     timer.cancel()
@@ -104,7 +111,7 @@ def first_event(pid: int, db: Path, cache: Path, baseline_s: float = 0.0) -> Sta
         first = c.execute("SELECT min(ts_ns) FROM events WHERE op LIKE 'cuda%'").fetchone()[0]
     if first is None:
         raise SystemExit("no CUDA call was recorded")
-    return Start(first / 1e9 - t0, ready, during / before if before else 0.0)
+    return Start(first / 1e9 - t0, ready, during / before if before else 0.0, cpu)
 
 
 def _kill_after(proc: subprocess.Popen[str], seconds: float) -> threading.Timer:
@@ -131,8 +138,8 @@ def busy_cpus() -> Iterator[None]:
 
 def _show(label: str, s: Start) -> None:
     extra = f", job at {s.job_ratio:.2f} of its untraced share" if s.job_ratio else ""
-    print(f"{label}: first event {s.first_event_s:.2f} s (tracing at {s.ready_s:.2f} s)"
-          f"{extra}", flush=True)
+    print(f"{label}: first event {s.first_event_s:.2f} s (tracing at {s.ready_s:.2f} s, "
+          f"{s.cpu_s:.2f} CPU s){extra}; load average {os.getloadavg()[0]:.1f}", flush=True)
 
 
 def main() -> None:
@@ -161,7 +168,8 @@ def main() -> None:
           f"first_event_cold_s={cold.first_event_s:.2f} "
           f"first_event_warm_loaded_s={warm_l.first_event_s:.2f} "
           f"first_event_cold_loaded_s={cold_l.first_event_s:.2f} "
-          f"job_ratio_during_cold_start={cold_l.job_ratio:.2f}")
+          f"job_ratio_during_cold_start={cold_l.job_ratio:.2f} "
+          f"start_cpu_warm_s={warm.cpu_s:.2f} start_cpu_cold_s={cold.cpu_s:.2f}")
 
 
 if __name__ == "__main__":
