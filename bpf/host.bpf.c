@@ -5,7 +5,8 @@
  * allocations, aggregated in the kernel; with FL_VMSCAN, FL_MEMCG_RECLAIM and
  * FL_COMPACTION, set where the kernel has those tracepoints, the thread's own direct
  * reclaim, memcg reclaim and direct compaction stalls), FL_BLOCK (block requests
- * with latency and bytes), FL_IRQ (hard/soft interrupts that preempted a traced thread), FL_SYSCALL
+ * with latency, bytes, the task that submitted them and their time queued before
+ * issue), FL_IRQ (hard/soft interrupts that preempted a traced thread), FL_SYSCALL
  * (system calls slower than a threshold; FL_NR_URETPROBE, the syscall our own
  * uretprobes return through, is never counted). Everything goes into the in-kernel
  * histograms; individual records only above the thresholds below.
@@ -546,6 +547,7 @@ struct fl_bkey {
 };
 struct fl_bio {
     u64 ts;
+    u64 queued;  /* ns from the request's creation (block_getrq) to its issue */
     u32 pid;
     u32 tid;
     u64 bytes;
@@ -553,6 +555,36 @@ struct fl_bio {
     char rwbs[8];
 };
 BPF_TABLE("lru_hash", struct fl_bkey, struct fl_bio, fl_bio, 8192);
+
+/* Whose request it is. block_rq_issue often runs in a kernel worker (kworker/N:MH
+ * dispatching a scheduler's queue, mq-deadline or bfq), so the task current there is
+ * no owner: a victim's own page-fault reads were recorded as the worker's, unseen
+ * below FL_BLOCK_MIN_NS, and its D-state waits read as lock waits. block_getrq fires
+ * as the submitting task allocates the request for its bio, in that task: its pid, tid
+ * and comm, kept by the request's first sector until the issue. */
+struct fl_bowner {
+    u64 ts;
+    u32 pid;
+    u32 tid;
+    char comm[FL_COMM_LEN];
+};
+BPF_TABLE("lru_hash", struct fl_bkey, struct fl_bowner, fl_bowner, 8192);
+
+TRACEPOINT_PROBE(block, block_getrq)
+{
+    struct fl_bkey k = {};
+    k.dev = args->dev;
+    k.sector = args->sector;
+    u64 id = bpf_get_current_pid_tgid();
+    struct fl_bowner o = {};
+    o.ts = bpf_ktime_get_ns();
+    o.pid = id >> 32;
+    o.tid = (u32)id;
+    bpf_get_current_comm(o.comm, FL_COMM_LEN);
+    if (fl_bowner.update(&k, &o))
+        fl_count(FL_C_STATE_FULL);
+    return 0;
+}
 
 TRACEPOINT_PROBE(block, block_rq_issue)
 {
@@ -562,11 +594,20 @@ TRACEPOINT_PROBE(block, block_rq_issue)
     u64 id = bpf_get_current_pid_tgid();
     struct fl_bio b = {};
     b.ts = bpf_ktime_get_ns();
-    b.pid = id >> 32;
-    b.tid = (u32)id;
     b.bytes = args->bytes;
-    bpf_probe_read_kernel(b.comm, FL_COMM_LEN, args->comm);
     bpf_probe_read_kernel(b.rwbs, sizeof(b.rwbs), args->rwbs);
+    struct fl_bowner *o = fl_bowner.lookup(&k);
+    if (o && o->ts && o->ts <= b.ts) {
+        b.pid = o->pid;
+        b.tid = o->tid;
+        b.queued = b.ts - o->ts;
+        __builtin_memcpy(b.comm, o->comm, FL_COMM_LEN);
+        fl_bowner.delete(&k);
+    } else { /* issued without a recorded creation: the task that issued it */
+        b.pid = id >> 32;
+        b.tid = (u32)id;
+        bpf_probe_read_kernel(b.comm, FL_COMM_LEN, args->comm);
+    }
     if (fl_bio.update(&k, &b))
         fl_count(FL_C_STATE_FULL);
     return 0;
@@ -594,6 +635,7 @@ TRACEPOINT_PROBE(block, block_rq_complete)
             r->a0 = k.dev;
             r->a1 = k.sector;
             __builtin_memcpy(&r->x[0], b->rwbs, 8);
+            r->x[1] = b->queued;
             __builtin_memcpy(r->comm, b->comm, FL_COMM_LEN);
             r->flags = target ? FL_WHY_ALWAYS : FL_WHY_SLOW;
             fl_submit(r);

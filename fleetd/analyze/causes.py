@@ -505,6 +505,8 @@ def summary(ch: Chain) -> str:
     cause = CAUSES.get(ch.root_cause)
     who = f"{v['comm']} (pid {v['pid']}, tid {v['tid']})"
     by = f"{c['comm']} (pid {c['pid']})" if c else None
+    if c and c.get("self") and ch.root_cause == "block_io":
+        by = f"its own process {by}"  # its own reads: said so, not as if another's
     if ch.spikes:
         tail = ""
         share = c.get("share") if c else None

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetd.analyze.data import SYNC_OPS, code
+from fleetd.analyze.io_owner import io_worker
 from fleetd.analyze.nodeview import OFF_CPU, NodeView, task_state
 from fleetd.analyze.spikes import (
     MIN_CALLS,
@@ -159,6 +160,8 @@ def _rank_culprits(view: NodeView, group: list[Spike], root: str, victim_pid: in
         if pid == 0 or (root == "lock_wait" and pid == victim_pid and role == "wake"
                         and op in SYNC_OPS):
             continue
+        if role in ("wake", "io") and io_worker(who["comm"]):
+            continue  # it completed or dispatched someone's I/O: never the cause
         entry = by_pid.setdefault(pid, {"pid": pid, "comm": who["comm"], "tids": set(),
                                         "ns": 0, "by_tid": defaultdict(int)})
         entry["tids"].add(tid)

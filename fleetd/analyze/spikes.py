@@ -20,6 +20,7 @@ from typing import Any
 
 from fleetd.analyze.data import CALL_CODES, SYNC_OPS, in_list, name_of
 from fleetd.analyze.frames import top_python_frame
+from fleetd.analyze.io_owner import Charge, charge, queues_for
 from fleetd.analyze.nodeview import (
     HARDIRQ,
     OFF_CPU,
@@ -247,20 +248,11 @@ def _off_cpu(view: NodeView, spike: Spike, e: Ev, wakes: list[tuple[int, int]]) 
     if not slept:
         return
     by = view.who(waker) if waker else None
+    wchan = view.wait_channel(e) if state == "D" else None
     if state == "D":
-        ios = view.blocks_overlapping(e.ts, wake)
-        if ios:
-            spike.cause_ns["block_io"] += slept
-            top = max(ios, key=lambda b: overlap(e.ts, wake, b.ts, b.end))
-            spike.culprit_ns[("io", top.tid)] += slept
-            who = view.who(top.tid)
-            spike.evidence.append(_item(view, e, "off_cpu", slept,
-                                        f"D-state wait during {len(ios)} block I/O request(s) "
-                                        f"({sum(b.nbytes for b in ios)} bytes)", state="D",
-                                        culprit=who))
-            spike.evidence += [_item(view, b, "block_io", overlap(e.ts, wake, b.ts, b.end),
-                                     f"block I/O by {view.who(b.tid)['comm']}: {b.nbytes} bytes",
-                                     culprit=view.who(b.tid)) for b in ios[:3]]
+        io = charge(view, queues_for(view), c.pid, c.tid, e.ts, wake, wchan, waker)
+        if io.is_io:
+            _io_wait(view, spike, e, slept, wake - e.ts, io, wchan)
             return
         spike.cause_ns["d_state"] += slept
     else:
@@ -273,11 +265,32 @@ def _off_cpu(view: NodeView, spike: Spike, e: Ev, wakes: list[tuple[int, int]]) 
             waker, by = 0, None
     if waker:
         spike.culprit_ns[("wake", waker)] += slept
-    wchan = view.wait_channel(e) if state == "D" else None
     text = ("D-state (uninterruptible) wait" if state == "D" else "sleep") + (
         f" in {wchan}" if wchan else "") + (
         f", woken by {by['comm']} (pid {by['pid']})" if by else "")
     spike.evidence.append(_item(view, e, "off_cpu", slept, text, state=state, culprit=by))
+
+
+def _io_wait(view: NodeView, spike: Spike, e: Ev, slept: int, whole: int, io: Charge,
+             wchan: str | None) -> None:
+    """A D-state wait for block I/O: its time (the part inside the spike) charged as
+    :func:`io_owner.charge` splits the whole wait, the victim's own requests first."""
+    spike.cause_ns["block_io"] += slept
+    for tid, ns in io.by_tid.items():
+        spike.culprit_ns[("io", tid)] += ns * slept // max(1, whole)
+    top = max(io.by_tid.items(), key=lambda kv: kv[1])[0] if io.by_tid else None
+    own = f"{len(io.own)} request(s) of its own ({sum(b.nbytes for b in io.own)} bytes)" \
+        if io.own else ("its own read (its request not recorded)" if not io.others
+                        else "other processes' I/O")
+    behind = f", {_ms(io.queued_ns)} of it queued behind other processes' requests" \
+        if io.queued_ns else ""
+    where = f" in {wchan}" if wchan else ""
+    spike.evidence.append(_item(view, e, "off_cpu", slept,
+                                f"D-state wait{where} for {own}{behind}", state="D",
+                                culprit=view.who(top) if top else None))
+    spike.evidence += [_item(view, b, "block_io", overlap(e.ts, e.ts + whole, b.ts, b.end),
+                             f"block I/O of {view.who(b.tid)['comm']}: {b.nbytes} bytes",
+                             culprit=view.who(b.tid)) for b in [*io.own[:2], *io.others[:2]]]
 
 
 def _classify(view: NodeView, spike: Spike) -> None:

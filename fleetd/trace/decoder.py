@@ -299,6 +299,8 @@ class Decoder:
             if op == OP_BLOCK and x0:
                 args = {"rw": x0.to_bytes(8, "little").rstrip(b"\0").decode(
                     errors="replace")}
+            if op == OP_BLOCK and x1:  # created by pid/tid, queued this long before issue
+                args = {**(args or {}), "queued_ns": x1}
         elif op in (OP_FORK, OP_EXEC, OP_EXIT):
             if op != OP_FORK and self._launch_text:
                 # A new program (or a pid free for reuse): its launches' addresses

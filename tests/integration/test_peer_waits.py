@@ -6,15 +6,12 @@ pid; with a shipper that keeps up there is no such chain.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from recorder import compact, explain, trace_for, wait_for_libcudart
+from workload_run import run_traced
 
 from conftest import REPO
 
@@ -28,22 +25,7 @@ SECONDS = 4.0
 def record_log_pipe(tmp: Path, *args: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """log_pipe.py with ``args`` under ``fleetd trace``: explain's report and the
     workload's own summary."""
-    go, db = tmp / "go", tmp / "log-pipe.db"
-    cpu = max(os.sched_getaffinity(0))
-    wl = subprocess.Popen([sys.executable, str(LOG_PIPE), "--duration", f"{SECONDS:g}",
-                           "--go-file", str(go), *args], stdout=subprocess.PIPE, text=True,
-                          preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
-    try:
-        wait_for_libcudart(wl.pid)
-        trace_for(wl.pid, db, go, f"{SECONDS + 1:g}s")
-        out, _ = wl.communicate(timeout=SECONDS + 60)
-    finally:
-        if wl.poll() is None:
-            wl.kill()
-            wl.wait(10)
-    assert wl.returncode == 0
-    compact(db)
-    return explain(db), json.loads(out.strip().splitlines()[-1])
+    return run_traced(LOG_PIPE, tmp, SECONDS, *args)
 
 
 def test_writes_to_a_full_log_pipe_name_the_pipe_and_its_reader(tmp_path: Path) -> None:
