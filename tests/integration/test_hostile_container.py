@@ -7,9 +7,10 @@ containerd container (``kubepods-pod<uid>.slice/cri-containerd-<id>.scope``) wit
 runtime record, so the agent takes the pod's namespace from the process's own
 service-account file. That file is what the container controls: a link to a 0600 host
 file (absolute, and ``../`` climbing out), a FIFO, a link to /dev/zero, a 10 MB file,
-and, beside them, an honest ``ml``. One real ``fleetd trace`` of all six must reach
-tracing and finish in bounded time and memory, store the honest namespace, and store the
-host secret nowhere.
+and, beside them, an honest ``ml``; each hostile pod's HOSTNAME (its pod name) is
+100 kB. One real ``fleetd trace`` of all six must reach tracing and finish in bounded
+time and memory, store the honest namespace and name, cut the long names to their cap,
+and store the host secret nowhere.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from pathlib import Path
 import pytest
 from recorder import start_in, wait_for_libcudart
 
+from fleetd.store import caps
+
 from conftest import FLEETD, REPO
 
 pytestmark = [pytest.mark.bpf,
@@ -45,6 +48,7 @@ STEP = ["--launches", "4", "--memcpy", "1", "--cpu-us", "200", "--gpu-ms", "2"]
 # system, the interpreter (pyenv under /root), this checkout and its virtual environment.
 BINDS = tuple(sorted({"/usr", "/etc", "/root", "/dev", str(REPO),
                       os.path.realpath(sys.prefix)}))
+HONEST_NAME = "trainer-0"
 TRACE_LIMIT_S = 150.0  # start (BPF compile on a loaded machine) to exit, at most
 RSS_LIMIT = 1 << 30  # a tracer past this is reading something without end: stopped
 
@@ -88,12 +92,13 @@ def container_root(root: Path, namespace: Callable[[Path], None]) -> Path:
     return root
 
 
-def chrooted(root: Path) -> list[str]:
+def chrooted(root: Path, hostname: str) -> list[str]:
     """The reference workload chrooted in ``root``, in a mount namespace of its own (the
-    binds are its alone and go with it); it waits for ``/go`` inside its root."""
+    binds are its alone and go with it), its HOSTNAME (its pod's name) ``hostname``; it
+    waits for ``/go`` inside its root."""
     binds = " && ".join(f"mount --rbind {b} {root}{b}" for b in BINDS)
-    script = (f"mount --make-rprivate / && {binds} && exec chroot {root} {PY} {WORKLOAD} "
-              f"--duration 60 --go-file /go {' '.join(STEP)}")
+    script = (f"mount --make-rprivate / && {binds} && HOSTNAME={hostname} exec chroot "
+              f"{root} {PY} {WORKLOAD} --duration 60 --go-file /go {' '.join(STEP)}")
     return ["unshare", "-m", "--", "sh", "-c", script]
 
 
@@ -201,7 +206,9 @@ def start_pods(stack: ExitStack, tmp: Path, cases: dict[str, Callable[[Path], No
         uid, cid = str(uuid.uuid4()), secrets.token_hex(32)
         group = stack.enter_context(pod_cgroup(uid, cid))
         root = container_root(tmp / f"c{i}", make)
-        wl = start_in([group], chrooted(root), cpu=i % os.cpu_count())  # type: ignore[operator]
+        # The honest pod is named as the kubelet names one; the others 100 kB long.
+        name = HONEST_NAME if case == "honest" else "h" * 100_000
+        wl = start_in([group], chrooted(root, name), cpu=i % (os.cpu_count() or 1))
         stack.callback(_stop, wl)
         pods.append(Pod(case, uid, root, wl))
     for pod in pods:
@@ -240,11 +247,15 @@ def test_a_container_cannot_steer_the_agents_reads(tmp_path: Path) -> None:
     # Reading the service-account files costs nothing: the tracer's peak stays where
     # BPF compilation puts it, nowhere near the 10 MB file or /dev/zero's stream.
     assert run.peak_rss < 768 << 20, run.peak_rss
-    got = {str(uid): ns for uid, ns in _query(
-        db, "SELECT pod_uid, namespace FROM processes WHERE pod_uid IS NOT NULL")}
-    by_case = {p.case: got.get(p.uid, "absent") for p in pods}
+    got = {str(uid): (ns, name) for uid, ns, name in _query(
+        db, "SELECT pod_uid, namespace, pod FROM processes WHERE pod_uid IS NOT NULL")}
+    by_case = {p.case: got.get(p.uid, ("absent", ""))[0] for p in pods}
     assert by_case == {"absolute-link": None, "climbing-link": None, "fifo": None,
                        "dev-zero": None, "10MB": None, "honest": "ml"}, by_case
+    # The pod's name (its HOSTNAME) is the process's too: stored cut to its cap.
+    names = {p.case: got[p.uid][1] for p in pods}
+    assert names.pop("honest") == HONEST_NAME
+    assert {len(str(n)) for n in names.values()} == {caps.CAPS["pod"]}, names
     assert value.encode() not in _stored_bytes(db)
     # What the node serves of its pods (the answer of GET /api/v1/pods) and explain.
     answers = {}
