@@ -48,6 +48,7 @@ HOG_NICE = -10  # within its share the hog gets ~90 % whenever both want to run
 # several minutes on a loaded one.
 AGENT_START_S = 480
 TICK_S = 5.0  # a progress line this often when stdout is not a terminal
+RANKS_OUTLAST_S = 900  # past the traced window: the query, explain and export
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -184,7 +185,9 @@ def _start_ranks(fleet: Fleet, slices: Slices, seconds: float
     for i, n in enumerate(NODES):
         log = (fleet.dir / f"{n}.rank.log").open("wb")
         p = subprocess.Popen(
-            [sys.executable, str(_workload("nccl_ranks.py")), "--seconds", str(seconds + 30),
+            # They run until the demo stops them: a rank that ends before is a failure.
+            [sys.executable, str(_workload("nccl_ranks.py")), "--seconds",
+             str(int(seconds + RANKS_OUTLAST_S)),
              "--compute-ms", "1", "--sleep-ms", "8", "--go-file", str(fleet.dir / f"{n}.go"),
              "--barrier-timeout", str(int(AGENT_START_S + seconds + 60)), "--max-listed", "0"],
             stdout=log, stderr=subprocess.STDOUT,

@@ -108,3 +108,25 @@ def test_unsampled_events_are_every_call(tmp_path: Path) -> None:
     # errors are always kept), so their rate is a fraction of the histograms'.
     ratio = prof["features"]["cuda_calls_per_s"] / full["features"]["cuda_calls_per_s"]
     assert 0 < ratio < 0.3, ratio
+
+
+def test_a_window_edge_through_a_histogram_counts_the_calls_on_its_side(
+        tmp_path: Path) -> None:
+    # The tracer began 6 s before the job: its histogram window spans 12 s, the calls
+    # only its second half. A window from the job's second second on holds about 5/6
+    # of the calls, not the share of the histogram window's time inside it.
+    db = tmp_path / "early-tracer.db"
+    shutil.copy(RECORDED, db)
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE aggregate_data SET ts_ns = ts_ns - 6000000000, "
+                  "dur_ns = dur_ns + 6000000000")
+        first, last = c.execute("SELECT min(ts_ns), max(ts_ns) FROM event_data").fetchone()
+    whole = _profile(db)
+    conn = open_reader(db)
+    try:
+        later = Analysis.of(conn, WindowSpec(from_=str(first + 10**9), to=str(last))
+                            ).profile("rec-01")
+    finally:
+        conn.close()
+    a, b = whole["features"]["cuda_calls_per_s"], later["features"]["cuda_calls_per_s"]
+    assert a > 100 and abs(a - b) / a < 0.1, (a, b)
