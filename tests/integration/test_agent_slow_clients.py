@@ -81,17 +81,21 @@ async def _get(url: str, ctx: ssl.SSLContext, local: str, path: str,
             return r.status, await r.read()
 
 
-def _non_reader(a: Agent, ctx: ssl.SSLContext, source: str) -> ssl.SSLSocket:
-    """A TLS client that sends one query for a large answer and never reads again."""
+def _non_reader(a: Agent, ctx: ssl.SSLContext, source: str,
+                request: bytes | None = None) -> ssl.SSLSocket:
+    """A TLS client that sends one query (by default for a large JSON answer) and never
+    reads again."""
     raw = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     raw.bind((source, 0))
     raw.settimeout(10)
     raw.connect(_hostport(a))
     s = ctx.wrap_socket(raw, server_hostname="127.0.0.1")
-    body = orjson.dumps(BIG)
-    s.sendall(b"POST /api/v1/query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    if request is None:
+        body = orjson.dumps(BIG)
+        request = (b"POST /api/v1/query HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                   b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    s.sendall(request)
     return s
 
 
@@ -134,6 +138,38 @@ def test_clients_that_do_not_read_cannot_grow_the_agent(node: Agent, pki: Pki) -
         _say(f"slow_readers_cut={cut:.0f} "
              f"answer_queue_refusals={_metric(node, pki, 'answer_queue_refusals_total'):.0f}")
         assert cut >= 4, cut  # one client's half of the 128 MiB: at least four answers
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_stream_that_is_not_read_is_cut_and_frees_its_reader(node: Agent,
+                                                               pki: Pki) -> None:
+    """NDJSON answers hold a reader slot while they stream: one client's four (its share)
+    that stop reading are cut by the write deadline, and its next query runs."""
+    ctx = client_ssl(pki, "laptop")
+    body = orjson.dumps(BIG)
+    request = (b"POST /api/v1/query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+               b"\r\nAccept: application/x-ndjson\r\nContent-Length: %d\r\n\r\n%s"
+               % (len(body), body))
+    cut0 = _metric(node, pki, "slow_readers_cut_total")
+    held = []
+    try:
+        for i in range(4):
+            s = _non_reader(node, ctx, READER_SOURCES[i], request)
+            held.append(s)
+        time.sleep(0.5)
+        status, raw = asyncio.run(_get(node.url, ctx, LEGIT, "/api/v1/query",
+                                       {"sql": "SELECT 1"}))
+        assert status == 429, (status, raw[:300])  # its four reader slots are held
+        t0 = time.monotonic()
+        while _metric(node, pki, "slow_readers_cut_total") - cut0 < 4:
+            assert time.monotonic() - t0 < 25, "the non-reading streams were not cut"
+            time.sleep(0.5)
+        status, raw = asyncio.run(_get(node.url, ctx, LEGIT, "/api/v1/query",
+                                       {"sql": "SELECT 1"}))
+        assert status == 200, (status, raw[:300])
+        _say(f"ndjson_streams_cut_after_s={time.monotonic() - t0:.1f}")
     finally:
         for s in held:
             s.close()
