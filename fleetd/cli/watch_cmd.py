@@ -23,6 +23,7 @@ from typing import Any, TextIO
 from fleetd.cli.fleet_args import add_fleet_args, fleet_options, seconds
 from fleetd.errors import UsageError
 from fleetd.fleet.notify import Delivery
+from fleetd.printable import printable, printable_tree
 
 log = logging.getLogger("fleetd.watch")
 
@@ -162,8 +163,8 @@ async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
             fresh = [w for w in warnings if w not in shown]
             if fresh and live:
                 err.write("\r\x1b[K")
-            for w in fresh:
-                print(f"fleetd: warning: {w}", file=err)
+            for w in fresh:  # a node's text: one escaped line
+                print(f"fleetd: warning: {printable(str(w))}", file=err)
             shown = set(warnings)
             hangs = result.get("hangs") or [] if result["status"] == "hang" else []
             if notifier is not None and answer.answered:  # no answer: nothing recovered
@@ -172,8 +173,9 @@ async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
                     err.write("\r\x1b[K")
                 for f in sent:
                     if f["status"] == "resolved":
-                        print(f"RECOVERED ({f['kind']}): {f['job']}: {f['culprit']} "
-                              f"(first seen {f['first_seen']})", file=out, flush=True)
+                        print(printable(f"RECOVERED ({f['kind']}): {f['job']}: "
+                                        f"{f['culprit']} (first seen {f['first_seen']})"),
+                              file=out, flush=True)
                     elif not spec.once:
                         print_verdict({**result, "hangs": [
                             h for h in hangs if f["summary"] == h.get("summary")]},
@@ -218,8 +220,9 @@ def status_line(result: dict[str, Any], answered: int, total: int, watched: floa
     what = "; ".join(f"{g['group']} at collective {g['seq']}" for g in groups[:2])
     if len(groups) > 2:
         what += f" and {len(groups) - 2} more"
-    return (f"fleetd: watching {answered}/{total} node(s), {result.get('ranks', 0)} rank(s)"
-            f"{': ' + what if what else ''}; no hang ({watched:.0f} s)")
+    return printable(f"fleetd: watching {answered}/{total} node(s), "
+                     f"{result.get('ranks', 0)} rank(s){': ' + what if what else ''}; "
+                     f"no hang ({watched:.0f} s)")
 
 
 def print_verdict(result: dict[str, Any], fmt: str, out: TextIO) -> None:
@@ -229,6 +232,7 @@ def print_verdict(result: dict[str, Any], fmt: str, out: TextIO) -> None:
         out.write(dumps(result).decode() + "\n")
         out.flush()
         return
+    result = printable_tree(result)  # job, culprit and chain text come from the nodes
     if result["status"] != "hang":
         out.write(f"{result['verdict']} ({result['ranks']} rank(s) on "
                   f"{len(result['nodes'])} node(s))\n")
