@@ -4,7 +4,8 @@ machine format keeps them exact.
 The workload (tests/workloads/hostile_names.py, the reference loop over the real CUDA
 runtime) names itself, a thread, its Python function and file with escape sequences
 (CSI colour, OSC 0 title), BEL, CR, LF and a forged ``[HIGH] cpu_contention`` line; its
-argv and HOSTNAME (its pod's name) carry the same, and it runs in a kubepods-style
+argv and HOSTNAME (its pod's name) carry the same, it loads the CUDA runtime from a
+directory whose name holds an OSC and a CSI sequence, and it runs in a kubepods-style
 cgroup whose own directory name holds ESC and BEL, under a CPU quota. Real ``fleetd
 trace`` records it with on-CPU samples and stacks; then each text command renders the
 database and, for comparison, a copy of it where every name is harmless (the same rows,
@@ -41,6 +42,7 @@ from conftest import FLEETD, REPO
 
 sys.path.insert(0, str(REPO / "tests" / "workloads"))
 import hostile_names as H  # noqa: E402
+from train_loop import find_cudart  # noqa: E402
 
 from fleetd.printable import printable  # noqa: E402
 
@@ -51,6 +53,7 @@ CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 # The cgroup's own name: ESC and BEL (a directory name holds no '/'; a newline would
 # break /proc/PID/cgroup's lines, which is the tracer's concern, not the output's).
 CGROUP_LEAF = "evil\x1b[31m\x07x"
+LIB_DIR = "lib\x1b]0;lib\x07\x1b[31mx"  # where it loads libcudart from (no newline either)
 STEP = ["--launches", "8", "--memcpy", "1", "--cpu-us", "400", "--gpu-ms", "4"]
 # A control character of any kind, where text output may only hold newline and tab.
 RAW = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -161,11 +164,15 @@ def harmless_copy(src: Path, dst: Path) -> None:
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> Recorded:
     tmp = tmp_path_factory.mktemp("hostile")
     go, db = tmp / "go", tmp / "t.db"
+    # The CUDA runtime loaded from a directory the process named: the tracer logs it.
+    lib = tmp / LIB_DIR / "libcudart.so.12"
+    lib.parent.mkdir()
+    shutil.copyfile(find_cudart(), lib)
     with pod_cgroup() as group:
         env = {**os.environ, "HOSTNAME": H.HOSTNAME}
         wl = start(group, [sys.executable, str(REPO / "tests/workloads/hostile_names.py"),
-                           H.ARG, "--duration", "40", "--go-file", str(go), *STEP],
-                   sorted(os.sched_getaffinity(0))[0], env)
+                           H.ARG, "--cudart", str(lib), "--duration", "40", "--go-file",
+                           str(go), *STEP], sorted(os.sched_getaffinity(0))[0], env)
         try:
             wait_for_libcudart(wl.pid)
             err = trace(wl.pid, db, go)
@@ -270,6 +277,8 @@ def test_json_csv_and_ndjson_keep_the_exact_names(recorded: Recorded) -> None:
 
 
 def test_the_tracer_log_is_printable(recorded: Recorded) -> None:
-    """``fleetd -v trace`` logs what it attached to: no raw control character."""
+    """``fleetd -v trace`` logs the library it attached to, from the directory the
+    process named: escaped, no raw control character."""
+    assert f"{printable(LIB_DIR)}/libcudart.so.12" in recorded.trace_err, recorded.trace_err
     bad = [line for line in recorded.trace_err.split("\n") if RAW.search(line)]
     assert not bad, bad[:3]
