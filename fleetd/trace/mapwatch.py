@@ -49,31 +49,41 @@ MAX_LATE = 50  # windows kept by name in the session row; all are counted
 
 # The releaser: a small process that outlives a tracer killed outright (SIGKILL, OOM)
 # and resumes every process the kernel stopped for it that it could not resume itself.
-# It holds a descriptor of fl_held (tgid -> stop time, filled by the BPF side before
-# it stops a process), waits for its stdin to close (the tracer's end goes with the
-# tracer), then sends SIGCONT to each pid listed there. Standard library only: it
-# runs with -I -S, in a fraction of the start-up of the tracer itself.
+# It holds descriptors of fl_hold_ctl and fl_held (tgid -> stop time, filled by the BPF
+# side before it stops a process) and waits for its stdin to close (the tracer's end
+# goes with the tracer). Then it turns the holds off first (the programs may outlive
+# the pipe by seconds while the dying tracer's descriptors close: a resumed process
+# must not be stopped again with no one left to resume it), and sends SIGCONT to each
+# pid listed, twice (a stop decided just before the switch). Standard library only,
+# run with -I -S.
 RELEASER = r"""
-import ctypes, os, platform, signal, sys
-fd = int(sys.argv[1])
+import ctypes, os, platform, signal, sys, time
+held_fd, ctl_fd = int(sys.argv[1]), int(sys.argv[2])
 sys.stdin.buffer.read()
 nr = {"x86_64": 321, "aarch64": 280}.get(platform.machine())
 libc = ctypes.CDLL(None, use_errno=True)
 class Attr(ctypes.Structure):
     _fields_ = [("map_fd", ctypes.c_uint32), ("pad", ctypes.c_uint32),
-                ("key", ctypes.c_uint64), ("next", ctypes.c_uint64),
+                ("key", ctypes.c_uint64), ("value", ctypes.c_uint64),
                 ("flags", ctypes.c_uint64), ("zero", ctypes.c_uint8 * 96)]
-key, nxt = ctypes.c_uint32(0), ctypes.c_uint32(0)
-attr = Attr(map_fd=fd, key=0, next=ctypes.addressof(nxt))
-seen = 0
-while nr is not None and seen < 4096 and libc.syscall(nr, 4, ctypes.byref(attr),
-                                                       ctypes.sizeof(attr)) == 0:
-    try:
-        os.kill(nxt.value, signal.SIGCONT)
-    except OSError:
-        pass
-    key.value, seen = nxt.value, seen + 1
-    attr.key = ctypes.addressof(key)
+def bpf(cmd, attr):
+    return nr is not None and libc.syscall(nr, cmd, ctypes.byref(attr),
+                                           ctypes.sizeof(attr)) == 0
+zero, off = ctypes.c_uint32(0), ctypes.c_uint32(0)
+bpf(2, Attr(map_fd=ctl_fd, key=ctypes.addressof(zero), value=ctypes.addressof(off)))
+for attempt in range(2):
+    key, nxt = ctypes.c_uint32(0), ctypes.c_uint32(0)
+    attr = Attr(map_fd=held_fd, key=0, value=ctypes.addressof(nxt))
+    for _ in range(4096):
+        if not bpf(4, attr):
+            break
+        try:
+            os.kill(nxt.value, signal.SIGCONT)
+        except OSError:
+            pass
+        key.value = nxt.value
+        attr.key = ctypes.addressof(key)
+    time.sleep(0.05)
 """
 
 
@@ -171,7 +181,8 @@ class MapWatch:
             self.windows.hook = "no-hold (FLEETD_NO_HOLD is set)"
             return
         try:
-            self._releaser = _start_releaser(int(self._held.map_fd))
+            self._releaser = _start_releaser(int(self._held.map_fd),
+                                             int(self.bpf[b"fl_hold_ctl"].map_fd))
         except OSError as exc:
             self.windows.hook = f"no-hold (no releaser: {exc})"
             return
@@ -268,8 +279,8 @@ class MapWatch:
                                    "window_ms": None})
 
 
-def _start_releaser(map_fd: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-I", "-S", "-c", RELEASER, str(map_fd)],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, pass_fds=(map_fd,),
+def _start_releaser(held_fd: int, ctl_fd: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", RELEASER, str(held_fd),
+                             str(ctl_fd)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, pass_fds=(held_fd, ctl_fd),
                             start_new_session=True)

@@ -158,3 +158,46 @@ def test_calls_counted_from_the_first_one(tmp_path: Path) -> None:
     assert str(stripped) in targets["hidden_runtimes"]
     kinds = {(Path(lib["path"]).name, lib["kind"]) for lib in targets["libraries"]}
     assert {("libcudart-1a2b3c4d.so.12", "cudart"), ("static_cudart", "cudart")} <= kinds
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_a_killed_tracer_leaves_no_process_stopped(tmp_path: Path) -> None:
+    """The kernel stops a target that maps an unknown file; if the tracer dies before it
+    resumes it (here: stopped, then SIGKILL), its releaser does."""
+    lib, go = _copy(tmp_path, "fresh"), tmp_path / "go"
+    target = subprocess.Popen([sys.executable, "-c", DLOPENER, str(lib), str(go), "10"],
+                              stdout=subprocess.PIPE, text=True)
+    tracer = subprocess.Popen(
+        [str(REPO / ".venv/bin/fleetd"), "trace", "--pid", str(target.pid), "--db",
+         str(tmp_path / "t.db"), "--node", "killed"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert tracer.stderr is not None
+        lines: list[str] = []
+        while not any("fleetd: tracing" in ln for ln in lines):
+            line = tracer.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        tracer.send_signal(19)  # SIGSTOP: the tracer cannot resume anyone now
+        go.touch()
+        deadline = time.monotonic() + 30
+        while _state(target.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(target.pid) == "T", "the mapping did not stop the target"
+        tracer.kill()
+        tracer.wait(30)
+        t = time.monotonic()
+        out, _ = target.communicate(timeout=120)  # resumed by the releaser, and done
+        print(f"resumed and done {time.monotonic() - t:.1f} s after the kill")
+        assert target.returncode == 0 and json.loads(out)["calls"]["cudaMemcpy"] == 10
+    finally:
+        for p in (target, tracer):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
