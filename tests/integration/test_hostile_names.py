@@ -13,7 +13,9 @@ each control character replaced by ``_``):
 
 * no text output (stdout or stderr) holds a byte below 0x20 but newline and tab, DEL
   or a C1 control;
-* each has as many lines as over the harmless copy (no forged line);
+* each has as many lines as over the harmless copy (no forged line), and so has
+  explain's fleet report over the database merged with a copy of itself as a second
+  node;
 * the escaped form (``\\x1b]0;X\\x07\\n[HIGH] x``) is what they show;
 * JSON, CSV and NDJSON hold the exact original values.
 """
@@ -184,6 +186,20 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Recorded:
     return Recorded(db, copy, wl.pid, err)
 
 
+def two_nodes(db: Path, out: Path) -> Path:
+    """``db`` merged with a copy of itself as a second node: explain then ranks the
+    nodes and renders its fleet report (the one ``--nodes`` prints)."""
+    twin = out.with_name(out.stem + "-twin.db")
+    shutil.copyfile(db, twin)
+    with sqlite3.connect(twin) as conn:
+        conn.execute("UPDATE nodes SET name = 'twin', uid = ?", (uuid.uuid4().hex,))
+    conn.close()
+    r = subprocess.run([FLEETD, "merge", "-o", str(out), str(db), str(twin)],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
 def fleetd(argv: list[str], db: Path) -> tuple[str, str]:
     """``fleetd ARGV --db DB`` to a pipe (no width: nothing wrapped or cut): stdout and
     stderr as bytes decoded strictly, so a stray byte fails here."""
@@ -217,6 +233,16 @@ def test_text_output_is_printable_and_forges_no_line(recorded: Recorded,
     assert err.count("\n") == same_err.count("\n"), (argv, err, same_err)
     assert not [line for line in out.split("\n") if re.match(r"\[HIGH\] (x|cpu_contention "
                                                              r"(forged|host|argv))", line)]
+
+
+def test_the_fleet_report_is_printable_and_forges_no_line(recorded: Recorded) -> None:
+    merged = two_nodes(recorded.db, recorded.db.with_name("merged.db"))
+    same = two_nodes(recorded.harmless, recorded.db.with_name("merged-harmless.db"))
+    out, err = fleetd(["explain"], merged)
+    assert out.startswith("fleetd explain: 2 node(s)"), out  # the fleet report
+    assert not [line for line in (out + err).split("\n") if RAW.search(line)]
+    assert out.count("\n") == fleetd(["explain"], same)[0].count("\n")
+    assert f"victim:  {printable(COMM)} pid {recorded.pid}" in out
 
 
 def test_text_shows_the_escaped_names(recorded: Recorded) -> None:
