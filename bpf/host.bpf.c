@@ -547,7 +547,7 @@ struct fl_bkey {
 };
 struct fl_bio {
     u64 ts;
-    u64 queued;  /* ns from the request's creation (block_getrq) to its issue */
+    u64 queued;  /* ns from the bio's submission (block_bio_queue) to its issue */
     u32 pid;
     u32 tid;
     u64 bytes;
@@ -559,9 +559,10 @@ BPF_TABLE("lru_hash", struct fl_bkey, struct fl_bio, fl_bio, 8192);
 /* Whose request it is. block_rq_issue often runs in a kernel worker (kworker/N:MH
  * dispatching a scheduler's queue, mq-deadline or bfq), so the task current there is
  * no owner: a victim's own page-fault reads were recorded as the worker's, unseen
- * below FL_BLOCK_MIN_NS, and its D-state waits read as lock waits. block_getrq fires
- * as the submitting task allocates the request for its bio, in that task: its pid, tid
- * and comm, kept by the request's first sector until the issue. */
+ * below FL_BLOCK_MIN_NS, and its D-state waits read as lock waits. block_bio_queue
+ * fires as the submitting task hands its bio to the block layer, in that task, before
+ * it may wait for a request slot behind others: its pid, tid and comm, kept by the
+ * bio's first sector (the request's, unless merged in front) until the issue. */
 struct fl_bowner {
     u64 ts;
     u32 pid;
@@ -570,7 +571,7 @@ struct fl_bowner {
 };
 BPF_TABLE("lru_hash", struct fl_bkey, struct fl_bowner, fl_bowner, 8192);
 
-TRACEPOINT_PROBE(block, block_getrq)
+TRACEPOINT_PROBE(block, block_bio_queue)
 {
     struct fl_bkey k = {};
     k.dev = args->dev;
@@ -603,7 +604,7 @@ TRACEPOINT_PROBE(block, block_rq_issue)
         b.queued = b.ts - o->ts;
         __builtin_memcpy(b.comm, o->comm, FL_COMM_LEN);
         fl_bowner.delete(&k);
-    } else { /* issued without a recorded creation: the task that issued it */
+    } else { /* issued without a recorded submission: the task that issued it */
         b.pid = id >> 32;
         b.tid = (u32)id;
         bpf_probe_read_kernel(b.comm, FL_COMM_LEN, args->comm);

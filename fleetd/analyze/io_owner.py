@@ -3,8 +3,8 @@
 A thread reading a file (a read, a page fault on a mapped file, an fsync) sleeps in D
 state until its own requests complete. Those requests are its own: the wait is its own
 I/O (``block_io``, culprit itself), however busy the disk is. Only the time its own
-requests spent *queued* (created, not yet issued to the device: the tracer records
-each request's owner, the task that created it, and its time queued before issue)
+requests spent *queued* (submitted, not yet issued to the device: the tracer records
+each request's owner, the task that submitted it, and its time queued before issue)
 while other processes' requests were in service goes to those processes, shared in
 proportion to their overlap. A wait with no request of its own in flight waited for
 someone else's I/O (a page another process is reading, a journal commit): the
@@ -22,7 +22,7 @@ import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from fleetd.analyze.nodeview import Ev, NodeView, overlap
+from fleetd.analyze.nodeview import OFF_CPU, Ev, NodeView, overlap
 
 # Wait channels of a thread waiting for a page, buffer or request to be read or written.
 IO_WCHANS = ("folio_wait", "wait_on_page", "io_schedule", "wait_for_completion_io",
@@ -57,11 +57,38 @@ class Charge:
 
 class Queues:
     """Each request's time queued before issue (``args.queued_ns``), read once per
-    request id."""
+    request id; and the file a read or fsync waited on, once per thread and fd."""
 
     def __init__(self, view: NodeView) -> None:
         self.view = view
         self._q: dict[int, int] = {}
+        self._files: dict[tuple[int, int, int], str | None] = {}
+
+    def file_of(self, e: Ev) -> str | None:
+        """The path of the fd the wait ``e`` was in a syscall on (a read, an fsync), as
+        the tracer named it on some wait of the same thread on that fd (it names each fd
+        on one wait a second); None outside such a syscall or when never named."""
+        if not e.ret:
+            return None
+        v = self.view
+        fd = v.conn.execute("SELECT bytes FROM event_data WHERE id = ?", (e.rowkey,)
+                            ).fetchone()  # the syscall's first argument: the fd
+        key = (e.tid, e.ret, int(fd[0] or 0) if fd else -1)
+        if key not in self._files:
+            row = v.conn.execute(
+                "SELECT json_extract(a.args, '$.fd.path') FROM event_data d JOIN event_args a "
+                "ON a.id = d.id WHERE d.id BETWEEN ? AND ? AND d.tid = ? AND d.op = ? AND "
+                "d.ret = ? AND d.bytes = ? AND json_extract(a.args, '$.fd.path') IS NOT NULL "
+                "LIMIT 1", (v.node.lo, v.node.hi, *key[:1], OFF_CPU, *key[1:])).fetchone()
+            self._files[key] = str(row[0]) if row and row[0] else None
+        return self._files[key]
+
+    def faulted(self, e: Ev) -> bool:
+        """Whether the wait ``e`` was a page fault on a mapped file: its recorded kernel
+        stack passes through filemap_fault (the file itself is not recorded)."""
+        row = self.view.conn.execute("SELECT json_extract(args, '$.kstack') FROM event_args "
+                                     "WHERE id = ?", (e.rowkey,)).fetchone()
+        return bool(row and row[0] and "filemap_fault" in str(row[0]))
 
     def of(self, reqs: list[Ev]) -> dict[int, int]:
         want = [b.rowkey for b in reqs if b.rowkey not in self._q]

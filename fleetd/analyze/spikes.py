@@ -285,9 +285,13 @@ def _io_wait(view: NodeView, spike: Spike, e: Ev, slept: int, whole: int, io: Ch
     behind = f", {_ms(io.queued_ns)} of it queued behind other processes' requests" \
         if io.queued_ns else ""
     where = f" in {wchan}" if wchan else ""
+    queues = queues_for(view)
+    path = queues.file_of(e)
+    on = f" on {path}" if path else (" (a page fault on a mapped file)"
+                                      if queues.faulted(e) else "")
     spike.evidence.append(_item(view, e, "off_cpu", slept,
-                                f"D-state wait{where} for {own}{behind}", state="D",
-                                culprit=view.who(top) if top else None))
+                                f"D-state wait{where}{on} for {own}{behind}", state="D",
+                                culprit=view.who(top) if top else None, file=path))
     spike.evidence += [_item(view, b, "block_io", overlap(e.ts, e.ts + whole, b.ts, b.end),
                              f"block I/O of {view.who(b.tid)['comm']}: {b.nbytes} bytes",
                              culprit=view.who(b.tid)) for b in [*io.own[:2], *io.others[:2]]]

@@ -1,7 +1,9 @@
 """I/O by ownership, recorded live (issue #42.1): a feeding thread reading its own
 mmapped dataset through page faults (tests/workloads/own_faults.py: a real file on this
 machine's disk, dropped from the page cache, every read a major fault) while a
-neighbour process (``disk-reader``) reads another file of the same disk with O_DIRECT.
+neighbour process (``disk-reader``) reads another file of the same disk with O_DIRECT,
+16 MiB at a time (one read keeps the disk busy however little CPU it gets: the
+waits stay long enough to be stalls on a busy node too).
 
 The victim's waits are its own I/O: ``block_io`` charged to itself first, the neighbour
 only for the time the victim's requests sat queued behind its requests; the kernel's
@@ -56,7 +58,8 @@ def _no_kernel_worker_culprit(report: dict[str, Any]) -> None:
 
 
 def test_own_page_faults_beside_a_disk_neighbour_are_the_victims_io(tmp_path: Path) -> None:
-    report, run = record_own_faults(tmp_path, "--neighbour", "read", "--random")
+    report, run = record_own_faults(tmp_path, "--neighbour", "read", "--random",
+                                    "--chunk-mb", "16")
     chains = _io_chains(report, run["pid"])
     assert [c["root_cause"] for c in chains] == ["block_io"], [c["summary"] for c in chains]
     [c] = chains
@@ -79,3 +82,14 @@ def test_own_page_faults_alone_are_the_victims_io(tmp_path: Path) -> None:
     for c in chains:
         assert c["culprits"][0]["pid"] == run["pid"], c["culprits"]
     _no_kernel_worker_culprit(report)
+
+
+def test_a_read_wait_names_its_file(tmp_path: Path) -> None:
+    """Reads through an fd: the evidence names the file the thread waited on."""
+    report, run = record_own_faults(tmp_path, "--access", "read", "--random",
+                                    "--neighbour", "read", "--chunk-mb", "16")
+    [c] = [c for c in _io_chains(report, run["pid"]) if c["root_cause"] == "block_io"]
+    assert c["culprits"][0]["pid"] == run["pid"]
+    files = {e.get("file") for e in c["evidence"] if e["kind"] == "off_cpu"}
+    assert run["dataset"] in files, [e["text"] for e in c["evidence"]]
+    assert any(f"on {run['dataset']} for" in e["text"] for e in c["evidence"])

@@ -29,7 +29,10 @@ def record_log_pipe(tmp: Path, *args: str) -> tuple[dict[str, Any], dict[str, An
 
 
 def test_writes_to_a_full_log_pipe_name_the_pipe_and_its_reader(tmp_path: Path) -> None:
-    report, run = record_log_pipe(tmp_path, "--reader-delay", "0.05", "--pipe-size", "4096")
+    # 4 KiB every 0.2 s against 1 KB lines: the loop outwrites the shipper even when it
+    # gets a quarter of a CPU on a busy node.
+    report, run = record_log_pipe(tmp_path, "--reader-delay", "0.2", "--line-bytes", "1000",
+                                  "--pipe-size", "4096")
     chains = [c for c in report["chains"] if c["root_cause"] == "pipe_blocked"]
     assert len(chains) == 1, [c["summary"] for c in report["chains"]]
     c = chains[0]

@@ -6,7 +6,8 @@ CUDA runtime through ctypes) followed by reading ``--pages`` pages of the datase
 file of ``--dataset-mb`` MiB mapped with mmap and dropped from the page cache first
 (posix_fadvise DONTNEED), at places never read before in the run: every read is a
 major fault (the kernel reads around the page; ``--random``: the page alone, as
-MADV_RANDOM asks), and the thread sleeps in D state (``folio_wait_bit_common``) until
+MADV_RANDOM asks; ``--access read``: the same pages with pread(2) on an fd), and the
+thread sleeps in D state (``folio_wait_bit_common``) until
 its own read completes. ``--neighbour read`` forks a process named ``disk-reader`` that reads
 another file of ``--neighbour-mb`` MiB in the same directory (so the same disk) with
 O_DIRECT, ``--chunk-mb`` at a time without pause: the victim's requests queue behind its
@@ -96,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pages", type=int, default=4, help="dataset pages read per step")
     p.add_argument("--launches", type=int, default=8, help="kernel launches per step")
     p.add_argument("--cpu-us", type=float, default=40.0, help="CPU work before each launch")
+    p.add_argument("--access", choices=("mmap", "read"), default="mmap",
+                   help="read: os.pread of each page through a file descriptor instead")
     p.add_argument("--random", action="store_true",
                    help="MADV_RANDOM: a page per fault (default: the kernel's read-around)")
     p.add_argument("--chunk-mb", type=int, default=4, help="the neighbour's read size")
@@ -111,10 +114,11 @@ def main(argv: list[str] | None = None) -> int:
         make_file(other, a.neighbour_mb)
         neighbour = start_neighbour(other, a.duration + 30, a.chunk_mb * CHUNK)
     wl = Workload(Config(launches=a.launches, memcpy=1, cpu_us=a.cpu_us))
-    with open(data, "rb") as f:
-        view = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    fd = os.open(data, os.O_RDONLY)
+    view = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
     if a.random:
         view.madvise(mmap.MADV_RANDOM)  # one page per fault, no read-around
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # and no readahead for reads
     order = list(range(len(view) // PAGE))
     random.Random(42).shuffle(order)
     while a.go_file and not os.path.exists(a.go_file):
@@ -126,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         wl.step()
         t0 = time.perf_counter_ns()
         for page in order[faults:faults + a.pages]:
-            checksum ^= view[page * PAGE + page % PAGE]  # a major fault: read from the disk
+            if a.access == "read":  # a read(2) that waits for the disk, on the fd
+                checksum ^= os.pread(fd, 1, page * PAGE + page % PAGE)[0]
+            else:
+                checksum ^= view[page * PAGE + page % PAGE]  # a major fault
         reading += time.perf_counter_ns() - t0
         faults += a.pages
         steps += 1
