@@ -121,6 +121,7 @@ class Intake:
             self._proc_comm[ev.pid] = str(row["comm"] or "")
             w.add_processes([row])
             self.targets.rescan_soon()
+            self.targets.execed.add(ev.pid)
         elif ev.op == OP_EXIT:
             self.targets.exited[ev.pid] = ev.exit_code
             w.add_processes([{"pid": ev.pid, "exit_ns": ev.ts_ns, "exit_code": ev.exit_code}])

@@ -71,6 +71,9 @@ class Targets:
         self.cfg = cfg
         self.pids: dict[int, str] = {}  # pid -> origin
         self.exited: dict[int, int | None] = {}  # pid -> exit code
+        # Targets that called exec since the last Python refresh: their interpreter (if
+        # any) is another image now, at other addresses.
+        self.execed: set[int] = set()
         self.libs: dict[tuple[int, int, str], Library] = {}
         self.report = AttachReport()
         self.attacher: Attacher | None = None  # set once the programs are compiled

@@ -303,6 +303,9 @@ class Tracer:
         whose interpreter cannot be followed is said so once."""
         if self._python is None:
             return
+        for pid in self.scope.execed:  # read again from the new image
+            self._python.forget(pid)
+        self.scope.execed.clear()
         self._python.refresh(self.live_targets())
         if self._oncpu is not None:
             self._oncpu.refresh_gc()

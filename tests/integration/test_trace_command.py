@@ -97,3 +97,20 @@ def test_command_mistakes_are_one_line(tmp_path: Path, args: list[str], says: st
     assert r.returncode == 2
     assert_one_line_error(r, says)
     assert not (tmp_path / "t.db").exists()
+
+
+@pytest.mark.bpf
+@pytest.mark.slow
+@root
+def test_python_frames_are_read_from_the_program_not_from_fleetd(tmp_path: Path) -> None:
+    """The program is forked from fleetd (a Python process) and then execs: its frames
+    must be read from the new image, not from the fork's copy of fleetd's interpreter."""
+    r = subprocess.run([FLEETD, "trace", "--db", str(tmp_path / "t.db"), "--node", "cmd-node",
+                        "--no-host", "--cpu-sample-hz", "199", "--", sys.executable,
+                        str(WORKLOAD), "--duration", "4", "--gil-thread", "--launches", "5"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    folded = subprocess.run([FLEETD, "profile", "--db", str(tmp_path / "t.db"), "--format",
+                             "folded"], capture_output=True, text=True, timeout=120)
+    assert folded.returncode == 0, folded.stderr
+    assert "train_loop.py:" in folded.stdout, folded.stdout[:2000]
