@@ -467,6 +467,59 @@ def _main_fleet(out: Path, seconds: float, verify: bool) -> int:
     return 1 if wrong else 0
 
 
+# ---- showcase: what profile and collectives need, to try without root --------------------
+
+DEFAULT_SHOWCASE_OUT = REPO / "investigations" / "showcase"
+NCCL_RANKS = REPO / "tests" / "workloads" / "nccl_ranks.py"
+# name -> (what it shows, the program fleetd trace starts, fleetd trace's own options)
+SHOWCASE: dict[str, tuple[str, list[str], list[str]]] = {
+    "profile": ("on-CPU samples with Python frames (`fleetd profile`): the reference "
+                "workload with a pure-Python thread computing beside the feeding thread",
+                [sys.executable, str(WORKLOAD), "--duration", "5", "--gil-thread",
+                 "--gil-duty", "0.5", *BASE],
+                ["--cpu-sample-hz", "99", "--stacks"]),
+    "collectives": ("a 4-rank NCCL job over the real libnccl, rank 2 late by 3 ms a step "
+                    "(`fleetd collectives`, and the straggler rank in `fleetd explain`)",
+                    [sys.executable, str(NCCL_RANKS), "--spawn", "4", "--seconds", "5",
+                     "--compute-ms", "2", "--extra-ms-rank", "2:3"],
+                    []),
+}
+
+
+def record_showcase(out_dir: Path) -> dict[str, str]:
+    """Each program started under ``fleetd trace -- CMD`` (traced from its first call),
+    compacted; returns the command line that made each file."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    made = {}
+    for name, (_, program, opts) in SHOWCASE.items():
+        db = out_dir / f"{name}.db"
+        db.unlink(missing_ok=True)
+        cmd = [FLEETD, "trace", "--db", str(db), "--node", NODE, *opts, "--", *program]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if not db.exists() or "fleetd: stopped" not in r.stderr:
+            raise SystemExit(f"recording {name} failed: {r.stderr[-2000:]}")
+        compact(db)
+        shown = [Path(c).name if c.startswith(str(REPO)) or c == sys.executable else c
+                 for c in cmd[1:]]
+        made[name] = "fleetd " + " ".join(shown).replace(str(db), f"{name}.db")
+    return made
+
+
+def _showcase_readme(out_dir: Path, made: dict[str, str]) -> None:
+    lines = ["# Recordings to try `fleetd profile` and `fleetd collectives` without root",
+             "", f"Recorded by `sudo .venv/bin/python tests/recorder.py --showcase` on "
+             f"{machine()}, each program started under the tracer (`fleetd trace -- CMD`).",
+             ""]
+    for name, (about, _, _) in SHOWCASE.items():
+        lines += [f"- `{name}.db`: {about}.", f"  `{made.get(name, '?')}`"]
+    lines += ["", "```sh", ".venv/bin/fleetd profile --db investigations/showcase/profile.db",
+              ".venv/bin/fleetd profile --db investigations/showcase/profile.db "
+              "--format folded > profile.folded   # flamegraph.pl, speedscope",
+              ".venv/bin/fleetd collectives --db investigations/showcase/collectives.db",
+              "```", ""]
+    (out_dir / "README.md").write_text("\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("scenarios", nargs="*", help=f"default: all of {', '.join(SCENARIOS)}")
@@ -477,7 +530,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="record the 3-node set and its merged cluster.db instead")
     p.add_argument("--verify", action="store_true",
                    help="only check the databases already in --out")
+    p.add_argument("--showcase", action="store_true",
+                   help="record investigations/showcase (profile.db, collectives.db) instead")
     a = p.parse_args(argv)
+    if a.showcase:
+        out = a.out or DEFAULT_SHOWCASE_OUT
+        _showcase_readme(out, record_showcase(out))
+        return 0
     if a.fleet:
         return _main_fleet(a.out or DEFAULT_FLEET_OUT, a.seconds, a.verify)
     a.out = a.out or DEFAULT_OUT

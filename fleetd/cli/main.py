@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 from fleetd import __version__
-from fleetd.errors import FleetdError
+from fleetd.errors import FleetdError, UsageError
 
 # Order here is the order in --help.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -175,6 +175,15 @@ def _report(exc: FleetdError) -> int:
     return exc.exit_code
 
 
+def _not_permitted(exc: PermissionError) -> FleetdError:
+    """A file this user may not read or write (a root-owned database, tracefs): the
+    user's situation, not a bug; one line naming the file."""
+    what = exc.filename if exc.filename is not None else "a file"
+    return UsageError(f"permission denied: {what}",
+                      "run as a user who may read it (tracing and the agent's files need "
+                      "root: sudo), or copy the file somewhere readable")
+
+
 def _damaged_database(exc: Exception) -> FleetdError | None:
     """A damaged database surfaces wherever a statement first reads the bad page, in any
     reader (explain, ops, overview...): told here once, as one line naming the file."""
@@ -199,6 +208,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.func(args) or 0)
     except FleetdError as exc:
         return _report(exc)
+    except BrokenPipeError:
+        # `fleetd query ... | head`: the reader left; that is not an error.
+        sys.stderr.close()
+        return 0
+    except PermissionError as exc:
+        return _report(_not_permitted(exc))
     except Exception as exc:
         known = _damaged_database(exc)
         if known is None:
@@ -207,10 +222,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fleetd: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        # `fleetd query ... | head`: the reader left; that is not an error.
-        sys.stderr.close()
-        return 0
 
 
 if __name__ == "__main__":
