@@ -16,6 +16,7 @@ names demangled by the C++ runtime's own ``__cxa_demangle``.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -247,14 +248,25 @@ class FunctionSymbols:
     def forget(self, pid: int) -> None:
         self._maps.pop(pid, None)
 
+    def remember(self, pid: int) -> None:
+        """Read ``pid``'s mappings now (the tracer does whenever it reads them itself: at
+        start, at every maps scan, whenever a mapping hook holds the process): a tracer
+        that falls behind names the addresses of a process that has exited since from
+        its last mappings (the files stay on disk), instead of naming nothing."""
+        with contextlib.suppress(OSError):
+            maps = mappings(pid)
+            self._maps[pid] = (time.monotonic(), maps, bases(maps))
+
     def _mapping(self, pid: int, addr: int) -> tuple[_Mapping, int] | None:
         for attempt in (0, 1):
             got = self._maps.get(pid)
             if got is None or (attempt and time.monotonic() - got[0] > MAX_MAPS_AGE_S):
                 try:
                     maps = mappings(pid)
-                except OSError:
-                    return None
+                except OSError:  # gone: its last mappings, if any, still name it
+                    if got is None:
+                        return None
+                    maps = got[1]
                 got = (time.monotonic(), maps, bases(maps))
                 self._maps[pid] = got
             _, maps, loaded_at = got
@@ -264,12 +276,18 @@ class FunctionSymbols:
         return None
 
     def _image(self, pid: int, path: str) -> _Image | None:
-        # Through /proc/PID/root: the file as the process sees it (containers).
+        # Through /proc/PID/root: the file as the process sees it (containers); once the
+        # process has exited, the path itself (the same file unless it lived in a
+        # container of its own).
         real = f"/proc/{pid}/root{path}"
         try:
             st = os.stat(real)
         except OSError:
-            return None
+            real = path
+            try:
+                st = os.stat(real)
+            except OSError:
+                return None
         key = (st.st_dev, st.st_ino, int(st.st_mtime))
         bid = self._ids.get(key)
         if bid is not None and bid in self._by_id:

@@ -84,6 +84,9 @@ class Targets:
         self.lock = threading.RLock()
         self.watch: MapWatch | None = None
         self.hidden: dict[str, list[int]] = {}  # stripped runtime's path -> pids seen
+        # Told of each process whose mappings were read (the symbolizer keeps them, to
+        # name its addresses even after it exits).
+        self.on_mapped: Callable[[int], None] | None = None
 
     def initial_libraries(self) -> list[Library]:
         cfg = self.cfg
@@ -151,6 +154,8 @@ class Targets:
         """Attach the CUDA code ``pid`` maps now that has no probes yet (the mapping
         watcher calls it while the process is held); the paths attached. A stripped file
         that carries the runtime is said once per file."""
+        if self.on_mapped is not None:
+            self.on_mapped(pid)
         if self.cfg.cuda_libs:
             return []
         mapped = scan_mapped(pid)

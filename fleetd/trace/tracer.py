@@ -191,6 +191,11 @@ class Tracer:
     def _start_enrichers(self) -> None:
         """Python frames and stacks, the on-CPU sampler, kernel names, wait channels."""
         symbols = FunctionSymbols()
+        # Each target's mappings are kept from when they are first read: a launch
+        # drained after its process exited is still named (a loaded tracer can lag).
+        self.scope.on_mapped = symbols.remember
+        for pid in list(self.scope.pids):
+            symbols.remember(pid)
         if self.cfg.stacks or self.cfg.cpu_sample_hz:
             self._python = PythonTargets(self.bpf)
         if self.cfg.stacks and self._python is not None:
