@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import sqlite3
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,9 +143,9 @@ class NodeView:
         """Who held the CPU while ``tid`` was runnable, over all its recorded run-queue
         time (the breakdown's ``runq`` column): a preemption goes to the tasks at its two
         ends (:func:`preempt_takers`), the queued tail of a short sleep to the task that
-        took the CPU when the thread went to sleep and the one that ran until it got
-        the CPU back (:func:`tail_takers`). The same ends as a spike's, for the whole
-        window."""
+        took the CPU when the thread went to sleep, when that is the task that takes
+        over at most of its switches, and the one that ran until it got the CPU back
+        (:func:`tail_takers`). The same ends as a spike's, for the whole window."""
         out: dict[int, int] = defaultdict(int)
         left_to: dict[int, tuple[int, int]] = {}  # end of an off-CPU wait -> (next, dur)
         tails = []
@@ -163,9 +163,16 @@ class NodeView:
                         out[taker] += ns
             elif state != "R" and a1 and ts >= self.win.start_ns:
                 tails.append((int(ts) + int(dur), int(a1), int(dur)))
+        # Only the task that takes over at most of the thread's switches (a busy loop
+        # beside it) is still on the CPU when the thread wakes; another one that took
+        # the CPU at one sleep (a peer's short step) has long gone back to sleep.
+        peers = Counter(peer for peer, _ in left_to.values() if peer)
+        top = peers.most_common(1)
+        busy = top[0][0] if top and top[0][1] * 2 >= sum(peers.values()) else 0
         for end, last, ns in tails:
             first, off = left_to.get(end, (0, 0))
-            for taker, part in tail_takers(tid, first, off - ns, last, ns):
+            for taker, part in tail_takers(tid, first if first == busy else 0, off - ns,
+                                           last, ns):
                 out[taker] += part
         return out
 

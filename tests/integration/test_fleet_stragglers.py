@@ -2,8 +2,9 @@
 workload in its own CPU slice; one host also runs a CPU hog in that slice.
 
 ``fleetd explain --nodes`` must flag exactly that host, name CPU contention and the hog,
-and print it first; and the bed itself must behave like four machines (the hog slows
-its own host only).
+and print it first; the same data merged into one file must get the same verdict from
+``fleetd explain --db`` (same metrics, same scores within rounding); and the bed itself
+must behave like four machines (the hog slows its own host only).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
             assert w.returncode == 0, out
             summaries[h.name] = json.loads(out.strip().splitlines()[-1])
         time.sleep(2)  # the tracers' last batches reach the databases
-        yield bed, hog_host, summaries
+        yield bed, hog_host, summaries, {h.name: tmp / f"{h.name}.db" for h in bed.hosts}
 
 
 def _explain(bed: NetBed, *extra: str) -> Any:
@@ -60,7 +61,7 @@ def _explain(bed: NetBed, *extra: str) -> Any:
 
 
 def test_the_bed_isolates_hosts(fleet: Any) -> None:
-    bed, hog_host, summaries = fleet
+    bed, hog_host, summaries, _ = fleet
     rates = {n: s["steps_per_s"] for n, s in summaries.items()}
     healthy = [r for n, r in rates.items() if n != hog_host.name]
     # Healthy hosts do the same work at the same pace; the hog slows its host only.
@@ -72,7 +73,7 @@ def test_the_bed_isolates_hosts(fleet: Any) -> None:
 
 
 def test_explain_flags_exactly_the_hog_host(fleet: Any) -> None:
-    bed, hog_host, _ = fleet
+    bed, hog_host, _, _ = fleet
     proc = _explain(bed, "--format", "json")
     assert proc.returncode == 0, proc.stderr
     obj = json.loads(proc.stdout)
@@ -81,6 +82,8 @@ def test_explain_flags_exactly_the_hog_host(fleet: Any) -> None:
     assert set(obj["skew"]) == {h.name for h in bed.hosts}
     flagged = [s for s in obj["stragglers"] if s["flagged"]]
     print(json.dumps(obj["stragglers"], indent=1))
+    print(json.dumps([(c["node"], c["root_cause"], c["victim"]["pid"], c.get("culprits", [])[:4])
+                      for c in obj["chains"]], indent=1))  # shown on failure, and with -s
     assert [s["node"] for s in flagged] == [hog_host.name], obj["stragglers"]
     top = obj["stragglers"][0]
     assert top["node"] == hog_host.name and top["score"] < 0.8
@@ -96,7 +99,7 @@ def test_explain_flags_exactly_the_hog_host(fleet: Any) -> None:
 
 
 def test_explain_table_prints_the_straggler_first_with_its_why(fleet: Any) -> None:
-    bed, hog_host, _ = fleet
+    bed, hog_host, _, _ = fleet
     proc = _explain(bed)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -110,3 +113,29 @@ def test_explain_table_prints_the_straggler_first_with_its_why(fleet: Any) -> No
     table = out[out.index("stragglers"):out.index(f"STRAGGLER {hog_host.name}")]
     rows = [line.split()[0] for line in table.splitlines() if line.startswith("host-")]
     assert rows[0] == hog_host.name and sorted(rows) == sorted(h.name for h in bed.hosts)
+
+
+def test_the_merged_file_gives_the_live_verdict(fleet: Any, tmp_path: Any) -> None:
+    # The agents' last histograms are written within their 10 s: wait for them, so that
+    # the live answer and the file hold the same data.
+    bed, hog_host, _, dbs = fleet
+    time.sleep(11)
+    live = _explain(bed, "--format", "json")
+    assert live.returncode == 0, live.stderr
+    merged = tmp_path / "cluster.db"
+    done = bed.client("merge", *map(str, dbs.values()), "-o", str(merged))
+    assert done.returncode == 0, done.stderr
+    filed = bed.client("explain", "--db", str(merged), "--format", "json")
+    assert filed.returncode == 0, filed.stderr
+
+    def verdict(out: str) -> dict[str, tuple[Any, str, float | None]]:
+        return {s["node"]: (s["flagged"], s["metric"], s["score"])
+                for s in json.loads(out)["stragglers"] if s.get("rank") is None}
+    a, b = verdict(live.stdout), verdict(filed.stdout)
+    print(json.dumps({"live": a, "file": b}, indent=1))
+    assert set(a) == set(b) == {h.name for h in bed.hosts}
+    for node in a:
+        assert a[node][:2] == b[node][:2], (node, a[node], b[node])
+        assert a[node][2] is not None and b[node][2] is not None
+        assert abs(a[node][2] - b[node][2]) <= 0.01, (node, a[node], b[node])
+    assert [n for n, v in b.items() if v[0]] == [hog_host.name]

@@ -62,3 +62,21 @@ def test_the_hog_stays_the_culprit_when_bystanders_end_the_waits(tmp_path: Path)
     # Each wait is shared by its two ends, the hog's at least as much as the bystander.
     bystander = next(c for c in culprits if c["pid"] == BYSTANDER)
     assert culprits[0]["share"] >= bystander["share"] > 0.3, culprits[:3]
+
+
+def test_a_task_that_took_the_cpu_once_is_not_credited(tmp_path: Path) -> None:
+    # The same recording with the off-CPU waits handed to three tasks in turn: none of
+    # them takes over at most switches, so none was on the CPU all along; the tails go
+    # to the task that ran last (the bystander here) as before.
+    db = tmp_path / "rotating.db"
+    shutil.copy(RECORDED, db)
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE event_data SET a1 = ? WHERE op = ? AND a1 = ?",
+                  (BYSTANDER, op_code("runq_wait"), HOG))
+        c.execute("UPDATE event_data SET peer = 100 + id % 3 WHERE op = ? AND peer = ?",
+                  (op_code("off_cpu"), HOG))
+        c.execute("INSERT INTO task_data (node, tid, pid, comm) VALUES (1, ?, NULL, "
+                  "'rcu_preempt')", (BYSTANDER,))
+    culprits = _culprits(db)
+    assert culprits[0]["pid"] == BYSTANDER, culprits[:3]
+    assert not any(c["pid"] in (100, 101, 102) and c["share"] > 0.05 for c in culprits)
