@@ -360,6 +360,9 @@ def _report(s: TraceSummary, cfg: TraceConfig, reason: str, err: TextIO) -> None
               "higher --sample", file=err)
     if s.writer.last_error:
         warn([f"database writes failed: {s.writer.last_error}"], out=err)
+    if s.mapping.get("late"):
+        warn([f"{s.mapping['late']} libraries were probed after their process mapped them: "
+              "calls before the probes may be missing (sessions.targets.mapping)"], out=err)
 
 
 def _summary_json(s: TraceSummary, cfg: TraceConfig) -> str:
@@ -370,5 +373,5 @@ def _summary_json(s: TraceSummary, cfg: TraceConfig) -> str:
         "sampled_out": s.sampled_out,
         "lost": s.lost, "lost_total": s.lost_total, "unreported_loss": s.unreported_loss,
         "targets": s.targets, "libraries": s.libraries, "probes": s.probes,
-        "headers_route": s.headers_route,
+        "headers_route": s.headers_route, "mapping": s.mapping,
     }, sort_keys=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fleetd.store.writer import WriterStats
 from fleetd.trace.bpfsrc import HOST_PARTS
@@ -76,3 +77,6 @@ class TraceSummary:
     probes: int
     headers_route: str
     writer: WriterStats
+    # The mapping hook over the session (fleetd.trace.mapwatch.MappingJSON): holds, and
+    # every window in which calls could have been missed.
+    mapping: dict[str, Any] = field(default_factory=dict)

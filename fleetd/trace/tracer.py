@@ -454,6 +454,7 @@ class Tracer:
             probes=self.report.uprobes,
             headers_route=self.route.describe() if self.route else "",
             writer=stats,
+            mapping=dict(self.scope.watch.json()) if self.scope.watch is not None else {},
         )
 
     def _cleanup_bpf(self) -> None:

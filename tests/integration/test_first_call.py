@@ -114,7 +114,8 @@ def test_calls_counted_from_the_first_one(tmp_path: Path) -> None:
     launcher = subprocess.Popen(["sh", "-c", script])
     tracer = subprocess.Popen(
         [str(REPO / ".venv/bin/fleetd"), "trace", "--pid", str(late.pid), "--pid",
-         str(launcher.pid), "--db", str(db), "--sample", "1", "--node", "first-call"],
+         str(launcher.pid), "--db", str(db), "--sample", "1", "--node", "first-call",
+         "--summary-json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert tracer.stderr is not None
@@ -131,7 +132,7 @@ def test_calls_counted_from_the_first_one(tmp_path: Path) -> None:
         go.touch()
         out, _ = late.communicate(timeout=120)
         assert launcher.wait(timeout=120) == 0
-        _, err = tracer.communicate(timeout=120)  # the targets exited: it stops itself
+        summary, err = tracer.communicate(timeout=120)  # the targets exited: it stops itself
     finally:
         for p in (late, launcher, tracer):
             if p.poll() is None:
@@ -156,6 +157,7 @@ def test_calls_counted_from_the_first_one(tmp_path: Path) -> None:
     assert mapping["hook"] == "hold" and mapping["late"] == 0, mapping
     assert mapping["held"] >= 3, mapping  # the late dlopen, the child's, the static exec
     assert str(stripped) in targets["hidden_runtimes"]
+    assert json.loads(summary)["mapping"]["held"] == mapping["held"]
     kinds = {(Path(lib["path"]).name, lib["kind"]) for lib in targets["libraries"]}
     assert {("libcudart-1a2b3c4d.so.12", "cudart"), ("static_cudart", "cudart")} <= kinds
 
