@@ -17,7 +17,15 @@ from typing import Any
 
 from fleetd.errors import UsageError
 from fleetd.ingest.kineto_stage import Stage
-from fleetd.ingest.session import Names, Source, api_op, clean_text, nccl_collective, us_to_ns
+from fleetd.ingest.session import (
+    MAX_NAME_CHARS,
+    Names,
+    Source,
+    api_op,
+    clean_text,
+    nccl_collective,
+    us_to_ns,
+)
 from fleetd.store.imports import ANNOTATION_KINDS, GPU_KINDS
 
 _GPU = {"kernel": GPU_KINDS["kernel"], "gpu_memcpy": GPU_KINDS["memcpy"],
@@ -46,6 +54,7 @@ _CAT_API, _CAT_GPU, _CAT_RANGE = 1, 10, 20
 FLUSH_ROWS = 16384  # rows converted before they go to the scratch file
 _RSS_EVERY = 32  # pieces between two looks at the resident set
 _CACHE_MAX = 1 << 16  # entries of a conversion cache before it starts over
+_CAT_KEY_MAX = 64  # a category longer than this is not cached (no profiler writes one)
 _META_MAX = 1 << 16  # process and thread names kept
 _STREAM = re.compile(r"(?:stream)?\s*(\d{1,19})")
 _NO_DIMS = (0, 0, 0)  # a GPU row's grid or block size when it has none
@@ -147,7 +156,9 @@ class Converter:
             if type(cat) is str:
                 what = cats.get(cat)
                 if what is None:
-                    what = cats[cat] = self._new_category(cat)
+                    what = self._new_category(cat)
+                    if len(cat) <= _CAT_KEY_MAX:  # a cache of a few short words
+                        cats[cat] = what
             else:
                 what = -1
             ts: Any = ev.get("ts")
@@ -168,6 +179,11 @@ class Converter:
                 if what:
                     foreign += 1
                 continue
+            if len(name) > MAX_NAME_CHARS:
+                # Stored cut there anyway (session.clean_text): cut first, so that the
+                # caches below, keyed by name, hold at most that much per name (a file
+                # of 1 MiB kernel names held every one of them whole: 1.35 GB).
+                name = name[:MAX_NAME_CHARS]
             # us_to_ns, inline: whole microseconds times 1000 plus the rounded fraction
             if tt is int:
                 ts_ns = ts * 1000

@@ -20,7 +20,7 @@ the top-level ``traceEvents`` key (the text before it, closed with a nonce strin
 parse as an object whose ``traceEvents`` is that nonce), and at the end of the file the
 array's ``]`` is the one after which the rest of the document parses the same way. A run
 of more than LONG_SPACE bytes of whitespace, which only a broken or hostile file holds,
-is read as one newline, so a file of whitespace is read in bounded memory too. A piece
+is read as one space, so a file of whitespace is read in bounded memory too. A piece
 (or, every PROBE_AT bytes without a cut, the text held) that fails to parse before its
 end is not JSON whatever follows: refused at once, so junk costs a MiB, not MAX_PIECE.
 When the layout does not hold up (two ``traceEvents`` keys, a cut that never parses) a document
@@ -51,12 +51,15 @@ CHUNK_BYTES = 64 << 10
 MAX_PIECE = 32 << 20  # the most text held for one piece (one event, or a cut not found)
 MAX_HEAD = 32 << 20  # the most text before the traceEvents array
 WHOLE_MAX = 16 << 20  # an odd layout is parsed whole up to this size, else refused
-LONG_SPACE = 4096  # a run of more whitespace is read as one newline
+LONG_SPACE = 4096  # a run of more whitespace is read as one space
 SQUEEZE_AT = 4 << 20  # held text from which long whitespace runs are squeezed out
 PROBE_AT = 1 << 20  # held text without a cut that is checked for being JSON so far
 
 _WS = rb"[ \t\n\r]*"  # JSON's whitespace (regex \s has more: orjson refuses those)
 _CUT = re.compile(rb"\}" + _WS + rb"," + _WS + rb"\{")  # where two events may meet
+# A string (to its closing quote, or to the end of the text held) or a cut.
+_TOKEN = re.compile(rb'(?P<str>"[^"\\]*(?:\\[\s\S][^"\\]*)*(?:(?P<close>")|\\?\Z))|(?P<cut>'
+                    + _CUT.pattern + rb")")
 _PARTIAL_CUT = re.compile(_WS + rb"(?:," + _WS + rb")?")  # after the last '}' held
 _EVENTS = re.compile(rb'"traceEvents"[ \t\n\r]*:[ \t\n\r]*\[')
 _EVENTS_KEY = b'"traceEvents"'
@@ -179,7 +182,9 @@ class Text:
         self.dropped += keep
         squeezed = False
         if len(rest) >= self._squeeze_at:
-            small = _LONG.sub(b"\n", rest)
+            # One space: a run this long is valid JSON only between tokens or inside a
+            # string (where only spaces may stand raw), and one space keeps both valid.
+            small = _LONG.sub(b" ", rest)
             squeezed = len(small) != len(rest)
             self.dropped += len(rest) - len(small)
             rest = small
@@ -357,9 +362,11 @@ def _pieces(text: Text, start: int, clock: Clock) -> Iterator[list[Any]]:
     span = CHUNK_BYTES
     look = pos
     probe = PROBE_AT
+    careful = False  # the last cut of this piece lay inside an event: skip strings
     while True:
         buf = text.buf
-        found = _CUT.search(buf, max(look, pos + span))
+        found = (_cut_outside_strings(buf, pos, pos + span) if careful
+                 else _CUT.search(buf, max(look, pos + span)))
         if found is None:
             if text.eof:
                 yield from _last(text, pos)
@@ -383,10 +390,29 @@ def _pieces(text: Text, start: int, clock: Clock) -> Iterator[list[Any]]:
                 raise SplitFailed(_not_json(text, pos))
             span = 2 * (stop - pos)
             look = found.start() + 1
+            careful = True
             continue
         yield items
         del items  # freed before the next piece is parsed, which reuses its memory
         pos, span, look, probe = found.end() - 1, CHUNK_BYTES, found.end() - 1, PROBE_AT
+        careful = False
+
+
+def _cut_outside_strings(buf: bytes, pos: int, lo: int) -> re.Match[bytes] | None:
+    """The first cut at or after ``lo`` that is not inside a string, reading the text
+    from ``pos`` (the start of an event, so outside any string); None when the text
+    held ends first. Only after a piece failed to parse: names may hold ``}, {`` (a C++
+    lambda's, or a hostile file's, a million times over), and each such cut, parsed,
+    fails; doubling the piece for each of them reached MAX_PIECE and refused a valid
+    file. Strings are skipped by one regular expression each, so a long name costs one
+    match, not one per cut it holds."""
+    for m in _TOKEN.finditer(buf, pos):
+        if m.lastgroup == "cut":
+            if m.start() >= lo:
+                return m
+        elif m.group("close") is None:
+            return None  # a string the text held does not close yet
+    return None
 
 
 def _resume(buf: bytes, lo: int) -> int:

@@ -64,6 +64,8 @@ class Names:
         self._cache.clear()
 
     def __call__(self, name: str) -> int:
+        if len(name) > MAX_NAME_CHARS:  # the cache's keys stay as short as what is stored
+            name = name[:MAX_NAME_CHARS]
         got = self._cache.get(name)
         if got is not None:
             return got
