@@ -18,7 +18,7 @@ from aiohttp import web
 
 from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
 from fleetd.analyze.window import WindowSpec
-from fleetd.node.api import READERS, STATE, client_of, encode
+from fleetd.node.api import READERS, STATE, client_of, encode, held_answer
 from fleetd.questions.catalog import QUESTIONS
 from fleetd.questions.spec import Question
 
@@ -37,8 +37,13 @@ async def _run(request: web.Request, job: Job, windowed: bool = True) -> web.Str
         # and with it every light request (health, time, metrics).
         return encode(job(Analysis(conn, spec.resolve_request(conn), node), node))
 
-    raw = await readers.run(lambda db: db.analyze(go, ANALYSIS_TIMEOUT_S), client_of(request))
-    return web.Response(body=raw, content_type="application/json")
+    async def made() -> bytes:
+        return await readers.run(lambda db: db.analyze(go, ANALYSIS_TIMEOUT_S),
+                                 client_of(request))
+
+    # Held for its client like a query's answer until it has left (docs/security.md
+    # "Connections and memory").
+    return await held_answer(request, readers.limits.max_bytes, made)
 
 
 def question_route(question: Question) -> web.RouteDef:

@@ -308,16 +308,16 @@ async def query(request: web.Request) -> web.StreamResponse:
             "elapsed_ms": round(result.elapsed_ms, 3)}
         return encode(reply)
 
-    with AnswerRoom(request, limits.max_bytes) as room:
+    async def made() -> bytes:
         try:
-            raw = await readers.run(answer, client_of(request))
+            return await readers.run(answer, client_of(request))
         except QueryError:
             st.query_errors += 1
             raise
         finally:
             _observe(st, time.perf_counter() - started)
-        room.keep(len(raw))
-        return await send_paced(request, raw)
+
+    return await held_answer(request, limits.max_bytes, made)
 
 
 async def _query_stream(request: web.Request, sql: str, params: list[Any] | dict[str, Any],
@@ -396,14 +396,30 @@ class AnswerRoom:
         return self
 
     def keep(self, size: int) -> None:
-        if self.outbox is not None and size < self.held:
+        """Hold what the answer took: less than reserved is given back; more (an answer
+        without a byte limit of its own, an analysis) is counted, the work being done."""
+        if self.outbox is None or size == self.held:
+            return
+        if size < self.held:
             self.outbox.release(self.client, self.held - size)
-            self.held = size
+        else:
+            self.outbox.hold(self.client, size - self.held)
+        self.held = size
 
     def __exit__(self, *exc: object) -> None:
         if self.outbox is not None and self.held:
             self.outbox.release(self.client, self.held)
             self.held = 0
+
+
+async def held_answer(request: web.Request, most: int,
+                      make: Callable[[], Awaitable[bytes]]) -> web.StreamResponse:
+    """The JSON answer ``make()`` encodes (at most ``most`` bytes expected), with room
+    held for it in the outbox from before it is made until it has left, sent paced."""
+    with AnswerRoom(request, most) as room:
+        raw = await make()
+        room.keep(len(raw))
+        return await send_paced(request, raw)
 
 
 async def send_paced(request: web.Request, raw: bytes,

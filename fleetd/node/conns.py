@@ -109,11 +109,15 @@ class Outbox:
             why = (f"{self.stats.queued_bytes} bytes of answers wait for their clients, and "
                    f"this one may take {size} more, over the node's {self.total}")
         else:
-            self._held[client] = mine + size
-            self.stats.queued_bytes += size
+            self.hold(client, size)
             return None
         self.stats.queue_refusals += 1
         return why
+
+    def hold(self, client: str, size: int) -> None:
+        """Count ``size`` more bytes for ``client``, cap or not."""
+        self._held[client] = self._held.get(client, 0) + size
+        self.stats.queued_bytes += size
 
     def release(self, client: str, size: int) -> None:
         left = self._held.get(client, 0) - size
