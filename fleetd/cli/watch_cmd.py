@@ -23,6 +23,7 @@ from typing import Any, TextIO
 from fleetd.cli.fleet_args import add_fleet_args, fleet_options, seconds
 from fleetd.errors import UsageError
 from fleetd.fleet.notify import Delivery
+from fleetd.fleet.straggle import Changes
 from fleetd.printable import printable, printable_tree
 
 log = logging.getLogger("fleetd.watch")
@@ -123,11 +124,14 @@ def _delivery(args: argparse.Namespace) -> Delivery | None:
     return d if d.wanted else None
 
 
-def _evidence(answer: Any, hangs: list[dict[str, Any]]) -> str | None:
-    """Where the first culprit's node shows its ranks (the agent's ranks route)."""
+def _evidence(answer: Any, hangs: list[dict[str, Any]], node: str | None = None
+              ) -> str | None:
+    """Where the first culprit's node (or ``node``) shows its ranks (the agent's ranks
+    route)."""
     from fleetd.wire.paths import RANKS
 
-    node = ((hangs[0].get("culprits") or [{}])[0]).get("node") if hangs else None
+    if node is None:
+        node = ((hangs[0].get("culprits") or [{}])[0]).get("node") if hangs else None
     for o in answer.outcomes:
         if o.name == node:
             return f"https://{o.target.address}{RANKS}"
@@ -139,6 +143,7 @@ async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
     from fleetd.fleet.client import FleetClient
     from fleetd.fleet.hang import DetailAsks, poll
     from fleetd.fleet.notify import Notifier
+    from fleetd.fleet.straggle import StraggleWatch
 
     live = _tty(err)
     started = time.monotonic()
@@ -148,6 +153,7 @@ async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
     polls = 0
     result: dict[str, Any] = {}
     detail = DetailAsks()
+    straggle = StraggleWatch()
     notifier = Notifier(spec.delivery) if spec.delivery is not None else None
     async with FleetClient(opts.client) as client:
         while True:
@@ -156,7 +162,8 @@ async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
             within = spec.hang_after_s if spec.once else max(
                 spec.hang_after_s, t0 - started + 2 * spec.interval_s)
             answer, result = await poll(opts, client, spec.hang_after_s,
-                                        deaths_within_s=within, detail=detail)
+                                        deaths_within_s=within, detail=detail,
+                                        straggle=straggle)
             polls += 1
             answered_ever = answered_ever or bool(answer.answered)
             warnings = result["warnings"]
@@ -167,11 +174,17 @@ async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
                 print(f"fleetd: warning: {printable(str(w))}", file=err)
             shown = set(warnings)
             hangs = result.get("hangs") or [] if result["status"] == "hang" else []
+            if not spec.once:
+                print_straggle(straggle.changes, spec.fmt, out, live and err)
             if notifier is not None and answer.answered:  # no answer: nothing recovered
-                sent = await notifier.update(hangs, _evidence(answer, hangs))
+                late = [{**s, "evidence": _evidence(answer, [], s["node"])}
+                        for s in straggle.current()]
+                sent = await notifier.update(hangs, _evidence(answer, hangs), stragglers=late)
                 if live and sent:
                     err.write("\r\x1b[K")
                 for f in sent:
+                    if f["kind"] == "straggler":  # printed above, as it turned
+                        continue
                     if f["status"] == "resolved":
                         print(printable(f"RECOVERED ({f['kind']}): {f['job']}: "
                                         f"{f['culprit']} (first seen {f['first_seen']})"),
@@ -220,9 +233,38 @@ def status_line(result: dict[str, Any], answered: int, total: int, watched: floa
     what = "; ".join(f"{g['group']} at collective {g['seq']}" for g in groups[:2])
     if len(groups) > 2:
         what += f" and {len(groups) - 2} more"
+    late = result.get("stragglers") or []
+    flagged = f"{len(late)} straggler(s)" if late else "no straggler"
     return printable(f"fleetd: watching {answered}/{total} node(s), "
                      f"{result.get('ranks', 0)} rank(s){': ' + what if what else ''}; "
-                     f"no hang ({watched:.0f} s)")
+                     f"no hang, {flagged} ({watched:.0f} s)")
+
+
+def print_straggle(changes: Changes, fmt: str, out: TextIO, live: TextIO | bool) -> None:
+    """What this poll turned, one line each: a rank flagged late (STRAGGLER), its cause
+    named (CAUSE), a flagged rank on time again (RECOVERED); JSON lines with --format
+    json."""
+    from fleetd.cli.output import dumps
+
+    events = ([("straggler", s) for s in changes.flagged]
+              + [("cause", s) for s in changes.named]
+              + [("recovered", s) for s in changes.recovered])
+    if events and not isinstance(live, bool):
+        live.write("\r\x1b[K")
+    for event, s in events:
+        if fmt == "json":
+            out.write(dumps({"event": event, **s}).decode() + "\n")
+        elif event == "straggler":
+            out.write(printable(f"STRAGGLER: {s['summary']}") + "\n")
+        elif event == "cause":
+            chain = s["top_chain"] or {}
+            out.write(printable(f"CAUSE of rank {s['rank']} ({s['node']} pid {s['pid']}): "
+                                f"[{chain.get('severity')}] {chain.get('root_cause')}: "
+                                f"{chain.get('summary')}") + "\n")
+        else:
+            out.write(printable(f"RECOVERED (straggler): {s['group']}: rank {s['rank']} "
+                                f"({s['node']} pid {s['pid']}) on time again") + "\n")
+    out.flush()
 
 
 def print_verdict(result: dict[str, Any], fmt: str, out: TextIO) -> None:

@@ -33,17 +33,18 @@ from fleetd.analyze.hangs import (
     RankView,
     judge,
 )
+from fleetd.fleet.chains import CHAIN_TIMEOUT_S, chains_of
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.dispatch import fan_out
 from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request
+from fleetd.fleet.straggle import StraggleWatch
 from fleetd.wire import paths
 from fleetd.wire.failure import BadReply, NodeFailed
-from fleetd.wire.ranks import check_ranks_reply, top_chain
+from fleetd.wire.ranks import check_ranks_reply
 
 log = logging.getLogger("fleetd.fleet.hang")
 
 CHAIN_CULPRITS = 4  # culprits whose top chain is fetched
-CHAIN_TIMEOUT_S = 5.0
 # fleetd watch asks the nodes of the ranks a group waits for, once it has waited this
 # long (or half the hang threshold, if shorter), to trace launches whole for DETAIL_S
 # (POST /api/v1/detail: agents in --mode always-on trace them 1 s in 10 otherwise).
@@ -255,11 +256,14 @@ def _check(reply: dict[str, Any]) -> dict[str, Any]:
 
 async def poll(opts: FleetOptions, client: FleetClient, hang_after_s: float, *,
                deaths_within_s: float | None = None, chains: bool = True,
-               detail: DetailAsks | None = None) -> tuple[FleetAnswer, dict[str, Any]]:
+               detail: DetailAsks | None = None, straggle: StraggleWatch | None = None
+               ) -> tuple[FleetAnswer, dict[str, Any]]:
     """Ask every node once for its ranks and judge them; with a hang, fetch the top chain
     of each culprit's process from its node (``chains``); with ``detail`` (fleetd watch),
-    ask the nodes of the ranks that others wait for to trace launches whole. Clock
-    offsets are not sampled: the verdict uses ages only."""
+    ask the nodes of the ranks that others wait for to trace launches whole; with
+    ``straggle`` (fleetd watch), judge the late ranks too (its ``changes`` say what turned,
+    the result's ``stragglers`` lists those flagged). Clock offsets are not sampled: the
+    verdict uses ages only."""
     quick = dataclasses.replace(opts, skew_samples=0)
     request = Request("GET", paths.RANKS, expect=("ranks",), check=_check)
     started = time.monotonic()
@@ -274,6 +278,9 @@ async def poll(opts: FleetOptions, client: FleetClient, hang_after_s: float, *,
         await detail.ask(answer, client, laggard_nodes(ranks.views, hang_after_s))
     if chains and result["hangs"]:
         await add_chains(answer, client, result, hang_after_s)
+    if straggle is not None:
+        await straggle.poll(answer, client, ranks.views, spread)
+        result["stragglers"] = straggle.current()
     result["warnings"] = [f"node {w.node}: {w.error}" for w in answer.warnings] + \
         result["warnings"]
     return answer, result
@@ -330,26 +337,8 @@ async def add_chains(answer: FleetAnswer, client: FleetClient, result: dict[str,
                      hang_after_s: float) -> None:
     """Each culprit's top causal chain over the last minutes, from its node (best effort:
     a node that cannot say in time leaves ``top_chain`` null)."""
-    targets = {o.name: o.target for o in answer.answered}
     culprits = [c for h in result["hangs"] for c in h["culprits"]]
     wanted = list(dict.fromkeys((c["node"], c["pid"]) for c in culprits))[:CHAIN_CULPRITS]
-    since = f"{max(60, int(hang_after_s * 3))}s"
-    found: dict[tuple[str, int], dict[str, Any] | None] = {}
-
-    async def one(node: str, pid: int) -> None:
-        target = targets.get(node)
-        if target is None:
-            return
-        try:
-            async with asyncio.timeout(CHAIN_TIMEOUT_S):
-                reply = await client.get(target, paths.CHAINS,
-                                         {"since": since, "pid": str(pid), "top_n": "1"})
-        except (NodeFailed, TimeoutError) as exc:
-            log.info("no chain for %s pid %d: %s", node, pid, exc)
-            return
-        found[(node, pid)] = top_chain(reply)
-
-    client.restart_deadline()
-    await asyncio.gather(*(one(n, p) for n, p in wanted))
+    found = await chains_of(answer, client, wanted, f"{max(60, int(hang_after_s * 3))}s")
     for c in culprits:
         c["top_chain"] = found.get((c["node"], c["pid"]))

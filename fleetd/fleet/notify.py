@@ -22,6 +22,7 @@ import hmac
 import logging
 import shlex
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -45,7 +46,7 @@ class Finding(TypedDict):
     schema: str
     status: Literal["firing", "resolved"]
     id: str
-    kind: str  # hang kind: collective, stalled, exited, p2p
+    kind: str  # hang kind: collective, stalled, exited, p2p; or straggler
     severity: str
     node: str | None
     rank: int | None
@@ -111,6 +112,26 @@ def finding_of_hang(h: dict[str, Any], first_seen: float, evidence: str | None) 
         first_seen=_iso(first_seen), resolved_at=None, evidence=evidence)
 
 
+def finding_of_straggler(s: Mapping[str, Any], first_seen: float,
+                         evidence: str | None) -> Finding:
+    """A firing message from one flagged rank of the watch (fleetd.fleet.straggle JSON):
+    its cause is its top host chain's root cause once its node named one."""
+    chain = s.get("top_chain") or {}
+    who = f"{s.get('comm') or 'pid'} pid {s.get('pid')} on {s.get('node')}"
+    cause = f"straggler: {chain['root_cause']}" if chain.get("root_cause") else "straggler"
+    culprit = chain.get("culprit") or {}
+    named = (f"{culprit.get('comm') or 'pid'} pid {culprit.get('pid')}"
+             if culprit.get("pid") or culprit.get("comm") else None)
+    summary = str(s.get("summary", ""))
+    if chain.get("summary"):
+        summary += f"; top chain: {chain['summary']}"
+    return Finding(
+        schema=SCHEMA, status="firing", id=str(s.get("key")), kind="straggler",
+        severity="warning", node=s.get("node"), rank=s.get("rank"), pid=s.get("pid"),
+        job=s.get("group"), cause=cause, culprit=named or who, summary=summary,
+        first_seen=_iso(first_seen), resolved_at=None, evidence=s.get("evidence") or evidence)
+
+
 @dataclass
 class Delivery:
     """Where messages go, and how hard to try."""
@@ -160,15 +181,28 @@ class Notifier:
     failed: int = 0
 
     async def update(self, hangs: list[dict[str, Any]], evidence: str | None,
-                     now: float | None = None) -> list[Finding]:
-        """Compare this poll's hangs with the open findings; send what changed."""
+                     now: float | None = None,
+                     stragglers: Sequence[Mapping[str, Any]] = ()) -> list[Finding]:
+        """Compare this poll's hangs and flagged stragglers with the open findings; send
+        what changed: a new finding, a straggler whose cause was named since (sent again,
+        firing, with it), a finding no longer there (resolved)."""
         now = time.time() if now is None else now
-        seen = {_hang_key(h): h for h in hangs}
+        seen: dict[str, Finding] = {}
+        for h in hangs:
+            key = _hang_key(h)
+            old = self.open.get(key)
+            seen[key] = old or finding_of_hang(h, now, evidence)
+        for s in stragglers:
+            key = str(s.get("key"))
+            old = self.open.get(key)
+            first = datetime.fromisoformat(old["first_seen"]).timestamp() if old else now
+            seen[key] = finding_of_straggler(s, first, old["evidence"] if old else evidence)
         out: list[Finding] = []
-        for key, h in seen.items():
-            if key not in self.open:
-                self.open[key] = finding_of_hang(h, now, evidence)
-                out.append(self.open[key])
+        for key, f in seen.items():
+            old = self.open.get(key)
+            if old is None or old["cause"] != f["cause"]:
+                self.open[key] = f
+                out.append(f)
         for key in [k for k in self.open if k not in seen]:
             done = self.open.pop(key)
             out.append(Finding(**{**done, "status": "resolved",

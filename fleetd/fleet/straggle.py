@@ -1,0 +1,158 @@
+"""Stragglers seen live by ``fleetd watch``: each poll's ranks answers judged for the rank
+that enters last (:mod:`fleetd.analyze.lateness`), with hysteresis, and the late rank's
+top host cause asked of its node.
+
+A rank is flagged once the rule has called it late at :data:`FLAG_POLLS` consecutive
+polls, and recovers once it has not for :data:`CALM_POLLS` (no flapping on a rank that
+is late at half the polls). While a flagged rank has no named cause, its node is asked
+for the rank's top causal chain over the last :data:`CAUSE_SINCE_S` seconds
+(``GET /api/v1/chains``, as a hang's culprit is: :mod:`fleetd.fleet.chains`),
+at most every :data:`CAUSE_EVERY_S`; the first chain with a root cause names it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+from fleetd.analyze.hangs import RankView
+from fleetd.analyze.lateness import Lateness, lateness
+from fleetd.fleet.chains import chains_of
+from fleetd.fleet.client import FleetClient
+from fleetd.fleet.fanout import FleetAnswer
+
+FLAG_POLLS = 2  # consecutive polls late before a rank is flagged
+CALM_POLLS = 3  # consecutive polls not late before it recovers
+CAUSE_EVERY_S = 2.0  # a flagged rank's node asked again for its chain, until it names one
+CAUSE_SINCE_S = 15  # the chain window: the straggle's own seconds, not the minutes before
+
+
+class StragglerJson(TypedDict):
+    """One flagged rank (``fleetd watch --format json``; docs/json.md)."""
+
+    kind: str  # "straggler"
+    key: str
+    group: str
+    matching: str
+    node: str
+    pid: int
+    comm: str | None
+    rank: int
+    job: str | None
+    ratio: float  # share of the window's collectives it entered last
+    late_ms: float  # median time it entered after the next rank, at those
+    collectives: int
+    summary: str
+    top_chain: dict[str, Any] | None
+
+
+@dataclass
+class _Open:
+    found: StragglerJson
+    calm: int = 0
+    asked: float = 0.0  # monotonic time its node was last asked for a chain
+
+
+@dataclass
+class Changes:
+    """What one poll turned: ranks newly flagged, flagged ranks whose cause was just
+    named, ranks that recovered."""
+
+    flagged: list[StragglerJson] = field(default_factory=list)
+    named: list[StragglerJson] = field(default_factory=list)
+    recovered: list[StragglerJson] = field(default_factory=list)
+
+
+@dataclass
+class StraggleWatch:
+    """The stragglers of a watch: per poll, which ranks turned late, and which recovered."""
+
+    flag_polls: int = FLAG_POLLS
+    calm_polls: int = CALM_POLLS
+    streak: dict[str, int] = field(default_factory=dict)  # key -> consecutive late polls
+    open: dict[str, _Open] = field(default_factory=dict)
+    changes: Changes = field(default_factory=Changes)  # the last poll's
+
+    async def poll(self, answer: FleetAnswer, client: FleetClient,
+                   views: Sequence[RankView], age_error_s: float | None) -> Changes:
+        """One poll: judge the ranks, then ask for the causes still unnamed."""
+        flagged, recovered = self.update(views, age_error_s)
+        self.changes = Changes(flagged, await self.causes(answer, client), recovered)
+        return self.changes
+
+    def update(self, views: Sequence[RankView], age_error_s: float | None
+               ) -> tuple[list[StragglerJson], list[StragglerJson]]:
+        """This poll's ranks in; (newly flagged, recovered) out."""
+        err = None if age_error_s is None else int(age_error_s * 1e9)
+        late = {_key(x): x for x in lateness(views, age_error_ns=err) if x.late}
+        flagged: list[StragglerJson] = []
+        for key, x in late.items():
+            self.streak[key] = self.streak.get(key, 0) + 1
+            if key in self.open:
+                self.open[key].calm = 0
+                _refresh(self.open[key].found, x)
+            elif self.streak[key] >= self.flag_polls:
+                self.open[key] = _Open(_json(key, x))
+                flagged.append(self.open[key].found)
+        for key in [k for k in self.streak if k not in late]:
+            del self.streak[key]
+        recovered: list[StragglerJson] = []
+        for key in [k for k in self.open if k not in late]:
+            o = self.open[key]
+            o.calm += 1
+            if o.calm >= self.calm_polls:
+                recovered.append(self.open.pop(key).found)
+        return flagged, recovered
+
+    def current(self) -> list[StragglerJson]:
+        return [o.found for o in self.open.values()]
+
+    async def causes(self, answer: FleetAnswer, client: FleetClient) -> list[StragglerJson]:
+        """Ask the nodes of flagged ranks without a cause for their top chain; the ones
+        that got a root cause now."""
+        now = time.monotonic()
+        due = [o for o in self.open.values() if not _named(o.found)
+               and now - o.asked >= CAUSE_EVERY_S]
+        if not due:
+            return []
+        for o in due:
+            o.asked = now
+        found = await chains_of(answer, client, [(o.found["node"], o.found["pid"]) for o in due],
+                                f"{CAUSE_SINCE_S}s")
+        named = []
+        for o in due:
+            chain = found.get((o.found["node"], o.found["pid"]))
+            if chain is not None and chain.get("root_cause"):
+                o.found["top_chain"] = chain
+                named.append(o.found)
+        return named
+
+
+def _key(x: Lateness) -> str:
+    return f"straggler:{x.key}:{x.rank}"
+
+
+def _named(s: StragglerJson) -> bool:
+    return bool((s["top_chain"] or {}).get("root_cause"))
+
+
+def _summary(x: Lateness) -> str:
+    v = x.view
+    return (f"rank {x.rank} ({v.node} pid {v.pid}) of {x.group} entered last at "
+            f"{x.last} of its last {x.collectives} collectives, "
+            f"{x.late_ns / 1e6:.1f} ms after the next rank (median)")
+
+
+def _json(key: str, x: Lateness) -> StragglerJson:
+    v = x.view
+    return StragglerJson(kind="straggler", key=key, group=x.group, matching=x.matching,
+                         node=v.node, pid=v.pid, comm=v.comm, rank=x.rank, job=v.job,
+                         ratio=round(x.ratio, 3), late_ms=round(x.late_ns / 1e6, 3),
+                         collectives=x.collectives, summary=_summary(x), top_chain=None)
+
+
+def _refresh(s: StragglerJson, x: Lateness) -> None:
+    s["ratio"], s["late_ms"] = round(x.ratio, 3), round(x.late_ns / 1e6, 3)
+    s["collectives"] = x.collectives

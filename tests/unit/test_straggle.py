@@ -1,0 +1,106 @@
+"""Live straggler rule (fleetd.analyze.lateness) and its hysteresis (fleetd.fleet.straggle):
+ranks of one torchrun job in lockstep, built as their agents' answers would read, with
+one rank entering each collective late (or none), and the messages a watch would send."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+from fleetd.analyze.hangs import Collective, RankView, Recent
+from fleetd.analyze.lateness import LATE_MARGIN_NS, lateness, stragglers
+from fleetd.fleet.notify import Delivery, Notifier
+from fleetd.fleet.straggle import StraggleWatch
+
+STEP_NS = 50_000_000  # 20 collectives a second
+
+
+def job(late_rank: int | None, late_ns: int, *, ranks: int = 4, steps: int = 60,
+        jitter_ns: int = 1_000_000, seed: int = 1, offsets: tuple[int, ...] = ()
+        ) -> list[RankView]:
+    """Each rank's view: its last ``steps`` collectives (the latest 0.1 s ago), entries
+    jittered, ``late_rank`` entering ``late_ns`` after the others; ``offsets``: how far
+    each rank's agent numbers them from the others' (attached at other moments)."""
+    rnd = random.Random(seed)
+    views = []
+    for r in range(ranks):
+        shift = offsets[r] if offsets else 0
+        recent = []
+        for i in range(steps):
+            age = 100_000_000 + (steps - 1 - i) * STEP_NS + rnd.randrange(jitter_ns)
+            if r == late_rank:
+                age -= late_ns
+            recent.append(Recent(i + 1 + shift, age, "ncclAllReduce", 4096))
+        last = recent[-1]
+        views.append(RankView(
+            node=f"n{r}", pid=100 + r, comm="python", rank=r, world_size=ranks, job="j1",
+            state="running",
+            collectives=[Collective("0x1", None, None, None, last.op, last.seq, last.age_ns,
+                                    0, tuple(recent))]))
+    return views
+
+
+def test_a_healthy_job_has_no_late_rank_whatever_its_jitter() -> None:
+    for seed in range(20):
+        views = job(None, 0, jitter_ns=5_000_000, seed=seed)
+        assert stragglers(views) == [], seed
+        shares = [x.ratio for x in lateness(views)]
+        assert len(shares) == 4 and abs(sum(shares) - 1) < 1e-9
+
+
+def test_the_rank_entering_late_is_named_with_its_margin() -> None:
+    found = stragglers(job(2, 8_000_000, offsets=(0, 7, 3, 12)))
+    assert [(x.rank, x.view.node) for x in found] == [(2, "n2")]
+    assert found[0].ratio == 1.0
+    assert 7_000_000 <= found[0].late_ns <= 9_000_000
+
+
+def test_a_rank_late_by_less_than_the_margin_is_not_flagged() -> None:
+    views = job(1, LATE_MARGIN_NS // 4, jitter_ns=100_000)
+    assert [x.rank for x in lateness(views) if x.ratio > 0.9] == [1]
+    assert stragglers(views) == []
+
+
+def test_flag_needs_consecutive_polls_and_so_does_recovery() -> None:
+    w = StraggleWatch(flag_polls=2, calm_polls=3)
+    healthy, slow = job(None, 0), job(3, 10_000_000)
+    assert w.update(healthy, 0.01) == ([], [])
+    assert w.update(slow, 0.01) == ([], [])  # one poll: not yet
+    assert w.update(healthy, 0.01) == ([], [])  # a blip: the streak starts again
+    assert w.update(slow, 0.01) == ([], [])
+    flagged, _ = w.update(slow, 0.01)
+    assert [s["rank"] for s in flagged] == [3] and "rank 3 (n3 pid 103)" in flagged[0]["summary"]
+    assert w.update(slow, 0.01) == ([], [])  # flagged once, not again
+    assert w.update(healthy, 0.01) == ([], [])
+    assert w.update(slow, 0.01) == ([], [])  # late again: the calm count restarts
+    assert w.update(healthy, 0.01) == ([], [])
+    assert w.update(healthy, 0.01) == ([], [])
+    _, recovered = w.update(healthy, 0.01)
+    assert [s["rank"] for s in recovered] == [3]
+    assert w.current() == []
+
+
+def test_a_straggler_is_sent_firing_then_with_its_cause_then_resolved(tmp_path: Path) -> None:
+    out = tmp_path / "got"
+    n = Notifier(Delivery(command=["sh", "-c", f"cat >> {out}"]))
+    w = StraggleWatch(flag_polls=1, calm_polls=1)
+    w.update(job(0, 10_000_000), 0.01)
+    [s] = w.current()
+
+    async def go() -> list[list[str]]:
+        sent = [await n.update([], None, now=1000.0, stragglers=[s])]
+        sent.append(await n.update([], None, now=1001.0, stragglers=[s]))  # nothing new
+        s["top_chain"] = {"root_cause": "cpu_contention", "severity": "high",
+                          "summary": "runnable behind fleetd-hog", "culprit":
+                          {"pid": 77, "comm": "fleetd-hog"}}
+        sent.append(await n.update([], None, now=1003.0, stragglers=[s]))
+        sent.append(await n.update([], None, now=1009.0))
+        return [[f"{f['status']} {f['cause']} {f['culprit']}" for f in x] for x in sent]
+
+    assert asyncio.run(go()) == [
+        ["firing straggler python pid 100 on n0"], [],
+        ["firing straggler: cpu_contention fleetd-hog pid 77"],
+        ["resolved straggler: cpu_contention fleetd-hog pid 77"]]
+    lines = out.read_text().splitlines()
+    assert len(lines) == 3 and '"kind":"straggler"' in lines[0]
