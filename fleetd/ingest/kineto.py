@@ -33,8 +33,9 @@ correlation (its sorter spills to disk too), and the writer reads them back row 
 and turns what they found into the session's batch and warnings. What stays in memory:
 one piece, the names (one copy of each distinct one, cut to MAX_NAME_CHARS before any
 cache keeps it: a 1.21 GB file of 1,154 distinct 1 MiB kernel names peaked at 1,350 MB,
-now 64 MB), the process and thread names, SQLite's caches. The peak is checked against MAX_RSS_BYTES every few
-pieces: a file that would need more (millions of distinct names) is refused in one line.
+now 64 MB), the process and thread names, SQLite's caches. The peak is checked against
+MAX_RSS_BYTES every few pieces: a file that would need more (millions of distinct names)
+is refused in one line.
 Peak RSS of ``fleetd import`` of a 334 MB trace (1M events): 740 MB when the file was
 parsed in memory, 120 MB streamed; of a 1 GB trace (3M events): 125 MB (bench/import.py
 prints ``peak_mb_per_gb``). The price is the rows' round trip through the scratch file:
