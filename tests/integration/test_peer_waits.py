@@ -40,10 +40,10 @@ def test_writes_to_a_full_log_pipe_name_the_pipe_and_its_reader(tmp_path: Path) 
     assert c["victim"]["pid"] == run["pid"]
     d = c["detail"]
     assert d["fd"] == 1 and d["kind"] == "pipe"
-    assert d["object"] == f"pipe:[{run['pipe_inode']}]"
+    assert d["object"] == run["stdout"]
     assert {"pid": run["shipper_pid"], "comm": "log-shipper"} in d["readers"]
     assert c["culprit"]["pid"] == run["shipper_pid"] and c["culprit"]["comm"] == "log-shipper"
-    assert f"pipe:[{run['pipe_inode']}]" in c["summary"] and "log-shipper" in c["summary"]
+    assert run["stdout"] in c["summary"] and "log-shipper" in c["summary"]
     # The chain's share is the thread's time asleep in those writes: about what the loop
     # measured around its prints (the prints also run and queue for the CPU).
     assert 0.05 < c["impact"] <= run["printing_s"] / SECONDS + 0.05, (c["impact"], run)
@@ -56,3 +56,24 @@ def test_a_shipper_that_keeps_up_blocks_nothing(tmp_path: Path) -> None:
     blocked = [c for c in report["chains"] if c["root_cause"] == "pipe_blocked"
                and c["severity"] != "LOW"]
     assert blocked == [], [c["summary"] for c in blocked]
+
+
+@pytest.mark.parametrize("sink", ["socket", "pty"])
+def test_a_slow_collector_socket_or_terminal_is_named(tmp_path: Path, sink: str) -> None:
+    """The same rule for a remote collector's socket (its address) and an SSH-like
+    terminal (the pseudo-terminal's path), with the fixes that fit each."""
+    report, run = record_log_pipe(tmp_path, "--sink", sink, "--reader-delay", "0.2",
+                                  "--line-bytes", "1000")
+    chains = [c for c in report["chains"] if c["root_cause"] == "pipe_blocked"]
+    assert len(chains) == 1, [c["summary"] for c in report["chains"]]
+    c = chains[0]
+    assert c["severity"] in ("HIGH", "MEDIUM") and c["detail"]["fd"] == 1, c["summary"]
+    if sink == "socket":
+        assert c["detail"]["kind"] == "socket"
+        assert run["stdout"] == f"socket to {c['detail']['remote']}"
+        assert c["detail"]["remote"] in c["summary"]
+        assert any("collector" in f for f in c["fixes"])
+    else:
+        assert c["detail"]["kind"] == "tty" and c["detail"]["object"] == run["stdout"]
+        assert "a terminal" in c["summary"]
+        assert any("tmux" in f for f in c["fixes"])

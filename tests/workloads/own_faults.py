@@ -17,7 +17,8 @@ Prints one JSON summary: pid, tid, the neighbour's pid, steps, faults, the datas
 path, and the time the loop spent in its page reads. For bench/accuracy.py and
 tests/integration/test_io_ownership.py::
 
-    python tests/workloads/own_faults.py --dir /var/tmp --duration 4 --neighbour read
+    python tests/workloads/own_faults.py --dir /var/tmp --duration 4 --random \
+        --neighbour read --chunk-mb 16 [--access read]
 """
 
 from __future__ import annotations
