@@ -5,8 +5,9 @@ The kernel records the syscall a thread left the CPU in and its first argument (
 fd). While the process lives, ``/proc/PID/fd/FD`` names the object: ``pipe:[INODE]``,
 ``socket:[INODE]``, a tty (``/dev/pts/3``), a FIFO's or a regular file's path. The
 other end of a pipe or FIFO is any other process holding the same object: found by
-reading the fd links of the node's processes (bounded: :data:`MAX_PROCS` processes,
-:data:`MAX_FDS` fds each, at most once per object every :data:`NAME_EVERY_NS`), with
+reading the fd links of the node's processes (bounded: the writer's family first,
+then :data:`MAX_PROCS` processes, :data:`MAX_FDS` fds each, at most once per object
+every :data:`HOLDERS_EVERY_NS`), with
 each holder's access mode from its ``fdinfo`` (a reader holds it O_RDONLY). A TCP or
 UDP socket's peer is its remote address (``/proc/PID/net/tcp``...). Every read is of
 procfs (links and small text files, which never block on a device) and tolerates the
@@ -21,12 +22,14 @@ from __future__ import annotations
 import os
 import stat
 import time
+from collections.abc import Callable
 from typing import TypedDict
 
 from fleetd.trace import procinfo
 from fleetd.trace.decoder import Batch
 
 NAME_EVERY_NS = 1_000_000_000  # an fd named again at most this often
+HOLDERS_EVERY_NS = 10_000_000_000  # an object's holders looked for again at most this often
 MAX_PROCS = 2048  # processes whose fds one scan for a pipe's other end reads
 MAX_FDS = 256  # fds per process that scan reads
 MAX_NAMED = 4096  # (pid, fd) pairs remembered before the memory starts over
@@ -78,13 +81,13 @@ def _mode(pid: int, fd: int) -> str:
     return "?"
 
 
-def holders(path: str, besides: int) -> list[Holder]:
+def holders(path: str, besides: int, wide: bool = True) -> list[Holder]:
     """Processes other than ``besides`` with an fd whose link reads ``path``: its
     parent and the parent's children first (a shell pipeline, a spawned shipper), the
-    rest of the node only when none of them holds it."""
+    rest of the node only when none of them holds it and ``wide``."""
     family = _family(besides)
     out = _scan(path, [p for p in family if p != besides])
-    if out:
+    if out or not wide:
         return out
     try:
         rest = sorted(int(e.name) for e in os.scandir("/proc") if e.name.isdigit())
@@ -163,15 +166,21 @@ def socket_ends(pid: int, inode: str) -> tuple[str, str] | None:
     return None
 
 
-def describe(pid: int, fd: int) -> FdInfo | None:
-    """What fd ``fd`` of ``pid`` is, and who holds its other end; None when gone."""
+HoldersOf = Callable[[str, int, bool], list[Holder]]
+
+
+def describe(pid: int, fd: int, holders_of: HoldersOf | None = None) -> FdInfo | None:
+    """What fd ``fd`` of ``pid`` is, and who holds its other end (``holders_of``,
+    default :func:`holders`); None when gone."""
     try:
         path = os.readlink(f"/proc/{pid}/fd/{fd}")
     except OSError:
         return None
     info: FdInfo = {"path": path, "kind": kind_of(path, pid, fd)}
     if info["kind"] in ("pipe", "fifo", "socket"):
-        peers = holders(path, pid)
+        # A socket's other end is another socket (its address says where): only a
+        # process it was forked into shares this one, so the node is not scanned.
+        peers = (holders_of or holders)(path, pid, info["kind"] != "socket")
         if peers:
             info["peers"] = peers
     if info["kind"] == "socket":
@@ -183,11 +192,24 @@ def describe(pid: int, fd: int) -> FdInfo | None:
 
 class FdNames:
     """Puts :func:`describe` on waits in reads and writes (``args.fd``), once per
-    (process, fd) and :data:`NAME_EVERY_NS`; a pipe's holders once per pipe and that
-    interval, whichever process asks."""
+    (process, fd) and :data:`NAME_EVERY_NS`; an object's holders found once per
+    :data:`HOLDERS_EVERY_NS`, whichever process asks (a scan of the node is the costly
+    part)."""
 
     def __init__(self) -> None:
         self._named: dict[tuple[int, int], int] = {}
+        self._holders: dict[str, tuple[int, list[Holder]]] = {}
+
+    def _holders_of(self, path: str, pid: int, wide: bool) -> list[Holder]:
+        now = time.monotonic_ns()
+        seen = self._holders.get(path)
+        if seen is not None and now - seen[0] < HOLDERS_EVERY_NS:
+            return [h for h in seen[1] if h["pid"] != pid]
+        if len(self._holders) > MAX_NAMED:
+            self._holders.clear()
+        found = holders(path, pid, wide)
+        self._holders[path] = (now, found)
+        return found
 
     def resolve(self, batch: Batch) -> None:
         if not batch.fd_waits:
@@ -201,7 +223,7 @@ class FdNames:
             if last is not None and now - last < NAME_EVERY_NS:
                 continue
             self._named[(pid, fd)] = now
-            info = describe(pid, fd)
+            info = describe(pid, fd, self._holders_of)
             if info is None:
                 continue
             if row in have:

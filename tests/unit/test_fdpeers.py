@@ -9,7 +9,8 @@ import subprocess
 import sys
 import time
 
-from fleetd.trace.fdpeers import describe
+from fleetd.trace.decoder import Batch
+from fleetd.trace.fdpeers import FdNames, describe
 
 
 def test_a_pipe_names_its_reader_process() -> None:
@@ -49,3 +50,21 @@ def test_a_closed_fd_is_none() -> None:
     os.close(r)
     os.close(w)
     assert describe(os.getpid(), w) is None
+
+
+def test_waits_are_named_once_per_fd_a_second() -> None:
+    """The tracer's side: the first wait on an fd gets ``args.fd``, the next ones in the
+    same second do not (the analysis finds the name on any wait of that fd)."""
+    r, w = os.pipe()
+    try:
+        names = FdNames()
+        first = Batch(fd_waits=[(0, os.getpid(), w), (1, os.getpid(), w)])
+        names.resolve(first)
+        assert [row for row, _ in first.args] == [0]
+        assert first.args[0][1]["fd"]["path"] == f"pipe:[{os.fstat(w).st_ino}]"
+        again = Batch(fd_waits=[(0, os.getpid(), w)])
+        names.resolve(again)
+        assert again.args == []
+    finally:
+        os.close(r)
+        os.close(w)
