@@ -21,10 +21,11 @@ import signal
 import socket
 import ssl
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from aiohttp import web
 
@@ -61,6 +62,7 @@ from fleetd.store.db import (
     validate_node_name,
 )
 from fleetd.store.guard import Limits
+from fleetd.store.losses import CrashReport, describe_crash, session_losses
 from fleetd.store.writer import BatchWriter
 
 log = logging.getLogger("fleetd.node.agent")
@@ -107,6 +109,43 @@ class AgentSettings:
 
 
 WRITER = web.AppKey("writer", BatchWriter)
+
+
+class StoreStatus(TypedDict):
+    """``store`` in GET /api/v1/health while the agent writes (docs/api.md)."""
+
+    disk_full: bool  # writes fail for lack of space now
+    disk_full_dropped: int  # events dropped because the disk was full, since the start
+    failed_writes: int  # events lost to any failed write (disk full included)
+    pruned_events: int  # oldest events deleted to keep store.max_bytes (or a full disk)
+    crashed_sessions: list[CrashReport]  # sessions found killed at this start
+
+
+STORE_STATUS: web.AppKey[Callable[[], StoreStatus]] = web.AppKey("store_status")
+
+
+def _report_crashes(s: AgentSettings, seqs: list[int]) -> list[CrashReport]:
+    """What the sessions that were killed before this start lost: logged once, and
+    kept for the health answer. The gap runs from a session's last commit to now."""
+    if not seqs:
+        return []
+    conn = open_reader(s.db)
+    try:
+        found = [c for c in session_losses(conn, s.node)["crashes"] if c["session"] in seqs]
+    finally:
+        conn.close()
+    now = time.time_ns()
+    for c in found:
+        c["gap_s"] = round((now - c["last_commit_ns"]) / 1e9, 3)
+        log.warning("%s", describe_crash(c))
+    return found
+
+
+def _store_status(writer: BatchWriter, crashes: list[CrashReport]) -> StoreStatus:
+    st = writer.stats
+    return StoreStatus(disk_full=st.disk_full, disk_full_dropped=st.disk_full_rows,
+                       failed_writes=st.failed_rows, pruned_events=st.pruned_events,
+                       crashed_sessions=crashes)
 
 
 def hardening(cfg: Config) -> dict[str, Any]:
@@ -247,10 +286,14 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
         sources.writer = lambda: vars(writer.stats)
         # The writer's connection belongs to its thread: read what it last measured.
         sources.db_bytes = lambda: writer.stats.used_bytes
+        crashes = _report_crashes(s, writer.crashed_sessions)
+        app[STORE_STATUS] = lambda: _store_status(writer, crashes)
         yield
         stats = await asyncio.get_running_loop().run_in_executor(None, writer.close)
-        log.info("writer closed: %d events written, %d lost", stats.events_written,
-                 stats.queue_dropped + stats.failed_rows)
+        log.info("writer closed: %d events written, %d lost (%d of them on a full disk), "
+                 "%d oldest pruned to keep the size cap", stats.events_written,
+                 stats.queue_dropped + stats.failed_rows, stats.disk_full_rows,
+                 stats.pruned_events)
 
     async def tracer_ctx(app: web.Application) -> AsyncIterator[None]:
         if s.tracer is None:
@@ -260,7 +303,8 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
         await asyncio.get_running_loop().run_in_executor(None, tracer.start)
         state.tracing = True
         sources.tracer = tracer.stats
-        state.status = lambda: {"trace": tracer.stats()}
+        store = app[STORE_STATUS]
+        state.status = lambda: {"trace": tracer.stats(), "store": store()}
         app[DETAIL_TRACER] = tracer
         waits = asyncio.get_running_loop().create_task(
             watch_waits(tracer, longest_wait(app, s.node), app[DETAIL_GATE].budget))

@@ -219,6 +219,12 @@ class AgentCollector(Collector):
                      w.get("queue_rows", 0))
         yield _counter("fleetd_events_pruned", "oldest events deleted to bound the size",
                        w.get("pruned_events", 0))
+        yield _gauge("fleetd_disk_full", "1 while writes fail because the database's disk "
+                     "is full (the agent prunes and retries; writing resumes by itself)",
+                     1 if w.get("disk_full") else 0)
+        yield _counter("fleetd_events_dropped_disk_full", "rows the writer dropped because "
+                       "the disk was full (also in fleetd_events_lost)",
+                       w.get("disk_full_rows", 0))
         yield _gauge("fleetd_db_bytes", "bytes of the database holding data", src.db_bytes())
         yield _counter("fleetd_tls_handshake_failures", "TLS handshakes that failed or "
                        "timed out", src.conns.handshake_failures)

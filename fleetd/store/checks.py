@@ -17,6 +17,7 @@ from fleetd.checks import FAIL, OK, WARN, Check, Finding, Stop, row, stopped
 from fleetd.errors import StoreError
 from fleetd.store import foreign
 from fleetd.store.db import DAMAGE_CHECK_S, check_identity, connect, find_damage
+from fleetd.store.losses import describe_crash, session_losses
 from fleetd.store.schema import SCHEMA_VERSION
 
 DISK_FAIL_BYTES = 100 * 2**20  # below this the writer fails within minutes of tracing
@@ -84,6 +85,8 @@ def _db_file(path: Path, data: dict[str, Any]) -> list[Finding]:
     data["schema_version"] = version
     size = path.stat().st_size
     out = [_schema_finding(version, size), _damage_finding(path, data)]
+    if version > 0 and not data["damage"]:
+        out.append(_losses_finding(path, data))
     if not os.access(path, os.W_OK):
         out.append(Finding(FAIL, "the file is read-only for this user",
                            f"chmod u+w {path}, or run the agent as its owner"))
@@ -101,6 +104,36 @@ def _damage_finding(path: Path, data: dict[str, Any]) -> Finding:
                        "a large file: run sqlite3 FILE 'PRAGMA quick_check' on it while "
                        "the agent is stopped, to be sure")
     return Finding(OK, "no damaged page (quick_check)")
+
+
+def _losses_finding(path: Path, data: dict[str, Any]) -> Finding:
+    """Sessions ended by a kill (what they lost, from their last commit) and events the
+    writer dropped on a full disk: a warning while the newest session is such a one."""
+    try:
+        conn = connect(f"file:{foreign.uri_path(path)}?mode=ro", uri=True, path=path)
+        try:
+            losses = session_losses(conn)
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return Finding(WARN, f"sessions not readable: {exc}", "run it again while the "
+                       "agent is not pruning, or check the file's permissions")
+    data["sessions"] = losses
+    parts = []
+    if losses["crashed"]:
+        newest = losses["crashes"][-1]
+        parts.append(f"{losses['crashed']} of {losses['sessions']} sessions ended by a "
+                     f"kill or crash; the newest: {describe_crash(newest)}")
+    if losses["write_failed"]:
+        parts.append(f"{losses['write_failed']} events dropped because the disk was "
+                     "full")
+    if not parts:
+        return Finding(OK, f"{losses['sessions']} sessions, none killed, no event dropped "
+                       "on a full disk")
+    status = WARN if losses["newest_crashed"] or losses["write_failed"] else OK
+    return Finding(status, "; ".join(parts),
+                   "see why the agent died in its log or the kernel's (dmesg: the OOM "
+                   "killer), and keep free space beyond store.max_bytes on its file system")
 
 
 def _damage_fix(path: Path) -> str:

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import queue
+import shutil
 import sqlite3
 import threading
 import time
@@ -30,6 +31,8 @@ import orjson
 from fleetd.store.caps import cap, capped
 from fleetd.store.chainrow import CHAIN_FIELDS
 from fleetd.store.db import ensure_node, open_writer
+from fleetd.store.files import create_private
+from fleetd.store.losses import tracer_gone
 from fleetd.store.schema import (
     EVENT_FIELDS,
     PLACEMENT_COLUMNS,
@@ -91,6 +94,11 @@ UPDATE session_data SET
                      max(0, coalesce(emitted_events - accounted_events, 0)))
 WHERE node = ? AND seq = ? AND ended_ns IS NULL
 """
+# Held beside the database (NAME.db-reserve) and given up when the disk fills.
+RESERVE_SUFFIX = "-reserve"
+RESERVE_BYTES = 2**20
+# Free space that ends a disk-full episode: room for a few batches and their WAL frames.
+SPACE_BACK_BYTES = RESERVE_BYTES + 2 * 2**20
 _PROGRESS_SQL = ("UPDATE session_data SET updated_ns = ?, emitted_events = ?, "
                  "accounted_events = ? WHERE node = ? AND seq = ?")
 
@@ -106,6 +114,9 @@ class WriterStats:
     queue_rows: int = 0  # rows waiting right now
     used_bytes: int = 0  # of the main file, as of the last commit (read by other threads)
     commit_cpu_ns: int = 0  # the writer thread's CPU time in commits (per-stage costs)
+    disk_full: bool = False  # writes fail for lack of space now
+    disk_full_rows: int = 0  # of failed_rows, those lost to a full disk
+    disk_full_episodes: int = 0  # times the disk filled up (each ends when space returns)
 
 
 @dataclass
@@ -138,6 +149,15 @@ class BatchWriter:
         self.path = path
         self.node = node
         self.max_bytes = max_bytes
+        # While the disk is full: the used size when it filled, kept by pruning the
+        # oldest as new rows come (store.max_bytes' rule with a lower cap), so the file
+        # stops growing and writing goes on inside it; None otherwise.
+        self._full_cap: int | None = None
+        # Space held back for a full disk: given up when it fills, so that pruning's
+        # own writes (the WAL frames of its DELETE) have room; kept again when space
+        # returns.
+        self._reserve = Path(f"{path}{RESERVE_SUFFIX}")
+        _hold_reserve(self._reserve)
         self.batch_rows = batch_rows
         self.queue_limit = queue_rows
         self.put_timeout_s = put_timeout_s
@@ -320,15 +340,16 @@ class BatchWriter:
         except sqlite3.Error as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            self.stats.failed_rows += rows
-            self.stats.last_error = str(exc)
-            log.error("write of %d rows to %s failed: %s", rows, self.path, exc)
+            self._failed(exc, rows)
         finally:
             with self._space:
                 self.stats.queue_rows -= rows
                 self._space.notify_all()
-        if self.max_bytes is not None:
-            self._prune_if_needed()
+        if self.stats.disk_full:
+            self._check_space_back()
+        cap = _lowest(self.max_bytes, self._full_cap)
+        if cap is not None:
+            self._prune_if_needed(cap)
         with contextlib.suppress(sqlite3.Error):
             self.stats.used_bytes = self.used_bytes()
 
@@ -426,10 +447,48 @@ class BatchWriter:
             (self.node_key, seq, key, version, time.time_ns(), *values),
         )
 
-    def _prune_if_needed(self) -> None:
-        assert self.max_bytes is not None
+    def _failed(self, exc: sqlite3.Error, rows: int) -> None:
+        """Count a failed batch; a full disk starts an episode (logged once) in which
+        the file is held at its size by pruning, until space returns."""
+        st = self.stats
+        st.failed_rows += rows
+        st.last_error = str(exc)
+        if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
+            log.error("write of %d rows to %s failed: %s", rows, self.path, exc)
+            return
+        st.disk_full_rows += rows
+        if st.disk_full:
+            log.debug("disk still full: %d more rows dropped", rows)
+            return
+        st.disk_full = True
+        st.disk_full_episodes += 1
+        with contextlib.suppress(OSError):
+            self._reserve.unlink()
+        with contextlib.suppress(sqlite3.Error):
+            # A tenth below the size now: the first prune frees room inside the file.
+            self._full_cap = int(self.used_bytes() * 0.9)
+        log.error("the disk holding %s is full: %d rows dropped (counted); pruning the "
+                  "oldest events to write on inside the file, and writing resumes by "
+                  "itself when space returns", self.path, rows)
+
+    def _check_space_back(self) -> None:
+        """End a disk-full episode once the file system has room for a few batches."""
+        try:
+            free = shutil.disk_usage(self.path.parent).free
+        except OSError:
+            return
+        if free < SPACE_BACK_BYTES:
+            return
+        self._full_cap = None
+        self.stats.disk_full = False
+        _hold_reserve(self._reserve)
+        log.warning("the disk holding %s has space again (%d bytes free): writing as "
+                    "before; %d rows were dropped while it was full", self.path, free,
+                    self.stats.disk_full_rows)
+
+    def _prune_if_needed(self, cap: int) -> None:
         used = self.used_bytes()
-        if used <= self.max_bytes:
+        if used <= cap:
             return
         total = self._scalar(
             "SELECT count(*) FROM event_data WHERE id BETWEEN ? AND ?", self._lo, self._hi
@@ -437,7 +496,7 @@ class BatchWriter:
         if total == 0:
             return
         # Free a tenth more than the excess, so pruning does not run after every commit.
-        share = min(1.0, (used - self.max_bytes * 0.9) / used)
+        share = min(1.0, (used - cap * 0.9) / used)
         n = max(1, int(total * share))
         cutoff = self._conn.execute(
             "SELECT id FROM event_data WHERE id BETWEEN ? AND ? ORDER BY id LIMIT 1 OFFSET ?",
@@ -463,12 +522,14 @@ class BatchWriter:
             conn.execute("COMMIT")
             self.stats.pruned_events += cur.rowcount
             log.info("pruned %d oldest events from %s (used %d > %d bytes)",
-                     cur.rowcount, self.path, used, self.max_bytes)
+                     cur.rowcount, self.path, used, cap)
         except sqlite3.Error as exc:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
             self.stats.last_error = str(exc)
-            log.error("pruning %s failed: %s", self.path, exc)
+            # While the disk is full this is expected until the reserve gives room.
+            log.log(logging.DEBUG if self.stats.disk_full else logging.ERROR,
+                    "pruning %s failed: %s", self.path, exc)
 
     def used_bytes(self) -> int:
         """Bytes of the main file holding data (free pages left by pruning excluded)."""
@@ -493,36 +554,29 @@ class BatchWriter:
         return self._next_seq
 
 
-def tracer_gone(boot_id: str | None, started_ns: int | None, pid: Any) -> bool:
-    """Whether the tracer of an open session is no longer running: another boot, or no
-    process with its pid that started before the session. A session that does not say
-    which process traced it (files from other writers) is never judged."""
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    if boot_id and boot_id != _boot_id():
-        return True
-    start = _process_start_ns(pid)
-    # btime is whole seconds: a second of margin keeps a live tracer from looking new.
-    return start is None or (started_ns is not None and start > started_ns + 10**9)
-
-
-def _boot_id() -> str | None:
+def _hold_reserve(path: Path) -> None:
+    """Keep RESERVE_BYTES allocated in ``path`` (created 0600, never through a link);
+    best effort: without it pruning on a full disk may fail, and is retried."""
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
-
-
-def _process_start_ns(pid: int) -> int | None:
-    """A process's start on the wall clock (to the clock tick), None if it is gone."""
+        fd = create_private(path)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        log.debug("no space reserve at %s: %s", path, exc)
+        return
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text()
-                     .splitlines() if line.startswith("btime "))
-    except (OSError, StopIteration, ValueError):
-        return None
-    ticks = int(stat.rsplit(")", 1)[1].split()[19])
-    return btime * 10**9 + ticks * 10**9 // os.sysconf("SC_CLK_TCK")
+        os.posix_fallocate(fd, 0, RESERVE_BYTES)
+    except OSError as exc:
+        log.debug("no space reserve at %s: %s", path, exc)
+        with contextlib.suppress(OSError):
+            path.unlink()
+    finally:
+        os.close(fd)
+
+
+def _lowest(*caps: int | None) -> int | None:
+    known = [c for c in caps if c is not None]
+    return min(known) if known else None
 
 
 def _check_session_fields(fields: Mapping[str, Any]) -> None:

@@ -1,0 +1,122 @@
+"""kill -9 of a real `fleetd agent` while it writes, 20 times in a row (issue 45 point 2):
+every next start opens the database as it is (no damage found, nothing moved aside),
+the events a workload made up to a second before each kill are stored, and what each
+killed session lost (its last commit, the events after it, the untraced gap) is reported
+by the next start (its log, GET /api/v1/health) and by `fleetd check --only db`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from array import array
+from pathlib import Path
+
+import pytest
+from agents import agent, request
+
+from conftest import FLEETD, REPO
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent traces: needs root")
+
+KILLS = 20
+RATE = 400  # workload calls per second
+GRACE_NS = 10**9  # the events of the last second before a kill may be lost
+EDGE_NS = 2_000_000  # a stored time and the workload's own reading differ by microseconds
+
+
+def agent_args(pid: int) -> list[str]:
+    return ["--plain-http", "--pid", str(pid), "--sample", "1", "--no-host",
+            "--cpu-sample-hz", "0"]
+
+
+def stored(db: Path, pid: int) -> list[int]:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+        return sorted(r[0] for r in c.execute(
+            "SELECT ts_ns FROM events WHERE pid = ? AND op = 'cudaStreamSynchronize'", (pid,)))
+
+
+def missing(made: list[int], kept: list[int], lo: int, hi: int) -> int:
+    """Calls made in [lo, hi] without a stored event near their time."""
+    import bisect
+
+    out = 0
+    for t in made:
+        if lo <= t <= hi:
+            i = bisect.bisect_left(kept, t - EDGE_NS)
+            if i == len(kept) or kept[i] > t + EDGE_NS:
+                out += 1
+    return out
+
+
+def test_twenty_kills_lose_at_most_the_last_second_and_say_so(tmp_path: Path) -> None:
+    rng = random.Random(45)
+    db = tmp_path / "node.db"
+    stamps = tmp_path / "stamps.bin"
+    wl = subprocess.Popen([sys.executable, str(REPO / "tests/workloads/stamped_calls.py"),
+                           "--rate", str(RATE), "--duration", "900", "--out", str(stamps)],
+                          stdout=subprocess.PIPE, text=True)
+    runs: list[tuple[int, int]] = []  # (listening, killed) per start, wall ns
+    try:
+        assert wl.stdout is not None and wl.stdout.readline().strip() == "ready"
+        for _ in range(KILLS):
+            with agent(db, "gpu-01", None, *agent_args(wl.pid)) as a:
+                up = time.time_ns()
+                time.sleep(rng.uniform(1.3, 4.0))  # moments spread over a run
+                killed = time.time_ns()
+                a.proc.send_signal(signal.SIGKILL)
+                a.proc.wait(10)
+                text = a.log.read_text()
+            assert "damaged" not in text and "Traceback" not in text, text
+            runs.append((up, killed))
+        check = subprocess.run([FLEETD, "check", "--only", "db", "--db", str(db),
+                                "--format", "json"], capture_output=True, text=True,
+                               timeout=120)
+        with agent(db, "gpu-01", None, *agent_args(wl.pid)) as a:
+            health = request(a.url, None)[1]
+            assert a.stop() == 0
+            final_log = a.log.read_text()
+    finally:
+        wl.send_signal(signal.SIGTERM)
+        wl.wait(30)
+    made = sorted(array("q", stamps.read_bytes()))
+    kept = stored(db, wl.pid)
+
+    # No opening found damage (each start ran the damage check and went on) and SQLite
+    # itself finds none.
+    with sqlite3.connect(db) as c:
+        assert c.execute("PRAGMA quick_check").fetchone() == ("ok",)
+        sessions = c.execute("SELECT seq, end_reason, ended_ns, lost_events FROM "
+                             "session_data ORDER BY seq").fetchall()
+    assert [s[1] for s in sessions] == ["crashed"] * KILLS + ["stopped"]
+
+    # Loss: calls made from each start until a second before its kill, never stored.
+    losses = [missing(made, kept, up + 100_000_000, killed - GRACE_NS)
+              for up, killed in runs]
+    covered = [sum(up + 100_000_000 <= t <= killed - GRACE_NS for t in made)
+               for up, killed in runs]
+    print(f"\n{KILLS} kills: calls lost before the last second {losses} of {covered}; "
+          f"last commit before the kill (ms) "
+          f"{[(k - s[2]) // 10**6 for (_, k), s in zip(runs, sessions, strict=False)]}")
+    assert all(covered) and sum(losses) == 0, (losses, covered)
+    for (_, killed), (_seq, _, last_commit, _lost) in zip(runs, sessions, strict=False):
+        assert killed - GRACE_NS <= last_commit <= killed, (killed, last_commit)
+
+    # fleetd check names the newest killed session, its last commit and the gap.
+    report = json.loads(check.stdout)
+    (db_check,) = report["checks"]
+    assert db_check["status"] == "warn", db_check
+    sessions_data = db_check["data"]["sessions"]
+    assert sessions_data["crashed"] == KILLS and sessions_data["newest_crashed"]
+    newest = sessions_data["crashes"][-1]
+    assert newest["session"] == KILLS and newest["last_commit_ns"] == sessions[KILLS - 1][2]
+    assert f"session {KILLS} of gpu-01 was killed" in db_check["detail"]
+    # The next start says it too: its log and its health answer.
+    (crash,) = health["store"]["crashed_sessions"]
+    assert crash["session"] == KILLS and crash["gap_s"] > 0
+    assert f"session {KILLS} of gpu-01 was killed: its last commit was at" in final_log
