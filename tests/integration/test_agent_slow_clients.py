@@ -233,6 +233,8 @@ class HalfOpenFlood:
 def test_a_few_addresses_cannot_lock_others_out_before_the_handshake(node: Agent,
                                                                    pki: Pki) -> None:
     legit = client_ssl(pki, "desk")
+    _metric(node, pki, "connections_open")  # the scrape's own descriptors (database)
+    fds = len(os.listdir(f"/proc/{node.proc.pid}/fd"))
     ok, failures = 0, []
     with HalfOpenFlood(_hostport(node), FLOOD_SOURCES, FLOOD_PER_SOURCE) as flood:
         held = sum(len(v) for v in flood.socks.values())
@@ -250,3 +252,9 @@ def test_a_few_addresses_cannot_lock_others_out_before_the_handshake(node: Agent
     # At the total cap the newcomers (the legitimate client's, the flood's ninth address)
     # got in by closing connections of the addresses that held the most.
     assert _metric(node, pki, "connections_evicted_total") > 0
+    # Every connection closed, evicted or not, left the count (handshakes time out in 5 s).
+    deadline = time.monotonic() + 10
+    while _metric(node, pki, "connections_open") > 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _metric(node, pki, "connections_open") <= 1
+    assert len(os.listdir(f"/proc/{node.proc.pid}/fd")) <= fds + 2  # no descriptor kept
