@@ -26,9 +26,15 @@ import math
 import re
 import unicodedata
 from collections.abc import Iterable
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
+from pydantic import Strict
+
+# Every integer a tool takes: a JSON integer only. Pydantic's default (lax) mode takes a
+# float that holds a whole number, so ``1e3`` or ``1000.0`` passed as a pid or a row
+# count; strict, such a number is a tool error that says an integer was expected.
+Int = Annotated[int, Strict()]
 
 UNTRUSTED = "untrusted"
 # A backend may list more traced names under this key; the server takes it out.

@@ -47,7 +47,7 @@ from fleetd.errors import (
 from fleetd.mcp import prompts
 from fleetd.mcp.fleet import ACTIONS, FleetBackend
 from fleetd.mcp.local import LocalBackend
-from fleetd.mcp.safety import NAMES_KEY, clean, fit, scrub
+from fleetd.mcp.safety import NAMES_KEY, Int, clean, fit, scrub
 from fleetd.questions.catalog import QUESTIONS
 from fleetd.questions.spec import Param, Question
 from fleetd.security.private_dir import UnsafePathError
@@ -86,7 +86,7 @@ End = Annotated[str | None, Field(description="window end, same forms as start")
 # Every integer argument has an upper bound: a number past 64 bits (pid 2**70) is a tool
 # error from the SDK's validation, never an OverflowError inside SQLite.
 INT64_MAX = 2**63 - 1
-Pid = Annotated[int | None, Field(gt=0, le=INT64_MAX, description="only this process id")]
+Pid = Annotated[Int | None, Field(gt=0, le=INT64_MAX, description="only this process id")]
 NodeName = Annotated[str | None, Field(
     description="only this node (a merged database holds several; get_trace_stats lists them)")]
 Pod = Annotated[str | None, Field(max_length=507, description=(
@@ -220,7 +220,7 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         source: Annotated[str | None, Field(
             description="only ops of this layer: cuda, graph, driver, nccl, sched, block, "
             "irq, syscall")] = None,
-        top_n: Annotated[int, Field(ge=1, le=500, description="rows to return")] = 40,
+        top_n: Annotated[Int, Field(ge=1, le=500, description="rows to return")] = 40,
         node: NodeName = None,
     ) -> CallToolResult:
         return answers("get_trace_stats", lambda: b.trace_stats(
@@ -236,13 +236,13 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         "far above p50, and for off_cpu/runq_wait time." + DATA_NOTE))
 
     def get_causal_chains(
-        top_n: Annotated[int, Field(ge=1, le=50, description="chains to return")] = 5,
+        top_n: Annotated[Int, Field(ge=1, le=50, description="chains to return")] = 5,
         since: Since = None, start: Start = None, end: End = None,
-        pid: Annotated[int | None, Field(gt=0, le=INT64_MAX, description="only chains whose "
+        pid: Annotated[Int | None, Field(gt=0, le=INT64_MAX, description="only chains whose "
                                          "victim is "
                                          "this process (culprits may be any process)")] = None,
         min_severity: Severity = "LOW",
-        evidence_n: Annotated[int, Field(ge=0, le=100, description="evidence items per "
+        evidence_n: Annotated[Int, Field(ge=0, le=100, description="evidence items per "
                                          "chain")] = 8,
         node: NodeName = None, pod: Pod = None, namespace: Namespace = None,
     ) -> CallToolResult:
@@ -262,8 +262,8 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
 
     def get_latency_breakdown(
         since: Since = None, start: Start = None, end: End = None, pid: Pid = None,
-        top_n: Annotated[int, Field(ge=1, le=100, description="processes to return")] = 5,
-        threads_n: Annotated[int, Field(ge=1, le=200, description="threads per "
+        top_n: Annotated[Int, Field(ge=1, le=100, description="processes to return")] = 5,
+        threads_n: Annotated[Int, Field(ge=1, le=200, description="threads per "
                                         "process")] = 8,
         node: NodeName = None, pod: Pod = None, namespace: Namespace = None,
     ) -> CallToolResult:
@@ -284,8 +284,8 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
             description="CUDA op name, e.g. cudaLaunchKernel, cudaStreamSynchronize, "
             "cudaMemcpyAsync, cuLaunchKernel (a chain's 'op')")] = None,
         pid: Pid = None, since: Since = None, start: Start = None, end: End = None,
-        top_n: Annotated[int, Field(ge=1, le=100, description="stacks to return")] = 10,
-        frames_n: Annotated[int, Field(ge=1, le=128, description="frames per stack, "
+        top_n: Annotated[Int, Field(ge=1, le=100, description="stacks to return")] = 10,
+        frames_n: Annotated[Int, Field(ge=1, le=128, description="frames per stack, "
                                        "innermost first")] = 16,
         node: NodeName = None,
     ) -> CallToolResult:
@@ -307,7 +307,7 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
             "aggregates(node, ts_ns, dur_ns, pid, source, op, bucket, count, sum), chains; "
             "tables ops, stacks(hash, frames JSON), nodes"))],
         params: SqlParams = None,
-        max_rows: Annotated[int, Field(ge=1, le=1000, description="row limit")] = 100,
+        max_rows: Annotated[Int, Field(ge=1, le=1000, description="row limit")] = 100,
         timeout_s: Annotated[float, Field(gt=0, le=10, description="time limit")] = 5.0,
     ) -> CallToolResult:
         return answers("run_sql", lambda: b.run_sql(sql, list(params or []), max_rows,
@@ -323,7 +323,7 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
 
     def graph_lifecycle(
         since: Since = None, start: Start = None, end: End = None, pid: Pid = None,
-        buckets: Annotated[int, Field(ge=4, le=100, description="timeline buckets")] = 20,
+        buckets: Annotated[Int, Field(ge=4, le=100, description="timeline buckets")] = 20,
         node: NodeName = None,
     ) -> CallToolResult:
         return answers("graph_lifecycle", lambda: b.graphs(
@@ -332,7 +332,7 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
     def get_gpu_breakdown(
         since: Since = None, start: Start = None, end: End = None, pid: Pid = None,
         steps: Annotated[bool, Field(description="measure whole profiler steps only")] = False,
-        top_n: Annotated[int, Field(ge=1, le=100, description="kernel rows")] = 10,
+        top_n: Annotated[Int, Field(ge=1, le=100, description="kernel rows")] = 10,
         node: NodeName = None,
     ) -> CallToolResult:
         return answers("get_gpu_breakdown", lambda: b.gpu(
@@ -382,10 +382,10 @@ def _cpu_profile_tool(server: MCPServer, b: LocalBackend | FleetBackend,
                       answers: Answers) -> None:
     args: list[Arg] = [
         ("pid", Pid, None),
-        ("tid", Annotated[int | None, Field(ge=1, description="only this thread")], None),
+        ("tid", Annotated[Int | None, Field(ge=1, description="only this thread")], None),
         *WINDOW,
-        ("top_n", Annotated[int, Field(ge=1, le=100, description="top frames")], 15),
-        ("stacks_n", Annotated[int, Field(ge=1, le=50, description="heaviest stacks")], 5),
+        ("top_n", Annotated[Int, Field(ge=1, le=100, description="top frames")], 15),
+        ("stacks_n", Annotated[Int, Field(ge=1, le=50, description="heaviest stacks")], 5),
         ("node", NodeName, None)]
     _tool(server, answers, "get_cpu_profile", args, lambda win, a: b.cpu_profile(
         win, a["pid"], a["tid"], a["top_n"], a["stacks_n"], a["node"]), (
@@ -416,7 +416,7 @@ def _argument(p: Param) -> Any:
     if p.kind == "bool":
         return Annotated[bool, Field(description=p.help)]
     if p.kind == "int":
-        return Annotated[int | None, Field(gt=0, le=p.limit or INT64_MAX,
+        return Annotated[Int | None, Field(gt=0, le=p.limit or INT64_MAX,
                                            description=p.help)]
     return Annotated[str | None, Field(max_length=1000, description=p.help)]
 
@@ -438,12 +438,12 @@ def _fleet_tools(server: MCPServer, b: FleetBackend, answers: Answers) -> None:
                                          "views as a node database: events, chains, "
                                          "stacks...)")] = None,
         params: SqlParams = None,
-        max_rows: Annotated[int, Field(ge=1, le=1000, description="sql: rows per "
+        max_rows: Annotated[Int, Field(ge=1, le=1000, description="sql: rows per "
                                        "node")] = 100,
         per_process: Annotated[bool, Field(description="ops: one row per process")] = False,
-        top_n: Annotated[int, Field(ge=1, le=500, description="chains, ops or gpu kernel "
+        top_n: Annotated[Int, Field(ge=1, le=500, description="chains, ops or gpu kernel "
                                     "rows to return")] = 10,
-        evidence_n: Annotated[int, Field(ge=0, le=100, description="evidence items per "
+        evidence_n: Annotated[Int, Field(ge=0, le=100, description="evidence items per "
                                          "chain")] = 5,
         op: Annotated[str | None, Field(description="stacks: only calls of this CUDA op, "
                                         "e.g. cudaStreamSynchronize")] = None,
@@ -492,7 +492,7 @@ def _export_tool(server: MCPServer, backend: LocalBackend | FleetBackend,
             description="file name (letters, digits, . _ -; ending .json or .json.gz); "
             "default: made from the database name (fleet mode: 'fleet') and the time")] = None,
         since: Since = None, start: Start = None, end: End = None, pid: Pid = None,
-        limit_per_node: Annotated[int | None, Field(
+        limit_per_node: Annotated[Int | None, Field(
             gt=0, le=INT64_MAX, description="at most this many events per node")] = None,
         chains: Annotated[Literal["auto", "stored", "computed", "none"], Field(
             description="causal chain markers: stored ones else computed (auto), only "

@@ -38,6 +38,7 @@ import orjson
 
 from fleetd.errors import QueryError, UsageError
 from fleetd.store.db import connect, damage_error, open_reader
+from fleetd.wire.values import integer
 
 Params = Sequence[Any] | Mapping[str, Any]
 T = TypeVar("T")
@@ -92,11 +93,11 @@ class Limits:
             _check_positive("timeout", timeout_s)
             out = replace(out, timeout_s=min(out.timeout_s, float(timeout_s)))
         if max_rows is not None:
-            _check_positive("row limit", max_rows)
-            out = replace(out, max_rows=min(out.max_rows, int(max_rows)))
+            rows = integer(max_rows, "max_rows", 1)  # 1e23 is not a row count
+            out = replace(out, max_rows=min(out.max_rows, rows))
         if max_bytes is not None:
-            _check_positive("byte limit", max_bytes)
-            out = replace(out, max_bytes=min(out.max_bytes, int(max_bytes)))
+            size = integer(max_bytes, "max_bytes", 1)
+            out = replace(out, max_bytes=min(out.max_bytes, size))
         return out
 
 
