@@ -175,26 +175,35 @@ def indices_to_fds(insns: bytes, fds: list[int]) -> bytearray:
 
 
 def param_sites(insns: bytes | bytearray, sentinel: int) -> list[int]:
-    """Byte offsets of the immediates equal to ``sentinel`` outside map references: the
-    places a compile-time parameter compiled as the sentinel ended up. CacheError when
-    it also shows up in a form a patch cannot reach (the high half of a 64-bit load)."""
+    """Byte offsets of the immediates to patch for a parameter compiled as ``sentinel``:
+    each 32-bit immediate equal to it outside map references, and the high half of a
+    64-bit constant ``sentinel << 32`` (the compiler's form of ``(x >> 32) == PARAM``:
+    it becomes ``value << 32``). CacheError when it shows up in a 64-bit constant in a
+    form a patch cannot reach."""
     skip = set(map_refs(insns))
+    for near in (sentinel - 1, sentinel + 1):  # PARAM <= x compiled as PARAM - 1 < x...
+        if any(at not in skip for at in _aligned(insns, near.to_bytes(4, "little"), 4)):
+            raise CacheError(f"a parameter's sentinel {sentinel:#x} was compiled into "
+                             f"{near:#x}, a value derived from it")
     out = []
     for at in _aligned(insns, sentinel.to_bytes(4, "little", signed=True), 4):
         slot = at - 4
-        if slot >= _INSN and insns[slot - _INSN] == _LD_IMM64 and insns[slot] == 0:
-            raise CacheError(f"a parameter's sentinel {sentinel:#x} was compiled into the "
-                             "high half of a 64-bit constant")
-        wide = insns[slot] == _LD_IMM64
-        if at in skip or (wide and _imm(insns, slot + _INSN + 4) != 0):
+        if at in skip:
             continue
+        if slot >= _INSN and insns[slot - _INSN] == _LD_IMM64 and insns[slot] == 0:
+            if _imm(insns, at - _INSN) != 0:  # the high half of a wider constant
+                raise CacheError(f"a parameter's sentinel {sentinel:#x} was compiled into a "
+                                 "64-bit constant with other low bits")
+        elif insns[slot] == _LD_IMM64 and _imm(insns, slot + _INSN + 4) != 0:
+            raise CacheError(f"a parameter's sentinel {sentinel:#x} was compiled into a "
+                             "64-bit constant with other high bits")
         out.append(at)
     return out
 
 
 def patch_params(insns: bytearray, values: dict[int, int]) -> None:
     """Each sentinel's immediates -> the start's value (both fit 31 bits: a positive
-    immediate, whatever instruction holds it)."""
+    immediate, whatever instruction holds it, and the same shift in a 64-bit one)."""
     for sentinel, value in values.items():
         for at in param_sites(insns, sentinel):
             _set_imm(insns, at, value)
@@ -278,6 +287,11 @@ def load(cache: Path, key: str) -> Entry | None:
         why = str(exc)
     _discard(path, why or "unreadable")
     return None
+
+
+def discard(cache: Path, key: str, why: str) -> None:
+    """Remove the entry for ``key`` (it failed after it was read), with a log line."""
+    _discard(entry_dir(cache) / f"{key}.prog", why)
 
 
 def _not_private(st: os.stat_result) -> str | None:

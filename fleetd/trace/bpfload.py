@@ -149,20 +149,28 @@ def load_or_compile(text: str, flags: list[str], params: dict[str, int], values:
     t0 = time.perf_counter()
     entry = bpfcache.load(cache, key)
     if entry is not None:
-        obj = CachedBPF(entry, values)
-        log.info("BPF programs loaded from the compiled-program cache (entry %s) in %.2f s",
-                 key[:16], time.perf_counter() - t0)
-        return obj, HeaderRoute(*entry.route)
+        try:
+            obj = CachedBPF(entry, values)
+        except Exception as exc:  # bcc-style bare Exception from a load or an attach
+            # What the key does not cover (a tracepoint gone with a module) fails here
+            # once: the entry goes, and the compile says what is wrong, if anything.
+            bpfcache.discard(cache, key, f"loading it failed ({str(exc).splitlines()[0]})")
+        else:
+            log.info("BPF programs loaded from the compiled-program cache (entry %s) in "
+                     "%.2f s", key[:16], time.perf_counter() - t0)
+            return obj, HeaderRoute(*entry.route)
     bpf, route = compile_only()
     try:
         entry = capture(bpf, (route.name, route.source, route.detail),
                         {s: n for n, s in params.items()}, text)
     except CacheError as exc:
+        entry = None
         log.warning("the compiled BPF programs cannot be cached (%s): compiling them again "
                     "with this start's values", exc)
-        return compile_with_values()
     finally:
         bpf.cleanup()  # nothing of it was loaded or attached; its maps go
+    if entry is None:
+        return compile_with_values()
     try:
         path = bpfcache.store(cache, key, entry)
         log.info("compiled BPF programs kept in %s", path)
@@ -362,11 +370,11 @@ def _create_map(spec: TableSpec) -> int:
     return fd
 
 
-def _load_prog(prog_type: int, name: bytes, insns: bytearray, license: Any,
+def _load_prog(prog_type: int, name: bytes, insns: bytearray, licence: Any,
                kern_version: int, attach_type: int) -> int:
     buf = (ctypes.c_uint8 * len(insns)).from_buffer(insns)
     attr = _ProgLoad(prog_type=prog_type, insn_cnt=len(insns) // 8,
-                     insns=ctypes.addressof(buf), license=ctypes.addressof(license),
+                     insns=ctypes.addressof(buf), license=ctypes.addressof(licence),
                      kern_version=kern_version, prog_name=name[:15],
                      expected_attach_type=max(attach_type, 0))
     fd = bpf_syscall(_PROG_LOAD, attr)

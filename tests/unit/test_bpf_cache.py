@@ -1,7 +1,7 @@
 """The compiled-program cache's files and instructions (fleetd/trace/bpfcache.py): the
 key, the permissions a file needs to be used, corruption caught before use, and the
 patching of map descriptors and load-time parameters. The live side (a warm start
-loading from the cache and recording) is tests/integration/test_bpf_cache.py."""
+loading from the cache and recording) is tests/integration/test_bpf_cache_live.py."""
 
 from __future__ import annotations
 
@@ -87,10 +87,20 @@ def test_a_parameter_is_patched_where_it_was_compiled_and_nowhere_else() -> None
     bpfcache.patch_params(prog, {SENTINEL: 4242})
     assert struct.unpack_from("<i", prog, 4)[0] == 4242
     assert struct.unpack_from("<i", prog, 44)[0] == SENTINEL  # the map load's
-    # A 64-bit constant with the sentinel as its high half cannot be patched.
-    wide = _insn(0x18, 1, 0, 0, 0) + _insn(0, 0, 0, 0, SENTINEL)
-    with pytest.raises(CacheError, match="high half"):
-        bpfcache.param_sites(wide, SENTINEL)
+    # (x >> 32) == PARAM compiles to x & 0xffffffff00000000 == SENTINEL << 32: the high
+    # half is patched; a 64-bit constant with other bits beside the sentinel is refused.
+    shifted = bytearray(_insn(0x18, 1, 0, 0, 0) + _insn(0, 0, 0, 0, SENTINEL))
+    assert bpfcache.param_sites(shifted, SENTINEL) == [12]
+    bpfcache.patch_params(shifted, {SENTINEL: 4242})
+    assert struct.unpack_from("<ii", shifted, 4)[0] == 0
+    assert struct.unpack_from("<i", shifted, 12)[0] == 4242
+    for low, high in ((1, SENTINEL), (SENTINEL, 1)):
+        wide = _insn(0x18, 1, 0, 0, low) + _insn(0, 0, 0, 0, high)
+        with pytest.raises(CacheError, match="64-bit constant with other"):
+            bpfcache.param_sites(wide, SENTINEL)
+    # A comparison the compiler rewrote around the sentinel (x <= P as x < P + 1).
+    with pytest.raises(CacheError, match="derived from it"):
+        bpfcache.param_sites(_insn(0xA5, 1, 0, 1, SENTINEL + 1), SENTINEL)
     with pytest.raises(CacheError, match="multiple of 8"):
         bpfcache.map_refs(PROG[:-3])
 

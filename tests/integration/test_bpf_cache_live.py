@@ -118,3 +118,51 @@ def test_the_kept_programs_are_what_bcc_compiles_for_this_start(
     assert not differ, f"programs that differ from BCC's own compile: {differ[:5]}"
     pid = os.getpid().to_bytes(4, "little")
     assert any(pid in b for b in ours.values()), "the pid is in the programs"
+
+
+SMALL = r"""
+BPF_ARRAY(hits, u64, 1);
+TRACEPOINT_PROBE(syscalls, sys_enter_getppid) {
+    int k = 0;
+    u64 *v = hits.lookup(&k);
+    if (v && (bpf_get_current_pid_tgid() >> 32) == FL_TRACER_PID)
+        __sync_fetch_and_add(v, 1);
+    return 0;
+}
+"""
+
+
+def test_an_entry_the_kernel_refuses_is_dropped_and_compiled_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+        ) -> None:
+    """An intact entry (its checksum holds) whose program the verifier rejects: the start
+    says so, removes it, compiles, and the compiled program records."""
+    import ctypes
+    import logging
+    from dataclasses import replace
+
+    from fleetd.trace.bpfsrc import compile_source, detach_all
+
+    monkeypatch.setenv("FLEETD_CACHE_DIR", str(tmp_path))
+    params = {"FL_TRACER_PID": os.getpid()}
+    bpf, _ = compile_source(SMALL, [], params=params)
+    detach_all(bpf)
+    [path] = (tmp_path / "bpf").glob("*.prog")
+    entry = bpfcache.load(tmp_path, path.stem)
+    assert entry is not None
+    # r0 = *(u64 *)(r10 - 8) before anything was stored there, then exit: refused.
+    bad = bytes([0x79, 0x0A, 0xF8, 0xFF, 0, 0, 0, 0, 0x95, 0, 0, 0, 0, 0, 0, 0])
+    bpfcache.store(tmp_path, path.stem, replace(
+        entry, funcs={n: bad for n in entry.funcs}))
+    with caplog.at_level(logging.INFO, logger="fleetd.trace"):
+        bpf, _ = compile_source(SMALL, [], params=params)
+    try:
+        assert "loading it failed (Failed to load BPF program tracepoint__syscalls__" \
+            in caplog.text and "compiled BPF programs kept in" in caplog.text, caplog.text
+        for _ in range(3):
+            os.getppid()
+        assert bpf[b"hits"][ctypes.c_int(0)].value == 3
+    finally:
+        detach_all(bpf)
+    kept = bpfcache.load(tmp_path, path.stem)
+    assert kept is not None and kept.funcs == entry.funcs
