@@ -29,7 +29,7 @@ from fleetd.analyze.collectives import host_chains
 from fleetd.analyze.facade import Analysis
 from fleetd.analyze.window import WindowSpec
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
-from fleetd.cli.output import dumps, table, warn
+from fleetd.cli.output import SEVERITY_STYLE, colour_wanted, dumps, paint, table, warn
 from fleetd.cli.pod_args import add_pod_args, fleet_selection, selected_pids
 from fleetd.errors import UsageError
 from fleetd.printable import printable_tree
@@ -438,7 +438,10 @@ def _stragglers(ranked: list[dict[str, Any]], out: TextIO) -> None:
 def _chain(c: dict[str, Any], out: TextIO, tag: bool = False, *, verbose: bool = False
            ) -> None:
     where = f" on {c['node']}" if tag else ""
-    out.write(f"\n[{c['severity']}] {c['root_cause']}{where}  {c['id']}\n  {c['summary']}\n")
+    sev = f"[{c['severity']}]"
+    if colour_wanted(out):  # a terminal: the severity in its colour, as tables show it
+        sev = paint(sev, SEVERITY_STYLE.get(str(c["severity"]), ""))
+    out.write(f"\n{sev} {c['root_cause']}{where}  {c['id']}\n  {c['summary']}\n")
     v = c["victim"]
     out.write(f"  victim:  {v['comm']} pid {v['pid']} tid {v['tid']}{pods.label(v)}\n")
     if c["culprit"]:

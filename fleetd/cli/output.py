@@ -8,9 +8,9 @@ A table fits the output's width (``COLUMNS``, else the terminal's; a pipe or a f
 without ``COLUMNS`` has no limit): numbers and identifiers are never cut or split, the
 longest text columns are shortened with an ellipsis first, and when that is not enough
 the rightmost columns are left out and a note says how many (``--wide`` shows every
-cell in full, ``--format json`` too). On a terminal it is drawn with ``rich``
-(severities coloured, ``NO_COLOR`` turns colour off); elsewhere, and for results too
-large to lay out at once, the plain writer prints it aligned, without escape codes.
+cell in full, ``--format json`` too). Every command draws the same plain table: a
+header, a rule of dashes, aligned cells; on a terminal severities are coloured
+(``NO_COLOR`` or ``TERM=dumb`` turns colour off; a pipe or a file never gets a code).
 Prose lines (explain, gpu, check) are wrapped to the same width at spaces, with a
 hanging indent (:class:`Wrapped`).
 
@@ -40,8 +40,8 @@ from fleetd.store.cuda_errors import runtime_error
 from fleetd.store.timeparse import format_ns
 
 FORMATS = ("table", "json", "csv", "ndjson")
-RICH_MAX_ROWS = 2_000  # beyond this a terminal gets the plain writer: rich lays out all rows
-SEVERITY_STYLE = {"HIGH": "bold red", "MEDIUM": "yellow", "LOW": "cyan"}
+# Severities on a colour terminal (SGR parameters): bold red, yellow, cyan.
+SEVERITY_STYLE = {"HIGH": "1;31", "MEDIUM": "33", "LOW": "36"}
 ELLIPSIS = "…"
 MIN_TEXT = 8  # a text column is never shortened below this (or its header)
 # Columns that name things a user types back (a node, an op, a process): shortened only
@@ -89,13 +89,14 @@ def fit_columns(columns: Sequence[str], cells: list[list[str]], numeric: list[bo
     Free text gives up width first, the widest column first; then the rightmost columns
     are left out (never the first); names (node, op, comm...) are shortened only when
     one column is left. Numbers, with or without a unit (``4.01 ms``, ``≥ 5.01 ms``,
-    ``15.8%``), are never shortened."""
+    ``15.8%``), and identifiers (a chain id, a session, a hash) are never shortened."""
     natural = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
     shown = list(range(len(columns)))
     widths = list(natural)
     if width is None:
         return shown, widths
-    whole = [numeric[i] or _all_numbers(cells, i) for i in range(len(columns))]
+    whole = [numeric[i] or _all_numbers(cells, i) or _identifiers(columns[i], cells, i)
+             for i in range(len(columns))]
     while True:
         excess = sum(widths[i] for i in shown) + gap * (len(shown) - 1) - width
         if excess <= 0:
@@ -116,6 +117,19 @@ def fit_columns(columns: Sequence[str], cells: list[list[str]], numeric: list[bo
 
 
 _NUMBER = re.compile(r"^[≥≤<>~]?\s*[-+]?\d[\d.,:]*(\s*[a-zA-Zµ%/*]{0,4})?[*%]?$")
+
+
+_ID_COLUMNS = ("id", "key", "session", "chain", "comm_hash", "fingerprint")
+_ID_VALUE = re.compile(r"^[\w.-]+:[0-9a-f]{6,}$|^[0-9a-f]{12,}$")  # node:hash, a hash
+
+
+def _identifiers(column: str, cells: list[list[str]], i: int) -> bool:
+    """A column of identifiers a user copies back (a chain id ``rec-01:2ee284497fd6``,
+    a session, a hash): never shortened, or the copy would not work."""
+    if column in _ID_COLUMNS or column.endswith("_id"):
+        return True
+    values = [r[i] for r in cells if r[i]]
+    return bool(values) and all(_ID_VALUE.match(v) for v in values)
 
 
 def _all_numbers(cells: list[list[str]], i: int) -> bool:
@@ -290,8 +304,6 @@ def write_rows(
         w.writerow(columns)
         for r in rows:
             w.writerow(["" if v is None else _plain(v) for v in r])
-    elif len(rows) <= RICH_MAX_ROWS and _is_terminal(out):
-        _rich_table(columns, rows, out)
     else:
         out.write(table(columns, rows, out))
 
@@ -303,29 +315,15 @@ def _is_terminal(out: TextIO) -> bool:
         return False
 
 
-def _rich_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], out: TextIO) -> None:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
+def colour_wanted(out: TextIO) -> bool:
+    """Colour only on a terminal, and never with ``NO_COLOR`` set or ``TERM=dumb``."""
+    return (_is_terminal(out) and not os.environ.get("NO_COLOR")
+            and os.environ.get("TERM") != "dumb")
 
-    # Console honours NO_COLOR and TERM=dumb itself; the cells are fitted here, so it
-    # never has to wrap one (rich would fold a number across lines).
-    console = Console(file=out, highlight=False, soft_wrap=True)
-    grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    cells = _cells(columns, rows)
-    numeric = _numeric(columns, rows)
-    # rich puts a space of padding each side of a column and one between: 3 per gap.
-    shown, widths = fit_columns(columns, cells, numeric, output_width(out), gap=3)
-    for i, w in zip(shown, widths, strict=True):
-        grid.add_column(clip(columns[i], w), justify="right" if numeric[i] else "left",
-                        no_wrap=True, overflow="ellipsis", min_width=w, max_width=w)
-    for r in cells:
-        grid.add_row(*(Text(clip(r[i], w), style=_severity_style(columns[i], r[i]))
-                       for i, w in zip(shown, widths, strict=True)))
-    console.print(grid)
-    console.print(f"({len(rows)} row{'s' if len(rows) != 1 else ''})"
-                  + _hidden_note(len(columns) - len(shown)), style="dim")
+
+def paint(text: str, style: str) -> str:
+    """``text`` in an SGR style (our own codes: the printable stream lets them pass)."""
+    return f"\x1b[{style}m{text}\x1b[0m" if style and text else text
 
 
 def _severity_style(column: str, text: str) -> str:
@@ -404,18 +402,21 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]],
         return "(no columns)\n"
     cells = _cells(columns, rows)
     numeric = _numeric(columns, rows)
-    shown, widths = fit_columns(columns, cells, numeric,
-                                output_width(out if out is not None else sys.stdout))
+    dest = out if out is not None else sys.stdout
+    shown, widths = fit_columns(columns, cells, numeric, output_width(dest))
+    colour = colour_wanted(dest)
 
-    def line(vals: Sequence[str]) -> str:
+    def line(vals: Sequence[str], styled: bool = False) -> str:
         parts = []
         for i, w in zip(shown, widths, strict=True):
             v = clip(vals[i], w)
-            parts.append(v.rjust(w) if numeric[i] else v.ljust(w))
+            pad = " " * (w - len(v))
+            if styled:  # the padding stays outside the colour, so columns still align
+                v = paint(v, _severity_style(columns[i], v))
+            parts.append(pad + v if numeric[i] else v + pad)
         return "  ".join(parts).rstrip() + "\n"
-    out_lines = [line(list(columns)), line(["-" * len(c) for c in columns])]
-    out_lines[1] = "  ".join("-" * w for w in widths) + "\n"
-    out_lines += [line(r) for r in cells]
+    out_lines = [line(list(columns)), "  ".join("-" * w for w in widths) + "\n"]
+    out_lines += [line(r, colour) for r in cells]
     out_lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})"
                      + _hidden_note(len(columns) - len(shown)) + "\n")
     return "".join(out_lines)

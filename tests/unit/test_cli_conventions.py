@@ -175,6 +175,28 @@ def test_tables_use_the_terminal_and_stay_plain_in_pipes() -> None:
     assert "\x1b[1;31m" not in plain and "\x1b[31m" not in plain
 
 
+def test_every_command_draws_one_table_style_and_colours_severities() -> None:
+    """#44.6: query drew rich's bold box tables on a terminal where every other command
+    drew plain rules; the explain text's [HIGH] was never coloured."""
+    sql = ("SELECT 'rec-01:2ee284497fd6' AS id, 'HIGH' AS severity, "
+           "'python (pid 28898) stalled 245 times between CUDA calls, worst 3.8 ms' AS summary")
+    shown = _on_terminal("query", "--db", str(SCENARIOS / "cpu_hog.db"), sql,
+                         env={"COLUMNS": "60"})
+    assert "─" not in shown and "\x1b[1m" not in shown  # no box, no bold header
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", shown).splitlines()
+    assert lines[0].split() == ["id", "severity", "summary"]
+    assert set(lines[1].replace(" ", "")) == {"-"}
+    assert "rec-01:2ee284497fd6" in lines[2]  # an id is never cut, even at 60 columns
+    assert "\x1b[1;31mHIGH\x1b[0m" in shown
+    explained = _on_terminal("explain", "--db", str(SCENARIOS / "cpu_hog.db"), env={})
+    assert "\x1b[1;31m[HIGH]\x1b[0m cpu_contention" in explained
+    for env in ({"NO_COLOR": "1"}, {"TERM": "dumb"}):
+        assert "\x1b[" not in _on_terminal("explain", "--db", str(SCENARIOS / "cpu_hog.db"),
+                                            env=env)
+    piped = fleetd("explain", "--db", str(SCENARIOS / "cpu_hog.db")).stdout
+    assert "\x1b[" not in piped and "[HIGH] cpu_contention" in piped
+
+
 # ---- 7: one name per meaning; sizes with units; -v anywhere; --fail-on ----------------
 
 
