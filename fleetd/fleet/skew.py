@@ -43,6 +43,9 @@ log = logging.getLogger("fleetd.fleet.skew")
 SAMPLES = 1
 KEEP = 3
 KEEP_RTT_FACTOR = 1.5
+# Beyond the round trips: what two samples of one clock may still disagree by (the two
+# stamps are taken microseconds from the socket, and NTP slews meanwhile).
+STEP_SLACK_NS = 50_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +92,26 @@ class Skew:
                 f"(+/- {self.error_ms:.3f} ms, {self.used} of {self.samples} samples)")
 
 
+def since_last_step(samples: Sequence[Sample]) -> list[Sample]:
+    """The samples (in the order taken) from the node's last clock step on. Two honest
+    samples of one clock agree within half their round trips summed; a later sample
+    outside that of an earlier one means the node's clock was set in between, and
+    everything before it describes a clock that no longer exists."""
+    kept: list[Sample] = []
+    for s in samples:
+        if s.rtt_ns < 0:
+            continue
+        if any(abs(s.offset_ns - k.offset_ns) > (s.rtt_ns + k.rtt_ns) / 2 + STEP_SLACK_NS
+               for k in kept):
+            kept = []
+        kept.append(s)
+    return kept
+
+
 def estimate(samples: Sequence[Sample]) -> Skew | None:
-    """The offset from the lowest-RTT samples; None without a usable sample."""
-    usable = sorted((s for s in samples if s.rtt_ns >= 0), key=lambda s: s.rtt_ns)
+    """The offset from the lowest-RTT samples since the node's clock last stepped;
+    None without a usable sample."""
+    usable = sorted(since_last_step(samples), key=lambda s: s.rtt_ns)
     if not usable:
         return None
     best = usable[0]

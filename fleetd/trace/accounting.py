@@ -243,8 +243,12 @@ def progress_fields(drops: dict[str, int], counters: Mapping[str, int], clock: C
         "clock_error_ns": clock.error_ns,
         "targets": targets,
     }
+    if clock.steps:  # the wall clock was stepped during the session (fleetd.trace.clock)
+        fields["drops"] = {**drops, "clock_steps": len(clock.steps),
+                           "clock_step_ns": clock.stepped_ns}
     if final:
-        fields["ended_ns"] = time.time_ns()
+        # On the session's own mapping, like its events (a stepped clock would not be).
+        fields["ended_ns"] = clock.to_wall(time.clock_gettime_ns(time.CLOCK_MONOTONIC))
         fields["end_reason"] = "stopped"
     return fields
 

@@ -6,6 +6,13 @@ read realtime, monotonic, realtime again, many times, and keep the read with the
 narrowest realtime window. The error estimate is half that window plus the kernel's
 own ``maxerror`` from adjtimex (how far the system clock may be from true time).
 The offset drifts when NTP slews the clock, so the tracer re-samples periodically.
+
+A step (the wall clock set by NTP, an operator or a VM migration: the offset moving by
+more than :data:`STEP_NS` between two samples) is not applied: within a session the
+mapping stays continuous, so stored times never run backwards and a timeline keeps
+its order, and the step is recorded (``steps``; the session's ``drops`` carry
+``clock_steps`` and ``clock_step_ns``). Durations come from the monotonic clock either
+way. The next session maps with the clock as it then reads.
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ from dataclasses import dataclass, field
 log = logging.getLogger("fleetd.trace.clock")
 
 _TRIES = 25
+# Between two samples 10 s apart NTP slews at most 5 ms (500 ppm); a move this large
+# is a step.
+STEP_NS = 500_000_000
 _STA_UNSYNC = 0x0040
 _TIME_ERROR = 5
 
@@ -80,30 +90,55 @@ def sample(tries: int = _TRIES) -> ClockSample:
     return ClockSample(m, offset, error, window, synced)
 
 
+@dataclass(frozen=True, slots=True)
+class ClockStep:
+    mono_ns: int  # when it was seen (the sample after it)
+    step_ns: int  # how far the wall clock moved against monotonic
+
+
 @dataclass
 class ClockMap:
     """The offsets of one session; converts BPF monotonic times to wall-clock ns."""
 
     resample_every_ns: int = 10_000_000_000
     samples: list[ClockSample] = field(default_factory=list)
+    steps: list[ClockStep] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.samples:
             self.samples.append(sample())
         self.offset_ns = self.samples[-1].offset_ns
+        self._read_ns = self.offset_ns  # the offset as last read, steps included
 
     def maybe_resample(self, now_mono_ns: int | None = None) -> bool:
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC) if now_mono_ns is None else now_mono_ns
         if now - self.samples[-1].mono_ns < self.resample_every_ns:
             return False
-        s = sample()
-        drift = s.offset_ns - self.offset_ns
-        if abs(drift) > 1_000_000:
+        self.take(sample())
+        return True
+
+    def take(self, s: ClockSample) -> None:
+        """Follow a new sample: a slew moves the mapping, a step is recorded instead."""
+        drift = s.offset_ns - self._read_ns
+        self._read_ns = s.offset_ns
+        if abs(drift) > STEP_NS:
+            self.steps.append(ClockStep(s.mono_ns, drift))
+            log.warning("the wall clock was stepped %+.3f s; this session's times stay "
+                        "continuous with its start (the step is recorded in the session)",
+                        drift / 1e9)
+        elif abs(drift) > 1_000_000:
             log.info("wall clock moved %.3f ms against monotonic since the last sample",
                      drift / 1e6)
-        self.samples.append(s)
-        self.offset_ns = s.offset_ns
-        return True
+        self.offset_ns += 0 if abs(drift) > STEP_NS else drift
+        # Kept as applied, so that what reads clock_samples (fleetd.export.clockfix)
+        # interpolates between the offsets the events were really stamped with.
+        self.samples.append(ClockSample(s.mono_ns, self.offset_ns, s.error_ns, s.window_ns,
+                                        s.synced))
+
+    @property
+    def stepped_ns(self) -> int:
+        """The steps' sum: how far the wall clock now reads from this session's times."""
+        return sum(st.step_ns for st in self.steps)
 
     def to_wall(self, mono_ns: int) -> int:
         return mono_ns + self.offset_ns

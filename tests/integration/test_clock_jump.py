@@ -1,0 +1,106 @@
+"""Wall-clock steps of +1 h and -1 h while a real `fleetd agent` traces (issue 45 point
+4). The agent alone sees the steps (tests/clockshift: its CLOCK_REALTIME shifted by a
+file's seconds, re-read every 100 ms; its monotonic clock, BPF's, untouched); the
+workload and this test read the true time. Then: no negative duration, every call the
+workload made is stored at its own true time (the session's mapping stays continuous,
+so the timeline keeps its order across both steps), the session records the steps, and
+a skew estimate from samples taken across a step follows the clock as it reads after it."""
+
+from __future__ import annotations
+
+import bisect
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from array import array
+from pathlib import Path
+
+import pytest
+from agents import agent, request
+
+from fleetd.fleet import skew
+
+from conftest import REPO
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent traces: needs root")
+
+HOUR_S = 3600
+RESAMPLE_S = 11.0  # the tracer samples the clock every 10 s
+EDGE_NS = 2_000_000
+
+
+def shim(tmp: Path) -> Path:
+    out = tmp / "clockshift.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(out),
+                    str(REPO / "tests/clockshift/clockshift.c"), "-ldl"], check=True)
+    return out
+
+
+def time_sample(url: str) -> skew.Sample:
+    t0 = time.time_ns()
+    status, body, raw = request(url, None, path="/api/v1/time")
+    t3 = time.time_ns()
+    assert status == 200, raw
+    return skew.Sample(t0, body["t1_ns"], body["t2_ns"], t3)
+
+
+def test_clock_steps_keep_the_timeline_and_are_recorded(tmp_path: Path) -> None:
+    shift = tmp_path / "shift"
+    shift.write_text("0\n")
+    env = {"LD_PRELOAD": str(shim(tmp_path)), "CLOCKSHIFT_FILE": str(shift)}
+    stamps = tmp_path / "stamps.bin"
+    wl = subprocess.Popen([sys.executable, str(REPO / "tests/workloads/stamped_calls.py"),
+                           "--rate", "400", "--duration", "300", "--out", str(stamps)],
+                          stdout=subprocess.PIPE, text=True)
+    db = tmp_path / "node.db"
+    try:
+        assert wl.stdout is not None and wl.stdout.readline().strip() == "ready"
+        with agent(db, "gpu-01", None, "--plain-http", "--pid", str(wl.pid), "--sample", "1",
+                   "--no-host", "--cpu-sample-hz", "0", env=env) as a:
+            up = time.time_ns()
+            time.sleep(1.0)
+            before = [time_sample(a.url) for _ in range(3)]
+            shift.write_text(f"{HOUR_S}\n")  # +1 h
+            time.sleep(0.3)
+            after = time_sample(a.url)
+            time.sleep(RESAMPLE_S)
+            shift.write_text("0\n")  # and back: -1 h
+            time.sleep(RESAMPLE_S)
+            stopped = time.time_ns()
+            assert a.stop() == 0
+            text = a.log.read_text()
+    finally:
+        wl.send_signal(signal.SIGTERM)
+        wl.wait(30)
+    made = sorted(array("q", stamps.read_bytes()))
+
+    # The skew estimate follows the node's clock within the query that sees the step:
+    # samples from before it describe a clock that is gone.
+    est = skew.estimate([*before, after])
+    assert est is not None and abs(est.offset_ns - HOUR_S * 1e9) < 1e9, est
+    assert abs(skew.estimate(before).offset_ns) < 1e9  # type: ignore[union-attr]
+
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+        negative = c.execute("SELECT count(*) FROM event_data WHERE dur_ns < 0").fetchone()[0]
+        kept = sorted(r[0] for r in c.execute(
+            "SELECT ts_ns FROM events WHERE pid = ? AND op = 'cudaStreamSynchronize'",
+            (wl.pid,)))
+        steps, net, ended = c.execute(
+            "SELECT json_extract(drops, '$.clock_steps'), json_extract(drops, "
+            "'$.clock_step_ns'), ended_ns FROM session_data").fetchone()
+    assert negative == 0
+    # Every call from the start to a second before the stop, stored at its true time:
+    # nothing moved by an hour either way, nothing out of order.
+    window = [t for t in made if up + 10**8 <= t <= stopped - 10**9]
+    unmatched = [t for t in window
+                 if (i := bisect.bisect_left(kept, t - EDGE_NS)) == len(kept)
+                 or kept[i] > t + EDGE_NS]
+    assert len(window) > 5000 and not unmatched, (len(window), len(unmatched))
+    assert kept[0] >= up - 10**9 and kept[-1] <= stopped + 10**9
+    # The session marks both steps, and its end is on its own continuous time.
+    assert steps == 2 and abs(net) < 10**9, (steps, net)
+    assert abs(ended - stopped) < 5 * 10**9
+    assert "wall clock was stepped +3600" in text and "wall clock was stepped -3600" in text
