@@ -25,8 +25,12 @@ from fleetd.analyze.hangs import Group, RankView, build_groups
 
 WINDOW_NS = 5_000_000_000  # the collectives considered: entered within the last 5 s
 MIN_COLLECTIVES = 5  # fewer shared collectives than this say nothing
-LATE_RATIO = 0.7  # last at this share of them (chance is 1/n)...
-LATE_MARGIN_NS = 2_000_000  # ...entering this long after the next rank (median)
+LATE_RATIO = 0.75  # last at this share of them (chance is 1/n)...
+LATE_MARGIN_NS = 2_000_000  # ...entering this long after the next rank (median)...
+# ...and at least this share of a step (the median time between collectives): ranks
+# contending for a busy host's CPUs trail each other by a few ms at random; a straggler
+# holds the whole job back by a good part of each step.
+STEP_SHARE = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +45,7 @@ class Lateness:
     collectives: int  # collectives of the window every member entered
     last: int  # of them, the ones it entered last
     late_ns: int  # median gap behind the next rank at those (0 when never last)
+    step_ns: int  # median time between the group's consecutive collectives
 
     @property
     def ratio(self) -> float:
@@ -50,7 +55,7 @@ class Lateness:
     def late(self) -> bool:
         """The rule: last at most of enough collectives, by a margin."""
         return (self.collectives >= MIN_COLLECTIVES and self.ratio >= LATE_RATIO
-                and self.late_ns >= LATE_MARGIN_NS)
+                and self.late_ns >= max(LATE_MARGIN_NS, STEP_SHARE * self.step_ns))
 
 
 def lateness(views: Sequence[RankView], window_ns: int = WINDOW_NS,
@@ -82,14 +87,17 @@ def _of_group(g: Group, window_ns: int) -> list[Lateness]:
     members = sorted({r for e in by_seq.values() for r in e})
     if len(members) < 2:
         return []
-    shared = [e for e in by_seq.values() if len(e) == len(members)]
+    shared = [e for _, e in sorted(by_seq.items()) if len(e) == len(members)]
+    firsts = [min(e.values()) for e in shared]
+    step = int(statistics.median(b - a for a, b in zip(firsts, firsts[1:], strict=False))
+               ) if len(firsts) > 1 else 0
     gaps: dict[int, list[int]] = {r: [] for r in members}
     for e in shared:
         order = sorted(e, key=lambda r: e[r])
         last, before = order[-1], order[-2]
         gaps[last].append(e[last] - e[before])
     return [Lateness(g.label, g.key, g.matching, r, g.members[r].view, len(shared),
-                     len(gaps[r]), int(statistics.median(gaps[r])) if gaps[r] else 0)
+                     len(gaps[r]), int(statistics.median(gaps[r])) if gaps[r] else 0, step)
             for r in members]
 
 

@@ -14,6 +14,7 @@ from fleetd.fleet.notify import Delivery, Notifier
 from fleetd.fleet.straggle import StraggleWatch
 
 STEP_NS = 50_000_000  # 20 collectives a second
+OPS = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather", "ncclReduceScatter")
 
 
 def job(late_rank: int | None, late_ns: int, *, ranks: int = 4, steps: int = 60,
@@ -31,7 +32,8 @@ def job(late_rank: int | None, late_ns: int, *, ranks: int = 4, steps: int = 60,
             age = 100_000_000 + (steps - 1 - i) * STEP_NS + rnd.randrange(jitter_ns)
             if r == late_rank:
                 age -= late_ns
-            recent.append(Recent(i + 1 + shift, age, "ncclAllReduce", 4096))
+            # as nccl_ranks.py: ops in turn, the count growing with the step number
+            recent.append(Recent(i + 1 + shift, age, OPS[i % len(OPS)], 4 * (1024 + i)))
         last = recent[-1]
         views.append(RankView(
             node=f"n{r}", pid=100 + r, comm="python", rank=r, world_size=ranks, job="j1",
@@ -50,21 +52,28 @@ def test_a_healthy_job_has_no_late_rank_whatever_its_jitter() -> None:
 
 
 def test_the_rank_entering_late_is_named_with_its_margin() -> None:
-    found = stragglers(job(2, 8_000_000, offsets=(0, 7, 3, 12)))
+    found = stragglers(job(2, 15_000_000, offsets=(0, 7, 3, 12)))
     assert [(x.rank, x.view.node) for x in found] == [(2, "n2")]
     assert found[0].ratio == 1.0
-    assert 7_000_000 <= found[0].late_ns <= 9_000_000
+    assert 14_000_000 <= found[0].late_ns <= 16_000_000
+    assert 45_000_000 <= found[0].step_ns <= 55_000_000
+    for late in (45_000_000, 200_000_000):  # most of a step, or more: aligned all the same
+        assert [x.rank for x in stragglers(job(2, late, offsets=(5, 0, 9, 2)))] == [2]
 
 
-def test_a_rank_late_by_less_than_the_margin_is_not_flagged() -> None:
+def test_a_rank_late_by_less_than_the_margins_is_not_flagged() -> None:
     views = job(1, LATE_MARGIN_NS // 4, jitter_ns=100_000)
+    assert [x.rank for x in lateness(views) if x.ratio > 0.9] == [1]
+    assert stragglers(views) == []
+    # always last, by 8 ms, but in 50 ms steps: the trail of a busy host, not a straggler
+    views = job(1, 8_000_000, jitter_ns=100_000)
     assert [x.rank for x in lateness(views) if x.ratio > 0.9] == [1]
     assert stragglers(views) == []
 
 
 def test_flag_needs_consecutive_polls_and_so_does_recovery() -> None:
     w = StraggleWatch(flag_polls=2, calm_polls=3)
-    healthy, slow = job(None, 0), job(3, 10_000_000)
+    healthy, slow = job(None, 0), job(3, 20_000_000)
     assert w.update(healthy, 0.01) == ([], [])
     assert w.update(slow, 0.01) == ([], [])  # one poll: not yet
     assert w.update(healthy, 0.01) == ([], [])  # a blip: the streak starts again
@@ -85,7 +94,7 @@ def test_a_straggler_is_sent_firing_then_with_its_cause_then_resolved(tmp_path: 
     out = tmp_path / "got"
     n = Notifier(Delivery(command=["sh", "-c", f"cat >> {out}"]))
     w = StraggleWatch(flag_polls=1, calm_polls=1)
-    w.update(job(0, 10_000_000), 0.01)
+    w.update(job(0, 20_000_000), 0.01)
     [s] = w.current()
 
     async def go() -> list[list[str]]:

@@ -1,0 +1,133 @@
+"""A straggler flagged live, its cause named, then its recovery (issue 43.1): one real agent
+on loopback (certificates from `fleetd certs`) tracing four ranks of
+tests/workloads/nccl_ranks.py (the real libnccl, in lockstep over a TCP barrier), and
+`fleetd watch --webhook` against it (a real local receiver checking the HMAC).
+
+Rank 2 runs in a cgroup of its own. Healthy seconds first: nothing may be flagged. Then
+its cgroup gets a CPU quota of 3% (cpu.max, a Kubernetes CPU limit set far too low): its
+20 ms of compute per step take hundreds of ms, and watch must say STRAGGLER naming rank
+2 within 15 s and its CAUSE (cpu_throttled, from the cgroup's own throttling counters)
+within 25 s; once the quota is lifted, RECOVERED within 20 s. The receiver gets the
+finding firing (again when its cause came a poll later), then resolved.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from contextlib import ExitStack, suppress
+from pathlib import Path
+
+import pytest
+from agents import Pki, agent, client_ssl, make_pki, request
+from test_hang_watch import (
+    RANKS,
+    WORKLOAD,
+    _all_ranks_past,
+    _by_rank,
+    _wait,
+    address,
+    tracing,
+    watch,
+)
+from webhook_receiver import receiver
+
+from netbed import CpuSlices
+
+QUOTA_CPUS = 0.03
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    return make_pki(tmp_path_factory.mktemp("pki"), ["n1"], ["laptop"])
+
+
+class Lines:
+    """The watch's stdout, each line with the monotonic time it was read."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.q: queue.Queue[tuple[float, str]] = queue.Queue()
+        self.seen: list[tuple[float, str]] = []
+        assert proc.stdout is not None
+        out = proc.stdout
+        threading.Thread(target=lambda: [self.q.put((time.monotonic(), x)) for x in out],
+                         daemon=True).start()
+
+    def wait(self, prefix: str, timeout: float) -> tuple[float, str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with suppress(queue.Empty):
+                t, line = self.q.get(timeout=0.2)
+                self.seen.append((t, line))
+                if line.startswith(prefix):
+                    return t, line
+        raise AssertionError(f"no {prefix} line within {timeout} s; read: {self.seen}")
+
+
+@tracing
+def test_a_quota_on_one_rank_is_flagged_named_and_recovers(tmp_path: Path, pki: Pki) -> None:
+    slices = CpuSlices.detect()
+    if slices is None:
+        pytest.skip("no cgroup cpu controller")
+    go, said = tmp_path / "go", tmp_path / "ranks.out"
+    with ExitStack() as stack, said.open("w") as out:
+        stack.callback(slices.remove_all)
+        cg = slices.make(f"fleetd-test-straggle-{os.getpid()}")
+        launcher = subprocess.Popen(
+            [sys.executable, str(WORKLOAD), "--spawn", str(RANKS), "--seconds", "150",
+             "--compute-ms", "20", "--go-file", str(go), "--barrier-timeout", "150"],
+            stdout=out, text=True, start_new_session=True)
+        stack.callback(lambda: (os.killpg(launcher.pid, 9), launcher.wait(20)))
+        _wait(lambda: '"pids"' in said.read_text(), "the ranks ready", 30)
+        pids = _by_rank(__import__("json").loads(said.read_text().splitlines()[0])["pids"])
+        for task in Path(f"/proc/{pids[2]}/task").iterdir():
+            (cg / ("cgroup.threads" if slices.v2 else "tasks")).write_text(task.name)
+        a = stack.enter_context(agent(tmp_path / "n1.db", "n1", pki,
+                                      *(x for p in pids for x in ("--pid", str(p)))))
+        _wait(lambda: request(a.url, client_ssl(pki))[1]["tracing"], "tracing")
+        go.touch()
+        _wait(lambda: _all_ranks_past(a, pki, 5), "four ranks past collective 5")
+        rec = stack.enter_context(receiver())
+        w = watch(pki, address(a), "--interval", "1s", "--hang-after", "30s",
+                  "--webhook", rec.url)
+        stack.callback(lambda: (w.kill(), w.wait(20)))
+        lines = Lines(w)
+        with pytest.raises(AssertionError, match="no STRAGGLER line"):
+            print("false alarm:", lines.wait("STRAGGLER", 10))  # healthy: nothing flagged
+        stack.callback(lambda: _quota(slices, cg, None))
+        _quota(slices, cg, QUOTA_CPUS)
+        onset = time.monotonic()
+        t_flag, flag = lines.wait("STRAGGLER", 15)
+        assert f"rank 2 (n1 pid {pids[2]})" in flag, flag
+        t_cause, cause = lines.wait("CAUSE", 25)
+        assert f"rank 2 (n1 pid {pids[2]})" in cause and "cpu_throttled" in cause, cause
+        _quota(slices, cg, None)
+        gone = time.monotonic()
+        t_back, back = lines.wait("RECOVERED (straggler)", 20)
+        assert f"rank 2 (n1 pid {pids[2]})" in back, back
+        print(f"flagged {t_flag - onset:.1f} s after the quota, cause {t_cause - onset:.1f} s, "
+              f"recovered {t_back - gone:.1f} s after it ended")
+        _wait(lambda: any(p.json()["status"] == "resolved" for p in rec.posts), "resolved", 20)
+        posts = [p.json() for p in rec.posts]
+        # firing (without its cause when the chain came a poll later), firing with it,
+        # resolved; each once
+        assert [(p["status"], p["kind"], p["rank"], p["id"]) for p in posts][-2:] == [
+            ("firing", "straggler", 2, posts[0]["id"]), ("resolved", "straggler", 2,
+                                                         posts[0]["id"])]
+        assert len(posts) == 2 or (len(posts) == 3 and posts[0]["cause"] == "straggler")
+        assert posts[-2]["cause"] == posts[-1]["cause"] == "straggler: cpu_throttled"
+        assert posts[-1]["first_seen"] == posts[0]["first_seen"]
+        assert posts[0]["evidence"] == f"{a.url}/api/v1/ranks"
+
+def _quota(slices: CpuSlices, cg: Path, cpus: float | None) -> None:
+    """Cap the cgroup at ``cpus`` (None: lift the cap)."""
+    if cpus is not None:
+        slices.make(str(cg.relative_to(slices.root)), quota=cpus)
+    elif slices.v2:
+        (cg / "cpu.max").write_text("max\n")
+    else:
+        (cg / "cpu.cfs_quota_us").write_text("-1\n")
