@@ -29,6 +29,7 @@ from fleetd.analyze.collectives import host_chains
 from fleetd.analyze.facade import Analysis
 from fleetd.analyze.window import WindowSpec
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
+from fleetd.cli.outfile import add_output_args, output_path
 from fleetd.cli.output import SEVERITY_STYLE, colour_wanted, dumps, paint, table, warn
 from fleetd.cli.pod_args import add_pod_args, fleet_selection, selected_pids
 from fleetd.errors import UsageError
@@ -98,10 +99,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--format", default="table",
                    help="output format: table|json|html (html: one self-contained page "
                    "with charts, for a browser; docs/explain.md)")
-    p.add_argument("-o", "--output", metavar="FILE",
-                   help="write the report to FILE instead of stdout (refused when FILE "
-                   "exists, unless --force)")
-    p.add_argument("--force", action="store_true", help="let -o overwrite an existing file")
+    add_output_args(p, "the report")
     p.add_argument("--store", action="store_true",
                    help="also store the chains in the database (kept with history)")
     p.add_argument("--fail-on", type=str.upper, choices=FAIL_ON, metavar="SEVERITY",
@@ -192,21 +190,6 @@ def _gpu_verdict(found: dict[str, Any], analysis: Analysis, pid: int | None) -> 
         g = bound[0]
         found["verdict"] = (f"GPU timeline of {g['node']} pid {g['pid']}: {g['summary']} "
                             f"(fleetd gpu); the host side: {found['verdict']}")
-
-
-def output_path(args: argparse.Namespace) -> Path | None:
-    """The file ``-o`` names (None: stdout), checked the way ``fleetd export -o`` checks
-    its output, and refused when it exists unless ``--force``."""
-    from fleetd.export.output import check_output
-
-    if args.output is None or args.output == "-":
-        return None
-    path = Path(args.output)
-    check_output(path)
-    if path.exists() and not args.force:
-        raise UsageError(f"{str(path)!r} exists",
-                         "pass --force to overwrite it, or write elsewhere with -o")
-    return path
 
 
 def emit(args: argparse.Namespace, found: dict[str, Any],

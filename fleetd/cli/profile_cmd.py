@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 from orjson import dumps
 
 from fleetd.cli.explain_cmd import add_window, positive
 from fleetd.cli.fleet_args import add_fleet_args
+from fleetd.cli.outfile import add_output_args, output_path, writing
 from fleetd.cli.output import write_rows
 from fleetd.cli.questions import ask
 from fleetd.errors import UsageError
@@ -45,6 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="frames in the table (default 20)")
     add_fleet_args(p)
     p.add_argument("--format", default="table", help=f"output format: {'|'.join(PROFILE_FORMATS)}")
+    add_output_args(p, "the profile (folded lines, a speedscope file...)")
     p.set_defaults(func=run)
 
 
@@ -54,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format not in PROFILE_FORMATS:
         raise UsageError(f"unknown format {args.format!r}",
                          f"use one of: {', '.join(PROFILE_FORMATS)}")
+    path = output_path(args)  # refused before any work is done for it
     asked = ask(args, CPU_STACKS, pid=args.pid, tid=args.tid)
     names = asked.obj.get("names")
     if asked.result is None and args.node is not None and args.node not in (names or []):
@@ -61,29 +64,30 @@ def run(args: argparse.Namespace) -> int:
                          f"nodes: {', '.join(names or []) or 'none'}")
     stacks = [StackCount(s["node"], s["pid"], s["tid"], tuple(s["frames"]), s["samples"],
                          s["gc"]) for s in asked.obj["stacks"] if args.node in (None, s["node"])]
-    _write(args, stacks, int(asked.obj["period_ns"]))
+    with writing(path) as out:
+        _write(args, stacks, int(asked.obj["period_ns"]), out)
     return asked.done(args, args.format != "table")
 
 
-def _write(args: argparse.Namespace, stacks: list[Any], period: int) -> None:
+def _write(args: argparse.Namespace, stacks: list[Any], period: int, out: TextIO) -> None:
     from fleetd.analyze.profile import folded_lines, profile, speedscope
 
     if args.format == "folded":
-        sys.stdout.write("".join(line + "\n" for line in folded_lines(stacks)))
+        out.write("".join(line + "\n" for line in folded_lines(stacks)))
         return
     if args.format == "speedscope":
         name = "fleetd profile" + (f" pid {args.pid}" if args.pid else "") + \
             (f" tid {args.tid}" if args.tid else "")
-        sys.stdout.write(dumps(speedscope(stacks, name)).decode() + "\n")
+        out.write(dumps(speedscope(stacks, name)).decode() + "\n")
         return
     summary = profile(stacks, period, args.top)
     if args.format == "json":
-        sys.stdout.write(dumps(summary).decode() + "\n")
+        out.write(dumps(summary).decode() + "\n")
         return
-    _table(summary)
+    _table(summary, out)
 
 
-def _table(summary: Any) -> None:
+def _table(summary: Any, out: TextIO) -> None:
     from fleetd.analyze.frames import short_frame
 
     if not summary["samples"]:
@@ -93,7 +97,7 @@ def _table(summary: Any) -> None:
     print(f"{summary['samples']} on-CPU samples ({summary['on_cpu_ns'] / 1e9:.2f} s of CPU at "
           f"{period_ms:.1f} ms each) in {summary['threads']} thread(s), "
           f"{summary['stacks']} distinct stacks; {summary['gc_samples']} in the garbage "
-          "collector")
+          "collector", file=out)
     rows = [[short_frame(f["frame"]), f["self_samples"], f"{f['self_share']:.1%}",
              f["total_samples"], f"{f['total_share']:.1%}"] for f in summary["top"]]
-    write_rows(COLUMNS, rows, "table", sys.stdout)
+    write_rows(COLUMNS, rows, "table", out)

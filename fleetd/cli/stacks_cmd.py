@@ -4,13 +4,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from typing import Any
+from typing import Any, TextIO
 
 from fleetd.analyze.frames import folded, short_frame, top_python_frame
 from fleetd.cli.explain_cmd import add_window, positive
 from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.ops_cmd import table_view
+from fleetd.cli.outfile import add_output_args, output_path, writing
 from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
 from fleetd.cli.questions import ask
 from fleetd.errors import UsageError
@@ -46,6 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_fleet_args(p)
     p.add_argument("--format", default="table",
                    help=f"output format: {'|'.join((*FORMATS, FOLDED))}")
+    add_output_args(p, "the stacks (e.g. folded lines for a flame graph)")
     p.set_defaults(func=run)
 
 
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         from fleetd.analyze.stacks import op_code
 
         op_code(args.op)  # refused once, here, rather than by every node
+    path = output_path(args)  # refused before any work is done for it
     asked = ask(args, STACKS, op=args.op, pid=args.pid, top_n=args.top, frames_n=args.frames,
                 min_dur_ns=min_dur)
     obj = asked.body()
@@ -63,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
         obj["events_without_stack"] = sum(
             n["events_without_stack"] for n in asked.obj["nodes"]
             if isinstance(n.get("events_without_stack"), int))
-    _write(obj, obj["stacks"][: args.top], fmt)
+    with writing(path) as out:
+        _write(obj, obj["stacks"][: args.top], fmt, out)
     return asked.done(args, fmt in ("json", FOLDED))
 
 
@@ -76,18 +79,18 @@ def _min_dur(text: str | None) -> int:
         raise UsageError(f"--min-dur: {exc.message}", exc.hint) from exc
 
 
-def _write(obj: dict[str, Any], found: list[dict[str, Any]], fmt: str) -> None:
+def _write(obj: dict[str, Any], found: list[dict[str, Any]], fmt: str, out: TextIO) -> None:
     if fmt == FOLDED:
         for s in found:
-            sys.stdout.write(folded([str(f) for f in s.get("frames") or []],
-                                    int(s.get("events") or 0)) + "\n")
+            out.write(folded([str(f) for f in s.get("frames") or []],
+                             int(s.get("events") or 0)) + "\n")
         return
     rows = [[s.get("node"), s.get("events"), s.get("total_ns"), s.get("mean_ns"),
              s.get("max_ns"), ",".join(map(str, s.get("ops") or [])),
              _frames(s, fmt)] for s in found]
     extra = {k: v for k, v in obj.items() if k != "stacks"}
     shown, values = table_view(COLUMNS, rows, fmt)  # durations in human units in tables
-    write_rows(shown, values, fmt, sys.stdout, extra)
+    write_rows(shown, values, fmt, out, extra)
     print_notes(obj, bool(found), fmt)
 
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import FLEETD, REPO, assert_one_line_error
 
 sys.path.insert(0, str(REPO / "tests"))
@@ -195,6 +197,23 @@ def test_every_command_draws_one_table_style_and_colours_severities() -> None:
                                             env=env)
     piped = fleetd("explain", "--db", str(SCENARIOS / "cpu_hog.db")).stdout
     assert "\x1b[" not in piped and "[HIGH] cpu_contention" in piped
+
+
+@pytest.mark.parametrize("cmd", [
+    ["profile", "--db", str(REPO / "investigations" / "showcase" / "profile.db")],
+    ["stacks", "--db", str(SCENARIOS / "cpu_hog.db")],
+])
+def test_flame_graph_writers_take_o_like_every_writer(tmp_path: Path, cmd: list[str]) -> None:
+    """#44.6: profile refused -o; folded stacks go to a file as every other writer's."""
+    out = tmp_path / "stacks.folded"
+    first = fleetd(*cmd, "--format", "folded", "-o", str(out))
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == "" and f"wrote {out}" in first.stderr
+    lines = out.read_text().splitlines()
+    assert lines and all(re.search(r";?.+ \d+$", line) for line in lines)
+    again = fleetd(*cmd, "--format", "folded", "-o", str(out))
+    assert_one_line_error(again, "stacks.folded' exists")
+    assert fleetd(*cmd, "--format", "folded", "-o", str(out), "--force").returncode == 0
 
 
 # ---- 7: one name per meaning; sizes with units; -v anywhere; --fail-on ----------------
