@@ -148,12 +148,10 @@ def _preflight() -> None:
     if os.geteuid() != 0:
         raise TraceError("fleetd demo traces with eBPF and must run as root",
                          "run: sudo make demo (or sudo .venv/bin/fleetd demo)")
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        raise TraceError("the bcc Python package (Debian's python3-bpfcc) is not importable",
-                         "run bash scripts/setup.sh, which installs it and links it into "
-                         ".venv") from None
+    from fleetd.trace.require import require_tracing
+
+    # The same words as trace and agent: right for a pip install and for a checkout.
+    require_tracing("fleetd demo")
     if not Path("/sys/kernel/tracing/events").exists():
         raise TraceError("tracefs is not mounted at /sys/kernel/tracing",
                          "mount -t tracefs tracefs /sys/kernel/tracing (setup.sh does this)")
@@ -202,8 +200,9 @@ def _start_ranks(fleet: Fleet, slices: Slices, seconds: float
             if p.poll() is not None or time.monotonic() > deadline:
                 text = (fleet.dir / f"{n}.rank.log").read_text(errors="replace").strip()
                 raise TraceError(f"rank {NODES.index(n)} of the NCCL job did not start:\n"
-                                 f"{text}", "is the nvidia-nccl-cu12 wheel installed? run "
-                                 "bash scripts/setup.sh")
+                                 f"{text}", "is the nvidia-nccl-cu12 wheel installed? pip "
+                                 "install nvidia-nccl-cu12 (make demo installs it in a "
+                                 "checkout)")
             time.sleep(0.1)
     return ranks
 
