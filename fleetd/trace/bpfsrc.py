@@ -295,17 +295,17 @@ def compile_source(text: str, flags: list[str] | None = None,
             "install Debian's python3-bpfcc and libbpfcc, then re-run scripts/setup.sh "
             "(never `pip install bcc`: that PyPI name is an unrelated package)",
         ) from exc
-    flags = list(flags or [])
+    flags, params = list(flags or []), params or {}
     if os.environ.get("FLEETD_BPF_CACHE", "").lower() in ("0", "off", "no"):
-        return _compile(text, _with_values(flags, params or {}), autoload=True)
-    sentinels = {name: _SENTINEL_BASE + i for i, name in enumerate(sorted(params or {}))}
-    values = {sentinels[name]: value for name, value in (params or {}).items()}
-    flags = _with_values(flags, sentinels)
+        return _compile(text, _with_values(flags, params), autoload=True)
     from fleetd.trace.bpfload import load_or_compile
 
-    real = _with_values(flags, {name: (params or {})[name] for name in sentinels})
-    return load_or_compile(text, flags, sentinels, values,
-                           lambda: _compile(text, flags, autoload=False),
+    sentinels = {name: _SENTINEL_BASE + i for i, name in enumerate(sorted(params))}
+    values = {sentinels[name]: value for name, value in params.items()}
+    compiled = _with_values(flags, sentinels)
+    real = _with_values(flags, params)
+    return load_or_compile(text, compiled, sentinels, values,
+                           lambda: _compile(text, compiled, autoload=False),
                            lambda: _compile(text, real, autoload=True))
 
 
