@@ -38,6 +38,7 @@ from fleetd import __version__
 from fleetd.errors import FleetdError
 from fleetd.node.api import QUERY_BUCKETS_S, READERS, STATE, NodeState
 from fleetd.node.conns import ConnStats
+from fleetd.node.ranks import RANKBOOK, RankBook, local_late
 from fleetd.node.readers import ReaderPool
 from fleetd.node.stamps import HANDSHAKES, Handshakes
 from fleetd.store.catalog import BY_CODE, OPS
@@ -163,6 +164,9 @@ class Sources:
     # (matching, group key, ns its ranks have waited) per group of this node's NCCL ranks
     nccl_waits: Callable[[], list[tuple[str, str, int]]] = field(default=lambda: [])
     latency: OpLatency = field(default_factory=OpLatency)
+    # The agent's rank book (taken from the app at a scrape, as the handshakes are): late
+    # ranks and throttled processes; None without tracing.
+    book: RankBook | None = None
     handshakes: Handshakes = field(default_factory=Handshakes)  # the app's, at a scrape
     _registry: tuple[NodeState, CollectorRegistry] | None = field(default=None, repr=False)
 
@@ -269,6 +273,25 @@ class AgentCollector(Collector):
         for matching, key, ns in src.nccl_waits():
             waits.add_metric([matching, key], round(ns / 1e9, 3))
         yield waits
+        yield from _book_metrics(src.book, state.node)
+
+
+def _book_metrics(book: RankBook | None, node: str) -> Iterator[Metric]:
+    late = GaugeMetricFamily(
+        "fleetd_rank_late_ratio", "per rank of a communicator or torchrun job with two or "
+        "more ranks on this node: the share of their collectives of the last 5 s it "
+        "entered last", labels=["matching", "group", "rank"])
+    throttled = GaugeMetricFamily(
+        "fleetd_process_throttled_ratio", "per traced process under a CPU quota: the share "
+        "of its cgroup's CFS periods throttled over the last sample (about 1 s)",
+        labels=["pid", "comm"])
+    if book is not None:
+        for matching, key, rank, ratio in local_late(book, node):
+            late.add_metric([matching, key, str(rank)], ratio)
+        for pid, comm, ratio in book.throttled():
+            throttled.add_metric([str(pid), comm], ratio)
+    yield late
+    yield throttled
 
 
 def render(state: NodeState, src: Sources) -> str:
@@ -279,6 +302,7 @@ def render(state: NodeState, src: Sources) -> str:
 async def metrics(request: web.Request) -> web.StreamResponse:
     state, src = request.app[STATE], request.app[SOURCES]
     src.handshakes = request.app.get(HANDSHAKES, src.handshakes)
+    src.book = request.app.get(RANKBOOK, src.book)
     await src.latency.refresh(request.app[READERS], state.node, int(state.started * 1e9))
     # The text format, or OpenMetrics when the scraper asks for it.
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))

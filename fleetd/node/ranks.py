@@ -40,6 +40,7 @@ from fleetd.analyze.hangs import (
     Recent,
     waits,
 )
+from fleetd.analyze.lateness import lateness
 from fleetd.node.api import STATE, json_response
 from fleetd.security.procfs import ENVIRON_MAX, STAT_MAX, read_bounded
 from fleetd.store.catalog import BY_CODE, BY_NAME
@@ -61,6 +62,9 @@ MAX_IDENTITIES = 4096  # process rows remembered for ranks not seen yet
 RECENT = 64
 NCCL_LO, NCCL_HI = 400, 499  # NCCL's op codes; below them: CUDA runtime, graph, driver
 
+THROTTLE_CODE = BY_NAME["cpu_throttle"].code  # a cgroup's CPU-quota sample (side rows)
+THROTTLE_STALE_NS = 10_000_000_000  # a sample older than this: the process left a quota
+MAX_THROTTLED = 1024  # processes whose last throttling sample is kept
 _CODES = {name: op.code for name, op in BY_NAME.items() if op.source == "nccl"}
 _COLLECTIVES = frozenset(_CODES[n] for n in COLLECTIVE_OPS if n in _CODES)
 _P2P_OPS = frozenset(_CODES[n] for n in P2P_OPS if n in _CODES)
@@ -136,6 +140,8 @@ class RankBook:
         self._lock = threading.Lock()
         self._procs: dict[int, _Proc] = {}
         self._idents: dict[int, _Identity] = {}
+        # pid -> (sample's end, throttled periods / periods) of its cgroup's last sample
+        self._throttled: dict[int, tuple[int, float]] = {}
         self.dropped = 0  # processes forgotten to stay under MAX_RANKS
         self.failures = 0  # batches the book could not read (never the writer's loss)
 
@@ -156,6 +162,10 @@ class RankBook:
         # NCCL args always come as mappings; only repeated launches come as text.
         nccl = [(rows[i], a) for i, a in args
                 if NCCL_LO <= rows[i][4] <= NCCL_HI and not isinstance(a, str)]
+        quota = [(rows[i], a) for i, a in args
+                 if rows[i][4] == THROTTLE_CODE and not isinstance(a, str)]
+        if quota:
+            self._throttling(quota)
         procs = self._procs
         if not nccl and not procs:
             return
@@ -170,6 +180,34 @@ class RankBook:
                     self._nccl(p, row, a)
         if procs:
             self._last_calls(rows)
+
+    def _throttling(self, samples: Sequence[tuple[EventRow, Mapping[str, Any]]]) -> None:
+        """Each sampled cgroup's share of throttled CFS periods, for every process in it
+        (the sample row names one; its args list the cgroup's members)."""
+        with self._lock:
+            for row, a in samples:
+                ratio = row[8] / row[9] if row[9] > 0 else 0.0
+                pids = a.get("pids")
+                members = [p for p in pids[:64] if isinstance(p, int)] \
+                    if isinstance(pids, list) else []
+                for pid in {row[2], *members}:
+                    self._throttled[pid] = (row[0] + row[1], ratio)
+            while len(self._throttled) > MAX_THROTTLED:
+                del self._throttled[min(self._throttled, key=lambda k: self._throttled[k][0])]
+
+    def throttled(self, now_ns: int | None = None) -> list[tuple[int, str, float]]:
+        """(pid, comm, throttled share of CFS periods) of each traced process whose cgroup
+        was sampled under a CPU quota within THROTTLE_STALE_NS."""
+        now = time.time_ns() if now_ns is None else now_ns
+        with self._lock:
+            fresh = [(pid, r) for pid, (ts, r) in self._throttled.items()
+                     if now - ts <= THROTTLE_STALE_NS]
+        out = []
+        for pid, ratio in sorted(fresh):
+            comm = _read(self.proc_root / str(pid) / "comm")
+            if comm is not None:  # gone: no series
+                out.append((pid, comm.strip(), round(ratio, 4)))
+        return out
 
     def _last_calls(self, rows: Sequence[EventRow]) -> None:
         procs = self._procs
@@ -492,6 +530,16 @@ def local_waits(book: RankBook, node: str) -> Callable[[], list[tuple[str, str, 
         return [(g.matching, g.key, ns) for g, ns in waits(book.views(node))]
 
     return measure
+
+
+def local_late(book: RankBook, node: str) -> list[tuple[str, str, int, float]]:
+    """For /metrics: (matching, group key, rank, share of the last seconds' collectives
+    it entered last) of each rank of a group with two or more ranks on this node (what
+    one node can judge without the others: fleetd.analyze.lateness)."""
+    if book.count() < 2:
+        return []
+    return [(x.matching, x.key, x.rank, round(x.ratio, 4))
+            for x in lateness(book.views(node))]
 
 
 ROUTES = [web.get(paths.RANKS, ranks)]

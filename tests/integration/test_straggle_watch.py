@@ -7,7 +7,9 @@ Rank 2 runs in a cgroup of its own. Healthy seconds first: nothing may be flagge
 its cgroup gets a CPU quota of 3% (cpu.max, a Kubernetes CPU limit set far too low): its
 20 ms of compute per step take hundreds of ms, and watch must say STRAGGLER naming rank
 2 within 15 s and its CAUSE (cpu_throttled, from the cgroup's own throttling counters)
-within 25 s; once the quota is lifted, RECOVERED within 20 s. The receiver gets the
+within 25 s; meanwhile the agent's own /metrics says rank 2 is the late one of its node's ranks
+(fleetd_rank_late_ratio) and its process throttled (fleetd_process_throttled_ratio);
+once the quota is lifted, RECOVERED within 20 s. The receiver gets the
 finding firing (again when its cause came a poll later), then resolved.
 """
 
@@ -23,7 +25,7 @@ from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import pytest
-from agents import Pki, agent, client_ssl, make_pki, request
+from agents import Agent, Pki, agent, client_ssl, make_pki, request
 from test_hang_watch import (
     RANKS,
     WORKLOAD,
@@ -54,8 +56,11 @@ class Lines:
         self.seen: list[tuple[float, str]] = []
         assert proc.stdout is not None
         out = proc.stdout
-        threading.Thread(target=lambda: [self.q.put((time.monotonic(), x)) for x in out],
-                         daemon=True).start()
+
+        def read() -> None:
+            for x in out:
+                self.q.put((time.monotonic(), x))
+        threading.Thread(target=read, daemon=True).start()
 
     def wait(self, prefix: str, timeout: float) -> tuple[float, str]:
         deadline = time.monotonic() + timeout
@@ -81,7 +86,8 @@ def test_a_quota_on_one_rank_is_flagged_named_and_recovers(tmp_path: Path, pki: 
             [sys.executable, str(WORKLOAD), "--spawn", str(RANKS), "--seconds", "150",
              "--compute-ms", "20", "--go-file", str(go), "--barrier-timeout", "150"],
             stdout=out, text=True, start_new_session=True)
-        stack.callback(lambda: (os.killpg(launcher.pid, 9), launcher.wait(20)))
+        stack.callback(launcher.wait, 20)
+        stack.callback(os.killpg, launcher.pid, 9)
         _wait(lambda: '"pids"' in said.read_text(), "the ranks ready", 30)
         pids = _by_rank(__import__("json").loads(said.read_text().splitlines()[0])["pids"])
         for task in Path(f"/proc/{pids[2]}/task").iterdir():
@@ -94,10 +100,12 @@ def test_a_quota_on_one_rank_is_flagged_named_and_recovers(tmp_path: Path, pki: 
         rec = stack.enter_context(receiver())
         w = watch(pki, address(a), "--interval", "1s", "--hang-after", "30s",
                   "--webhook", rec.url)
-        stack.callback(lambda: (w.kill(), w.wait(20)))
+        stack.callback(w.wait, 20)
+        stack.callback(w.kill)
         lines = Lines(w)
         with pytest.raises(AssertionError, match="no STRAGGLER line"):
             print("false alarm:", lines.wait("STRAGGLER", 10))  # healthy: nothing flagged
+        assert _series(a, pki, "fleetd_process_throttled_ratio") == {}  # no quota yet
         stack.callback(lambda: _quota(slices, cg, None))
         _quota(slices, cg, QUOTA_CPUS)
         onset = time.monotonic()
@@ -105,6 +113,14 @@ def test_a_quota_on_one_rank_is_flagged_named_and_recovers(tmp_path: Path, pki: 
         assert f"rank 2 (n1 pid {pids[2]})" in flag, flag
         t_cause, cause = lines.wait("CAUSE", 25)
         assert f"rank 2 (n1 pid {pids[2]})" in cause and "cpu_throttled" in cause, cause
+        # The agent's own series: rank 2 the late one among its node's ranks, its process
+        # throttled in most periods.
+        _wait(lambda: _series(a, pki, "fleetd_rank_late_ratio").get(("rank", "2"), 0) >= 0.75,
+              "fleetd_rank_late_ratio of rank 2 at 0.75 or more", 20)
+        _wait(lambda: _series(a, pki, "fleetd_process_throttled_ratio").get(
+            ("pid", str(pids[2])), 0) >= 0.5, "rank 2's process throttled", 20)
+        late = _series(a, pki, "fleetd_rank_late_ratio")
+        assert all(late[("rank", str(r))] < 0.5 for r in (0, 1, 3)), late
         _quota(slices, cg, None)
         gone = time.monotonic()
         t_back, back = lines.wait("RECOVERED (straggler)", 20)
@@ -122,6 +138,21 @@ def test_a_quota_on_one_rank_is_flagged_named_and_recovers(tmp_path: Path, pki: 
         assert posts[-2]["cause"] == posts[-1]["cause"] == "straggler: cpu_throttled"
         assert posts[-1]["first_seen"] == posts[0]["first_seen"]
         assert posts[0]["evidence"] == f"{a.url}/api/v1/ranks"
+
+def _series(a: Agent, pki: Pki, name: str) -> dict[tuple[str, str], float]:
+    """The agent's samples of one gauge, keyed by (its rank or pid label, value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, _, text = request(a.url, client_ssl(pki), path="/metrics")
+    assert status == 200, text
+    out = {}
+    for fam in text_string_to_metric_families(text.decode()):
+        for smp in fam.samples:
+            if smp.name == name:
+                label = "rank" if "rank" in smp.labels else "pid"
+                out[(label, smp.labels[label])] = smp.value
+    return out
+
 
 def _quota(slices: CpuSlices, cg: Path, cpus: float | None) -> None:
     """Cap the cgroup at ``cpus`` (None: lift the cap)."""
