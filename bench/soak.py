@@ -68,6 +68,7 @@ class Sample:
     records: float  # fleetd_trace_records
     pruned: float  # fleetd_events_pruned_total
     db_file: int  # the main file's size on disk
+    queue_rows: float  # fleetd_writer_queue_rows: a backlog holds memory
 
 
 @dataclass
@@ -151,7 +152,8 @@ class Client:
         rss, fds, threads = _proc(self.pid)
         self.run.samples.append(Sample(
             now, rss, cpu_s(self.pid), fds, threads, _metric(text, "fleetd_trace_records_total"),
-            _metric(text, "fleetd_events_pruned_total"), self.db.stat().st_size))
+            _metric(text, "fleetd_events_pruned_total"), self.db.stat().st_size,
+            _metric(text, "fleetd_writer_queue_rows")))
 
     def __enter__(self) -> Client:
         self._thread.start()
@@ -314,7 +316,8 @@ def main() -> None:
               f"{p.us_per_event[1]:.2f} us")
     rss = [s.rss_mb for s in run.samples]
     print(f"RSS {rss[0]:.1f} MB at the first sample, {max(rss):.1f} MB at most, "
-          f"{rss[-1]:.1f} MB at the end")
+          f"{rss[-1]:.1f} MB at the end; the writer's queue held at most "
+          f"{max(s.queue_rows for s in run.samples):.0f} rows")
     print(f"pruning: {pruned:.0f} events (fleetd_events_pruned_total); {stored} stored in one "
           f"id range of {span} (contiguous: {stored == span}); oldest stored time moved "
           f"backwards {backwards} times over {len(oldest)} looks; the agent said: "
