@@ -1,4 +1,5 @@
-"""``fleetd watch``: poll the fleet's NCCL ranks and name the rank a hung job waits for.
+"""``fleetd watch``: poll the fleet's NCCL ranks, flag stragglers as they happen, and name
+the rank a hung job waits for.
 
 Every ``--interval`` it asks each agent for its ranks' last collectives and process
 states (``GET /api/v1/ranks``, over one client session kept for the whole watch) and
@@ -50,7 +51,8 @@ class WatchSpec:
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "watch",
-        help="watch the fleet's NCCL ranks; name the rank a hung job waits for (exit 6)",
+        help="watch the fleet's NCCL ranks; flag stragglers, name the rank a hung job waits "
+        "for (exit 6)",
         description="Poll every agent's NCCL ranks (their last collective per communicator, "
         "last send/receive per peer, last CUDA call and process state) every --interval "
         "and judge them as one fleet. When some ranks of a communicator or torchrun job "
@@ -59,6 +61,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "send has had no matching receive), print the verdict: which rank (node, pid) "
         "never arrived, where it is instead, its top causal chain, and the ranks waiting "
         "on it; then exit 6. A job that dies while watched is reported the same way. A "
+        "rank that enters last at most of its group's collectives of the last 5 s, by a "
+        "margin, for 2 polls is a straggler: STRAGGLER, then CAUSE (its node's top causal "
+        "chain), and RECOVERED once it is on time for 3 polls; watch goes on. A "
         "node that does not answer within --timeout (here 3 s by default, or the interval "
         "when longer) is a warning, not a hang. Exit status: 0 no hang (--once, --for), "
         "3 no hang but some node did not answer (--once), 6 a hang, 4 no node ever "
