@@ -36,9 +36,8 @@ from typing import Any, Self, TypeVar
 
 import orjson
 
-from fleetd.errors import QueryError, UsageError
+from fleetd.errors import QueryError, UsageError, integer
 from fleetd.store.db import connect, damage_error, open_reader
-from fleetd.wire.values import integer
 
 Params = Sequence[Any] | Mapping[str, Any]
 T = TypeVar("T")

@@ -10,11 +10,9 @@ strings come back printable and cut, so a name can never forge a terminal line.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from fleetd.errors import UsageError
 from fleetd.wire.failure import BadReply
 from fleetd.wire.limits import INT64_MAX, INT64_MIN
 
@@ -36,45 +34,6 @@ def valid_int(value: object, low: int = INT64_MIN, high: int = INT64_MAX) -> int
     if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
         return value
     return None
-
-
-def integer(value: object, what: str, low: int = INT64_MIN, high: int = INT64_MAX, *,
-            text: bool = False) -> int:
-    """``value`` as the integer a user or a client documented as one must send: a JSON
-    integer, or with ``text`` decimal digits (a query parameter, a flag; in JSON a
-    string is not a number). A float is refused even
-    when it holds a whole number (``1e23``, ``1000.0``): the exponent or fraction is a
-    mistake somewhere, and a float past 2**53 is not the integer it looks like. Raises
-    :class:`~fleetd.errors.UsageError` naming ``what`` and the value."""
-    number: int | None = None
-    if isinstance(value, int) and not isinstance(value, bool):
-        number = value
-    elif text and isinstance(value, str) and _DIGITS.fullmatch(value.strip()):
-        number = int(value.strip())
-    if number is None:
-        kind = _kind(value)
-        raise UsageError(f"{what} must be an integer, got {printable(value, 40)!r} ({kind})",
-                         f"write {what} as whole digits, e.g. 1000 (not 1e3 or 1000.0)")
-    if not low <= number <= high:
-        raise UsageError(f"{what} is {printable(number, 40)}, outside {low} .. {high}",
-                         f"pass {what} between {low} and {high}")
-    return number
-
-
-def _kind(value: object) -> str:
-    """What a value that is not an integer is, for the message."""
-    if isinstance(value, str):
-        if _DIGITS.fullmatch(value.strip()):
-            return "a string, not a number"
-        if _FLOATISH.fullmatch(value.strip()):
-            return "a number with an exponent or a fraction"
-    if isinstance(value, float):
-        return "a number with an exponent or a fraction"
-    return type(value).__name__
-
-
-_DIGITS = re.compile(r"[+-]?[0-9]{1,30}")
-_FLOATISH = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 
 
 def is_cell(value: object) -> bool:

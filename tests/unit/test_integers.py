@@ -14,11 +14,10 @@ import pytest
 from mcp import Client
 from mcp.types import CallToolResult
 
-from fleetd.errors import UsageError
+from fleetd.errors import UsageError, integer
 from fleetd.mcp.local import LocalBackend
 from fleetd.mcp.server import build_server
 from fleetd.store.guard import Limits, SafeDB
-from fleetd.wire.values import integer
 
 
 @pytest.mark.parametrize(("value", "expected"), [(5, 5), ("5", 5), (" 12 ", 12), ("-3", -3),
@@ -31,8 +30,8 @@ def test_integers_are_taken(value: object, expected: int) -> None:
 
 
 @pytest.mark.parametrize(("value", "says"), [
-    (1e23, "1e+23' (a number with an exponent or a fraction)"),
-    (1000.0, "1000.0' (a number with an exponent or a fraction)"),
+    (1e23, "got 1e+23 (a number with an exponent or a fraction)"),
+    (1000.0, "got 1000.0 (a number with an exponent or a fraction)"),
     ("1e23", "'1e23' (a number with an exponent or a fraction)"),
     ("1.5", "'1.5' (a number with an exponent or a fraction)"),
     (True, "(bool)"),
@@ -58,7 +57,7 @@ def test_a_query_limit_must_be_an_integer() -> None:
     through Limits.lowered."""
     assert Limits().lowered(max_rows=10, max_bytes=2048).max_bytes == 2048
     for field in ("max_rows", "max_bytes"):
-        with pytest.raises(UsageError, match=f"{field} must be an integer, got '1e"):
+        with pytest.raises(UsageError, match=f"{field} must be an integer, got 1e"):
             Limits().lowered(**{field: 1e23})
         with pytest.raises(UsageError, match=f"{field} must be an integer"):
             Limits().lowered(**{field: 100.0})
