@@ -31,6 +31,7 @@ from fleetd.store.db import (
     open_reader,
     open_writer,
 )
+from fleetd.store.schema import SCHEMA_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 KINETO = REPO / "tests" / "data" / "gpu" / "sampled_rank-0.json.gz"
@@ -122,12 +123,12 @@ def test_fleetd_made_targets_are_accepted(tmp_path: Path) -> None:
 def test_own_schema_is_told_by_name_and_sql(tmp_path: Path) -> None:
     db = fleetd_db(tmp_path / "a.db")
     conn = sqlite3.connect(db)
-    check_own_schema(conn, db, 5)  # the writer's own file
+    check_own_schema(conn, db, SCHEMA_VERSION)  # the writer's own file
     # The name of one of fleetd's indexes over other SQL is not fleetd's index.
     conn.execute("DROP INDEX event_ts")
     conn.execute("CREATE INDEX event_ts ON event_data(ts_ns * 2)")
     with pytest.raises(Exception, match="index 'event_ts' on 'event_data'"):
-        check_own_schema(conn, db, 5)
+        check_own_schema(conn, db, SCHEMA_VERSION)
     conn.close()
 
 
