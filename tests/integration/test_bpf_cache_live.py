@@ -71,6 +71,7 @@ def _trace(tmp: Path, cache: Path, name: str, limit_s: float) -> tuple[dict[str,
     return made["calls"], err, got
 
 
+@pytest.mark.timeout(600)  # one compile through the CLI
 def test_a_warm_start_loads_the_kept_programs_and_records_every_call(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     made, err, got = _trace(tmp_path, cache, "cold", COLD_LIMIT_S)
@@ -84,6 +85,7 @@ def test_a_warm_start_loads_the_kept_programs_and_records_every_call(tmp_path: P
     assert entry.stat().st_mtime_ns == kept, "the warm start wrote nothing"
 
 
+@pytest.mark.timeout(900)  # two compiles of the whole program: minutes on a busy node
 def test_the_kept_programs_are_what_bcc_compiles_for_this_start(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fleetd.trace import bpfsrc
