@@ -31,11 +31,12 @@ from typing import Any, Literal, TypedDict
 import orjson
 
 from fleetd.errors import UsageError
+from fleetd.wire import headers
 
 log = logging.getLogger("fleetd.notify")
 
-SIGNATURE_HEADER = "X-Fleetd-Signature"
-TIMESTAMP_HEADER = "X-Fleetd-Timestamp"
+SIGNATURE_HEADER = headers.WEBHOOK_SIGNATURE
+TIMESTAMP_HEADER = headers.WEBHOOK_TIMESTAMP
 SCHEMA = "fleetd.finding/1"
 SECRET_MAX = 4096
 
@@ -95,8 +96,18 @@ def _cause(h: dict[str, Any]) -> tuple[str, str | None]:
     for c in h.get("culprits") or []:
         chain = c.get("top_chain") or {}
         if chain.get("root_cause"):
-            return f"hang: {chain['root_cause']}", chain.get("culprit") or None
+            return f"hang: {chain['root_cause']}", _process(chain.get("culprit"))
     return f"hang: {h.get('kind')}", None
+
+
+def _process(culprit: Any) -> str | None:
+    """A chain's culprit process ({pid, comm}, as fleetd.wire.ranks.top_chain gives it)
+    as text: "comm pid N"."""
+    if isinstance(culprit, str):
+        return culprit or None
+    if not isinstance(culprit, Mapping) or not (culprit.get("pid") or culprit.get("comm")):
+        return None
+    return f"{culprit.get('comm') or 'pid'} pid {culprit.get('pid')}"
 
 
 def finding_of_hang(h: dict[str, Any], first_seen: float, evidence: str | None) -> Finding:
@@ -119,9 +130,7 @@ def finding_of_straggler(s: Mapping[str, Any], first_seen: float,
     chain = s.get("top_chain") or {}
     who = f"{s.get('comm') or 'pid'} pid {s.get('pid')} on {s.get('node')}"
     cause = f"straggler: {chain['root_cause']}" if chain.get("root_cause") else "straggler"
-    culprit = chain.get("culprit") or {}
-    named = (f"{culprit.get('comm') or 'pid'} pid {culprit.get('pid')}"
-             if culprit.get("pid") or culprit.get("comm") else None)
+    named = _process(chain.get("culprit"))
     summary = str(s.get("summary", ""))
     if chain.get("summary"):
         summary += f"; top chain: {chain['summary']}"

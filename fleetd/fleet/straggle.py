@@ -12,6 +12,7 @@ at most every :data:`CAUSE_EVERY_S`; the first chain with a root cause names it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from fleetd.analyze.lateness import Lateness, lateness
 from fleetd.fleet.chains import chains_of
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.fanout import FleetAnswer
+
+log = logging.getLogger("fleetd.fleet.straggle")
 
 FLAG_POLLS = 2  # consecutive polls late before a rank is flagged
 CALM_POLLS = 3  # consecutive polls not late before it recovers
@@ -86,7 +89,12 @@ class StraggleWatch:
                ) -> tuple[list[StragglerJson], list[StragglerJson]]:
         """This poll's ranks in; (newly flagged, recovered) out."""
         err = None if age_error_s is None else int(age_error_s * 1e9)
-        late = {_key(x): x for x in lateness(views, age_error_ns=err) if x.late}
+        judged = lateness(views, age_error_ns=err)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("lateness: %s", "; ".join(
+                f"rank {x.rank} last {x.last}/{x.collectives} by {x.late_ns / 1e6:.1f} ms, "
+                f"step {x.step_ns / 1e6:.1f} ms" for x in judged))
+        late = {_key(x): x for x in judged if x.late}
         flagged: list[StragglerJson] = []
         for key, x in late.items():
             self.streak[key] = self.streak.get(key, 0) + 1
