@@ -26,6 +26,7 @@ from fleetd.errors import UsageError
 from fleetd.fleet.notify import Delivery
 from fleetd.fleet.straggle import Changes
 from fleetd.printable import printable, printable_tree
+from fleetd.wire.headers import WEBHOOK_SIGNATURE
 
 log = logging.getLogger("fleetd.watch")
 
@@ -86,7 +87,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="POST each finding and recovery to this http(s) URL (redirects are "
                    "not followed)")
     n.add_argument("--webhook-secret-file", type=Path, metavar="FILE",
-                   help="shared secret: each POST carries X-Fleetd-Signature, "
+                   help=f"shared secret: each POST carries {WEBHOOK_SIGNATURE}, "
                    "sha256=HMAC(secret, timestamp '.' body)")
     n.add_argument("--exec", dest="exec_", metavar="CMD",
                    help="run CMD (split as a shell would, no shell) with each finding as "

@@ -12,3 +12,8 @@ SEND_NS = "X-Fleetd-Send-Ns"
 # a request that carries them.
 RELAYED_FOR = "X-Fleetd-Relayed-For"
 RELAY_LIMITS = "X-Fleetd-Relay-Limits"
+
+# On each message fleetd watch posts to a webhook (docs/fleet.md, "Telling someone"):
+# when it was sent (Unix seconds) and sha256=HMAC(secret, timestamp '.' body).
+WEBHOOK_TIMESTAMP = "X-Fleetd-Timestamp"
+WEBHOOK_SIGNATURE = "X-Fleetd-Signature"

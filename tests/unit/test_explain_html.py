@@ -213,7 +213,7 @@ def _collisions(page: str) -> list[str]:
     """Text of one row of a chart (same svg, same y) whose estimated extents overlap."""
     import re
 
-    from fleetd.export.html import _extent
+    from fleetd.export.svg import extent as _extent
 
     found = []
     for n, svg in enumerate(re.findall(r"<svg.*?</svg>", page, flags=re.S)):
@@ -231,7 +231,7 @@ def _collisions(page: str) -> list[str]:
 
 
 def test_axis_labels_drop_the_ones_that_would_collide() -> None:
-    from fleetd.export.html import axis_labels
+    from fleetd.export.svg import axis_labels
 
     # Six decades in 310 px: '10 ms' (middle) and '100 ms' (end) used to touch.
     ticks = [(10 + i * 310 / 6, label, "start" if i == 0 else "end" if i == 6 else "middle")
