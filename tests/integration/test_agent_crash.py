@@ -12,22 +12,20 @@ import random
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
-from array import array
 from pathlib import Path
 
 import pytest
+import stamped
 from agents import agent, request
 
-from conftest import FLEETD, REPO
+from conftest import FLEETD
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent traces: needs root")
 
 KILLS = 20
 RATE = 400  # workload calls per second
 GRACE_NS = 10**9  # the events of the last second before a kill may be lost
-EDGE_NS = 2_000_000  # a stored time and the workload's own reading differ by microseconds
 
 
 def agent_args(pid: int) -> list[str]:
@@ -35,35 +33,13 @@ def agent_args(pid: int) -> list[str]:
             "--cpu-sample-hz", "0"]
 
 
-def stored(db: Path, pid: int) -> list[int]:
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
-        return sorted(r[0] for r in c.execute(
-            "SELECT ts_ns FROM events WHERE pid = ? AND op = 'cudaStreamSynchronize'", (pid,)))
-
-
-def missing(made: list[int], kept: list[int], lo: int, hi: int) -> int:
-    """Calls made in [lo, hi] without a stored event near their time."""
-    import bisect
-
-    out = 0
-    for t in made:
-        if lo <= t <= hi:
-            i = bisect.bisect_left(kept, t - EDGE_NS)
-            if i == len(kept) or kept[i] > t + EDGE_NS:
-                out += 1
-    return out
-
-
 def test_twenty_kills_lose_at_most_the_last_second_and_say_so(tmp_path: Path) -> None:
     rng = random.Random(45)
     db = tmp_path / "node.db"
     stamps = tmp_path / "stamps.bin"
-    wl = subprocess.Popen([sys.executable, str(REPO / "tests/workloads/stamped_calls.py"),
-                           "--rate", str(RATE), "--duration", "900", "--out", str(stamps)],
-                          stdout=subprocess.PIPE, text=True)
+    wl = stamped.start(stamps, RATE)
     runs: list[tuple[int, int]] = []  # (listening, killed) per start, wall ns
     try:
-        assert wl.stdout is not None and wl.stdout.readline().strip() == "ready"
         for _ in range(KILLS):
             with agent(db, "gpu-01", None, *agent_args(wl.pid)) as a:
                 up = time.time_ns()
@@ -84,8 +60,8 @@ def test_twenty_kills_lose_at_most_the_last_second_and_say_so(tmp_path: Path) ->
     finally:
         wl.send_signal(signal.SIGTERM)
         wl.wait(30)
-    made = sorted(array("q", stamps.read_bytes()))
-    kept = stored(db, wl.pid)
+    made = stamped.calls(stamps)
+    kept = stamped.stored(db, wl.pid)
 
     # No opening found damage (each start ran the damage check and went on) and SQLite
     # itself finds none.
@@ -96,10 +72,10 @@ def test_twenty_kills_lose_at_most_the_last_second_and_say_so(tmp_path: Path) ->
     assert [s[1] for s in sessions] == ["crashed"] * KILLS + ["stopped"]
 
     # Loss: calls made from each start until a second before its kill, never stored.
-    losses = [missing(made, kept, up + 100_000_000, killed - GRACE_NS)
-              for up, killed in runs]
-    covered = [sum(up + 100_000_000 <= t <= killed - GRACE_NS for t in made)
+    windows = [stamped.made_in(made, up + 100_000_000, killed - GRACE_NS)
                for up, killed in runs]
+    losses = [len(stamped.unmatched(w, kept)) for w in windows]
+    covered = [len(w) for w in windows]
     print(f"\n{KILLS} kills: calls lost before the last second {losses} of {covered}; "
           f"last commit before the kill (ms) "
           f"{[(k - s[2]) // 10**6 for (_, k), s in zip(runs, sessions, strict=False)]}")

@@ -8,17 +8,15 @@ a skew estimate from samples taken across a step follows the clock as it reads a
 
 from __future__ import annotations
 
-import bisect
 import os
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
-from array import array
 from pathlib import Path
 
 import pytest
+import stamped
 from agents import agent, request
 
 from fleetd.fleet import skew
@@ -29,7 +27,6 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent traces: nee
 
 HOUR_S = 3600
 RESAMPLE_S = 11.0  # the tracer samples the clock every 10 s
-EDGE_NS = 2_000_000
 
 
 def shim(tmp: Path) -> Path:
@@ -52,12 +49,9 @@ def test_clock_steps_keep_the_timeline_and_are_recorded(tmp_path: Path) -> None:
     shift.write_text("0\n")
     env = {"LD_PRELOAD": str(shim(tmp_path)), "CLOCKSHIFT_FILE": str(shift)}
     stamps = tmp_path / "stamps.bin"
-    wl = subprocess.Popen([sys.executable, str(REPO / "tests/workloads/stamped_calls.py"),
-                           "--rate", "400", "--duration", "300", "--out", str(stamps)],
-                          stdout=subprocess.PIPE, text=True)
+    wl = stamped.start(stamps, 400, 300)
     db = tmp_path / "node.db"
     try:
-        assert wl.stdout is not None and wl.stdout.readline().strip() == "ready"
         with agent(db, "gpu-01", None, "--plain-http", "--pid", str(wl.pid), "--sample", "1",
                    "--no-host", "--cpu-sample-hz", "0", env=env) as a:
             up = time.time_ns()
@@ -75,7 +69,7 @@ def test_clock_steps_keep_the_timeline_and_are_recorded(tmp_path: Path) -> None:
     finally:
         wl.send_signal(signal.SIGTERM)
         wl.wait(30)
-    made = sorted(array("q", stamps.read_bytes()))
+    made = stamped.calls(stamps)
 
     # The skew estimate follows the node's clock within the query that sees the step:
     # samples from before it describe a clock that is gone.
@@ -85,20 +79,16 @@ def test_clock_steps_keep_the_timeline_and_are_recorded(tmp_path: Path) -> None:
 
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
         negative = c.execute("SELECT count(*) FROM event_data WHERE dur_ns < 0").fetchone()[0]
-        kept = sorted(r[0] for r in c.execute(
-            "SELECT ts_ns FROM events WHERE pid = ? AND op = 'cudaStreamSynchronize'",
-            (wl.pid,)))
         steps, net, ended = c.execute(
             "SELECT json_extract(drops, '$.clock_steps'), json_extract(drops, "
             "'$.clock_step_ns'), ended_ns FROM session_data").fetchone()
     assert negative == 0
     # Every call from the start to a second before the stop, stored at its true time:
     # nothing moved by an hour either way, nothing out of order.
-    window = [t for t in made if up + 10**8 <= t <= stopped - 10**9]
-    unmatched = [t for t in window
-                 if (i := bisect.bisect_left(kept, t - EDGE_NS)) == len(kept)
-                 or kept[i] > t + EDGE_NS]
-    assert len(window) > 5000 and not unmatched, (len(window), len(unmatched))
+    kept = stamped.stored(db, wl.pid)
+    window = stamped.made_in(made, up + 10**8, stopped - 10**9)
+    unmatched = stamped.unmatched(window, kept)
+    assert len(window) > 5000 and not unmatched, (len(window), unmatched)
     assert kept[0] >= up - 10**9 and kept[-1] <= stopped + 10**9
     # The session marks both steps, and its end is on its own continuous time.
     assert steps == 2 and abs(net) < 10**9, (steps, net)

@@ -10,16 +10,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import stamped
 from agents import agent, metric_value, request
 
-from conftest import FLEETD, REPO
+from conftest import FLEETD
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs and traces")
 
@@ -78,11 +78,8 @@ def wait_for(what: str, cond: object, timeout: float = 30) -> None:
 
 
 def test_full_disk_drops_counted_queries_answered_writing_resumes(tmp_path: Path) -> None:
-    wl = subprocess.Popen([sys.executable, str(REPO / "tests/workloads/stamped_calls.py"),
-                           "--rate", "2000", "--duration", "300", "--out",
-                           str(tmp_path / "stamps.bin")], stdout=subprocess.PIPE, text=True)
+    wl = stamped.start(tmp_path / "stamps.bin", 2000, 300)
     try:
-        assert wl.stdout is not None and wl.stdout.readline().strip() == "ready"
         with small_tmpfs(tmp_path / "small") as mnt:
             db = mnt / "node.db"
             with agent(db, "gpu-01", None, "--plain-http", "--pid", str(wl.pid), "--sample",

@@ -1,8 +1,9 @@
 """Steady CUDA calls whose times are kept: cudaStreamSynchronize at ``--rate`` calls/s
 over the real runtime (without a GPU each call fails fast; the uprobe still fires).
-Each call's CLOCK_REALTIME nanoseconds, taken just before it, go to ``--out`` (8-byte
-little-endian integers) when the run ends or on SIGTERM, so a test can say which calls
-a tracer that was killed and restarted meanwhile never stored."""
+Each call's CLOCK_REALTIME nanoseconds just before and just after it go to ``--out``
+(pairs of 8-byte little-endian integers) when the run ends or on SIGTERM, so a test can
+say which calls a tracer never stored (tests/stamped.py): the call's stored time lies
+between the two, however long this process was kept off the CPU around it."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def main() -> int:
     while not stop and time.monotonic() - start < args.duration:
         stamps.append(time.time_ns())
         rt.cudaStreamSynchronize(None)
+        stamps.append(time.time_ns())
         n += 1
         # Paced from the start, so a stall is caught up rather than lost from the rate.
         time.sleep(max(0.0, start + n * every - time.monotonic()))
