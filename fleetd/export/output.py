@@ -13,12 +13,15 @@ from pathlib import Path
 from fleetd.errors import UsageError
 from fleetd.export.model import ByteSink
 from fleetd.security.private_dir import create_file
+from fleetd.store.files import refuse_link
 
 GZIP_LEVEL = 6  # most of the size gain of 9 at a fraction of the time
 
 
 def check_output(path: Path) -> None:
-    """Refuse an output that cannot be written, before any work is done for it."""
+    """Refuse an output that cannot be written, before any work is done for it, and a
+    symbolic link at its path (never replaced or written through)."""
+    refuse_link(path, "output")
     if path.is_dir():
         raise UsageError(f"output {str(path)!r} is a directory", "name a file: -o trace.json")
     if not path.parent.exists():
@@ -38,7 +41,8 @@ def open_output(path: Path | None) -> Iterator[ByteSink]:
     # A new name, created here and never through a link (O_EXCL | O_NOFOLLOW): a
     # directory shared with other users cannot redirect the write.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = create_file(tmp, 0o666)
+    # Root's outputs hold every traced process's names: its own only (docs/security.md).
+    fd = create_file(tmp, 0o600 if os.geteuid() == 0 else 0o666)
     try:
         with open(fd, "wb") as raw:
             if path.name.endswith(".gz"):
