@@ -28,9 +28,13 @@ MIN_COLLECTIVES = 5  # fewer shared collectives than this say nothing
 LATE_RATIO = 0.75  # last at this share of them (chance is 1/n)...
 LATE_MARGIN_NS = 2_000_000  # ...entering this long after the next rank (median)...
 # ...and at least this share of a step (the median time between collectives): ranks
-# contending for a busy host's CPUs trail each other by a few ms at random; a straggler
-# holds the whole job back by a good part of each step.
+# contending for a busy host's CPUs trail each other by a few ms, one of them often
+# for seconds (the last one a barrier releases); a straggler holds the job back by a
+# good part of each step.
 STEP_SHARE = 0.25
+# A rank last at nearly all of them is flagged on a smaller share: a steady trail the
+# noise does not give (a CPU hog beside a rank on a host already short of CPU).
+ALWAYS_RATIO, ALWAYS_STEP_SHARE = 0.9, 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +58,11 @@ class Lateness:
     @property
     def late(self) -> bool:
         """The rule: last at most of enough collectives, by a margin."""
-        return (self.collectives >= MIN_COLLECTIVES and self.ratio >= LATE_RATIO
-                and self.late_ns >= max(LATE_MARGIN_NS, STEP_SHARE * self.step_ns))
+        if self.collectives < MIN_COLLECTIVES or self.late_ns < LATE_MARGIN_NS:
+            return False
+        share = self.late_ns / self.step_ns if self.step_ns else 1.0
+        return ((self.ratio >= LATE_RATIO and share >= STEP_SHARE)
+                or (self.ratio >= ALWAYS_RATIO and share >= ALWAYS_STEP_SHARE))
 
 
 def lateness(views: Sequence[RankView], window_ns: int = WINDOW_NS,

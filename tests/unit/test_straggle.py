@@ -65,10 +65,30 @@ def test_a_rank_late_by_less_than_the_margins_is_not_flagged() -> None:
     views = job(1, LATE_MARGIN_NS // 4, jitter_ns=100_000)
     assert [x.rank for x in lateness(views) if x.ratio > 0.9] == [1]
     assert stragglers(views) == []
-    # always last, by 8 ms, but in 50 ms steps: the trail of a busy host, not a straggler
-    views = job(1, 8_000_000, jitter_ns=100_000)
+    # always last, by 3 ms in 50 ms steps: the trail of a busy host, not a straggler
+    views = job(1, 3_000_000, jitter_ns=100_000)
     assert [x.rank for x in lateness(views) if x.ratio > 0.9] == [1]
     assert stragglers(views) == []
+    # last at 4 of 5 by 10 ms in 50 ms steps (the rank a barrier releases last): not one
+    views = [_late_at(v, 1, 10_000_000, every=5) for v in job(None, 0, jitter_ns=100_000)]
+    [x] = [x for x in lateness(views) if x.rank == 1]
+    assert 0.75 <= x.ratio < 0.9 and stragglers(views) == []
+    # always last by 10 ms of 50: a steady trail, flagged
+    assert [x.rank for x in stragglers(job(1, 6_000_000, jitter_ns=100_000))] == [1]
+
+
+def _late_at(v: RankView, rank: int, late_ns: int, every: int) -> RankView:
+    """v, with rank ``rank`` late by late_ns at all but every ``every``-th collective."""
+    if v.rank != rank:
+        return v
+    c = v.collectives[0]
+    recent = tuple(Recent(x.seq, x.age_ns - (late_ns if x.seq % every else 0), x.op, x.bytes)
+                   for x in c.recent)
+    last = recent[-1]
+    return RankView(node=v.node, pid=v.pid, comm=v.comm, rank=v.rank,
+                    world_size=v.world_size, job=v.job, state=v.state,
+                    collectives=[Collective(c.communicator, None, None, None, last.op,
+                                            last.seq, last.age_ns, 0, recent)])
 
 
 def test_flag_needs_consecutive_polls_and_so_does_recovery() -> None:
