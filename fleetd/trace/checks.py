@@ -13,7 +13,7 @@ import logging
 import os
 import platform
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from fleetd.checks import FAIL, OK, SKIP, WARN, Check
@@ -63,31 +63,61 @@ def run_checks(cuda_libs: list[str] | None = None, *, attach: bool = True,
     return out
 
 
+def _needs_root(name: str, exc: OSError) -> Check:
+    """A check this user may not make (tracefs, a root-only file): a finding that says
+    so, never a traceback, so `fleetd check` works as any user (#44.1)."""
+    where = exc.filename or "a file it reads"
+    return Check(name, FAIL, f"not permitted to read {where} as this user ({exc.strerror})",
+                 "run it as root (sudo fleetd check): tracing needs root")
+
+
+def _guarded(name: str, check: Callable[[], Check]) -> Check:
+    try:
+        return check()
+    except PermissionError as exc:
+        return _needs_root(name, exc)
+
+
+def _guarded_list(name: str, checks: Callable[[], list[Check]]) -> list[Check]:
+    try:
+        return checks()
+    except PermissionError as exc:
+        return [_needs_root(name, exc)]
+
+
 def _host_checks() -> tuple[list[Check], HeaderRoute | None]:
     checks = [
         Check("kernel", OK, f"{platform.release()} ({platform.machine()})"),
-        _root(),
-        _capabilities(),
-        _bpf_syscall(),
-        _btf(),
-        _tracefs(),
-        _kprobes(),
-        _bcc(),
+        _guarded("root", _root),
+        _guarded("capabilities", _capabilities),
+        _guarded("bpf", _bpf_syscall),
+        _guarded("btf", _btf),
+        _guarded("tracefs", _tracefs),
+        _guarded("kprobes", _kprobes),
+        _guarded("bcc", _bcc),
     ]
-    route_check, route = _headers()
+    try:
+        route_check, route = _headers()
+    except PermissionError as exc:
+        route_check, route = _needs_root("headers", exc), None
     checks.append(route_check)
-    checks += _tracepoints()
-    checks += [memory_stalls_check(), containers_check()]  # #35: pods and memory stalls
-    checks.append(cpu_clock_check())  # #34: the on-CPU sampler's perf events
-    checks.append(_clock())
+    checks += _guarded_list("tracepoints", _tracepoints)
+    # #35: pods and memory stalls; #34: the on-CPU sampler's perf events
+    checks += [_guarded("memory-stalls", memory_stalls_check),
+               _guarded("containers", containers_check),
+               _guarded("cpu-samples", cpu_clock_check), _guarded("clock", _clock)]
     return checks, route
 
 
 def _cuda_checks(overrides: list[str], attach: bool, host: list[Check],
                  route: HeaderRoute | None, skips: bool) -> list[Check]:
-    libs = _libraries(overrides)
-    checks = [_libs_check(libs), *(_symbols_check(lib) for lib in libs), _mapping_check(),
-              _python_check()]
+    try:
+        libs = _libraries(overrides)
+        found = _libs_check(libs)
+    except PermissionError as exc:  # the processes' maps of other users
+        libs, found = [], _needs_root("cuda-libraries", exc)
+    checks = [found, *(_symbols_check(lib) for lib in libs),
+              _guarded("mapping hook", _mapping_check), _guarded("python stacks", _python_check)]
     failed = [c.name for c in host if c.name in _NEEDED_TO_ATTACH and c.status == FAIL]
     if attach and not failed and route is not None:
         checks += _attach_check(libs)
