@@ -138,9 +138,10 @@ def _sync_sleeps(conn: sqlite3.Connection, node: Node, win: Window,
 
 def _covered(spans: list[tuple[int, int]], t0: int, t1: int) -> int:
     """How much of [t0, t1) the sorted, disjoint ``spans`` cover."""
-    i = bisect.bisect_right(spans, (t0, 1 << 62)) - 1
     total = 0
-    for s0, s1 in spans[max(0, i):]:
+    # Indexed, not sliced: a slice copied the rest of the thread's calls for every sleep.
+    for j in range(max(0, bisect.bisect_right(spans, (t0, 1 << 62)) - 1), len(spans)):
+        s0, s1 = spans[j]
         if s0 >= t1:
             break
         total += max(0, min(s1, t1) - max(s0, t0))

@@ -83,7 +83,15 @@ class Where:
 
 
 def sleeps(ctx: Context, tid: int) -> list[Sleep]:
-    """The thread's sleeps (S state) in the span, each with its waker."""
+    """The thread's sleeps (S state) in the span, each with its waker; read once per
+    explain (the wait and the pipe rules both ask)."""
+    key = ("sleeps", tid)
+    if key not in ctx.memo:
+        ctx.memo[key] = _read_sleeps(ctx, tid)
+    return list(ctx.memo[key])
+
+
+def _read_sleeps(ctx: Context, tid: int) -> list[Sleep]:
     v, t0, t1 = ctx.view, ctx.span[0], ctx.span[1] + 1
     args = (t0, t1, v.node.lo, v.node.hi, tid)
     where = "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND tid = ?"

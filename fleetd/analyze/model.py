@@ -15,7 +15,7 @@ from typing import Any
 
 from fleetd.analyze.breakdown import process_rows, thread_breakdown
 from fleetd.analyze.data import Node, comms, effective_span, tasks
-from fleetd.analyze.opstats import node_kernel_stats, node_op_stats
+from fleetd.analyze.opstats import Loaded, load_op_stats, node_kernel_stats, node_op_stats
 from fleetd.analyze.window import Window
 
 
@@ -60,15 +60,25 @@ class NodeSlice:
         return max(1, self.span[1] - self.span[0])
 
     @cached_property
+    def _op_events(self) -> Loaded:
+        """Every process's stored durations and histograms: read once for the rows per
+        process and the rows summed over processes (explain shows both)."""
+        return load_op_stats(self.conn, self.node, self.window)
+
+    @cached_property
     def ops(self) -> list[dict[str, Any]]:
         """Op statistics per process, every process (largest total time first)."""
-        return node_op_stats(self.conn, self.node, self.window, None, True, self.names)
+        return node_op_stats(self.conn, self.node, self.window, None, True, self.names,
+                             self._op_events)
 
     def op_stats(self, pid: int | None = None, per_process: bool = True
                  ) -> list[dict[str, Any]]:
         """Op statistics for one process or all, per process or summed over processes."""
         if pid is None and per_process:
             return self.ops
+        if pid is None:
+            return node_op_stats(self.conn, self.node, self.window, None, False, self.names,
+                                 self._op_events)
         return node_op_stats(self.conn, self.node, self.window, pid, per_process, self.names)
 
     def kernel_stats(self, pid: int | None = None, per_process: bool = True
@@ -89,6 +99,11 @@ class NodeSlice:
             return self.threads
         return thread_breakdown(self.conn, self.node, self.window, self.span, self.tasks,
                                 self.names, pid)
+
+    def preload(self) -> None:
+        """Read what every explain reads first (names, tasks, span, op statistics, the
+        breakdown), so that a progress line can tell the reading from the analysis."""
+        _ = (self.names, self.tasks, self.span, self.ops, self.threads)
 
     def processes(self, threads: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``threads`` summed per process, with the exact histogram totals beside them."""

@@ -174,15 +174,33 @@ def _row(
     }
 
 
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """What :func:`node_op_stats` reads of one node and window: read once, it gives the
+    rows per process and summed over processes alike (explain asks both)."""
+
+    groups: dict[tuple[int, int], _Group]
+    hists: dict[tuple[int, int], Hist]
+    calls: dict[tuple[int, int], _Group]
+    span_s: float
+
+
+def load_op_stats(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None
+                  ) -> Loaded:
+    start, end = effective_span(conn, node, win)
+    return Loaded(_load_events(conn, node, win, pid), histograms(conn, node, win, TIMED_CODES,
+                  pid), _load_syscalls(conn, node, win, pid), (end - start) / 1e9)
+
+
 def node_op_stats(
     conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
     per_process: bool = True, comms: dict[int, str] | None = None,
+    loaded: Loaded | None = None,
 ) -> list[dict[str, Any]]:
-    """Stats rows for one node, sorted by total time, largest first."""
-    groups = _load_events(conn, node, win, pid)
-    hists = histograms(conn, node, win, TIMED_CODES, pid)
-    start, end = effective_span(conn, node, win)
-    span_s = (end - start) / 1e9
+    """Stats rows for one node, sorted by total time, largest first (from ``loaded``
+    when the caller has read the same node, window and pid already)."""
+    got = loaded if loaded is not None else load_op_stats(conn, node, win, pid)
+    groups, hists, calls, span_s = got.groups, got.hists, got.calls, got.span_s
     if not per_process:
         groups, hists = _merge_pids(groups), _merge_pid_hists(hists)
     names = comms or {}
@@ -191,7 +209,6 @@ def node_op_stats(
              span_s, names.get(p) if per_process else None)
         for p, op in sorted(set(groups) | set(hists))
     ]
-    calls = _load_syscalls(conn, node, win, pid)
     if not per_process:
         calls = _merge_pids(calls)
     for p, nr in sorted(calls):

@@ -76,6 +76,8 @@ class Context:
     threads: list[dict[str, Any]]
     parents: dict[int, int]
     pages: dict[tuple[int, int], Hist] = field(default_factory=dict)
+    # What two rules read alike (a thread's sleeps: the wait and pipe rules), read once.
+    memo: dict[tuple[str, int], Any] = field(default_factory=dict)
 
     @property
     def span_ns(self) -> int:

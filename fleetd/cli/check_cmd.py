@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from fleetd.checks import FAIL, GROUPS, OK, SKIP, Check, counts, worst
 from fleetd.cli.fleet_args import add_fleet_args, milliseconds, seconds
-from fleetd.cli.progress import stage
+from fleetd.cli.progress import Progress, task
 from fleetd.errors import ConfigError, FleetdError, UsageError
 from fleetd.store.timeparse import parse_duration
 
@@ -109,14 +109,18 @@ def run(args: argparse.Namespace) -> int:
 
         override_libraries(args.cuda_lib)  # a wrong path is a usage error, before any check
     cfg, found = _config(args.config)
-    with stage("checking this machine (compiling and attaching BPF takes a few seconds)"):
+    with task("checking") as shown:
+        if {"host", "cuda"} & set(groups):
+            shown.step("this machine's kernel, BPF and CUDA libraries (compiling and "
+                       "attaching BPF takes a few seconds)")
         found += _host(args, groups)
-    if cfg is None and args.config is not None:
-        found += [_unread_config(g) for g in ("db", "certs", "nodes") if g in groups]
-    else:
-        found += _agent_side(args, groups, cfg, warn_within)
-        if "nodes" in groups:
-            found += _nodes(args, cfg, explicit)
+        if cfg is None and args.config is not None:
+            found += [_unread_config(g) for g in ("db", "certs", "nodes") if g in groups]
+        else:
+            found += _agent_side(args, groups, cfg, warn_within, shown)
+            if "nodes" in groups:
+                shown.step("the fleet's nodes")
+                found += _nodes(args, cfg, explicit)
     _print(found, args.format, sys.stdout)
     return 1 if any(c.status == FAIL for c in found) else 0
 
@@ -194,7 +198,7 @@ def _host(args: argparse.Namespace, groups: Sequence[str]) -> list[Check]:
 
 
 def _agent_side(args: argparse.Namespace, groups: Sequence[str], cfg: Config | None,
-                warn_within: timedelta) -> list[Check]:
+                warn_within: timedelta, shown: Progress) -> list[Check]:
     from fleetd.config import Config
     from fleetd.security.checks import TlsFiles, cert_checks
     from fleetd.store.checks import db_check
@@ -203,8 +207,10 @@ def _agent_side(args: argparse.Namespace, groups: Sequence[str], cfg: Config | N
     c = cfg or Config()
     out: list[Check] = []
     if "db" in groups:
+        shown.step("the database (an integrity check of its pages)")
         out.append(db_check(args.db or c.store.db or default_db_path(), c.store.max_bytes))
     if "certs" in groups:
+        shown.step("the certificates")
         files = TlsFiles(
             listen=args.listen or c.listen, node_cert=args.tls_cert or c.tls.cert,
             node_key=args.tls_key or c.tls.key, client_ca=args.client_ca or c.tls.client_ca,

@@ -32,6 +32,7 @@ from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, rep
 from fleetd.cli.outfile import add_output_args, output_path
 from fleetd.cli.output import SEVERITY_STYLE, colour_wanted, dumps, paint, table, warn
 from fleetd.cli.pod_args import add_pod_args, fleet_selection, selected_pids
+from fleetd.cli.progress import Progress, task
 from fleetd.errors import UsageError
 from fleetd.printable import printable_tree
 from fleetd.store.db import default_db_path, open_reader
@@ -140,33 +141,56 @@ def run(args: argparse.Namespace) -> int:
     args.output_path = output_path(args)  # refused before any work is done for it
     if fleet_mode(args):
         return run_fleet(args)
-    with open_analysis(args) as (path, analysis):
-        pids = selected_pids(args, analysis.conn)
-        found = analysis.explain(args.pid, args.per_process, pids)
-        _no_such_pid(found, args.pid)
-        _gpu_verdict(found, analysis, args.pid)
-        # NCCL collectives of several ranks: the rank the others wait for leads.
-        found["collectives"] = analysis.collectives()
-        if len(found["nodes"]) > 1 or found["collectives"]["stragglers"]:
-            # A merged file: rank its nodes the way the fleet client ranks live ones.
-            found["stragglers"] = analysis.stragglers(found["chains"], found["collectives"])
-            found["skew"] = {}  # one file, one clock per node as recorded
-    if args.store and found["chains"]:
-        found["stored"] = store_chains(path, found)
-    if args.format == "json":
-        emit(args, found, lambda out: out.write(dumps(found).decode() + "\n"))
-    elif args.format == "html":
-        emit(args, found, lambda out: write_html(found, out))
-    else:
-        if "stragglers" in found:
-            emit(args, found, lambda out: render_fleet(found, out))
-        else:
-            # -v (more log output everywhere) also prints slow calls' whole stacks.
-            verbose = bool(getattr(args, "verbose", 0))
-            emit(args, found, lambda out: render(found, out, verbose=verbose))
+    where = args.lake if getattr(args, "lake", None) is not None else args.db
+    with task(f"explaining {where or 'the database'}") as shown:
+        with open_analysis(args) as (path, analysis):
+            found = _analyse(args, analysis, shown)
+        if args.store and found["chains"]:
+            shown.step("storing the chains")
+            found["stored"] = store_chains(path, found)
+        shown.step("rendering")
+        # Rendered whole before it is written: the live progress line (stderr) is gone
+        # before the first line of the report reaches the terminal.
+        buf = io.StringIO()
+        _render(args, found, buf)
+    emit(args, found, lambda out: out.write(buf.getvalue()))
+    if args.format == "table":
         warn(found["warnings"])
     return failed(args, found["chains"], 0)
 
+
+def _analyse(args: argparse.Namespace, analysis: Analysis, shown: Progress) -> dict[str, Any]:
+    """The local report, step by step on the progress line: the events read once
+    (names, op statistics, the per-thread breakdown), the chains, then the GPU verdict,
+    collectives and the straggler ranking."""
+    shown.step("reading")
+    for sl in analysis.slices:
+        sl.preload()
+    pids = selected_pids(args, analysis.conn)
+    shown.step("chains")
+    found = analysis.explain(args.pid, args.per_process, pids)
+    shown.step("analysing")
+    _no_such_pid(found, args.pid)
+    _gpu_verdict(found, analysis, args.pid)
+    # NCCL collectives of several ranks: the rank the others wait for leads.
+    found["collectives"] = analysis.collectives()
+    if len(found["nodes"]) > 1 or found["collectives"]["stragglers"]:
+        # A merged file: rank its nodes the way the fleet client ranks live ones.
+        found["stragglers"] = analysis.stragglers(found["chains"], found["collectives"])
+        found["skew"] = {}  # one file, one clock per node as recorded
+    return found
+
+
+def _render(args: argparse.Namespace, found: dict[str, Any], out: TextIO) -> None:
+    if args.format == "json":
+        out.write(dumps(found).decode() + "\n")
+    elif args.format == "html":
+        write_html(found, out)
+    elif "stragglers" in found:
+        render_fleet(found, out)
+    else:
+        # -v (more log output everywhere) also prints slow calls' whole stacks.
+        render(found, out, verbose=bool(getattr(args, "verbose", 0)))
 
 
 # The GPU time shares an explain report carries per rank (the HTML report draws them).

@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)"
     )
+    parser.add_argument("-q", "--quiet", action="store_true", default=False,
+                        help="no progress lines on stderr (warnings and errors still shown)")
     parser.add_argument("--wide", action="store_true", default=False,
                         help="tables and text at full width (no column left out, no cell "
                         "shortened, no line wrapped)")
@@ -123,6 +125,9 @@ def _verbose_anywhere(p: argparse.ArgumentParser) -> None:
     if "-v" not in p._option_string_actions:  # a parent parser shared by several
         p.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
                        help="more log output (-vv for debug)")
+    if "--quiet" not in p._option_string_actions:
+        p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                       help="no progress lines on stderr (warnings and errors still shown)")
     if "--wide" not in p._option_string_actions:
         p.add_argument("--wide", action="store_true", default=argparse.SUPPRESS,
                        help="tables and text at full width: no column left out, no cell "
@@ -200,6 +205,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extras:
         _deepest(parser, args).unknown(extras)
     _setup_logging(args.verbose)
+    from fleetd.cli.progress import set_quiet
+
+    set_quiet(bool(getattr(args, "quiet", False)))
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from types import FrameType
 from typing import TextIO
 
 from fleetd.cli.output import table, warn
+from fleetd.cli.progress import EVERY_S, quiet
 from fleetd.errors import UsageError
 from fleetd.store.clockinfo import boot_groups
 from fleetd.store.merge import DEFAULT_CLOCK_THRESHOLD_NS, MergeReport, Progress, merge
@@ -35,7 +36,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="name the node of an input that has no node identity (one NAME per "
                    "such input, in order), or rename an input's node with IN.db=NAME")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="report progress on stderr (default: on a terminal)")
+                   help="report progress on stderr (default: yes, a line every 5 s when "
+                   "stderr is not a terminal; none with --quiet)")
     p.add_argument("--clock-skew-threshold", dest="clock_threshold",
                    default=f"{DEFAULT_CLOCK_THRESHOLD_NS // 1_000_000}ms",
                    metavar="DURATION", help="warn when node clocks cannot be aligned "
@@ -53,8 +55,11 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"merge input '{path}' {what}",
                              "name the node databases copied off each node, e.g. "
                              "fleetd merge gpu-01.db gpu-02.db -o cluster.db")
-    shown = sys.stderr.isatty() if args.progress is None else args.progress
-    reporter = _ProgressPrinter(sys.stderr) if shown else None
+    # Shown unless --quiet or --no-progress; in a pipe a line each EVERY_S seconds (the
+    # progress facility's pace), or each half second with an explicit --progress.
+    shown = not quiet() if args.progress is None else args.progress
+    pace = 0.5 if args.progress or sys.stderr.isatty() else EVERY_S
+    reporter = _ProgressPrinter(sys.stderr, pace) if shown else None
     with _sigterm_as_interrupt():
         report = merge(args.inputs, args.output, args.force_node, progress=reporter,
                        clock_threshold_ns=threshold)
@@ -80,10 +85,11 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 class _ProgressPrinter:
     """Progress on stderr: rewritten in place on a terminal, else a line at most every
-    half second; the end of each input is always shown."""
+    ``pace`` seconds; the end of each input is always shown."""
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, pace: float) -> None:
         self.out = out
+        self.pace = pace
         self.tty = out.isatty()
         self.last = 0.0
         self.current: Path | None = None
@@ -91,7 +97,7 @@ class _ProgressPrinter:
     def __call__(self, p: Progress) -> None:
         now = time.monotonic()
         fresh = p.path != self.current
-        if not fresh and p.stage != "done" and now - self.last < 0.5:
+        if not fresh and p.stage != "done" and now - self.last < self.pace:
             return
         if fresh:
             self.finish()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TextIO
 from fleetd.cli.argtypes import byte_size
 from fleetd.cli.launch import SIGNALS, Child, command_of, resolve
 from fleetd.cli.output import warn
+from fleetd.cli.progress import task
 from fleetd.errors import UsageError
 from fleetd.store.db import default_db_path, validate_node_name
 from fleetd.store.timeparse import parse_duration
@@ -263,10 +264,12 @@ def run(args: argparse.Namespace) -> int:
     if child is not None:
         cfg.pids = [child.pid]
     tracer = Tracer(cfg)
-    t0 = time.monotonic()
     try:
-        tracer.start(lambda msg: print(f"fleetd: starting ({time.monotonic() - t0:.1f}s): "
-                                       f"{msg}", file=sys.stderr, flush=True))
+        # Each stage the tracer names (compiling, loading from the cache, attaching) is a
+        # line at once; in a pipe a line every few seconds while it lasts (a compile
+        # under load takes a minute), on a terminal one live line; none with --quiet.
+        with task("starting", first_s=0.0) as shown:
+            tracer.start(shown.step)
     except BaseException:
         if child is not None:
             child.abandon()

@@ -126,9 +126,15 @@ def _v4_to_v5(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Lay
     return {**layout, "process_data": f"temp.{view}"}
 
 
+def _v5_to_v6(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Layout:
+    """Version 6 added two indexes only: a version-5 file's tables read as they are."""
+    return dict(layout)
+
+
 # UPGRADES[v] presents a version-v file as version v + 1; the next migration in
 # schema.MIGRATIONS adds its step here.
-UPGRADES: dict[int, Upgrade] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5}
+UPGRADES: dict[int, Upgrade] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5,
+                                5: _v5_to_v6}
 
 
 # ---- what a merge reports --------------------------------------------------------------

@@ -238,11 +238,15 @@ def test_a_symlink_at_a_side_file_is_refused(tmp_path: Path) -> None:
 
 
 def torn(path: Path) -> Path:
-    """Garbage over a page in the middle of a real database."""
-    size = os.path.getsize(path)
+    """Garbage over the middle one of the events table's pages in a real database (a
+    page of an index could be one that a query of the table alone never reads)."""
     page = 4096
+    with sqlite3.connect(path) as c:
+        leaves = [int(n) for (n,) in c.execute(
+            "SELECT pageno FROM dbstat WHERE name = 'event_data' AND pagetype = 'leaf' "
+            "ORDER BY pageno")]
     with path.open("r+b") as f:
-        f.seek((size // page // 2) * page)
+        f.seek((leaves[len(leaves) // 2] - 1) * page)
         f.write(os.urandom(page))
     return path
 
