@@ -26,8 +26,8 @@ Last line: BENCH detect flag_p50_s=.. flag_p90_s=.. cause_p90_s=.. hang_p90_s=..
 missed=.. wrong_cause=.. false_alarms_per_h=..
 (goals: flag_p90 <= 10, cause_p90 <= 15, missed 0, wrong_cause 0, false alarms 0)
 
-By default (make bench) the quick form: three faults (quota, hog, stop) of 20 s, short
-gaps (about 2 minutes on 2 cores with the BPF programs cached). DETECT_FULL=1: every kind
+By default (make bench) the quick form: three faults (quota, hog, stop) of 15 s, short
+gaps (under 2 minutes on 2 cores with the BPF programs cached). DETECT_FULL=1: every kind
 twice, 25 s each, 20-40 s healthy between (about 15 minutes); DETECT_S=N: the full kinds
 for about N seconds of schedule. DETECT_SEED picks the order, hosts and gaps;
 DETECT_DEBUG=FILE keeps watch's -vv log (each poll's lateness per rank) there.
@@ -61,8 +61,8 @@ HOSTS = 4
 # make bench runs the quick form (its 20-minute budget); DETECT_FULL=1 the full one.
 QUICK = os.environ.get("DETECT_FULL") != "1" and "DETECT_S" not in os.environ
 SEED = int(os.environ.get("DETECT_SEED", "43"))
-FAULT_S = 20.0 if QUICK else 25.0
-GAP_S = (8.0, 12.0) if QUICK else (20.0, 40.0)
+FAULT_S = 15.0 if QUICK else 25.0
+GAP_S = (6.0, 9.0) if QUICK else (20.0, 40.0)
 GRACE_S = 12.0  # after a fault ends: its recovery, not a false alarm
 HANG_AFTER_S = 10
 QUOTA_CPUS = 0.03

@@ -5,18 +5,20 @@ tests/workloads/nccl_ranks.py (the real libnccl, in lockstep over a TCP barrier)
 
 Rank 2 runs in a cgroup of its own. Healthy seconds first: nothing may be flagged. Then
 its cgroup gets a CPU quota of 3% (cpu.max, a Kubernetes CPU limit set far too low): its
-20 ms of compute per step take hundreds of ms, and watch must say STRAGGLER naming rank
-2 within 15 s and its CAUSE (cpu_throttled, from the cgroup's own throttling counters)
-within 25 s; meanwhile the agent's own /metrics says rank 2 is the late one of its node's ranks
-(fleetd_rank_late_ratio) and its process throttled (fleetd_process_throttled_ratio);
-once the quota is lifted, RECOVERED within 20 s. The receiver gets the
-finding firing (again when its cause came a poll later), then resolved.
+steps run hundreds of ms behind the others', and watch must say STRAGGLER naming rank 2
+within 15 s and its CAUSE within 25 s (cpu_throttled, from the cgroup's own throttling
+counters; cpu_contention when every core is busy besides); meanwhile the agent's own
+/metrics says rank 2 is the late one of its node's ranks (fleetd_rank_late_ratio) and
+its process throttled (fleetd_process_throttled_ratio). Once the quota is lifted,
+RECOVERED within 20 s. The receiver gets the finding firing (again when its cause came a
+poll later), then resolved.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -112,7 +114,11 @@ def test_a_quota_on_one_rank_is_flagged_named_and_recovers(tmp_path: Path, pki: 
         t_flag, flag = lines.wait("STRAGGLER", 15)
         assert f"rank 2 (n1 pid {pids[2]})" in flag, flag
         t_cause, cause = lines.wait("CAUSE", 25)
-        assert f"rank 2 (n1 pid {pids[2]})" in cause and "cpu_throttled" in cause, cause
+        # Its node's top chain: throttled by its quota; on a node whose cores are all busy
+        # (busy-node.sh) the chain may put the contention first, a CPU cause all the same.
+        assert f"rank 2 (n1 pid {pids[2]})" in cause, cause
+        named = re.search(r"\] (\w+):", cause)
+        assert named and named.group(1) in ("cpu_throttled", "cpu_contention"), cause
         # The agent's own series: rank 2 the late one among its node's ranks, its process
         # throttled in most periods.
         _wait(lambda: _series(a, pki, "fleetd_rank_late_ratio").get(("rank", "2"), 0) >= 0.75,
@@ -135,7 +141,7 @@ def test_a_quota_on_one_rank_is_flagged_named_and_recovers(tmp_path: Path, pki: 
             ("firing", "straggler", 2, posts[0]["id"]), ("resolved", "straggler", 2,
                                                          posts[0]["id"])]
         assert len(posts) == 2 or (len(posts) == 3 and posts[0]["cause"] == "straggler")
-        assert posts[-2]["cause"] == posts[-1]["cause"] == "straggler: cpu_throttled"
+        assert posts[-2]["cause"] == posts[-1]["cause"] == f"straggler: {named.group(1)}"
         assert posts[-1]["first_seen"] == posts[0]["first_seen"]
         assert posts[0]["evidence"] == f"{a.url}/api/v1/ranks"
 
