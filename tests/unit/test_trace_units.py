@@ -274,7 +274,7 @@ def test_symbol_ladder_falls_back_and_adds_variants() -> None:
 
 def test_exported_functions_match_readelf_on_the_real_runtime() -> None:
     path = _cudart()
-    ex = libs.exported_functions(path)
+    ex = probes.library_symbols(path)  # the entry points the probes want
     out = subprocess.run(["readelf", "-W", "--dyn-syms", path], capture_output=True,
                          text=True, check=True).stdout
     m = re.search(r"^\s*\d+: ([0-9a-f]+)\s+\d+ FUNC\s+GLOBAL\s+DEFAULT\s+\d+ "
@@ -304,7 +304,7 @@ def test_the_nccl_wheel_is_found_like_the_runtime_wheel() -> None:
     found = {lib.ino: lib for lib in libs.search_usual_places()}
     lib = found[os.stat(nccl).st_ino]
     assert (lib.kind, lib.found_by) == ("nccl", "venv")
-    ex = libs.exported_functions(nccl)
+    ex = probes.library_symbols(nccl)
     for spec in probes.SPECS_BY_KIND["nccl"]:
         assert probes.planned_symbols(spec, ex.offsets), spec.op
 
