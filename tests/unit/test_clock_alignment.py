@@ -82,7 +82,7 @@ def test_merge_of_nodes_recorded_on_one_boot_warns_of_nothing(tmp_path: Path) ->
     assert "warning" not in proc.stderr and "±32" not in proc.stderr + proc.stdout
     assert "±16" not in proc.stdout
     header = next(line for line in proc.stdout.splitlines() if line.startswith("node "))
-    assert header.split()[3:5] == ["clock", "same"]  # "clock", "same boot as"
+    assert header.split()[5:7] == ["clock", "same"]  # after "first (UTC)", "last (UTC)"
     node_1 = next(line for line in proc.stdout.splitlines() if line.startswith("node-1 "))
     assert node_1.split()[3:] == ["not", "synchronised", "node-2,", "node-3"]
 
