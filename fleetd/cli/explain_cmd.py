@@ -30,7 +30,7 @@ from fleetd.analyze.facade import Analysis
 from fleetd.analyze.window import WindowSpec
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
 from fleetd.cli.outfile import add_output_args, output_path
-from fleetd.cli.output import SEVERITY_STYLE, colour_wanted, dumps, paint, table, warn
+from fleetd.cli.output import SEVERITY_STYLE, Held, colour_wanted, dumps, paint, table, warn
 from fleetd.cli.pod_args import add_pod_args, fleet_selection, selected_pids
 from fleetd.cli.progress import Progress, task
 from fleetd.errors import UsageError
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         shown.step("rendering")
         # Rendered whole before it is written: the live progress line (stderr) is gone
         # before the first line of the report reaches the terminal.
-        buf = io.StringIO()
+        buf = Held(sys.stdout if args.output_path is None else None)
         _render(args, found, buf)
     emit(args, found, lambda out: out.write(buf.getvalue()))
     if args.format == "table":

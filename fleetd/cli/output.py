@@ -315,6 +315,23 @@ def _is_terminal(out: TextIO) -> bool:
         return False
 
 
+class Held(io.StringIO):
+    """Text held back to be written whole later (after a live progress line is gone),
+    that lays itself out for the stream it will reach: that stream's width and colour."""
+
+    def __init__(self, dest: TextIO | None) -> None:
+        super().__init__()
+        self.dest = dest
+
+    def isatty(self) -> bool:
+        return self.dest is not None and _is_terminal(self.dest)
+
+    def fileno(self) -> int:
+        if self.dest is None:
+            raise io.UnsupportedOperation("held text for a file")
+        return self.dest.fileno()
+
+
 def colour_wanted(out: TextIO) -> bool:
     """Colour only on a terminal, and never with ``NO_COLOR`` set or ``TERM=dumb``."""
     return (_is_terminal(out) and not os.environ.get("NO_COLOR")
