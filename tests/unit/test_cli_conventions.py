@@ -351,18 +351,24 @@ def test_export_counts_its_events_on_a_terminal(tmp_path: Path) -> None:
 
 
 def test_long_work_logs_its_stages_in_pipes(tmp_path: Path) -> None:
-    """In a pipe or a log: one INFO line per stage with -v, no carriage returns; on a
-    terminal the same stage is a live line (fleetd/cli/progress.py)."""
-    db = tmp_path / "gpu.db"
-    imported = fleetd("-v", "import", str(REPO / "tests" / "data" / "gpu" /
-                                          "sampled_rank-1.json.gz"), "--db", str(db))
-    assert imported.returncode == 0, imported.stderr
-    assert "fleetd.progress: importing 1 file(s)" in imported.stderr
-    exported = fleetd("-v", "export", "--db", str(SCENARIOS / "quiet.db"), "-o",
-                      str(tmp_path / "q.json"))
-    assert exported.returncode == 0, exported.stderr
-    assert "fleetd.progress:" in exported.stderr
-    assert "\r" not in imported.stderr + exported.stderr
-    quiet = fleetd("import", str(REPO / "tests" / "data" / "gpu" / "sampled_rank-1.json.gz"),
-                   "--db", str(tmp_path / "again.db"))
-    assert quiet.returncode == 0 and "progress" not in quiet.stderr
+    """In a pipe or a log: plain progress lines (here from the start:
+    FLEETD_PROGRESS_FIRST_S=0), no carriage returns; none with --quiet; on a terminal the
+    same task is a live line (fleetd/cli/progress.py)."""
+    os.environ["FLEETD_PROGRESS_FIRST_S"] = "0"
+    try:
+        db = tmp_path / "gpu.db"
+        imported = fleetd("import", str(REPO / "tests" / "data" / "gpu" /
+                                        "sampled_rank-1.json.gz"), "--db", str(db))
+        assert imported.returncode == 0, imported.stderr
+        assert "fleetd: importing 1 file(s)" in imported.stderr
+        exported = fleetd("export", "--db", str(SCENARIOS / "quiet.db"), "-o",
+                          str(tmp_path / "q.json"))
+        assert exported.returncode == 0, exported.stderr
+        assert "fleetd: export" in exported.stderr, exported.stderr
+        assert "\r" not in imported.stderr + exported.stderr
+        quiet = fleetd("-q", "import", str(REPO / "tests" / "data" / "gpu" /
+                                           "sampled_rank-1.json.gz"),
+                       "--db", str(tmp_path / "again.db"))
+        assert quiet.returncode == 0 and "importing" not in quiet.stderr, quiet.stderr
+    finally:
+        del os.environ["FLEETD_PROGRESS_FIRST_S"]

@@ -190,8 +190,8 @@ def test_a_small_gzip_that_expands_to_2gib_is_refused_fast_and_bounded(
     bomb = gzip_bomb(tmp_path / f"{name}.json.gz", head, unit, b"{}]}")
     assert bomb.stat().st_size < 3 << 20
     db = tmp_path / "out.db"
-    rc, err, seconds, peak = measure(["import", str(bomb), "--db", str(db), "--format",
-                                      "kineto"])
+    rc, err, seconds, peak = measure(["-q", "import", str(bomb), "--db", str(db), "--format",
+                                      "kineto"])  # -q: no progress line before the error
     lines = err.strip().splitlines()
     assert rc == 2 and says in lines[0] and len(lines) == 2, err
     assert "Traceback" not in err and not db.exists()
