@@ -43,6 +43,7 @@ from fleetd.store.schema import (
 )
 
 log = logging.getLogger("fleetd.store.writer")
+PRUNE_PASSES = 4  # pruning passes per commit at most, until the file is under its cap
 
 _EVENT_SQL = (
     f"INSERT INTO event_data(id, {', '.join(EVENT_FIELDS)}) "
@@ -487,14 +488,23 @@ class BatchWriter:
                     self.stats.disk_full_rows)
 
     def _prune_if_needed(self, cap: int) -> None:
+        """Delete the oldest events until the file is under ``cap``: a pass frees fewer
+        whole pages than the rows it deletes (index pages stay partly full), so it may
+        take a few."""
+        for _ in range(PRUNE_PASSES):
+            if not self._prune_once(cap):
+                return
+
+    def _prune_once(self, cap: int) -> bool:
+        """One pruning pass; False when nothing (more) is to be pruned or it failed."""
         used = self.used_bytes()
         if used <= cap:
-            return
+            return False
         total = self._scalar(
             "SELECT count(*) FROM event_data WHERE id BETWEEN ? AND ?", self._lo, self._hi
         )
         if total == 0:
-            return
+            return False
         # Free a tenth more than the excess, so pruning does not run after every commit.
         share = min(1.0, (used - cap * 0.9) / used)
         n = max(1, int(total * share))
@@ -503,7 +513,7 @@ class BatchWriter:
             (self._lo, self._hi, min(n, total - 1)),
         ).fetchone()
         if cutoff is None:
-            return
+            return False
         try:
             conn = self._conn
             conn.execute("BEGIN")
@@ -523,6 +533,7 @@ class BatchWriter:
             self.stats.pruned_events += cur.rowcount
             log.info("pruned %d oldest events from %s (used %d > %d bytes)",
                      cur.rowcount, self.path, used, cap)
+            return cur.rowcount > 0
         except sqlite3.Error as exc:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
@@ -530,6 +541,7 @@ class BatchWriter:
             # While the disk is full this is expected until the reserve gives room.
             log.log(logging.DEBUG if self.stats.disk_full else logging.ERROR,
                     "pruning %s failed: %s", self.path, exc)
+            return False
 
     def used_bytes(self) -> int:
         """Bytes of the main file holding data (free pages left by pruning excluded)."""
