@@ -133,12 +133,14 @@ def rank(profiles: Mapping[str, Mapping[str, Any]], unreachable: Mapping[str, st
             out.append(_judge(node, scores.get(node, []), chains))
     for node, why in unreachable.items():
         out.append(_entry(node, None, None, None, f"unreachable: {why}"))
-    return sorted(out, key=_order)
+    return sorted(out, key=lambda e: _order(e, e["node"] in unreachable))
 
 
-def _order(e: dict[str, Any]) -> tuple[int, float, str]:
+def _order(e: dict[str, Any], unreachable: bool) -> tuple[int, float, str]:
+    """Stragglers, then the others by score, then the nodes that could not be ranked,
+    and last those that did not answer."""
     if e["flagged"] is None:
-        return (2, 0.0, e["node"])
+        return (3 if unreachable else 2, 0.0, e["node"])
     return (0 if e["flagged"] else 1, e["score"] if e["score"] is not None else 1.0, e["node"])
 
 

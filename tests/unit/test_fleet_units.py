@@ -207,7 +207,7 @@ def test_unreachable_and_idle_nodes_are_never_reported_healthy() -> None:
     by = {s["node"]: s for s in ranked}
     assert by["gone"]["flagged"] is None and by["gone"]["reason"].startswith("unreachable")
     assert by["idle"]["flagged"] is None and by["idle"]["score"] is None
-    assert [s["node"] for s in ranked][-2:] == ["gone", "idle"]
+    assert [s["node"] for s in ranked][-2:] == ["idle", "gone"]  # the unreachable last
     assert all(set(s) >= {"node", "score", "flagged", "metric", "reason"} for s in ranked)
 
 
