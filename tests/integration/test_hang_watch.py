@@ -152,7 +152,7 @@ def _quiet(job: Job, pki: Pki) -> None:
               "--for", "6s", "--format", "json")
     code, out, err = _finish(w, 40)
     assert code == 0, out + err
-    v = json.loads(out)
+    v = json.loads(out.strip().splitlines()[-1])  # the verdict: the last line
     assert v["status"] == "ok" and v["hangs"] == [] and v["ranks"] == RANKS
     [g] = v["groups"]
     assert (g["matching"], g["ranks"], g["size"]) == ("torchrun", [0, 1, 2, 3], RANKS)
@@ -180,7 +180,7 @@ def _stopped(job: Job, pki: Pki) -> dict[str, Any]:
     print(f"SIGSTOP to verdict: {took:.1f} s")
     assert code == 6, err
     assert took < 20
-    v: dict[str, Any] = json.loads(out)
+    v: dict[str, Any] = json.loads(out.strip().splitlines()[-1])  # after any events
     assert v["status"] == "hang"
     h = v["hangs"][0]
     [c] = h["culprits"]
