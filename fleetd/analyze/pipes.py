@@ -26,6 +26,7 @@ import orjson
 
 from fleetd.analyze.chains import Chain
 from fleetd.analyze.contention import Sleep, feeders, sleeps
+from fleetd.analyze.io_owner import io_worker
 from fleetd.analyze.rules import Context, rule_chain
 from fleetd.store.syscalls import NR
 from fleetd.store.timeparse import format_ns
@@ -121,7 +122,9 @@ def _other_end(ctx: Context, pid: int, waits: list[Sleep], info: dict[str, Any]
     woke: dict[int, int] = defaultdict(int)
     for s in waits:
         p = _pid_of(ctx, s.waker) if s.waker else None
-        if p is not None and p != pid:
+        # A kernel thread that only delivered (ksoftirqd handing a loopback socket's
+        # window update back, an interrupt thread) is not the other end.
+        if p is not None and p != pid and not io_worker(ctx.view.who(p)["comm"]):
             woke[p] += s.slept
     readers = {int(h["pid"]): h for h in info.get("peers") or []
                if "r" in str(h.get("mode")) and int(h["pid"]) != pid}
