@@ -11,7 +11,7 @@ demo: setup
 	@.venv/bin/fleetd demo
 
 test: setup
-	@$(PY) -m pytest -q -ra tests
+	@$(PY) -m pytest -q -ra --durations=40 tests
 
 lint: setup
 	@.venv/bin/ruff check fleetd tests bench

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -145,10 +146,26 @@ def _evidence(answer: Any, hangs: list[dict[str, Any]], node: str | None = None
 
 
 async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
-    """Poll until a hang, --once, --for or Ctrl-C; returns the exit status."""
+    """Poll until a hang, --once, --for, Ctrl-C or SIGTERM; returns the exit status."""
     from fleetd.fleet.client import FleetClient
-    from fleetd.fleet.hang import DetailAsks, poll
     from fleetd.fleet.notify import Notifier
+
+    notifier = Notifier(spec.delivery) if spec.delivery is not None else None
+    stop = _Stop.install()
+    try:
+        async with FleetClient(opts.client) as client:
+            return await _polls(opts, spec, out, err, client, notifier, stop)
+    except asyncio.CancelledError:
+        if stop.requested:  # the second signal
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        stop.remove()
+
+
+async def _polls(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO, client: Any,
+                 notifier: Any, stop: _Stop) -> int:
+    from fleetd.fleet.hang import DetailAsks, poll
     from fleetd.fleet.straggle import StraggleWatch
 
     live = _tty(err)
@@ -160,78 +177,125 @@ async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
     result: dict[str, Any] = {}
     detail = DetailAsks()
     straggle = StraggleWatch()
-    notifier = Notifier(spec.delivery) if spec.delivery is not None else None
-    async with FleetClient(opts.client) as client:
-        while True:
-            t0 = time.monotonic()
-            # A job that died while we watched is a finding; one that died before is not.
-            within = spec.hang_after_s if spec.once else max(
-                spec.hang_after_s, t0 - started + 2 * spec.interval_s)
-            answer, result = await poll(opts, client, spec.hang_after_s,
-                                        deaths_within_s=within, detail=detail,
-                                        straggle=straggle)
-            polls += 1
-            answered_ever = answered_ever or bool(answer.answered)
-            warnings = result["warnings"]
-            fresh = [w for w in warnings if w not in shown]
-            if fresh and live:
+    while True:
+        t0 = time.monotonic()
+        # A job that died while we watched is a finding; one that died before is not.
+        within = spec.hang_after_s if spec.once else max(
+            spec.hang_after_s, t0 - started + 2 * spec.interval_s)
+        answer, result = await poll(opts, client, spec.hang_after_s,
+                                    deaths_within_s=within, detail=detail,
+                                    straggle=straggle)
+        polls += 1
+        answered_ever = answered_ever or bool(answer.answered)
+        warnings = result["warnings"]
+        fresh = [w for w in warnings if w not in shown]
+        if fresh and live:
+            err.write("\r\x1b[K")
+        for w in fresh:  # a node's text: one escaped line
+            print(f"fleetd: warning: {printable(str(w))}", file=err)
+        shown = set(warnings)
+        hangs = result.get("hangs") or [] if result["status"] == "hang" else []
+        if not spec.once:
+            print_straggle(straggle.changes, spec.fmt, out, live and err)
+        if notifier is not None and answer.answered:  # no answer: nothing recovered
+            late = [{**s, "evidence": _evidence(answer, [], s["node"])}
+                    for s in straggle.current()]
+            sent = await notifier.update(hangs, _evidence(answer, hangs), stragglers=late)
+            if live and sent:
                 err.write("\r\x1b[K")
-            for w in fresh:  # a node's text: one escaped line
-                print(f"fleetd: warning: {printable(str(w))}", file=err)
-            shown = set(warnings)
-            hangs = result.get("hangs") or [] if result["status"] == "hang" else []
-            if not spec.once:
-                print_straggle(straggle.changes, spec.fmt, out, live and err)
-            if notifier is not None and answer.answered:  # no answer: nothing recovered
-                late = [{**s, "evidence": _evidence(answer, [], s["node"])}
-                        for s in straggle.current()]
-                sent = await notifier.update(hangs, _evidence(answer, hangs), stragglers=late)
-                if live and sent:
-                    err.write("\r\x1b[K")
-                for f in sent:
-                    if f["kind"] == "straggler":  # printed above, as it turned
-                        continue
-                    if f["status"] == "resolved":
-                        print(printable(f"RECOVERED ({f['kind']}): {f['job']}: "
-                                        f"{f['culprit']} (first seen {f['first_seen']})"),
-                              file=out, flush=True)
-                    elif not spec.once:
-                        print_verdict({**result, "hangs": [
-                            h for h in hangs if f["summary"] == h.get("summary")]},
-                            spec.fmt, out)
-            if hangs:
-                hung_ever = True
-                if notifier is None or spec.once:
-                    if live:
-                        err.write("\r\x1b[K")
-                    print_verdict(result, spec.fmt, out)
-                    return EXIT_HANG
-            code = EXIT_OK if answered_ever else EXIT_NO_ANSWER
-            if hung_ever:
-                code = EXIT_HANG
-            elif answer.failed and answer.answered and spec.once:
-                code = EXIT_PARTIAL
-            if spec.once:
-                print_verdict(result, spec.fmt, out)
-                return code
-            watched = time.monotonic() - started
-            line = status_line(result, len(answer.answered), len(answer.outcomes), watched)
-            if live:
-                err.write(f"\r\x1b[K{line}")
-                err.flush()
-            else:
-                log.debug("%s", line)
-            if spec.for_s is not None and watched >= spec.for_s:
+            for f in sent:
+                if f["kind"] == "straggler":  # printed above, as it turned
+                    continue
+                if f["status"] == "resolved":
+                    print(printable(f"RECOVERED ({f['kind']}): {f['job']}: "
+                                    f"{f['culprit']} (first seen {f['first_seen']})"),
+                          file=out, flush=True)
+                elif not spec.once:
+                    print_verdict({**result, "hangs": [
+                        h for h in hangs if f["summary"] == h.get("summary")]},
+                        spec.fmt, out)
+        if hangs:
+            hung_ever = True
+            if notifier is None or spec.once:
                 if live:
                     err.write("\r\x1b[K")
-                if spec.fmt == "json":
-                    print_verdict(result, spec.fmt, out)
-                log.info("no hang in %d poll(s) over %.1f s", polls, watched)
-                return code
-            pause = spec.interval_s - (time.monotonic() - t0)
-            if spec.for_s is not None:
-                pause = min(pause, spec.for_s - (time.monotonic() - started))
-            await asyncio.sleep(max(0.0, pause))
+                print_verdict(result, spec.fmt, out)
+                return EXIT_HANG
+        code = EXIT_OK if answered_ever else EXIT_NO_ANSWER
+        if hung_ever:
+            code = EXIT_HANG
+        elif answer.failed and answer.answered and spec.once:
+            code = EXIT_PARTIAL
+        if spec.once:
+            print_verdict(result, spec.fmt, out)
+            return code
+        watched = time.monotonic() - started
+        line = status_line(result, len(answer.answered), len(answer.outcomes), watched)
+        if live:
+            err.write(f"\r\x1b[K{line}")
+            err.flush()
+        else:
+            log.debug("%s", line)
+        if stop.requested or (spec.for_s is not None and watched >= spec.for_s):
+            if live:
+                err.write("\r\x1b[K")
+            if spec.fmt == "json":
+                print_verdict(result, spec.fmt, out)
+            log.info("%s in %d poll(s) over %.1f s",
+                     "stopped" if stop.requested else "no hang", polls, watched)
+            return code
+        pause = spec.interval_s - (time.monotonic() - t0)
+        if spec.for_s is not None:
+            pause = min(pause, spec.for_s - (time.monotonic() - started))
+        await stop.wait(max(0.0, pause))
+
+
+@dataclass(slots=True)
+class _Stop:
+    """SIGTERM or Ctrl-C asks the watch to end after the poll in hand: a recovery being
+    posted is posted (a supervisor stopping the watch right after a job recovered lost
+    the --exec half of it), and the exit status is what --for would give. A second
+    signal stops at once (130)."""
+
+    event: asyncio.Event
+    task: asyncio.Task[Any] | None
+    signals: tuple[int, ...] = ()
+
+    @property
+    def requested(self) -> bool:
+        return self.event.is_set()
+
+    @classmethod
+    def install(cls) -> _Stop:
+        import signal
+
+        loop = asyncio.get_running_loop()
+        stop = cls(asyncio.Event(), asyncio.current_task())
+        wanted = (signal.SIGTERM, signal.SIGINT)
+        try:
+            for sig in wanted:
+                loop.add_signal_handler(sig, stop._signalled)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            stop.remove()
+            return stop
+        stop.signals = wanted
+        return stop
+
+    def _signalled(self) -> None:
+        if self.event.is_set() and self.task is not None:
+            self.task.cancel()  # the second signal: the CLI reports 130
+        self.event.set()
+
+    def remove(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in self.signals:
+            loop.remove_signal_handler(sig)
+        self.signals = ()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Sleep ``timeout_s``, or less if a stop is asked for."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.event.wait(), timeout_s)
 
 
 def status_line(result: dict[str, Any], answered: int, total: int, watched: float) -> str:

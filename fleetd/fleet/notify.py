@@ -222,11 +222,11 @@ class Notifier:
 
     async def send(self, finding: Finding) -> bool:
         body = orjson.dumps(finding)
-        ok = True
-        if self.delivery.webhook:
-            ok = await self._post(body) and ok
+        # Both at once: the command does not wait out the webhook's retries.
+        ways = [self._post(body)] if self.delivery.webhook else []
         if self.delivery.command:
-            ok = await self._exec(body) and ok
+            ways.append(self._exec(body))
+        ok = all(await asyncio.gather(*ways))
         self.sent += ok
         self.failed += not ok
         return ok

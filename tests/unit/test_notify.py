@@ -125,3 +125,44 @@ def test_the_signature_is_over_timestamp_and_body() -> None:
     a = signature(SECRET, "100", b"{}")
     assert a.startswith("sha256=") and a != signature(SECRET, "101", b"{}")
     assert a != signature(SECRET, "100", b"{ }")
+
+
+def test_exec_does_not_wait_out_the_webhooks_retries(tmp_path: Path) -> None:
+    """A webhook nobody listens on is retried; the command runs meanwhile, not after."""
+    out = tmp_path / "findings.ndjson"
+    started = tmp_path / "exec-started"
+    cmd = [sys.executable, "-c",
+           f"import sys, time; open({str(started)!r}, 'w').write(str(time.monotonic())); "
+           f"open({str(out)!r}, 'a').write(sys.stdin.read())"]
+    d = Delivery(webhook="http://127.0.0.1:9/hook", timeout_s=2.0, attempts=3,
+                 backoff_s=0.5, command=cmd)
+    import time
+
+    t0 = time.monotonic()
+    [f] = asyncio.run(Notifier(d).update([_hang()], None))
+    took = time.monotonic() - t0
+    assert f["status"] == "firing" and json.loads(out.read_text())["status"] == "firing"
+    # The two retries wait 0.5 s and 1 s; the command did not wait for them.
+    assert took >= 1.5 and float(started.read_text()) - t0 < 1.4
+
+
+def test_sigterm_ends_a_watch_after_its_poll_without_a_traceback(tmp_path: Path) -> None:
+    """A supervisor's SIGTERM ends watch as --for would (here: no node ever answered, 4);
+    no traceback, and well before --for."""
+    import signal
+    import time
+
+    from agents import make_pki
+
+    pki = make_pki(tmp_path, [], ["me"])
+    cert, key = pki.pair("me")
+    w = subprocess.Popen([FLEETD, "watch", "--nodes", "127.0.0.1:9", "--for", "120s",
+                          "--interval", "1s", "--timeout", "1s", "--ca-cert", str(pki.ca),
+                          "--client-cert", str(cert), "--client-key", str(key)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)
+    t0 = time.monotonic()
+    w.send_signal(signal.SIGTERM)
+    out, err = w.communicate(timeout=30)
+    assert w.returncode == 4, err
+    assert "Traceback" not in err and time.monotonic() - t0 < 10
