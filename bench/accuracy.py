@@ -78,7 +78,7 @@ from recorder import (  # noqa: E402
     wait_for_libcudart,
 )
 
-from fleetd.analyze.chains import severity  # noqa: E402
+from fleetd.analyze.causes.chains import severity  # noqa: E402
 
 SECONDS = float(os.environ.get("BENCH_ACCURACY_S", "4"))
 RANK = {"HIGH": 3, "MEDIUM": 2, "LOW": 1}

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _gendb import make_node_db  # noqa: E402
 
-from fleetd.analyze.window import resolve_window  # noqa: E402
+from fleetd.analyze.reading.window import resolve_window  # noqa: E402
 from fleetd.export.local import _EVENTS_SQL, LocalOptions, local_traces  # noqa: E402
 from fleetd.export.model import ROW_FIELDS  # noqa: E402
 from fleetd.export.output import open_output  # noqa: E402

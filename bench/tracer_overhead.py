@@ -39,7 +39,7 @@ empty_pair_ns=E bpf_ns_per_event=B events_per_s=N unreported_loss=U cpu_sample_r
 launch_added_ns=L launch_returns_added_ns=F entry_only_added_ns=O always_on_ratio=W
 (targets: R >= 0.99, C >= 0.97, A <= 1.3 x E, B <= 250, N >= 300000, U == 0, S >= 0.995,
 L <= 0.7 x E, W >= 0.995). L is the default mode's cost per launch
-(fleetd.trace.modes), F and O the same loop with and without launch return probes,
+(fleetd.trace.bpf.modes), F and O the same loop with and without launch return probes,
 measured in the same rounds (part 1); W the CPU-bound loop in the always-on mode
 (launch probes 1 s of every 10 s, as the agent runs it) over untraced, in alternating
 rounds of one period (untraced: a quarter of one) (part 2).
@@ -66,9 +66,9 @@ sys.path.insert(0, str(REPO))
 from _traced import Traced  # noqa: E402
 
 from fleetd.store.catalog import BY_NAME  # noqa: E402
-from fleetd.trace.bpfsrc import compile_source, detach_all  # noqa: E402
-from fleetd.trace.libs import exported_functions, mapped_libraries  # noqa: E402
-from fleetd.trace.probes import link_uprobe_multi  # noqa: E402
+from fleetd.trace.bpf.bpfsrc import compile_source, detach_all  # noqa: E402
+from fleetd.trace.bpf.probes import link_uprobe_multi  # noqa: E402
+from fleetd.trace.host.libs import exported_functions, mapped_libraries  # noqa: E402
 from fleetd.trace.tracer import STAGES  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "6"))
@@ -575,7 +575,7 @@ def launch_keys(added: float, other: float) -> str:
     """launch_added_ns (per launch, the default mode: the loop calls only
     cudaLaunchKernel) and launch_returns_added_ns (with --launch-returns), whichever of
     them the default is."""
-    from fleetd.trace.modes import LAUNCH_RETURNS
+    from fleetd.trace.bpf.modes import LAUNCH_RETURNS
 
     full, entry = (added, other) if LAUNCH_RETURNS else (other, added)
     return (f"launch_added_ns={added:.0f} launch_returns_added_ns={full:.0f} "

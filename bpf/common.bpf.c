@@ -1,5 +1,5 @@
 /* fleetd: maps and helpers every layer shares. Compiled as one unit with the
- * layers (see fleetd/trace/bpfsrc.py), so the target set and histograms are shared.
+ * layers (see fleetd/trace/bpf/bpfsrc.py), so the target set and histograms are shared.
  *
  * Parameters (all -D, with defaults here):
  *   FL_TRACER_PID      our own tgid, never traced

@@ -3,7 +3,7 @@
  * fl_enter_<OP> keeps the start and the arguments that matter; the return side is
  * fl_call_exit (common.bpf.c): histogram, then a record for anomalies, always-emitted
  * classes and the sample. The attachable programs are generated from
- * fleetd/trace/probes.py (bpfsrc.probe_wrappers): one entry/return pair per op for
+ * fleetd/trace/bpf/probes.py (bpfsrc.probe_wrappers): one entry/return pair per op for
  * per-symbol uprobes, and one dispatcher pair for uprobe_multi links, where the
  * attach cookie carries the op, its ring and whether it is always emitted.
  *

@@ -1,6 +1,6 @@
 /* fleetd: record layouts and constants shared by every BPF layer.
  *
- * The Python side (fleetd/trace/decoder.py) reads these records with a struct
+ * The Python side (fleetd/trace/bpf/decoder.py) reads these records with a struct
  * format of the same layout; it passes the size it expects as -DFL_REC_SIZE and
  * the asserts below refuse to compile if C and Python ever drift apart.
  * Op codes arrive as -DOP_<NAME>=<code> generated from fleetd/store/catalog.py.
@@ -17,7 +17,7 @@
 #define FL_WHY_ERROR 4u  /* a call that returned an error (rate-limited per pid+op) */
 #define FL_WHY_ALWAYS 8u /* sync, graph, allocation, NCCL and lifecycle events */
 
-/* Indices into the per-CPU fl_counters array; names in fleetd/trace/bpfsrc.py. */
+/* Indices into the per-CPU fl_counters array; names in fleetd/trace/bpf/bpfsrc.py. */
 #define FL_C_LOST_CUDA 0     /* ring buffer full: runtime + graph records lost */
 #define FL_C_LOST_DRIVER 1
 #define FL_C_LOST_NCCL 2
@@ -84,7 +84,7 @@ struct fl_rec_py {
 };
 
 /* Where one CPython version keeps the current frame and the frame's fields, filled
- * per process by user space (fleetd/trace/pyframes.py: a measured table for 3.10-3.12,
+ * per process by user space (fleetd/trace/enrich/pyframes.py: a measured table for 3.10-3.12,
  * the process's own _Py_DebugOffsets from 3.13). */
 #define FL_PY_DIRECT 0xffffffffu /* tstate_frame already is the current frame (3.10, 3.13+) */
 struct fl_pyoffs {

@@ -367,7 +367,7 @@ TRACEPOINT_PROBE(kmem, mm_page_alloc)
  * OP_MEMCG_RECLAIM, OP_DIRECT_COMPACTION): ts = the first stall's start, dur = to the
  * last one's end, bytes = ns actually stalled, a0 = stalls, a1 = pages reclaimed. A run is sent once it spans FL_RECLAIM_SPAN_NS, when the
  * kind changes, or at once for a stall of FL_RECLAIM_SLOW_NS; what is left when
- * tracing stops the tracer reads from fl_reclaim itself (trace/memory.py). */
+ * tracing stops the tracer reads from fl_reclaim itself (trace/host/memory.py). */
 #ifndef FL_RECLAIM_SPAN_NS
 #define FL_RECLAIM_SPAN_NS 10000000ull
 #endif
@@ -513,7 +513,7 @@ TRACEPOINT_PROBE(compaction, mm_compaction_end)
 /* Work a traced thread queues for the kernel's workers, counted per (thread, work
  * function): a kworker that then preempts the thread runs the thread's own work (its
  * reclaim's vmpressure notifications, say), not a neighbour's. User space reads the
- * counts with the histograms (trace/memory.py) and names the functions. */
+ * counts with the histograms (trace/host/memory.py) and names the functions. */
 struct fl_kwork_key {
     u32 tid;
     u32 pid;

@@ -2,7 +2,7 @@
  * and teardown, groups. Every call is emitted (always-class), so ranks can be compared
  * call by call later, failed calls included.
  *
- * Record extras (decoded by fleetd/trace/decoder.py):
+ * Record extras (decoded by fleetd/trace/bpf/decoder.py):
  *   collectives, send/recv:
  *     a0 = element count, a1 = peer (send/recv) or root (broadcast/reduce), else -1
  *     bytes = count x sizeof(dtype) (AllGather: sendcount, ReduceScatter: recvcount)
@@ -131,7 +131,7 @@ static __always_inline int fl_enter_NCCLRECV(struct pt_regs *ctx)
 
 /* A 64-bit hash of the 128-byte ncclUniqueId, equal on every rank given the same id:
  * FNV-1a over its sixteen little-endian 64-bit words, then the splitmix64 finalizer
- * (fleetd.trace.decoder.nccl_id_hash computes the same in Python). 0 = unreadable. */
+ * (fleetd.trace.bpf.decoder.nccl_id_hash computes the same in Python). 0 = unreadable. */
 static __always_inline u64 fl_nccl_id_hash(u64 addr)
 {
     u64 w[16] = {};

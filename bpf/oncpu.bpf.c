@@ -1,4 +1,4 @@
-/* fleetd: on-CPU sampling of traced threads (user space: fleetd/trace/oncpu.py).
+/* fleetd: on-CPU sampling of traced threads (user space: fleetd/trace/enrich/oncpu.py).
  *
  * A software CPU-clock perf event fires FL_CPU_HZ times a second on every CPU; when
  * the task it interrupts belongs to a traced process, one sample goes to fl_rb_cpu:
@@ -80,7 +80,7 @@ int fl_cpu_sample(struct bpf_perf_event_data *ctx)
 }
 
 /* ---- exact collections: CPython's USDT probes python:gc__start / gc__done ----
- * (user space: fleetd/trace/pyusdt.py attaches both where the interpreter has them and
+ * (user space: fleetd/trace/enrich/pyusdt.py attaches both where the interpreter has them and
  * raises their semaphores). Start keeps (time, generation) per thread; done makes a
  * record of collections at least FL_GC_MIN_NS long, so the many sub-millisecond young
  * collections cost no ring space. */

@@ -112,7 +112,7 @@ BPF_RINGBUF_OUTPUT(fl_rb_hold, 16);
  * their window is measured. */
 BPF_ARRAY(fl_hold_ctl, u32, 1);
 /* tgid -> when it was stopped, until user space resumes it: what a tracer killed
- * before it could resume them leaves behind, for its releaser (fleetd.trace.mapwatch). */
+ * before it could resume them leaves behind, for its releaser (fleetd.trace.bpf.mapwatch). */
 BPF_HASH(fl_held, u32, u64, 4096);
 BPF_TABLE("lru_hash", u32, u64, fl_open_name, 4096);   /* tid -> name pointer (openat) */
 BPF_TABLE("lru_hash", u64, u64, fl_fd_name, 16384);    /* tgid << 32 | fd -> name pointer */

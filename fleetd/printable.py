@@ -11,7 +11,7 @@ overwrites what fleetd wrote, and a newline starts a forged line of the report (
 ``\\u202e``), so a value stays on its line and an escape sequence arrives as plain text.
 It is applied once where text is written: the table cells (fleetd.cli.output), the
 explain report before it is rendered (:func:`printable_tree`), the folded stack writer
-(fleetd.analyze.frames), warnings, progress lines, and every log record
+(fleetd.analyze.reading.frames), warnings, progress lines, and every log record
 (:class:`PrintableFormatter`). JSON, CSV and NDJSON keep the exact values (their
 encoders quote what needs quoting); the HTML report escapes for HTML itself.
 

@@ -15,19 +15,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fleetd.analyze import (
+from fleetd.analyze.causes import (
     causes,
-    collectives,
     contention,
     gpu_chains,
     memory,
     oncpu,
     pipes,
-    pods,
     rules,
     throttle,
 )
-from fleetd.analyze.chains import (
+from fleetd.analyze.causes.chains import (
     MIN_CALLS,
     SEVERITY_RANK,
     Baseline,
@@ -41,14 +39,16 @@ from fleetd.analyze.chains import (
     find_spikes,
     find_stalls,
 )
-from fleetd.analyze.data import (
+from fleetd.analyze.distributed import collectives
+from fleetd.analyze.distributed.stragglers import node_profile as node_profile  # facade, agents
+from fleetd.analyze.pernode.model import NodeSlice
+from fleetd.analyze.reading import pods
+from fleetd.analyze.reading.data import (
     CALL_SOURCES,
     code,
     nodes,
 )
-from fleetd.analyze.model import NodeSlice
-from fleetd.analyze.stragglers import node_profile as node_profile  # facade, agents
-from fleetd.analyze.window import Window, WindowSpec
+from fleetd.analyze.reading.window import Window, WindowSpec
 from fleetd.store.chainrow import chain_row
 from fleetd.store.db import open_reader
 from fleetd.store.timeparse import format_ns

@@ -1,7 +1,7 @@
 """The one door into the analyzers: a database, a window, and every question asked of it.
 
 :class:`Analysis` is what the node API, the MCP server and the CLI call. It resolves the
-window once, builds one :class:`~fleetd.analyze.model.NodeSlice` per node of the file
+window once, builds one :class:`~fleetd.analyze.pernode.model.NodeSlice` per node of the file
 (one for a node's own database, several for a merged one) and hands the same slices to
 every analyzer: explain, op statistics, overview, straggler profiles, the time
 breakdown, stacks and CUDA graph lifecycle. Two questions in one request (chains and
@@ -15,24 +15,24 @@ from collections.abc import Collection
 from functools import cached_property
 from typing import Any
 
-from fleetd.analyze import collectives as coll
 from fleetd.analyze import explain as explainer
-from fleetd.analyze import pods
-from fleetd.analyze.answers import (
+from fleetd.analyze.distributed import collectives as coll
+from fleetd.analyze.distributed.stragglers import rank
+from fleetd.analyze.gpu.device import gpu_report
+from fleetd.analyze.gpu.graphs import graph_lifecycle
+from fleetd.analyze.overview import node_overview
+from fleetd.analyze.pernode.model import NodeSlice
+from fleetd.analyze.reading import pods
+from fleetd.analyze.reading.answers import (
     GpuAnswer,
     GraphsAnswer,
     OverviewAnswer,
     StackGroup,
     StacksAnswer,
 )
-from fleetd.analyze.data import Node, nodes
-from fleetd.analyze.gpu import gpu_report
-from fleetd.analyze.graphs import graph_lifecycle
-from fleetd.analyze.model import NodeSlice
-from fleetd.analyze.overview import node_overview
+from fleetd.analyze.reading.data import Node, nodes
+from fleetd.analyze.reading.window import Window, WindowSpec
 from fleetd.analyze.stacks import NOTE_NO_STACKS, op_code, stack_groups
-from fleetd.analyze.stragglers import rank
-from fleetd.analyze.window import Window, WindowSpec
 from fleetd.errors import UsageError
 
 # The deadline of one analysis request (the agent's endpoints, the MCP tools): explain
@@ -44,7 +44,7 @@ class Analysis:
     """Every analysis of one database over one window, for all its nodes or one.
 
     Overview, stacks, graphs and gpu answer with the typed dictionaries of
-    :mod:`fleetd.analyze.answers` (docs/json.md)."""
+    :mod:`fleetd.analyze.reading.answers` (docs/json.md)."""
 
     def __init__(self, conn: sqlite3.Connection, window: Window, node: str | None = None
                  ) -> None:

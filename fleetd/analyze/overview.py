@@ -8,12 +8,12 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from fleetd.analyze.answers import OverviewAnswer, OverviewSession
-from fleetd.analyze.chains import SEVERITY_RANK
-from fleetd.analyze.data import nodes
+from fleetd.analyze.causes.chains import SEVERITY_RANK
 from fleetd.analyze.explain import report as explain_report
-from fleetd.analyze.model import NodeSlice
-from fleetd.analyze.window import Window
+from fleetd.analyze.pernode.model import NodeSlice
+from fleetd.analyze.reading.answers import OverviewAnswer, OverviewSession
+from fleetd.analyze.reading.data import nodes
+from fleetd.analyze.reading.window import Window
 
 SESSION_COLUMNS = ("id", "started_ns", "ended_ns", "end_reason", "lost_events", "rank",
                    "world_size", "headers_route")

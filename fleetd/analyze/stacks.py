@@ -4,7 +4,7 @@ The tracer stores a stack once per distinct hash (``stacks``) and each event ref
 it by hash, so grouping by hash groups identical call paths. Groups are ranked by the
 total time of their events; the frames come innermost first. A Python frame reads
 ``qualname (/path/file.py:line)``, a native one ``function (lib.so)``
-(fleetd/trace/stacks.py writes them).
+(fleetd/trace/enrich/stacks.py writes them).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import difflib
 from typing import Any, TypedDict
 
-from fleetd.analyze.answers import StackGroup, StackProcess
-from fleetd.analyze.data import in_list, json_or_text, name_of
-from fleetd.analyze.model import NodeSlice
+from fleetd.analyze.pernode.model import NodeSlice
+from fleetd.analyze.reading.answers import StackGroup, StackProcess
+from fleetd.analyze.reading.data import in_list, json_or_text, name_of
 from fleetd.errors import UsageError
 from fleetd.store.catalog import BY_NAME, OPS
 

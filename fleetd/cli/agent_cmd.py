@@ -158,7 +158,7 @@ def _relaying(cfg: Config, s: AgentSettings) -> None:
 
 
 def _tracer_factory(args: argparse.Namespace, cfg: Config, s: AgentSettings) -> TracerFactory:
-    from fleetd.trace.require import require_tracing
+    from fleetd.trace.host.require import require_tracing
 
     require_tracing("fleetd agent")  # a client-only install says so, and how to fix it
     from fleetd.trace.agent_hook import tracer_factory

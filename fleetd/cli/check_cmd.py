@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     if args.listen:
         _validate_listen(args.listen)
     if args.cuda_lib:
-        from fleetd.trace.libs import override_libraries
+        from fleetd.trace.host.libs import override_libraries
 
         override_libraries(args.cuda_lib)  # a wrong path is a usage error, before any check
     cfg, found = _config(args.config)
@@ -185,7 +185,7 @@ def _host(args: argparse.Namespace, groups: Sequence[str]) -> list[Check]:
     if not wanted:
         return []
     from fleetd.errors import TraceError
-    from fleetd.trace.require import require_tracing
+    from fleetd.trace.host.require import require_tracing
 
     try:
         require_tracing("tracing")

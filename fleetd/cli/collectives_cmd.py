@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the types of the local and fleet answers' functions
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.fleet.fanout import FleetOptions
     from fleetd.fleet.result import FleetResult
 
@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetd.analyze.collectives import LOCAL_ROWS, MAX_ROWS, ROW_COLUMNS, rows
+    from fleetd.analyze.distributed.collectives import LOCAL_ROWS, MAX_ROWS, ROW_COLUMNS, rows
 
     fmt = check_format(args.format)
 

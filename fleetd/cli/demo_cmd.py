@@ -148,7 +148,7 @@ def _preflight() -> None:
     if os.geteuid() != 0:
         raise TraceError("fleetd demo traces with eBPF and must run as root",
                          "run: sudo make demo (or sudo .venv/bin/fleetd demo)")
-    from fleetd.trace.require import require_tracing
+    from fleetd.trace.host.require import require_tracing
 
     # The same words as trace and agent: right for a pip install and for a checkout.
     require_tracing("fleetd demo")

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="fleetd-diff-") as tmp:
         base = _report(args.db[0], Path(tmp) / "baseline.db", args.steps)
         target = _report(args.db[1], Path(tmp) / "target.db", args.steps)
-    from fleetd.analyze.gpu_diff import gpu_diff
+    from fleetd.analyze.gpu.diff import gpu_diff
 
     out = gpu_diff(base, target, str(args.db[0]), str(args.db[1]))
     _write(out, args)
@@ -77,7 +77,7 @@ def is_fleetd_db(path: Path) -> bool:
 
 def _report(path: Path, scratch: Path, steps: bool) -> dict[str, Any]:
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.store.db import open_reader
 
     db = path

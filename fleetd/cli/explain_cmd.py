@@ -10,7 +10,7 @@ one without ``--force``.
 
 With ``--nodes``/``--config`` every agent analyzes its own data over the same window,
 in parallel; chains come back tagged with their node, and each node's profile is
-scored against the fleet's to rank stragglers (fleetd/analyze/stragglers.py). A database
+scored against the fleet's to rank stragglers (fleetd/analyze/distributed/stragglers.py). A database
 holding several nodes (``fleetd merge``) gets the same ranking offline.
 """
 
@@ -24,10 +24,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
-from fleetd.analyze import pods
-from fleetd.analyze.collectives import host_chains
+from fleetd.analyze.distributed.collectives import host_chains
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.window import WindowSpec
+from fleetd.analyze.reading import pods
+from fleetd.analyze.reading.window import WindowSpec
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
 from fleetd.cli.outfile import add_output_args, output_path
 from fleetd.cli.output import SEVERITY_STYLE, Held, colour_wanted, dumps, paint, table, warn
@@ -270,7 +270,7 @@ def _no_such_pid(found: dict[str, Any], pid: int | None) -> None:
 
 
 def run_fleet(args: argparse.Namespace) -> int:
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.fleet.queries import explain
 
     if args.store:
@@ -299,7 +299,7 @@ def fleet_ops(args: argparse.Namespace, window: WindowSpec,
     """``found`` with every node's op statistics (as ``fleetd ops --nodes`` asks them)
     as its ``ops`` rows, for the page's histograms. Nodes that do not answer them are
     warnings, never a failed report."""
-    from fleetd.analyze.opstats import COLUMNS
+    from fleetd.analyze.pernode.opstats import COLUMNS
     from fleetd.errors import FleetdError
     from fleetd.fleet.queries import ops
 

@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_fleet(args: argparse.Namespace, out: Path | None) -> int:
     """Export live agents; exit 3 when some nodes are missing from the file."""
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.export.fleet import FleetExportOptions, export_fleet
 
     offsets = parse_offsets(args.offset)  # every flag checked before any node is asked
@@ -151,7 +151,7 @@ def _count(written: Written) -> Callable[[], str]:
 def export_db(args: argparse.Namespace, out: Path | None, written: Written | None = None
               ) -> tuple[list[NodeStats], list[str]]:
     """Export the database named by ``--db`` (or the default one)."""
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.export.local import LocalOptions, local_traces
     from fleetd.export.output import open_output
     from fleetd.export.perfetto import write_trace

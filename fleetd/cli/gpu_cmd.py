@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetd.analyze.gpu import parse_thresholds
+    from fleetd.analyze.gpu.device import parse_thresholds
     from fleetd.errors import UsageError
 
     if args.format not in FORMATS:
@@ -86,7 +86,7 @@ def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def _verdict(r: dict[str, Any]) -> None:
-    from fleetd.analyze.gpu import M_WORDS, TKLQT_WORDS, one_verdict
+    from fleetd.analyze.gpu.device import M_WORDS, TKLQT_WORDS, one_verdict
 
     v = r["verdict"]
     m = v["metrics"]

@@ -19,7 +19,7 @@ def lake_pruning_window(args: argparse.Namespace) -> tuple[int | None, int | Non
     """--since/--from/--to as ``[first, last]`` wall-clock ns (None: unbounded), for
     pruning a lake's partitions or choosing what to export into one: parsed by the one
     window parser (WindowSpec.bounds), so its errors read as every other command's."""
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
 
     spec = WindowSpec(args.since or None, args.from_ or None, args.to or None)
     return spec.bounds().inclusive()

@@ -14,7 +14,7 @@ from fleetd.cli.questions import either
 
 if TYPE_CHECKING:
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.fleet.fanout import FleetOptions
     from fleetd.fleet.result import FleetResult
 
@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetd.analyze.opstats import COLUMNS, KERNEL_COLUMNS
+    from fleetd.analyze.pernode.opstats import COLUMNS, KERNEL_COLUMNS
 
     fmt = check_format(args.format)
     every = list(KERNEL_COLUMNS if args.by == "kernel" else COLUMNS)

@@ -1,5 +1,5 @@
 """``--pod`` and ``--namespace``: select processes by the Kubernetes pod they ran in, as
-the tracer recorded it per process (fleetd.analyze.pods), where ``--pid`` selects one;
+the tracer recorded it per process (fleetd.analyze.reading.pods), where ``--pid`` selects one;
 with ``--nodes`` every node selects its own (fleet_selection)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sqlite3
 
-from fleetd.analyze import pods
+from fleetd.analyze.reading import pods
 from fleetd.errors import UsageError
 from fleetd.wire.pods import params, read_params
 

@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetd.analyze.profile import StackCount
+    from fleetd.analyze.reading.profile import StackCount
 
     if args.format not in PROFILE_FORMATS:
         raise UsageError(f"unknown format {args.format!r}",
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write(args: argparse.Namespace, stacks: list[Any], period: int, out: TextIO) -> None:
-    from fleetd.analyze.profile import folded_lines, profile, speedscope
+    from fleetd.analyze.reading.profile import folded_lines, profile, speedscope
 
     if args.format == "folded":
         out.write("".join(line + "\n" for line in folded_lines(stacks)))
@@ -88,7 +88,7 @@ def _write(args: argparse.Namespace, stacks: list[Any], period: int, out: TextIO
 
 
 def _table(summary: Any, out: TextIO) -> None:
-    from fleetd.analyze.frames import short_frame
+    from fleetd.analyze.reading.frames import short_frame
 
     if not summary["samples"]:
         print(f"fleetd profile: {summary['note']}", file=sys.stderr)

@@ -103,7 +103,7 @@ def _shortcut(args: argparse.Namespace) -> tuple[str, list[Any], set[int]]:
     if args.pid is not None:
         where.append("pid = ?")
         params.append(args.pid)
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
 
     # The window as every command parses it (WindowSpec.bounds: one set of errors).
     first, last = WindowSpec(args.since or None, args.from_ or None, args.to or None

@@ -22,7 +22,7 @@ from fleetd.questions.catalog import QUESTIONS
 
 if TYPE_CHECKING:
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.fleet.fanout import FleetOptions
     from fleetd.fleet.result import FleetResult
     from fleetd.questions.spec import Question
@@ -71,7 +71,7 @@ def either(args: argparse.Namespace, local: Callable[[Analysis], dict[str, Any]]
     with --nodes/--config (or a config found), else ``local(analysis)`` of --db/--lake
     in the command's window. ``fleet_check`` refuses values only the fleet refuses,
     before any certificate is read (a typo first)."""
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
 
     if fleet_mode(args):
         if fleet_check is not None:

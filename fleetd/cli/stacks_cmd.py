@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, TextIO
 
-from fleetd.analyze.frames import folded, short_frame, top_python_frame
+from fleetd.analyze.reading.frames import folded, short_frame, top_python_frame
 from fleetd.cli.explain_cmd import add_window, positive
 from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.ops_cmd import table_view

@@ -119,7 +119,7 @@ def _csv(text: str, known: tuple[str, ...], flag: str) -> frozenset[str]:
     return items
 
 
-CPU_SAMPLE_HZ = 49  # fleetd.trace.oncpu.DEFAULT_HZ (not imported: client installs)
+CPU_SAMPLE_HZ = 49  # fleetd.trace.enrich.oncpu.DEFAULT_HZ (not imported: client installs)
 
 
 def add_cpu_sample_arg(p: argparse.ArgumentParser) -> None:
@@ -132,7 +132,7 @@ def add_cpu_sample_arg(p: argparse.ArgumentParser) -> None:
 
 def add_launch_returns_arg(p: argparse.ArgumentParser) -> None:
     """--launch-returns / --no-launch-returns and --mode, shared by trace and agent."""
-    from fleetd.trace.modes import LAUNCH_RETURNS
+    from fleetd.trace.bpf.modes import LAUNCH_RETURNS
 
     p.add_argument("--mode", choices=("full", "always-on"), default="full",
                    help="full (default): every probe all the time; always-on: kernel "
@@ -251,7 +251,7 @@ def _command(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fleetd.trace.require import require_tracing
+    from fleetd.trace.host.require import require_tracing
 
     duration_ns = _ns(args.duration, "--duration") if args.duration else None
     interval_s = _ns(args.status_interval, "--status-interval") / 1e9

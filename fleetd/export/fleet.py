@@ -29,8 +29,8 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from fleetd.analyze import pods
-from fleetd.analyze.window import WindowSpec
+from fleetd.analyze.reading import pods
+from fleetd.analyze.reading.window import WindowSpec
 from fleetd.errors import NetworkError
 from fleetd.export.clockfix import recorded_fix
 from fleetd.export.local import chain_from_row

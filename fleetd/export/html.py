@@ -132,7 +132,8 @@ def write_report(report: Mapping[str, Any], out: TextIO) -> None:
 
 
 def _metric_value(metric: str, value: Any) -> str:
-    """A straggler metric in its own unit (analyze/stragglers.py: rate, share, latency)."""
+    """A straggler metric in its own unit (analyze/distributed/stragglers.py: rate, share,
+    latency)."""
     v = num(value)
     if v is None:
         return "-"

@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fleetd.analyze import pods
+from fleetd.analyze.reading import pods
 from fleetd.export.html_frames import flame_graph, top_frames_chart
 from fleetd.export.svg import (
     as_dict,

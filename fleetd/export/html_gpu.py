@@ -1,12 +1,12 @@
 """The GPU section of an explain page: each rank's GPU time by what ran, and M1-M5
-against the thresholds of the host-overhead verdict (fleetd.analyze.gpu)."""
+against the thresholds of the host-overhead verdict (fleetd.analyze.gpu.device)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from fleetd.analyze.gpu import OVERHEAD_ABOVE
+from fleetd.analyze.gpu.device import OVERHEAD_ABOVE
 from fleetd.export.svg import (
     as_dict,
     esc,

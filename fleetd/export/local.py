@@ -17,9 +17,9 @@ from typing import Any
 
 import orjson
 
-from fleetd.analyze import pods
-from fleetd.analyze.data import CALL_CODES, Node, in_list, nodes
-from fleetd.analyze.window import Window
+from fleetd.analyze.reading import pods
+from fleetd.analyze.reading.data import CALL_CODES, Node, in_list, nodes
+from fleetd.analyze.reading.window import Window
 from fleetd.export.clockfix import recorded_fix
 from fleetd.export.model import AnnotationRow, ChainMark, ClockFix, EventRow, GpuRow, NodeTrace
 from fleetd.store.chainrow import STORED_CHAIN_COLUMNS, STORED_CHAIN_WINDOW, stored_chain
@@ -243,7 +243,7 @@ def _chains(conn: sqlite3.Connection, node: Node, opts: LocalOptions) -> list[Ch
     if stored or opts.chains == "stored":
         return stored
     from fleetd.analyze.explain import explain_node
-    from fleetd.analyze.model import NodeSlice
+    from fleetd.analyze.pernode.model import NodeSlice
 
     report = explain_node(NodeSlice(conn, node, opts.window), opts.pid)
     return [ChainMark.from_report(c) for c in report["chains"]]

@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from fleetd.analyze.data import CALL_SOURCES
+from fleetd.analyze.reading.data import CALL_SOURCES
 from fleetd.errors import UsageError
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import NodeWarning

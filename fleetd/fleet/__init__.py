@@ -10,8 +10,14 @@
   :mod:`~fleetd.fleet.dispatch` the entry that picks one of the two;
 * :mod:`~fleetd.fleet.combine`: rows led by ``node``, column mismatches, ``--reduce``;
 * :mod:`~fleetd.fleet.queries`: query, explain (with stragglers ranked by
-  :mod:`fleetd.analyze.stragglers`), ops, overview, stacks and graphs, each a
+  :mod:`fleetd.analyze.distributed.stragglers`), ops, overview, stacks and graphs, each a
   :class:`~fleetd.fleet.result.FleetResult`;
+* :mod:`~fleetd.fleet.stream`: a query answer read as NDJSON, line by line;
+* :mod:`~fleetd.fleet.collectives`: every node's collective arrivals in this clock;
+* ``fleetd watch``'s side: :mod:`~fleetd.fleet.hang` (hang verdicts over every node's
+  ranks), :mod:`~fleetd.fleet.straggle` (stragglers seen live), :mod:`~fleetd.fleet.chains`
+  (the top chain of a culprit, asked of its node) and :mod:`~fleetd.fleet.notify` (each
+  finding and its recovery to a webhook or a command);
 * :mod:`~fleetd.fleet.checks`: ``fleetd check --only nodes``, each node's reachability.
 
 What the client and the agents agree on (paths, headers, limits, answer shapes and

@@ -1,7 +1,8 @@
 """Collective arrivals from every node, checked, then compared in this machine's clock.
 
 Each node answers ``GET /api/v1/collectives`` with its NCCL collective calls in the window
-(rows of :data:`~fleetd.analyze.collectives.ARRIVAL_COLUMNS`) and the processes that made
+(rows of :data:`~fleetd.analyze.distributed.collectives.ARRIVAL_COLUMNS`) and the processes that
+made
 them. The answer is untrusted: the wire's reader (:mod:`fleetd.wire.collectives`)
 rebuilds every row from checked values, and one bad value rejects that node's arrivals
 (:class:`~fleetd.wire.failure.BadReply`): for ``fleetd collectives``
@@ -20,8 +21,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from fleetd.analyze import collectives as coll
-from fleetd.analyze.window import WindowSpec
+from fleetd.analyze.distributed import collectives as coll
+from fleetd.analyze.reading.window import WindowSpec
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import NodeWarning
 from fleetd.fleet.dispatch import fan_out

@@ -1,6 +1,6 @@
 """Hang verdicts over the fleet: every node's NCCL ranks (``GET /api/v1/ranks``), checked,
 matched across nodes, their collective numbers aligned, and judged by
-:mod:`fleetd.analyze.hangs`.
+:mod:`fleetd.analyze.distributed.hangs`.
 
 :func:`verdict` is pure: the per-node answers in, the verdict object out (the JSON of
 ``fleetd watch --format json`` and of the MCP tool ``check_hang``; docs/json.md). It
@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fleetd.analyze.hangs import (
+from fleetd.analyze.distributed.hangs import (
     Group,
     Hang,
     Party,

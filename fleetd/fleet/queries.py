@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fleetd.analyze import stragglers
-from fleetd.analyze.chains import SEVERITY_RANK
-from fleetd.analyze.window import WindowSpec
+from fleetd.analyze.causes.chains import SEVERITY_RANK
+from fleetd.analyze.distributed import stragglers
+from fleetd.analyze.reading.window import WindowSpec
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import Merged, NodeRows, NodeWarning, merge, reduce
 from fleetd.fleet.dispatch import fan_out
@@ -111,7 +111,7 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None,
             pod: str | None = None, namespace: str | None = None) -> FleetResult:
     """Every node's chains and profile; with ``pod`` / ``namespace`` each node keeps
     the chains and processes of that pod's processes (none where it ran nowhere)."""
-    from fleetd.analyze.collectives import straggler_entries
+    from fleetd.analyze.distributed.collectives import straggler_entries
     from fleetd.fleet import collectives as arrivals
 
     bounds = window.validate()

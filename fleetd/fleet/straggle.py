@@ -1,5 +1,5 @@
 """Stragglers seen live by ``fleetd watch``: each poll's ranks answers judged for the rank
-that enters last (:mod:`fleetd.analyze.lateness`), with hysteresis, and the late rank's
+that enters last (:mod:`fleetd.analyze.distributed.lateness`), with hysteresis, and the late rank's
 top host cause asked of its node.
 
 A rank is flagged once the rule has called it late at :data:`FLAG_POLLS` consecutive
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from fleetd.analyze.hangs import RankView
-from fleetd.analyze.lateness import Lateness, lateness
+from fleetd.analyze.distributed.hangs import RankView
+from fleetd.analyze.distributed.lateness import Lateness, lateness
 from fleetd.fleet.chains import chains_of
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.fanout import FleetAnswer

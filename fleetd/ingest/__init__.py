@@ -1,5 +1,14 @@
 """Importers: profiler files recorded elsewhere (Nsight Systems, PyTorch/Kineto) into a
-node database, as sessions like the ones fleetd records itself."""
+node database, as sessions like the ones fleetd records itself.
+
+* :mod:`~fleetd.ingest.session`: what every importer shares (an untrusted file read
+  within bounds, the import report, all or nothing);
+* :mod:`~fleetd.ingest.nsys`: Nsight Systems SQLite exports;
+* :mod:`~fleetd.ingest.kineto`: PyTorch profiler traces, read by ``kineto_text`` (the
+  JSON, checked), turned into rows by ``kineto_events`` and staged by ``kineto_stage``.
+
+:func:`import_traces` is the entry ``fleetd import`` calls.
+"""
 
 from __future__ import annotations
 

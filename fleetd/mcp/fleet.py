@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fleetd.analyze.collectives import host_chains
-from fleetd.analyze.opstats import COLUMNS
+from fleetd.analyze.distributed.collectives import host_chains
+from fleetd.analyze.pernode.opstats import COLUMNS
+from fleetd.analyze.reading.window import WindowSpec
 from fleetd.analyze.stacks import NOTE_NO_STACKS, op_code
-from fleetd.analyze.window import WindowSpec
 from fleetd.errors import FleetdError, UsageError
 from fleetd.fleet import queries
 from fleetd.fleet.dispatch import fan_out
@@ -235,7 +235,7 @@ class FleetBackend:
     def _gpu(self, window: WindowSpec, pid: int | None, top_n: int) -> dict[str, Any]:
         """Every node's imported GPU ranks side by side (``fleetd gpu --nodes``), the
         slowest flagged; kernel names come from the profiled programs, marked as data."""
-        from fleetd.analyze.gpu import NOTE_NO_GPU, THRESHOLDS
+        from fleetd.analyze.gpu.device import NOTE_NO_GPU, THRESHOLDS
 
         result = queries.ask(self.opts, GPU, window,
                              GPU.values({"pid": pid, "thresholds": dict(THRESHOLDS)}))
@@ -265,7 +265,7 @@ class FleetBackend:
         """Every node's on-CPU samples (``GET /api/v1/cpu_stacks``, as ``fleetd profile
         --nodes``) merged into one profile: top frames over the fleet, and the heaviest
         (node, thread, stack) counts, each with its node. ``node``: that node's only."""
-        from fleetd.analyze.profile import StackCount, profile
+        from fleetd.analyze.reading.profile import StackCount, profile
 
         result = queries.ask(self.opts, CPU_STACKS, win, CPU_STACKS.values({"pid": pid,
                                                                             "tid": tid}))

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fleetd.analyze import pods
-from fleetd.analyze.chains import SEVERITY_RANK
-from fleetd.analyze.data import json_or_text, nodes
+from fleetd.analyze.causes.chains import SEVERITY_RANK
 from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
-from fleetd.analyze.opstats import COLUMNS
+from fleetd.analyze.pernode.opstats import COLUMNS
+from fleetd.analyze.reading import pods
+from fleetd.analyze.reading.data import json_or_text, nodes
+from fleetd.analyze.reading.window import Window, WindowSpec
 from fleetd.analyze.stacks import op_code
-from fleetd.analyze.window import Window, WindowSpec
 from fleetd.errors import UsageError
 from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
 from fleetd.questions.catalog import GPU, GRAPHS, STACKS
@@ -151,7 +151,7 @@ class LocalBackend:
     def cpu_profile(self, win: WindowSpec, pid: int | None, tid: int | None, top_n: int,
                     stacks_n: int, node: str | None) -> dict[str, Any]:
         """The on-CPU profile (fleetd profile): top frames, and the heaviest stacks."""
-        from fleetd.analyze.profile import StackCount, profile, stack_counts, stacks_json
+        from fleetd.analyze.reading.profile import StackCount, profile, stack_counts, stacks_json
 
         def go(conn: sqlite3.Connection) -> dict[str, Any]:
             a = Analysis.of(conn, win, node)

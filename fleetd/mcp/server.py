@@ -33,8 +33,8 @@ from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
 
 from fleetd import __version__
-from fleetd.analyze.causes import CAUSES
-from fleetd.analyze.window import WindowSpec
+from fleetd.analyze.causes.causes import CAUSES
+from fleetd.analyze.reading.window import WindowSpec
 from fleetd.errors import (
     ConfigError,
     FleetdError,

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
-from fleetd.analyze.window import WindowSpec
+from fleetd.analyze.reading.window import WindowSpec
 from fleetd.node.api import READERS, STATE, client_of, encode, held_answer
 from fleetd.questions.catalog import QUESTIONS
 from fleetd.questions.spec import Question

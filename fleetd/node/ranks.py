@@ -5,7 +5,7 @@ The tracer hands its decoded batches to the agent's writer; :class:`ObservedWrit
 writer the agent gives the tracer) shows every batch to a :class:`RankBook` on the
 way. The book keeps, per process that made NCCL calls, its last collective per
 communicator (with its :data:`RECENT` collectives before it: number, time, op and bytes,
-what the fleet client aligns the ranks' numbers by, :mod:`fleetd.analyze.align`), its
+what the fleet client aligns the ranks' numbers by, :mod:`fleetd.analyze.distributed.align`), its
 last send/receive per peer and its last CUDA or NCCL call, plus the rank identity and
 exit facts of the process rows. A poll then costs a copy of that
 state and two small ``/proc`` reads per rank, never a database query, and it does not
@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from fleetd.analyze.hangs import (
+from fleetd.analyze.distributed.hangs import (
     COLLECTIVE_OPS,
     INIT_OPS,
     P2P_OPS,
@@ -40,13 +40,13 @@ from fleetd.analyze.hangs import (
     Recent,
     waits,
 )
-from fleetd.analyze.lateness import lateness
+from fleetd.analyze.distributed.lateness import lateness
 from fleetd.node.api import STATE, json_response
 from fleetd.security.procfs import ENVIRON_MAX, STAT_MAX, read_bounded
 from fleetd.store.catalog import BY_CODE, BY_NAME
 from fleetd.store.schema import EventArgs, EventRow
 from fleetd.store.writer import BatchWriter
-from fleetd.trace.procinfo import job_of, ranks_of
+from fleetd.trace.host.procinfo import job_of, ranks_of
 from fleetd.wire import paths
 from fleetd.wire.shapes import RankEntry, RanksReply
 
@@ -409,7 +409,7 @@ class RankBook:
         return state, code, wchan
 
     def views(self, node: str) -> list[RankView]:
-        """The ranks as :mod:`fleetd.analyze.hangs` judges them (the agent's gauge)."""
+        """The ranks as :mod:`fleetd.analyze.distributed.hangs` judges them (the agent's gauge)."""
         return [view_of(node, r) for r in self.snapshot(node)]
 
     def count(self) -> int:
@@ -535,7 +535,7 @@ def local_waits(book: RankBook, node: str) -> Callable[[], list[tuple[str, str, 
 def local_late(book: RankBook, node: str) -> list[tuple[str, str, int, float]]:
     """For /metrics: (matching, group key, rank, share of the last seconds' collectives
     it entered last) of each rank of a group with two or more ranks on this node (what
-    one node can judge without the others: fleetd.analyze.lateness)."""
+    one node can judge without the others: fleetd.analyze.distributed.lateness)."""
     if book.count() < 2:
         return []
     return [(x.matching, x.key, x.rank, round(x.ratio, 4))

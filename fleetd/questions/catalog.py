@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fleetd.analyze import arrivals
+from fleetd.analyze.distributed import arrivals
 from fleetd.errors import QueryError, UsageError
 from fleetd.questions.spec import Answer, Param, Params, Question, Reply
 from fleetd.wire import paths
@@ -28,7 +28,7 @@ from fleetd.wire.values import printable, valid_int
 
 if TYPE_CHECKING:
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.profile import StackCount
+    from fleetd.analyze.reading.profile import StackCount
 
 MAX_TOP_N = 1000  # stacks per answer
 MAX_FRAMES = 128  # frames per stack
@@ -90,7 +90,7 @@ STACKS = Question(
 
 
 def _counts(a: Analysis, p: Params) -> tuple[list[StackCount], int]:
-    from fleetd.analyze.profile import stack_counts
+    from fleetd.analyze.reading.profile import stack_counts
 
     counts: list[StackCount] = []
     period = 0
@@ -102,7 +102,7 @@ def _counts(a: Analysis, p: Params) -> tuple[list[StackCount], int]:
 
 
 def _cpu_stacks(a: Analysis, node: str, p: Params) -> Answer:
-    from fleetd.analyze.profile import stacks_json
+    from fleetd.analyze.reading.profile import stacks_json
 
     counts, period = _counts(a, p)
     found, left = stacks_json(counts, p.num("top_n"), p.num("frames_n"))
@@ -164,7 +164,7 @@ GRAPHS = Question(
 
 
 def _thresholds(text: str) -> dict[str, float]:
-    from fleetd.analyze.gpu import parse_thresholds
+    from fleetd.analyze.gpu.device import parse_thresholds
 
     return parse_thresholds(t for t in text.split(",") if t)
 
@@ -180,7 +180,7 @@ def _gpu(a: Analysis, node: str, p: Params) -> Answer:
 def _gpu_combine(nodes: list[Reply]) -> Reply:
     """The ranks side by side, the slowest flagged with the straggler scoring; kernel
     rows keep their node."""
-    from fleetd.analyze.gpu import slowest_rank
+    from fleetd.analyze.gpu.device import slowest_rank
 
     for n in nodes:  # a rank is named by the node that answered, not by what it claims
         for r in n["ranks"]:
@@ -243,7 +243,7 @@ PROFILE = Question(
 
 
 def _pods(a: Analysis, node: str, p: Params) -> Answer:
-    from fleetd.analyze import pods
+    from fleetd.analyze.reading import pods
 
     procs = [r for sl in a.slices for r in pods.processes(sl.conn, sl.node.key, sl.name)]
     out: Reply = {"processes": procs, "pods": pods.by_pod(procs)}
@@ -254,7 +254,7 @@ def _pods(a: Analysis, node: str, p: Params) -> Answer:
 
 def _pods_combine(nodes: list[Reply]) -> Reply:
     """Every node's processes, their names and placements read as untrusted text."""
-    from fleetd.analyze.pods import by_pod
+    from fleetd.analyze.reading.pods import by_pod
 
     procs = []
     for n in nodes:
@@ -309,7 +309,7 @@ def _one_selection(p: Params) -> None:
 
 
 def _ops(a: Analysis, node: str, p: Params) -> Answer:
-    from fleetd.analyze import pods
+    from fleetd.analyze.reading import pods
 
     by = p.text("by") or "op"
     pod, ns = p.text(paths.POD_PARAM), p.text(paths.NAMESPACE_PARAM)
@@ -344,7 +344,7 @@ OPS = Question(
 
 
 def _chains(a: Analysis, node: str, p: Params) -> Answer:
-    from fleetd.analyze import pods
+    from fleetd.analyze.reading import pods
 
     pod, ns = p.text(paths.POD_PARAM), p.text(paths.NAMESPACE_PARAM)
     report = a.explain(p.maybe_int("pid"),
@@ -368,7 +368,7 @@ CHAINS = Question(
 def _collectives(a: Analysis, node: str, p: Params) -> Answer:
     """The node's collective calls in the window, newest ``max_rows`` (bounded by rows
     and bytes), for the fleet client to compare arrivals across nodes."""
-    from fleetd.analyze.collectives import NodeArrivals
+    from fleetd.analyze.distributed.collectives import NodeArrivals
 
     parts = a.arrivals(p.num("max_rows"), arrivals.MAX_BYTES)
     body = (parts[0] if parts else NodeArrivals(node, [], {})).to_json()

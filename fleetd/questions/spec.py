@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 Kind = Literal["int", "str", "bool"]
 TRUE_WORDS = ("1", "true", "yes")
-Answer = Mapping[str, Any]  # an analyzer's answer (a TypedDict of fleetd.analyze.answers)
+Answer = Mapping[str, Any]  # an analyzer's answer (a TypedDict of fleetd.analyze.reading.answers)
 Reply = dict[str, Any]  # a node's answer as read back, or what a fleet answer gains
 
 

@@ -1,1 +1,12 @@
-"""fleetd.store"""
+"""The node database: the bottom stage every other one reads or writes.
+
+* the file: ``schema`` (tables, versions, migrations), ``db`` (open, create, refuse),
+  ``files`` (no symlinks, owner-only), ``writer`` (the one writer thread),
+  ``losses`` (what a crash or a full disk cost), ``checks``;
+* the rows: ``catalog`` (one code per traced op, and the op families), ``chainrow``
+  (a stored causal chain), ``caps``, ``cuda_errors``, ``syscalls``, ``clockinfo``;
+* reading safely: ``guard`` (untrusted SQL), ``foreign`` (files fleetd did not write),
+  ``bounds`` and ``timeparse`` (a window and a duration, parsed once);
+* other files: ``imports`` (profiler files), ``merge`` and ``mergeplan`` (air-gapped
+  databases into one), ``lake``, ``lakefs`` and ``lakesql`` (the Parquet lake).
+"""

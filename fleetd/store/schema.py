@@ -371,7 +371,7 @@ JOIN ops o ON o.code = e.op;
 
 # Version 5: where each process runs, stored once per process: the cgroup that carries
 # its CPU controller, and the container and Kubernetes pod its cgroup path and the
-# container runtime's files name (fleetd.trace.cgroups). Older files read as before;
+# container runtime's files name (fleetd.trace.host.cgroups). Older files read as before;
 # their processes have no placement (NULL).
 PLACEMENT_COLUMNS = ("cgroup", "runtime", "container", "container_name", "pod", "namespace",
                      "pod_uid")

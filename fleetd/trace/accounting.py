@@ -23,12 +23,12 @@ from fleetd import __version__
 from fleetd.store.catalog import BY_NAME
 from fleetd.store.schema import SCHEMA_VERSION
 from fleetd.store.writer import WriterStats
-from fleetd.trace import procinfo
-from fleetd.trace.bpfsrc import COUNTERS, NBUCKETS
-from fleetd.trace.clock import ClockMap
-from fleetd.trace.headers import HeaderRoute
-from fleetd.trace.libs import Library
-from fleetd.trace.probes import SPECS, AttachReport
+from fleetd.trace.bpf.bpfsrc import COUNTERS, NBUCKETS
+from fleetd.trace.bpf.probes import SPECS, AttachReport
+from fleetd.trace.host import procinfo
+from fleetd.trace.host.clock import ClockMap
+from fleetd.trace.host.headers import HeaderRoute
+from fleetd.trace.host.libs import Library
 
 MAX_TARGETS_JSON = 1000
 # The drops that count as lost events: records the kernel or the writer could not keep.
@@ -76,7 +76,7 @@ class Histograms:
 
     bucket = floor(log2(ns)) (page_alloc: the order); -1 = totals (count, sum);
     -2 = calls that returned an error (count); -3 = calls counted without a duration
-    (entry-only launches whose return was not sampled, fleetd.trace.modes): then -1's
+    (entry-only launches whose return was not sampled, fleetd.trace.bpf.modes): then -1's
     count is every call but its sum is an estimate, the timed calls' sum scaled to all
     of them, and the buckets hold only the timed calls (a uniform sample); -4 = the
     always-on mode's mark on a launch op: count = ns its probes were on in the window,
@@ -243,7 +243,7 @@ def progress_fields(drops: dict[str, int], counters: Mapping[str, int], clock: C
         "clock_error_ns": clock.error_ns,
         "targets": targets,
     }
-    if clock.steps:  # the wall clock was stepped during the session (fleetd.trace.clock)
+    if clock.steps:  # the wall clock was stepped during the session (fleetd.trace.host.clock)
         fields["drops"] = {**drops, "clock_steps": len(clock.steps),
                            "clock_step_ns": clock.stepped_ns}
     if final:

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from fleetd.store.writer import BatchWriter
-from fleetd.trace.modes import LAUNCH_RETURNS
-from fleetd.trace.oncpu import DEFAULT_HZ
+from fleetd.trace.bpf.modes import LAUNCH_RETURNS
+from fleetd.trace.enrich.oncpu import DEFAULT_HZ
 from fleetd.trace.tracer import GPU_LAYERS, TraceConfig, Tracer, TraceSummary
 
 log = logging.getLogger("fleetd.trace.agent")

@@ -17,17 +17,17 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 from fleetd.checks import FAIL, OK, SKIP, WARN, Check
-from fleetd.trace import clock
-from fleetd.trace.headers import ROUTES, HeaderRoute, prepare_route
-from fleetd.trace.libs import (
+from fleetd.trace.bpf.probes import SPECS_BY_KIND, library_symbols, planned_symbols
+from fleetd.trace.host import clock
+from fleetd.trace.host.headers import ROUTES, HeaderRoute, prepare_route
+from fleetd.trace.host.libs import (
     Library,
     all_mapped_libraries,
     kind_of,
     search_usual_places,
 )
-from fleetd.trace.podcheck import containers_check, memory_stalls_check
-from fleetd.trace.preflight import cpu_clock_check
-from fleetd.trace.probes import SPECS_BY_KIND, library_symbols, planned_symbols
+from fleetd.trace.host.podcheck import containers_check, memory_stalls_check
+from fleetd.trace.host.preflight import cpu_clock_check
 
 log = logging.getLogger("fleetd.trace.checks")
 
@@ -165,7 +165,7 @@ def _python_check() -> Check:
     each running Python process: its version and whether its frames are read (and why
     not). Interpreters older than the oldest supported version are listed, not warned
     about: no layout is planned for them. A running process that cannot be read warns."""
-    from fleetd.trace import pyframes
+    from fleetd.trace.enrich import pyframes
 
     found = {p: pyframes.support_of(p) for p in pyframes.installed_interpreters()}
     running = pyframes.running_interpreters() if os.geteuid() == 0 else {}
@@ -325,7 +325,7 @@ def _compile_probe(route: HeaderRoute) -> str | None:
         from bcc import BPF
     except ImportError as exc:
         return f"bcc missing ({exc})"
-    from fleetd.trace.headers import applied
+    from fleetd.trace.host.headers import applied
 
     with applied(route):
         try:
@@ -351,7 +351,7 @@ def _tracepoints() -> list[Check]:
 
 
 def _libraries(overrides: list[str]) -> list[Library]:
-    from fleetd.trace.libs import override_libraries
+    from fleetd.trace.host.libs import override_libraries
 
     if overrides:
         return override_libraries(overrides)
@@ -421,8 +421,8 @@ def _symbols_check(lib: Library) -> Check:
 def _attach_check(libs: list[Library]) -> list[Check]:
     """Compile the real programs and attach every probe; report per library."""
     from fleetd.errors import TraceError
-    from fleetd.trace.bpfsrc import ProgramOptions, compile_program, detach_all
-    from fleetd.trace.probes import Attacher
+    from fleetd.trace.bpf.bpfsrc import ProgramOptions, compile_program, detach_all
+    from fleetd.trace.bpf.probes import Attacher
 
     try:
         bpf, route = compile_program(ProgramOptions(tracer_pid=os.getpid()))

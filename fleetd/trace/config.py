@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from fleetd.store.writer import WriterStats
-from fleetd.trace.bpfsrc import HOST_PARTS
-from fleetd.trace.modes import LAUNCH_RETURNS
-from fleetd.trace.oncpu import DEFAULT_HZ
+from fleetd.trace.bpf.bpfsrc import HOST_PARTS
+from fleetd.trace.bpf.modes import LAUNCH_RETURNS
+from fleetd.trace.enrich.oncpu import DEFAULT_HZ
 
 GPU_LAYERS = ("cuda", "driver", "nccl")
 
@@ -49,7 +49,7 @@ class TraceConfig:
     command: str | None = None
     follow_children: bool = True
     cpu_sample_hz: int = DEFAULT_HZ  # on-CPU samples per second per CPU; 0: off
-    # False: launch-type calls traced at entry, their returns sampled (fleetd.trace.modes)
+    # False: launch-type calls traced at entry, their returns sampled (fleetd.trace.bpf.modes)
     launch_returns: bool = LAUNCH_RETURNS
     # "always-on": launch probes only duty_on_ns of every aggregate window (dutycycle.py)
     mode: str = "full"
@@ -77,6 +77,6 @@ class TraceSummary:
     probes: int
     headers_route: str
     writer: WriterStats
-    # The mapping hook over the session (fleetd.trace.mapwatch.MappingJSON): holds, and
+    # The mapping hook over the session (fleetd.trace.bpf.mapwatch.MappingJSON): holds, and
     # every window in which calls could have been missed.
     mapping: dict[str, Any] = field(default_factory=dict)

@@ -12,13 +12,13 @@ import time
 from typing import Any
 
 from fleetd.store.writer import BatchWriter
-from fleetd.trace import procinfo
-from fleetd.trace.cgroups import process_placement
-from fleetd.trace.decoder import OP_EXEC, OP_EXIT, OP_FORK, Batch, Decoder, Lifecycle
-from fleetd.trace.fdpeers import FdNames
-from fleetd.trace.rings import DRAIN_BYTES, Rings
-from fleetd.trace.stacks import KernelNames, StackResolver, WaitChannels
-from fleetd.trace.symbols import LockNames
+from fleetd.trace.bpf.decoder import OP_EXEC, OP_EXIT, OP_FORK, Batch, Decoder, Lifecycle
+from fleetd.trace.bpf.rings import DRAIN_BYTES, Rings
+from fleetd.trace.enrich.fdpeers import FdNames
+from fleetd.trace.enrich.stacks import KernelNames, StackResolver, WaitChannels
+from fleetd.trace.enrich.symbols import LockNames
+from fleetd.trace.host import procinfo
+from fleetd.trace.host.cgroups import process_placement
 from fleetd.trace.targets import Targets
 
 STAGES = ("poll", "decode", "enrich", "queue")

@@ -14,9 +14,9 @@ from typing import Any
 
 from fleetd.store.catalog import op_code
 from fleetd.store.writer import BatchWriter
-from fleetd.trace import procinfo
-from fleetd.trace.cgroups import ThrottleSampler
-from fleetd.trace.memory import KernelWork, MemorySampler, leftover_runs
+from fleetd.trace.host import procinfo
+from fleetd.trace.host.cgroups import ThrottleSampler
+from fleetd.trace.host.memory import KernelWork, MemorySampler, leftover_runs
 
 # A row and its args, as the samplers make them.
 SideRow = tuple[tuple[int, ...], dict[str, object]]

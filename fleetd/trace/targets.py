@@ -20,10 +20,13 @@ from typing import Any
 
 from fleetd.errors import TraceError, UsageError
 from fleetd.store.writer import BatchWriter
-from fleetd.trace import accounting, procinfo
-from fleetd.trace.bpfsrc import TARGET_SLOTS
+from fleetd.trace import accounting
+from fleetd.trace.bpf.bpfsrc import TARGET_SLOTS
+from fleetd.trace.bpf.mapwatch import MapWatch
+from fleetd.trace.bpf.probes import Attacher, AttachReport, library_symbols
 from fleetd.trace.config import TraceConfig
-from fleetd.trace.libs import (
+from fleetd.trace.host import procinfo
+from fleetd.trace.host.libs import (
     LAYER_OF_KIND,
     Library,
     all_mapped_libraries,
@@ -32,8 +35,6 @@ from fleetd.trace.libs import (
     scan_mapped,
     search_usual_places,
 )
-from fleetd.trace.mapwatch import MapWatch
-from fleetd.trace.probes import Attacher, AttachReport, library_symbols
 
 log = logging.getLogger("fleetd.trace.targets")
 

@@ -2,7 +2,7 @@
 
 Life cycle: ``start()`` checks the environment, compiles (header ladder), fills the
 in-kernel target set, attaches uprobes to every CUDA library the targets map and
-opens one ring buffer per layer, mapped into this process (:mod:`fleetd.trace.rings`);
+opens one ring buffer per layer, mapped into this process (:mod:`fleetd.trace.bpf.rings`);
 ``poll()`` takes what the rings hold in bulk, decodes it in bulk into the batch writer
 and, about once a second, does the bookkeeping (new targets from fork/cgroup/
 system-wide discovery, newly mapped libraries, clock re-sampling, in-kernel
@@ -11,7 +11,7 @@ drains what is left, writes the final aggregates and session record, and closes.
 
 The parts, each a module: the configuration and the summary (:mod:`fleetd.trace.config`),
 the targets and the libraries attached (:mod:`fleetd.trace.targets`), the rings
-(:mod:`fleetd.trace.rings`), the path from the rings to the writer
+(:mod:`fleetd.trace.bpf.rings`), the path from the rings to the writer
 (:mod:`fleetd.trace.intake`) and the rows made in user space
 (:mod:`fleetd.trace.siderows`). This module starts, runs and stops them in order.
 
@@ -32,29 +32,30 @@ from collections.abc import Callable
 from typing import Any
 
 from fleetd.store.writer import BatchWriter
-from fleetd.trace import accounting, procinfo
-from fleetd.trace.bpfsrc import ProgramOptions, compile_program, detach_all
-from fleetd.trace.clock import ClockMap
+from fleetd.trace import accounting
+from fleetd.trace.bpf.bpfsrc import ProgramOptions, compile_program, detach_all
+from fleetd.trace.bpf.decoder import Decoder
+from fleetd.trace.bpf.mapwatch import MapWatch
+from fleetd.trace.bpf.probes import Attacher, AttachReport
+from fleetd.trace.bpf.ringbuf import RingReader
+from fleetd.trace.bpf.rings import DRAIN_BYTES as DRAIN_BYTES
+from fleetd.trace.bpf.rings import Rings
 from fleetd.trace.config import GPU_LAYERS as GPU_LAYERS
 from fleetd.trace.config import TraceConfig as TraceConfig
 from fleetd.trace.config import TraceSummary as TraceSummary
-from fleetd.trace.decoder import Decoder
 from fleetd.trace.dutycycle import DutyCycle
-from fleetd.trace.headers import HeaderRoute
+from fleetd.trace.enrich.oncpu import CpuSampler, ring_pages, start_sampler
+from fleetd.trace.enrich.stacks import KernelNames, PythonTargets, StackResolver, WaitChannels
+from fleetd.trace.enrich.symbols import FunctionSymbols
+from fleetd.trace.host import procinfo
+from fleetd.trace.host.clock import ClockMap
+from fleetd.trace.host.headers import HeaderRoute
+from fleetd.trace.host.libs import Library
+from fleetd.trace.host.preflight import ensure_tracefs as ensure_tracefs
+from fleetd.trace.host.preflight import preflight
 from fleetd.trace.intake import STAGES as STAGES
 from fleetd.trace.intake import Intake
-from fleetd.trace.libs import Library
-from fleetd.trace.mapwatch import MapWatch
-from fleetd.trace.oncpu import CpuSampler, ring_pages, start_sampler
-from fleetd.trace.preflight import ensure_tracefs as ensure_tracefs
-from fleetd.trace.preflight import preflight
-from fleetd.trace.probes import Attacher, AttachReport
-from fleetd.trace.ringbuf import RingReader
-from fleetd.trace.rings import DRAIN_BYTES as DRAIN_BYTES
-from fleetd.trace.rings import Rings
 from fleetd.trace.siderows import SideRows
-from fleetd.trace.stacks import KernelNames, PythonTargets, StackResolver, WaitChannels
-from fleetd.trace.symbols import FunctionSymbols
 from fleetd.trace.targets import Targets, check_pids, prefetch_symbols
 
 log = logging.getLogger("fleetd.trace.tracer")
@@ -181,7 +182,7 @@ class Tracer:
 
     def _watch_mappings(self) -> None:
         """From here on a target that maps an unknown file is held until its CUDA code
-        is probed (fleetd.trace.mapwatch); then the targets are read once more, for
+        is probed (fleetd.trace.bpf.mapwatch); then the targets are read once more, for
         what they mapped between the first read and now."""
         self.scope.watch = MapWatch(self.bpf, self.scope.settle, self._warn)
         self.scope.watch.start()

@@ -2,14 +2,14 @@
 
 The analyzers build their answers as these types; the agent serves them and the fleet
 client, the MCP server and the CLI read and render them, so mypy holds both ends to one
-shape. The classes are defined in :mod:`fleetd.analyze.answers`, beside their producers
+shape. The classes are defined in :mod:`fleetd.analyze.reading.answers`, beside their producers
 (an analyzer may not import this layer, docs/architecture.md); this module names them
 for the layers above. It imports nothing heavy: ``typing`` and that one module.
 """
 
 from __future__ import annotations
 
-from fleetd.analyze.answers import (
+from fleetd.analyze.reading.answers import (
     ANSWERS,
     AlignmentSummary,
     ClockJson,

@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from fleetd.analyze import collectives as coll
+from fleetd.analyze.distributed import collectives as coll
 from fleetd.wire.failure import BadReply
 from fleetd.wire.limits import INT64_MAX
 from fleetd.wire.values import need_bool, need_int, need_list, need_text, printable

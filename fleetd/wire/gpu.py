@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fleetd.analyze.gpu import one_verdict
+from fleetd.analyze.gpu.device import one_verdict
 from fleetd.wire.failure import BadReply
 from fleetd.wire.limits import INT64_MIN
 from fleetd.wire.values import (

@@ -11,7 +11,7 @@ from fleetd.wire.limits import POD_CHARS
 from fleetd.wire.paths import NAMESPACE_PARAM, POD_PARAM
 from fleetd.wire.values import printable
 
-# What a row gains from fleetd.analyze.pods.fields; each a short name or uid.
+# What a row gains from fleetd.analyze.reading.pods.fields; each a short name or uid.
 PLACEMENT_FIELDS = ("pod", "namespace", "container", "pod_uid")
 
 

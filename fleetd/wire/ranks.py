@@ -2,7 +2,7 @@
 chain of a culprit's ``GET /api/v1/chains`` answer.
 
 Untrusted like every answer: each rank is rebuilt from checked values into the
-analyzer's :class:`~fleetd.analyze.hangs.RankView` (types, ranges, states and ops from
+analyzer's :class:`~fleetd.analyze.distributed.hangs.RankView` (types, ranges, states and ops from
 the documented sets, strings printable and cut, lists capped); one bad value rejects
 the node's answer (:class:`~fleetd.wire.failure.BadReply`).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fleetd.analyze.hangs import (
+from fleetd.analyze.distributed.hangs import (
     P2P_OPS,
     STATES,
     Collective,

@@ -188,7 +188,7 @@ def test_the_unit_is_notify_and_its_hardening_leaves_tracing_working() -> None:
     db_dir = str(cfg.store.db.parent)
     assert db_dir in writable and u["StateDirectory"] == [Path(db_dir).name]
     assert "-/sys/kernel/tracing" in writable
-    # The kernel header cache (fleetd.trace.headers.cache_dir, as root).
+    # The kernel header cache (fleetd.trace.host.headers.cache_dir, as root).
     assert u["CacheDirectory"] == ["fleetd"]
     caps = set(u["CapabilityBoundingSet"][0].split())
     assert {"CAP_BPF", "CAP_PERFMON", "CAP_SYS_ADMIN", "CAP_SYS_PTRACE"} <= caps
@@ -204,7 +204,7 @@ def test_the_unit_is_notify_and_its_hardening_leaves_tracing_working() -> None:
 
 def test_the_header_cache_is_where_the_unit_lets_it_write(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
-    from fleetd.trace import headers
+    from fleetd.trace.host import headers
 
     monkeypatch.delenv("FLEETD_CACHE_DIR", raising=False)
     monkeypatch.setattr(os, "geteuid", lambda: 0)

@@ -1,4 +1,4 @@
-"""The compiled-program cache, live (fleetd/trace/bpfcache.py, bpfload.py): real BCC
+"""The compiled-program cache, live (fleetd/trace/bpf/bpfcache.py, bpfload.py): real BCC
 compiles, real maps and programs, the real CLI tracing the reference workload.
 
 * a cold start (empty FLEETD_CACHE_DIR) compiles and keeps the programs; the next start
@@ -25,7 +25,7 @@ import pytest
 from recorder import StderrLog
 from test_trace import _bpf_ready
 
-from fleetd.trace import bpfcache
+from fleetd.trace.bpf import bpfcache
 
 from conftest import FLEETD, REPO, wait_for_libcudart
 
@@ -88,8 +88,8 @@ def test_a_warm_start_loads_the_kept_programs_and_records_every_call(tmp_path: P
 @pytest.mark.timeout(900)  # two compiles of the whole program: minutes on a busy node
 def test_the_kept_programs_are_what_bcc_compiles_for_this_start(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fleetd.trace import bpfsrc
-    from fleetd.trace.bpfload import capture
+    from fleetd.trace.bpf import bpfsrc
+    from fleetd.trace.bpf.bpfload import capture
 
     monkeypatch.setenv("FLEETD_CACHE_DIR", str(tmp_path))
     opts = bpfsrc.ProgramOptions(tracer_pid=os.getpid(), stacks=True, cgroups=True,
@@ -143,7 +143,7 @@ def test_an_entry_the_kernel_refuses_is_dropped_and_compiled_again(
     import logging
     from dataclasses import replace
 
-    from fleetd.trace.bpfsrc import compile_source, detach_all
+    from fleetd.trace.bpf.bpfsrc import compile_source, detach_all
 
     monkeypatch.setenv("FLEETD_CACHE_DIR", str(tmp_path))
     params = {"FL_TRACER_PID": os.getpid()}

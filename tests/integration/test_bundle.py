@@ -201,7 +201,7 @@ def test_the_carried_fallback_libraries_load_and_compile(unpacked: Path, tmp_pat
     """FLEETD_BUNDLE_LIBS=all: libelf, libbpf, libffi... from the bundle even here, where
     the system has its own (a node without them gets exactly these), and BCC compiles."""
     code = ("import json, os\n"
-            "from fleetd.trace.headers import prepare_route, applied\n"
+            "from fleetd.trace.host.headers import prepare_route, applied\n"
             "import bcc\n"
             "route = prepare_route('generated')\n"
             "with applied(route):\n"

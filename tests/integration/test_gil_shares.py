@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from recorder import BASE, Scenario, explain, record
 
-from fleetd.analyze.chains import severity
+from fleetd.analyze.causes.chains import severity
 
 pytestmark = [pytest.mark.bpf, pytest.mark.slow,
               pytest.mark.skipif(os.geteuid() != 0, reason="records with eBPF: needs root")]

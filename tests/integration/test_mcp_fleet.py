@@ -456,8 +456,8 @@ def _with_samples(path: Path, node: str, stacks: list[tuple[list[str], int, int]
     from synth import T0
 
     from fleetd.store.writer import BatchWriter
-    from fleetd.trace.oncpu import OP_CPU_SAMPLE
-    from fleetd.trace.stacks import stack_hash
+    from fleetd.trace.enrich.oncpu import OP_CPU_SAMPLE
+    from fleetd.trace.enrich.stacks import stack_hash
 
     build("quiet", path, node)
     with BatchWriter(path, node) as w:

@@ -26,7 +26,7 @@ import pytest
 from recorder import StderrLog
 from test_trace import _bpf_ready  # the same requirements as the tracer's own tests
 
-from fleetd.trace.decoder import nccl_id_hash
+from fleetd.trace.bpf.decoder import nccl_id_hash
 
 from conftest import FLEETD, REPO
 

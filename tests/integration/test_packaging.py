@@ -131,7 +131,7 @@ def test_the_installed_wheel_loads_its_own_bpf_sources_and_configs(fresh: Path,
     probe = (
         "import json, fleetd\n"
         "from fleetd.checks import example_file\n"
-        "from fleetd.trace.bpfsrc import source_text\n"
+        "from fleetd.trace.bpf.bpfsrc import source_text\n"
         "text = source_text(['cuda', 'driver', 'nccl', 'host'])\n"
         "print(json.dumps({'fleetd': fleetd.__file__, 'program': text,\n"
         "                  'config': str(example_file('fleetd.yaml')),\n"

@@ -94,7 +94,7 @@ def _line(fragment: str) -> int:
 
 
 def _trace(exe: str, tmp: Path) -> tuple[Path, dict[str, Any], Any, str]:
-    from fleetd.trace import pyframes
+    from fleetd.trace.enrich import pyframes
 
     script, go, db = tmp / "nested.py", tmp / "go", tmp / "py.db"
     script.write_text(SCRIPT)

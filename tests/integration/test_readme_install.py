@@ -60,7 +60,7 @@ def test_the_no_root_block_installs_the_client_and_explains(tmp_path: Path) -> N
 
 
 def test_the_readme_lists_what_the_client_installs_and_which_commands_trace() -> None:
-    from fleetd.trace.require import BCC_HINT, NODE_COMMANDS
+    from fleetd.trace.host.require import BCC_HINT, NODE_COMMANDS
 
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     names = sorted(re.split(r"[<>=;\[ ]", d)[0].lower() for d in deps)

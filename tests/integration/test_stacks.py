@@ -168,8 +168,8 @@ def test_slow_calls_carry_stacks_without_sampling(tmp_path: Path) -> None:
 
 
 def test_check_reports_python_support() -> None:
-    from fleetd.trace import pyframes
     from fleetd.trace.checks import _python_check
+    from fleetd.trace.enrich import pyframes
 
     check = _python_check()
     assert os.path.realpath(sys.executable) in check.data["interpreters"]
@@ -181,7 +181,7 @@ def test_check_reports_python_support() -> None:
 
 def test_python_frames_of_every_installed_interpreter(tmp_path: Path) -> None:
     """Every CPython on the machine that fleetd supports shows its own frames."""
-    from fleetd.trace import pyframes
+    from fleetd.trace.enrich import pyframes
 
     script = tmp_path / "sleeper.py"
     script.write_text("import time\n\ndef nap():\n    time.sleep(30)\n\nnap()\n")

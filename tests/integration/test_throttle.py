@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from recorder import scratch_cgroup, start_in, trace_for, wait_for_libcudart
 
-from fleetd.trace.cgroups import v2_root
+from fleetd.trace.host.cgroups import v2_root
 
 from conftest import FLEETD, REPO
 

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from recorder import StderrLog
 
-from fleetd.trace.bpfsrc import NR_URETPROBE
-from fleetd.trace.libs import mapped_libraries
+from fleetd.trace.bpf.bpfsrc import NR_URETPROBE
+from fleetd.trace.host.libs import mapped_libraries
 
 from conftest import FLEETD, REPO, wait_for_libcudart
 
@@ -493,7 +493,7 @@ def test_not_root_is_refused_with_a_fix(tmp_path: Path) -> None:
 
 def test_generated_header_route_compiles_the_programs(tmp_path: Path) -> None:
     env = {**os.environ, "FLEETD_HEADERS": "generated", "FLEETD_CACHE_DIR": str(tmp_path)}
-    code = ("import os\nfrom fleetd.trace.bpfsrc import ProgramOptions, compile_program, "
+    code = ("import os\nfrom fleetd.trace.bpf.bpfsrc import ProgramOptions, compile_program, "
             "detach_all\n"
             "b, r = compile_program(ProgramOptions(tracer_pid=os.getpid()))\n"
             "print(r.name)\ndetach_all(b)\n")
@@ -509,7 +509,7 @@ def test_three_tracers_build_the_header_tree_at_once(tmp_path: Path, route: str)
     are): one builds the tree under the lock, the others wait and use it; none finds the
     tree replaced under its compile."""
     env = {**os.environ, "FLEETD_HEADERS": route, "FLEETD_CACHE_DIR": str(tmp_path)}
-    code = ("import os\nfrom fleetd.trace.bpfsrc import ProgramOptions, compile_program, "
+    code = ("import os\nfrom fleetd.trace.bpf.bpfsrc import ProgramOptions, compile_program, "
             "detach_all\n"
             "b, r = compile_program(ProgramOptions(tracer_pid=os.getpid()))\n"
             "print(r.name)\ndetach_all(b)\n")
@@ -525,7 +525,7 @@ def test_three_tracers_build_the_header_tree_at_once(tmp_path: Path, route: str)
 
 def test_bpf_record_layout_matches_the_decoder() -> None:
     """The compile-time asserts in fleetd.h tie the C layout to bpfsrc.REC."""
-    from fleetd.trace.bpfsrc import REC, ProgramOptions, cflags, source_text
+    from fleetd.trace.bpf.bpfsrc import REC, ProgramOptions, cflags, source_text
 
     assert REC.size == 136
     flags = cflags(ProgramOptions(tracer_pid=1))

@@ -1,4 +1,4 @@
-/* Prints the offsets fleetd/trace/pyframes.py LAYOUTS holds, measured with offsetof
+/* Prints the offsets fleetd/trace/enrich/pyframes.py LAYOUTS holds, measured with offsetof
  * against one CPython's own (internal) headers: tests/unit/test_pyframes_layouts.py
  * compiles it once per installed interpreter and compares. "name=value" per line. */
 #define Py_BUILD_CORE 1

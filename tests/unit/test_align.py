@@ -1,8 +1,8 @@
-"""Collective numbers aligned across ranks (fleetd/analyze/align.py), on synthetic call
+"""Collective numbers aligned across ranks (fleetd/analyze/distributed/align.py), on synthetic call
 sequences: ranks traced from different moments (offsets found from the op/size
 sequence, or from the arrival times when it repeats), ambiguity kept when neither
 decides, restarted numbering, and the arrival analysis over a recording of ranks whose
-agents attached late (fleetd/analyze/collectives.py)."""
+agents attached late (fleetd/analyze/distributed/collectives.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import pytest
 from collective_synth import four_ranks, write_job
 from synth import MS, US
 
-from fleetd.analyze import align
-from fleetd.analyze.align import Call
+from fleetd.analyze.distributed import align
+from fleetd.analyze.distributed.align import Call
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.window import WindowSpec
+from fleetd.analyze.reading.window import WindowSpec
 from fleetd.store.db import open_reader
 
 OPS = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather", "ncclReduceScatter")

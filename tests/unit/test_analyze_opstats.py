@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from synth import MAIN, MS, T0, US, Timeline, quiet
 
-from fleetd.analyze.data import Hist
-from fleetd.analyze.opstats import op_stats
-from fleetd.analyze.window import resolve_window
+from fleetd.analyze.pernode.opstats import op_stats
+from fleetd.analyze.reading.data import Hist
+from fleetd.analyze.reading.window import resolve_window
 from fleetd.errors import UsageError
 from fleetd.store.db import open_reader
 

@@ -9,7 +9,7 @@ import pytest
 from synth import HALO, MAIN, MAIN_TID, SCENARIOS, STRESS, WORKERS, build, quiet
 
 from fleetd.analyze.explain import explain, profile
-from fleetd.analyze.window import resolve_window
+from fleetd.analyze.reading.window import resolve_window
 from fleetd.store.db import open_reader
 
 # ---- assertions -------------------------------------------------------------------

@@ -85,7 +85,7 @@ def test_the_doc_lists_every_class_with_its_keys() -> None:
     listed = documented(DOC.read_text())
     classes = {c.__name__: c for c in answers.ANSWERS}
     assert sorted(listed) == sorted(classes), (
-        "docs/json.md (The analyzers' answers) and fleetd/analyze/answers.py name other "
+        "docs/json.md (The analyzers' answers) and fleetd/analyze/reading/answers.py name other "
         f"classes: only in the doc {sorted(set(listed) - set(classes))}, only in the code "
         f"{sorted(set(classes) - set(listed))}")
     assert all(is_typeddict(c) for c in classes.values())
@@ -177,8 +177,8 @@ def _open(db: Path) -> sqlite3.Connection:
 
 def _profile(db: Path) -> tuple[Any, Any, Any]:
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.profile import flame_stacks, profile, stack_counts, stacks_json
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.profile import flame_stacks, profile, stack_counts, stacks_json
+    from fleetd.analyze.reading.window import WindowSpec
 
     with _open(db) as conn:
         a = Analysis.of(conn, WindowSpec())
@@ -193,7 +193,7 @@ def _profile(db: Path) -> tuple[Any, Any, Any]:
 @pytest.mark.parametrize("db", SCENARIOS, ids=lambda p: p.stem)
 def test_scenario_answers_have_their_classes_keys(db: Path, seen: set[str]) -> None:
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
 
     with _open(db) as conn:
         a = Analysis.of(conn, WindowSpec())
@@ -212,8 +212,8 @@ def test_scenario_answers_have_their_classes_keys(db: Path, seen: set[str]) -> N
 def test_gpu_answers_of_imported_traces_have_their_classes_keys(
         tmp_path: Path, seen: set[str]) -> None:
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.gpu import parse_thresholds
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.gpu.device import parse_thresholds
+    from fleetd.analyze.reading.window import WindowSpec
 
     db = tmp_path / "ranks.db"
     assert main(["import", *map(str, GPU_TRACES), "--db", str(db)]) == 0
@@ -233,7 +233,7 @@ def test_graphs_collectives_and_cpu_answers_of_synth_recordings(
     from test_oncpu_units import HOT_STACK, SYNC_STACK, _recording
 
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
 
     with _open(synth.build("graph_storm", tmp_path)) as conn:
         got = Analysis.of(conn, WindowSpec()).graphs(buckets=5)

@@ -385,3 +385,75 @@ def test_the_cycle_and_private_checks_can_fail() -> None:
     assert private_imports(source, "fleetd.fleet.relayed", False, known) == [
         ("fleetd.fleet.fanout", "_name_nodes", 1)]
     assert private_imports("from ._x import _y\n", "fleetd.fleet._x", False, known) == []
+
+
+# ---- rooms: the sub-packages of one package ---------------------------------------------
+
+
+def room_of(module: str, path: Path, top: str) -> str | None:
+    """The room of ``top`` (a package with sub-packages) that ``module`` is in: the
+    sub-package's name, or ``top`` itself for the modules directly in it."""
+    if module != top and not module.startswith(top + "."):
+        return None
+    rest = module[len(top):].lstrip(".").split(".")
+    if not rest[0]:  # the package's own __init__: its map, above its rooms
+        return top
+    inner = rest[:-1] if path.name != "__init__.py" else rest
+    return f"{top}.{inner[0]}" if inner else top
+
+
+def room_graph(modules: dict[str, Path], top: str) -> dict[str, set[str]]:
+    known = set(modules)
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        mine = room_of(module, path, top)
+        if mine is None:
+            continue
+        graph.setdefault(mine, set())
+        for target, _ in fleetd_imports(path.read_text(), module, path.name == "__init__.py",
+                                        known):
+            theirs = room_of(target, modules[target], top) if target in modules else None
+            if theirs is not None and theirs != mine:
+                graph[mine].add(theirs)
+    return graph
+
+
+def test_the_rooms_of_a_package_stand_on_floors() -> None:
+    """Inside a package cut into sub-packages (docs/architecture.md, "Rooms"), the rooms
+    import one another one way only: no two rooms (the package's own modules count as
+    one, the top) import each other, directly or round a loop."""
+    modules = tree_modules()
+    tops = sorted({m.rsplit(".", 1)[0] for m, p in modules.items()
+                   if p.name == "__init__.py" and m.count(".") == 2})
+    assert "fleetd.analyze" in tops and "fleetd.trace" in tops
+    found = {top: c for top in tops if (c := cycles(room_graph(modules, top)))}
+    assert not found, (f"rooms that import each other: {found}. Fix: move the module "
+                       "both need down into the lower room, or hand it in.")
+
+
+def test_the_room_check_can_fail() -> None:
+    here = Path("x.py")
+    assert room_of("fleetd.analyze.causes.chains", here, "fleetd.analyze") == \
+        "fleetd.analyze.causes"
+    assert room_of("fleetd.analyze.explain", here, "fleetd.analyze") == "fleetd.analyze"
+    assert room_of("fleetd.trace.tracer", here, "fleetd.analyze") is None
+    assert cycles({"p": {"p.a"}, "p.a": {"p"}}) == [["p", "p.a"]]
+
+
+def test_every_package_init_is_a_map_of_its_modules() -> None:
+    """Each package's ``__init__`` docstring names every module and room in it (as
+    ``name``, `name` or :mod:`...name`), so a newcomer's first read is a true map."""
+    missing: list[str] = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        children = sorted({p.stem for p in init.parent.glob("*.py")} - {"__init__", "__main__"}
+                          | {p.parent.name for p in init.parent.glob("*/__init__.py")})
+        if init.parent == PACKAGE:
+            continue  # the root's map is docs/architecture.md's layer table
+        for child in children:
+            if child.endswith("_cmd") and "``*_cmd``" in doc:  # one module per command
+                continue
+            if not re.search(rf"[`.~]{child}\b(?!\.py)", doc):
+                missing.append(f"{init.parent.relative_to(REPO)}: {child}")
+    assert not missing, ("package maps (the __init__ docstring) that do not name these "
+                         f"modules or rooms: {missing}")

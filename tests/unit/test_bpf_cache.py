@@ -1,4 +1,4 @@
-"""The compiled-program cache's files and instructions (fleetd/trace/bpfcache.py): the
+"""The compiled-program cache's files and instructions (fleetd/trace/bpf/bpfcache.py): the
 key, the permissions a file needs to be used, corruption caught before use, and the
 patching of map descriptors and load-time parameters. The live side (a warm start
 loading from the cache and recording) is tests/integration/test_bpf_cache_live.py."""
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from fleetd.security.private_dir import UnsafePathError
-from fleetd.trace import bpfcache
-from fleetd.trace.bpfcache import CacheError, Entry, KeyInputs, TableSpec
+from fleetd.trace.bpf import bpfcache
+from fleetd.trace.bpf.bpfcache import CacheError, Entry, KeyInputs, TableSpec
 
 SENTINEL = 0x3F1D5A00
 
@@ -134,7 +134,7 @@ def test_a_corrupt_entry_is_discarded_with_a_log_line(
             {"f": _ld_map(9)}))[len(bpfcache.MAGIC) + 65:])
         data = bpfcache.MAGIC + hashlib.sha256(bad).hexdigest().encode() + b"\n" + bad
     path.write_bytes(data)
-    with caplog.at_level(logging.WARNING, logger="fleetd.trace.bpfcache"):
+    with caplog.at_level(logging.WARNING, logger="fleetd.trace.bpf.bpfcache"):
         assert bpfcache.load(tmp_path, key) is None
     assert not path.exists(), "a bad entry is removed, so the next start compiles and keeps"
     [line] = [r.getMessage() for r in caplog.records]
@@ -162,7 +162,7 @@ def test_an_entry_of_another_owner_or_a_link_is_refused(
     path = bpfcache.store(tmp_path, "o" * 64, _entry())
     assert bpfcache.load(tmp_path, "o" * 64) == _entry()
     os.chown(path, 65534, 65534)
-    with caplog.at_level(logging.WARNING, logger="fleetd.trace.bpfcache"):
+    with caplog.at_level(logging.WARNING, logger="fleetd.trace.bpf.bpfcache"):
         assert bpfcache.load(tmp_path, "o" * 64) is None
     assert "owned by uid 65534" in caplog.text
     real = bpfcache.store(tmp_path, "r" * 64, _entry())

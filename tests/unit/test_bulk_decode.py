@@ -21,9 +21,9 @@ import pytest
 
 from fleetd.store.catalog import BY_NAME, OPS
 from fleetd.store.syscalls import NR
-from fleetd.trace.bpfsrc import PYFRAME, PYSTACK_HEAD, REC
-from fleetd.trace.decoder import Batch, Decoder
-from fleetd.trace.ringbuf import (
+from fleetd.trace.bpf.bpfsrc import PYFRAME, PYSTACK_HEAD, REC
+from fleetd.trace.bpf.decoder import Batch, Decoder
+from fleetd.trace.bpf.ringbuf import (
     BUSY_BIT,
     DISCARD_BIT,
     FRAME,
@@ -33,8 +33,8 @@ from fleetd.trace.ringbuf import (
     frame_size,
     split_frames,
 )
-from fleetd.trace.stacks import KernelNames
-from fleetd.trace.symbols import FunctionSymbols
+from fleetd.trace.enrich.stacks import KernelNames
+from fleetd.trace.enrich.symbols import FunctionSymbols
 
 OFFSET = 1_700_000_000_000_000_000
 PID = 4242
@@ -230,7 +230,7 @@ TRACEPOINT_PROBE(raw_syscalls, sys_enter)
 def test_ring_reader_takes_every_record_of_a_real_ring_across_wraps() -> None:
     """A one-page kernel ring filled and drained many times over: every record comes
     out once, in order, also where a frame wraps past the end of the data area."""
-    from fleetd.trace.bpfsrc import compile_source
+    from fleetd.trace.bpf.bpfsrc import compile_source
     from fleetd.trace.tracer import ensure_tracefs
 
     ensure_tracefs()

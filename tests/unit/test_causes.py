@@ -1,4 +1,4 @@
-"""The root-cause registry (fleetd/analyze/causes.py) against the analyzers and the docs.
+"""The root-cause registry (fleetd/analyze/causes/causes.py) against the analyzers and the docs.
 
 Every cause the analyzers can produce is registered, every registered cause is documented
 in docs/explain.md with its meaning and evidence kinds, every chain over the recorded and
@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from synth import SCENARIOS, build
 
-from fleetd.analyze.causes import CAUSES, SPIKE_HOST_KINDS, fixes, is_driver_poller, summary
-from fleetd.analyze.chains import _ROLES, Chain
+from fleetd.analyze.causes.causes import CAUSES, SPIKE_HOST_KINDS, fixes, is_driver_poller, summary
+from fleetd.analyze.causes.chains import _ROLES, Chain
 from fleetd.analyze.explain import explain
 
 from conftest import REPO
@@ -25,8 +25,9 @@ from conftest import REPO
 DOC = REPO / "docs" / "explain.md"
 RECORDED = sorted((REPO / "tests" / "data" / "scenarios").glob("*.db"))
 CLUSTER = REPO / "investigations" / "fleet" / "cluster.db"
-ANALYZERS = ("chains", "spikes", "rules", "contention", "gpu_chains", "collectives",
-             "nccl_failures", "throttle", "memory", "oncpu", "pipes")
+ANALYZERS = ("causes/chains", "causes/spikes", "causes/rules", "causes/contention",
+             "causes/gpu_chains", "distributed/collectives", "distributed/nccl_failures",
+             "causes/throttle", "causes/memory", "causes/oncpu", "causes/pipes")
 
 
 # ---- docs ---------------------------------------------------------------------------
@@ -104,7 +105,7 @@ def _causes_in_code() -> dict[str, set[str]]:
 
 def test_the_analyzers_write_exactly_the_registered_causes() -> None:
     found = _causes_in_code()
-    assert found["chains"] and found["rules"], found
+    assert found["causes/chains"] and found["causes/rules"], found
     produced = set().union(*found.values())
     assert not produced - set(CAUSES), f"not in the registry: {produced - set(CAUSES)}"
     assert not set(CAUSES) - produced, f"registered, never produced: {set(CAUSES) - produced}"

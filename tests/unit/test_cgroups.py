@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from chroot_proc import chrooted
 
-from fleetd.trace import cgroups as cg
+from fleetd.trace.host import cgroups as cg
 
 CID = "3f2b8c9d" * 8
 UID = "9d0a6a4e-5b1c-4f0e-8e2a-1c2d3e4f5a6b"

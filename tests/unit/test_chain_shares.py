@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from synth import KWORKER, MAIN, MAIN_TID, MS, US, Timeline, base, training_loop
 
-from fleetd.analyze.chains import REASON_COLUMN, severity
+from fleetd.analyze.causes.chains import REASON_COLUMN, severity
 from fleetd.analyze.explain import explain
 from fleetd.store.catalog import op_code
 from fleetd.store.syscalls import NR

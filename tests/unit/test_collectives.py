@@ -1,4 +1,5 @@
-"""Collective arrival (fleetd/analyze/collectives.py) over databases built by code: the late
+"""Collective arrival (fleetd/analyze/distributed/collectives.py) over databases built by code:
+the late
 rank named, clocks corrected, ambiguity inside the clock error, both matchings, failed
 collectives as a finding, the CLI, and a node's answer checked by the fleet client."""
 
@@ -13,10 +14,10 @@ import pytest
 from collective_synth import COMM_HASH, Rank, four_ranks, write_job
 from synth import MS, T0, US
 
-from fleetd.analyze import collectives as coll
+from fleetd.analyze.distributed import collectives as coll
 from fleetd.analyze.explain import explain
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.window import WindowSpec
+from fleetd.analyze.reading.window import WindowSpec
 from fleetd.cli.main import main
 from fleetd.store.db import open_reader
 from fleetd.wire.collectives import check_reply
@@ -426,7 +427,7 @@ def test_a_torchrun_process_with_two_communicators_numbers_each(tmp_path: Path) 
 
 
 def test_nodes_on_one_boot_share_one_clock() -> None:
-    from fleetd.analyze import collectives as coll
+    from fleetd.analyze.distributed import collectives as coll
 
     boot, other = "0" * 8 + "-1111-2222-3333-" + "4" * 12, "f" * 8 + "-1111-2222-3333-" + "4" * 12
     # a and b run on one machine; b's wall clock is set 2.5 s ahead (as libfaketime does):

@@ -17,9 +17,9 @@ from typing import Any
 
 import orjson
 
-from fleetd.analyze.data import job_peers, nodes
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.window import WindowSpec, resolve_window
+from fleetd.analyze.reading.data import job_peers, nodes
+from fleetd.analyze.reading.window import WindowSpec, resolve_window
 from fleetd.store.catalog import op_code
 from fleetd.store.db import open_reader
 from fleetd.store.merge import merge

@@ -1,4 +1,4 @@
-"""CUDA code told by the symbols a file defines (fleetd.trace.libs, issue #41 point 3),
+"""CUDA code told by the symbols a file defines (fleetd.trace.host.libs, issue #41 point 3),
 checked against pyelftools reading the same files the slow, general way: the real CUDA
 runtime of the wheel, a program linked with its libcudart_static.a, the same program
 stripped, a vendored copy under another name, a file with no CUDA in it, a truncated one.
@@ -15,8 +15,8 @@ import pytest
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
-from fleetd.trace import libs
-from fleetd.trace.probes import PROBE_SYMBOLS, library_symbols
+from fleetd.trace.bpf.probes import PROBE_SYMBOLS, library_symbols
+from fleetd.trace.host import libs
 
 from conftest import REPO
 

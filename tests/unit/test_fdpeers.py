@@ -1,4 +1,4 @@
-"""What an fd is and who holds its other end (fleetd.trace.fdpeers), on real pipes and
+"""What an fd is and who holds its other end (fleetd.trace.enrich.fdpeers), on real pipes and
 sockets of real processes."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 
-from fleetd.trace.decoder import Batch
-from fleetd.trace.fdpeers import FdNames, describe
+from fleetd.trace.bpf.decoder import Batch
+from fleetd.trace.enrich.fdpeers import FdNames, describe
 
 
 def test_a_pipe_names_its_reader_process() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from fleetd.export.html_frames import FLAME_W, flame_graph
-from fleetd.trace.oncpu import OP_CPU_SAMPLE
+from fleetd.trace.enrich.oncpu import OP_CPU_SAMPLE
 
 PERIOD_49 = 1_000_000_000 // 49
 HOSTILE = "<script>alert(1)</script> (/w/evil.py:1)"
@@ -33,7 +33,7 @@ def _report(tmp_path: Path) -> dict[str, Any]:
 
     from fleetd.analyze.explain import explain
     from fleetd.store.writer import BatchWriter
-    from fleetd.trace.stacks import stack_hash
+    from fleetd.trace.enrich.stacks import stack_hash
 
     tl = Timeline()
     base(tl)
@@ -109,7 +109,7 @@ def test_mcp_chains_leave_the_flame_stacks_to_get_cpu_profile(tmp_path: Path) ->
 
 
 def test_the_report_keeps_the_heaviest_stacks_and_the_rest_as_one() -> None:
-    from fleetd.analyze.profile import FLAME_CHARS, FLAME_STACKS, StackCount, flame_stacks
+    from fleetd.analyze.reading.profile import FLAME_CHARS, FLAME_STACKS, StackCount, flame_stacks
 
     stacks = [StackCount("n", 1, 1, (f"f{i} (/w/m.py:{i})", "x" * 1000), 1000 - i, 0)
               for i in range(FLAME_STACKS + 5)]

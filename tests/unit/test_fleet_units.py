@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from synth import MAIN, MS, STRESS, US, Timeline, base, training_loop
 
-from fleetd.analyze import stragglers
+from fleetd.analyze.distributed import stragglers
 from fleetd.errors import UsageError
 from fleetd.fleet.combine import Merged, NodeRows, merge, reduce, unique_names
 from fleetd.fleet.skew import Sample, correct_obj, correct_rows, estimate
@@ -274,7 +274,7 @@ def test_only_transient_failures_are_retried() -> None:
 
 
 def test_absolute_windows_move_into_the_node_clock_and_since_does_not() -> None:
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
 
     w = WindowSpec(None, "1750000000", "1750000060")
     assert w.absolute and w.params(2_500_000_000) == {

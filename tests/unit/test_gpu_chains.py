@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from fleetd.analyze.gpu_chains import idle_gaps
+from fleetd.analyze.causes.gpu_chains import idle_gaps
 from fleetd.cli.main import main
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "gpu"

@@ -1,4 +1,5 @@
-"""The hang verdict (fleetd/fleet/hang.py over fleetd/analyze/hangs.py), from node answers
+"""The hang verdict (fleetd/fleet/hang.py over fleetd/analyze/distributed/hangs.py), from node
+answers
 shaped as GET /api/v1/ranks gives them: stopped, exited and D-state ranks, quiet jobs,
 skewed clocks, unmatched send/recv, restarted jobs, and hostile node values."""
 

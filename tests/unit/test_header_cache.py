@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fleetd.errors import FleetdError
-from fleetd.trace import headers
+from fleetd.trace.host import headers
 
 
 def test_a_symlinked_cache_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

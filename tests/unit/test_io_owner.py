@@ -1,4 +1,4 @@
-"""I/O by ownership (fleetd/analyze/io_owner.py) over synthetic recordings whose
+"""I/O by ownership (fleetd/analyze/causes/io_owner.py) over synthetic recordings whose
 numbers are known: a feeding thread's D-state stalls for its own requests beside a
 neighbour's, the same without any request recorded, and a kernel lock for contrast."""
 

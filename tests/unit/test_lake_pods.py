@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from fleetd.analyze import pods
+from fleetd.analyze.reading import pods
 from fleetd.export.parquet import export_lake
 from fleetd.store.db import open_reader
 from fleetd.store.lake import LAKE_VERSION, MARKER, lake_files

@@ -7,13 +7,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from fleetd.analyze.data import Hist
-from fleetd.analyze.opstats import _row
+from fleetd.analyze.pernode.opstats import _row
+from fleetd.analyze.reading.data import Hist
 from fleetd.store.catalog import BY_NAME
 from fleetd.trace.accounting import ENTRY_ONLY_CODES, Histograms
-from fleetd.trace.bpfsrc import NBUCKETS, probe_wrappers
+from fleetd.trace.bpf.bpfsrc import NBUCKETS, probe_wrappers
+from fleetd.trace.bpf.probes import SPECS
 from fleetd.trace.dutycycle import DutyCycle
-from fleetd.trace.probes import SPECS
 
 LAUNCH = BY_NAME["cudaLaunchKernel"].code
 SYNC = BY_NAME["cudaStreamSynchronize"].code

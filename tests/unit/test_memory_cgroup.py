@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fleetd.store.catalog import op_code
-from fleetd.trace.memory import (
+from fleetd.trace.host.memory import (
     MemorySampler,
     memory_state,
     parse_psi,
@@ -74,7 +74,7 @@ def test_v2_takes_the_smallest_limit_up_the_tree_and_the_cgroups_psi(tmp_path: P
 def test_the_sampler_writes_deltas_between_samples(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     groups = {"memory": "/job", "": "/"}
-    from fleetd.trace import cgroups as cg
+    from fleetd.trace.host import cgroups as cg
 
     monkeypatch.setattr(cg, "read_groups", lambda pid: groups)
     psi = tmp_path / "pressure"
@@ -111,7 +111,7 @@ def test_v2_cpu_limit_where_the_unified_hierarchy_is_mounted(tmp_path: Path,
                                                               layout: str) -> None:
     """cpu.max and cpu.stat of the process's v2 cgroup: at the root on a v2 machine,
     under ``unified`` beside the v1 controllers on a hybrid one."""
-    from fleetd.trace import cgroups as cg
+    from fleetd.trace.host import cgroups as cg
 
     v2 = tmp_path if layout == "v2" else tmp_path / "unified"
     v2.mkdir(exist_ok=True)
@@ -130,7 +130,7 @@ def test_kernel_work_counts_become_deltas_with_named_functions() -> None:
     since the last read; a kernel address (above 2**63) is stored signed."""
     from types import SimpleNamespace
 
-    from fleetd.trace.memory import KernelWork
+    from fleetd.trace.host.memory import KernelWork
 
     func = 0xFFFFFFFF81234560
     counts = {(7, 5, func): 10}

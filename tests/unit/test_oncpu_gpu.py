@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from fleetd.trace.oncpu import OP_CPU_SAMPLE
+from fleetd.trace.enrich.oncpu import OP_CPU_SAMPLE
 
 PERIOD_49 = 1_000_000_000 // 49
 HALF = 3 * 10**9
@@ -32,7 +32,7 @@ def _recording(tmp_path: Path, kernels: list[tuple[int, int]]) -> dict[str, Any]
 
     from fleetd.analyze.explain import explain
     from fleetd.store.writer import BatchWriter
-    from fleetd.trace.stacks import stack_hash
+    from fleetd.trace.enrich.stacks import stack_hash
 
     tl = Timeline()
     base(tl)
@@ -83,7 +83,7 @@ def test_frames_during_gpu_idle_are_those_sampled_in_the_gaps(tmp_path: Path) ->
     assert frames == ["log_metrics (log.py:12)"]  # collate ran only while the GPU was busy
     assert idle["top_frames"][0]["share"] == pytest.approx(
         120 * part / (120 * part + 10 * sync_part), abs=1e-4)
-    from fleetd.analyze.causes import CAUSES
+    from fleetd.analyze.causes.causes import CAUSES
 
     assert {e["kind"] for e in ch["evidence"]} <= set(CAUSES["host_cpu_bound"].evidence)
     ev = next(e for e in ch["evidence"] if e["kind"] == "gpu_idle_frames")

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from fleetd.analyze.oncpu import _top_frames
-from fleetd.analyze.profile import StackCount, folded_lines, profile, speedscope, top_frames
-from fleetd.trace.bpfsrc import CPU_SAMPLE, CPU_SAMPLE_SIZE, PY_FRAMES, PYFRAME, PYSTACK_HEAD
-from fleetd.trace.oncpu import (
+from fleetd.analyze.causes.oncpu import _top_frames
+from fleetd.analyze.reading.profile import StackCount, folded_lines, profile, speedscope, top_frames
+from fleetd.trace.bpf.bpfsrc import CPU_SAMPLE, CPU_SAMPLE_SIZE, PY_FRAMES, PYFRAME, PYSTACK_HEAD
+from fleetd.trace.enrich.oncpu import (
     OP_CPU_SAMPLE,
     OP_GC_PAUSE,
     Counts,
@@ -167,7 +167,7 @@ class _NoPerfEvents(dict):  # type: ignore[type-arg]
 
 
 def test_no_perf_events_is_a_warning_and_the_trace_goes_on() -> None:
-    from fleetd.trace.oncpu import start_sampler
+    from fleetd.trace.enrich.oncpu import start_sampler
 
     said: list[str] = []
     bpf = _NoPerfEvents({b"fl_cpu_stacks": object(), b"fl_cpu_gc": object(),
@@ -194,7 +194,7 @@ def _recording(tmp_path: Path, samples: list[tuple[list[str], int, int]],
 
     from fleetd.analyze.explain import explain
     from fleetd.store.writer import BatchWriter
-    from fleetd.trace.stacks import stack_hash
+    from fleetd.trace.enrich.stacks import stack_hash
 
     tl = Timeline()
     base(tl)
@@ -228,7 +228,7 @@ def test_a_thread_on_the_cpu_between_launches_is_host_cpu_bound(tmp_path: Path) 
     import sqlite3
 
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
 
     with sqlite3.connect(tmp_path / "r.db") as conn:
         got = Analysis.of(conn, WindowSpec()).stacks(None, None, 10, 16)
@@ -272,7 +272,7 @@ def test_fleetd_check_says_whether_the_sampler_can_run() -> None:
     import subprocess
     import sys
 
-    from fleetd.trace.preflight import cpu_clock_check
+    from fleetd.trace.host.preflight import cpu_clock_check
 
     if os.geteuid() != 0:
         pytest.fail("run as root (CI does): this checks both sides of the privilege line")
@@ -280,7 +280,7 @@ def test_fleetd_check_says_whether_the_sampler_can_run() -> None:
     assert ok.status == "ok" and ok.name == "cpu-samples", ok
     if int(Path("/proc/sys/kernel/perf_event_paranoid").read_text()) < 1:
         return  # everyone may open it here: there is no refusal to see
-    code = ("from fleetd.trace.preflight import cpu_clock_check; c = cpu_clock_check(); "
+    code = ("from fleetd.trace.host.preflight import cpu_clock_check; c = cpu_clock_check(); "
             "print(c.status, '|', c.detail, '|', c.fix)")
     out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
                           sys.executable, "-c", code], capture_output=True, text=True,
@@ -313,7 +313,7 @@ def test_the_mcp_tool_gives_the_profile_with_frames_marked_as_data(tmp_path: Pat
 
 
 def test_a_straggler_reason_says_what_the_feeding_thread_ran() -> None:
-    from fleetd.analyze.stragglers import chain_brief
+    from fleetd.analyze.distributed.stragglers import chain_brief
 
     bound = {"root_cause": "host_cpu_bound", "severity": "HIGH", "victim": {"pid": 7},
              "detail": {"top_frames": [{"frame": "collate (data.py:40)", "share": 0.72}]}}
@@ -358,7 +358,7 @@ def test_gc_collecting_offsets_match_offsetof_of_the_headers(version: str,
     import os
     import subprocess
 
-    from fleetd.trace.oncpu import GC_COLLECTING
+    from fleetd.trace.enrich.oncpu import GC_COLLECTING
 
     root = os.environ.get("PYENV_ROOT") or os.path.expanduser("~/.pyenv")
     exes = sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"))
@@ -373,7 +373,7 @@ def test_gc_collecting_offsets_match_offsetof_of_the_headers(version: str,
     measured = int(subprocess.run([str(tmp_path / "p")], capture_output=True, text=True,
                                   check=True).stdout)
     if version == "3.13":
-        from fleetd.trace import pydebug, pyframes, symbols
+        from fleetd.trace.enrich import pydebug, pyframes, symbols
 
         lib = next(Path(exes[-1]).resolve().parent.parent.glob("lib/libpython3.13.so*"))
         image = symbols.load_image(str(lib), ("STT_OBJECT",))
@@ -402,7 +402,7 @@ def _lock_wait_with_samples(tmp_path: Path, frames: list[str]) -> dict[str, Any]
 
     from fleetd.analyze.explain import explain
     from fleetd.store.writer import BatchWriter
-    from fleetd.trace.stacks import stack_hash
+    from fleetd.trace.enrich.stacks import stack_hash
 
     from conftest import REPO
 

@@ -1,7 +1,7 @@
 """Percentiles scaled from log2 histogram buckets never leave the observed [min, max]
 (issue 27, item 4): ``fleetd ops`` printed ``block_io: max_ns 1048576 < p99_ns 1138017``.
 
-Every consumer reads the rows of :func:`fleetd.analyze.opstats.node_op_stats` (ops, the
+Every consumer reads the rows of :func:`fleetd.analyze.pernode.opstats.node_op_stats` (ops, the
 overview's top ops, explain's ops that the HTML report draws, the node API's ``ops``, the
 MCP tools), so every recorded scenario is checked through the analysis facade those
 callers use.
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from fleetd.analyze.data import Hist
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.window import WindowSpec
+from fleetd.analyze.reading.data import Hist
+from fleetd.analyze.reading.window import WindowSpec
 from fleetd.store.db import open_reader
 
 from conftest import REPO

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from fleetd.analyze import pods
-from fleetd.analyze.stragglers import chain_brief
+from fleetd.analyze.distributed.stragglers import chain_brief
+from fleetd.analyze.reading import pods
 from fleetd.store import schema
 from fleetd.store.db import open_reader, open_writer
 from fleetd.store.merge import merge
 from fleetd.store.writer import BatchWriter
-from fleetd.trace import cgroups as cg
+from fleetd.trace.host import cgroups as cg
 
 REPO = Path(__file__).resolve().parents[2]
 CID = "a1b2c3d4" * 8
@@ -176,7 +176,7 @@ def test_an_agent_in_a_cgroup_namespace_of_its_own_reads_the_hosts_paths() -> No
                 str(os.getpid())))
         # This sandbox's pid 1 is not ours to open: the host's namespace is this
         # test's own (a DaemonSet agent's HOST_PID 1 is the node's init).
-        code = ("import json, sys; from fleetd.trace import cgroups as cg; "
+        code = ("import json, sys; from fleetd.trace.host import cgroups as cg; "
                 "cg.HOST_PID = int(sys.argv[2]); "
                 "raw = open(f'/proc/{sys.argv[1]}/cgroup').read(); "
                 "print(json.dumps([raw, cg.read_groups(int(sys.argv[1]))]))")
@@ -240,7 +240,7 @@ def test_a_straggler_rank_is_named_with_its_pod() -> None:
 
 def test_check_says_when_pods_cannot_be_named(monkeypatch: pytest.MonkeyPatch,
                                               tmp_path: Path) -> None:
-    from fleetd.trace import podcheck
+    from fleetd.trace.host import podcheck
 
     # The records' directories, found where each runtime keeps them.
     d = tmp_path / "run/containerd/io.containerd.runtime.v2.task/k8s.io"

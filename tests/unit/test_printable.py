@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from fleetd.analyze.frames import folded
+from fleetd.analyze.reading.frames import folded
 from fleetd.cli import output
 from fleetd.cli.progress import stage
 from fleetd.printable import (

@@ -1,6 +1,6 @@
 """fleetd's CPython layouts against the interpreters installed here.
 
-- The table (fleetd.trace.pyframes.LAYOUTS) against offsetof from each version's own
+- The table (fleetd.trace.enrich.pyframes.LAYOUTS) against offsetof from each version's own
   headers: tests/unit/pylayout_probe.c compiled with gcc per interpreter.
 - 3.13's _Py_DebugOffsets, read from the file, against the same measurement.
 - The line-table readers against the interpreter's own answer (co_lines on 3.10,
@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from fleetd.trace import pydebug, pyframes, symbols
+from fleetd.trace.enrich import pydebug, pyframes, symbols
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "integration"))
@@ -143,7 +143,7 @@ def test_line_tables_read_as_the_interpreter_reads_them(exe: str) -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="reads another process's memory: needs root")
 @pytest.mark.parametrize("exe", _interpreters())
 def test_interpreter_lock_is_named_inside_pyruntime(exe: str) -> None:
-    from fleetd.trace.symbols import DataSymbols
+    from fleetd.trace.enrich.symbols import DataSymbols
 
     p = subprocess.Popen([exe, "-c", "import time; time.sleep(30)"])
     try:
@@ -162,7 +162,7 @@ def test_interpreter_lock_is_named_inside_pyruntime(exe: str) -> None:
         finally:
             mem.close()
         name = DataSymbols().name(p.pid, gil)
-        # fleetd.analyze.contention.PY_RUNTIME: a futex there is the interpreter lock. The
+        # fleetd.analyze.causes.contention.PY_RUNTIME: a futex there is the interpreter lock. The
         # waits sit on the lock's mutex and condition variables, all inside the struct.
         assert name is not None and name.startswith("_PyRuntime+"), (exe, name)
         end = DataSymbols().name(p.pid, gil + interp.layout.gil_size - 1)

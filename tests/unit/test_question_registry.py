@@ -160,7 +160,7 @@ def test_every_question_answers_a_node_database_in_its_shape(tmp_path: Path) -> 
     """Each question over a recorded node file, as the agent answers it: its ``expect``
     key there, the node named, and every key of its declared TypedDict."""
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.window import WindowSpec
+    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.store.db import open_reader
 
     from conftest import build_db

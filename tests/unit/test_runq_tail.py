@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.nodeview import MAX_SLEEP_BEFORE_TAIL_NS, tail_takers
-from fleetd.analyze.window import WindowSpec
+from fleetd.analyze.reading.nodeview import MAX_SLEEP_BEFORE_TAIL_NS, tail_takers
+from fleetd.analyze.reading.window import WindowSpec
 from fleetd.store.catalog import op_code
 from fleetd.store.db import open_reader
 

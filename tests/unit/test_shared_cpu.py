@@ -6,9 +6,9 @@ fixes name both."""
 
 from __future__ import annotations
 
-from fleetd.analyze.causes import fixes, summary
-from fleetd.analyze.chains import Chain
-from fleetd.analyze.nodeview import preempt_takers
+from fleetd.analyze.causes.causes import fixes, summary
+from fleetd.analyze.causes.chains import Chain
+from fleetd.analyze.reading.nodeview import preempt_takers
 
 
 def test_a_wait_with_two_takers_is_shared_and_with_one_is_not() -> None:

@@ -1,4 +1,5 @@
-"""Live straggler rule (fleetd.analyze.lateness) and its hysteresis (fleetd.fleet.straggle):
+"""Live straggler rule (fleetd.analyze.distributed.lateness) and its hysteresis
+(fleetd.fleet.straggle):
 ranks of one torchrun job in lockstep, built as their agents' answers would read, with
 one rank entering each collective late (or none), and the messages a watch would send."""
 
@@ -8,8 +9,8 @@ import asyncio
 import random
 from pathlib import Path
 
-from fleetd.analyze.hangs import Collective, RankView, Recent
-from fleetd.analyze.lateness import LATE_MARGIN_NS, lateness, stragglers
+from fleetd.analyze.distributed.hangs import Collective, RankView, Recent
+from fleetd.analyze.distributed.lateness import LATE_MARGIN_NS, lateness, stragglers
 from fleetd.fleet.notify import Delivery, Notifier
 from fleetd.fleet.straggle import StraggleWatch
 

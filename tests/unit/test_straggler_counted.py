@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.window import WindowSpec
+from fleetd.analyze.reading.window import WindowSpec
 from fleetd.store.db import open_reader
 
 from conftest import REPO

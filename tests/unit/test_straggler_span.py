@@ -13,7 +13,7 @@ import sqlite3
 from pathlib import Path
 
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.window import WindowSpec
+from fleetd.analyze.reading.window import WindowSpec
 from fleetd.store.catalog import op_code
 from fleetd.store.db import open_reader
 

@@ -20,9 +20,10 @@ import pytest
 
 from fleetd.errors import FleetdError, UsageError
 from fleetd.store.catalog import BY_NAME, IMPORTED_CALL, OPS
-from fleetd.trace import clock, headers, libs, probes, procinfo
-from fleetd.trace.bpfsrc import REC, ProgramOptions, cflags, probe_wrappers, source_text
-from fleetd.trace.decoder import Decoder, launch_args, nccl_id_hash
+from fleetd.trace.bpf import probes
+from fleetd.trace.bpf.bpfsrc import REC, ProgramOptions, cflags, probe_wrappers, source_text
+from fleetd.trace.bpf.decoder import Decoder, launch_args, nccl_id_hash
+from fleetd.trace.host import clock, headers, libs, procinfo
 
 from conftest import FLEETD, REPO
 
@@ -104,7 +105,7 @@ def test_decoder_sched_peers_lifecycle_and_slow_calls() -> None:
 def test_a_stacked_wakeup_is_the_wakers_stack() -> None:
     """A wakeup that carries a stack (its Python frames appended as to a CUDA record)
     carries the waker's: symbolized in the waker's process, not the woken one's."""
-    from fleetd.trace.bpfsrc import PYFRAME, PYSTACK_HEAD
+    from fleetd.trace.bpf.bpfsrc import PYFRAME, PYSTACK_HEAD
 
     frames = PYSTACK_HEAD.pack(2, 1) + PYFRAME.pack(0x10, 0x20) + PYFRAME.pack(0x30, 0x40)
     d = Decoder(lambda mono: mono)
@@ -120,7 +121,7 @@ def test_a_stacked_wakeup_is_the_wakers_stack() -> None:
 def test_waker_stacks_are_on_with_stacks_and_rate_limited() -> None:
     """The cost guard reaches C: on with stacks, one stack per thread pair per 20 ms by
     default; the counters it keeps line up with bpf/fleetd.h."""
-    from fleetd.trace.bpfsrc import COUNTERS
+    from fleetd.trace.bpf.bpfsrc import COUNTERS
 
     on = cflags(ProgramOptions(tracer_pid=1, stacks=True))
     assert "-DFL_WAKE_STACKS=1" in on and "-DFL_WAKE_STACK_NS=20000000ull" in on

@@ -1,0 +1,260 @@
+"""Where each traced thread's wall time went (the latency view, after Btune 2.0).
+
+Per thread, over the window: running, run-queue wait (scheduler latency), preempted by
+hard/soft IRQs, blocked in D state, sleeping by reason (a lock, waiting for data, a
+timer the program set, the GPU inside a sync call, other: :mod:`fleetd.analyze.reading.waits`),
+and, overlapping those, inside CUDA calls. The columns add up to the wall time.
+Off-CPU intervals are stored from 50 us up, so the split is a lower bound on waiting;
+the per-process totals of the in-kernel histograms (every switch) come with it.
+
+The off-CPU interval of a task that slept runs from switch-out to switch-in; its tail
+after the wakeup is run-queue wait, stored as a ``runq_wait`` event carrying the same
+state, which is how the two are told apart without double counting.
+"""
+
+from __future__ import annotations
+
+import bisect
+import sqlite3
+from collections import defaultdict
+from typing import Any
+
+from fleetd.analyze.causes.chains import task_state
+from fleetd.analyze.reading.data import CALL_CODES, SYNC_OPS, Node, code, histograms, in_list
+from fleetd.analyze.reading.profile import stack_counts
+from fleetd.analyze.reading.waits import REASONS, sql_reason
+from fleetd.analyze.reading.window import Window
+from fleetd.store.syscalls import X86_64
+
+OFF_CPU, RUNQ, SYSCALL = code("off_cpu"), code("runq_wait"), code("syscall")
+# Stall runs of reclaim and compaction (fleetd.trace.host.memory.RUN_OPS).
+STALL_RUNS = tuple(code(n) for n in ("direct_reclaim", "memcg_reclaim", "direct_compaction"))
+HARDIRQ, SOFTIRQ = code("hardirq"), code("softirq")
+SYSCALL_OUTLIERS = 5
+WCHANS = 3  # D-state wait channels listed per thread
+
+
+def thread_breakdown(
+    conn: sqlite3.Connection, node: Node, win: Window, span: tuple[int, int],
+    tasks: dict[int, tuple[int | None, str | None]], names: dict[int, str],
+    pid: int | None = None,
+) -> list[dict[str, Any]]:
+    """One row per thread that has host or CUDA events in the window."""
+    acc: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    pids: dict[int, int] = {}
+    where = "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
+    params: list[int] = [win.start_ns, win.end_ns, node.lo, node.hi]
+    if pid is not None:
+        where += " AND pid = ?"
+        params.append(pid)
+    sched = in_list((OFF_CPU, RUNQ, HARDIRQ, SOFTIRQ))
+    for tid, p, op, a0, why, n, total in conn.execute(
+        f"SELECT tid, pid, op, a0 & 255, {sql_reason()}, count(*), sum(dur_ns) FROM "
+        f"event_data WHERE {where} AND op IN {sched} GROUP BY tid, pid, op, a0 & 255, 5",
+        params,
+    ):
+        pids[tid] = p
+        _add_sched(acc[tid], op, a0, n, total, why)
+    for tid, p, n, total in conn.execute(
+        f"SELECT tid, pid, count(*), sum(dur_ns) FROM event_data WHERE {where} "
+        f"AND op IN {in_list(CALL_CODES)} GROUP BY tid, pid", params,
+    ):
+        pids[tid] = p
+        acc[tid]["cuda_calls"] += n
+        acc[tid]["in_cuda_stored"] += total
+    # Reclaim and compaction stalls (bytes: ns stalled in each run), overlapping the
+    # columns above: work the thread does in the kernel for its own allocations.
+    for tid, p, total in conn.execute(
+        f"SELECT tid, pid, sum(bytes) FROM event_data WHERE {where} AND op IN "
+        f"{in_list(STALL_RUNS)} GROUP BY tid, pid", params,
+    ):
+        pids[tid] = p
+        acc[tid]["reclaim"] += int(total or 0)
+    # Time spinning in the kernel for a lock another task holds, from the on-CPU
+    # samples (the scheduler counts it as running): overlapping running, like reclaim.
+    stacks, period = stack_counts(conn, node, win, pid)
+    for s in stacks:
+        if s.lock_spin and s.tid in acc:
+            acc[s.tid]["lock_spin"] += s.samples * period
+    wall = max(0, span[1] - span[0])
+    _scale_cuda(conn, node, win, acc, pids, pid)
+    _sync_sleeps(conn, node, win, acc)
+    outliers = _syscall_outliers(conn, node, where, params)
+    wchans = _wait_channels(conn, where, params)
+    rows = [_row(tid, pids[tid], a, wall, tasks, names, outliers.get(tid, []))
+            for tid, a in acc.items()]
+    for r in rows:
+        r["d_state_wchan"] = wchans.get(int(r["tid"]), [])
+    rows.sort(key=lambda r: (-int(r["in_cuda_ns"]), -int(r["off_cpu_ns"])))
+    return rows
+
+
+def _add_sched(a: dict[str, int], op: int, a0: int, n: int, total: int, why: str) -> None:
+    state = task_state(a0)
+    if op == OFF_CPU:
+        a["off_cpu"] += total
+        a[f"off_{state}"] += total
+        a["switches"] += n
+        if state == "S":
+            a[f"slept_{why}"] += total
+    elif op == RUNQ:
+        a["runq"] += total
+        a[f"runq_after_{state}"] += total
+        if state == "S":
+            a[f"slept_{why}"] -= total  # the tail after the wakeup is run-queue time
+    else:
+        a["irq"] += total
+
+
+def _sync_sleeps(conn: sqlite3.Connection, node: Node, win: Window,
+                 acc: dict[int, dict[str, int]]) -> None:
+    """Sleeps inside a CUDA sync call are waits for the device, whatever syscall the
+    driver slept in: move their overlap with the thread's sync calls (always stored)
+    from their syscall's reason to ``gpu_sync``."""
+    tids = [t for t, a in acc.items() if a["cuda_calls"]]
+    if not tids:
+        return
+    syncs: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for tid, ts, dur in conn.execute(
+        "SELECT tid, ts_ns, dur_ns FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id "
+        f"BETWEEN ? AND ? AND tid IN {in_list(tids)} AND op IN "
+        f"{in_list(code(o) for o in SYNC_OPS)} ORDER BY ts_ns",
+        (win.start_ns, win.end_ns, node.lo, node.hi),
+    ):
+        syncs[tid].append((ts, ts + dur))
+    for tid, ts, dur, why in conn.execute(
+        f"SELECT tid, ts_ns, dur_ns, {sql_reason()} FROM event_data WHERE ts_ns >= ? AND "
+        f"ts_ns < ? AND id BETWEEN ? AND ? AND tid IN {in_list(list(syncs))} AND op = ? "
+        "AND a0 & 255 != 0 AND a0 & 2 = 0 ORDER BY ts_ns",
+        (win.start_ns, win.end_ns, node.lo, node.hi, OFF_CPU),
+    ):
+        inside = _covered(syncs[tid], ts, ts + dur)
+        if inside:
+            a = acc[tid]
+            moved = min(inside, max(0, a[f"slept_{why}"]))
+            a[f"slept_{why}"] -= moved
+            a["slept_gpu_sync"] += moved
+
+
+def _covered(spans: list[tuple[int, int]], t0: int, t1: int) -> int:
+    """How much of [t0, t1) the sorted, disjoint ``spans`` cover."""
+    total = 0
+    # Indexed, not sliced: a slice copied the rest of the thread's calls for every sleep.
+    for j in range(max(0, bisect.bisect_right(spans, (t0, 1 << 62)) - 1), len(spans)):
+        s0, s1 = spans[j]
+        if s0 >= t1:
+            break
+        total += max(0, min(s1, t1) - max(s0, t0))
+    return total
+
+
+def _scale_cuda(conn: sqlite3.Connection, node: Node, win: Window,
+                acc: dict[int, dict[str, int]], pids: dict[int, int], pid: int | None) -> None:
+    """Stored CUDA calls are a sample; the histograms hold every call's time per
+    process. Share that out to the threads in proportion to their stored time."""
+    hists = histograms(conn, node, win, CALL_CODES, pid)
+    exact: dict[int, int] = defaultdict(int)
+    for (p, _), h in hists.items():
+        exact[p] += h.total
+    stored: dict[int, int] = defaultdict(int)
+    for tid, a in acc.items():
+        stored[pids[tid]] += a["in_cuda_stored"]
+    for tid, a in acc.items():
+        p = pids[tid]
+        factor = exact[p] / stored[p] if stored[p] and exact[p] > stored[p] else 1.0
+        a["in_cuda"] = int(a["in_cuda_stored"] * factor)
+        a["in_cuda_estimated"] = int(factor > 1.0)
+
+
+def _syscall_outliers(conn: sqlite3.Connection, node: Node, where: str, params: list[int]
+                      ) -> dict[int, list[dict[str, Any]]]:
+    out: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    rows = conn.execute(
+        f"SELECT tid, id, ts_ns, dur_ns, a0, ret FROM event_data WHERE {where} AND op = ? "
+        "ORDER BY dur_ns DESC LIMIT 500", [*params, SYSCALL],
+    ).fetchall()
+    for tid, rowkey, ts, dur, nr, ret in rows:
+        if len(out[tid]) < SYSCALL_OUTLIERS:
+            out[tid].append({"id": node.event_id(rowkey), "ts_ns": ts, "dur_ns": dur, "nr": nr,
+                             "name": X86_64.get(nr, f"syscall {nr}"), "ret": ret})
+    return out
+
+
+def _wait_channels(conn: sqlite3.Connection, where: str, params: list[int]
+                   ) -> dict[int, list[dict[str, Any]]]:
+    """Per thread, where its D-state time went: the kernel wait channels the tracer
+    recorded (the first frame past the scheduler), most time first."""
+    out: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for tid, wchan, n, total in conn.execute(
+        "SELECT e.tid, json_extract(x.args, '$.wchan'), count(*), sum(e.dur_ns) FROM "
+        f"(SELECT id, tid, dur_ns FROM event_data WHERE {where} AND op = ? AND a0 & 2 != 0 "
+        "AND a0 & 255 != 0) e JOIN event_args x ON x.id = e.id GROUP BY 1, 2 "
+        "ORDER BY 4 DESC", [*params, OFF_CPU],
+    ):
+        if wchan and len(out[tid]) < WCHANS:
+            out[tid].append({"wchan": str(wchan), "waits": n, "ns": total})
+    return out
+
+
+def _row(tid: int, pid: int, a: dict[str, int], wall: int,
+         tasks: dict[int, tuple[int | None, str | None]], names: dict[int, str],
+         outliers: list[dict[str, Any]]) -> dict[str, Any]:
+    runq = min(a["runq"], a["off_cpu"]) if a["off_cpu"] else a["runq"]
+    d_state = max(0, a["off_D"] - a["runq_after_D"])
+    sleeping = max(0, a["off_S"] - a["runq_after_S"])
+    # Preempted intervals are run-queue wait from the switch-out on; when the runq
+    # event of one fell under the threshold, the off-CPU interval still counts it.
+    runq = max(runq, a["off_R"])
+    off = max(a["off_cpu"], runq + d_state + sleeping)
+    running = max(0, wall - off - a["irq"])
+    waits = _sleep_reasons(a, off - runq - d_state)
+    return {
+        "pid": pid, "tid": tid, "comm": names.get(pid), "thread": tasks.get(tid, (None, None))[1],
+        "wall_ns": wall, "running_ns": running, "runq_ns": runq, "irq_ns": a["irq"],
+        "d_state_ns": d_state, "sleeping_ns": sleeping,
+        **{f"{r}_ns": waits[r] for r in REASONS}, "off_cpu_ns": off,
+        "in_cuda_ns": a["in_cuda"], "in_cuda_estimated": bool(a["in_cuda_estimated"]),
+        "reclaim_ns": min(wall, a["reclaim"]),
+        "lock_spin_ns": min(running, a["lock_spin"]),
+        "cuda_calls_stored": a["cuda_calls"], "switches": a["switches"],
+        "syscall_outliers": outliers,
+    }
+
+
+def _sleep_reasons(a: dict[str, int], sleeping: int) -> dict[str, int]:
+    """``sleeping`` split by reason; what no reason accounts for is ``other``, so the
+    parts add up to it exactly."""
+    out = {r: max(0, a[f"slept_{r}"]) for r in REASONS if r != "other"}
+    known = sum(out.values())
+    if known > sleeping:  # rounding of run-queue tails: scale down, never above the total
+        out = {r: v * sleeping // known for r, v in out.items()}
+    out["other"] = sleeping - sum(out.values())
+    return out
+
+
+def process_rows(threads: list[dict[str, Any]], conn: sqlite3.Connection, node: Node,
+                 win: Window) -> list[dict[str, Any]]:
+    """Threads summed per process, with the exact histogram totals beside them."""
+    hists = histograms(conn, node, win, (OFF_CPU, RUNQ, code("page_alloc"), code("block_io")))
+    keys = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "sleeping_ns",
+            *(f"{r}_ns" for r in REASONS), "off_cpu_ns", "in_cuda_ns", "reclaim_ns",
+            "lock_spin_ns", "switches")
+    procs: dict[int, dict[str, Any]] = {}
+    for t in threads:
+        p = procs.setdefault(t["pid"], {"node": node.name, "pid": t["pid"], "comm": t["comm"],
+                                        "threads": [], **{k: 0 for k in keys}})
+        for k in keys:
+            p[k] += t[k]
+        p["threads"].append(t)
+    for pid, p in procs.items():
+        def h(op: str, pid: int = pid) -> tuple[int, int]:
+            x = hists.get((pid, code(op)))
+            return (x.count, x.total) if x else (0, 0)
+        p["hist_off_cpu"] = dict(zip(("count", "total_ns"), h("off_cpu"), strict=True))
+        p["hist_runq"] = dict(zip(("count", "total_ns"), h("runq_wait"), strict=True))
+        p["page_allocs"] = dict(zip(("count", "pages"), h("page_alloc"), strict=True))
+        p["block_io"] = dict(zip(("count", "total_ns"), h("block_io"), strict=True))
+        p["top_ops"] = []
+    out = sorted(procs.values(), key=lambda p: (-int(p["in_cuda_ns"]), -int(p["off_cpu_ns"])))
+    return out
+

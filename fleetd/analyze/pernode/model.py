@@ -1,0 +1,110 @@
+"""The per-node model every analyzer reads: one node of a database over one window.
+
+A request (``fleetd explain``, a node API call, an MCP tool) resolves its window once
+and builds one :class:`NodeSlice` per node. The slice loads what several analyzers
+need (process and thread names, the span the node has data for, per-process op
+statistics, the per-thread time breakdown) on first use and keeps it, so explain,
+profile, overview, graphs and stacks over the same slice read each of them once.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from functools import cached_property
+from typing import Any
+
+from fleetd.analyze.pernode.breakdown import process_rows, thread_breakdown
+from fleetd.analyze.pernode.opstats import Loaded, load_op_stats, node_kernel_stats, node_op_stats
+from fleetd.analyze.reading.data import Node, comms, effective_span, tasks
+from fleetd.analyze.reading.window import Window
+
+
+class NodeSlice:
+    """One node's data in a window; each part is computed once, when first asked for."""
+
+    def __init__(self, conn: sqlite3.Connection, node: Node, window: Window) -> None:
+        self.conn = conn
+        self.node = node
+        self.window = window
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    @cached_property
+    def _comms(self) -> tuple[dict[int, str], dict[int, int]]:
+        return comms(self.conn, self.node)
+
+    @property
+    def names(self) -> dict[int, str]:
+        """pid -> process name (the tracer's own pid marked as such)."""
+        return self._comms[0]
+
+    @property
+    def parents(self) -> dict[int, int]:
+        """pid -> parent pid."""
+        return self._comms[1]
+
+    @cached_property
+    def tasks(self) -> dict[int, tuple[int | None, str | None]]:
+        """tid -> (pid, thread name), including tasks seen only as peers."""
+        return tasks(self.conn, self.node)
+
+    @cached_property
+    def span(self) -> tuple[int, int]:
+        """The part of the window this node has data for: rates divide by this."""
+        return effective_span(self.conn, self.node, self.window)
+
+    @property
+    def span_ns(self) -> int:
+        return max(1, self.span[1] - self.span[0])
+
+    @cached_property
+    def _op_events(self) -> Loaded:
+        """Every process's stored durations and histograms: read once for the rows per
+        process and the rows summed over processes (explain shows both)."""
+        return load_op_stats(self.conn, self.node, self.window)
+
+    @cached_property
+    def ops(self) -> list[dict[str, Any]]:
+        """Op statistics per process, every process (largest total time first)."""
+        return node_op_stats(self.conn, self.node, self.window, None, True, self.names,
+                             self._op_events)
+
+    def op_stats(self, pid: int | None = None, per_process: bool = True
+                 ) -> list[dict[str, Any]]:
+        """Op statistics for one process or all, per process or summed over processes."""
+        if pid is None and per_process:
+            return self.ops
+        if pid is None:
+            return node_op_stats(self.conn, self.node, self.window, None, False, self.names,
+                                 self._op_events)
+        return node_op_stats(self.conn, self.node, self.window, pid, per_process, self.names)
+
+    def kernel_stats(self, pid: int | None = None, per_process: bool = True
+                     ) -> list[dict[str, Any]]:
+        """Launch statistics per kernel name (``fleetd ops --by kernel``)."""
+        return node_kernel_stats(self.conn, self.node, self.window, pid, per_process,
+                                 self.names)
+
+    @cached_property
+    def threads(self) -> list[dict[str, Any]]:
+        """Where every traced thread's wall time went (most CUDA time first)."""
+        return thread_breakdown(self.conn, self.node, self.window, self.span, self.tasks,
+                                self.names)
+
+    def threads_of(self, pid: int | None) -> list[dict[str, Any]]:
+        """:attr:`threads`, or only one process's (read for that process alone)."""
+        if pid is None:
+            return self.threads
+        return thread_breakdown(self.conn, self.node, self.window, self.span, self.tasks,
+                                self.names, pid)
+
+    def preload(self) -> None:
+        """Read what every explain reads first (names, tasks, span, op statistics, the
+        breakdown), so that a progress line can tell the reading from the analysis."""
+        _ = (self.names, self.tasks, self.span, self.ops, self.threads)
+
+    def processes(self, threads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``threads`` summed per process, with the exact histogram totals beside them."""
+        return process_rows(threads, self.conn, self.node, self.window)

@@ -1,0 +1,447 @@
+"""The JSON shapes of the analyzers' answers (docs/json.md), as typed dictionaries.
+
+The analyzers build their answers as these types (:class:`fleetd.analyze.facade.Analysis`
+returns them), the agent serves them and the CLI and the MCP server render them, so mypy
+holds producer and consumer to one shape. They live here, beside their producers, because
+an analyzer may not import a layer above its own (docs/architecture.md); the agent and
+the client take them from :mod:`fleetd.wire.answers`, which names the same classes.
+
+Only ``typing`` is imported: a client-only install reads these without the analyzers'
+dependencies. A key that is not always there is ``NotRequired``; a value that may be
+JSON ``null`` has ``None`` in its type. ``window`` is
+:meth:`fleetd.analyze.reading.window.Window.to_json` (``start_ns``, ``end_ns``, ``start``,
+``end``, ``label``) and an op row is a row of ``fleetd ops`` (docs/json.md): both stay
+plain dictionaries here. docs/json.md lists every key of every class below, and
+tests/unit/test_answer_shapes.py holds the two, and a real answer, to each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NotRequired, TypedDict
+
+# ---- overview (GET /api/v1/overview, fleetd overview) ----------------------------------
+
+
+class OverviewSession(TypedDict):
+    """One trace session of the node; ``end_reason`` ``stopped``, ``crashed`` or None
+    (still running); columns a database of an older schema lacks are None."""
+
+    id: str  # NODE:SEQ
+    started_ns: int
+    ended_ns: int | None
+    end_reason: str | None
+    lost_events: int | None
+    rank: int | None
+    world_size: int | None
+    headers_route: str | None
+
+
+class OverviewAnswer(TypedDict):
+    """One node's events by source, sessions, chain counts and top ops."""
+
+    node: str
+    window: dict[str, Any]
+    events: int
+    by_source: dict[str, int]
+    sessions: list[OverviewSession]
+    lost_events: int
+    crashed_sessions: int
+    chains: dict[str, int]  # {"HIGH": n, "MEDIUM": n, "LOW": n}
+    verdict: str
+    top_ops: list[dict[str, Any]]  # the ten op rows with the most total time
+    warnings: list[str]
+
+
+# ---- on-CPU profile (fleetd profile, GET /api/v1/cpu_stacks) ----------------------------
+
+
+class FrameShare(TypedDict):
+    """A frame of the profile: its samples as the innermost frame and anywhere."""
+
+    frame: str
+    self_samples: int
+    total_samples: int
+    self_share: float  # of the profile's samples
+    total_share: float
+
+
+class CpuProfile(TypedDict):
+    """``fleetd profile --format json``: the summary of on-CPU samples."""
+
+    samples: int
+    gc_samples: int
+    period_ns: int
+    on_cpu_ns: int  # samples x period
+    threads: int
+    stacks: int
+    top: list[FrameShare]
+    note: str | None
+
+
+class CpuStack(TypedDict):
+    """One thread's stack and its samples, frames innermost first."""
+
+    pid: int
+    tid: int
+    frames: list[str]
+    samples: int
+    gc: int
+
+
+class CpuStacksAnswer(TypedDict):
+    """``GET /api/v1/cpu_stacks``: the window's samples per (thread, stack)."""
+
+    node: str
+    window: dict[str, Any]
+    period_ns: int
+    stacks: list[CpuStack]
+    stacks_omitted: int
+    warnings: list[str]
+
+
+class FlameStack(TypedDict):
+    frames: list[str]  # outermost first
+    samples: int
+
+
+class FlameStacks(TypedDict):
+    """A thread's stacks for a flame graph (the HTML report)."""
+
+    samples: int
+    stacks: list[FlameStack]
+
+
+# ---- stacks (GET /api/v1/stacks, fleetd stacks) -----------------------------------------
+
+
+class StackProcess(TypedDict):
+    pid: int
+    comm: str | None
+
+
+class StackGroup(TypedDict):
+    """One recorded user stack and the calls that had it; frames innermost first."""
+
+    stack: str  # the hash, 16 hex digits
+    events: int
+    total_ns: int
+    mean_ns: int | None
+    max_ns: int
+    ops: list[str]
+    processes: list[StackProcess]  # at most ten
+    frames: list[str]
+    frames_omitted: NotRequired[int]
+    node: str
+
+
+class StacksAnswer(TypedDict):
+    """The heaviest stacks of the window's CUDA calls (the agent adds ``node``)."""
+
+    node: NotRequired[str]
+    window: dict[str, Any]
+    op: str | None
+    pid: int | None
+    stacks: list[StackGroup]
+    events_without_stack: int
+    warnings: list[str]
+    note: NotRequired[str]
+
+
+# ---- CUDA graphs (GET /api/v1/graphs, fleetd graphs) ------------------------------------
+
+
+class GraphPhase(TypedDict):
+    """Count and latency of one phase (begin_capture, instantiate, launch, ...)."""
+
+    count: int
+    total_ns: int | None
+    p50_ns: float | None
+    p99_ns: float | None
+    max_ns: int | None
+
+
+class GraphRates(TypedDict):
+    launches_per_s: float
+    instantiations_per_s: float
+    launches_per_instantiation: float | None
+    build_share_of_wall: float
+    launches_per_s_outside_captures: float | None
+    launches_per_s_during_captures: float | None
+
+
+class GraphEpisode(TypedDict):
+    """A run of timeline buckets that instantiate or update graphs."""
+
+    start: str
+    captures: int
+    instantiations: int
+    updates: int
+    launches: int
+    build_ms: float
+    duration_ms: float
+
+
+class GraphTimeline(TypedDict):
+    bucket_ns: int
+    columns: list[str]
+    rows: list[list[Any]]  # one per bucket, values in ``columns`` order
+
+
+class GraphProcess(TypedDict):
+    node: str
+    pid: int
+    comm: str | None
+    phases: dict[str, GraphPhase]
+    rates: GraphRates
+    first_capture: str | None
+    episodes: list[GraphEpisode]
+    timeline: GraphTimeline
+    verdict: str
+
+
+class GraphsAnswer(TypedDict):
+    """CUDA graph capture / instantiate / launch per process (the agent adds ``node``)."""
+
+    node: NotRequired[str]
+    window: dict[str, Any]
+    processes: list[GraphProcess]
+    warnings: list[str]
+    note: NotRequired[str]
+
+
+# ---- GPU timeline (GET /api/v1/gpu, fleetd gpu) ----------------------------------------
+
+
+class Delays(TypedDict):
+    """A distribution of delays in ns (None without any)."""
+
+    count: int
+    mean: float | None
+    p50: float | None
+    p95: float | None
+    max: int | None
+
+
+class ExposedPrep(TypedDict):
+    """M3: the host preparation exposed to the GPU's idle time."""
+
+    M3a: float | None
+    M3b: float | None
+    M3c: float | None
+    host_prep_ns: int | None
+    exposed_ns: int | None
+    reason: str | None
+
+
+class Judgement(TypedDict):
+    """The M1-M5 verdict of a rank or a step; ``metrics`` and ``thresholds`` by name."""
+
+    host_overhead: str  # YES | NO
+    metrics: dict[str, float | None]
+    thresholds: dict[str, float]
+    evidence: list[str]
+    caveats: list[str]
+    host_prep: str  # confirmed | not confirmed | unknown
+
+
+class RankVerdict(Judgement):
+    """A rank's verdict: raised by its steps' (``phases``), never lowered."""
+
+    phase_thresholds: NotRequired[dict[str, dict[str, float]]]
+    phases: list[str]
+
+
+class GpuStep(TypedDict):
+    """One profiler step of a rank, judged by its own thresholds."""
+
+    name: str
+    start_ns: int
+    step_ns: int
+    idle_ns: int
+    idle_pct: float
+    kernels: int
+    launches: int
+    tklqt_ns: int
+    metrics: dict[str, float | None]
+    host_overhead: str
+    evidence: list[str]
+
+
+class RankSpan(TypedDict):
+    """Which process and device, and the window its figures cover."""
+
+    node: str
+    pid: int
+    rank: int | None
+    device: int
+    start_ns: int
+    end_ns: int
+
+
+class GpuFigures(TypedDict):
+    """Where the GPU time of a window went, and how late kernels started."""
+
+    m3: ExposedPrep
+    window_ns: int
+    idle_ns: int
+    idle_pct: float
+    compute_pct: float
+    comm_pct: float
+    memcpy_pct: float
+    kernels: int
+    nccl_kernels: int
+    nccl_ns: int
+    launches: int
+    tklqt_ns: int
+    launch_delay_ns: Delays
+    queue_delay_ns: Delays
+
+
+class GpuRank(RankSpan, GpuFigures):
+    """One process and device: its span, its figures, then the host-overhead verdict."""
+
+    tklqt_reading: str  # CPU-bound | GPU-bound | unknown
+    summary: str
+    verdict: RankVerdict
+    steps: list[GpuStep]
+    host_frames: NotRequired[dict[str, Any]]  # fleetd.analyze.causes.idle_frames.during_idle
+
+
+class KernelRow(TypedDict):
+    name: str
+    count: int
+    total_ns: int
+    mean_ns: float
+    p50_ns: float
+    p99_ns: float
+    share_pct: float
+
+
+class RankStraggler(TypedDict):
+    """The slowest of two or more ranks, scored as ``explain`` scores nodes."""
+
+    node: str
+    pid: int
+    rank: int | None
+    device: int
+    metric: str
+    value: float
+    median: float
+    best: float
+    score: float
+    flagged: bool
+    reason: str
+
+
+class GpuAnswer(TypedDict):
+    """Every rank of the window's GPU timelines (the agent adds ``node``)."""
+
+    node: NotRequired[str]
+    window: dict[str, Any]
+    ranks: list[GpuRank]
+    kernels: list[KernelRow]
+    warnings: list[str]
+    straggler: RankStraggler | None
+    note: NotRequired[str]
+
+
+# ---- NCCL collective arrival (fleetd collectives; the fleet client compares) -----------
+
+
+class AlignmentSummary(TypedDict):
+    """How the ranks' collective numbers were matched (the weakest, over the report)."""
+
+    method: str
+    confidence: str
+    by: str
+    text: str
+
+
+class CommunicatorAlignment(AlignmentSummary):
+    renumbered: int
+    stretches: list[dict[str, Any]]  # rank, node, pid, offset, confidence, by?, ...
+
+
+class CollectiveRank(TypedDict):
+    rank: int
+    node: str
+    pid: int
+    comm: str | None
+    count: int
+    bytes: int
+    failures: int
+    judged: int
+    last: int
+    last_ambiguous: int
+    last_share: float | None
+    lateness_p50_ns: int | None
+    lateness_p99_ns: int | None
+
+
+class CollectiveStraggler(TypedDict):
+    communicator: str
+    matching: str
+    rank: int
+    node: str
+    pid: int
+    comm: str | None
+    share_last: float
+    last: int
+    judged: int
+    lateness_p50_ns: int | None
+    lateness_p99_ns: int | None
+    reason: str
+
+
+class Communicator(TypedDict):
+    key: str
+    matching: str  # communicator | torchrun
+    job: str | None
+    nranks: int | None
+    alignment: CommunicatorAlignment
+    ranks_seen: int
+    instances: int
+    judged: int
+    ambiguous: int
+    incomplete: int
+    partial: bool
+    op_mismatch: int
+    first_ts_ns: int | None
+    last_ts_ns: int | None
+    ops: dict[str, int]
+    straggler: CollectiveStraggler | None
+    verdict: str
+    ranks: list[CollectiveRank]
+
+
+class ClockJson(TypedDict):
+    offset_ns: int
+    error_ns: int | None
+    domain: NotRequired[str]
+
+
+class CollectivesAnswer(TypedDict):
+    """Collective arrival per communicator and rank (``Analysis.collectives``)."""
+
+    matching: str | None  # communicator | torchrun | mixed
+    alignment: AlignmentSummary | None
+    verdict: str
+    communicators: list[Communicator]
+    stragglers: list[CollectiveStraggler]
+    events: int
+    unmatched: int
+    truncated: bool
+    clocks: dict[str, ClockJson]
+    notes: list[str]
+
+
+# Every shape above, in the order docs/json.md lists them.
+ANSWERS: tuple[type, ...] = (
+    OverviewAnswer, OverviewSession, CpuProfile, FrameShare, CpuStacksAnswer, CpuStack,
+    FlameStacks, FlameStack, StacksAnswer, StackGroup, StackProcess, GraphsAnswer,
+    GraphProcess, GraphPhase, GraphRates, GraphEpisode, GraphTimeline, GpuAnswer, GpuRank,
+    RankSpan, GpuFigures, Delays, ExposedPrep, Judgement, RankVerdict, GpuStep, KernelRow,
+    RankStraggler,
+    CollectivesAnswer, AlignmentSummary, CommunicatorAlignment, Communicator,
+    CollectiveRank, CollectiveStraggler, ClockJson,
+)

@@ -1,0 +1,218 @@
+"""What the causal-chain analysis reads from one node's window, and the records it reads.
+
+:class:`NodeView` holds the bounded queries (a thread's host events, the block I/O of the
+window, who ran when a thread left the CPU, an event's stack, kernel or wait channel);
+:class:`Ev` is one stored event as those queries return it, and :func:`task_state` reads
+an off-CPU record's scheduler state. The spikes (fleetd.analyze.causes.spikes) and the chains
+(fleetd.analyze.causes.chains) are built on them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import sqlite3
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from fleetd.analyze.reading.data import CALL_CODES, Node, code, in_list
+from fleetd.analyze.reading.window import Window
+
+OFF_CPU, RUNQ, WAKEUP = code("off_cpu"), code("runq_wait"), code("wakeup")
+HARDIRQ, SOFTIRQ, BLOCK_IO = code("hardirq"), code("softirq"), code("block_io")
+HOST_CODES = (OFF_CPU, WAKEUP, HARDIRQ, SOFTIRQ)
+_STATE_MASK = 0xFF  # above it the kernel reports TASK_REPORT_MAX for a preempted task
+
+
+def task_state(prev_state: int) -> str:
+    """R (preempted while runnable), D (uninterruptible) or S (any other sleep)."""
+    s = prev_state & _STATE_MASK
+    if s == 0:
+        return "R"
+    return "D" if s & 2 else "S"
+
+
+@dataclass(slots=True)
+class Ev:
+    rowkey: int
+    ts: int
+    dur: int
+    pid: int
+    tid: int
+    op: int
+    peer: int = 0
+    a0: int = 0
+    a1: int = 0
+    nbytes: int = 0
+    ret: int = 0  # off-CPU records: the syscall the thread slept in, + 1 (waits.reason)
+
+    @property
+    def end(self) -> int:
+        return self.ts + self.dur
+
+
+def overlap(a0: int, a1: int, b0: int, b1: int) -> int:
+    return max(0, min(a1, b1) - max(a0, b0))
+
+
+def preempt_takers(tid: int, first: int, last: int, ns: int) -> list[tuple[int, int]]:
+    """Who held the CPU while preempted ``tid`` waited ``ns`` for it: the task that took
+    the CPU (``first``, the switch's next) and the one that had it last before ``tid``
+    got it back (``last``). Two busy loops sharing its CPU take turns: the first always
+    takes over and the second always hands back, and charging the whole wait to the
+    first named one task for work two did. So two different takers share it half and
+    half (a third one between them is not seen: the tracer keeps the two ends)."""
+    if last and last != first and last != tid:
+        return [(first, ns - ns // 2), (last, ns // 2)]
+    return [(first, ns)]
+
+
+# A sleep this short before a run-queue wait: the task that took the CPU when the thread
+# went to sleep is most likely still on it when the thread wakes (a busy loop is).
+MAX_SLEEP_BEFORE_TAIL_NS = 50_000_000
+
+
+def tail_takers(tid: int, left_to: int, slept_ns: int, last: int, ns: int
+                ) -> list[tuple[int, int]]:
+    """Who held the CPU while ``tid``, just woken, waited ``ns`` for it: the task that
+    ran until it got the CPU (``last``, the switch's prev) and, after a short sleep,
+    the one that took the CPU when it went to sleep (``left_to``). The prev alone is
+    often a bystander: a kernel thread (rcu_preempt, a kworker) or another short task
+    preempts a busy loop for microseconds, and the scheduler then picks the woken
+    thread, so the loop that held the CPU for the whole wait was never the prev and a
+    hog inside the thread's own CPU share was never named. A sleep of more than
+    :data:`MAX_SLEEP_BEFORE_TAIL_NS` says nothing about who runs at its end."""
+    if 0 <= slept_ns <= MAX_SLEEP_BEFORE_TAIL_NS and left_to:
+        return preempt_takers(tid, left_to, last, ns)
+    return [(last, ns)]
+
+
+class NodeView:
+    """Everything chains need from one node's window, read with bounded queries."""
+
+    def __init__(self, conn: sqlite3.Connection, node: Node, win: Window,
+                 tasks: dict[int, tuple[int | None, str | None]], names: dict[int, str]) -> None:
+        self.conn, self.node, self.win = conn, node, win
+        self.tasks, self.names = tasks, names
+        self.blocks = self._load_blocks()
+        self.block_starts = [b.ts for b in self.blocks]
+        self.max_block = max((b.dur for b in self.blocks), default=0)
+
+    def _load_blocks(self) -> list[Ev]:
+        # Block requests: of the traced processes, plus any slow one of the system (a
+        # neighbour saturating the disk). Few by construction; kept in memory.
+        rows = self.conn.execute(
+            "SELECT id, ts_ns, dur_ns, pid, tid, bytes FROM event_data WHERE ts_ns >= ? "
+            "AND ts_ns < ? AND id BETWEEN ? AND ? AND op = ? ORDER BY ts_ns",
+            (self.win.start_ns - 10**10, self.win.end_ns, self.node.lo, self.node.hi, BLOCK_IO),
+        )
+        return [Ev(r[0], r[1], r[2], r[3], r[4], BLOCK_IO, nbytes=r[5]) for r in rows]
+
+    def blocks_overlapping(self, t0: int, t1: int) -> list[Ev]:
+        i = bisect.bisect_left(self.block_starts, t0 - self.max_block)
+        j = bisect.bisect_left(self.block_starts, t1)
+        return [b for b in self.blocks[i:j] if b.end > t0]
+
+    def host_events(self, tid: int, t0: int, t1: int) -> list[Ev]:
+        """Off-CPU, wakeup and IRQ events of one thread starting in [t0, t1)."""
+        rows = self.conn.execute(
+            "SELECT id, ts_ns, dur_ns, pid, tid, op, peer, a0, a1, 0, ret FROM event_data "
+            "WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND tid = ? "
+            f"AND op IN {in_list(HOST_CODES)} ORDER BY ts_ns",
+            (t0, t1, self.node.lo, self.node.hi, tid),
+        )
+        return [Ev(*r) for r in rows]
+
+    def switch_peers(self, tid: int) -> dict[int, int]:
+        """How often each task was the next to run when ``tid`` left the CPU, any reason.
+
+        A task that is always runnable beside the victim (a busy loop on its CPU, or in
+        its CPU-quota slice) takes over at nearly every switch, voluntary ones included;
+        the task that happens to run first after a throttled or long wait does not.
+        """
+        rows = self.conn.execute(
+            "SELECT peer, count(*) FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
+            "AND id BETWEEN ? AND ? AND tid = ? AND op = ? AND peer != 0 GROUP BY peer",
+            (self.win.start_ns, self.win.end_ns, self.node.lo, self.node.hi, tid, OFF_CPU),
+        )
+        return {int(peer): int(n) for peer, n in rows}
+
+    def cpu_takers(self, tid: int) -> dict[int, int]:
+        """Who held the CPU while ``tid`` was runnable, over all its recorded run-queue
+        time (the breakdown's ``runq`` column): a preemption goes to the tasks at its two
+        ends (:func:`preempt_takers`), the queued tail of a short sleep to the task that
+        took the CPU when the thread went to sleep, when that is the task that takes
+        over at most of its switches, and the one that ran until it got the CPU back
+        (:func:`tail_takers`). The same ends as a spike's, for the whole window."""
+        out: dict[int, int] = defaultdict(int)
+        left_to: dict[int, tuple[int, int]] = {}  # end of an off-CPU wait -> (next, dur)
+        tails = []
+        for op, ts, a0, peer, a1, dur in self.conn.execute(
+            "SELECT op, ts_ns, a0, peer, a1, dur_ns FROM event_data WHERE ts_ns >= ? AND "
+            "ts_ns < ? AND id BETWEEN ? AND ? AND tid = ? AND op IN (?, ?)",
+            (self.win.start_ns - MAX_SLEEP_BEFORE_TAIL_NS, self.win.end_ns, self.node.lo,
+             self.node.hi, tid, OFF_CPU, RUNQ),
+        ):
+            state = task_state(int(a0 or 0))
+            if op == OFF_CPU:
+                left_to[int(ts) + int(dur)] = (int(peer or 0), int(dur))
+                if state == "R" and peer and ts >= self.win.start_ns:
+                    for taker, ns in preempt_takers(tid, int(peer), int(a1 or 0), int(dur)):
+                        out[taker] += ns
+            elif state != "R" and a1 and ts >= self.win.start_ns:
+                tails.append((int(ts) + int(dur), int(a1), int(dur)))
+        # Only the task that takes over at most of the thread's switches (a busy loop
+        # beside it) is still on the CPU when the thread wakes; another one that took
+        # the CPU at one sleep (a peer's short step) has long gone back to sleep.
+        peers = Counter(peer for peer, _ in left_to.values() if peer)
+        top = peers.most_common(1)
+        busy = top[0][0] if top and top[0][1] * 2 >= sum(peers.values()) else 0
+        for end, last, ns in tails:
+            first, off = left_to.get(end, (0, 0))
+            for taker, part in tail_takers(tid, first if first == busy else 0, off - ns,
+                                           last, ns):
+                out[taker] += part
+        return out
+
+    def wait_channel(self, ev: Ev) -> str | None:
+        """The kernel function a D-state wait slept in, when the tracer recorded it."""
+        row = self.conn.execute("SELECT json_extract(args, '$.wchan') FROM event_args "
+                                "WHERE id = ?", (ev.rowkey,)).fetchone()
+        return str(row[0]) if row and row[0] else None
+
+    def kernel(self, ev: Ev) -> str | None:
+        """The kernel a launch started, when the tracer named it."""
+        row = self.conn.execute("SELECT json_extract(args, '$.kernel') FROM event_args "
+                                "WHERE id = ?", (ev.rowkey,)).fetchone()
+        return str(row[0]) if row and isinstance(row[0], str) and row[0] else None
+
+    def stack(self, ev: Ev) -> list[str]:
+        """The recorded stack of an event (innermost first), or [] when it has none."""
+        row = self.conn.execute("SELECT s.frames FROM event_data e JOIN stacks s ON "
+                                "s.hash = e.stack WHERE e.id = ? AND e.stack != 0",
+                                (ev.rowkey,)).fetchone()
+        try:
+            value = orjson.loads(row[0]) if row else None
+        except orjson.JSONDecodeError:  # a frames value from a foreign writer: one frame
+            return [str(row[0])]
+        return [str(f) for f in value] if isinstance(value, list) else []
+
+    def next_call_stack(self, ev: Ev) -> list[str]:
+        """The stack of the thread's next CUDA call after ``ev`` (within a second)."""
+        row = self.conn.execute(
+            "SELECT id FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? "
+            f"AND tid = ? AND op IN {in_list(CALL_CODES)} ORDER BY ts_ns LIMIT 1",
+            (ev.end, ev.end + 10**9, self.node.lo, self.node.hi, ev.tid)).fetchone()
+        return self.stack(Ev(int(row[0]), 0, 0, 0, ev.tid, 0)) if row else []
+
+    def who(self, tid: int) -> dict[str, Any]:
+        """A task as the output shows it: pid, tid and the process name."""
+        pid, thread = self.tasks.get(tid, (None, None))
+        comm = self.names.get(pid) if pid is not None else None
+        return {"pid": pid if pid is not None else tid, "tid": tid,
+                "comm": comm or thread or f"tid {tid}", "thread": thread}
+
+    def event_id(self, ev: Ev) -> str:
+        return self.node.event_id(ev.rowkey)

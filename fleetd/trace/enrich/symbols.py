@@ -1,0 +1,363 @@
+"""Names for addresses in a live process: which global a futex word belongs to, which
+function a return address or a kernel's host stub is in.
+
+A lock wait is recorded with its futex word's address. An address inside a loaded
+file's data (a global ``pthread_mutex_t``, CPython's ``_PyRuntime`` that holds the
+interpreter lock) is named from that file's ELF symbol table as ``symbol+offset
+(file)``; heap and stack addresses have no name. BCC's symbolizer only knows functions,
+so this reads the symbol tables itself (pyelftools), once per file, while the process
+is alive (its mappings are gone when it exits).
+
+Functions (:class:`FunctionSymbols`) come from the same tables, keyed by the file's GNU
+build id (the same library under two paths, or two processes, is read once), with C++
+names demangled by the C++ runtime's own ``__cxa_demangle``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fleetd.security.procfs import regular_in_root
+
+if TYPE_CHECKING:
+    from fleetd.trace.bpf.decoder import Batch
+
+log = logging.getLogger("fleetd.trace.enrich.symbols")
+
+MAX_FILES = 256  # distinct files whose symbols are kept; a tracer sees few
+NAME_EVERY_NS = 10 * 10**9  # a lock's name rides on one wait per this interval
+MAX_LOCKS = 100_000  # (pid, address) pairs remembered before the memory starts over
+
+
+@dataclass(frozen=True, slots=True)
+class _Mapping:
+    start: int
+    end: int
+    offset: int
+    path: str
+
+
+@dataclass(slots=True)
+class _Image:
+    """One ELF file: where its loadable segments start and end, and its data and
+    function symbols sorted by address."""
+
+    first_vaddr: int
+    end_vaddr: int
+    starts: list[int] = field(default_factory=list)
+    symbols: list[tuple[int, int, str]] = field(default_factory=list)  # (addr, size, name)
+
+    def name(self, vaddr: int) -> str | None:
+        i = bisect.bisect_right(self.starts, vaddr) - 1
+        if i < 0:
+            return None
+        addr, size, name = self.symbols[i]
+        return f"{name}+{vaddr - addr:#x}" if vaddr < addr + max(size, 1) else None
+
+
+class DataSymbols:
+    """``name(pid, addr)``, cached per (pid, addr) and per file."""
+
+    def __init__(self) -> None:
+        self._images: dict[str, _Image | None] = {}
+        self._names: dict[tuple[int, int], str | None] = {}
+
+    def name(self, pid: int, addr: int) -> str | None:
+        key = (pid, addr)
+        if key not in self._names:
+            try:
+                self._names[key] = self._resolve(pid, addr)
+            except (OSError, ValueError) as exc:  # the process is gone, a file unreadable
+                log.debug("address %#x of pid %d not named: %s", addr, pid, exc)
+                self._names[key] = None
+        return self._names[key]
+
+    def _resolve(self, pid: int, addr: int) -> str | None:
+        maps = mappings(pid)
+        for path, base in bases(maps).items():
+            image = self._image(path)
+            if image is None:
+                continue
+            bias = base - (image.first_vaddr & ~0xFFF)
+            if bias + image.first_vaddr <= addr < bias + image.end_vaddr:
+                found = image.name(addr - bias)
+                return f"{found} ({os.path.basename(path)})" if found else None
+        return None
+
+    def _image(self, path: str) -> _Image | None:
+        if path not in self._images:
+            if len(self._images) >= MAX_FILES:
+                self._images.clear()
+            self._images[path] = load_image(path)
+        return self._images[path]
+
+
+def mappings(pid: int) -> list[_Mapping]:
+    out = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split(None, 5)
+        if len(parts) < 6 or not parts[5].startswith("/"):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        out.append(_Mapping(lo, hi, int(parts[2], 16), parts[5].removesuffix(" (deleted)")))
+    return out
+
+
+def bases(maps: list[_Mapping]) -> dict[str, int]:
+    """Each file's lowest mapping of offset 0: where its first segment was loaded."""
+    out: dict[str, int] = {}
+    for m in maps:
+        if m.offset == 0 and (m.path not in out or m.start < out[m.path]):
+            out[m.path] = m.start
+    return out
+
+
+_DATA_KINDS = ("STT_OBJECT", "STT_FUNC", "STT_TLS")
+# ELF symbol types by name (the low nibble of st_info).
+_STT = {"STT_OBJECT": 1, "STT_FUNC": 2, "STT_TLS": 6, "STT_GNU_IFUNC": 10}
+# Elf64_Sym, little-endian: st_name, st_info, st_other, st_shndx, st_value, st_size.
+_SYM64 = struct.Struct("<IBBHQQ")
+
+
+def load_image(path: str, kinds: tuple[str, ...] = _DATA_KINDS) -> _Image | None:
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.elffile import ELFFile
+    from elftools.elf.sections import SymbolTableSection
+
+    try:
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            loads = [s for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
+            if not loads:
+                return None
+            image = _Image(min(s["p_vaddr"] for s in loads),
+                           max(s["p_vaddr"] + s["p_memsz"] for s in loads))
+            syms: dict[int, tuple[int, int, str]] = {}
+            fast = elf.elfclass == 64 and elf.little_endian
+            for sec in elf.iter_sections():
+                if not isinstance(sec, SymbolTableSection):
+                    continue
+                if fast:
+                    _symbols64(sec.data(), elf.get_section(sec["sh_link"]).data(), kinds, syms)
+                    continue
+                for sym in sec.iter_symbols():
+                    kind = sym["st_info"]["type"]
+                    if kind in kinds and sym["st_value"] \
+                            and sym.name:
+                        syms.setdefault(sym["st_value"], (sym["st_value"], sym["st_size"],
+                                                          sym.name))
+    except (OSError, ELFError, ValueError, IndexError, struct.error) as exc:
+        log.debug("no symbols from %s: %s", path, exc)
+        return None
+    image.symbols = sorted(syms.values())
+    image.starts = [s[0] for s in image.symbols]
+    return image
+
+
+def _symbols64(table: bytes, strtab: bytes, kinds: tuple[str, ...],
+               into: dict[int, tuple[int, int, str]]) -> None:
+    """The named, non-zero symbols of these kinds from a 64-bit little-endian symbol
+    table, read with one precompiled struct: pyelftools' per-symbol parsing takes
+    seconds for a library such as libpython (16k symbols), and the tracer's loop waits
+    for it while the ring buffers fill."""
+    wanted = {_STT[k] for k in kinds if k in _STT}
+    usable = len(table) - len(table) % _SYM64.size
+    for name_at, info, _other, _shndx, value, size in _SYM64.iter_unpack(table[:usable]):
+        if not value or not name_at or (info & 0xF) not in wanted or value in into:
+            continue
+        end = strtab.find(b"\0", name_at)
+        name = strtab[name_at:end if end >= 0 else len(strtab)]
+        if name:
+            into[value] = (value, size, name.decode(errors="replace"))
+
+
+class LockNames:
+    """Puts the name of the futex word on lock waits (``args.lock``): on one wait per
+    lock and :data:`NAME_EVERY_NS`, so a busy lock costs one small row now and then, and
+    the analysis still finds a name for every lock that was waited on."""
+
+    def __init__(self) -> None:
+        self.symbols = DataSymbols()
+        self._named: dict[tuple[int, int], int] = {}
+
+    def resolve(self, batch: Batch) -> None:
+        if not batch.futex_waits:
+            return
+        have = {row for row, _ in batch.args}
+        now = time.monotonic_ns()
+        if len(self._named) > MAX_LOCKS:
+            self._named.clear()
+        for row, pid, addr in batch.futex_waits:
+            last = self._named.get((pid, addr))
+            if last is not None and now - last < NAME_EVERY_NS:
+                continue
+            self._named[(pid, addr)] = now
+            name = self.symbols.name(pid, addr)
+            if name and row not in have:
+                batch.args.append((row, {"lock": name}))
+
+
+# ---- functions -------------------------------------------------------------------------
+
+MAX_MAPS_AGE_S = 2.0  # a process's mappings are re-read on a miss at most this often
+
+
+class FunctionSymbols:
+    """``name(pid, addr)``: the function an address of a live process is in, as
+    ``(name or None, file base name or None)``, demangled; ``locate`` also gives the
+    address relative to the file (the same for every process that maps it)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, _Image | None] = {}  # build id (or path) -> functions
+        self._ids: dict[tuple[int, int, int], str] = {}  # (dev, inode, mtime) -> build id
+        self._maps: dict[int, tuple[float, list[_Mapping], dict[str, int]]] = {}
+
+    def name(self, pid: int, addr: int) -> tuple[str | None, str | None]:
+        sym, lib, _ = self.locate(pid, addr)
+        return sym, lib
+
+    def locate(self, pid: int, addr: int) -> tuple[str | None, str | None, int]:
+        found = self._mapping(pid, addr)
+        if found is None:
+            return None, None, addr
+        m, base = found
+        image = self._image(pid, m.path)
+        lib = os.path.basename(m.path)
+        if image is None:
+            return None, lib, addr - base
+        vaddr = addr - (base - (image.first_vaddr & ~0xFFF))
+        i = bisect.bisect_right(image.starts, vaddr) - 1
+        if i < 0:
+            return None, lib, vaddr
+        start, size, sym = image.symbols[i]
+        if size and vaddr >= start + size:
+            return None, lib, vaddr
+        return demangle(sym), lib, vaddr
+
+    def forget(self, pid: int) -> None:
+        self._maps.pop(pid, None)
+
+    def remember(self, pid: int) -> None:
+        """Read ``pid``'s mappings now (the tracer does whenever it reads them itself: at
+        start, at every maps scan, whenever a mapping hook holds the process): a tracer
+        that falls behind names the addresses of a process that has exited since from
+        its last mappings (the files stay on disk), instead of naming nothing."""
+        with contextlib.suppress(OSError):
+            maps = mappings(pid)
+            self._maps[pid] = (time.monotonic(), maps, bases(maps))
+
+    def _mapping(self, pid: int, addr: int) -> tuple[_Mapping, int] | None:
+        for attempt in (0, 1):
+            got = self._maps.get(pid)
+            if got is None or (attempt and time.monotonic() - got[0] > MAX_MAPS_AGE_S):
+                try:
+                    maps = mappings(pid)
+                except OSError:  # gone: its last mappings, if any, still name it
+                    if got is None:
+                        return None
+                    maps = got[1]
+                got = (time.monotonic(), maps, bases(maps))
+                self._maps[pid] = got
+            _, maps, loaded_at = got
+            for m in maps:
+                if m.start <= addr < m.end and m.path in loaded_at:
+                    return m, loaded_at[m.path]
+        return None
+
+    def _image(self, pid: int, path: str) -> _Image | None:
+        # Through /proc/PID/root: the file as the process sees it (containers); once the
+        # process has exited, the path itself (the same file unless it lived in a
+        # container of its own).
+        real = f"/proc/{pid}/root{path}"
+        try:
+            st = os.stat(real)
+        except OSError:
+            real = path
+            try:
+                st = os.stat(real)
+            except OSError:
+                return None
+        key = (st.st_dev, st.st_ino, int(st.st_mtime))
+        bid = self._ids.get(key)
+        if bid is not None and bid in self._by_id:
+            return self._by_id[bid]
+        # A file read for the first time: inside the process's root and a regular file
+        # only, never a FIFO or device put at the mapped path (fleetd.security.procfs).
+        with regular_in_root(pid, path) as safe:
+            if safe is None:
+                return None
+            if bid is None:
+                bid = build_id(safe) or path
+                self._ids[key] = bid
+            if len(self._by_id) >= MAX_FILES:
+                self._by_id.clear()
+            self._by_id[bid] = load_image(safe, ("STT_FUNC", "STT_GNU_IFUNC"))
+        return self._by_id[bid]
+
+
+def build_id(path: str) -> str | None:
+    """The file's GNU build id in hex, or None."""
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.elffile import ELFFile
+
+    try:
+        with open(path, "rb") as f:
+            from elftools.elf.sections import NoteSection
+
+            sec = ELFFile(f).get_section_by_name(".note.gnu.build-id")
+            if not isinstance(sec, NoteSection):
+                return None
+            for note in sec.iter_notes():
+                if note["n_type"] == "NT_GNU_BUILD_ID":
+                    return str(note["n_desc"])
+    except (OSError, ELFError, ValueError):
+        return None
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _cxa_demangle() -> tuple[Any, Any] | None:
+    """``__cxa_demangle`` from the C++ runtime and libc's ``free``, or None."""
+    name = ctypes.util.find_library("stdc++") or "libstdc++.so.6"
+    try:
+        lib = ctypes.CDLL(name)
+        fn = lib.__cxa_demangle
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.POINTER(ctypes.c_int)]
+    free = ctypes.CDLL(None).free
+    free.argtypes = [ctypes.c_void_p]
+    return fn, free
+
+
+@functools.lru_cache(maxsize=65536)
+def demangle(name: str) -> str:
+    """A C++ (Itanium ABI) symbol as source reads it; other names as they are."""
+    if not name.startswith("_Z"):
+        return name
+    api = _cxa_demangle()
+    if api is None:
+        return name
+    fn, free = api
+    status = ctypes.c_int(0)
+    out = fn(name.encode(), None, None, ctypes.byref(status))
+    if not out:
+        return name
+    try:
+        text = ctypes.string_at(out).decode(errors="replace")
+    finally:
+        free(out)
+    return text if status.value == 0 else name
