@@ -45,8 +45,8 @@ from fleetd.node.api import STATE, json_response
 from fleetd.security.procfs import ENVIRON_MAX, STAT_MAX, read_bounded
 from fleetd.store.catalog import BY_CODE, BY_NAME
 from fleetd.store.schema import EventArgs, EventRow
+from fleetd.store.torchrun import job_of, ranks_of
 from fleetd.store.writer import BatchWriter
-from fleetd.trace.host.procinfo import job_of, ranks_of
 from fleetd.wire import paths
 from fleetd.wire.shapes import RankEntry, RanksReply
 

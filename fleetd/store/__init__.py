@@ -4,7 +4,8 @@
   ``files`` (no symlinks, owner-only), ``writer`` (the one writer thread),
   ``losses`` (what a crash or a full disk cost), ``checks``;
 * the rows: ``catalog`` (one code per traced op, and the op families), ``chainrow``
-  (a stored causal chain), ``caps``, ``cuda_errors``, ``syscalls``, ``clockinfo``;
+  (a stored causal chain), ``caps``, ``cuda_errors``, ``syscalls``, ``clockinfo``,
+  ``torchrun`` (a process's rank and job, from its environment);
 * reading safely: ``guard`` (untrusted SQL), ``foreign`` (files fleetd did not write),
   ``bounds`` and ``timeparse`` (a window and a duration, parsed once);
 * other files: ``imports`` (profiler files), ``merge`` and ``mergeplan`` (air-gapped

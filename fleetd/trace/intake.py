@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from fleetd.store.torchrun import job_of, ranks_of
 from fleetd.store.writer import BatchWriter
 from fleetd.trace.bpf.decoder import OP_EXEC, OP_EXIT, OP_FORK, Batch, Decoder, Lifecycle
 from fleetd.trace.bpf.rings import DRAIN_BYTES, Rings
@@ -138,6 +139,6 @@ def _job_of(pid: int) -> dict[str, Any]:
     place = {k: v for k, v in process_placement(pid, env).items() if v is not None}
     if "RANK" not in env:
         return place
-    size = procinfo.ranks_of(env)["world_size"]
+    size = ranks_of(env)["world_size"]
     return {**place, "ppid": procinfo.ppid_of(pid), "world_size": size,
-            "job": procinfo.job_of(env)}
+            "job": job_of(env)}

@@ -2,16 +2,16 @@
 
 Rank, local rank and world size come from torchrun's environment variables (RANK,
 LOCAL_RANK, WORLD_SIZE) in /proc/PID/environ, and so does the job the rank belongs to
-(TORCHELASTIC_RUN_ID, else MASTER_ADDR:MASTER_PORT). Every read tolerates the process
-having exited in the meantime: a missing fact is None, never an exception. The files are
-the process's to fill: each is read through fleetd.security.procfs, bounded per file.
+(TORCHELASTIC_RUN_ID, else MASTER_ADDR:MASTER_PORT), as :mod:`fleetd.store.torchrun`
+reads them. Every read tolerates the process having exited in the meantime: a missing
+fact is None, never an exception. The files are the process's to fill: each is read
+through fleetd.security.procfs, bounded per file.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from fleetd.security.procfs import (
     STATUS_MAX,
     read_proc_text,
 )
+from fleetd.store.torchrun import job_of, ranks_of
 from fleetd.trace.host.cgroups import process_placement
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -81,35 +82,8 @@ def environ(pid: int) -> dict[str, str]:
     return {key: value for key, value in pairs}
 
 
-def _int(v: str | None) -> int | None:
-    try:
-        return int(v) if v is not None else None
-    except ValueError:
-        return None
-
-
-def ranks_of(env: Mapping[str, str]) -> dict[str, int | None]:
-    """rank, local_rank and world_size from torchrun's environment (None: unset)."""
-    return {
-        "rank": _int(env.get("RANK")),
-        "local_rank": _int(env.get("LOCAL_RANK")),
-        "world_size": _int(env.get("WORLD_SIZE")),
-    }
-
-
 def rank_info(pid: int) -> dict[str, int | None]:
     return ranks_of(environ(pid))
-
-
-def job_of(env: Mapping[str, str]) -> str | None:
-    """The torchrun job a process belongs to: TORCHELASTIC_RUN_ID (torchrun's
-    ``--rdzv-id``; its default ``none`` names no job), else ``MASTER_ADDR:MASTER_PORT``
-    when both are set, else None. Ranks of one job share it on every node."""
-    run_id = env.get("TORCHELASTIC_RUN_ID", "").strip()
-    if run_id and run_id.lower() != "none":
-        return run_id
-    addr, port = env.get("MASTER_ADDR", "").strip(), env.get("MASTER_PORT", "").strip()
-    return f"{addr}:{port}" if addr and port else None
 
 
 def process_row(pid: int) -> dict[str, Any]:
