@@ -1,8 +1,20 @@
-"""The node API under /api/v1: JSON in, JSON out (orjson), errors as JSON, never tracebacks.
+"""The node API's core: the application, its rules, and the routes that need no analyzer.
 
-Every database touch goes through the :class:`ReaderPool` (threads), never the loop.
-Analysis endpoints (ops, chains, overview, profile) are plugged in by the agent as
-``extra_routes`` so that this module stays independent of the analyzer.
+:func:`make_app` builds the aiohttp application with its three middlewares (who asks:
+certificate role and relay rights, :func:`peer_middleware`; the bearer token,
+:func:`token_middleware`; every failure as a JSON error with its status, never a
+traceback, :func:`errors_middleware`) and serves ``health``, ``time``, ``query`` (the
+guarded SQL of :class:`~fleetd.store.guard.SafeDB`, as JSON or streamed NDJSON) and
+``events``. Every other route is handed in as ``extra_routes`` by
+:func:`fleetd.node.agent.build_app` (``/metrics``, one route per question from
+:mod:`fleetd.node.analysis`, ``ranks``, ``detail``) and by the CLI (``relay``), so this
+module imports neither the analyzers nor the registry.
+
+It also holds what those routes share: :class:`NodeState` (the node's counters), the
+JSON encoding and error answers, and the room an answer takes in its connection's
+outbox (:class:`AnswerRoom`, :func:`held_answer`, :func:`send_paced`: held before the
+answer is made, sent a piece at a time). Every database touch runs on a thread of the
+:class:`~fleetd.node.readers.ReaderPool`, never on the loop.
 """
 
 from __future__ import annotations
