@@ -139,10 +139,10 @@ class Tracer:
         preflight()
         named = check_pids(self.cfg.pids)
         opts = self._program_options()
-        say(f"compiling the BPF programs ({len(opts.layers)} layers)")
         compiled: list[tuple[Any, HeaderRoute]] = []
         failure: list[BaseException] = []
-        worker = threading.Thread(target=_compile_into, args=(opts, compiled, failure),
+        # The worker says whether it compiles or loads the cache's programs.
+        worker = threading.Thread(target=_compile_into, args=(opts, compiled, failure, say),
                                   name="fleetd-compile", daemon=True)
         worker.start()
         libs = self.scope.initial_libraries()
@@ -158,7 +158,8 @@ class Tracer:
                 self.writer = None
             raise failure[0]
         self.bpf, self.route = compiled[0]
-        say(f"compiled (headers: {self.route.name}); attaching probes")
+        say(f"BPF programs ready ({len(opts.layers)} layers, headers: {self.route.name}); "
+            "attaching probes")
         self.scope.attacher = Attacher(self.bpf, launch_entry=not self.cfg.launch_returns
                                        or self.cfg.mode == "always-on")
         try:
@@ -476,9 +477,9 @@ class Tracer:
 # ---- helpers ------------------------------------------------------------------------------
 
 def _compile_into(opts: ProgramOptions, out: list[tuple[Any, HeaderRoute]],
-                  failure: list[BaseException]) -> None:
+                  failure: list[BaseException], say: Callable[[str], None]) -> None:
     try:
-        out.append(compile_program(opts))
+        out.append(compile_program(opts, say))
     except BaseException as exc:  # handed to the starting thread, which raises it
         failure.append(exc)
 

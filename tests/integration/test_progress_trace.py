@@ -53,3 +53,8 @@ def test_start_up_prints_a_line_every_few_seconds_and_none_when_quiet(tmp_path: 
     quiet, code = trace(tmp_path, cache, "--quiet")  # the cache's programs: quick
     assert code == 0, quiet
     assert not [t for _, t in quiet if t.startswith("fleetd: starting")], quiet
+    # A warm start says it loads the cache's programs, and never that it compiles.
+    warm, code = trace(tmp_path, cache)
+    said = [t for _, t in warm if t.startswith("fleetd: starting")]
+    assert code == 0 and any("from the compiled-program cache" in t for t in said), warm
+    assert not any("compiling" in t for t in said), warm

@@ -138,17 +138,20 @@ def key_inputs(text: str, flags: list[str]) -> bpfcache.KeyInputs:
 
 
 def load_or_compile(text: str, flags: list[str], params: dict[str, int], values: dict[int, int],
-                    compile_only: Compiler, compile_with_values: Compiler
+                    compile_only: Compiler, compile_with_values: Compiler,
+                    stage: Callable[[bool], None] = lambda _cached: None,
                     ) -> tuple[Any, HeaderRoute]:
     """The loaded module for ``text`` compiled with ``flags``, whose ``params`` (name ->
     sentinel) take ``values`` (sentinel -> value) at load: from the cache, else from
     ``compile_only()`` (BCC, nothing loaded), kept for the next start. When the compiled
-    module cannot be kept, ``compile_with_values()`` is what is returned."""
+    module cannot be kept, ``compile_with_values()`` is what is returned. ``stage``
+    hears True before a load from the cache, False before a compile."""
     cache = cache_dir()
     key = bpfcache.cache_key(key_inputs(text, flags))
     t0 = time.perf_counter()
     entry = bpfcache.load(cache, key)
     if entry is not None:
+        stage(True)
         try:
             obj = CachedBPF(entry, values)
         except Exception as exc:  # bcc-style bare Exception from a load or an attach
@@ -159,6 +162,7 @@ def load_or_compile(text: str, flags: list[str], params: dict[str, int], values:
             log.info("BPF programs loaded from the compiled-program cache (entry %s) in "
                      "%.2f s", key[:16], time.perf_counter() - t0)
             return obj, HeaderRoute(*entry.route)
+    stage(False)
     bpf, route = compile_only()
     try:
         entry = capture(bpf, (route.name, route.source, route.detail),

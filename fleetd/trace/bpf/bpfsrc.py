@@ -16,13 +16,13 @@ import platform
 import re
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleetd.errors import TraceError
-from fleetd.store.catalog import OPS, cflag_name
+from fleetd.store.catalog import c_defines
 from fleetd.trace.bpf.probes import RING_NUMBER, SPECS
 from fleetd.trace.host.headers import HeaderRoute, applied, candidate_routes
 from fleetd.trace.host.memory import tracepoints as memory_tracepoints
@@ -40,6 +40,13 @@ PYFRAME = struct.Struct("<QQ")
 # struct fl_pystack.
 CPU_SAMPLE = struct.Struct("<QIIiIIIQ")  # ts pid tid stack flags cpu pad kip
 CPU_SAMPLE_SIZE = CPU_SAMPLE.size + PYSTACK_HEAD.size + PY_FRAMES * PYFRAME.size
+# Why a record reached user space (fl_rec.flags): FL_WHY_<NAME> in C, defined from here.
+WHY_SAMPLE = 1  # the 1-in-N sample of ordinary calls
+WHY_SLOW = 2  # latency above k x the running median
+WHY_ERROR = 4  # a call that returned an error (rate-limited per pid+op)
+WHY_ALWAYS = 8  # sync, graph, allocation, NCCL and lifecycle events
+WHY: dict[str, int] = {"SAMPLE": WHY_SAMPLE, "SLOW": WHY_SLOW, "ERROR": WHY_ERROR,
+                       "ALWAYS": WHY_ALWAYS}
 NBUCKETS = 40
 HIST_SIZE = 6 * 8 + 2 * 8 * NBUCKETS
 
@@ -186,7 +193,8 @@ NR_URETPROBE = 335 if platform.machine() == "x86_64" else -1
 
 def cflags(opts: ProgramOptions) -> list[str]:
     th = opts.thresholds_ns
-    flags = [f"-D{cflag_name(op)}={op.code}" for op in OPS]
+    flags = [f"-D{define}" for define in c_defines()]
+    flags += [f"-DFL_WHY_{name}={bit}u" for name, bit in WHY.items()]
     flags += [
         f"-DFL_REC_SIZE={REC.size}",
         f"-DFL_HIST_SIZE={HIST_SIZE}",
@@ -263,13 +271,19 @@ def _looks_like_header_problem(text: str) -> bool:
     ))
 
 
-def compile_program(opts: ProgramOptions) -> tuple[Any, HeaderRoute]:
+def compile_program(opts: ProgramOptions, say: Callable[[str], None] | None = None
+                    ) -> tuple[Any, HeaderRoute]:
     """Load fleetd's programs (from the cache, or compiled); TraceError if no header
     route works. The tracer's pid changes on every start: it is a load-time parameter,
-    so one cache entry serves them all."""
+    so one cache entry serves them all. ``say`` hears which of the two it is."""
     return compile_source(source_text(opts.layers, opts.cpu_sample_hz > 0), cflags(opts),
-                          params={"FL_TRACER_PID": opts.tracer_pid})
+                          params={"FL_TRACER_PID": opts.tracer_pid}, say=say)
 
+
+# What a start says it is doing: a compile takes seconds to minutes, a cached load well
+# under one, and a user waiting should know which it is.
+COMPILING = "compiling the BPF programs (the first start with these programs and kernel)"
+CACHED = "loading the BPF programs from the compiled-program cache"
 
 # Stand-ins for the load-time parameters while compiling: above any pid (pid_max is at
 # most 2^22) and positive as a 32-bit immediate, so the compiler keeps each as it is.
@@ -282,7 +296,8 @@ COMPILE_GRACE_S = 5.0
 
 
 def compile_source(text: str, flags: list[str] | None = None,
-                   params: dict[str, int] | None = None) -> tuple[Any, HeaderRoute]:
+                   params: dict[str, int] | None = None,
+                   say: Callable[[str], None] | None = None) -> tuple[Any, HeaderRoute]:
     """Load BPF C: from the compiled-program cache when it holds this source, flags and
     kernel, else compiled (at low priority) with the first header route that works,
     then kept. ``params``: -D values given at load instead of compile time (small
@@ -296,7 +311,9 @@ def compile_source(text: str, flags: list[str] | None = None,
             "(never `pip install bcc`: that PyPI name is an unrelated package)",
         ) from exc
     flags, params = list(flags or []), params or {}
+    tell = say or (lambda _msg: None)
     if os.environ.get("FLEETD_BPF_CACHE", "").lower() in ("0", "off", "no"):
+        tell(COMPILING)
         return _compile(text, _with_values(flags, params), autoload=True)
     from fleetd.trace.bpf.bpfload import load_or_compile
 
@@ -306,7 +323,8 @@ def compile_source(text: str, flags: list[str] | None = None,
     real = _with_values(flags, params)
     return load_or_compile(text, compiled, sentinels, values,
                            lambda: _compile(text, compiled, autoload=False),
-                           lambda: _compile(text, real, autoload=True))
+                           lambda: _compile(text, real, autoload=True),
+                           lambda cached: tell(CACHED if cached else COMPILING))
 
 
 def _with_values(flags: list[str], values: dict[str, int]) -> list[str]:
