@@ -16,6 +16,6 @@
 * :mod:`~fleetd.wire.pods`: selecting processes by Kubernetes pod across the wire.
 
 It sits below ``fleetd.node`` and ``fleetd.fleet`` (docs/architecture.md) and imports
-only the base and the analyzers' types, so both ends read the same definitions and
-neither imports the other.
+only the base, the op catalogue's families and the analyzers' types, so both ends read
+the same definitions and neither imports the other.
 """
