@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleetd.cli.argtypes import byte_size
-from fleetd.cli.trace_cmd import add_cpu_sample_arg, add_launch_returns_arg, cpu_sample_hz
+from fleetd.cli.trace_args import add_cpu_sample_arg, add_launch_returns_arg, cpu_sample_hz
 from fleetd.config import Config, load_config
 from fleetd.errors import UsageError
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 _SCALE = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
@@ -20,3 +21,18 @@ def byte_size(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be more than zero")
     return value
+
+
+def positive(name: str) -> Callable[[str], int]:
+    """An argparse type for a positive integer whose error names the option."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = -1
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"invalid {name} {text!r}: use a positive "
+                                             "integer")
+        return value
+
+    return parse

@@ -14,10 +14,11 @@ if TYPE_CHECKING:  # the types of the local and fleet answers' functions
     from fleetd.fleet.fanout import FleetOptions
     from fleetd.fleet.result import FleetResult
 
-from fleetd.cli.explain_cmd import add_window, positive
+from fleetd.cli.argtypes import positive
 from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
 from fleetd.cli.questions import either
+from fleetd.cli.window_args import add_window
 from fleetd.errors import UsageError
 from fleetd.printable import printable_tree
 

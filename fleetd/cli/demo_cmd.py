@@ -399,7 +399,7 @@ def _check_parts(fleet: Fleet) -> None:
 def _explain(cmd: list[str], dest: Path) -> dict[str, Any]:
     """Run the fleet explain once, as JSON into ``dest``, and print that answer as the
     table ``fleetd explain`` prints: the summary then repeats the same answer."""
-    from fleetd.cli.explain_cmd import render_fleet
+    from fleetd.cli.explain_render import render_fleet
 
     shown = ["fleetd", *cmd[len(_fleetd()):]]
     _say(f"\n$ {shlex.join(shown)}")

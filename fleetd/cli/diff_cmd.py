@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fleetd.cli.explain_cmd import positive
+from fleetd.cli.argtypes import positive
 from fleetd.cli.output import dumps, table, warn
 from fleetd.printable import printable_tree
 

@@ -8,10 +8,11 @@ import argparse
 import sys
 from typing import Any
 
-from fleetd.cli.explain_cmd import add_window, positive
+from fleetd.cli.argtypes import positive
 from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.output import dumps, human_ns, print_notes, table
 from fleetd.cli.questions import ask
+from fleetd.cli.window_args import add_window
 from fleetd.printable import printable_tree
 from fleetd.questions.catalog import GPU
 

@@ -8,10 +8,11 @@ import argparse
 import sys
 from typing import Any
 
-from fleetd.cli.explain_cmd import add_window, positive
+from fleetd.cli.argtypes import positive
 from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
 from fleetd.cli.questions import ask
+from fleetd.cli.window_args import add_window
 from fleetd.questions.catalog import GRAPHS
 
 COLUMNS = ["node", "pid", "comm", "captures", "instantiations", "launches",

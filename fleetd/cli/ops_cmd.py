@@ -7,10 +7,10 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from fleetd.cli.explain_cmd import add_common
-from fleetd.cli.output import FORMATS, check_format, human_ns, warn, write_rows
+from fleetd.cli.output import FORMATS, check_format, table_view, warn, write_rows
 from fleetd.cli.pod_args import fleet_selection, selected_pids
 from fleetd.cli.questions import either
+from fleetd.cli.window_args import add_common
 
 if TYPE_CHECKING:
     from fleetd.analyze.facade import Analysis
@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from fleetd.fleet.fanout import FleetOptions
     from fleetd.fleet.result import FleetResult
 
-_NS_COLUMNS = ("total_ns", "mean_ns", "p50_ns", "p95_ns", "p99_ns", "max_ns")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -85,26 +84,3 @@ def run(args: argparse.Namespace) -> int:
             print(f"fleetd: warning: no {what} in the window", file=sys.stderr)
         warn(warnings)
     return asked.done(args, fmt == "json")
-
-
-def table_view(cols: list[str], rows: list[list[object]],
-               fmt: str) -> tuple[list[str], list[list[object]]]:
-    """Tables show durations for reading, under headers without ``_ns`` (the cells are
-    not nanoseconds any more), and a histogram's max as ``≥`` its lower bound; every
-    other format keeps the integers (ns) and the ``max_exact`` flag for machines."""
-    if fmt != "table":
-        return cols, rows
-    exact = cols.index("max_exact") if "max_exact" in cols else None
-    keep = [i for i, c in enumerate(cols) if i != exact]
-    out = []
-    for r in rows:
-        cells = [_duration(v) if cols[i] in _NS_COLUMNS else v for i, v in enumerate(r)]
-        mx = cols.index("max_ns") if "max_ns" in cols else None
-        if exact is not None and mx is not None and r[exact] is False and cells[mx]:
-            cells[mx] = f"≥ {cells[mx]}"
-        out.append([cells[i] for i in keep])
-    return [cols[i].removesuffix("_ns") for i in keep], out
-
-
-def _duration(value: object) -> object:
-    return human_ns(value) if isinstance(value, int) else value

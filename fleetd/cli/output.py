@@ -437,3 +437,30 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]],
     out_lines.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})"
                      + _hidden_note(len(columns) - len(shown)) + "\n")
     return "".join(out_lines)
+
+
+# The op statistics' duration columns (fleetd.analyze.pernode.opstats), in ns.
+NS_COLUMNS = ("total_ns", "mean_ns", "p50_ns", "p95_ns", "p99_ns", "max_ns")
+
+
+def table_view(cols: list[str], rows: list[list[object]],
+               fmt: str) -> tuple[list[str], list[list[object]]]:
+    """Tables show durations for reading, under headers without ``_ns`` (the cells are
+    not nanoseconds any more), and a histogram's max as ``≥`` its lower bound; every
+    other format keeps the integers (ns) and the ``max_exact`` flag for machines."""
+    if fmt != "table":
+        return cols, rows
+    exact = cols.index("max_exact") if "max_exact" in cols else None
+    keep = [i for i, c in enumerate(cols) if i != exact]
+    out = []
+    for r in rows:
+        cells = [_duration(v) if cols[i] in NS_COLUMNS else v for i, v in enumerate(r)]
+        mx = cols.index("max_ns") if "max_ns" in cols else None
+        if exact is not None and mx is not None and r[exact] is False and cells[mx]:
+            cells[mx] = f"≥ {cells[mx]}"
+        out.append([cells[i] for i in keep])
+    return [cols[i].removesuffix("_ns") for i in keep], out
+
+
+def _duration(value: object) -> object:
+    return human_ns(value) if isinstance(value, int) else value

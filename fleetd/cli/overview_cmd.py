@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fleetd.cli.explain_cmd import add_window
 from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.output import FORMATS, check_format, dumps, warn, write_rows
 from fleetd.cli.questions import ask
+from fleetd.cli.window_args import add_window
 from fleetd.questions.catalog import OVERVIEW, OVERVIEW_COLUMNS, overview_rows
 
 

@@ -10,11 +10,12 @@ from typing import Any, TextIO
 
 from orjson import dumps
 
-from fleetd.cli.explain_cmd import add_window, positive
+from fleetd.cli.argtypes import positive
 from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.outfile import add_output_args, output_path, writing
 from fleetd.cli.output import write_rows
 from fleetd.cli.questions import ask
+from fleetd.cli.window_args import add_window
 from fleetd.errors import UsageError
 from fleetd.questions.catalog import CPU_STACKS
 

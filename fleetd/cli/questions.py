@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fleetd.cli.explain_cmd import add_window, open_analysis, positive
+from fleetd.cli.argtypes import positive
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
 from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
+from fleetd.cli.window_args import add_window, open_analysis
 from fleetd.questions.catalog import QUESTIONS
 
 if TYPE_CHECKING:

@@ -7,12 +7,12 @@ import argparse
 from typing import Any, TextIO
 
 from fleetd.analyze.reading.frames import folded, short_frame, top_python_frame
-from fleetd.cli.explain_cmd import add_window, positive
+from fleetd.cli.argtypes import positive
 from fleetd.cli.fleet_args import add_fleet_args
-from fleetd.cli.ops_cmd import table_view
 from fleetd.cli.outfile import add_output_args, output_path, writing
-from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
+from fleetd.cli.output import FORMATS, check_format, print_notes, table_view, write_rows
 from fleetd.cli.questions import ask
+from fleetd.cli.window_args import add_window
 from fleetd.errors import UsageError
 from fleetd.questions.catalog import STACKS
 from fleetd.store.timeparse import parse_duration

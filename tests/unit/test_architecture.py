@@ -457,3 +457,31 @@ def test_every_package_init_is_a_map_of_its_modules() -> None:
                 missing.append(f"{init.parent.relative_to(REPO)}: {child}")
     assert not missing, ("package maps (the __init__ docstring) that do not name these "
                          f"modules or rooms: {missing}")
+
+
+def command_imports(sources: dict[str, str]) -> list[str]:
+    """``a -> b`` for each ``fleetd.cli.*_cmd`` module (name -> source) that imports
+    another ``*_cmd`` module, wherever the import sits."""
+    found = []
+    for name, source in sorted(sources.items()):
+        if not (name.startswith("fleetd.cli.") and name.endswith("_cmd")):
+            continue
+        for target, line in fleetd_imports(source, name, False, set(sources)):
+            if target.startswith("fleetd.cli.") and target.endswith("_cmd") and target != name:
+                found.append(f"{name}:{line} -> {target}")
+    return found
+
+
+def test_no_command_module_imports_another() -> None:
+    """What two commands share (argument helpers, renderers) lives in a shared module of
+    fleetd.cli (fleetd/cli/__init__.py names them), never in one of the commands."""
+    found = command_imports({m: p.read_text() for m, p in tree_modules().items()})
+    assert not found, f"command modules importing another command: {found}"
+
+
+def test_the_command_import_check_can_fail() -> None:
+    sources = {"fleetd.cli.a_cmd": "def f():\n    from fleetd.cli.b_cmd import g\n",
+               "fleetd.cli.b_cmd": "from fleetd.cli.output import table\n",
+               "fleetd.cli.output": "", "fleetd.cli.c_cmd": "from fleetd.cli import a_cmd\n"}
+    assert command_imports(sources) == ["fleetd.cli.a_cmd:2 -> fleetd.cli.b_cmd",
+                                        "fleetd.cli.c_cmd:1 -> fleetd.cli.a_cmd"]

@@ -222,7 +222,7 @@ def test_a_straggler_rank_is_named_with_its_pod() -> None:
     every node's report carries."""
     import io
 
-    from fleetd.cli.explain_cmd import render_fleet
+    from fleetd.cli.explain_render import render_fleet
 
     proc = {"node": "gpu-3", "pid": 4242, "comm": "python", "pod": "trainer-2",
             "namespace": "ml", "container": "trainer", "threads": []}
