@@ -52,14 +52,19 @@ def test_every_view_and_table_is_documented() -> None:
 # ---- the node API, its metrics and the CLI flags, read from the code -------------------
 
 def _agent_routes(tmp_path: Path) -> set[tuple[str, str]]:
-    """(method, path) of every route the agent's application serves, as it builds it."""
+    """(method, path) of every route the agent's application serves, as ``fleetd agent``
+    builds it: the agent's own routes and the relay route the CLI plugs in."""
     from fleetd.node.agent import AgentSettings, build_app
     from fleetd.node.api import NodeState
+    from fleetd.relay import RelaySettings, relay_routes
 
-    app = build_app(AgentSettings(node="n1", db=tmp_path / "n1.db"), NodeState(node="n1"))
+    settings = AgentSettings(node="n1", db=tmp_path / "n1.db",
+                             extra_routes=relay_routes(RelaySettings(node="n1")))
+    app = build_app(settings, NodeState(node="n1"))
     routes = {(r.method, r.resource.canonical) for r in app.router.routes()
               if r.resource is not None and r.method != "HEAD"}  # HEAD comes with each GET
-    assert ("GET", "/api/v1/health") in routes and ("GET", "/metrics") in routes
+    assert {("GET", "/api/v1/health"), ("GET", "/metrics"), ("POST", "/api/v1/query"),
+            ("POST", "/api/v1/detail"), ("POST", "/api/v1/relay")} <= routes
     return routes
 
 
@@ -70,13 +75,53 @@ def _section(doc: str, heading: str) -> str:
     return m.group(1)
 
 
+def documented_routes(doc: str) -> set[tuple[str, str]]:
+    """(method, path) of each route heading: ### `GET /api/v1/chains?since=...` (query
+    parameters may follow the path)."""
+    return set(re.findall(r"^#+ `([A-Z]+) (/[^`?\s]*)", doc, re.M))
+
+
 def test_every_agent_route_is_documented(tmp_path: Path) -> None:
-    doc = (REPO / "docs" / "api.md").read_text()
-    # A route's heading: ### `GET /api/v1/chains?since=...` (query parameters may follow).
-    documented = set(re.findall(r"^#+ `([A-Z]+) (/[^`?\s]*)", doc, re.M))
-    missing = sorted(_agent_routes(tmp_path) - documented)
+    """docs/api.md has one heading per route the agent serves, method and path, and none
+    for a route it does not serve."""
+    documented = documented_routes((REPO / "docs" / "api.md").read_text())
+    served = _agent_routes(tmp_path)
+    missing = sorted(served - documented)
     assert not missing, ("docs/api.md has no heading (### `METHOD /path`) for the agent's "
                          f"routes: {missing}")
+    stale = sorted(documented - served)
+    assert not stale, f"docs/api.md documents routes the agent does not serve: {stale}"
+
+
+def test_the_architecture_doc_names_every_agent_route(tmp_path: Path) -> None:
+    """The agent's paragraph of docs/architecture.md names each route it serves: a
+    question's route as "one `GET` route per question", any other by its name."""
+    from fleetd.questions.catalog import QUESTIONS
+
+    para = _paragraph((REPO / "docs" / "architecture.md").read_text(), "`fleetd.node`")
+    questions = {("GET", q.route) for q in QUESTIONS}
+    assert "one `GET` route per question" in para
+    unnamed = [f"{method} {path}" for method, path in sorted(_agent_routes(tmp_path))
+               if (method, path) not in questions and not _names_route(para, method, path)]
+    assert not unnamed, ("docs/architecture.md's paragraph on fleetd.node does not name "
+                         f"these routes: {unnamed}")
+
+
+def _paragraph(doc: str, bold: str) -> str:
+    """The paragraph that starts with **``bold``...**, its lines folded."""
+    m = re.search(rf"^\*\*{re.escape(bold)}.*?(?=\n\n)", doc, re.M | re.S)
+    assert m is not None, f"no paragraph starting **{bold}"
+    return " ".join(m.group(0).split())
+
+
+def _names_route(text: str, method: str, path: str) -> bool:
+    """``text`` names the route by its last path part (`/metrics` for a path outside the
+    API), and a route other than GET as a `POST` beside it."""
+    api = path.startswith("/api/v1/")
+    name = path.rsplit("/", 1)[-1] if api else path
+    if f"`{name}`" not in text:
+        return False
+    return method == "GET" or f"`{name}` (a `{method}`" in text
 
 
 def test_every_metric_series_is_documented() -> None:
