@@ -2,14 +2,14 @@
 
 On a terminal (stderr is a tty) a task shows ``fleetd: <what>: <step>... 3 s`` rewritten
 in place each second and erased when the task ends, so the result below it stays clean.
-In a pipe, a file or a service log, a task that has run :data:`FIRST_S` seconds prints
-``fleetd: <what>: <step>... 3 s`` as a plain line, then one every :data:`EVERY_S`
-seconds and one at each new step, never carriage returns: nothing long is silent for
-more than a few seconds, and a quick command prints nothing. ``--quiet`` (or
-:func:`set_quiet`) silences both. Never on stdout, which holds the answer.
+In a pipe, a file or a service log, a task that has run :data:`FIRST_S_DEFAULT` seconds
+prints ``fleetd: <what>: <step>... 3 s`` as a plain line, then one every
+:data:`EVERY_S` seconds and one at each new step, never carriage returns: nothing long
+is silent for more than a few seconds, and a quick command prints nothing. ``--quiet``
+(or :func:`set_quiet`) silences both. Never on stdout, which holds the answer.
 
-FLEETD_PROGRESS_FIRST_S sets :data:`FIRST_S` (0: a plain line at once; the tests use it
-to see the lines of a command that is quick on their small files).
+FLEETD_PROGRESS_FIRST_S replaces :data:`FIRST_S_DEFAULT` (0: a plain line at once; the
+tests use it to see the lines of a command that is quick on their small files).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The client asks ``POST /api/v1/query`` with ``Accept: application/x-ndjson``; the
 answer's lines are checked as they come by :class:`fleetd.wire.query.QueryStream`,
-which raises :class:`fleetd.errors.BadReply` for anything that is not a whole, well
+which raises :class:`fleetd.wire.failure.BadReply` for anything that is not a whole, well
 formed answer. The time bound is the request's own (aiohttp's total timeout covers the
 whole body).
 """

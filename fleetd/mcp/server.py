@@ -164,7 +164,7 @@ def _code(exc: FleetdError) -> str:
 def build_server(backend: LocalBackend | FleetBackend,
                  settings: ServerSettings | None = None) -> MCPServer:
     """An MCP server over ``backend``; run it with ``run_stdio_async`` or serve its
-    streamable HTTP app (:mod:`fleetd.mcp.http`)."""
+    streamable HTTP app (:mod:`fleetd.mcp.https`)."""
     answers = Answers(settings or ServerSettings())
     mode = "database" if isinstance(backend, LocalBackend) else "fleet"
     server: MCPServer = MCPServer("fleetd", version=__version__, instructions=INSTRUCTIONS)

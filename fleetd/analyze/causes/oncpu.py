@@ -1,7 +1,7 @@
 """What the feeding thread does while it runs: ``gc_pause`` and ``host_cpu_bound``.
 
 Both rules read the tracer's on-CPU samples of the feeding thread (:mod:`fleetd.analyze.
-profile`): one sample per period while the thread was on a CPU, with its stack and
+reading.profile`): one sample per period while the thread was on a CPU, with its stack and
 whether its interpreter was collecting garbage. A share they state is ``samples x
 period / wall``, the sampler's own accounting; the breakdown's ``running`` share of the
 same thread is put beside it (``detail.running_share``), and the two agree to within

@@ -17,7 +17,7 @@ collector gets ``[garbage collection]`` as its innermost frame, so a flame graph
 it; a run of such samples of one thread, no other sample of it between them, is one
 ``gc_pause`` event (start, estimated length, the stack that triggered it). Where the
 interpreter has the USDT probes ``python:gc__start``/``gc__done`` (:mod:`fleetd.trace.
-pyusdt`), each collection is measured instead, with its generation.
+enrich.pyusdt`), each collection is measured instead, with its generation.
 """
 
 from __future__ import annotations
