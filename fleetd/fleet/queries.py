@@ -2,7 +2,7 @@
 which asks every node one question of the registry (:mod:`fleetd.questions`: overview,
 stacks, on-CPU stacks, graphs, gpu, pods).
 
-Each fans out with :func:`fleetd.fleet.fanout.fan_out`, corrects timestamps by each
+Each fans out with :func:`fleetd.fleet.dispatch.fan_out`, corrects timestamps by each
 node's clock offset, merges, and returns a :class:`FleetResult`: the JSON object that
 ``--format json`` prints (shapes in docs/json.md) plus what the table formats need.
 """

@@ -274,7 +274,7 @@ def _off_cpu(view: NodeView, spike: Spike, e: Ev, wakes: list[tuple[int, int]]) 
 def _io_wait(view: NodeView, spike: Spike, e: Ev, slept: int, whole: int, io: Charge,
              wchan: str | None) -> None:
     """A D-state wait for block I/O: its time (the part inside the spike) charged as
-    :func:`io_owner.charge` splits the whole wait, the victim's own requests first."""
+    :func:`charge` splits the whole wait, the victim's own requests first."""
     spike.cause_ns["block_io"] += slept
     for tid, ns in io.by_tid.items():
         spike.culprit_ns[("io", tid)] += ns * slept // max(1, whole)
