@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import subprocess
 import sys
@@ -175,3 +176,167 @@ def test_every_cli_flag_is_in_the_reference() -> None:
                     missing.append(f"{command} {flag}")
     assert not missing, (f"docs/cli.md does not list: {missing}; regenerate it with "
                          ".venv/bin/python scripts/gen_cli_docs.py")
+
+
+# ---- the docstrings' cross-references name what exists --------------------------------
+
+ROLE_REF = re.compile(r":(?:mod|func|class|meth|data|attr|exc|obj|const):`([^`]+)`")
+
+
+class Names:
+    """The names each fleetd module defines, read with ``ast`` (nothing is imported: the
+    tracer's modules need BCC), to resolve a docstring's ``:role:`target``` statically."""
+
+    def __init__(self) -> None:
+        from test_architecture import tree_modules
+
+        self.paths = tree_modules()
+        self.trees = {m: ast.parse(p.read_text()) for m, p in self.paths.items()}
+
+    def resolves(self, module: str, scope: list[ast.ClassDef], target: str) -> bool:
+        parts = target.split(".")
+        if parts[0] == "fleetd":
+            return self._absolute(parts, 0)
+        if any(self._member(c, module, parts, 0) for c in scope):
+            return True  # a member of the class the docstring is in
+        return self._in_module(module, parts, 0) or _importable(parts)
+
+    def _absolute(self, parts: list[str], depth: int) -> bool:
+        for i in range(len(parts), 0, -1):
+            if ".".join(parts[:i]) in self.paths:
+                return self._in_module(".".join(parts[:i]), parts[i:], depth)
+        return False
+
+    def _in_module(self, module: str, parts: list[str], depth: int) -> bool:
+        if not parts:
+            return True
+        if f"{module}.{parts[0]}" in self.paths:
+            return self._in_module(f"{module}.{parts[0]}", parts[1:], depth)
+        return self._bound(self.trees[module].body, module, parts, depth)
+
+    def _bound(self, body: list[ast.stmt], module: str, parts: list[str], depth: int) -> bool:
+        """``parts[0]`` is bound in ``body`` (and the rest in what it binds)."""
+        for node in _statements(body):
+            if isinstance(node, ast.ClassDef) and node.name == parts[0]:
+                return len(parts) == 1 or self._member(node, module, parts[1:], depth)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and \
+                    node.name == parts[0]:
+                return len(parts) == 1
+            if parts[0] in _assigned(node):
+                return len(parts) == 1
+            source = _imported(node, module, self.paths, parts[0])
+            if source is not None and depth < 8:
+                return self._absolute(source.split(".") + parts[1:], depth + 1) \
+                    if source.startswith("fleetd") else _importable(source.split(".")
+                                                                    + parts[1:])
+        return False
+
+    def _member(self, cls: ast.ClassDef, module: str, parts: list[str], depth: int) -> bool:
+        if self._bound(cls.body, module, parts, depth):
+            return True
+        return len(parts) == 1 and f"self.{parts[0]}" in ast.unparse(cls)
+
+
+def _statements(body: list[ast.stmt]) -> list[ast.stmt]:
+    """The statements of ``body`` with those under ``if``/``try`` (imports, fallbacks)."""
+    out: list[ast.stmt] = []
+    for node in body:
+        out.append(node)
+        if isinstance(node, ast.If | ast.Try):
+            out += _statements(node.body) + _statements(node.orelse)
+            for handler in getattr(node, "handlers", []):
+                out += _statements(handler.body)
+    return out
+
+
+def _assigned(node: ast.stmt) -> set[str]:
+    if isinstance(node, ast.Assign):
+        return {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return {node.target.id}
+    return set()
+
+
+def _imported(node: ast.stmt, module: str, paths: dict[str, Path], name: str) -> str | None:
+    """The full dotted name ``name`` is bound to by the import ``node``, if it binds it."""
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            if (alias.asname or alias.name.split(".")[0]) == name:
+                return alias.name if alias.asname else name
+    if isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            pkg = module.split(".")[: None if paths[module].name == "__init__.py" else -1]
+            pkg = pkg[: len(pkg) - (node.level - 1)]
+            base = ".".join(pkg + ([base] if base else []))
+        for alias in node.names:
+            if (alias.asname or alias.name) == name:
+                return f"{base}.{alias.name}"
+    return None
+
+
+def _importable(parts: list[str]) -> bool:
+    """An outside name (``asyncio.Task``, ``ssl.SSLContext``): a module and attributes."""
+    import importlib
+
+    for i in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[i:]:
+                obj = getattr(obj, part)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def docstring_refs(tree: ast.Module) -> list[tuple[list[ast.ClassDef], str]]:
+    """(the classes around it, target) for each ``:role:`target``` in a docstring."""
+    found: list[tuple[list[ast.ClassDef], str]] = []
+
+    def visit(node: ast.AST, scope: list[ast.ClassDef]) -> None:
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef |
+                      ast.AsyncFunctionDef):
+            inner = [*scope, node] if isinstance(node, ast.ClassDef) else scope
+            for ref in ROLE_REF.findall(ast.get_docstring(node, clean=False) or ""):
+                # "~x.y" shows only y, "a <x.y>" names x.y; a name may wrap a line.
+                target = "".join(ref.split()).lstrip("~!").split("<")[-1].rstrip(">")
+                found.append((inner, target.removesuffix("()")))
+            scope = inner
+        for child in ast.iter_child_nodes(node):
+            visit(child, scope)
+
+    visit(tree, [])
+    return found
+
+
+def test_every_docstring_reference_names_something_real() -> None:
+    """A ``:mod:``/``:func:``/``:class:``/... reference in a fleetd docstring names a
+    module, function, class or value that exists: a renamed or moved one is not left
+    behind in the prose that explains it."""
+    names = Names()
+    bad: list[str] = []
+    count = 0
+    for module, tree in names.trees.items():
+        for scope, target in docstring_refs(tree):
+            count += 1
+            if not names.resolves(module, scope, target):
+                bad.append(f"{module}: {target}")
+    assert count > 300
+    assert not bad, ("docstring references to nothing (fix the name, or write it in "
+                     f"``double backticks`` if it is not a Python object): {bad}")
+
+
+def test_the_reference_check_can_fail() -> None:
+    names = Names()
+    assert names.resolves("fleetd.node.api", [], "fleetd.node.api.NodeState.tracing")
+    assert names.resolves("fleetd.node.api", [], "ReaderPool")  # imported there
+    assert names.resolves("fleetd.node.api", [], "asyncio.Task")
+    assert not names.resolves("fleetd.node.api", [], "fleetd.node.api.NoSuchThing")
+    assert not names.resolves("fleetd.node.api", [], "fleetd.analyze.profile")
+    assert not names.resolves("fleetd.node.api", [], "WindowSpecs")
+    tree = ast.parse('"""See :func:`fleetd.x.\n y` and :class:`~a.B`."""\n')
+    assert [t for _, t in docstring_refs(tree)] == ["fleetd.x.y", "a.B"]
