@@ -485,3 +485,202 @@ def test_the_command_import_check_can_fail() -> None:
                "fleetd.cli.output": "", "fleetd.cli.c_cmd": "from fleetd.cli import a_cmd\n"}
     assert command_imports(sources) == ["fleetd.cli.a_cmd:2 -> fleetd.cli.b_cmd",
                                         "fleetd.cli.c_cmd:1 -> fleetd.cli.a_cmd"]
+
+
+# ---- the doc's other sentences that the code can prove ----------------------------------
+# Each sentence of docs/architecture.md that says what a package imports, writes or
+# builds is checked here. A check names the sentence it holds to: when the doc is
+# reworded the check fails until it is pointed at the new words, so a claim cannot
+# drift away from its test.
+
+
+def doc_text() -> str:
+    """docs/architecture.md with its line breaks folded, so a sentence is one string."""
+    return " ".join(DOC.read_text().split())
+
+
+def under(module: str, name: str) -> bool:
+    return module == name or (name != ROOT and module.startswith(name + "."))
+
+
+def import_edges(modules: dict[str, Path]) -> list[tuple[str, str, int]]:
+    """(module, imported fleetd module, line) for every fleetd import in the tree."""
+    known = set(modules)
+    return [(m, t, line) for m, p in modules.items()
+            for t, line in fleetd_imports(p.read_text(), m, p.name == "__init__.py", known)]
+
+
+def assert_said(sentence: str) -> None:
+    assert sentence in doc_text(), (
+        f"docs/architecture.md no longer says {sentence!r}: point the check that quotes it "
+        "at the sentence as it reads now (or drop the check with the claim)")
+
+
+NEVER_IMPORTS = re.compile(r"`(fleetd[\w.]*)` never imports `(fleetd[\w.]*)`")
+
+
+def never_imports(claims: list[tuple[str, str]], edges: list[tuple[str, str, int]]
+                  ) -> list[str]:
+    return [f"{m} -> {t} (line {line})" for a, b in claims for m, t, line in edges
+            if under(m, a) and under(t, b)]
+
+
+def test_every_never_imports_sentence_holds() -> None:
+    """Every "`fleetd.X` never imports `fleetd.Y`" of the doc, wherever it is written."""
+    claims = NEVER_IMPORTS.findall(doc_text())
+    assert ("fleetd.node", "fleetd.trace") in claims
+    found = never_imports(claims, import_edges(tree_modules()))
+    assert not found, (f"docs/architecture.md says these never happen: {found}. Hand the "
+                       "piece in from above or move it down (see the fix above the claim)")
+    assert_said("`fleetd.cli` passes the tracer in as a factory (`fleetd.trace.agent_hook`)")
+    assert any(m.startswith("fleetd.cli.") and t == "fleetd.trace.agent_hook"
+               for m, t, _ in import_edges(tree_modules()))
+
+
+def base_names() -> set[str]:
+    """What the doc calls the base: every name on a layer labelled 0a, 0b, 0c..."""
+    return {n for label, names in load_contract().layers if label.startswith("0")
+            for n in names}
+
+
+def imports_outside(subjects: tuple[str, ...], allowed: set[str]) -> list[str]:
+    """Imports of ``subjects`` (and modules in them) of anything but their own package
+    and ``allowed`` (a package or module and what is in it; the root alone)."""
+    owner = load_contract().owner
+    return [f"{m} -> {t} (line {line})" for m, t, line in import_edges(tree_modules())
+            if any(under(m, s) for s in subjects)
+            and not any(under(t, a) for a in allowed | {owner(m) or m})]
+
+
+def test_what_the_doc_says_a_package_imports_is_all_it_imports() -> None:
+    base = base_names()
+    assert {"fleetd", "fleetd.errors", "fleetd.config", "fleetd.security"} <= base
+    claims: list[tuple[str, tuple[str, ...], set[str]]] = [
+        ("`fleetd.__main__` only calls `fleetd.cli`'s `main`", ("fleetd.__main__",),
+         {"fleetd.cli"}),
+        ("`errors` depends on nothing", ("fleetd.errors",), set()),
+        ("`config`, `checks` and `runner` use only `errors`",
+         ("fleetd.config", "fleetd.checks", "fleetd.runner"), {"fleetd.errors"}),
+        ("`security` builds on `config` and `checks`", ("fleetd.security",),
+         {"fleetd.config", "fleetd.checks", "fleetd.errors"}),
+        ("It depends on nothing, so every stage that writes text", ("fleetd.printable",),
+         set()),
+        ("it imports only the store and the base", ("fleetd.ingest",),
+         base | {"fleetd.store"}),
+        ("It imports only the base, the op catalogue's families (`fleetd.store.catalog`) "
+         "and those types", ("fleetd.wire",), base | {"fleetd.analyze", "fleetd.store.catalog"}),
+    ]
+    found: list[str] = []
+    for sentence, subjects, allowed in claims:
+        assert_said(sentence)
+        found += [f"{sentence!r}, yet {v}" for v in imports_outside(subjects, allowed)]
+    assert not found, "docs/architecture.md says otherwise:\n  " + "\n  ".join(found)
+
+
+def source_hits(pattern: str, modules: dict[str, Path]) -> set[str]:
+    return {m for m, p in modules.items() if re.search(pattern, p.read_text())}
+
+
+def test_only_security_builds_a_tls_context() -> None:
+    assert_said("take their contexts from here and never build one of their own")
+    found = source_hits(r"\bSSLContext\(|\bcreate_default_context\(", tree_modules())
+    assert found and all(under(m, "fleetd.security") for m in found), sorted(found)
+
+
+# SQL that changes a file, in a string of the source.
+WRITES_SQL = r"\b(INSERT\s+(OR\s+\w+\s+)?INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM|CREATE\s+" \
+             r"(TABLE|INDEX|VIEW)|ALTER\s+TABLE|DROP\s+(TABLE|INDEX|VIEW))\b"
+
+
+def test_only_the_store_writes_a_node_file() -> None:
+    """The store's writer is the one thread writing a node's file; the agent opens it
+    for writing once, before; analyze writes only chains, through that writer; the one
+    other SQL that writes is ingest's scratch file."""
+    assert_said("the batch writer that is the only thread writing a node's file (before "
+                "it starts, the agent creates or migrates the file with `open_writer`)")
+    assert_said("the only write is storing chains, on request (`fleetd explain --store`)")
+    assert_said("`kineto_stage` keeps the rows in a scratch SQLite file")
+    modules = tree_modules()
+    outside = {m: p for m, p in modules.items() if not under(m, "fleetd.store")}
+    assert source_hits(WRITES_SQL, {m: modules[m] for m in ("fleetd.store.writer",)})
+    assert source_hits(WRITES_SQL, outside) == {"fleetd.ingest.kineto_stage"}
+    assert source_hits(r"\bopen_writer\b", outside) == {"fleetd.node.agent"}
+    writers = {m for m, t, _ in import_edges(modules) if t == "fleetd.store.writer"}
+    assert {m for m in writers if under(m, "fleetd.analyze")} == {"fleetd.analyze.explain"}
+
+
+def test_only_the_cli_ends_the_process() -> None:
+    """"the one place where a `FleetdError` becomes a message and an exit code": no other
+    package exits with a code (the agent's second stop signal, ``os._exit``, is no
+    error's exit)."""
+    assert_said("the one place where a `FleetdError` becomes a message and an exit code")
+    found = source_hits(r"\bsys\.exit\(|\bSystemExit\b", tree_modules())
+    assert found and all(under(m, "fleetd.cli") or m == "fleetd.__main__"
+                         for m in found), sorted(found)
+
+
+def test_a_bad_answer_is_caught_where_the_doc_says() -> None:
+    assert_said("one place turns a bad answer into a failed node")
+    assert_said("Two operations read a part of an answer themselves")
+    found = source_hits(r"except\s*\(?[\w., ]*\bBadReply\b", tree_modules())
+    assert found == {"fleetd.fleet.fanout", "fleetd.fleet.collectives", "fleetd.fleet.hang"}
+
+
+def test_the_line_limit_is_the_one_the_doc_gives() -> None:
+    assert_said(f"no module over {MAX_LINES} lines")
+
+
+def room_order(package: str) -> list[str]:
+    """The rooms of ``package`` in the order its paragraph lists them, bottom to top."""
+    para = doc_text().split(f"**`{package}`.**", 1)
+    assert len(para) == 2, f"docs/architecture.md has no paragraph for {package}"
+    listed = re.search(r"Its rooms, bottom to top: (.*?);", para[1])
+    assert listed is not None, f"the {package} paragraph lost 'Its rooms, bottom to top:'"
+    return [f"{package}.{r}" for r in re.findall(r"`(\w+)`", listed.group(1))]
+
+
+def rooms_against_order(graph: dict[str, set[str]], top: str, order: list[str]) -> list[str]:
+    """Imports that point up the listed order or from a room into the package's top."""
+    out: list[str] = []
+    for room, targets in sorted(graph.items()):
+        if room == top:
+            continue
+        if room not in order:
+            out.append(f"{room}: a room the doc does not list")
+            continue
+        out += [f"{room} -> {t}" for t in sorted(targets)
+                if t == top or t not in order or order.index(t) > order.index(room)]
+    return out
+
+
+def test_the_rooms_stand_in_the_order_the_doc_lists() -> None:
+    """"a room imports only rooms below it, and the package's own modules (the top)
+    import the rooms, never the other way round", in the order each package's paragraph
+    lists its rooms."""
+    assert_said("a room imports only rooms below it, and the package's own modules (the "
+                "top) import the rooms, never the other way round")
+    modules = tree_modules()
+    found: list[str] = []
+    for top in ("fleetd.trace", "fleetd.analyze"):
+        order = room_order(top)
+        assert len(order) >= 3, order
+        found += rooms_against_order(room_graph(modules, top), top, order)
+    assert not found, f"rooms against the order docs/architecture.md lists: {found}"
+
+
+def test_the_doc_checks_can_fail() -> None:
+    edges = [("fleetd.node.ranks", "fleetd.trace.host.procinfo", 49),
+             ("fleetd.node.api", "fleetd.store.db", 3)]
+    assert never_imports([("fleetd.node", "fleetd.trace")], edges) == [
+        "fleetd.node.ranks -> fleetd.trace.host.procinfo (line 49)"]
+    graph = {"p": {"p.a", "p.b"}, "p.a": set(), "p.b": {"p.a"}, "p.c": {"p"}}
+    assert rooms_against_order(graph, "p", ["p.a", "p.b", "p.c"]) == ["p.c -> p"]
+    assert rooms_against_order(graph, "p", ["p.b", "p.a", "p.c"]) == ["p.b -> p.a", "p.c -> p"]
+    assert not under("fleetd.errors", ROOT) and under("fleetd.node.x", "fleetd.node")
+    assert re.search(WRITES_SQL, "conn.execute('INSERT OR REPLACE INTO t VALUES (1)')")
+    assert not re.search(WRITES_SQL, "SELECT ts_ns FROM events -- no UPDATE here")
+    try:
+        assert_said("fleetd.node imports fleetd.trace freely")
+    except AssertionError:
+        return
+    raise AssertionError("assert_said passed a sentence the doc does not have")
