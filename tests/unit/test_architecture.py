@@ -581,6 +581,26 @@ def source_hits(pattern: str, modules: dict[str, Path]) -> set[str]:
     return {m for m, p in modules.items() if re.search(pattern, p.read_text())}
 
 
+def test_the_mcp_server_uses_only_the_tracers_checks() -> None:
+    assert_said("(and, for its `check` tool, `fleetd.trace.checks`: nothing else of the "
+                "tracer)")
+    found = {t for m, t, _ in import_edges(tree_modules())
+             if under(m, "fleetd.mcp") and under(t, "fleetd.trace")}
+    assert found == {"fleetd.trace.checks"}, sorted(found)
+
+
+def test_the_top_of_analyze_is_what_the_doc_says() -> None:
+    """"the questions (`explain`, `overview`, `stacks`) and the one door, `facade`, sit on
+    top": the modules directly in fleetd.analyze, above its rooms."""
+    para = doc_text().split("**`fleetd.analyze`.**", 1)[1]
+    top = re.search(r"stragglers\) and `gpu`; the questions \((.*?)\) and the one door, "
+                    r"`(\w+)`, sit on top", para)
+    assert top is not None, "the fleetd.analyze paragraph no longer says what sits on top"
+    said = set(re.findall(r"`(\w+)`", top.group(1))) | {top.group(2)}
+    there = {p.stem for p in (PACKAGE / "analyze").glob("*.py")} - {"__init__"}
+    assert said == there, f"said on top: {sorted(said)}; in fleetd/analyze: {sorted(there)}"
+
+
 def test_only_security_builds_a_tls_context() -> None:
     assert_said("take their contexts from here and never build one of their own")
     found = source_hits(r"\bSSLContext\(|\bcreate_default_context\(", tree_modules())
