@@ -340,3 +340,19 @@ def test_the_reference_check_can_fail() -> None:
     assert not names.resolves("fleetd.node.api", [], "WindowSpecs")
     tree = ast.parse('"""See :func:`fleetd.x.\n y` and :class:`~a.B`."""\n')
     assert [t for _, t in docstring_refs(tree)] == ["fleetd.x.y", "a.B"]
+
+
+def test_every_name_the_design_docs_give_exists() -> None:
+    """Each `fleetd.x.y` (a module, or a name in one) and each `dir/file.py` path that
+    docs/architecture.md and docs/api.md give in backticks is in the tree."""
+    names = Names()
+    bad: list[str] = []
+    for doc in ("architecture.md", "api.md"):
+        text = (REPO / "docs" / doc).read_text()
+        for name in set(re.findall(r"`(fleetd(?:\.\w+)+)`", " ".join(text.split()))):
+            if not name.endswith(".yaml") and not names.resolves("fleetd", [], name):
+                bad.append(f"{doc}: {name}")  # fleetd.yaml is the config file
+        for path in set(re.findall(r"`((?:[\w-]+/)+[\w-]+\.(?:py|md|h|c))`", text)):
+            if not any((REPO / top / path).exists() for top in ("", "fleetd")):
+                bad.append(f"{doc}: {path}")
+    assert not bad, f"names and paths in the docs that the tree does not have: {sorted(bad)}"
