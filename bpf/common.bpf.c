@@ -618,7 +618,7 @@ static __always_inline int fl_call_exit(struct pt_regs *ctx, u32 op, u32 always,
     u64 dur = now - start;
     c->ts = 0; /* done: a return without a fresh entry is ignored */
     s32 ret = (s32)PT_REGS_RC(ctx);
-    if (op == OP_NCCLCOMMINITRANK || op == OP_NCCLCOMMINITRANKCONFIG || op == OP_NCCLCOMMSPLIT)
+    if (FL_OPS_NCCL_COMM_RETURNS(op))
         fl_nccl_created(tgid, c, ret);
     /* Always-emitted classes (NCCL among them) are never dropped by the error budget:
      * FL_WHY_ALWAYS alone keeps the record, errors only add a flag. */

@@ -3,7 +3,10 @@
  * The Python side (fleetd/trace/bpf/decoder.py) reads these records with a struct
  * format of the same layout; it passes the size it expects as -DFL_REC_SIZE and
  * the asserts below refuse to compile if C and Python ever drift apart.
- * Op codes arrive as -DOP_<NAME>=<code> generated from fleetd/store/catalog.py.
+ * Op codes arrive as -DOP_<NAME>=<code> generated from fleetd/store/catalog.py, with
+ * its op families as tests: FL_OPS_<FAMILY>(op) is true when op is in the family (e.g.
+ * FL_OPS_NCCL_P2P(op) for ncclSend/ncclRecv; the list is catalog.FAMILIES). Test a
+ * family with its macro, never with a list of OP_ codes or a code range of its own.
  */
 #ifndef FLEETD_H
 #define FLEETD_H
@@ -11,11 +14,14 @@
 #define FL_COMM_LEN 16
 #define FL_NBUCKETS 40 /* log2(ns) buckets 0..39: the last one holds everything >= 9 min */
 
-/* Why a record reached user space (fl_rec.flags). */
-#define FL_WHY_SAMPLE 1u /* the 1-in-N sample of ordinary calls */
-#define FL_WHY_SLOW 2u   /* latency above k x the running median */
-#define FL_WHY_ERROR 4u  /* a call that returned an error (rate-limited per pid+op) */
-#define FL_WHY_ALWAYS 8u /* sync, graph, allocation, NCCL and lifecycle events */
+/* Why a record reached user space (fl_rec.flags): FL_WHY_SAMPLE (the 1-in-N sample of
+ * ordinary calls), FL_WHY_SLOW (latency above k x the running median), FL_WHY_ERROR (a
+ * call that returned an error, rate-limited per pid+op), FL_WHY_ALWAYS (sync, graph,
+ * allocation, NCCL and lifecycle events). Their bits arrive as -D flags from
+ * fleetd/trace/bpf/bpfsrc.py (WHY), which the decoder reads the records with. */
+#ifndef FL_WHY_SLOW
+#error "FL_WHY_* and the op codes come from fleetd.trace.bpf.bpfsrc.cflags()"
+#endif
 
 /* Indices into the per-CPU fl_counters array; names in fleetd/trace/bpf/bpfsrc.py. */
 #define FL_C_LOST_CUDA 0     /* ring buffer full: runtime + graph records lost */

@@ -68,7 +68,7 @@ static __always_inline int fl_nccl(struct pt_regs *ctx, u32 op, u64 count, u64 d
         return 0;
     dtype &= 0xffffffffull;
     struct fl_nccl_key k = {.comm = comm, .tgid = tgid};
-    if (op == OP_NCCLSEND || op == OP_NCCLRECV) {
+    if (FL_OPS_NCCL_P2P(op)) {
         k.op = op;
         k.peer = peer;
     }

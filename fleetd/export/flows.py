@@ -25,12 +25,13 @@ from fleetd.export.lanes import Group
 from fleetd.export.model import ChainMark, NodeTrace, task_name
 from fleetd.export.tracejson import json_text as _j
 from fleetd.export.tracejson import us as _us
+from fleetd.store.catalog import CPU_WAITS
 from fleetd.store.timeparse import format_ns
 
 SEVERITY_COLOR = {"HIGH": "terrible", "MEDIUM": "bad", "LOW": "yellow"}  # catapult names
 ANCHOR_WAKE_NS = 1_000  # a wakeup is an instant; its marker gets 1 us to carry an arrow
 # Evidence of a culprit's act: the victim's wait, with who ran or woke it.
-_WAIT_KINDS = frozenset({"off_cpu", "runq_wait"})
+_WAIT_KINDS = CPU_WAITS.name_set
 
 # (pid, tid) -> the track group of that thread, created on first use.
 ThreadGroup = Callable[[int, int], Group]

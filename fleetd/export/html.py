@@ -42,6 +42,7 @@ from fleetd.export.svg import (
     svg_rect,
     svg_text,
 )
+from fleetd.store.catalog import CALL_SOURCES
 
 # The per-thread columns that add up to the wall time (docs/explain.md), with a colour
 # and a label each.
@@ -57,7 +58,7 @@ BREAKDOWN: tuple[tuple[str, str, str], ...] = (
     ("other_ns", "other sleep", "#cfd8dc"),
 )
 SEVERITIES = ("HIGH", "MEDIUM", "LOW")
-GPU_SOURCES = ("cuda", "driver", "graph", "nccl")
+GPU_SOURCES = CALL_SOURCES  # the op rows of calls into CUDA and NCCL
 MAX_THREADS = 40  # rows of the breakdown chart
 MAX_OPS_PER_NODE = 12  # histograms per node
 MAX_STRAGGLER_CHARTS = 4  # metrics drawn

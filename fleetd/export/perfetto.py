@@ -39,7 +39,7 @@ from fleetd.export.lanes import Group
 from fleetd.export.model import ByteSink, ChainMark, EventRow, NodeTrace, task_name
 from fleetd.export.tracejson import json_text as _j
 from fleetd.export.tracejson import us as _us
-from fleetd.store.catalog import BY_NAME, OPS
+from fleetd.store.catalog import BY_NAME, CALLS, OPS
 from fleetd.store.schema import SEQ_MASK
 from fleetd.store.syscalls import syscall_name
 from fleetd.store.timeparse import format_ns
@@ -75,7 +75,7 @@ for _op in OPS:
         _KINDS[_op.code] = (_kind, orjson.dumps(_op.name).decode(), _op.source,
                             f',"{_op.a0}":' if _op.a0 else "", f',"{_op.a1}":' if _op.a1 else "")
 SOFTIRQ = BY_NAME["softirq"].code
-_CALL_CODES = frozenset(o.code for o in OPS if o.source in ("cuda", "graph", "driver", "nccl"))
+_CALL_CODES = CALLS.code_set
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from typing import Any
 from fleetd import __version__
 from fleetd.errors import FleetdError, UsageError
 from fleetd.store import foreign
-from fleetd.store.catalog import BY_NAME
+from fleetd.store.catalog import BY_NAME, CUDA_SOURCES
 from fleetd.store.db import connect_foreign, validate_node_name
 from fleetd.store.imports import ImportBatch, ImportOutcome, write_imports
 
@@ -45,7 +45,7 @@ STAGES = ("parse", "convert", "insert", "index")  # ImportReport.timings
 SQLITE_MAGIC = b"SQLite format 3\x00"
 _HASH_MASK = (1 << 63) - 1
 # The CUDA API sources whose calls keep their own op; others become ``cuda_api``.
-_API_SOURCES = frozenset({"cuda", "driver", "graph"})
+_API_SOURCES = frozenset(CUDA_SOURCES)
 _VERSION_SUFFIX = re.compile(r"_v\d+$")
 _NCCL_KERNEL = re.compile(r"nccl(?:Dev)?Kernel_?([A-Za-z]+)")
 

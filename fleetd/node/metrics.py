@@ -41,15 +41,14 @@ from fleetd.node.conns import ConnStats
 from fleetd.node.ranks import RANKBOOK, RankBook, local_late
 from fleetd.node.readers import ReaderPool
 from fleetd.node.stamps import HANDSHAKES, Handshakes
-from fleetd.store.catalog import BY_CODE, OPS
+from fleetd.store.catalog import BY_CODE, CALLS
 from fleetd.store.schema import SCHEMA_VERSION
 
 log = logging.getLogger("fleetd.node.metrics")
 
 # The ops whose in-kernel histograms are call latencies (host ops are not: page_alloc's
 # buckets are orders, and off-CPU time is no call).
-CALL_SOURCES = ("cuda", "graph", "driver", "nccl")
-CALL_CODES = tuple(sorted(op.code for op in OPS if op.source in CALL_SOURCES))
+CALL_CODES = CALLS.codes
 # The kernel's bucket b holds [2**b, 2**(b+1)) ns. The edges exposed: 2**8 ns (256 ns)
 # to 2**35 ns (34 s), each `le` the upper edge of the buckets below it; longer calls
 # count in +Inf only.

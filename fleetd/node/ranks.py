@@ -30,9 +30,6 @@ from typing import Any
 from aiohttp import web
 
 from fleetd.analyze.distributed.hangs import (
-    COLLECTIVE_OPS,
-    INIT_OPS,
-    P2P_OPS,
     Collective,
     LastCall,
     PointToPoint,
@@ -43,7 +40,15 @@ from fleetd.analyze.distributed.hangs import (
 from fleetd.analyze.distributed.lateness import lateness
 from fleetd.node.api import STATE, json_response
 from fleetd.security.procfs import ENVIRON_MAX, STAT_MAX, read_bounded
-from fleetd.store.catalog import BY_CODE, BY_NAME
+from fleetd.store.catalog import (
+    BY_CODE,
+    BY_NAME,
+    CUDA_CALLS,
+    NCCL,
+    NCCL_COLLECTIVES,
+    NCCL_INITS,
+    NCCL_P2P,
+)
 from fleetd.store.schema import EventArgs, EventRow
 from fleetd.store.torchrun import job_of, ranks_of
 from fleetd.store.writer import BatchWriter
@@ -60,15 +65,15 @@ MAX_IDENTITIES = 4096  # process rows remembered for ranks not seen yet
 # the fleet client to align ranks whose agents attached at different moments (a few
 # steps of a job's op/size sequence), about 2.5 KB per communicator in an answer.
 RECENT = 64
-NCCL_LO, NCCL_HI = 400, 499  # NCCL's op codes; below them: CUDA runtime, graph, driver
 
 THROTTLE_CODE = BY_NAME["cpu_throttle"].code  # a cgroup's CPU-quota sample (side rows)
 THROTTLE_STALE_NS = 10_000_000_000  # a sample older than this: the process left a quota
 MAX_THROTTLED = 1024  # processes whose last throttling sample is kept
-_CODES = {name: op.code for name, op in BY_NAME.items() if op.source == "nccl"}
-_COLLECTIVES = frozenset(_CODES[n] for n in COLLECTIVE_OPS if n in _CODES)
-_P2P_OPS = frozenset(_CODES[n] for n in P2P_OPS if n in _CODES)
-_INITS = frozenset(_CODES[n] for n in INIT_OPS if n in _CODES)
+_NCCL = NCCL.code_set
+_CUDA = CUDA_CALLS.code_set  # CUDA runtime, graph and driver calls
+_COLLECTIVES = NCCL_COLLECTIVES.code_set
+_P2P_OPS = NCCL_P2P.code_set
+_INITS = NCCL_INITS.code_set
 _STATES = {"R": "running", "S": "sleeping", "I": "sleeping", "D": "d_state", "T": "stopped",
            "t": "stopped", "Z": "exited", "X": "exited", "x": "exited"}
 _ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
@@ -161,7 +166,7 @@ class RankBook:
                  args: Sequence[tuple[int, EventArgs]]) -> None:
         # NCCL args always come as mappings; only repeated launches come as text.
         nccl = [(rows[i], a) for i, a in args
-                if NCCL_LO <= rows[i][4] <= NCCL_HI and not isinstance(a, str)]
+                if rows[i][4] in _NCCL and not isinstance(a, str)]
         quota = [(rows[i], a) for i, a in args
                  if rows[i][4] == THROTTLE_CODE and not isinstance(a, str)]
         if quota:
@@ -214,7 +219,7 @@ class RankBook:
         # The one pass over every row, kept to a comprehension with two tests: each
         # rank's last CUDA runtime/driver row in the batch (rings are drained one after
         # the other, so "last" is exact per ring and within one poll across them).
-        last = {r[2]: r for r in rows if r[4] < NCCL_LO and r[2] in procs}
+        last = {r[2]: r for r in rows if r[4] in _CUDA and r[2] in procs}
         if not last:
             return
         with self._lock:

@@ -92,13 +92,6 @@ _NCCL = [
     ("ncclCommDestroy", None, None),
     ("ncclCommAbort", None, None),
 ]
-# Collectives share one sequence counter per (process, communicator); send and recv
-# count per (process, communicator, op, peer).
-NCCL_COLLECTIVES = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather",
-                    "ncclReduceScatter")
-NCCL_P2P = ("ncclSend", "ncclRecv")
-NCCL_INITS = ("ncclCommInitRank", "ncclCommInitRankConfig")
-
 
 # The one op only imported traces have: a runtime call fleetd has no probe for.
 IMPORTED_CALL = "cuda_api"
@@ -167,3 +160,124 @@ def op_code(name: str) -> int:
 def cflag_name(op: Op) -> str:
     """The C macro name for an op, e.g. ``OP_CUDALAUNCHKERNEL``."""
     return "OP_" + op.name.upper()
+
+
+# ---- op families ------------------------------------------------------------------------
+# Every named set of ops is defined here and only here (tests/unit/test_op_families.py
+# fails on a literal set of op names, or an op code compared with a number, anywhere
+# else in fleetd/). The BPF programs get each family as FL_OPS_<NAME>(op) (c_defines).
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """A named set of ops, by name and by code; ``names``/``codes`` in code order."""
+
+    name: str  # C: FL_OPS_<NAME>(op)
+    names: tuple[str, ...]
+    codes: tuple[int, ...]
+    name_set: frozenset[str]
+    code_set: frozenset[int]
+
+
+def _family(name: str, ops: list[Op]) -> Family:
+    ops = sorted(ops, key=lambda op: op.code)
+    return Family(name, tuple(op.name for op in ops), tuple(op.code for op in ops),
+                  frozenset(op.name for op in ops), frozenset(op.code for op in ops))
+
+
+def _of(name: str, *names: str) -> Family:
+    """A family by op names (KeyError for one the catalogue lacks)."""
+    return _family(name, [BY_NAME[n] for n in names])
+
+
+def _by_source(name: str, sources: tuple[str, ...]) -> Family:
+    """Every op of these sources: their blocks of codes (``op < 500`` = the calls)."""
+    return _family(name, [op for op in OPS if op.source in sources])
+
+
+# Code ranges, by source block: the calls of an application into CUDA and NCCL (their
+# in-kernel histograms are call latencies), and the CUDA API among them.
+CUDA_SOURCES = ("cuda", "graph", "driver")
+CALL_SOURCES = (*CUDA_SOURCES, "nccl")
+CALLS = _by_source("calls", CALL_SOURCES)
+CUDA_CALLS = _by_source("cuda_calls", CUDA_SOURCES)
+NCCL = _by_source("nccl", ("nccl",))
+
+# CUDA. Kernel launches (their records carry the kernel and its dims); graph launches;
+# both together: every launch of GPU work.
+KERNEL_LAUNCHES = _of("kernel_launches", "cudaLaunchKernel", "cuLaunchKernel",
+                      "cuLaunchKernelEx")
+GRAPH_LAUNCHES = _of("graph_launches", "cudaGraphLaunch", "cuGraphLaunch")
+LAUNCHES = _of("launches", *KERNEL_LAUNCHES.names, *GRAPH_LAUNCHES.names)
+# Copies that only enqueue work; with the kernel launches, the high-rate calls traced at
+# entry with their return sampled (probes.ProbeSpec.entry_only). Every other CUDA call is
+# always recorded.
+ASYNC_COPIES = _of("async_copies", "cudaMemcpyAsync", "cuMemcpyHtoDAsync_v2",
+                   "cuMemcpyDtoHAsync_v2")
+ENQUEUES = _of("enqueues", *KERNEL_LAUNCHES.names, *ASYNC_COPIES.names)
+# Blocking copies that read device memory back (cudaMemcpy of any kind: its a0 says
+# which; cuMemcpyDtoH_v2): the host waits for the device's queue to drain.
+READBACKS = _of("readbacks", "cudaMemcpy", "cuMemcpyDtoH_v2")
+# Calls where the host waits for the device: the explicit syncs and the readbacks.
+SYNCS = _of("syncs", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+            "cudaEventSynchronize", "cuCtxSynchronize", "cuStreamSynchronize",
+            *READBACKS.names)
+# Allocations and frees outside stream order (cudaMallocAsync/cudaFreeAsync are not in
+# it): the calls whose churn after start-up costs.
+ALLOCS = _of("allocs", "cudaMalloc", "cudaFree", "cudaMallocManaged", "cuMemAlloc_v2")
+# Calls that build a CUDA graph rather than run one: capture, instantiate, update.
+GRAPH_BUILDS = _of("graph_builds", "cudaStreamBeginCapture", "cudaStreamEndCapture",
+                   "cudaGraphInstantiate", "cudaGraphExecUpdate")
+
+# NCCL. Collectives share one sequence counter per (process, communicator); send and
+# recv count per (process, communicator, op, peer).
+NCCL_COLLECTIVES = _of("nccl_collectives", "ncclAllReduce", "ncclBroadcast", "ncclReduce",
+                       "ncclAllGather", "ncclReduceScatter")
+NCCL_P2P = _of("nccl_p2p", "ncclSend", "ncclRecv")
+# The op a rank's peer calls to match each point-to-point op.
+NCCL_P2P_MATCH: dict[str, str] = {"ncclSend": "ncclRecv", "ncclRecv": "ncclSend"}
+# Collectives with a reduction op (x0's high half).
+NCCL_REDUCING = _of("nccl_reducing", "ncclAllReduce", "ncclReduce", "ncclReduceScatter")
+# Communicator creation from a unique id (its hash names the communicator on every
+# rank): a rank that made one but no collective yet sits at seq 0.
+NCCL_INITS = _of("nccl_inits", "ncclCommInitRank", "ncclCommInitRankConfig")
+# Calls that hand back one new communicator through their first argument (read at the
+# return, bpf/common.bpf.c); ncclCommInitAll fills an array and is not followed.
+NCCL_COMM_RETURNS = _of("nccl_comm_returns", *NCCL_INITS.names, "ncclCommSplit")
+# Every call that creates communicators: a failed one explains the failures after it.
+NCCL_COMM_CREATES = _of("nccl_comm_creates", *NCCL_COMM_RETURNS.names, "ncclCommInitAll")
+# Calls that end a communicator.
+NCCL_COMM_ENDS = _of("nccl_comm_ends", "ncclCommDestroy", "ncclCommAbort")
+
+# Host. A thread's waits for a CPU (the records name who ran before it got one back);
+# with wakeups, the scheduler records that name another task (peer).
+CPU_WAITS = _of("cpu_waits", "off_cpu", "runq_wait")
+SCHED_PEERS = _of("sched_peers", *CPU_WAITS.names, "wakeup")
+# Host intervals that hold a thread up: what a slow call or a stall can cite.
+HOST_DELAYS = _of("host_delays", *CPU_WAITS.names, "block_io", "hardirq", "softirq")
+# A run of reclaim or compaction stalls, by the kind the kernel side keeps (0, 1, 2):
+# this order is bpf/host.bpf.c's fl_reclaim_op, not the codes'.
+RECLAIM_RUNS_BY_KIND = ("direct_reclaim", "memcg_reclaim", "direct_compaction")
+RECLAIM_RUNS = _of("reclaim_runs", *RECLAIM_RUNS_BY_KIND)
+
+FAMILIES: tuple[Family, ...] = (
+    CALLS, CUDA_CALLS, NCCL, KERNEL_LAUNCHES, GRAPH_LAUNCHES, LAUNCHES, ASYNC_COPIES,
+    ENQUEUES, READBACKS, SYNCS, ALLOCS, GRAPH_BUILDS, NCCL_COLLECTIVES, NCCL_P2P,
+    NCCL_REDUCING, NCCL_INITS, NCCL_COMM_RETURNS, NCCL_COMM_CREATES, NCCL_COMM_ENDS,
+    CPU_WAITS, SCHED_PEERS, HOST_DELAYS, RECLAIM_RUNS,
+)
+
+
+def family_macro(family: Family) -> str:
+    """The C test for a family, e.g. ``FL_OPS_NCCL_P2P(op)``."""
+    return f"FL_OPS_{family.name.upper()}"
+
+
+def c_defines() -> list[str]:
+    """The catalogue as C macros (bpf/fleetd.h says how they arrive): ``OP_<NAME>=code``
+    per op, and ``FL_OPS_<FAMILY>(op)`` true when ``op`` is in the family."""
+    defines = [f"{cflag_name(op)}={op.code}" for op in OPS]
+    for f in FAMILIES:
+        test = " || ".join(f"(op) == {code}" for code in f.codes)
+        defines.append(f"{family_macro(f)}(op)=({test})")
+    return defines

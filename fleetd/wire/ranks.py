@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from fleetd.analyze.distributed.hangs import (
-    P2P_OPS,
     STATES,
     Collective,
     LastCall,
@@ -21,6 +20,7 @@ from fleetd.analyze.distributed.hangs import (
     RankView,
     Recent,
 )
+from fleetd.store.catalog import NCCL_P2P
 from fleetd.wire.failure import BadReply
 from fleetd.wire.limits import INT64_MAX
 from fleetd.wire.values import need_dict, need_int, need_list, need_text, printable, shown
@@ -95,8 +95,9 @@ def _recent(v: Any, where: str) -> Recent:
 def _p2p(p: Any, where: str) -> PointToPoint:
     d = need_dict(p, where)
     op = d.get("op")
-    if op not in P2P_OPS:
-        raise BadReply(f"{where}.op: expected one of {', '.join(P2P_OPS)}, got {shown(op)}")
+    if op not in NCCL_P2P.name_set:
+        raise BadReply(f"{where}.op: expected one of {', '.join(NCCL_P2P.names)}, got "
+                       f"{shown(op)}")
     return PointToPoint(
         communicator=need_text(d.get("communicator"), f"{where}.communicator", MAX_NAME),
         comm_hash=_opt_text(d.get("comm_hash"), f"{where}.comm_hash", MAX_NAME),

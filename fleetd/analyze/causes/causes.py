@@ -33,10 +33,11 @@ from fleetd.analyze.causes.wait_words import (
 )
 from fleetd.analyze.causes.wait_words import ms as _ms
 from fleetd.analyze.reading.data import TRACER_MARK
+from fleetd.store.catalog import HOST_DELAYS
 
 # The host events a spike or stall can cite (chains.evidence_timeline): whatever
 # overlapped it is shown, so a chain may list these beside its own cause's kinds.
-SPIKE_HOST_KINDS = ("off_cpu", "runq_wait", "block_io", "hardirq", "softirq")
+SPIKE_HOST_KINDS = HOST_DELAYS.names
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ from fleetd.analyze.reading.data import (
     in_list,
     name_of,
 )
+from fleetd.store.catalog import READBACKS
 from fleetd.store.timeparse import format_ns
 
 log = logging.getLogger("fleetd.analyze.causes.rules")
@@ -322,7 +323,7 @@ def _readbacks(ctx: Context, pid: int) -> Chain | None:
     ev = [{"kind": "readback", "count": n, "max_bytes": biggest, "total_ns": total,
            "text": f"{n} device-to-host copies of at most {biggest} bytes ({rate:.1f}/s), "
                    f"one every {per:.0f} launches: a scalar read back each step"}]
-    ev += _examples(ctx, pid, frozenset({"cudaMemcpy", "cuMemcpyDtoH_v2"}))
+    ev += _examples(ctx, pid, READBACKS.name_set)
     return rule_chain(ctx, "host_sync", pid, "cudaMemcpy", 1.0, share, ev,
                        {"syncs": n, "launches": launches, "sync_share": round(share, 4),
                         "syncs_per_s": round(rate, 2), "readbacks": n,

@@ -34,6 +34,7 @@ from fleetd.analyze.reading.nodeview import (
     task_state,
 )
 from fleetd.analyze.reading.waits import reason
+from fleetd.store.catalog import KERNEL_LAUNCHES
 from fleetd.store.timeparse import format_ns
 
 K_MEDIAN = 2.0  # "k x p50": a call this much slower than usual is a spike even below p99
@@ -42,7 +43,6 @@ MIN_EXCESS_NS = 50_000  # the tracer's own off-CPU threshold: less cannot be exp
 MAX_SPIKES = 500  # per (process, op): the slowest are analyzed, the impact is scaled
 STALL_MIN_NS = 2_000_000  # a between-call wait shorter than this is ordinary scheduling
 MAX_STALLS = 500
-LAUNCH_OPS = frozenset({"cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"})
 
 
 @dataclass(slots=True)
@@ -328,7 +328,7 @@ def _spike_item(view: NodeView, spike: Spike) -> dict[str, Any]:
     c = spike.call
     kernel = None
     if spike.kind == "call":
-        kernel = view.kernel(c) if spike.op in LAUNCH_OPS else None
+        kernel = view.kernel(c) if spike.op in KERNEL_LAUNCHES.name_set else None
         of = f" of {kernel}" if kernel else ""
         text = (f"{spike.op}{of} took {_ms(c.dur)} (usual {_ms(spike.baseline_ns)}) "
                 f"on thread {c.tid}")

@@ -20,7 +20,7 @@ import orjson
 
 from fleetd.analyze.pernode.model import NodeSlice
 from fleetd.analyze.reading.data import args_object, in_list, name_of
-from fleetd.store.catalog import BY_NAME
+from fleetd.store.catalog import NCCL_COLLECTIVES
 from fleetd.store.clockinfo import (
     SESSION_CLOCK_COLUMNS,
     Clock,
@@ -30,9 +30,8 @@ from fleetd.store.clockinfo import (
     session_clock,
 )
 
-COLLECTIVES = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather",
-               "ncclReduceScatter")
-COLLECTIVE_CODES: tuple[int, ...] = tuple(BY_NAME[n].code for n in COLLECTIVES)
+COLLECTIVES = NCCL_COLLECTIVES.names
+COLLECTIVE_CODES: tuple[int, ...] = NCCL_COLLECTIVES.codes
 
 # What one node hands over (GET /api/v1/collectives, and a local read).
 MAX_ROWS = 200_000

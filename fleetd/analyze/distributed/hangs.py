@@ -46,12 +46,8 @@ from dataclasses import dataclass, field
 from fleetd.analyze.distributed import align
 from fleetd.analyze.distributed.align import Alignment
 from fleetd.analyze.distributed.collectives import torchrun_key
+from fleetd.store.catalog import NCCL_P2P_MATCH
 
-COLLECTIVE_OPS = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather",
-                  "ncclReduceScatter")
-P2P_OPS = ("ncclSend", "ncclRecv")
-# Communicator creation: a rank that made one but no collective yet sits at seq 0.
-INIT_OPS = ("ncclCommInitRank", "ncclCommInitRankConfig")
 STATES = ("running", "sleeping", "stopped", "d_state", "exited", "unknown")
 STUCK = frozenset({"stopped", "d_state", "exited"})
 
@@ -357,7 +353,7 @@ def p2p_waits(g: Group) -> list[Hang]:
             b = g.members.get(peer)
             if b is None or b is a:
                 continue  # the peer is not visible: nothing to compare with
-            for op, other in (("ncclSend", "ncclRecv"), ("ncclRecv", "ncclSend")):
+            for op, other in NCCL_P2P_MATCH.items():
                 own = last(a, op, peer)
                 theirs = last(b, other, a.rank)
                 done = theirs.seq if theirs is not None else 0

@@ -15,10 +15,10 @@ from fleetd.analyze.causes.chains import Chain
 from fleetd.analyze.causes.rules import Context, rule_chain
 from fleetd.analyze.distributed.arrivals import dur_text
 from fleetd.analyze.reading.data import in_list, name_of
-from fleetd.store.catalog import OPS
+from fleetd.store.catalog import NCCL, NCCL_COMM_CREATES
 from fleetd.store.timeparse import format_ns
 
-NCCL_CODES: tuple[int, ...] = tuple(o.code for o in OPS if o.source == "nccl")
+NCCL_CODES: tuple[int, ...] = NCCL.codes
 NCCL_RESULTS = {  # ncclResult_t
     0: "ncclSuccess", 1: "ncclUnhandledCudaError", 2: "ncclSystemError",
     3: "ncclInternalError", 4: "ncclInvalidArgument", 5: "ncclInvalidUsage",
@@ -27,7 +27,6 @@ NCCL_RESULTS = {  # ncclResult_t
 NOT_FAILED = (0, 7)
 # A failed NCCL call that held its rank this long before returning is a stall.
 FAILED_STALL_NS = 100_000_000
-CREATES = ("ncclCommInit", "ncclCommSplit")  # ops that create a communicator (name prefixes)
 
 
 def nccl_error(ret: int) -> str:
@@ -58,7 +57,7 @@ def failures(ctx: Context) -> tuple[list[Chain], list[str]]:
     chains, warnings = [], []
     for pid, errs in sorted(errors.items()):
         # A failed communicator creation explains the failures after it: it leads.
-        errs.sort(key=lambda e: (not name_of(e[0]).startswith(CREATES), -e[2], e[0], e[1]))
+        errs.sort(key=lambda e: (e[0] not in NCCL_COMM_CREATES.code_set, -e[2], e[0], e[1]))
         n_failed = sum(e[2] for e in errs)
         by_error = [{"op": name_of(op), "ret": ret, "error": nccl_error(ret), "count": n}
                     for op, ret, n, _ in errs]

@@ -29,6 +29,7 @@ from fleetd.analyze.reading.answers import (
 )
 from fleetd.analyze.reading.data import Node, code, in_list
 from fleetd.analyze.reading.window import Window
+from fleetd.store.catalog import GRAPH_LAUNCHES
 from fleetd.store.timeparse import format_ns
 
 PHASES: dict[str, tuple[str, ...]] = {
@@ -36,7 +37,7 @@ PHASES: dict[str, tuple[str, ...]] = {
     "end_capture": ("cudaStreamEndCapture",),
     "instantiate": ("cudaGraphInstantiate",),
     "update": ("cudaGraphExecUpdate",),
-    "launch": ("cudaGraphLaunch", "cuGraphLaunch"),
+    "launch": GRAPH_LAUNCHES.names,
     "destroy": ("cudaGraphExecDestroy",),
 }
 PHASE_OF = {code(op): phase for phase, ops in PHASES.items() for op in ops}

@@ -24,11 +24,12 @@ from fleetd.analyze.reading.data import CALL_CODES, SYNC_OPS, Node, code, histog
 from fleetd.analyze.reading.profile import stack_counts
 from fleetd.analyze.reading.waits import REASONS, sql_reason
 from fleetd.analyze.reading.window import Window
+from fleetd.store.catalog import RECLAIM_RUNS
 from fleetd.store.syscalls import X86_64
 
 OFF_CPU, RUNQ, SYSCALL = code("off_cpu"), code("runq_wait"), code("syscall")
-# Stall runs of reclaim and compaction (fleetd.trace.host.memory.RUN_OPS).
-STALL_RUNS = tuple(code(n) for n in ("direct_reclaim", "memcg_reclaim", "direct_compaction"))
+# Stall runs of reclaim and compaction.
+STALL_RUNS = RECLAIM_RUNS.codes
 HARDIRQ, SOFTIRQ = code("hardirq"), code("softirq")
 SYSCALL_OUTLIERS = 5
 WCHANS = 3  # D-state wait channels listed per thread

@@ -49,7 +49,7 @@ from fleetd.analyze.reading.data import (
 )
 from fleetd.analyze.reading.data import comms as load_comms
 from fleetd.analyze.reading.window import Window
-from fleetd.store.catalog import BY_CODE, BY_NAME, OPS
+from fleetd.store.catalog import BY_CODE, BY_NAME, KERNEL_LAUNCHES, OPS
 from fleetd.store.syscalls import SLEEPS, syscall_name
 
 log = logging.getLogger("fleetd.analyze.pernode.opstats")
@@ -69,8 +69,7 @@ KERNEL_COLUMNS: tuple[str, ...] = (
     "node", "pid", "comm", "kernel", "op", "count", "est_calls", "errors", "total_ns",
     "mean_ns", "p50_ns", "p95_ns", "p99_ns", "max_ns", "calls_per_s", "stats_from",
 )
-LAUNCH_CODES: tuple[int, ...] = tuple(
-    BY_NAME[n].code for n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+LAUNCH_CODES: tuple[int, ...] = KERNEL_LAUNCHES.codes
 UNNAMED = "(unnamed)"
 
 

@@ -16,27 +16,27 @@ from typing import Any
 import orjson
 
 from fleetd.analyze.reading.window import Window
-from fleetd.store.catalog import BY_CODE, BY_NAME, OPS
+from fleetd.store.catalog import (
+    ALLOCS,
+    BY_CODE,
+    BY_NAME,
+    CALLS,
+    GRAPH_BUILDS,
+    LAUNCHES,
+    NCCL,
+    SYNCS,
+)
+from fleetd.store.catalog import CALL_SOURCES as CALL_SOURCES
 from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS, SessionClock, node_boot, session_clock
 from fleetd.store.schema import SEQ_BITS
 
 MAX_AGG_WINDOW_NS = 3600 * 10**9  # aggregate windows are flushed far more often than this
-CALL_SOURCES = frozenset({"cuda", "graph", "driver", "nccl"})
-CALL_CODES: tuple[int, ...] = tuple(o.code for o in OPS if o.source in CALL_SOURCES)
-SYNC_OPS = frozenset({
-    "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
-    "cuCtxSynchronize", "cuStreamSynchronize", "cudaMemcpy", "cuMemcpyDtoH_v2",
-})
-LAUNCH_OPS = frozenset({
-    "cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch", "cuGraphLaunch",
-})
-ALLOC_OPS = frozenset({
-    "cudaMalloc", "cudaFree", "cudaMallocManaged", "cuMemAlloc_v2",
-})
-CAPTURE_OPS = frozenset({
-    "cudaStreamBeginCapture", "cudaStreamEndCapture", "cudaGraphInstantiate",
-    "cudaGraphExecUpdate",
-})
+# The op families the analyzers read by name (defined in fleetd.store.catalog).
+CALL_CODES: tuple[int, ...] = CALLS.codes
+SYNC_OPS = SYNCS.name_set
+LAUNCH_OPS = LAUNCHES.name_set  # kernel and graph launches
+ALLOC_OPS = ALLOCS.name_set
+CAPTURE_OPS = GRAPH_BUILDS.name_set
 
 
 def code(name: str) -> int:
@@ -103,7 +103,7 @@ def active_span(conn: sqlite3.Connection, node: Node, win: Window, pid: int
     """From the first to the last stored CUDA/NCCL call of ``pid`` in the window: the time
     the process was feeding the GPU. Call rates divide by this, so a node whose tracing
     began before the job (or outlived it) is not called slow for the idle time around it."""
-    codes = sorted(o.code for o in OPS if o.source in CALL_SOURCES)
+    codes = CALLS.codes
     marks = ",".join("?" * len(codes))
     row = conn.execute(
         f"SELECT min(ts_ns), max(ts_ns + dur_ns) FROM event_data WHERE ts_ns >= ? AND "
@@ -303,7 +303,7 @@ def tasks(conn: sqlite3.Connection, node: Node) -> dict[int, tuple[int | None, s
 
 # ---- the ranks of one job --------------------------------------------------------------
 
-NCCL_CODES: tuple[int, ...] = tuple(o.code for o in OPS if o.source == "nccl")
+NCCL_CODES: tuple[int, ...] = NCCL.codes
 
 
 def job_peers(conn: sqlite3.Connection, node: Node, win: Window) -> dict[int, frozenset[int]]:

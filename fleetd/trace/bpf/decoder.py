@@ -14,19 +14,34 @@ from typing import Any
 
 import orjson
 
-from fleetd.store.catalog import BY_NAME, NCCL_COLLECTIVES, NCCL_INITS, NCCL_P2P, OPS
+from fleetd.store.catalog import (
+    BY_NAME,
+    CALLS,
+    CPU_WAITS,
+    KERNEL_LAUNCHES,
+    NCCL,
+    NCCL_COLLECTIVES,
+    NCCL_COMM_ENDS,
+    NCCL_INITS,
+    NCCL_P2P,
+    NCCL_REDUCING,
+    OPS,
+    SCHED_PEERS,
+    op_code,
+)
 from fleetd.store.schema import EventRow
 from fleetd.store.syscalls import NR
-from fleetd.trace.bpf.bpfsrc import PYFRAME, PYSTACK_HEAD, REC
+from fleetd.trace.bpf.bpfsrc import PYFRAME, PYSTACK_HEAD, REC, WHY_SLOW
 from fleetd.trace.bpf.ringbuf import FAST, FRAME, HDR, Chunk
 
-_LAUNCHES = {BY_NAME[n].code for n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")}
-_NCCL = {op.code for op in BY_NAME.values() if op.source == "nccl"}
-_SCHED_PEERS = {BY_NAME[n].code for n in ("off_cpu", "runq_wait", "wakeup")}
+_LAUNCHES = KERNEL_LAUNCHES.code_set
+_NCCL = NCCL.code_set
+_CALLS = CALLS.code_set  # a slow one carries its median
+_SCHED_PEERS = SCHED_PEERS.code_set
 # Off-CPU and run-queue records also name the task that gave the CPU back (a1), with
 # its comm in x0..x1.
-_RAN_BEFORE = {BY_NAME[n].code for n in ("off_cpu", "runq_wait")}
-OP_FORK, OP_EXEC, OP_EXIT = (BY_NAME[n].code for n in ("fork", "exec", "exit"))
+_RAN_BEFORE = CPU_WAITS.code_set
+OP_FORK, OP_EXEC, OP_EXIT = op_code("fork"), op_code("exec"), op_code("exit")
 OP_BLOCK = BY_NAME["block_io"].code
 OP_OFF_CPU = BY_NAME["off_cpu"].code
 OP_WAKEUP = BY_NAME["wakeup"].code
@@ -41,13 +56,12 @@ _NCCL_TYPES = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16",
 _NCCL_REDOPS = ("sum", "prod", "max", "min", "avg")  # ncclRedOp_t 0..4; custom ops beyond
 # Collectives and send/recv (their record layout is bpf/nccl.bpf.c's), those with a
 # reduction op, communicator creation with an id, and the calls that end a communicator.
-_NCCL_CALLS = {BY_NAME[n].code for n in (*NCCL_COLLECTIVES, *NCCL_P2P)}
-_NCCL_REDUCING = {BY_NAME[n].code for n in ("ncclAllReduce", "ncclReduce", "ncclReduceScatter")}
-_NCCL_INITS = {BY_NAME[n].code for n in NCCL_INITS}
+_NCCL_CALLS = NCCL_COLLECTIVES.code_set | NCCL_P2P.code_set
+_NCCL_REDUCING = NCCL_REDUCING.code_set
+_NCCL_INITS = NCCL_INITS.code_set
 OP_NCCL_SPLIT = BY_NAME["ncclCommSplit"].code
-_NCCL_ENDS = {BY_NAME[n].code for n in ("ncclCommDestroy", "ncclCommAbort")}
+_NCCL_ENDS = NCCL_COMM_ENDS.code_set
 _NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking init hands out its communicator
-WHY_SLOW = 2
 OP_CUDA_LAUNCH = BY_NAME["cudaLaunchKernel"].code
 MAX_LAUNCH_TEXTS = 65536  # finished launch args kept for reuse (cleared when past)
 
@@ -221,7 +235,7 @@ class Decoder:
                     tids.add(tid)
                     new_tids.append((tid, pid))
                 if op in plain:
-                    if flags & WHY_SLOW and median and op < 500:
+                    if flags & WHY_SLOW and median and op in _CALLS:
                         args.append((i, {"median_ns": median}))
                     continue
                 # A launch.
@@ -282,7 +296,7 @@ class Decoder:
             args = self._nccl(pid, op, ret, a0, a1, x0, x1, x2, x3)
         else:
             args = self._extras(op, x0, x1, x2, x3)
-        if flags & WHY_SLOW and median and op < 500:
+        if flags & WHY_SLOW and median and op in _CALLS:
             args = args or {}
             args["median_ns"] = median
         if op in _SCHED_PEERS or op == OP_BLOCK:

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetd.store.catalog import BY_NAME, OPS
+from fleetd.store.catalog import BY_NAME, ENQUEUES, NCCL
 from fleetd.trace.host.libs import ElfExports, Library, exported_functions
 
 log = logging.getLogger("fleetd.trace.bpf.probes")
@@ -69,10 +69,7 @@ class ProbeSpec:
 
 # Ordinary high-rate calls: histogram always, records only for anomalies + the sample.
 # All are launch-type (kernel launches, async copies): ProbeSpec.entry_only.
-_SAMPLED = frozenset({
-    "cudaLaunchKernel", "cudaMemcpyAsync", "cuLaunchKernel", "cuLaunchKernelEx",
-    "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2",
-})
+_SAMPLED = ENQUEUES.name_set
 
 
 def _rt(op: str, *variants: str) -> ProbeSpec:
@@ -119,7 +116,7 @@ SPECS: tuple[ProbeSpec, ...] = (
     _drv("cuGraphLaunch", ("cuGraphLaunch",), ("cuGraphLaunch_ptsz",)),
     # NCCL: every call is a record (collectives are compared rank by rank, failed
     # ones included; communicator and group calls are rare).
-    *(ProbeSpec(op.name, "nccl", ((op.name,),), True) for op in OPS if op.source == "nccl"),
+    *(ProbeSpec(name, "nccl", ((name,),), True) for name in NCCL.names),
 )
 assert all(s.op in BY_NAME for s in SPECS), "probe spec names must be catalog ops"
 

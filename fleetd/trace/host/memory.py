@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetd.store.catalog import op_code
+from fleetd.store.catalog import RECLAIM_RUNS_BY_KIND, op_code
 from fleetd.trace.host.cgroups import (
     CGROUP_ROOT,
     groups_by_path,
@@ -52,7 +52,7 @@ TRACEPOINTS: dict[str, tuple[str, str]] = {
     "FL_KWORK": ("workqueue/workqueue_queue_work", "workqueue/workqueue_queue_work"),
 }
 # The ops of a run, by the kind the kernel side keeps (0, 1, 2).
-RUN_OPS = ("direct_reclaim", "memcg_reclaim", "direct_compaction")
+RUN_OPS = RECLAIM_RUNS_BY_KIND
 NO_LIMIT = 1 << 60  # v1 writes "unlimited" as 2^63 rounded down to a page
 PSI_SYSTEM = Path("/proc/pressure/memory")
 
