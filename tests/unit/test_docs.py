@@ -293,6 +293,15 @@ def _importable(parts: list[str]) -> bool:
     return False
 
 
+def data_packages() -> set[str]:
+    """Packages of data files mapped from elsewhere in the tree (``fleetd.bpf`` is bpf/)."""
+    import tomllib
+
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    return {name for name, where in setup["package-dir"].items()
+            if name != "fleetd" and (REPO / where).is_dir()}
+
+
 def docstring_refs(tree: ast.Module) -> list[tuple[list[ast.ClassDef], str]]:
     """(the classes around it, target) for each ``:role:`target``` in a docstring."""
     found: list[tuple[list[ast.ClassDef], str]] = []
@@ -301,10 +310,17 @@ def docstring_refs(tree: ast.Module) -> list[tuple[list[ast.ClassDef], str]]:
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef |
                       ast.AsyncFunctionDef):
             inner = [*scope, node] if isinstance(node, ast.ClassDef) else scope
-            for ref in ROLE_REF.findall(ast.get_docstring(node, clean=False) or ""):
+            doc = ast.get_docstring(node, clean=False) or ""
+            for ref in ROLE_REF.findall(doc):
                 # "~x.y" shows only y, "a <x.y>" names x.y; a name may wrap a line.
                 target = "".join(ref.split()).lstrip("~!").split("<")[-1].rstrip(">")
                 found.append((inner, target.removesuffix("()")))
+            # A dotted fleetd name outside a role (``fleetd.x.y`` or plain) counts too,
+            # but for what is not Python: the config file, a package of data files.
+            plain = ROLE_REF.sub("", doc)
+            for name in re.findall(r"(?<![\w/.`~-])`{0,2}(fleetd(?:\.\w+)+)", plain):
+                if not name.endswith(".yaml") and name not in data_packages():
+                    found.append((inner, name))
             scope = inner
         for child in ast.iter_child_nodes(node):
             visit(child, scope)
@@ -338,8 +354,9 @@ def test_the_reference_check_can_fail() -> None:
     assert not names.resolves("fleetd.node.api", [], "fleetd.node.api.NoSuchThing")
     assert not names.resolves("fleetd.node.api", [], "fleetd.analyze.profile")
     assert not names.resolves("fleetd.node.api", [], "WindowSpecs")
-    tree = ast.parse('"""See :func:`fleetd.x.\n y` and :class:`~a.B`."""\n')
-    assert [t for _, t in docstring_refs(tree)] == ["fleetd.x.y", "a.B"]
+    tree = ast.parse('"""See :func:`fleetd.x.\n y`, :class:`~a.B`, ``fleetd.p.q`` and '
+                     'fleetd.yaml."""\n')
+    assert [t for _, t in docstring_refs(tree)] == ["fleetd.x.y", "a.B", "fleetd.p.q"]
 
 
 def test_every_name_the_design_docs_give_exists() -> None:
