@@ -1,9 +1,15 @@
 """``explain``: what is slow, why, who caused it and what to do, node by node.
 
-The report is a JSON-able dict (documented in docs/explain.md). A merged file holds
-several nodes; each is analyzed on its own (a culprit on one node cannot delay a thread
-on another), so the fleet client can call :func:`explain_node` and :func:`profile` per
-node and compare.
+:func:`report` runs every cause's rules over each node's slice of the window
+(:class:`fleetd.analyze.pernode.model.NodeSlice`) and returns an
+:class:`~fleetd.analyze.reading.answers.ExplainReport`: its chains
+(:class:`~fleetd.analyze.reading.answers.ChainJson`, built from the analyzers'
+:class:`~fleetd.analyze.causes.chains.Chain` by :func:`chain_json`), the per-process
+breakdown and op statistics (docs/explain.md). A merged file holds several nodes; each is
+analyzed on its own (a culprit on one node cannot delay a thread on another), and the
+agent answers ``GET /api/v1/chains`` with one node's part (:func:`explain_node`,
+through :class:`fleetd.analyze.facade.Analysis`); the fleet client merges the nodes'
+parts and ranks them with :mod:`fleetd.analyze.distributed.stragglers`.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import sqlite3
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fleetd.analyze.causes import (
     causes,
@@ -43,6 +49,17 @@ from fleetd.analyze.distributed import collectives
 from fleetd.analyze.distributed.stragglers import node_profile as node_profile  # facade, agents
 from fleetd.analyze.pernode.model import NodeSlice
 from fleetd.analyze.reading import pods
+from fleetd.analyze.reading.answers import (
+    ChainJson,
+    ExplainReport,
+    NodeExplain,
+    NodeProfile,
+    NoProfile,
+    OpRow,
+    ProcessRow,
+    RankedCulprit,
+    Victim,
+)
 from fleetd.analyze.reading.data import (
     CALL_SOURCES,
     code,
@@ -55,7 +72,7 @@ from fleetd.store.timeparse import format_ns
 
 log = logging.getLogger("fleetd.analyze.explain")
 
-Report = dict[str, Any]
+Report = ExplainReport  # the older name
 MIN_UNEXPLAINED_IMPACT = 0.01  # unexplained spikes below this share of time are noise
 
 
@@ -90,16 +107,17 @@ def report(slices: list[NodeSlice], win: Window, pid: int | None = None,
     """The explain report over these node slices (one window), node by node; ``pids``
     (a pod's processes, say) keeps only their chains, processes and op rows (per
     process, then: op statistics of other processes cannot be taken out of a total)."""
-    chains: list[dict[str, Any]] = []
-    procs: list[dict[str, Any]] = []
-    ops: list[dict[str, Any]] = []
+    chains: list[ChainJson] = []
+    procs: list[ProcessRow] = []
+    ops: list[OpRow] = []
     warnings = list(win.warnings)
     for sl in slices:
         part = explain_node(sl, pid, per_process or pids is not None)
         if pids is not None:
             part = {"chains": [c for c in part["chains"] if c["victim"]["pid"] in pids],
-                    **{k: [r for r in part[k] if r.get("pid") in pids]
-                       for k in ("processes", "ops")}, "warnings": part["warnings"]}
+                    "processes": [r for r in part["processes"] if r.get("pid") in pids],
+                    "ops": [r for r in part["ops"] if r.get("pid") in pids],
+                    "warnings": part["warnings"]}
         chains += part["chains"]
         procs += part["processes"]
         ops += part["ops"]
@@ -119,7 +137,7 @@ def report(slices: list[NodeSlice], win: Window, pid: int | None = None,
     }
 
 
-def _verdict(chains: list[dict[str, Any]], win: Window) -> str:
+def _verdict(chains: list[ChainJson], win: Window) -> str:
     if win.warnings:
         return "no data in the window: " + win.warnings[0]
     counts = {s: sum(1 for c in chains if c["severity"] == s) for s in SEVERITY_RANK}
@@ -136,7 +154,8 @@ def _verdict(chains: list[dict[str, Any]], win: Window) -> str:
             f"worst: {top['root_cause']} on {top['node']}: {top['summary']}")
 
 
-def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = False) -> Report:
+def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = False
+                 ) -> NodeExplain:
     """One node's chains, processes and op stats (the unit the fleet client reuses)."""
     ops, threads = sl.ops, sl.threads
     view = NodeView(sl.conn, sl.node, sl.window, sl.tasks, sl.names)
@@ -197,12 +216,16 @@ def _spike_chains(ctx: rules.Context, ops: list[dict[str, Any]],
             if c.root_cause != "unexplained" or c.impact >= MIN_UNEXPLAINED_IMPACT]
 
 
-def _brief(r: dict[str, Any]) -> dict[str, Any]:
+def _brief(r: OpRow) -> OpRow:
     keys = ("op", "count", "total_ns", "p50_ns", "p99_ns", "stats_from")
     return {k: r[k] for k in keys}
 
 
-def chain_json(ch: Chain) -> dict[str, Any]:
+def chain_json(ch: Chain) -> ChainJson:
+    """The chain as every reader sees it (docs/explain.md, "A chain"). The rules build a
+    :class:`Chain` with plain dictionaries for its victim and culprits (each rule adds
+    its own keys); here they become the answer's types, which tests/unit/
+    test_answer_shapes.py holds real answers to."""
     if not ch.summary:
         ch.summary = causes.summary(ch)
     if not ch.fixes:
@@ -216,9 +239,9 @@ def chain_json(ch: Chain) -> dict[str, Any]:
         "root_cause": ch.root_cause,
         "summary": ch.summary,
         "op": ch.op,
-        "victim": ch.victim,
+        "victim": cast(Victim, ch.victim),
         "culprit": culprit_json(top) if top is not None else None,
-        "culprits": ch.culprits[:5],
+        "culprits": cast(list[RankedCulprit], ch.culprits[:5]),
         "explained": ch.explained,
         "impact": ch.impact,
         "ts_ns": ch.ts_ns,
@@ -230,13 +253,11 @@ def chain_json(ch: Chain) -> dict[str, Any]:
     }
 
 
-
-
 def store_chains(path: Path, report: Report) -> int:
     """Write the report's chains with history (same key: next version). Returns count."""
     from fleetd.store.writer import BatchWriter
 
-    by_node: dict[str, list[dict[str, Any]]] = {}
+    by_node: dict[str, list[ChainJson]] = {}
     for c in report["chains"]:
         by_node.setdefault(c["node"], []).append(c)
     for node, chains in by_node.items():
@@ -248,7 +269,8 @@ def store_chains(path: Path, report: Report) -> int:
 # ---- straggler features --------------------------------------------------------------
 
 
-def profile(conn: sqlite3.Connection, window: Window, node: str) -> dict[str, Any]:
+def profile(conn: sqlite3.Connection, window: Window, node: str
+            ) -> NodeProfile | NoProfile:
     """Per-node features the fleet client compares across nodes to find stragglers."""
     found = nodes(conn, node)
     if not found:

@@ -11,9 +11,9 @@ stragglers, say) therefore read names, op statistics and threads once.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 from fleetd.analyze import explain as explainer
 from fleetd.analyze.distributed import collectives as coll
@@ -24,11 +24,17 @@ from fleetd.analyze.overview import node_overview
 from fleetd.analyze.pernode.model import NodeSlice
 from fleetd.analyze.reading import pods
 from fleetd.analyze.reading.answers import (
+    ChainJson,
+    CollectivesAnswer,
+    ExplainReport,
     GpuAnswer,
     GraphsAnswer,
+    NodeProfile,
+    NoProfile,
     OverviewAnswer,
     StackGroup,
     StacksAnswer,
+    StragglerEntry,
 )
 from fleetd.analyze.reading.data import Node, nodes
 from fleetd.analyze.reading.window import Window, WindowSpec
@@ -83,7 +89,7 @@ class Analysis:
     # ---- the analyzers ----------------------------------------------------------------
 
     def explain(self, pid: int | None = None, per_process: bool = False,
-                pids: Collection[int] | None = None) -> dict[str, Any]:
+                pids: Collection[int] | None = None) -> ExplainReport:
         """Chains, processes and op statistics, node by node (docs/explain.md); only of
         ``pids`` when given (``--pod``, ``--namespace``)."""
         return explainer.report(self.slices, self.window, pid, per_process, pids)
@@ -100,15 +106,15 @@ class Analysis:
         """One node's events by source, sessions, chain counts and top ops."""
         return node_overview(self.conn, self.window, node, self.slice(node))
 
-    def profile(self, node: str) -> dict[str, Any]:
+    def profile(self, node: str) -> NodeProfile | NoProfile:
         """The straggler features of one node."""
         sl = self.slice(node)
         if sl is None:
             return {"node": node, "error": "no such node in this database"}
         return explainer.node_profile(sl)
 
-    def stragglers(self, chains: list[dict[str, Any]],
-                   collectives: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    def stragglers(self, chains: Sequence[ChainJson],
+                   collectives: Mapping[str, Any] | None = None) -> list[StragglerEntry]:
         """The nodes of the file ranked as the fleet client ranks live ones (two or more),
         led by the ranks collective arrival names (``collectives``: :meth:`collectives`'
         report, computed here when not given)."""
@@ -124,11 +130,13 @@ class Analysis:
         return [coll.read_arrivals(sl, max_rows, max_bytes) for sl in self.slices]
 
     def collectives(self, clocks: dict[str, coll.Clock] | None = None,
-                    max_rows: int = coll.LOCAL_ROWS) -> dict[str, Any]:
+                    max_rows: int = coll.LOCAL_ROWS) -> CollectivesAnswer:
         """Collective arrival per communicator and rank, and the straggler rank it names
         (docs/explain.md, "Collective arrival"), over the newest ``max_rows`` calls per
         node; ``clocks``: node -> (offset, error)."""
-        return coll.analyze(self.arrivals(max_rows), clocks)
+        # coll.analyze assembles it from untyped parts; tests/unit/test_answer_shapes.py
+        # holds real answers to the class.
+        return cast(CollectivesAnswer, coll.analyze(self.arrivals(max_rows), clocks))
 
     def breakdown(self, pid: int | None = None, pids: Collection[int] | None = None
                   ) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import io
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -33,6 +33,7 @@ from fleetd.cli.pod_args import fleet_selection, selected_pids
 from fleetd.cli.progress import Progress, task
 from fleetd.cli.window_args import add_common, open_analysis
 from fleetd.errors import UsageError
+from fleetd.wire.answers import ChainJson, ExplainReport
 
 EXPLAIN_FORMATS = ("table", "json", "html")
 FAIL_ON = ("HIGH", "MEDIUM", "LOW")  # worst first
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     return failed(args, found["chains"], 0)
 
 
-def _analyse(args: argparse.Namespace, analysis: Analysis, shown: Progress) -> dict[str, Any]:
+def _analyse(args: argparse.Namespace, analysis: Analysis, shown: Progress) -> ExplainReport:
     """The local report, step by step on the progress line: the events read once
     (names, op statistics, the per-thread breakdown), the chains, then the GPU verdict,
     collectives and the straggler ranking."""
@@ -113,7 +114,7 @@ def _analyse(args: argparse.Namespace, analysis: Analysis, shown: Progress) -> d
     return found
 
 
-def _render(args: argparse.Namespace, found: dict[str, Any], out: TextIO) -> None:
+def _render(args: argparse.Namespace, found: ExplainReport, out: TextIO) -> None:
     if args.format == "json":
         out.write(dumps(found).decode() + "\n")
     elif args.format == "html":
@@ -125,10 +126,7 @@ def _render(args: argparse.Namespace, found: dict[str, Any], out: TextIO) -> Non
         render(found, out, verbose=bool(getattr(args, "verbose", 0)))
 
 
-# The GPU time shares an explain report carries per rank (the HTML report draws them).
-GPU_SHARES = ("idle_pct", "compute_pct", "comm_pct", "memcpy_pct")
-
-def _gpu_verdict(found: dict[str, Any], analysis: Analysis, pid: int | None) -> None:
+def _gpu_verdict(found: ExplainReport, analysis: Analysis, pid: int | None) -> None:
     """An imported GPU timeline's verdict, the one ``fleetd gpu`` prints, joins the
     report (``gpu``) and leads the verdict when it finds host overhead: one answer for
     one file, whichever command is asked."""
@@ -137,8 +135,9 @@ def _gpu_verdict(found: dict[str, Any], analysis: Analysis, pid: int | None) -> 
         return
     found["gpu"] = [{"node": r["node"], "pid": r["pid"], "rank": r.get("rank"),
                      "host_overhead": r["verdict"]["host_overhead"],
-                     "summary": r["summary"],
-                     **{k: r.get(k) for k in GPU_SHARES},
+                     "summary": r["summary"], "idle_pct": r.get("idle_pct"),
+                     "compute_pct": r.get("compute_pct"), "comm_pct": r.get("comm_pct"),
+                     "memcpy_pct": r.get("memcpy_pct"),
                      "metrics": r["verdict"].get("metrics"),
                      "thresholds": r["verdict"].get("thresholds")} for r in ranks]
     bound = [g for g in found["gpu"] if g["host_overhead"] == "YES"]
@@ -148,7 +147,7 @@ def _gpu_verdict(found: dict[str, Any], analysis: Analysis, pid: int | None) -> 
                             f"(fleetd gpu); the host side: {found['verdict']}")
 
 
-def emit(args: argparse.Namespace, found: dict[str, Any],
+def emit(args: argparse.Namespace, found: Mapping[str, Any],
          write: Callable[[TextIO], object]) -> None:
     """``write`` the report to stdout, or to the ``-o`` file: whole or not at all (a
     temporary file beside it, renamed when complete, as ``fleetd export`` does)."""
@@ -170,13 +169,13 @@ def emit(args: argparse.Namespace, found: dict[str, Any],
           f"{hint}")
 
 
-def write_html(found: dict[str, Any], out: TextIO) -> None:
+def write_html(found: Mapping[str, Any], out: TextIO) -> None:
     from fleetd.export.html import write_report
 
     write_report(found, out)
 
 
-def failed(args: argparse.Namespace, chains: list[dict[str, Any]], code: int) -> int:
+def failed(args: argparse.Namespace, chains: Sequence[ChainJson], code: int) -> int:
     """``code``, or :data:`FOUND_EXIT` when --fail-on names a severity some chain has
     (or a worse one); said on stderr so that a cron mail tells why."""
     if not args.fail_on:
@@ -190,7 +189,7 @@ def failed(args: argparse.Namespace, chains: list[dict[str, Any]], code: int) ->
     return FOUND_EXIT if code == 0 else code
 
 
-def _no_such_pid(found: dict[str, Any], pid: int | None) -> None:
+def _no_such_pid(found: ExplainReport, pid: int | None) -> None:
     """--pid of a process the window holds nothing of is not a quiet process: say so,
     in the verdict and as a warning, rather than "quiet"."""
     if pid is None or found["processes"] or found["ops"] or found["chains"]:

@@ -4,6 +4,7 @@ fleetd/export/html.py."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TextIO
 
 from fleetd.analyze.distributed.collectives import host_chains
@@ -11,6 +12,7 @@ from fleetd.analyze.reading import pods
 from fleetd.cli.output import SEVERITY_STYLE, colour_wanted, paint, table
 from fleetd.printable import printable_tree
 from fleetd.store.timeparse import format_ns
+from fleetd.wire.answers import ChainJson, ExplainReport, ProcessRow, StragglerEntry
 
 # The per-thread columns, adding up to the wall time: sleeps split by wait reason.
 BREAKDOWN_KEYS = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "lock_ns", "data_ns",
@@ -27,7 +29,7 @@ def _dur(ns: int | None) -> str:
     return f"{ns / 1e3:.0f} us"
 
 
-def render(report: dict[str, Any], out: TextIO, *, verbose: bool = False) -> None:
+def render(report: ExplainReport, out: TextIO, *, verbose: bool = False) -> None:
     """The report as text. Every string in it is made printable first: names a traced
     process chose (comm, threads, pod, Python frames) are quoted in summaries,
     evidence and fixes, and one with a newline must not start a line of its own."""
@@ -46,10 +48,11 @@ def render(report: dict[str, Any], out: TextIO, *, verbose: bool = False) -> Non
     _processes(report["processes"], out)
 
 
-def render_fleet(report: dict[str, Any], out: TextIO) -> None:
+def render_fleet(report: Mapping[str, Any], out: TextIO) -> None:
     """Stragglers first, each with its own top chains as the why; then every node's
     chains, most severe first, each tagged with its node (made printable first, as in
-    :func:`render`)."""
+    :func:`render`). ``report``: a file's :class:`ExplainReport` over several nodes, or
+    the fleet client's (``fleetd.fleet.queries.explain``, docs/json.md)."""
     report = printable_tree(report)
     label = report["window"].get("label", "")
     names = report.get("nodes") or []
@@ -113,7 +116,7 @@ def _selection(selected: dict[str, str]) -> str:
 TOP_CHAINS = 3
 
 
-def _collectives(report: dict[str, Any], out: TextIO) -> None:
+def _collectives(report: Mapping[str, Any], out: TextIO) -> None:
     """One line on collective arrival when NCCL collectives were recorded, and its notes."""
     found = report.get("collectives") or {}
     if not found.get("events"):
@@ -124,7 +127,7 @@ def _collectives(report: dict[str, Any], out: TextIO) -> None:
         out.write(f"  note: {note}\n")
 
 
-def _stragglers(ranked: list[dict[str, Any]], out: TextIO) -> None:
+def _stragglers(ranked: list[StragglerEntry], out: TextIO) -> None:
     if not ranked:
         return
     rows = [[s["node"] + (f" rank {s['rank']}" if s.get("rank") is not None else ""),
@@ -137,8 +140,7 @@ def _stragglers(ranked: list[dict[str, Any]], out: TextIO) -> None:
     out.write(table(["node", "score", "flagged", "metric", "reason"], rows))
 
 
-def _chain(c: dict[str, Any], out: TextIO, tag: bool = False, *, verbose: bool = False
-           ) -> None:
+def _chain(c: ChainJson, out: TextIO, tag: bool = False, *, verbose: bool = False) -> None:
     where = f" on {c['node']}" if tag else ""
     sev = f"[{c['severity']}]"
     if colour_wanted(out):  # a terminal: the severity in its colour, as tables show it
@@ -173,14 +175,14 @@ def _chain(c: dict[str, Any], out: TextIO, tag: bool = False, *, verbose: bool =
         out.write(f"    - {f}\n")
 
 
-def _pod(p: dict[str, Any]) -> str:
+def _pod(p: ProcessRow) -> str:
     """``namespace/pod`` (or the container) of a process row; ``-`` outside any."""
     if p.get("pod"):
         return f"{p['namespace']}/{p['pod']}" if p.get("namespace") else str(p["pod"])
     return str(p.get("container") or "-")
 
 
-def _processes(procs: list[dict[str, Any]], out: TextIO) -> None:
+def _processes(procs: list[ProcessRow], out: TextIO) -> None:
     rows = []
     # A pod column only when some process ran in a container (analyze.pods).
     placed = any(p.get("pod") or p.get("container") for p in procs)

@@ -10,12 +10,13 @@ node's clock offset, merges, and returns a :class:`FleetResult`: the JSON object
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fleetd.analyze.causes.chains import SEVERITY_RANK
 from fleetd.analyze.distributed import stragglers
+from fleetd.analyze.reading.answers import ChainJson, ProcessRow
 from fleetd.analyze.reading.window import WindowSpec
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import Merged, NodeRows, NodeWarning, merge, reduce
@@ -121,7 +122,8 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None,
 
     def plan(offset_ns: int) -> list[Request]:
         base = bounds.params(offset_ns)
-        return [Request("GET", CHAINS.route, {**base, **asked}, expect=(CHAINS.expect,)),
+        return [Request("GET", CHAINS.route, {**base, **asked}, expect=(CHAINS.expect,),
+                        check=_reader(CHAINS)),
                 Request("GET", PROFILE.route, base, expect=(PROFILE.expect,))]
 
     # Beside chains and profile, each node's collective calls (optional: a failure there
@@ -130,8 +132,8 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None,
         opts, arrivals.with_arrivals(plan, bounds, arrivals.EXPLAIN_ROWS),
         needs_offset=window.absolute))
     raise_if_user_error(answer)
-    chains: list[dict[str, Any]] = []
-    processes: list[dict[str, Any]] = []
+    chains: list[ChainJson] = []
+    processes: list[ProcessRow] = []
     profiles: dict[str, dict[str, Any]] = {}
     verdicts: dict[str, str] = {}
     for o in answer.answered:
@@ -159,14 +161,14 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None,
     return FleetResult(answer, obj)
 
 
-def _placed(proc: dict[str, Any], node: str) -> dict[str, Any]:
+def _placed(proc: ProcessRow, node: str) -> ProcessRow:
     """A node's process row tagged with its node, its pod fields read as untrusted
     text (fleetd.wire.pods)."""
     out = {k: v for k, v in proc.items() if k not in PLACEMENT_FIELDS}
     return {**out, **read_placement(proc), "node": node}
 
 
-def _tagged(chain: dict[str, Any], node: str) -> dict[str, Any]:
+def _tagged(chain: ChainJson, node: str) -> ChainJson:
     chain["node"] = node
     return chain
 
@@ -211,6 +213,12 @@ def overview(opts: FleetOptions, window: WindowSpec) -> FleetResult:
 # ---- a question of the registry -----------------------------------------------------
 
 
+def _reader(question: Question) -> Callable[[dict[str, Any]], Mapping[str, Any]] | None:
+    """The question's wire reader, given an answer whose numbers all fit."""
+    read = question.check
+    return None if read is None else (lambda r: read(check_numbers(r, "the answer")))
+
+
 def ask(opts: FleetOptions, question: Question, window: WindowSpec, params: Params
         ) -> FleetResult:
     """Ask every node ``question`` (one GET each, in the window when it takes one):
@@ -219,8 +227,7 @@ def ask(opts: FleetOptions, question: Question, window: WindowSpec, params: Para
     number beyond 64 bits, when there is a check) counts as failed."""
     bounds = window.validate() if question.windowed else WindowSpec().validate()
     query = question.encode(params)
-    read = question.check
-    check = None if read is None else (lambda r: read(check_numbers(r, "the answer")))
+    check = _reader(question)
     answer: FleetAnswer = run_loop(fan_out(
         opts, lambda off: [Request("GET", question.route, {**bounds.params(off), **query},
                                    expect=(question.expect,), check=check)],

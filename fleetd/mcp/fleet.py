@@ -28,6 +28,7 @@ from fleetd.fleet.dispatch import fan_out
 from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request, session
 from fleetd.fleet.queries import QuerySpec
 from fleetd.mcp.local import (
+    CompactChain,
     compact_chain,
     compact_straggler,
     default_export_dir,
@@ -308,7 +309,7 @@ class FleetBackend:
                     "chains": [compact_chain(c, evidence_n) for c in chains[:top_n]],
                     **shown("chains", len(chains), top_n)}
         ranked = obj.get("stragglers") or []
-        why: dict[str, list[dict[str, Any]]] = {}
+        why: dict[str, list[CompactChain]] = {}
         for s in ranked:  # a rank named by collective arrival first: its node's host chains
             if s.get("flagged") and s["node"] not in why:
                 mine = (host_chains(s["node"], s.get("pid"), chains, s.get("peers") or ())

@@ -20,12 +20,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NotRequired, TypedDict, TypeVar
 
 from fleetd.analyze.causes.chains import SEVERITY_RANK
 from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
 from fleetd.analyze.pernode.opstats import COLUMNS
 from fleetd.analyze.reading import pods
+from fleetd.analyze.reading.answers import (
+    ChainDetail,
+    ChainJson,
+    Culprit,
+    EvidenceItem,
+    RankedCulprit,
+    StragglerEntry,
+    Victim,
+)
 from fleetd.analyze.reading.data import json_or_text, nodes
 from fleetd.analyze.reading.window import Window, WindowSpec
 from fleetd.analyze.stacks import op_code
@@ -238,17 +247,44 @@ class LocalBackend:
 # ---- helpers shared with the fleet backend ---------------------------------------------------
 
 
-def compact_chain(c: dict[str, Any], evidence_n: int) -> dict[str, Any]:
+class CompactChain(TypedDict):
+    """A chain as the MCP tools give it: :class:`ChainJson` without its ``key``, with
+    three culprits, ``evidence_n`` evidence items (``evidence_omitted``: the rest) and
+    without the flame graph's stacks (``get_cpu_profile`` gives them)."""
+
+    id: str
+    node: str
+    severity: str
+    root_cause: str
+    summary: str
+    op: str | None
+    victim: Victim
+    culprit: Culprit | None
+    explained: float
+    impact: float
+    ts_ns: int
+    dur_ns: int
+    time: str | None
+    detail: ChainDetail
+    fixes: list[str]
+    culprits: list[RankedCulprit]
+    evidence: list[EvidenceItem]
+    evidence_omitted: NotRequired[int]
+
+
+def compact_chain(c: ChainJson, evidence_n: int) -> CompactChain:
     """A chain as explain gives it, minus internal keys, with short lists."""
-    out = {k: v for k, v in c.items() if k not in ("key", "evidence", "culprits")}
-    detail = c.get("detail")
-    if isinstance(detail, dict) and "flame" in detail:
+    evidence = c["evidence"]
+    out: CompactChain = {
+        "id": c["id"], "node": c["node"], "severity": c["severity"],
+        "root_cause": c["root_cause"], "summary": c["summary"], "op": c["op"],
+        "victim": c["victim"], "culprit": c["culprit"], "explained": c["explained"],
+        "impact": c["impact"], "ts_ns": c["ts_ns"], "dur_ns": c["dur_ns"],
+        "time": c["time"],
         # The flame graph's stacks are the HTML page's; get_cpu_profile gives the stacks.
-        out["detail"] = {k: v for k, v in detail.items() if k != "flame"}
-    culprits = list(c.get("culprits") or [])
-    out["culprits"] = culprits[:3]
-    evidence = list(c.get("evidence") or [])
-    out["evidence"] = evidence[:evidence_n]
+        "detail": {k: v for k, v in c["detail"].items() if k != "flame"},
+        "fixes": c["fixes"], "culprits": c["culprits"][:3],
+        "evidence": evidence[:evidence_n]}
     if len(evidence) > evidence_n:
         out["evidence_omitted"] = len(evidence) - evidence_n
     return out
@@ -264,9 +300,13 @@ def compact_gpu(report: dict[str, Any], top_n: int) -> dict[str, Any]:
     return out
 
 
-def compact_straggler(s: dict[str, Any]) -> dict[str, Any]:
+def compact_straggler(s: StragglerEntry) -> StragglerEntry:
     """A straggler entry; the per-metric detail only for flagged nodes (it is long)."""
-    return s if s.get("flagged") else {k: v for k, v in s.items() if k != "metrics"}
+    if s.get("flagged"):
+        return s
+    out = s.copy()
+    out.pop("metrics", None)
+    return out
 
 
 def export_path(directory: Path, name: str | None, stem: str) -> Path:

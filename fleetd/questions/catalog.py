@@ -355,11 +355,18 @@ def _chains(a: Analysis, node: str, p: Params) -> Answer:
             "processes": report["processes"], "warnings": report["warnings"]}
 
 
+def _chains_check(reply: dict[str, Any]) -> ChainsReply:
+    from fleetd.wire.chains import check_chains_reply
+
+    return check_chains_reply(reply)
+
+
 CHAINS = Question(
     "chains", "causal chains, most severe first",
     (Param("pid", "int", help="only chains whose victim is this process"),
      Param("top_n", "int", help="chains to return (default: all)"), POD, NAMESPACE),
-    _chains, "chains", path=paths.CHAINS, validate=_one_selection, shape=ChainsReply)
+    _chains, "chains", path=paths.CHAINS, validate=_one_selection, check=_chains_check,
+    shape=ChainsReply)
 
 
 # ---- NCCL collective calls (fleetd collectives, explain --nodes) -----------------------

@@ -10,8 +10,9 @@
 * :mod:`~fleetd.wire.values`: checked readers for one untrusted value;
 * :mod:`~fleetd.wire.query`: the query answer, as JSON or streamed NDJSON, checked once
   where it is read; :mod:`~fleetd.wire.replies`: the small answers (``time``);
-* :mod:`~fleetd.wire.gpu`, :mod:`~fleetd.wire.collectives`, :mod:`~fleetd.wire.ranks`:
-  the analysis answers, rebuilt from checked values into the analyzers' own types;
+* :mod:`~fleetd.wire.chains`, :mod:`~fleetd.wire.gpu`, :mod:`~fleetd.wire.collectives`,
+  :mod:`~fleetd.wire.ranks`: the analysis answers, checked (or rebuilt from checked
+  values) into the analyzers' own types;
   :mod:`~fleetd.wire.answers`: the analyzers' answers as typed dictionaries;
 * :mod:`~fleetd.wire.pods`: selecting processes by Kubernetes pod across the wire.
 

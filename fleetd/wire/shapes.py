@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NotRequired, TypedDict
 
+from fleetd.analyze.reading.answers import ChainJson, OpRow, ProcessRow, WindowJson
+
 
 class ErrorDetail(TypedDict):
     """``{"error": {...}}``: every failure's body, and a failed stream's trailer."""
@@ -81,13 +83,14 @@ class StreamTrailer(TypedDict):
 
 
 class ChainsReply(TypedDict):
-    """``GET /api/v1/chains``: causal chains, most severe first (docs/explain.md)."""
+    """``GET /api/v1/chains``: causal chains, most severe first (docs/explain.md); read
+    back by :func:`fleetd.wire.chains.check_chains_reply`."""
 
     node: str
-    window: dict[str, Any]  # start_ns, end_ns, start, end, label
+    window: WindowJson
     verdict: str
-    chains: list[dict[str, Any]]
-    processes: list[dict[str, Any]]
+    chains: list[ChainJson]
+    processes: list[ProcessRow]
     warnings: list[str]
 
 
@@ -95,9 +98,9 @@ class OpsReply(TypedDict):
     """``GET /api/v1/ops``: op (or kernel) statistics, rows as ``fleetd ops`` prints."""
 
     node: str
-    window: dict[str, Any]
+    window: WindowJson
     warnings: list[str]
-    ops: list[dict[str, Any]]
+    ops: list[OpRow]
 
 
 class FailureJson(TypedDict):

@@ -10,6 +10,7 @@ the declared type, nested classes included.
 
 from __future__ import annotations
 
+import json
 import re
 import sqlite3
 import types
@@ -192,6 +193,7 @@ def _profile(db: Path) -> tuple[Any, Any, Any]:
 
 @pytest.mark.parametrize("db", SCENARIOS, ids=lambda p: p.stem)
 def test_scenario_answers_have_their_classes_keys(db: Path, seen: set[str]) -> None:
+    from fleetd.analyze.explain import explain_node
     from fleetd.analyze.facade import Analysis
     from fleetd.analyze.reading.window import WindowSpec
 
@@ -203,6 +205,15 @@ def test_scenario_answers_have_their_classes_keys(db: Path, seen: set[str]) -> N
         check(a.graphs(), answers.GraphsAnswer, f"{db.stem} graphs", seen)
         check(a.gpu(), answers.GpuAnswer, f"{db.stem} gpu", seen)
         check(a.collectives(), answers.CollectivesAnswer, f"{db.stem} collectives", seen)
+        report = a.explain()
+        check(report, answers.ExplainReport, f"{db.stem} explain", seen)
+        check(report["window"], answers.WindowJson, f"{db.stem} window", seen)
+        check(a.stragglers(report["chains"]), list[answers.StragglerEntry],
+              f"{db.stem} stragglers", seen)
+        for sl in a.slices:
+            check(a.profile(sl.name), answers.NodeProfile, f"{db.stem} profile", seen)
+            check(explain_node(sl), answers.NodeExplain, f"{db.stem} {sl.name}", seen)
+        check(a.profile("no-such-node"), answers.NoProfile, f"{db.stem} no profile", seen)
     summary, heavy, flame = _profile(db)
     check(summary, answers.CpuProfile, f"{db.stem} profile", seen)
     check(heavy, list[answers.CpuStack], f"{db.stem} cpu stacks", seen)
@@ -224,6 +235,22 @@ def test_gpu_answers_of_imported_traces_have_their_classes_keys(
             assert len(got["ranks"]) == 2 and got["straggler"] is not None
             check(got, answers.GpuAnswer, f"gpu steps={steps}", seen)
         assert "phase_thresholds" in got["ranks"][0]["verdict"]
+        check(a.explain(per_process=True)["chains"], list[answers.ChainJson], "gpu chains",
+              seen)
+
+
+def test_the_explain_command_prints_an_explain_report(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], seen: set[str]) -> None:
+    """The report as `fleetd explain --format json` prints it: with the command's
+    collectives, the GPU verdicts of an imported timeline and the straggler ranking."""
+    db = tmp_path / "ranks.db"
+    assert main(["import", *map(str, GPU_TRACES), "--db", str(db)]) == 0
+    for path in (db, *SCENARIOS):
+        capsys.readouterr()
+        assert main(["explain", "--db", str(path), "--format", "json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        check(got, answers.ExplainReport, f"explain --db {path.name}", seen)
+        assert path != db or (got["gpu"] and got["stragglers"])
 
 
 def test_graphs_collectives_and_cpu_answers_of_synth_recordings(

@@ -28,6 +28,7 @@ from fleetd.analyze.causes.spikes import (
     find_spikes,
     find_stalls,
 )
+from fleetd.analyze.reading.answers import Culprit, EvidenceItem
 from fleetd.analyze.reading.data import SYNC_OPS, code
 from fleetd.analyze.reading.nodeview import OFF_CPU, NodeView, task_state
 
@@ -301,22 +302,24 @@ def account(chains: list[Chain], threads: list[dict[str, Any]]) -> list[Chain]:
     return out
 
 
-def culprit_json(top: Mapping[str, Any]) -> dict[str, Any]:
+def culprit_json(top: Mapping[str, Any]) -> Culprit:
     """A ranked culprit as a chain's JSON shows it; a thread culprit also names its
     thread. (Also applied to culprits a node sent, so ``self`` may be missing.)"""
-    out = {"pid": top["pid"], "comm": top["comm"], "self": top.get("self", False)}
+    out: Culprit = {"pid": top["pid"], "comm": top["comm"], "self": top.get("self", False)}
     if top.get("tid") is not None:
         out["tid"], out["thread"] = top["tid"], top.get("thread")
     if top.get("where"):  # a lock holder traced with stacks: its line and frames
         out["where"], out["stack"] = top["where"], top.get("stack") or []
-    out.update({k: top[k] for k in ("pod", "namespace", "container", "pod_uid")
-                if top.get(k)})  # where it runs (analyze.pods)
+    # Where it runs (analyze.pods), in the order the placement gave them.
+    for k in ("pod", "namespace", "container", "pod_uid"):
+        if top.get(k):
+            out[k] = top[k]
     return out
 
 
-def evidence_timeline(chain: Chain) -> list[dict[str, Any]]:
+def evidence_timeline(chain: Chain) -> list[EvidenceItem]:
     """The slowest spikes, each followed by the host events that overlapped it."""
-    out: list[dict[str, Any]] = []
+    out: list[EvidenceItem] = []
     worst = sorted(chain.spikes, key=lambda s: -s.call.dur)[:EVIDENCE_SPIKES]
     for s in sorted(worst, key=lambda s: s.call.ts):
         head, rest = s.evidence[0], s.evidence[1:]

@@ -81,6 +81,7 @@ from fleetd.analyze.distributed.arrivals import (
 )
 from fleetd.analyze.distributed.nccl_failures import NCCL_CODES, failed, failures, nccl_error
 from fleetd.analyze.distributed.stragglers import chain_brief
+from fleetd.analyze.reading.answers import ChainJson, StragglerEntry
 from fleetd.store.clockinfo import Clock, combined_error
 
 __all__ = [  # the arrival side and the failures, used from here by older callers
@@ -523,12 +524,12 @@ def rows(report: Mapping[str, Any]) -> list[list[Any]]:
 HOST_CHAIN_EXCLUDED = ("nccl_failures",)  # findings about the calls, not host causes
 
 
-def straggler_entries(report: Mapping[str, Any], chains: Sequence[dict[str, Any]]
-                      ) -> list[dict[str, Any]]:
+def straggler_entries(report: Mapping[str, Any], chains: Sequence[ChainJson]
+                      ) -> list[StragglerEntry]:
     """The collective stragglers as ``stragglers`` entries (docs/json.md): ``metric``
     ``collective_arrival``, ``rank``, and ``score`` 1 - the share of collectives it was last
     in; the reason ends with its node's top host chain."""
-    out = []
+    out: list[StragglerEntry] = []
     for s in report.get("stragglers") or []:
         peers = sorted({int(r["pid"]) for c in report.get("communicators") or []
                         if c.get("key") == s["communicator"] for r in c["ranks"]
@@ -545,8 +546,8 @@ def straggler_entries(report: Mapping[str, Any], chains: Sequence[dict[str, Any]
     return out
 
 
-def host_chains(node: str, pid: int | None, chains: Sequence[dict[str, Any]],
-                peers: Iterable[int] = ()) -> list[dict[str, Any]]:
+def host_chains(node: str, pid: int | None, chains: Sequence[ChainJson],
+                peers: Iterable[int] = ()) -> list[ChainJson]:
     """The node's host chains (most severe first as given), the process's own first.
     Another rank of the job (``peers``: their pids) is never the culprit: a rank
     waiting for its peers' data is the collective itself, not a cause. A chain whose
@@ -554,22 +555,25 @@ def host_chains(node: str, pid: int | None, chains: Sequence[dict[str, Any]],
     machine's CPUs outrank a hog in the rank's own CPU quota by time alone), and is
     left out when it has none."""
     others = set(peers)
-    mine = []
+    mine: list[ChainJson] = []
     for c in chains:
         if c.get("node") != node or c.get("root_cause") in HOST_CHAIN_EXCLUDED:
             continue
-        if (c.get("culprit") or {}).get("pid") in others:
-            rest = [x for x in c.get("culprits") or () if isinstance(x, dict)
-                    and "pid" in x and "comm" in x and x["pid"] not in others]
+        top = c.get("culprit")
+        if top is not None and top.get("pid") in others:
+            # A peer's culprits were checked by fleetd.wire.chains.
+            rest = [x for x in c.get("culprits") or () if "comm" in x
+                    and x["pid"] not in others]
             if not rest:
                 continue
-            c = {**c, "culprit": culprit_json(rest[0])}
+            c = c.copy()  # the caller's chain stays as it was
+            c["culprit"] = culprit_json(rest[0])
         mine.append(c)
-    own = [c for c in mine if (c.get("victim") or {}).get("pid") == pid]
+    own = [c for c in mine if c["victim"].get("pid") == pid]
     return own + [c for c in mine if c not in own]
 
 
-def _top_host_chain(node: str, pid: int, chains: Sequence[dict[str, Any]],
+def _top_host_chain(node: str, pid: int, chains: Sequence[ChainJson],
                     peers: Iterable[int]) -> str:
     mine = host_chains(node, pid, chains, peers)
     if not mine:

@@ -40,10 +40,16 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from fleetd.analyze.pernode.model import NodeSlice
 from fleetd.analyze.reading import pods
+from fleetd.analyze.reading.answers import (
+    ChainJson,
+    MetricScore,
+    NodeProfile,
+    StragglerEntry,
+)
 from fleetd.analyze.reading.data import (
     CALL_SOURCES,
     LAUNCH_OPS,
@@ -112,7 +118,7 @@ class Score:
 
 
 def rank(profiles: Mapping[str, Mapping[str, Any]], unreachable: Mapping[str, str],
-         chains: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+         chains: Sequence[ChainJson] = ()) -> list[StragglerEntry]:
     """One ``{node, score, flagged, metric, reason, ...}`` per node, stragglers first.
 
     ``profiles``: node -> profile of the nodes that answered; ``unreachable``: node ->
@@ -136,7 +142,7 @@ def rank(profiles: Mapping[str, Mapping[str, Any]], unreachable: Mapping[str, st
     return sorted(out, key=lambda e: _order(e, e["node"] in unreachable))
 
 
-def _order(e: dict[str, Any], unreachable: bool) -> tuple[int, float, str]:
+def _order(e: StragglerEntry, unreachable: bool) -> tuple[int, float, str]:
     """Stragglers, then the others by score, then the nodes that could not be ranked,
     and last those that did not answer."""
     if e["flagged"] is None:
@@ -145,9 +151,21 @@ def _order(e: dict[str, Any], unreachable: bool) -> tuple[int, float, str]:
 
 
 def _entry(node: str, score: float | None, flagged: bool | None, metric: str | None,
-           reason: str, **extra: Any) -> dict[str, Any]:
-    return {"node": node, "score": score, "flagged": flagged, "metric": metric,
-            "reason": reason, **extra}
+           reason: str, **extra: Unpack[Scored]) -> StragglerEntry:
+    out: StragglerEntry = {"node": node, "score": score, "flagged": flagged,
+                           "metric": metric, "reason": reason}
+    if "z" in extra:
+        out["z"] = extra["z"]
+    if "metrics" in extra:
+        out["metrics"] = extra["metrics"]
+    return out
+
+
+class Scored(TypedDict, total=False):
+    """What a ranked node's entry adds: its robust z and every metric's scores."""
+
+    z: float | None
+    metrics: dict[str, MetricScore]
 
 
 def _score_all(features: Mapping[str, Mapping[str, Any]]) -> dict[str, list[Score]]:
@@ -186,8 +204,8 @@ def _robust_sigma(xs: list[float], med: float) -> float:
     return max(MAD_TO_SIGMA * mad, SIGMA_FLOOR * abs(med))
 
 
-def _judge(node: str, scores: list[Score], chains: Sequence[Mapping[str, Any]]
-           ) -> dict[str, Any]:
+def _judge(node: str, scores: list[Score], chains: Sequence[ChainJson]
+           ) -> StragglerEntry:
     details = _details(scores)
     flagged = [s for s in scores if s.flagged]
     if flagged:
@@ -204,7 +222,7 @@ def _judge(node: str, scores: list[Score], chains: Sequence[Mapping[str, Any]]
                   "within the fleet's spread", z=_round(worst.z), metrics=details)
 
 
-def _unranked(node: str, scores: list[Score], n: int) -> dict[str, Any]:
+def _unranked(node: str, scores: list[Score], n: int) -> StragglerEntry:
     """A node of a two-node fleet: neither flagged nor called healthy. Of two nodes that
     differ, either may be the odd one (one slow, or the other fast), and each may look
     worse on another metric: judging each by the score alone flagged both."""
@@ -219,7 +237,7 @@ def _unranked(node: str, scores: list[Score], n: int) -> dict[str, Any]:
                   f"calls were traced){gap}", z=None, metrics=_details(scores))
 
 
-def _details(scores: list[Score]) -> dict[str, Any]:
+def _details(scores: list[Score]) -> dict[str, MetricScore]:
     return {s.metric.name: {"value": s.value, "score": round(s.score, 4),
                             "z": _round(s.z), "fleet_median": s.median, "best": s.best}
             for s in scores}
@@ -244,23 +262,23 @@ def _fmt(m: Metric, v: float) -> str:
     return f"{v:.1f}/s"
 
 
-def _top_chain(node: str, chains: Sequence[Mapping[str, Any]]) -> str:
+def _top_chain(node: str, chains: Sequence[ChainJson]) -> str:
     mine = [c for c in chains if c.get("node") == node]
     return f"; top chain: {chain_brief(mine[0])}" if mine else ""
 
 
-def chain_brief(c: Mapping[str, Any]) -> str:
+def chain_brief(c: ChainJson) -> str:
     """A chain in a reason: ``cpu_contention (HIGH), culprit cpu-hog pid 42``, with the
     pod of the victim and of the culprit where they ran in one (analyze.pods)."""
-    culprit = c.get("culprit") or {}
+    culprit: Mapping[str, Any] = c.get("culprit") or {}
     who = (f", culprit {culprit.get('comm')} pid {culprit.get('pid')}{pods.label(culprit)}"
            if culprit.get("comm") else "")
-    victim = c.get("victim") or {}
+    victim: Mapping[str, Any] = c.get("victim") or {}
     where = f" in pid {victim.get('pid')}{pods.label(victim)}" if pods.label(victim) else ""
     return f"{c.get('root_cause')} ({c.get('severity')}){where}{who}{_what_it_ran(c)}"
 
 
-def _what_it_ran(c: Mapping[str, Any]) -> str:
+def _what_it_ran(c: ChainJson) -> str:
     """For the on-CPU causes: what the feeding thread ran (the top frame and its share
     of the samples), or how it paused (the collector's pauses, the longest)."""
     d = c.get("detail") or {}
@@ -294,7 +312,7 @@ class Counted:
         return max(1e-9, (self.end_ns - self.start_ns) / 1e9)
 
 
-def node_profile(sl: NodeSlice) -> dict[str, Any]:
+def node_profile(sl: NodeSlice) -> NodeProfile:
     """The straggler features of one node's window (``GET /api/v1/profile`` of an agent,
     and each node of a file for ``explain --db``): of its main CUDA process (the most
     CUDA time) and the threads of it that called CUDA."""

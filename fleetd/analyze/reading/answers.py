@@ -9,15 +9,212 @@ the client take them from :mod:`fleetd.wire.answers`, which names the same class
 Only ``typing`` is imported: a client-only install reads these without the analyzers'
 dependencies. A key that is not always there is ``NotRequired``; a value that may be
 JSON ``null`` has ``None`` in its type. ``window`` is
-:meth:`fleetd.analyze.reading.window.Window.to_json` (``start_ns``, ``end_ns``, ``start``,
-``end``, ``label``) and an op row is a row of ``fleetd ops`` (docs/json.md): both stay
-plain dictionaries here. docs/json.md lists every key of every class below, and
-tests/unit/test_answer_shapes.py holds the two, and a real answer, to each other.
+:class:`WindowJson` (:meth:`fleetd.analyze.reading.window.Window.to_json`). An op row (a
+row of ``fleetd ops``), a process row of the breakdown, a chain's ``detail`` and an
+evidence item stay plain dictionaries (:data:`OpRow`, :data:`ProcessRow`,
+:data:`ChainDetail`, :data:`EvidenceItem`): their keys depend on the op source, the
+root cause or the evidence kind, and docs/explain.md lists them per case. docs/json.md
+lists every key of every class below, and tests/unit/test_answer_shapes.py holds the
+two, and a real answer, to each other.
 """
 
 from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
+
+# ---- explain (fleetd explain, GET /api/v1/chains) -------------------------------------------
+
+
+class WindowJson(TypedDict):
+    """The analyzed window: half-open ``[start_ns, end_ns)`` in UTC ns, ISO ends, label."""
+
+    start_ns: int
+    end_ns: int
+    start: str
+    end: str
+    label: str
+
+
+OpRow = dict[str, Any]  # a row of ``fleetd ops`` (docs/explain.md, "fleetd ops --format json")
+ProcessRow = dict[str, Any]  # a process of the breakdown: docs/explain.md, "A process"
+ChainDetail = dict[str, Any]  # the figures behind a chain, by root cause
+EvidenceItem = dict[str, Any]  # ``kind``, ``text`` and the kind's own keys
+
+
+class Victim(TypedDict):
+    """The thread whose calls were slow; its pod and container where the tracer knew them."""
+
+    pid: int
+    tid: int
+    comm: str | None
+    thread: str | None
+    pod: NotRequired[str]
+    namespace: NotRequired[str]
+    pod_uid: NotRequired[str]
+    container: NotRequired[str]
+
+
+class Culprit(TypedDict):
+    """A chain's top culprit as its ``culprit`` shows it; ``self``: the victim's own
+    process; ``tid``/``thread``: its thread that accounts for most of the time; ``where``
+    and ``stack``: a lock holder traced with stacks."""
+
+    pid: int
+    comm: str | None
+    self: bool
+    tid: NotRequired[int]
+    thread: NotRequired[str | None]
+    where: NotRequired[str]
+    stack: NotRequired[list[str]]
+    pod: NotRequired[str]
+    namespace: NotRequired[str]
+    pod_uid: NotRequired[str]
+    container: NotRequired[str]
+
+
+class RankedCulprit(TypedDict):
+    """One of a chain's ``culprits``, most time first (``ns``: the time attributed,
+    ``share`` of the chain's attributed time; ``presence``: how often it took over from
+    the victim, cpu_contention)."""
+
+    pid: int
+    comm: str | None
+    tids: NotRequired[list[int]]
+    ns: int
+    share: float
+    self: bool
+    presence: NotRequired[float]
+    tid: NotRequired[int]
+    thread: NotRequired[str | None]
+    busy: NotRequired[float | None]
+    where: NotRequired[str]
+    stack: NotRequired[list[str]]
+    pod: NotRequired[str]
+    namespace: NotRequired[str]
+    pod_uid: NotRequired[str]
+    container: NotRequired[str]
+
+
+class ChainJson(TypedDict):
+    """A causal chain (docs/explain.md, "A chain"): what was slow, why, who, what to do."""
+
+    id: str  # node:hash of key
+    key: str
+    node: str
+    severity: str  # HIGH | MEDIUM | LOW
+    root_cause: str
+    summary: str
+    op: str | None
+    victim: Victim
+    culprit: Culprit | None
+    culprits: list[RankedCulprit]  # up to 5
+    explained: float
+    impact: float
+    ts_ns: int
+    dur_ns: int
+    time: str | None
+    detail: ChainDetail
+    evidence: list[EvidenceItem]
+    fixes: list[str]
+
+
+class NodeExplain(TypedDict):
+    """One node's part of a report: the unit the fleet client asks each node for."""
+
+    chains: list[ChainJson]
+    processes: list[ProcessRow]
+    ops: list[OpRow]
+    warnings: list[str]
+
+
+class ExplainReport(TypedDict):
+    """``fleetd explain --format json`` of one database; the command adds ``collectives``
+    and, over several nodes or ranks, ``stragglers`` and ``skew``; ``gpu`` with an
+    imported GPU timeline; ``stored`` with ``--store``."""
+
+    window: dict[str, Any]  # WindowJson, once Window.to_json says so
+    nodes: list[str]
+    quiet: bool
+    verdict: str
+    chains: list[ChainJson]
+    processes: list[ProcessRow]
+    ops: list[OpRow]
+    warnings: list[str]
+    collectives: NotRequired[CollectivesAnswer]
+    gpu: NotRequired[list[GpuBrief]]
+    stragglers: NotRequired[list[StragglerEntry]]
+    skew: NotRequired[dict[str, Any]]  # node -> its clock offset (fleetd.wire SkewJson)
+    stored: NotRequired[int]
+
+
+class StragglerEntry(TypedDict):
+    """A node (or, ``metric`` ``collective_arrival``, a rank) as the straggler ranking
+    lists it (docs/json.md, "stragglers"); ``flagged`` None: it could not be ranked."""
+
+    node: str
+    score: float | None
+    flagged: bool | None
+    metric: str | None
+    reason: str
+    z: NotRequired[float | None]
+    metrics: NotRequired[dict[str, MetricScore]]
+    rank: NotRequired[int]
+    pid: NotRequired[int]
+    comm: NotRequired[str | None]
+    peers: NotRequired[list[int]]
+    communicator: NotRequired[str]
+    matching: NotRequired[str]
+    share_last: NotRequired[float]
+    judged: NotRequired[int]
+    lateness_p50_ns: NotRequired[int | None]
+    lateness_p99_ns: NotRequired[int | None]
+
+
+class MetricScore(TypedDict):
+    """A node's value of one straggler metric against the fleet's."""
+
+    value: float
+    score: float
+    z: float | None
+    fleet_median: float
+    best: float
+
+
+class NodeProfile(TypedDict):
+    """``GET /api/v1/profile``: the straggler features of a node's main CUDA process;
+    ``features`` empty (and only ``node``, ``window``, ``main_pid``) without CUDA work."""
+
+    node: str
+    window: dict[str, Any]  # WindowJson, once Window.to_json says so
+    span_s: NotRequired[float]
+    main_pid: int | None
+    main_comm: NotRequired[str | None]
+    rate_span_s: NotRequired[float | None]
+    counted_from: NotRequired[str | None]
+    features: dict[str, float | str | None]
+
+
+class NoProfile(TypedDict):
+    """A profile asked of a node the database does not hold."""
+
+    node: str
+    error: str
+
+
+class GpuBrief(TypedDict):
+    """A rank's GPU verdict as the explain report carries it (the HTML report draws it)."""
+
+    node: str
+    pid: int
+    rank: int | None
+    host_overhead: str
+    summary: str
+    idle_pct: float | None
+    compute_pct: float | None
+    comm_pct: float | None
+    memcpy_pct: float | None
+    metrics: dict[str, float | None] | None
+    thresholds: dict[str, float] | None
 
 # ---- overview (GET /api/v1/overview, fleetd overview) ----------------------------------
 
@@ -40,7 +237,7 @@ class OverviewAnswer(TypedDict):
     """One node's events by source, sessions, chain counts and top ops."""
 
     node: str
-    window: dict[str, Any]
+    window: dict[str, Any]  # WindowJson, once Window.to_json says so
     events: int
     by_source: dict[str, int]
     sessions: list[OverviewSession]
@@ -48,7 +245,7 @@ class OverviewAnswer(TypedDict):
     crashed_sessions: int
     chains: dict[str, int]  # {"HIGH": n, "MEDIUM": n, "LOW": n}
     verdict: str
-    top_ops: list[dict[str, Any]]  # the ten op rows with the most total time
+    top_ops: list[OpRow]  # the ten op rows with the most total time
     warnings: list[str]
 
 
@@ -92,7 +289,7 @@ class CpuStacksAnswer(TypedDict):
     """``GET /api/v1/cpu_stacks``: the window's samples per (thread, stack)."""
 
     node: str
-    window: dict[str, Any]
+    window: dict[str, Any]  # WindowJson, once Window.to_json says so
     period_ns: int
     stacks: list[CpuStack]
     stacks_omitted: int
@@ -138,7 +335,7 @@ class StacksAnswer(TypedDict):
     """The heaviest stacks of the window's CUDA calls (the agent adds ``node``)."""
 
     node: NotRequired[str]
-    window: dict[str, Any]
+    window: dict[str, Any]  # WindowJson, once Window.to_json says so
     op: str | None
     pid: int | None
     stacks: list[StackGroup]
@@ -203,7 +400,7 @@ class GraphsAnswer(TypedDict):
     """CUDA graph capture / instantiate / launch per process (the agent adds ``node``)."""
 
     node: NotRequired[str]
-    window: dict[str, Any]
+    window: dict[str, Any]  # WindowJson, once Window.to_json says so
     processes: list[GraphProcess]
     warnings: list[str]
     note: NotRequired[str]
@@ -337,7 +534,7 @@ class GpuAnswer(TypedDict):
     """Every rank of the window's GPU timelines (the agent adds ``node``)."""
 
     node: NotRequired[str]
-    window: dict[str, Any]
+    window: dict[str, Any]  # WindowJson, once Window.to_json says so
     ranks: list[GpuRank]
     kernels: list[KernelRow]
     warnings: list[str]
@@ -437,6 +634,9 @@ class CollectivesAnswer(TypedDict):
 
 # Every shape above, in the order docs/json.md lists them.
 ANSWERS: tuple[type, ...] = (
+    WindowJson, ExplainReport, StragglerEntry, MetricScore, NodeProfile, NoProfile,
+    GpuBrief,
+    NodeExplain, ChainJson, Victim, Culprit, RankedCulprit,
     OverviewAnswer, OverviewSession, CpuProfile, FrameShare, CpuStacksAnswer, CpuStack,
     FlameStacks, FlameStack, StacksAnswer, StackGroup, StackProcess, GraphsAnswer,
     GraphProcess, GraphPhase, GraphRates, GraphEpisode, GraphTimeline, GpuAnswer, GpuRank,
