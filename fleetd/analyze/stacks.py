@@ -16,7 +16,7 @@ from fleetd.analyze.pernode.model import NodeSlice
 from fleetd.analyze.reading.answers import StackGroup, StackProcess
 from fleetd.analyze.reading.data import in_list, json_or_text, name_of
 from fleetd.errors import UsageError
-from fleetd.store.catalog import BY_NAME, OPS
+from fleetd.store.catalog import BY_NAME, ON_CPU
 
 NOTE_NO_STACKS = ("no stack was recorded for these events: the tracer stores stacks only "
                   "with --stacks (every call past --stack-slow, 1 in --stack-sample kept "
@@ -82,7 +82,7 @@ def _group(sl: NodeSlice, row: tuple[Any, ...], frames: list[str], frames_n: int
         "frames": frames[:frames_n], **omitted, "node": sl.name}
 
 
-BY_SOURCE_CPU = [o.code for o in OPS if o.source == "cpu"]  # cpu_sample, gc_pause
+BY_SOURCE_CPU = ON_CPU.codes  # cpu_sample, gc_pause
 
 
 def _event_filter(sl: NodeSlice, op_code: int | None, pid: int | None, min_dur_ns: int = 0

@@ -202,6 +202,10 @@ CALL_SOURCES = (*CUDA_SOURCES, "nccl")
 CALLS = _by_source("calls", CALL_SOURCES)
 CUDA_CALLS = _by_source("cuda_calls", CUDA_SOURCES)
 NCCL = _by_source("nccl", ("nccl",))
+# The on-CPU samples and the GC pauses they show: no call, no host wait.
+ON_CPU = _by_source("on_cpu", ("cpu",))
+# Ops with a duration worth a percentile: calls and host intervals.
+TIMED = _family("timed", [op for op in OPS if op.kind in ("call", "interval")])
 
 # CUDA. Kernel launches (their records carry the kernel and its dims); graph launches;
 # both together: every launch of GPU work.
@@ -261,7 +265,7 @@ RECLAIM_RUNS_BY_KIND = ("direct_reclaim", "memcg_reclaim", "direct_compaction")
 RECLAIM_RUNS = _of("reclaim_runs", *RECLAIM_RUNS_BY_KIND)
 
 FAMILIES: tuple[Family, ...] = (
-    CALLS, CUDA_CALLS, NCCL, KERNEL_LAUNCHES, GRAPH_LAUNCHES, LAUNCHES, ASYNC_COPIES,
+    CALLS, CUDA_CALLS, NCCL, ON_CPU, TIMED, KERNEL_LAUNCHES, GRAPH_LAUNCHES, LAUNCHES, ASYNC_COPIES,
     ENQUEUES, READBACKS, SYNCS, ALLOCS, GRAPH_BUILDS, NCCL_COLLECTIVES, NCCL_P2P,
     NCCL_REDUCING, NCCL_INITS, NCCL_COMM_RETURNS, NCCL_COMM_CREATES, NCCL_COMM_ENDS,
     CPU_WAITS, SCHED_PEERS, HOST_DELAYS, RECLAIM_RUNS,

@@ -6,7 +6,9 @@ The walk parses every module of ``fleetd/`` and fails on a family defined again:
 - an op code compared with a number: an ordering (``<``, ``<=``, ``>``, ``>=``) or an
   ``in range(...)`` between something that names an op (``op``, ``r.op``, ``op_code``)
   or a source (``NCCL_LO``) and an integer literal in the span of the codes, or a
-  module constant bound to one.
+  module constant bound to one;
+- ops picked from the catalogue by a condition (``o.code for o in OPS if o.source ==
+  "nccl"``): a family by source, kind or name, built again.
 The C side tests a family with its generated ``FL_OPS_<FAMILY>(op)`` macro, never with
 a chain of ``op == OP_X ||`` tests; the record flags (``FL_WHY_*``) come from Python.
 """
@@ -98,6 +100,20 @@ def _op_names(node: ast.AST) -> list[str] | None:
     return None
 
 
+# What iterating the whole catalogue looks like.
+_CATALOGUE_ITERS = {"OPS", "catalog.OPS", "BY_NAME", "BY_NAME.values()", "BY_NAME.items()",
+                    "BY_CODE", "BY_CODE.values()", "BY_CODE.items()"}
+
+
+def _picked(node: ast.AST) -> str | None:
+    """The text of a comprehension that picks ops from the catalogue, else None."""
+    if (isinstance(node, ast.comprehension) and node.ifs
+            and ast.unparse(node.iter) in _CATALOGUE_ITERS):
+        return f"for {ast.unparse(node.target)} in {ast.unparse(node.iter)} if " + \
+            " and ".join(map(ast.unparse, node.ifs))
+    return None
+
+
 def _code_range(node: ast.AST, consts: dict[str, int]) -> str | None:
     """The text of an op code compared with a number, else None."""
     if not isinstance(node, ast.Compare):
@@ -126,7 +142,8 @@ def findings(source: str, path: str) -> list[Finding]:
         owner = _owner(stmt)
         for node in ast.walk(stmt):
             names = _op_names(node)
-            text = f"op names {names}" if names else _code_range(node, consts)
+            text = (f"op names {names}" if names
+                    else _code_range(node, consts) or _picked(node))
             if text:
                 out.append(Finding(path, getattr(node, "lineno", stmt.lineno), owner, text))
     return out
@@ -162,10 +179,12 @@ def f(rows, op, r):
     slow = op < 500
     launches = {c for c in (r.op,) if r.op in range(100, 200)}
     fork, exit_ = (n for n in ["fork", "exit"])
+NCCL_CODES = tuple(o.code for o in OPS if o.source == "nccl")
+TIMED = [c for c, o in BY_CODE.items() if o.kind in ("call", "interval")]
 '''
     got = {(f.line, f.owner) for f in findings(copies, "x.py")}
     assert got == {(3, "SYNC_OPS"), (4, "P2P_OPS"), (6, "f"), (7, "f"), (8, "f"), (9, "f"),
-                   (10, "f")}, got
+                   (10, "f"), (11, "NCCL_CODES"), (12, "TIMED")}, got
 
 
 def test_the_walk_leaves_what_is_no_op_family_alone() -> None:
@@ -175,6 +194,8 @@ LIMIT = 500
 def f(status, op, n, rows):
     a = status < 500 or n >= 400  # an HTTP status, a count
     b = op == "ncclSend" and op in CALLS.code_set
+    frees = {o for o in ALLOC_OPS if "Free" in o}  # within a family, not the catalogue
+    codes = [o.code for o in OPS]  # every op: no pick
     c = [r for r in rows if len(r) > LIMIT]
     return ("cudaLaunchKernel",)
 '''
@@ -219,3 +240,14 @@ def test_families_and_code_ranges_agree() -> None:
     assert catalog.READBACKS.name_set < catalog.SYNCS.name_set
     assert catalog.RECLAIM_RUNS.name_set == set(catalog.RECLAIM_RUNS_BY_KIND)
     assert set(catalog.NCCL_P2P_MATCH) == catalog.NCCL_P2P.name_set
+
+
+def test_the_schema_doc_lists_every_family_with_its_ops() -> None:
+    """docs/schema.md's "Op families" table: a row per family; where a row names ops,
+    they are exactly the family's."""
+    doc = (REPO / "docs" / "schema.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", doc, re.M))
+    for f in catalog.FAMILIES:
+        assert f.name in rows, f"docs/schema.md has no row for the op family {f.name}"
+        named = {w for w in re.findall(r"`(\w+)`", rows[f.name]) if w in catalog.BY_NAME}
+        assert not named or named == f.name_set, (f.name, named ^ f.name_set)

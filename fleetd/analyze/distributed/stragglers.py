@@ -61,7 +61,7 @@ from fleetd.analyze.reading.data import (
     in_list,
 )
 from fleetd.analyze.reading.window import Window
-from fleetd.store.catalog import OPS
+from fleetd.store.catalog import CALLS, LAUNCHES
 
 Z_THRESHOLD = 3.5  # Iglewicz and Hoaglin's cut-off for the modified z-score
 MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its sigma
@@ -293,8 +293,8 @@ def _what_it_ran(c: ChainJson) -> str:
 
 # ---- the features: one computation for a live agent's answer and a file's node -------
 
-CALL_CODES = tuple(sorted(o.code for o in OPS if o.source in CALL_SOURCES))
-LAUNCH_CODES = frozenset(o.code for o in OPS if o.name in LAUNCH_OPS)
+CALL_CODES = CALLS.codes
+LAUNCH_CODES = LAUNCHES.code_set
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,7 @@ from fleetd.analyze.reading.data import (
 )
 from fleetd.analyze.reading.data import comms as load_comms
 from fleetd.analyze.reading.window import Window
-from fleetd.store.catalog import BY_CODE, BY_NAME, KERNEL_LAUNCHES, OPS
+from fleetd.store.catalog import BY_CODE, BY_NAME, KERNEL_LAUNCHES, TIMED
 from fleetd.store.syscalls import SLEEPS, syscall_name
 
 log = logging.getLogger("fleetd.analyze.pernode.opstats")
@@ -57,8 +57,7 @@ log = logging.getLogger("fleetd.analyze.pernode.opstats")
 SYSCALL = BY_NAME["syscall"].code
 # Ops with a duration worth a percentile: calls and host intervals. Syscalls are read
 # apart, by their number.
-TIMED_CODES: tuple[int, ...] = tuple(o.code for o in OPS if o.kind in ("call", "interval")
-                                     and o.code != SYSCALL)
+TIMED_CODES: tuple[int, ...] = tuple(c for c in TIMED.codes if c != SYSCALL)
 COLUMNS: tuple[str, ...] = (
     "node", "pid", "comm", "op", "source", "count", "errors", "total_ns", "mean_ns",
     "p50_ns", "p95_ns", "p99_ns", "max_ns", "max_exact", "calls_per_s", "stats_from",
