@@ -6,6 +6,10 @@ the ``ops`` table written from this catalogue lets a user write
 the BPF programs as ``-DOP_<NAME>=<code>`` cflags, so C and Python cannot drift.
 
 Codes are stable forever: add new ones, never renumber. Each source owns a block of 100.
+
+The op families (launches, syncs, NCCL collectives, the calls...) are defined here too,
+each once, by name and code (``Family``); every other module imports them, and the BPF
+programs get them as ``FL_OPS_<FAMILY>(op)`` (``c_defines``). docs/schema.md lists them.
 """
 
 from __future__ import annotations
