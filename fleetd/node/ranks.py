@@ -29,14 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from fleetd.analyze.distributed.hangs import (
-    Collective,
-    LastCall,
-    PointToPoint,
-    RankView,
-    Recent,
-    waits,
-)
+from fleetd.analyze.distributed.hangs import RankEntry, RankView, waits
 from fleetd.analyze.distributed.lateness import lateness
 from fleetd.node.api import STATE, json_response
 from fleetd.security.procfs import ENVIRON_MAX, STAT_MAX, read_bounded
@@ -53,7 +46,7 @@ from fleetd.store.schema import EventArgs, EventRow
 from fleetd.store.torchrun import job_of, ranks_of
 from fleetd.store.writer import BatchWriter
 from fleetd.wire import paths
-from fleetd.wire.shapes import RankEntry, RanksReply
+from fleetd.wire.shapes import RanksReply
 
 log = logging.getLogger("fleetd.node.ranks")
 
@@ -415,7 +408,7 @@ class RankBook:
 
     def views(self, node: str) -> list[RankView]:
         """The ranks as :mod:`fleetd.analyze.distributed.hangs` judges them (the agent's gauge)."""
-        return [view_of(node, r) for r in self.snapshot(node)]
+        return [RankView.of(node, r) for r in self.snapshot(node)]
 
     def count(self) -> int:
         return len(self._procs)
@@ -429,22 +422,6 @@ def _copy(p: _Proc) -> _Proc:
                  {k: _P2P(e.communicator, e.comm_hash, e.op, e.peer, e.seq, e.ts_ns,
                           e.dur_ns, e.ret, e.calls) for k, e in p.p2p.items()},
                  p.last, p.active_ns)
-
-
-def view_of(node: str, r: Mapping[str, Any]) -> RankView:
-    """One rank of the agent's own answer as a :class:`RankView`."""
-    last = r["last_call"]
-    return RankView(
-        node=node, pid=r["pid"], comm=r["comm"], rank=r["rank"], world_size=r["world_size"],
-        job=r["job"], state=r["state"], wchan=r["wchan"], exit_code=r["exit_code"],
-        exited_age_ns=r["exited_age_ns"],
-        collectives=[Collective(c["communicator"], c["comm_hash"], c["rank"], c["nranks"],
-                                c["op"], c["seq"], c["age_ns"], c["ret"],
-                                tuple(Recent(*x) for x in c.get("recent", ())))
-                     for c in r["collectives"]],
-        last_call=LastCall(last["op"], last["age_ns"], last["ret"]) if last else None,
-        p2p=[PointToPoint(e["communicator"], e["comm_hash"], e["op"], e["peer"], e["seq"],
-                          e["age_ns"], e["ret"]) for e in r["p2p"]])
 
 
 # ---- /proc ------------------------------------------------------------------------------

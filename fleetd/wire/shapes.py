@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NotRequired, TypedDict
 
+from fleetd.analyze.distributed.hangs import RankEntry
 from fleetd.analyze.reading.answers import ChainJson, OpRow, ProcessRow, WindowJson
 
 
@@ -140,56 +141,8 @@ class RelayNode(TypedDict):
 RelayReply = TypedDict("RelayReply", {"relay": str, "for": str, "nodes": list[RelayNode]})
 
 
-class RankCall(TypedDict):
-    """A rank's last CUDA or NCCL call that returned (``GET /api/v1/ranks``)."""
-
-    op: str
-    ts_ns: int
-    age_ns: int  # the agent's now_ns minus ts_ns, on its own clock
-    dur_ns: int
-    ret: int
-
-
-class CommCall(RankCall):
-    """A rank's last call on one communicator (to one peer, for a send or receive)."""
-
-    communicator: str  # the communicator pointer, 0x...
-    comm_hash: str | None
-    seq: int
-    calls: int
-
-
-class RankCollective(CommCall):
-    """A rank's last collective on one communicator."""
-
-    rank: int | None
-    nranks: int | None
-    recent: list[list[Any]]  # [seq, age_ns, op, bytes], oldest first
-
-
-class RankP2P(CommCall):
-    """A rank's last send or receive to one peer on one communicator."""
-
-    peer: int
-
-
-class RankEntry(TypedDict):
-    """One traced NCCL rank: its identity, last calls and process state now."""
-
-    pid: int
-    comm: str | None
-    rank: int | None
-    local_rank: int | None
-    world_size: int | None
-    job: str | None
-    state: str  # running | sleeping | stopped | d_state | exited | unknown
-    state_code: str | None
-    wchan: str | None
-    exit_code: int | None
-    exited_age_ns: int | None
-    collectives: list[RankCollective]
-    last_call: RankCall | None
-    p2p: list[RankP2P]
+# A rank (RankEntry and its calls) is the hang analyzer's model, defined once beside
+# RankView in fleetd.analyze.distributed.hangs.
 
 
 class RanksReply(TypedDict):

@@ -206,7 +206,8 @@ def test_a_malformed_recent_entry_rejects_the_node(bad: Any) -> None:
 def test_the_rank_book_keeps_each_communicators_last_collectives() -> None:
     import os
 
-    from fleetd.node.ranks import RECENT, RankBook, view_of
+    from fleetd.analyze.distributed.hangs import RankView
+    from fleetd.node.ranks import RECENT, RankBook
     from fleetd.store.catalog import op_code
 
     book = RankBook()
@@ -224,7 +225,7 @@ def test_the_rank_book_keeps_each_communicators_last_collectives() -> None:
     assert c["seq"] == RECENT + 10 and len(c["recent"]) == RECENT
     assert c["recent"][0] == [11, 189 * MS, OPS[11 % 5], 4 * 1035]
     assert c["recent"][-1][:2] == [RECENT + 10, (200 - RECENT - 10) * MS]
-    view = view_of("n1", r)
+    view = RankView.of("n1", r)
     assert view.collectives[0].recent[-1].seq == RECENT + 10
     # Numbers that start again (a fresh communicator at the same handle) start afresh.
     book.observe([(now, 1_000, pid, pid, op_code("ncclAllReduce"), 4, 8, 0, 2, -1, 0)],

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypedDict
 
 from fleetd.analyze.distributed import align
 from fleetd.analyze.distributed.align import Alignment
@@ -50,6 +51,66 @@ from fleetd.store.catalog import NCCL_P2P_MATCH
 
 STATES = ("running", "sleeping", "stopped", "d_state", "exited", "unknown")
 STUCK = frozenset({"stopped", "d_state", "exited"})
+
+
+# ---- a rank as its agent reports it (GET /api/v1/ranks, docs/api.md) ----------------------
+# The agent (fleetd.node.ranks) writes these; fleetd.wire.ranks checks a node's answer
+# and :meth:`RankView.of` reads one into the view below that the hang verdicts judge.
+
+
+class RankCall(TypedDict):
+    """A rank's last CUDA or NCCL call that returned (``GET /api/v1/ranks``)."""
+
+    op: str
+    ts_ns: int
+    age_ns: int  # the agent's now_ns minus ts_ns, on its own clock
+    dur_ns: int
+    ret: int
+
+
+class CommCall(RankCall):
+    """A rank's last call on one communicator (to one peer, for a send or receive)."""
+
+    communicator: str  # the communicator pointer, 0x...
+    comm_hash: str | None
+    seq: int
+    calls: int
+
+
+class RankCollective(CommCall):
+    """A rank's last collective on one communicator."""
+
+    rank: int | None
+    nranks: int | None
+    recent: list[list[Any]]  # [seq, age_ns, op, bytes], oldest first
+
+
+class RankP2P(CommCall):
+    """A rank's last send or receive to one peer on one communicator."""
+
+    peer: int
+
+
+class RankEntry(TypedDict):
+    """One traced NCCL rank: its identity, last calls and process state now."""
+
+    pid: int
+    comm: str | None
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+    job: str | None
+    state: str  # running | sleeping | stopped | d_state | exited | unknown
+    state_code: str | None
+    wchan: str | None
+    exit_code: int | None
+    exited_age_ns: int | None
+    collectives: list[RankCollective]
+    last_call: RankCall | None
+    p2p: list[RankP2P]
+
+
+# ---- a rank as the verdicts read it ---------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +173,22 @@ class RankView:
     collectives: list[Collective] = field(default_factory=list)
     last_call: LastCall | None = None  # its last CUDA or NCCL call that returned
     p2p: list[PointToPoint] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, node: str, r: RankEntry) -> RankView:
+        """One rank of an agent's answer (its own, or one checked by fleetd.wire.ranks)."""
+        last = r["last_call"]
+        return cls(
+            node=node, pid=r["pid"], comm=r["comm"], rank=r["rank"],
+            world_size=r["world_size"], job=r["job"], state=r["state"], wchan=r["wchan"],
+            exit_code=r["exit_code"], exited_age_ns=r["exited_age_ns"],
+            collectives=[Collective(c["communicator"], c["comm_hash"], c["rank"], c["nranks"],
+                                    c["op"], c["seq"], c["age_ns"], c["ret"],
+                                    tuple(Recent(*x) for x in c.get("recent", ())))
+                         for c in r["collectives"]],
+            last_call=LastCall(last["op"], last["age_ns"], last["ret"]) if last else None,
+            p2p=[PointToPoint(e["communicator"], e["comm_hash"], e["op"], e["peer"], e["seq"],
+                              e["age_ns"], e["ret"]) for e in r["p2p"]])
 
     @property
     def dead(self) -> bool:
