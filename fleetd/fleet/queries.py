@@ -124,7 +124,8 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None,
         base = bounds.params(offset_ns)
         return [Request("GET", CHAINS.route, {**base, **asked}, expect=(CHAINS.expect,),
                         check=_reader(CHAINS)),
-                Request("GET", PROFILE.route, base, expect=(PROFILE.expect,))]
+                Request("GET", PROFILE.route, base, expect=(PROFILE.expect,),
+                        check=_reader(PROFILE))]
 
     # Beside chains and profile, each node's collective calls (optional: a failure there
     # is a warning), compared across nodes in our clock.

@@ -18,6 +18,8 @@ from fleetd.wire.answers import (
     CpuStacksAnswer,
     GpuAnswer,
     GraphsAnswer,
+    NodeProfile,
+    NoProfile,
     OverviewAnswer,
     StacksAnswer,
 )
@@ -233,10 +235,16 @@ OVERVIEW = Question(
     (), lambda a, node, p: a.overview(node), "events", path=paths.OVERVIEW,
     local=_overview_local, tag_node=False, node_warnings=False, shape=OverviewAnswer)
 
+def _profile_check(reply: dict[str, Any]) -> NodeProfile | NoProfile:
+    from fleetd.wire.chains import check_profile_reply
+
+    return check_profile_reply(reply)
+
+
 PROFILE = Question(
     "profile", "the node's straggler features",
     (), lambda a, node, p: a.profile(node), "node", path=paths.PROFILE,
-    tag_node=False)
+    tag_node=False, check=_profile_check, shape=NodeProfile)
 
 
 # ---- pods ---------------------------------------------------------------------------

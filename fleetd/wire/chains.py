@@ -1,4 +1,5 @@
-"""A node's ``GET /api/v1/chains`` answer, checked before its chains join the fleet's.
+"""A node's ``GET /api/v1/chains`` and ``GET /api/v1/profile`` answers (what ``explain
+--nodes`` compares), checked before its chains and features join the fleet's.
 
 The answer is untrusted (see :mod:`fleetd.wire.gpu`). The fleet client sorts the chains,
 ranks the nodes by them, names a straggler's top chain and renders every field, so each
@@ -6,7 +7,8 @@ chain is held to :class:`~fleetd.analyze.reading.answers.ChainJson` here: every 
 chain always has, each of its type, the victim and culprits with theirs, lists capped.
 The values are kept as the node sent them (names are made printable where they are
 shown, as a local report's are), so a fleet report reads as each node's own; one bad
-value rejects the node's whole answer (:class:`~fleetd.wire.failure.BadReply`).
+value rejects the node's whole answer (:class:`~fleetd.wire.failure.BadReply`). A
+profile's features are numbers, names or null (the straggler ranking scores the numbers).
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, cast
 
-from fleetd.analyze.reading.answers import ChainJson
+from fleetd.analyze.reading.answers import ChainJson, NodeProfile, NoProfile
 from fleetd.wire.failure import BadReply
 from fleetd.wire.shapes import ChainsReply
 from fleetd.wire.values import need_bool, need_choice, need_dict, need_int, need_list, need_number
 
+MAX_FEATURES = 256  # straggler features per profile
 MAX_CHAINS = 10_000  # per node answer
 MAX_ITEMS = 10_000  # culprits, evidence items, fixes per chain; processes per answer
 SEVERITIES = ("HIGH", "MEDIUM", "LOW")
@@ -67,6 +70,24 @@ def read_chain(value: Any, where: str) -> ChainJson:
     for i, f in enumerate(need_list(c.get("fixes"), f"{where}.fixes", MAX_ITEMS)):
         _text(f, f"{where}.fixes[{i}]")
     return cast(ChainJson, c)
+
+
+def check_profile_reply(reply: Mapping[str, Any]) -> NodeProfile | NoProfile:
+    """The node's straggler features, each checked; raises :class:`BadReply`."""
+    _text(reply.get("node"), "node")
+    if "error" in reply:  # a node whose database holds nothing of it yet
+        _text(reply["error"], "error")
+        return cast(NoProfile, reply)
+    need_dict(reply.get("window"), "window")
+    if reply.get("main_pid") is not None:
+        need_int(reply["main_pid"], "main_pid")
+    features = need_dict(reply.get("features"), "features")
+    if len(features) > MAX_FEATURES:
+        raise BadReply(f"features: {len(features)} entries, above the limit of {MAX_FEATURES}")
+    for k, v in features.items():
+        if v is not None and not isinstance(v, str):
+            need_number(v, f"features.{k}")
+    return cast(NodeProfile, reply)
 
 
 def _party(value: Any, where: str, ints: tuple[str, ...]) -> None:
