@@ -31,7 +31,8 @@ HOG = "fleetd-hog"
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The traced fleet, after its workloads ran: (bed, hog host, workload summaries)."""
+    """The traced fleet, after its workloads ran: (bed, hog host, workload summaries,
+    databases by host, when the last workload ended on the monotonic clock)."""
     from netbed import netbed
 
     tmp = tmp_path_factory.mktemp("stragglers")
@@ -51,8 +52,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Any:
             out, _ = w.communicate(timeout=90)
             assert w.returncode == 0, out
             summaries[h.name] = json.loads(out.strip().splitlines()[-1])
+        ended = time.monotonic()
         time.sleep(2)  # the tracers' last batches reach the databases
-        yield bed, hog_host, summaries, {h.name: tmp / f"{h.name}.db" for h in bed.hosts}
+        yield (bed, hog_host, summaries, {h.name: tmp / f"{h.name}.db" for h in bed.hosts},
+               ended)
 
 
 def _explain(bed: NetBed, *extra: str) -> Any:
@@ -61,7 +64,7 @@ def _explain(bed: NetBed, *extra: str) -> Any:
 
 
 def test_the_bed_isolates_hosts(fleet: Any) -> None:
-    bed, hog_host, summaries, _ = fleet
+    bed, hog_host, summaries, _, _ = fleet
     rates = {n: s["steps_per_s"] for n, s in summaries.items()}
     healthy = [r for n, r in rates.items() if n != hog_host.name]
     # Healthy hosts do the same work at the same pace; the hog slows its host only.
@@ -73,7 +76,7 @@ def test_the_bed_isolates_hosts(fleet: Any) -> None:
 
 
 def test_explain_flags_exactly_the_hog_host(fleet: Any) -> None:
-    bed, hog_host, _, _ = fleet
+    bed, hog_host, _, _, _ = fleet
     proc = _explain(bed, "--format", "json")
     assert proc.returncode == 0, proc.stderr
     obj = json.loads(proc.stdout)
@@ -99,7 +102,7 @@ def test_explain_flags_exactly_the_hog_host(fleet: Any) -> None:
 
 
 def test_explain_table_prints_the_straggler_first_with_its_why(fleet: Any) -> None:
-    bed, hog_host, _, _ = fleet
+    bed, hog_host, _, _, _ = fleet
     proc = _explain(bed)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -117,9 +120,10 @@ def test_explain_table_prints_the_straggler_first_with_its_why(fleet: Any) -> No
 
 def test_the_merged_file_gives_the_live_verdict(fleet: Any, tmp_path: Any) -> None:
     # The agents' last histograms are written within their 10 s: wait for them, so that
-    # the live answer and the file hold the same data.
-    bed, hog_host, _, dbs = fleet
-    time.sleep(11)
+    # the live answer and the file hold the same data. 13 s after the workloads ended,
+    # as before (2 s in the fixture, then 11 s), less what the tests before this took.
+    bed, hog_host, _, dbs, ended = fleet
+    time.sleep(max(0.0, ended + 13 - time.monotonic()))
     live = _explain(bed, "--format", "json")
     assert live.returncode == 0, live.stderr
     merged = tmp_path / "cluster.db"
