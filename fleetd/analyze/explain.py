@@ -65,7 +65,8 @@ from fleetd.analyze.reading.data import (
     code,
     nodes,
 )
-from fleetd.analyze.reading.window import Window, WindowSpec
+from fleetd.analyze.reading.window import Window, resolve
+from fleetd.store.bounds import Bounds
 from fleetd.store.chainrow import chain_row
 from fleetd.store.db import open_reader
 from fleetd.store.timeparse import format_ns
@@ -97,7 +98,7 @@ def explain(
 ) -> Report:
     """Chains (most severe first), per-process breakdown and op stats for every node."""
     with _connection(db) as conn:
-        win = window or WindowSpec().resolve(conn)
+        win = window or resolve(conn, Bounds())
         return report([NodeSlice(conn, n, win) for n in nodes(conn, node)], win, pid,
                       per_process)
 

@@ -37,9 +37,10 @@ from fleetd.analyze.reading.answers import (
     StragglerEntry,
 )
 from fleetd.analyze.reading.data import Node, nodes
-from fleetd.analyze.reading.window import Window, WindowSpec
+from fleetd.analyze.reading.window import Window, resolve
 from fleetd.analyze.stacks import NOTE_NO_STACKS, op_code, stack_groups
 from fleetd.errors import UsageError
+from fleetd.store.bounds import Bounds
 
 # The deadline of one analysis request (the agent's endpoints, the MCP tools): explain
 # over a large window reads much more than one query may.
@@ -59,10 +60,11 @@ class Analysis:
         self.only = node
 
     @classmethod
-    def of(cls, conn: sqlite3.Connection, spec: WindowSpec, node: str | None = None
-           ) -> Analysis:
-        """Resolve ``spec`` against this database (UsageError for a bad window)."""
-        return cls(conn, spec.resolve(conn), node)
+    def of(cls, conn: sqlite3.Connection, bounds: Bounds | None = None,
+           node: str | None = None) -> Analysis:
+        """Resolve ``bounds`` (default: the whole recording) against this database
+        (UsageError for a window its data empties)."""
+        return cls(conn, resolve(conn, bounds or Bounds()), node)
 
     # ---- the model --------------------------------------------------------------------
 

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the types of the local and fleet answers' functions
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.fleet.fanout import FleetOptions
     from fleetd.fleet.result import FleetResult
+    from fleetd.store.bounds import Bounds
 
 from fleetd.cli.argtypes import positive
 from fleetd.cli.fleet_args import add_fleet_args
@@ -59,10 +59,10 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--max-rows {args.max_rows} is above the agents' limit of "
                              f"{MAX_ROWS}", "narrow the window instead (--since/--from/--to)")
 
-    def fleet(opts: FleetOptions, window: WindowSpec) -> FleetResult:
+    def fleet(opts: FleetOptions, bounds: Bounds) -> FleetResult:
         from fleetd.fleet.collectives import collectives
 
-        return collectives(opts, window, args.max_rows)
+        return collectives(opts, bounds, args.max_rows)
 
     asked = either(args, local, fleet, fleet_check)
     if asked.result is None:

@@ -77,7 +77,6 @@ def is_fleetd_db(path: Path) -> bool:
 
 def _report(path: Path, scratch: Path, steps: bool) -> dict[str, Any]:
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.store.db import open_reader
 
     db = path
@@ -89,7 +88,7 @@ def _report(path: Path, scratch: Path, steps: bool) -> dict[str, Any]:
         db = scratch
     conn = open_reader(db)
     try:
-        return dict(Analysis.of(conn, WindowSpec()).gpu(None, steps))
+        return dict(Analysis.of(conn).gpu(None, steps))
     finally:
         conn.close()
 

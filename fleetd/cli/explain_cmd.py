@@ -24,15 +24,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.reading.window import WindowSpec
 from fleetd.cli.explain_render import render, render_fleet
 from fleetd.cli.fleet_args import fleet_mode, fleet_options, report
 from fleetd.cli.outfile import add_output_args, output_path
 from fleetd.cli.output import Held, dumps, warn
 from fleetd.cli.pod_args import fleet_selection, selected_pids
 from fleetd.cli.progress import Progress, task
-from fleetd.cli.window_args import add_common, open_analysis
+from fleetd.cli.window_args import add_common, open_analysis, window_of
 from fleetd.errors import UsageError
+from fleetd.store.bounds import Bounds
 from fleetd.wire.answers import ChainJson, ExplainReport
 
 EXPLAIN_FORMATS = ("table", "json", "html")
@@ -201,22 +201,21 @@ def _no_such_pid(found: ExplainReport, pid: int | None) -> None:
 
 
 def run_fleet(args: argparse.Namespace) -> int:
-    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.fleet.queries import explain
 
     if args.store:
         raise UsageError("--store writes into a local database",
                          "drop --store, or run explain --store --db on the node")
     pod, ns = fleet_selection(args)
-    window = WindowSpec(args.since, args.from_, args.to)
-    result = explain(fleet_options(args), window, args.pid, pod, ns)
+    bounds = window_of(args)
+    result = explain(fleet_options(args), bounds, args.pid, pod, ns)
     found = result.obj
     if args.format == "json":
         emit(args, found, lambda out: out.write(dumps(found).decode() + "\n"))
         if args.show_skew:
             report(result.answer, True)
     elif args.format == "html":
-        found = fleet_ops(args, window, found)  # the histograms' rows
+        found = fleet_ops(args, bounds, found)  # the histograms' rows
         emit(args, found, lambda out: write_html(found, out))
         report(result.answer, args.show_skew)
     else:
@@ -225,7 +224,7 @@ def run_fleet(args: argparse.Namespace) -> int:
     return failed(args, found.get("chains") or [], result.exit_code)
 
 
-def fleet_ops(args: argparse.Namespace, window: WindowSpec,
+def fleet_ops(args: argparse.Namespace, bounds: Bounds,
               found: dict[str, Any]) -> dict[str, Any]:
     """``found`` with every node's op statistics (as ``fleetd ops --nodes`` asks them)
     as its ``ops`` rows, for the page's histograms. Nodes that do not answer them are
@@ -236,7 +235,7 @@ def fleet_ops(args: argparse.Namespace, window: WindowSpec,
 
     warnings = list(found.get("warnings") or [])
     try:
-        result = ops(fleet_options(args), window, args.pid, False,
+        result = ops(fleet_options(args), bounds, args.pid, False,
                      [c for c in COLUMNS if c not in ("pid", "comm")], "op",
                      *fleet_selection(args))
     except FleetdError as exc:

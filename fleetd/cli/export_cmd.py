@@ -117,11 +117,11 @@ def run(args: argparse.Namespace) -> int:
 
 def run_fleet(args: argparse.Namespace, out: Path | None) -> int:
     """Export live agents; exit 3 when some nodes are missing from the file."""
-    from fleetd.analyze.reading.window import WindowSpec
+    from fleetd.cli.window_args import window_of
     from fleetd.export.fleet import FleetExportOptions, export_fleet
 
     offsets = parse_offsets(args.offset)  # every flag checked before any node is asked
-    xopts = FleetExportOptions(WindowSpec(args.since, args.from_, args.to), args.pid,
+    xopts = FleetExportOptions(window_of(args), args.pid,
                                args.limit_per_node, args.chains, not args.no_skew_correct,
                                offsets)
     from fleetd.export.perfetto import Written
@@ -151,7 +151,8 @@ def _count(written: Written) -> Callable[[], str]:
 def export_db(args: argparse.Namespace, out: Path | None, written: Written | None = None
               ) -> tuple[list[NodeStats], list[str]]:
     """Export the database named by ``--db`` (or the default one)."""
-    from fleetd.analyze.reading.window import WindowSpec
+    from fleetd.analyze.reading.window import resolve
+    from fleetd.cli.window_args import window_of
     from fleetd.export.local import LocalOptions, local_traces
     from fleetd.export.output import open_output
     from fleetd.export.perfetto import write_trace
@@ -159,7 +160,7 @@ def export_db(args: argparse.Namespace, out: Path | None, written: Written | Non
     path: Path = args.db or default_db_path()
     conn = open_reader(path)
     try:
-        window = WindowSpec(args.since, args.from_, args.to).resolve(conn)
+        window = resolve(conn, window_of(args))
         opts = LocalOptions(window, args.pid, args.limit_per_node, args.chains,
                             not args.no_skew_correct, parse_offsets(args.offset))
         traces, origin, warnings = local_traces(conn, opts)
@@ -183,9 +184,9 @@ def run_parquet(args: argparse.Namespace) -> int:
         raise UsageError("--format parquet writes a directory, not stdout",
                          "pass -o DIR (a new directory, or a lake written before)")
     root = Path(args.output)
-    from fleetd.cli.lake_args import lake_pruning_window
+    from fleetd.cli.window_args import window_of
 
-    since, until = lake_pruning_window(args)
+    since, until = window_of(args).inclusive()
     if fleet_mode(args):
         from fleetd.export.parquet import export_fleet_lake
 

@@ -13,21 +13,13 @@ from pathlib import Path
 from fleetd.cli.fleet_args import fleet_mode
 from fleetd.cli.output import warn
 from fleetd.errors import UsageError
-
-
-def lake_pruning_window(args: argparse.Namespace) -> tuple[int | None, int | None]:
-    """--since/--from/--to as ``[first, last]`` wall-clock ns (None: unbounded), for
-    pruning a lake's partitions or choosing what to export into one: parsed by the one
-    window parser (WindowSpec.bounds), so its errors read as every other command's."""
-    from fleetd.analyze.reading.window import WindowSpec
-
-    spec = WindowSpec(args.since or None, args.from_ or None, args.to or None)
-    return spec.bounds().inclusive()
+from fleetd.store.bounds import Bounds
 
 
 @contextmanager
-def materialized(args: argparse.Namespace) -> Iterator[Path]:
-    """A temporary database holding the lake's rows of the command's window."""
+def materialized(args: argparse.Namespace, bounds: Bounds) -> Iterator[Path]:
+    """A temporary database holding the lake's rows in the command's window ``bounds``
+    (its date partitions, then its rows: ``[first, last]``)."""
     from fleetd.store.lakesql import Pruning, materialize
 
     if args.db is not None:
@@ -35,7 +27,7 @@ def materialized(args: argparse.Namespace) -> Iterator[Path]:
     if fleet_mode(args):
         raise UsageError("--lake and --nodes/--config do not go together",
                          "analyze the lake, or ask the live nodes")
-    since, until = lake_pruning_window(args)
+    since, until = bounds.inclusive()
     with tempfile.TemporaryDirectory(prefix="fleetd-lake-") as d:
         path = Path(d) / "lake.db"
         warn(materialize(args.lake, path, Pruning(None, since, until)))

@@ -14,9 +14,9 @@ from fleetd.cli.window_args import add_common
 
 if TYPE_CHECKING:
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.fleet.fanout import FleetOptions
     from fleetd.fleet.result import FleetResult
+    from fleetd.store.bounds import Bounds
 
 
 
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     fmt = check_format(args.format)
     every = list(KERNEL_COLUMNS if args.by == "kernel" else COLUMNS)
 
-    def fleet(opts: FleetOptions, window: WindowSpec) -> FleetResult:
+    def fleet(opts: FleetOptions, bounds: Bounds) -> FleetResult:
         from fleetd.fleet.queries import ops
 
         pod, ns = fleet_selection(args)
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             # Per process, as with --db, and each row's pod beside its process.
             at = every.index("comm") + 1
             cols = [*every[:at], "pod", *every[at:]]
-        return ops(opts, window, args.pid, args.per_process or bool(pod or ns), cols, args.by,
+        return ops(opts, bounds, args.pid, args.per_process or bool(pod or ns), cols, args.by,
                    pod, ns)
 
     def local(analysis: Analysis) -> dict[str, Any]:

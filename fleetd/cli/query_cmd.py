@@ -18,6 +18,7 @@ from typing import Any
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report, seconds
 from fleetd.cli.output import FORMATS, check_format, warn, write_rows
 from fleetd.errors import UsageError
+from fleetd.store.bounds import Bounds
 from fleetd.store.catalog import BY_NAME
 from fleetd.store.db import default_db_path
 from fleetd.store.guard import Limits, QueryResult, SafeDB
@@ -84,7 +85,8 @@ def _local_rows(limit: int | None) -> int | None:
     return limit or None
 
 
-def _shortcut(args: argparse.Namespace) -> tuple[str, list[Any], set[int]]:
+def _shortcut(args: argparse.Namespace, bounds: Bounds | None
+              ) -> tuple[str, list[Any], set[int]]:
     """SQL for the shortcuts; also the indexes of the params that are wall-clock times
     of this machine (a fleet query moves them into each node's clock)."""
     where: list[str] = []
@@ -103,11 +105,10 @@ def _shortcut(args: argparse.Namespace) -> tuple[str, list[Any], set[int]]:
     if args.pid is not None:
         where.append("pid = ?")
         params.append(args.pid)
-    from fleetd.analyze.reading.window import WindowSpec
+    from fleetd.cli.window_args import window_of
 
-    # The window as every command parses it (WindowSpec.bounds: one set of errors).
-    first, last = WindowSpec(args.since or None, args.from_ or None, args.to or None
-                             ).bounds().inclusive()
+    # The window as every command parses it (one set of errors), unless parsed already.
+    first, last = (window_of(args) if bounds is None else bounds).inclusive()
     for cond, value in (("ts_ns >= ?", first), ("ts_ns <= ?", last)):
         if value is not None:
             where.append(cond)
@@ -119,12 +120,14 @@ def _shortcut(args: argparse.Namespace) -> tuple[str, list[Any], set[int]]:
     return sql + " ORDER BY ts_ns", params, times
 
 
-def build_sql(args: argparse.Namespace) -> tuple[str, list[Any]]:
-    sql, params, _ = build_sql_times(args)
+def build_sql(args: argparse.Namespace, bounds: Bounds | None = None
+              ) -> tuple[str, list[Any]]:
+    sql, params, _ = build_sql_times(args, bounds)
     return sql, params
 
 
-def build_sql_times(args: argparse.Namespace) -> tuple[str, list[Any], set[int]]:
+def build_sql_times(args: argparse.Namespace, bounds: Bounds | None = None
+                    ) -> tuple[str, list[Any], set[int]]:
     uses_shortcut = any(x is not None for x in (args.op, args.pid, args.since, args.from_, args.to))
     if args.sql and uses_shortcut:
         raise UsageError(
@@ -139,7 +142,7 @@ def build_sql_times(args: argparse.Namespace) -> tuple[str, list[Any], set[int]]
             "pass SQL, e.g. fleetd query \"SELECT op, count(*) FROM events GROUP BY op\", "
             "or a shortcut such as --op cudaLaunchKernel --since 5m",
         )
-    return _shortcut(args)
+    return _shortcut(args, bounds)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,9 +173,10 @@ def run_lake(args: argparse.Namespace, fmt: str) -> int:
         if given:
             raise UsageError(f"--lake and {flag} do not go together",
                              "query the lake (--lake DIR) or a database/fleet, not both")
-    from fleetd.cli.lake_args import lake_pruning_window
+    from fleetd.cli.window_args import window_of
 
-    since, until = lake_pruning_window(args)
+    bounds = window_of(args)
+    since, until = bounds.inclusive()  # which date partitions DuckDB reads
     if args.sql:
         if args.op is not None or args.pid is not None:
             raise UsageError("give either SQL or the --op/--pid shortcuts, not both",
@@ -180,7 +184,7 @@ def run_lake(args: argparse.Namespace, fmt: str) -> int:
         # With SQL, the time flags only choose which date partitions DuckDB reads.
         sql, params = args.sql, list(args.param)
     else:
-        sql, params = build_sql(args)
+        sql, params = build_sql(args, bounds)
     limits = Limits.local(timeout_s=_local_timeout(args.timeout), max_rows=_local_rows(args.limit))
     with open_lake(args.lake, limits, Pruning(None, since, until)) as db:
         result = db.query(sql, params, limits)

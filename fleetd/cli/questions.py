@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any
 from fleetd.cli.argtypes import positive
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
 from fleetd.cli.output import FORMATS, check_format, print_notes, write_rows
-from fleetd.cli.window_args import add_window, open_analysis
+from fleetd.cli.window_args import add_window, open_analysis, window_of
 from fleetd.questions.catalog import QUESTIONS
 
 if TYPE_CHECKING:
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.fleet.fanout import FleetOptions
     from fleetd.fleet.result import FleetResult
     from fleetd.questions.spec import Question
+    from fleetd.store.bounds import Bounds
 
 HANDWRITTEN = ("stacks", "cpu_stacks", "graphs", "gpu", "overview", "profile")
 
@@ -57,27 +57,26 @@ def ask(args: argparse.Namespace, question: Question, **given: Any) -> Asked:
     a config found) or of the local file (--db, --lake) in the command's window."""
     params = question.values(given)
 
-    def fleet(opts: FleetOptions, window: WindowSpec) -> FleetResult:
+    def fleet(opts: FleetOptions, bounds: Bounds) -> FleetResult:
         from fleetd.fleet.queries import ask as ask_fleet
 
-        return ask_fleet(opts, question, window, params)
+        return ask_fleet(opts, question, bounds, params)
 
     return either(args, lambda a: dict(question.answer_locally(a, params)), fleet)
 
 
 def either(args: argparse.Namespace, local: Callable[[Analysis], dict[str, Any]],
-           fleet: Callable[[FleetOptions, WindowSpec], FleetResult],
+           fleet: Callable[[FleetOptions, Bounds], FleetResult],
            fleet_check: Callable[[], None] | None = None) -> Asked:
     """The one choice between the fleet and a local file: ``fleet(options, window)``
     with --nodes/--config (or a config found), else ``local(analysis)`` of --db/--lake
     in the command's window. ``fleet_check`` refuses values only the fleet refuses,
     before any certificate is read (a typo first)."""
-    from fleetd.analyze.reading.window import WindowSpec
-
     if fleet_mode(args):
         if fleet_check is not None:
             fleet_check()
-        result = fleet(fleet_options(args), WindowSpec(args.since, args.from_, args.to))
+        bounds = window_of(args)  # before any certificate is read: a typo first
+        result = fleet(fleet_options(args), bounds)
         return Asked(result.obj, result)
     with open_analysis(args) as (_, analysis):
         return Asked(local(analysis))

@@ -1,7 +1,9 @@
 """The database and window options of the analysis commands, and the analyzer facade
 they open: ``--db``/``--lake`` and ``--since``/``--from``/``--to`` (:func:`add_window`),
 with ``--pid``, ``--pod``, ``--per-process`` and the fleet options for explain and ops
-(:func:`add_common`)."""
+(:func:`add_common`). The window is parsed here, once (:func:`window_of`): the
+:class:`fleetd.store.bounds.Bounds` a command hands to the analyzer, the fleet client,
+an export or a lake."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.reading.window import WindowSpec
 from fleetd.cli.argtypes import positive
 from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.pod_args import add_pod_args
+from fleetd.store.bounds import Bounds
 from fleetd.store.db import default_db_path, open_reader
 
 
@@ -32,6 +34,12 @@ def add_window(p: argparse.ArgumentParser) -> None:
                    "(docs/scale-out.md)")
 
 
+def window_of(args: argparse.Namespace) -> Bounds:
+    """The window the command's --since/--from/--to give, parsed now (a UsageError
+    quoting a bad value)."""
+    return Bounds.parse(args.since or None, args.from_ or None, args.to or None)
+
+
 def add_common(p: argparse.ArgumentParser) -> None:
     """The options explain and ops share."""
     add_window(p)
@@ -45,21 +53,21 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def open_analysis(args: argparse.Namespace) -> Iterator[tuple[Path, Analysis]]:
     """The database the command names (``--db``, else the default) and the analyzer
     facade over it in the command's window; the connection closes on exit."""
+    bounds = window_of(args)  # a typo in the window first, before any file is opened
     if getattr(args, "lake", None) is not None:
         from fleetd.cli.lake_args import materialized
 
-        with materialized(args) as copy:
+        with materialized(args, bounds) as copy:
             lake_conn = open_reader(copy)
             try:
-                yield args.lake, Analysis.of(lake_conn,
-                                             WindowSpec(args.since, args.from_, args.to))
+                yield args.lake, Analysis.of(lake_conn, bounds)
             finally:
                 lake_conn.close()
         return
     path: Path = args.db or default_db_path()
     conn = open_reader(path)
     try:
-        yield path, Analysis.of(conn, WindowSpec(args.since, args.from_, args.to))
+        yield path, Analysis.of(conn, bounds)
     finally:
         conn.close()
 

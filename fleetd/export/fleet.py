@@ -30,7 +30,6 @@ from typing import Any, BinaryIO
 import orjson
 
 from fleetd.analyze.reading import pods
-from fleetd.analyze.reading.window import WindowSpec
 from fleetd.errors import NetworkError
 from fleetd.export.clockfix import recorded_fix
 from fleetd.export.local import chain_from_row
@@ -47,6 +46,7 @@ from fleetd.export.output import check_output, open_output
 from fleetd.export.perfetto import NodeStats, Written, write_trace
 from fleetd.export.pull import NodePull, PullSpec, pull
 from fleetd.fleet.fanout import EXIT_NO_ANSWER, FleetAnswer, FleetOptions
+from fleetd.store.bounds import Bounds
 from fleetd.store.clockinfo import SessionClock, session_clock
 from fleetd.store.schema import SEQ_MASK
 from fleetd.wire.pods import read_placement
@@ -66,7 +66,7 @@ class NoNodeExported(NetworkError):
 
 @dataclass(frozen=True, slots=True)
 class FleetExportOptions:
-    window: WindowSpec = field(default_factory=WindowSpec)
+    window: Bounds = field(default_factory=Bounds)  # parsed once, by the caller
     pid: int | None = None
     limit_per_node: int | None = None
     chains: str = "auto"
@@ -84,7 +84,7 @@ class FleetExport:
 def export_fleet(opts: FleetOptions, xopts: FleetExportOptions,
                  out: Path | None, written: Written | None = None) -> FleetExport:
     """Pull every node and write one timeline to ``out`` (stdout for None)."""
-    span = xopts.window.bounds(time.time_ns())  # parsed once, its errors worded there
+    span = xopts.window
     if out is not None:
         check_output(out)
     spec = PullSpec(span, xopts.pid, xopts.limit_per_node, xopts.chains)
@@ -111,7 +111,7 @@ def export_fleet(opts: FleetOptions, xopts: FleetExportOptions,
         origin = min(starts, default=span.start_ns if span.start_ns is not None
                      else time.time_ns())
         with open_output(out) as stream:
-            meta = _meta(answer, span.to_json(xopts.window.label()), warnings)
+            meta = _meta(answer, span.to_json(), warnings)
             stats = write_trace(traces, stream, origin_ns=origin, meta=meta, written=written)
     return FleetExport(answer, stats, warnings)
 

@@ -106,7 +106,7 @@ GPU_PROBE_SQL = (
 
 @dataclass(frozen=True, slots=True)
 class PullSpec:
-    span: Bounds  # the window, parsed once (WindowSpec.bounds)
+    span: Bounds  # the window, parsed once (Bounds.parse)
     pid: int | None = None
     limit_per_node: int | None = None
     chains: str = "auto"  # auto | stored | computed | none, as fleetd.export.local
@@ -195,7 +195,7 @@ async def _facts(client: FleetClient, t: Target, spec: PullSpec, offset: int,
                              "sessions": replies[1], "stacks": replies[2], "stored": stored,
                              "computed": None, "notes": []}
     if spec.chains == "computed" or (spec.chains == "auto" and not (stored or {}).get("rows")):
-        facts["computed"] = await _computed_chains(client, t, spec, start, end, facts["notes"])
+        facts["computed"] = await _computed_chains(client, t, spec, offset, facts["notes"])
     facts["placement"] = await _placement(client, t, node_limit, facts["notes"])
     return facts
 
@@ -215,14 +215,13 @@ async def _placement(client: FleetClient, t: Target, node_limit: float, notes: l
     return reply
 
 
-async def _computed_chains(client: FleetClient, t: Target, spec: PullSpec, start: int,
-                           end: int, notes: list[str]) -> dict[str, Any] | None:
+async def _computed_chains(client: FleetClient, t: Target, spec: PullSpec, offset_ns: int,
+                           notes: list[str]) -> dict[str, Any] | None:
     """The node's explain over the window: the expensive request, made only when nothing
     is stored. Chains are annotations, so a node whose analysis fails or runs too long
     still exports its events, with a note, instead of being dropped."""
-    params = {"from": str(start)} if spec.span.start_ns is not None else {}
-    if spec.span.end_ns is not None:
-        params["to"] = str(end - 1)
+    # The span every node is asked for: "the last 5m" fixed where it was parsed.
+    params = spec.span.pinned().params(offset_ns)
     if spec.pid is not None:
         params["pid"] = str(spec.pid)
     ask = Request("GET", paths.CHAINS, params, expect=("chains",))

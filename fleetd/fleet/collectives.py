@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from fleetd.analyze.distributed import collectives as coll
-from fleetd.analyze.reading.window import WindowSpec
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import NodeWarning
 from fleetd.fleet.dispatch import fan_out
@@ -55,8 +54,8 @@ EXPLAIN_ROWS = coll.EXPLAIN_ROWS  # the newest calls per node explain --nodes co
 
 
 def request(bounds: Bounds, offset_ns: int, max_rows: int | None = None) -> Request:
-    asked = QUESTION.encode(Params({"max_rows": max_rows}))
-    return Request("GET", QUESTION.route, {**bounds.params(offset_ns), **asked},
+    asked = QUESTION.query(bounds, Params({"max_rows": max_rows}), offset_ns)
+    return Request("GET", QUESTION.route, asked,
                    expect=("columns", "rows"),
                    check=lambda reply: reply)  # checked whole by check_reply
 
@@ -143,17 +142,16 @@ def from_answer(answer: FleetAnswer, index: int, max_rows: int = coll.DEFAULT_RO
     return coll.analyze(parts, coll.one_machine(clocks(answer), parts))
 
 
-def collectives(opts: FleetOptions, window: WindowSpec, max_rows: int | None = None
+def collectives(opts: FleetOptions, bounds: Bounds, max_rows: int | None = None
                 ) -> FleetResult:
     """``fleetd collectives --nodes``: every node's arrivals compared in one clock; a
     FleetResult whose ``obj`` is the report with the fleet's warnings and skew."""
-    bounds = window.validate()
     limit = max_rows or coll.DEFAULT_ROWS
     answer: FleetAnswer = run_loop(fan_out(
-        opts, lambda off: [request(bounds, off, max_rows)], needs_offset=window.absolute))
+        opts, lambda off: [request(bounds, off, max_rows)], needs_offset=bounds.absolute))
     raise_if_user_error(answer)
     report = from_answer(answer, 0, limit, strict=True)
-    obj = {**report, "window": {"label": window.label()},
+    obj = {**report, "window": {"label": bounds.label()},
            "nodes": [o.name for o in answer.answered],
            "warnings": [w.to_json() for w in answer.warnings], "skew": answer.skew_json()}
     return FleetResult(answer, obj, list(coll.ROW_COLUMNS), coll.rows(report))

@@ -17,7 +17,6 @@ from typing import Any
 from fleetd.analyze.causes.chains import SEVERITY_RANK
 from fleetd.analyze.distributed import stragglers
 from fleetd.analyze.reading.answers import ChainJson, ProcessRow
-from fleetd.analyze.reading.window import WindowSpec
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import Merged, NodeRows, NodeWarning, merge, reduce
 from fleetd.fleet.dispatch import fan_out
@@ -41,6 +40,7 @@ from fleetd.questions.catalog import (
 )
 from fleetd.questions.spec import Params, Question
 from fleetd.runner import run_loop
+from fleetd.store.bounds import Bounds
 from fleetd.wire import paths
 from fleetd.wire.pods import PLACEMENT_FIELDS, label, params, read_placement
 from fleetd.wire.query import check_rows
@@ -108,30 +108,29 @@ def _node_rows(answer: FleetAnswer, o: NodeOutcome) -> NodeRows:
 # ---- explain ------------------------------------------------------------------------
 
 
-def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None,
+def explain(opts: FleetOptions, bounds: Bounds, pid: int | None = None,
             pod: str | None = None, namespace: str | None = None) -> FleetResult:
     """Every node's chains and profile; with ``pod`` / ``namespace`` each node keeps
     the chains and processes of that pod's processes (none where it ran nowhere)."""
     from fleetd.analyze.distributed.collectives import straggler_entries
     from fleetd.fleet import collectives as arrivals
 
-    bounds = window.validate()
     selected = params(pod, namespace)
-    asked = CHAINS.encode(CHAINS.values({"pid": pid, paths.POD_PARAM: pod,
-                                         paths.NAMESPACE_PARAM: namespace}))
+    asked = CHAINS.values({"pid": pid, paths.POD_PARAM: pod,
+                           paths.NAMESPACE_PARAM: namespace})
 
     def plan(offset_ns: int) -> list[Request]:
-        base = bounds.params(offset_ns)
-        return [Request("GET", CHAINS.route, {**base, **asked}, expect=(CHAINS.expect,),
+        return [Request("GET", CHAINS.route, CHAINS.query(bounds, asked, offset_ns),
+                        expect=(CHAINS.expect,),
                         check=_reader(CHAINS)),
-                Request("GET", PROFILE.route, base, expect=(PROFILE.expect,),
-                        check=_reader(PROFILE))]
+                Request("GET", PROFILE.route, PROFILE.query(bounds, Params(), offset_ns),
+                        expect=(PROFILE.expect,), check=_reader(PROFILE))]
 
     # Beside chains and profile, each node's collective calls (optional: a failure there
     # is a warning), compared across nodes in our clock.
     answer: FleetAnswer = run_loop(fan_out_work(
         opts, arrivals.with_arrivals(plan, bounds, arrivals.EXPLAIN_ROWS),
-        needs_offset=window.absolute))
+        needs_offset=bounds.absolute))
     raise_if_user_error(answer)
     chains: list[ChainJson] = []
     processes: list[ProcessRow] = []
@@ -155,7 +154,7 @@ def explain(opts: FleetOptions, window: WindowSpec, pid: int | None = None,
     ranked = (straggler_entries(collectives, chains)
               + stragglers.rank(profiles, unreachable, chains))
     obj = {"stragglers": ranked, "chains": chains, **base_json(answer),
-           "nodes": [o.name for o in answer.answered], "window": {"label": window.label()},
+           "nodes": [o.name for o in answer.answered], "window": {"label": bounds.label()},
            "verdicts": verdicts, "processes": processes, "collectives": collectives}
     if selected:
         obj["selected"] = dict(selected)
@@ -177,12 +176,12 @@ def _tagged(chain: ChainJson, node: str) -> ChainJson:
 # ---- ops ----------------------------------------------------------------------------
 
 
-def ops(opts: FleetOptions, window: WindowSpec, pid: int | None, per_process: bool,
+def ops(opts: FleetOptions, bounds: Bounds, pid: int | None, per_process: bool,
         columns: Sequence[str], by: str = "op", pod: str | None = None,
         namespace: str | None = None) -> FleetResult:
     """Every node's op statistics; with ``pod`` / ``namespace`` per process of that
     pod, a ``pod`` column (add it to ``columns``) naming each row's."""
-    result = ask(opts, OPS, window, OPS.values({
+    result = ask(opts, OPS, bounds, OPS.values({
         "pid": pid, "per_process": per_process, "by": by, paths.POD_PARAM: pod,
         paths.NAMESPACE_PARAM: namespace}))
     answer = result.answer
@@ -204,9 +203,9 @@ def ops(opts: FleetOptions, window: WindowSpec, pid: int | None, per_process: bo
 # ---- overview -----------------------------------------------------------------------
 
 
-def overview(opts: FleetOptions, window: WindowSpec) -> FleetResult:
+def overview(opts: FleetOptions, bounds: Bounds) -> FleetResult:
     """Every node's overview, with the table's columns and rows."""
-    result = ask(opts, OVERVIEW, window, Params())
+    result = ask(opts, OVERVIEW, bounds, Params())
     return FleetResult(result.answer, result.obj, list(OVERVIEW_COLUMNS),
                        overview_rows(result.obj["nodes"]))
 
@@ -220,19 +219,18 @@ def _reader(question: Question) -> Callable[[dict[str, Any]], Mapping[str, Any]]
     return None if read is None else (lambda r: read(check_numbers(r, "the answer")))
 
 
-def ask(opts: FleetOptions, question: Question, window: WindowSpec, params: Params
+def ask(opts: FleetOptions, question: Question, bounds: Bounds, params: Params
         ) -> FleetResult:
     """Ask every node ``question`` (one GET each, in the window when it takes one):
     ``{"nodes": [each answer with its node, in our clock], **question.combine(nodes),
     status, warnings, skew}``. A node whose answer fails ``question.check`` (or holds a
     number beyond 64 bits, when there is a check) counts as failed."""
-    bounds = window.validate() if question.windowed else WindowSpec().validate()
-    query = question.encode(params)
     check = _reader(question)
     answer: FleetAnswer = run_loop(fan_out(
-        opts, lambda off: [Request("GET", question.route, {**bounds.params(off), **query},
+        opts, lambda off: [Request("GET", question.route,
+                                   question.query(bounds, params, off),
                                    expect=(question.expect,), check=check)],
-        needs_offset=question.windowed and window.absolute))
+        needs_offset=question.windowed and bounds.absolute))
     raise_if_user_error(answer)
     nodes = []
     for o in answer.answered:

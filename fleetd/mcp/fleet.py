@@ -20,7 +20,6 @@ from typing import Any
 
 from fleetd.analyze.distributed.collectives import host_chains
 from fleetd.analyze.pernode.opstats import COLUMNS
-from fleetd.analyze.reading.window import WindowSpec
 from fleetd.analyze.stacks import NOTE_NO_STACKS, op_code
 from fleetd.errors import FleetdError, UsageError
 from fleetd.fleet import queries
@@ -40,6 +39,7 @@ from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
 from fleetd.questions.catalog import CPU_STACKS, GPU, GRAPHS, STACKS
 from fleetd.questions.spec import Params, Question
 from fleetd.runner import run_loop
+from fleetd.store.bounds import WHOLE, Bounds
 from fleetd.wire import paths
 from fleetd.wire import pods as wire_pods
 
@@ -78,7 +78,7 @@ class FleetBackend:
             found.append(item)
         return {**header(answer), "nodes": found}
 
-    def query(self, action: str, window: WindowSpec, pid: int | None, sql: str | None,
+    def query(self, action: str, window: Bounds, pid: int | None, sql: str | None,
               params: list[Any], max_rows: int, per_process: bool, top_n: int,
               evidence_n: int, op: str | None = None, pod: str | None = None,
               namespace: str | None = None) -> dict[str, Any]:
@@ -94,7 +94,7 @@ class FleetBackend:
             except ValueError as exc:
                 raise UsageError(str(exc), "give a pod as NAME or NAMESPACE/NAME") from exc
         if action == "sql":
-            if window.since or window.absolute or pid is not None:
+            if window.origin != WHOLE or pid is not None:
                 raise UsageError("since/start/end/pid do not apply to action 'sql'",
                                  "put the condition in the SQL: WHERE ts_ns >= ? AND pid = ?")
             return self._sql(sql, params, max_rows)
@@ -118,7 +118,7 @@ class FleetBackend:
             return self._gpu(window, pid, top_n)
         raise UsageError(f"unknown action {action!r}", f"use one of: {', '.join(ACTIONS)}")
 
-    def export(self, name: str | None, window: WindowSpec, pid: int | None,
+    def export(self, name: str | None, window: Bounds, pid: int | None,
                limit_per_node: int | None, chains: str) -> dict[str, Any]:
         """Every node's timeline into one file, as ``fleetd export --nodes`` writes it."""
         from fleetd.export.fleet import FleetExportOptions, export_fleet
@@ -178,7 +178,7 @@ class FleetBackend:
                                      "byte limit; add LIMIT/WHERE or aggregate"]
                 if truncated else []}
 
-    def _ops(self, window: WindowSpec, pid: int | None, per_process: bool, top_n: int,
+    def _ops(self, window: Bounds, pid: int | None, per_process: bool, top_n: int,
              pod: str | None = None, namespace: str | None = None) -> dict[str, Any]:
         if pod or namespace:  # per process, each row with its pod (as fleetd ops --pod)
             at = COLUMNS.index("comm") + 1
@@ -194,7 +194,7 @@ class FleetBackend:
         return {**header(result.answer), "columns": result.columns, "rows": rows[:top_n],
                 **shown("rows", len(rows), top_n)}
 
-    def _overview(self, window: WindowSpec) -> dict[str, Any]:
+    def _overview(self, window: Bounds) -> dict[str, Any]:
         result = queries.overview(self.opts, window)
         names = self._names()
         keep = ("node", "events", "by_source", "lost_events", "chains", "verdict", "window",
@@ -209,7 +209,7 @@ class FleetBackend:
             found.append(item)
         return {NAMES_KEY: names, **header(result.answer), "nodes": found}
 
-    def _stacks(self, window: WindowSpec, op: str | None, pid: int | None, top_n: int
+    def _stacks(self, window: Bounds, op: str | None, pid: int | None, top_n: int
                 ) -> dict[str, Any]:
         if op:
             op_code(op)  # refused here, once, rather than by every node
@@ -224,7 +224,7 @@ class FleetBackend:
             out["note"] = NOTE_NO_STACKS
         return out
 
-    def _graphs(self, window: WindowSpec, pid: int | None) -> dict[str, Any]:
+    def _graphs(self, window: Bounds, pid: int | None) -> dict[str, Any]:
         result = queries.ask(self.opts, GRAPHS, window,
                              GRAPHS.values({"pid": pid, "buckets": GRAPH_BUCKETS}))
         procs = result.obj["processes"]
@@ -233,7 +233,7 @@ class FleetBackend:
             out["note"] = "no CUDA graph call (capture, instantiate, launch) on any node"
         return out
 
-    def _gpu(self, window: WindowSpec, pid: int | None, top_n: int) -> dict[str, Any]:
+    def _gpu(self, window: Bounds, pid: int | None, top_n: int) -> dict[str, Any]:
         """Every node's imported GPU ranks side by side (``fleetd gpu --nodes``), the
         slowest flagged; kernel names come from the profiled programs, marked as data."""
         from fleetd.analyze.gpu.device import NOTE_NO_GPU, THRESHOLDS
@@ -250,7 +250,7 @@ class FleetBackend:
             out["note"] = NOTE_NO_GPU
         return out
 
-    def ask(self, question: Question, win: WindowSpec, params: Params, node: str | None
+    def ask(self, question: Question, win: Bounds, params: Params, node: str | None
             ) -> dict[str, Any]:
         """A question of the registry, of every node (``node``: its rows only), led by
         how the fan-out went."""
@@ -261,7 +261,7 @@ class FleetBackend:
                                    if r.get("node") == node]
         return {**header(result.answer), **body}
 
-    def cpu_profile(self, win: WindowSpec, pid: int | None, tid: int | None, top_n: int,
+    def cpu_profile(self, win: Bounds, pid: int | None, tid: int | None, top_n: int,
                     stacks_n: int, node: str | None) -> dict[str, Any]:
         """Every node's on-CPU samples (``GET /api/v1/cpu_stacks``, as ``fleetd profile
         --nodes``) merged into one profile: top frames over the fleet, and the heaviest
@@ -298,7 +298,7 @@ class FleetBackend:
         i = got.columns.index("comm") if "comm" in got.columns else -1
         return [str(r[i]) for r in got.rows if i >= 0 and r[i] is not None]
 
-    def _explain(self, action: str, window: WindowSpec, pid: int | None, top_n: int,
+    def _explain(self, action: str, window: Bounds, pid: int | None, top_n: int,
                  evidence_n: int, pod: str | None = None, namespace: str | None = None
                  ) -> dict[str, Any]:
         result = queries.explain(self.opts, window, pid, pod, namespace)

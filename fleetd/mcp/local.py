@@ -36,13 +36,14 @@ from fleetd.analyze.reading.answers import (
     Victim,
 )
 from fleetd.analyze.reading.data import json_or_text, nodes
-from fleetd.analyze.reading.window import Window, WindowSpec
+from fleetd.analyze.reading.window import Window, resolve
 from fleetd.analyze.stacks import op_code
 from fleetd.errors import UsageError
 from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
 from fleetd.questions.catalog import GPU, GRAPHS, STACKS
 from fleetd.questions.spec import Params, Question
 from fleetd.security.private_dir import private_dir, user_cache_base
+from fleetd.store.bounds import Bounds
 from fleetd.store.catalog import SOURCES
 from fleetd.store.db import open_reader
 from fleetd.store.guard import Limits, SafeDB
@@ -80,7 +81,7 @@ class LocalBackend:
 
     # ---- tools ------------------------------------------------------------------------
 
-    def trace_stats(self, win: WindowSpec, pid: int | None, per_process: bool,
+    def trace_stats(self, win: Bounds, pid: int | None, per_process: bool,
                     source: str | None, top_n: int, node: str | None) -> dict[str, Any]:
         if source is not None and source not in SOURCES:
             raise UsageError(f"unknown source {source!r}", f"use one of: {', '.join(SOURCES)}")
@@ -102,7 +103,7 @@ class LocalBackend:
 
         return self.analyze(go)
 
-    def causal_chains(self, win: WindowSpec, pid: int | None, top_n: int, min_severity: str,
+    def causal_chains(self, win: Bounds, pid: int | None, top_n: int, min_severity: str,
                       evidence_n: int, node: str | None, pod: str | None = None,
                       namespace: str | None = None) -> dict[str, Any]:
         bar = SEVERITY_RANK[min_severity]
@@ -128,7 +129,7 @@ class LocalBackend:
 
         return self.analyze(go)
 
-    def latency_breakdown(self, win: WindowSpec, pid: int | None, top_n: int, threads_n: int,
+    def latency_breakdown(self, win: Bounds, pid: int | None, top_n: int, threads_n: int,
                           node: str | None, pod: str | None = None,
                           namespace: str | None = None) -> dict[str, Any]:
         def go(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -142,7 +143,7 @@ class LocalBackend:
 
         return self.analyze(go)
 
-    def stacks(self, win: WindowSpec, op: str | None, pid: int | None, top_n: int,
+    def stacks(self, win: Bounds, op: str | None, pid: int | None, top_n: int,
                frames_n: int, node: str | None) -> dict[str, Any]:
         if op:
             op_code(op)  # an unknown op is refused before the file is opened
@@ -157,7 +158,7 @@ class LocalBackend:
             out["note"] = got["note"]
         return out
 
-    def cpu_profile(self, win: WindowSpec, pid: int | None, tid: int | None, top_n: int,
+    def cpu_profile(self, win: Bounds, pid: int | None, tid: int | None, top_n: int,
                     stacks_n: int, node: str | None) -> dict[str, Any]:
         """The on-CPU profile (fleetd profile): top frames, and the heaviest stacks."""
         from fleetd.analyze.reading.profile import StackCount, profile, stack_counts, stacks_json
@@ -194,22 +195,22 @@ class LocalBackend:
                 if res.truncated else [],
                 "elapsed_ms": round(res.elapsed_ms, 2), "warnings": res.warnings}
 
-    def graphs(self, win: WindowSpec, pid: int | None, buckets: int, node: str | None
+    def graphs(self, win: Bounds, pid: int | None, buckets: int, node: str | None
                ) -> dict[str, Any]:
         return self.ask(GRAPHS, win, GRAPHS.values({"pid": pid, "buckets": buckets}), node)
 
-    def gpu(self, win: WindowSpec, pid: int | None, steps: bool, top_n: int,
+    def gpu(self, win: Bounds, pid: int | None, steps: bool, top_n: int,
             node: str | None) -> dict[str, Any]:
         """The GPU breakdown of imported timelines, kernel table cut to ``top_n``; kernel
         names come from the profiled program's file, so they are marked as data."""
         got = self.ask(GPU, win, GPU.values({"pid": pid, "steps": steps}), node)
         return compact_gpu(got, top_n)
 
-    def ask(self, question: Question, win: WindowSpec, params: Params, node: str | None
+    def ask(self, question: Question, win: Bounds, params: Params, node: str | None
             ) -> dict[str, Any]:
         """A question of the registry, of this file (``node``: that node of it)."""
         def go(conn: sqlite3.Connection) -> dict[str, Any]:
-            a = Analysis.of(conn, win if question.windowed else WindowSpec(), node)
+            a = Analysis.of(conn, win if question.windowed else Bounds(), node)
             a.node_names()
             return dict(question.answer_locally(a, params))
 
@@ -223,7 +224,7 @@ class LocalBackend:
 
         return self.analyze(go)
 
-    def export(self, name: str | None, win: WindowSpec, pid: int | None,
+    def export(self, name: str | None, win: Bounds, pid: int | None,
                limit_per_node: int | None, chains: str) -> dict[str, Any]:
         from fleetd.export.local import LocalOptions, local_traces
         from fleetd.export.output import open_output
@@ -232,7 +233,7 @@ class LocalBackend:
         path = export_path(self.export_dir, name, self.db.stem)
         conn = open_reader(self.db)
         try:
-            w = win.resolve(conn)
+            w = resolve(conn, win)
             traces, origin, warnings = local_traces(conn, LocalOptions(w, pid, limit_per_node,
                                                                        chains))
             meta = {"source": self.db.name, "window": w.to_json()}

@@ -34,7 +34,6 @@ from pydantic import Field
 
 from fleetd import __version__
 from fleetd.analyze.causes.causes import CAUSES
-from fleetd.analyze.reading.window import WindowSpec
 from fleetd.errors import (
     ConfigError,
     FleetdError,
@@ -51,6 +50,7 @@ from fleetd.mcp.safety import NAMES_KEY, Int, clean, fit, scrub
 from fleetd.questions.catalog import QUESTIONS
 from fleetd.questions.spec import Param, Question
 from fleetd.security.private_dir import UnsafePathError
+from fleetd.store.bounds import Bounds
 
 log = logging.getLogger("fleetd.mcp.server")
 
@@ -224,7 +224,7 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         node: NodeName = None,
     ) -> CallToolResult:
         return answers("get_trace_stats", lambda: b.trace_stats(
-            WindowSpec(since, start, end), pid, per_process, source, top_n, node))
+            Bounds.parse(since, start, end), pid, per_process, source, top_n, node))
 
     server.add_tool(get_trace_stats, name="get_trace_stats", annotations=READ_ONLY,
                     description=(
@@ -247,7 +247,7 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         node: NodeName = None, pod: Pod = None, namespace: Namespace = None,
     ) -> CallToolResult:
         return answers("get_causal_chains", lambda: b.causal_chains(
-            WindowSpec(since, start, end), pid, top_n, min_severity, evidence_n, node,
+            Bounds.parse(since, start, end), pid, top_n, min_severity, evidence_n, node,
             pod, namespace))
 
     server.add_tool(get_causal_chains, name="get_causal_chains", annotations=READ_ONLY,
@@ -268,7 +268,7 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         node: NodeName = None, pod: Pod = None, namespace: Namespace = None,
     ) -> CallToolResult:
         return answers("get_latency_breakdown", lambda: b.latency_breakdown(
-            WindowSpec(since, start, end), pid, top_n, threads_n, node, pod, namespace))
+            Bounds.parse(since, start, end), pid, top_n, threads_n, node, pod, namespace))
 
     server.add_tool(get_latency_breakdown, name="get_latency_breakdown",
                     annotations=READ_ONLY, description=(
@@ -290,7 +290,7 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         node: NodeName = None,
     ) -> CallToolResult:
         return answers("get_stacks", lambda: b.stacks(
-            WindowSpec(since, start, end), op, pid, top_n, frames_n, node))
+            Bounds.parse(since, start, end), op, pid, top_n, frames_n, node))
 
     server.add_tool(get_stacks, name="get_stacks", annotations=READ_ONLY, description=(
         "The call stacks (symbolized: library!function+offset, innermost first) that "
@@ -327,7 +327,7 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         node: NodeName = None,
     ) -> CallToolResult:
         return answers("graph_lifecycle", lambda: b.graphs(
-            WindowSpec(since, start, end), pid, buckets, node))
+            Bounds.parse(since, start, end), pid, buckets, node))
 
     def get_gpu_breakdown(
         since: Since = None, start: Start = None, end: End = None, pid: Pid = None,
@@ -336,7 +336,7 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
         node: NodeName = None,
     ) -> CallToolResult:
         return answers("get_gpu_breakdown", lambda: b.gpu(
-            WindowSpec(since, start, end), pid, steps, top_n, node))
+            Bounds.parse(since, start, end), pid, steps, top_n, node))
 
     server.add_tool(get_gpu_breakdown, name="get_gpu_breakdown", annotations=READ_ONLY,
                     description=(
@@ -359,17 +359,17 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
 
 Arg = tuple[str, Any, Any]  # a tool argument: name, type (Annotated), default
 WINDOW: list[Arg] = [("since", Since, None), ("start", Start, None), ("end", End, None)]
-Call = Callable[[WindowSpec, dict[str, Any]], dict[str, Any]]
+Call = Callable[[Bounds, dict[str, Any]], dict[str, Any]]
 
 
 def _tool(server: MCPServer, answers: Answers, name: str, args: list[Arg], call: Call,
           description: str) -> None:
-    """A read-only tool of both modes: keyword ``args`` (the window's among them, read
-    into a WindowSpec), answered by ``call(window, the other arguments)``."""
+    """A read-only tool of both modes: keyword ``args`` (the window's among them,
+    parsed into a Bounds inside the answer, so a bad one is the tool's error), answered
+    by ``call(window, the other arguments)``."""
     def tool(**kwargs: Any) -> CallToolResult:
-        win = WindowSpec(kwargs.pop("since", None), kwargs.pop("start", None),
-                         kwargs.pop("end", None))
-        return answers(name, lambda: call(win, kwargs))
+        words = (kwargs.pop("since", None), kwargs.pop("start", None), kwargs.pop("end", None))
+        return answers(name, lambda: call(Bounds.parse(*words), kwargs))
 
     tool.__name__ = name
     tool.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
@@ -450,7 +450,7 @@ def _fleet_tools(server: MCPServer, b: FleetBackend, answers: Answers) -> None:
         pod: Pod = None, namespace: Namespace = None,
     ) -> CallToolResult:
         return answers(f"query_fleet/{action}", lambda: b.query(
-            action, WindowSpec(since, start, end), pid, sql, list(params or []), max_rows,
+            action, Bounds.parse(since, start, end), pid, sql, list(params or []), max_rows,
             per_process, top_n, evidence_n, op, pod, namespace))
 
     server.add_tool(query_fleet, name="query_fleet", annotations=READ_ONLY, description=(
@@ -499,7 +499,7 @@ def _export_tool(server: MCPServer, backend: LocalBackend | FleetBackend,
             "stored, always computed, or none")] = "auto",
     ) -> CallToolResult:
         def go() -> dict[str, Any]:
-            return backend.export(name, WindowSpec(since, start, end), pid, limit_per_node,
+            return backend.export(name, Bounds.parse(since, start, end), pid, limit_per_node,
                                   chains)
 
         return answers("export_timeline", go)

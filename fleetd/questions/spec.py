@@ -3,7 +3,9 @@
 A parameter is parsed in one place for every entry point: the node reads it from a
 query string (:meth:`Question.parse`, refusing a bad value with ``bad_request`` and
 the value quoted), the fleet client writes it into one (:meth:`Question.encode`), the
-CLI and the MCP tools hand in typed values (:meth:`Question.values`).
+CLI and the MCP tools hand in typed values (:meth:`Question.values`). The window goes
+the same way, as a :class:`fleetd.store.bounds.Bounds`: :meth:`Question.query` writes
+it beside the parameters, :meth:`Question.window` reads it back on the node.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from fleetd.errors import FleetdError, QueryError
+from fleetd.store.bounds import Bounds
 from fleetd.wire import paths
 from fleetd.wire.limits import INT64_MAX
 
@@ -171,6 +174,16 @@ class Question:
             if text is not None:
                 out[p.name] = text
         return out
+
+    def query(self, bounds: Bounds, params: Params, offset_ns: int = 0) -> dict[str, str]:
+        """The query parameters that ask a node, whose clock is ``offset_ns`` ahead of
+        ours, this question over ``bounds`` (when it takes a window) with ``params``."""
+        return {**(bounds.params(offset_ns) if self.windowed else {}), **self.encode(params)}
+
+    def window(self, query: Mapping[str, str]) -> Bounds:
+        """A request's window as :meth:`query` wrote it (``bad_request`` for a bad one);
+        the whole recording for a question that takes none."""
+        return Bounds.from_params(query) if self.windowed else Bounds()
 
     def answer_locally(self, analysis: Analysis, params: Params) -> Answer:
         if self.local is not None:

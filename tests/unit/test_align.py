@@ -17,7 +17,6 @@ from synth import MS, US
 from fleetd.analyze.distributed import align
 from fleetd.analyze.distributed.align import Call
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.reading.window import WindowSpec
 from fleetd.store.db import open_reader
 
 OPS = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather", "ncclReduceScatter")
@@ -170,7 +169,7 @@ def test_random_attach_moments_and_order(seed: int) -> None:
 def report(db: Path) -> dict[str, Any]:
     conn = open_reader(db)
     try:
-        return Analysis.of(conn, WindowSpec()).collectives()
+        return Analysis.of(conn).collectives()
     finally:
         conn.close()
 

@@ -179,10 +179,9 @@ def _open(db: Path) -> sqlite3.Connection:
 def _profile(db: Path) -> tuple[Any, Any, Any]:
     from fleetd.analyze.facade import Analysis
     from fleetd.analyze.reading.profile import flame_stacks, profile, stack_counts, stacks_json
-    from fleetd.analyze.reading.window import WindowSpec
 
     with _open(db) as conn:
-        a = Analysis.of(conn, WindowSpec())
+        a = Analysis.of(conn)
         counts, period = [], 0
         for sl in a.slices:
             got, p = stack_counts(sl.conn, sl.node, sl.window)
@@ -195,10 +194,9 @@ def _profile(db: Path) -> tuple[Any, Any, Any]:
 def test_scenario_answers_have_their_classes_keys(db: Path, seen: set[str]) -> None:
     from fleetd.analyze.explain import explain_node
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.reading.window import WindowSpec
 
     with _open(db) as conn:
-        a = Analysis.of(conn, WindowSpec())
+        a = Analysis.of(conn)
         for node in a.node_names():
             check(a.overview(node), answers.OverviewAnswer, f"{db.stem} overview", seen)
         check(a.stacks(None, None, 10, 2), answers.StacksAnswer, f"{db.stem} stacks", seen)
@@ -224,12 +222,11 @@ def test_gpu_answers_of_imported_traces_have_their_classes_keys(
         tmp_path: Path, seen: set[str]) -> None:
     from fleetd.analyze.facade import Analysis
     from fleetd.analyze.gpu.device import parse_thresholds
-    from fleetd.analyze.reading.window import WindowSpec
 
     db = tmp_path / "ranks.db"
     assert main(["import", *map(str, GPU_TRACES), "--db", str(db)]) == 0
     with _open(db) as conn:
-        a = Analysis.of(conn, WindowSpec())
+        a = Analysis.of(conn)
         for steps, limits in ((False, None), (True, ["ProfilerStep*:M1=0.01"])):
             got = a.gpu(None, steps, parse_thresholds(limits or []))
             assert len(got["ranks"]) == 2 and got["straggler"] is not None
@@ -260,15 +257,14 @@ def test_graphs_collectives_and_cpu_answers_of_synth_recordings(
     from test_oncpu_units import HOT_STACK, SYNC_STACK, _recording
 
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.reading.window import WindowSpec
 
     with _open(synth.build("graph_storm", tmp_path)) as conn:
-        got = Analysis.of(conn, WindowSpec()).graphs(buckets=5)
+        got = Analysis.of(conn).graphs(buckets=5)
         assert got["processes"] and got["processes"][0]["episodes"]
         check(got, answers.GraphsAnswer, "graph storm", seen)
     db = write_job(tmp_path / "nccl", four_ranks(late_rank=2, delay=20 * synth.MS))["gpu-01"]
     with _open(db) as conn:
-        got = Analysis.of(conn, WindowSpec()).collectives()
+        got = Analysis.of(conn).collectives()
         assert got["stragglers"] and got["communicators"]
         check(got, answers.CollectivesAnswer, "collectives", seen)
     (tmp_path / "cpu").mkdir()

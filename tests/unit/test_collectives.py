@@ -17,7 +17,6 @@ from synth import MS, T0, US
 from fleetd.analyze.distributed import collectives as coll
 from fleetd.analyze.explain import explain
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.reading.window import WindowSpec
 from fleetd.cli.main import main
 from fleetd.store.db import open_reader
 from fleetd.wire.collectives import check_reply
@@ -27,7 +26,7 @@ from fleetd.wire.failure import BadReply
 def report(db: Path, clocks: dict[str, coll.Clock] | None = None) -> dict[str, Any]:
     conn = open_reader(db)
     try:
-        return Analysis.of(conn, WindowSpec()).collectives(clocks)
+        return Analysis.of(conn).collectives(clocks)
     finally:
         conn.close()
 
@@ -35,7 +34,7 @@ def report(db: Path, clocks: dict[str, coll.Clock] | None = None) -> dict[str, A
 def parts(db: Path) -> list[coll.NodeArrivals]:
     conn = open_reader(db)
     try:
-        return Analysis.of(conn, WindowSpec()).arrivals()
+        return Analysis.of(conn).arrivals()
     finally:
         conn.close()
 

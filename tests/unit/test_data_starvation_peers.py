@@ -19,7 +19,7 @@ import orjson
 
 from fleetd.analyze.facade import Analysis
 from fleetd.analyze.reading.data import job_peers, nodes
-from fleetd.analyze.reading.window import WindowSpec, resolve_window
+from fleetd.analyze.reading.window import resolve_window
 from fleetd.store.catalog import op_code
 from fleetd.store.db import open_reader
 from fleetd.store.merge import merge
@@ -64,7 +64,7 @@ def _rank(db: Path, pid: int, rank: int | None, size: int | None = 2,
 def _starvation(db: Path) -> list[dict[str, Any]]:
     conn = open_reader(db)
     try:
-        report = Analysis.of(conn, WindowSpec()).explain()
+        report = Analysis.of(conn).explain()
     finally:
         conn.close()
     return [c for c in report["chains"] if c["root_cause"] == "data_starvation"]

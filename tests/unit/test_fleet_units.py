@@ -274,12 +274,12 @@ def test_only_transient_failures_are_retried() -> None:
 
 
 def test_absolute_windows_move_into_the_node_clock_and_since_does_not() -> None:
-    from fleetd.analyze.reading.window import WindowSpec
+    from fleetd.store.bounds import Bounds
 
-    w = WindowSpec(None, "1750000000", "1750000060")
+    w = Bounds.parse(None, "1750000000", "1750000060")
     assert w.absolute and w.params(2_500_000_000) == {
         "from": str(1_750_000_002_500_000_000), "to": str(1_750_000_062_500_000_000)}
-    assert WindowSpec("5m").params(2_500_000_000) == {"since": "5m"}
-    assert WindowSpec().params(7) == {} and WindowSpec().label() == "whole recording"
+    assert Bounds.parse("5m").params(2_500_000_000) == {"since": "5m"}
+    assert Bounds().params(7) == {} and Bounds().label() == "whole recording"
     with pytest.raises(UsageError):
-        WindowSpec(None, "yesterday-ish").validate()
+        Bounds.parse(None, "yesterday-ish")

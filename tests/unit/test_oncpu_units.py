@@ -228,10 +228,9 @@ def test_a_thread_on_the_cpu_between_launches_is_host_cpu_bound(tmp_path: Path) 
     import sqlite3
 
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.reading.window import WindowSpec
 
     with sqlite3.connect(tmp_path / "r.db") as conn:
-        got = Analysis.of(conn, WindowSpec()).stacks(None, None, 10, 16)
+        got = Analysis.of(conn).stacks(None, None, 10, 16)
     assert got["stacks"] == [], got["stacks"][:1]
 
 

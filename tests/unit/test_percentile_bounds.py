@@ -18,7 +18,6 @@ import pytest
 
 from fleetd.analyze.facade import Analysis
 from fleetd.analyze.reading.data import Hist
-from fleetd.analyze.reading.window import WindowSpec
 from fleetd.store.db import open_reader
 
 from conftest import REPO
@@ -66,7 +65,7 @@ def _low(db: Path, row: dict[str, Any]) -> int | None:
 def test_percentiles_stay_inside_min_and_max(db: Path) -> None:
     conn = open_reader(db)
     try:
-        a = Analysis.of(conn, WindowSpec())
+        a = Analysis.of(conn)
         checked = 0
         for per_process in (False, True):
             # What GET /api/v1/ops answers, and what fleetd ops and the MCP tools print.

@@ -160,7 +160,6 @@ def test_every_question_answers_a_node_database_in_its_shape(tmp_path: Path) -> 
     """Each question over a recorded node file, as the agent answers it: its ``expect``
     key there, the node named, and every key of its declared TypedDict."""
     from fleetd.analyze.facade import Analysis
-    from fleetd.analyze.reading.window import WindowSpec
     from fleetd.store.db import open_reader
 
     from conftest import build_db
@@ -169,7 +168,7 @@ def test_every_question_answers_a_node_database_in_its_shape(tmp_path: Path) -> 
     try:
         node = str(conn.execute("SELECT name FROM nodes").fetchone()[0])
         for q in QUESTIONS:
-            got = q.on_node(Analysis.of(conn, WindowSpec(), node), node, q.parse({}))
+            got = q.on_node(Analysis.of(conn, node=node), node, q.parse({}))
             assert q.expect in got and got["node"] == node, q.name
             if q.shape is not None:
                 assert q.shape.__required_keys__ <= set(got), q.name

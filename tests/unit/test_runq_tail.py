@@ -18,7 +18,6 @@ from typing import Any
 
 from fleetd.analyze.facade import Analysis
 from fleetd.analyze.reading.nodeview import MAX_SLEEP_BEFORE_TAIL_NS, tail_takers
-from fleetd.analyze.reading.window import WindowSpec
 from fleetd.store.catalog import op_code
 from fleetd.store.db import open_reader
 
@@ -40,7 +39,7 @@ def test_a_short_sleeps_tail_is_shared_with_who_took_the_cpu() -> None:
 def _culprits(db: Path) -> list[dict[str, Any]]:
     conn = open_reader(db)
     try:
-        report = Analysis.of(conn, WindowSpec()).explain()
+        report = Analysis.of(conn).explain()
     finally:
         conn.close()
     chains = [c for c in report["chains"] if c["root_cause"] == "cpu_contention"]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.reading.window import WindowSpec
+from fleetd.store.bounds import Bounds
 from fleetd.store.db import open_reader
 
 from conftest import REPO
@@ -32,7 +32,7 @@ RECORDED = REPO / "tests" / "data" / "scenarios" / "quiet.db"
 def _profile(db: Path) -> dict[str, Any]:
     conn = open_reader(db)
     try:
-        return Analysis.of(conn, WindowSpec()).profile("rec-01")
+        return Analysis.of(conn).profile("rec-01")
     finally:
         conn.close()
 
@@ -124,8 +124,8 @@ def test_a_window_edge_through_a_histogram_counts_the_calls_on_its_side(
     whole = _profile(db)
     conn = open_reader(db)
     try:
-        later = Analysis.of(conn, WindowSpec(from_=str(first + 10**9), to=str(last))
-                            ).profile("rec-01")
+        window = Bounds.parse(from_=str(first + 10**9), to=str(last))
+        later = Analysis.of(conn, window).profile("rec-01")
     finally:
         conn.close()
     a, b = whole["features"]["cuda_calls_per_s"], later["features"]["cuda_calls_per_s"]

@@ -13,7 +13,6 @@ import sqlite3
 from pathlib import Path
 
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.reading.window import WindowSpec
 from fleetd.store.catalog import op_code
 from fleetd.store.db import open_reader
 
@@ -26,7 +25,7 @@ IDLE_NS = 20_000_000_000
 def _profile(db: Path) -> dict[str, object]:
     conn = open_reader(db)
     try:
-        out = Analysis.of(conn, WindowSpec()).profile("rec-01")
+        out = Analysis.of(conn).profile("rec-01")
     finally:
         conn.close()
     return out

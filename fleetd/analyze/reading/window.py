@@ -1,13 +1,9 @@
-"""The time window an analysis covers: as the user gave it, and resolved against the data.
+"""The time window an analysis covers, resolved against the data: :class:`Window`.
 
-One type carries the window everywhere: :class:`WindowSpec` is what the CLI, the MCP
-tools and the node API take (``--since 5m``, or ``--from/--to``). It is parsed once, at
-the edge (:meth:`WindowSpec.bounds`), into :class:`Bounds`: absolute nanoseconds in our
-clock with the window's origin, and the one place its errors are worded. Bounds are
-passed to a node as query parameters (:meth:`Bounds.params`, read back by
-:meth:`WindowSpec.from_params`) and a spec is resolved against a database once
-(:meth:`WindowSpec.resolve`) into a :class:`Window`, the half-open span every analyzer
-reads.
+The window arrives parsed (:class:`fleetd.store.bounds.Bounds`: from the user's flags,
+a tool's arguments or a request's parameters, once) and is resolved against a database
+once (:func:`resolve`) into a :class:`Window`, the half-open span every analyzer reads:
+its open sides filled from the recording's extent, with warnings when it holds nothing.
 
 ``--since`` counts back from *now*; a database recorded yesterday and copied here has
 nothing in the last five minutes, and saying "no problems found" would be a lie. So the
@@ -19,13 +15,12 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fleetd.errors import FleetdError, QueryError, UsageError
-from fleetd.store.bounds import ABSOLUTE, RELATIVE, WHOLE, Bounds
+from fleetd.store.bounds import ABSOLUTE, RELATIVE, Bounds
 from fleetd.store.db import present_tables
-from fleetd.store.timeparse import format_ns, parse_duration, parse_timestamp
+from fleetd.store.timeparse import format_ns
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,80 +44,6 @@ class Window:
             "end": format_ns(self.end_ns),
             "label": self.label,
         }
-
-
-def _both_given(since: str | None) -> UsageError:
-    return UsageError(f"give either --since {since!r} or --from/--to, not both",
-                      "--since 5m means the last five minutes; --from/--to name "
-                      "absolute times")
-
-
-def _not_before(from_: str | None, to: str | None) -> UsageError:
-    return UsageError(f"--from {from_!r} is not before --to {to!r}",
-                      "swap the two times, or widen the window")
-
-
-@dataclass(frozen=True, slots=True)
-class WindowSpec:
-    """The window as the user gave it: ``since`` (a duration back from now) or
-    ``from_``/``to`` (absolute times, in *our* clock), or nothing (the whole recording)."""
-
-    since: str | None = None
-    from_: str | None = None
-    to: str | None = None
-
-    @property
-    def absolute(self) -> bool:
-        return bool(self.from_ or self.to)
-
-    def resolve(self, conn: sqlite3.Connection, now_ns: int | None = None) -> Window:
-        """The window over this database, with warnings when it holds nothing there."""
-        return resolve_window(conn, self.since or None, self.from_ or None, self.to or None,
-                              now_ns)
-
-    def bounds(self, now_ns: int | None = None) -> Bounds:
-        """The window parsed, in our clock: every error a window can have without the
-        data is raised here, in one wording."""
-        if self.since and self.absolute:
-            raise _both_given(self.since)
-        if self.since:
-            now = now_ns if now_ns is not None else time.time_ns()
-            return Bounds(RELATIVE, now - parse_duration(self.since), None, self.since)
-        if not self.absolute:
-            return Bounds(WHOLE)
-        start = parse_timestamp(self.from_) if self.from_ else None
-        end = parse_timestamp(self.to) + 1 if self.to else None
-        if start is not None and end is not None and end <= start:
-            raise _not_before(self.from_, self.to)
-        return Bounds(ABSOLUTE, start, end)
-
-    def params(self, offset_ns: int = 0) -> dict[str, str]:
-        """:meth:`Bounds.params` of this window, parsed now."""
-        return self.bounds().params(offset_ns)
-
-    @classmethod
-    def from_params(cls, q: Mapping[str, str]) -> WindowSpec:
-        """What :meth:`params` wrote, as a node reads it from a request."""
-        return cls(q.get("since") or None, q.get("from") or None, q.get("to") or None)
-
-    def resolve_request(self, conn: sqlite3.Connection) -> Window:
-        """:meth:`resolve` for a peer's request: a bad value is the peer's mistake, so it
-        becomes a ``bad_request`` query error (HTTP 400), never a crash."""
-        try:
-            return self.resolve(conn)
-        except FleetdError as exc:
-            raise QueryError(exc.message, exc.hint, code="bad_request") from None
-
-    def label(self) -> str:
-        if self.since:
-            return f"last {self.since}"
-        if self.absolute:
-            return f"{self.from_ or 'start'} .. {self.to or 'end'}"
-        return "whole recording"
-
-    def validate(self) -> Bounds:
-        """The window parsed before any node is asked, so its errors surface once."""
-        return self.bounds()
 
 
 def data_extent(conn: sqlite3.Connection) -> tuple[int, int] | None:
@@ -163,32 +84,55 @@ def _imported_extents(conn: sqlite3.Connection) -> list[tuple[int, int]]:
     return out
 
 
-def resolve_window(
-    conn: sqlite3.Connection,
-    since: str | None = None,
-    from_: str | None = None,
-    to: str | None = None,
-    now_ns: int | None = None,
-) -> Window:
-    """Turn the command-line options into a window, with warnings about empty ones."""
+def resolve(conn: sqlite3.Connection, bounds: Bounds, now_ns: int | None = None) -> Window:
+    """The window over this database (a relative one ending now), with warnings when it
+    holds nothing; a UsageError when an open side, filled from the data, crosses the
+    other."""
     now = now_ns if now_ns is not None else time.time_ns()
-    bounds = WindowSpec(since, from_, to).bounds(now)
     extent = data_extent(conn)
     if bounds.origin == RELATIVE and bounds.start_ns is not None:
-        start, end, label = bounds.start_ns, now + 1, f"last {since}"
+        start, end = bounds.start_ns, now + 1
+        label = bounds.label()
     elif bounds.origin == ABSOLUTE:
         start = bounds.start_ns if bounds.start_ns is not None else (
             extent[0] if extent else 0)
         end = bounds.end_ns if bounds.end_ns is not None else (
             extent[1] if extent else now + 1)
         label = f"{format_ns(start)} .. {format_ns(end - 1)}"
-        if end <= start:  # an open side filled from the data can still cross the other
-            raise _not_before(from_, to)
+        if end <= start:
+            raise _crossed(bounds, start, end)
     elif extent:
-        start, end, label = extent[0], extent[1], "whole recording"
+        start, end, label = extent[0], extent[1], bounds.label()
     else:
-        start, end, label = now, now + 1, "whole recording"
-    return Window(start, end, label, tuple(_emptiness_warnings(extent, start, end, since, now)))
+        start, end, label = now, now + 1, bounds.label()
+    return Window(start, end, label,
+                  tuple(_emptiness_warnings(extent, start, end, bounds.since, now)))
+
+
+def resolve_request(conn: sqlite3.Connection, bounds: Bounds) -> Window:
+    """:func:`resolve` for a peer's request: a window its data empties is the peer's
+    mistake, so it becomes a ``bad_request`` query error (HTTP 400), never a crash."""
+    try:
+        return resolve(conn, bounds)
+    except FleetdError as exc:
+        raise QueryError(exc.message, exc.hint, code="bad_request") from None
+
+
+def resolve_window(conn: sqlite3.Connection, since: str | None = None,
+                   from_: str | None = None, to: str | None = None,
+                   now_ns: int | None = None) -> Window:
+    """:func:`resolve` of the window the user's words give (Bounds.parse), both at
+    ``now_ns``: for tests and scripts that hold the words, not a Bounds."""
+    now = now_ns if now_ns is not None else time.time_ns()
+    return resolve(conn, Bounds.parse(since, from_, to, now), now)
+
+
+def _crossed(bounds: Bounds, start: int, end: int) -> UsageError:
+    """An absolute window with one side open whose other side lies beyond the data."""
+    return UsageError(f"the window {bounds.label()} holds no time: filled from the "
+                      f"recording, it runs from {format_ns(start)} to {format_ns(end - 1)}",
+                      "move --from/--to inside the recording, or drop the open side's "
+                      "partner")
 
 
 def _emptiness_warnings(
