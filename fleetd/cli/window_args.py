@@ -11,13 +11,16 @@ import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from fleetd.analyze.facade import Analysis
 from fleetd.cli.argtypes import positive
 from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.pod_args import add_pod_args
 from fleetd.store.bounds import Bounds
 from fleetd.store.db import default_db_path, open_reader
+
+if TYPE_CHECKING:  # the analyzer is imported by the commands that open one
+    from fleetd.analyze.facade import Analysis
 
 
 def add_window(p: argparse.ArgumentParser) -> None:
@@ -53,6 +56,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def open_analysis(args: argparse.Namespace) -> Iterator[tuple[Path, Analysis]]:
     """The database the command names (``--db``, else the default) and the analyzer
     facade over it in the command's window; the connection closes on exit."""
+    from fleetd.analyze.facade import Analysis
+
     bounds = window_of(args)  # a typo in the window first, before any file is opened
     if getattr(args, "lake", None) is not None:
         from fleetd.cli.lake_args import materialized
