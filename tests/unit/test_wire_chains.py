@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from fleetd.analyze.facade import Analysis
-from fleetd.analyze.reading.window import WindowSpec
 from fleetd.questions.catalog import CHAINS, PROFILE
 from fleetd.wire.chains import check_chains_reply, check_profile_reply
 from fleetd.wire.failure import BadReply
@@ -24,7 +23,7 @@ SCENARIO = REPO / "investigations" / "scenarios" / "cpu_hog.db"
 
 def _answers() -> tuple[dict[str, Any], dict[str, Any]]:
     with sqlite3.connect(f"file:{SCENARIO}?mode=ro", uri=True) as conn:
-        a = Analysis.of(conn, WindowSpec())
+        a = Analysis.of(conn)
         node = a.node_names()[0]
         chains = CHAINS.on_node(a, node, CHAINS.parse({}))
         profile = PROFILE.on_node(a, node, PROFILE.parse({}))
