@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from fleetd.analyze.reading.answers import ChainJson
 from fleetd.store.catalog import BY_NAME
 
 
@@ -133,8 +134,9 @@ class ChainMark:
     impact: float | None = None
 
     @classmethod
-    def from_report(cls, c: Mapping[str, Any]) -> ChainMark:
-        """A chain of ``explain``'s JSON (also what the node API's chains endpoint sends)."""
+    def from_report(cls, c: ChainJson) -> ChainMark:
+        """A chain of ``explain``'s JSON (also what the node API's chains endpoint sends,
+        checked by fleetd.wire.chains)."""
         return cls(str(c["id"]), str(c["severity"]), str(c["root_cause"]), str(c["summary"]),
                    int(c["ts_ns"] or 0), int(c["dur_ns"] or 0), c.get("op"),
                    dict(c.get("victim") or {}), c.get("culprit"), list(c.get("fixes") or ()),
