@@ -12,7 +12,6 @@ import random
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,10 +19,7 @@ import pytest
 import stamped
 from agents import agent, request
 
-from conftest import FLEETD, REPO
-
-sys.path.insert(0, str(REPO / "tests" / "workloads"))
-from train_loop import find_cudart  # noqa: E402
+from conftest import FLEETD
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the agent traces: needs root")
 
@@ -33,10 +29,8 @@ GRACE_NS = 10**9  # the events of the last second before a kill may be lost
 
 
 def agent_args(pid: int) -> list[str]:
-    # Only the runtime the workload calls: discovery's other CUDA libraries add symbol
-    # reading to each of the 21 starts and uprobes to each kill's teardown, not events.
     return ["--plain-http", "--pid", str(pid), "--sample", "1", "--no-host",
-            "--cpu-sample-hz", "0", "--cuda-lib", find_cudart()]
+            "--cpu-sample-hz", "0"]
 
 
 def test_twenty_kills_lose_at_most_the_last_second_and_say_so(tmp_path: Path) -> None:
