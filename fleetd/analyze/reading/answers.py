@@ -132,7 +132,7 @@ class ExplainReport(TypedDict):
     and, over several nodes or ranks, ``stragglers`` and ``skew``; ``gpu`` with an
     imported GPU timeline; ``stored`` with ``--store``."""
 
-    window: dict[str, Any]  # WindowJson, once Window.to_json says so
+    window: WindowJson
     nodes: list[str]
     quiet: bool
     verdict: str
@@ -185,7 +185,7 @@ class NodeProfile(TypedDict):
     ``features`` empty (and only ``node``, ``window``, ``main_pid``) without CUDA work."""
 
     node: str
-    window: dict[str, Any]  # WindowJson, once Window.to_json says so
+    window: WindowJson
     span_s: NotRequired[float]
     main_pid: int | None
     main_comm: NotRequired[str | None]
@@ -237,7 +237,7 @@ class OverviewAnswer(TypedDict):
     """One node's events by source, sessions, chain counts and top ops."""
 
     node: str
-    window: dict[str, Any]  # WindowJson, once Window.to_json says so
+    window: WindowJson
     events: int
     by_source: dict[str, int]
     sessions: list[OverviewSession]
@@ -289,7 +289,7 @@ class CpuStacksAnswer(TypedDict):
     """``GET /api/v1/cpu_stacks``: the window's samples per (thread, stack)."""
 
     node: str
-    window: dict[str, Any]  # WindowJson, once Window.to_json says so
+    window: WindowJson
     period_ns: int
     stacks: list[CpuStack]
     stacks_omitted: int
@@ -335,7 +335,7 @@ class StacksAnswer(TypedDict):
     """The heaviest stacks of the window's CUDA calls (the agent adds ``node``)."""
 
     node: NotRequired[str]
-    window: dict[str, Any]  # WindowJson, once Window.to_json says so
+    window: WindowJson
     op: str | None
     pid: int | None
     stacks: list[StackGroup]
@@ -400,7 +400,7 @@ class GraphsAnswer(TypedDict):
     """CUDA graph capture / instantiate / launch per process (the agent adds ``node``)."""
 
     node: NotRequired[str]
-    window: dict[str, Any]  # WindowJson, once Window.to_json says so
+    window: WindowJson
     processes: list[GraphProcess]
     warnings: list[str]
     note: NotRequired[str]
@@ -534,7 +534,7 @@ class GpuAnswer(TypedDict):
     """Every rank of the window's GPU timelines (the agent adds ``node``)."""
 
     node: NotRequired[str]
-    window: dict[str, Any]  # WindowJson, once Window.to_json says so
+    window: WindowJson
     ranks: list[GpuRank]
     kernels: list[KernelRow]
     warnings: list[str]

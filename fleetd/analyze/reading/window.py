@@ -17,6 +17,7 @@ import sqlite3
 import time
 from dataclasses import dataclass, field
 
+from fleetd.analyze.reading.answers import WindowJson
 from fleetd.errors import FleetdError, QueryError, UsageError
 from fleetd.store.bounds import ABSOLUTE, RELATIVE, Bounds
 from fleetd.store.db import present_tables
@@ -36,7 +37,7 @@ class Window:
     def dur_ns(self) -> int:
         return max(0, self.end_ns - self.start_ns)
 
-    def to_json(self) -> dict[str, object]:
+    def to_json(self) -> WindowJson:
         return {
             "start_ns": self.start_ns,
             "end_ns": self.end_ns,
