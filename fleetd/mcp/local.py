@@ -20,20 +20,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict, TypeVar
+from typing import Any, NotRequired, TypeVar
 
 from fleetd.analyze.causes.chains import SEVERITY_RANK
 from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
 from fleetd.analyze.pernode.opstats import COLUMNS
 from fleetd.analyze.reading import pods
 from fleetd.analyze.reading.answers import (
-    ChainDetail,
+    ChainCore,
     ChainJson,
-    Culprit,
     EvidenceItem,
     RankedCulprit,
     StragglerEntry,
-    Victim,
 )
 from fleetd.analyze.reading.data import json_or_text, nodes
 from fleetd.analyze.reading.window import Window, resolve
@@ -248,26 +246,11 @@ class LocalBackend:
 # ---- helpers shared with the fleet backend ---------------------------------------------------
 
 
-class CompactChain(TypedDict):
+class CompactChain(ChainCore):
     """A chain as the MCP tools give it: :class:`ChainJson` without its ``key``, with
     three culprits, ``evidence_n`` evidence items (``evidence_omitted``: the rest) and
     without the flame graph's stacks (``get_cpu_profile`` gives them)."""
 
-    id: str
-    node: str
-    severity: str
-    root_cause: str
-    summary: str
-    op: str | None
-    victim: Victim
-    culprit: Culprit | None
-    explained: float
-    impact: float
-    ts_ns: int
-    dur_ns: int
-    time: str | None
-    detail: ChainDetail
-    fixes: list[str]
     culprits: list[RankedCulprit]
     evidence: list[EvidenceItem]
     evidence_omitted: NotRequired[int]

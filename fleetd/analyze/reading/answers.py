@@ -41,20 +41,26 @@ ChainDetail = dict[str, Any]  # the figures behind a chain, by root cause
 EvidenceItem = dict[str, Any]  # ``kind``, ``text`` and the kind's own keys
 
 
-class Victim(TypedDict):
-    """The thread whose calls were slow; its pod and container where the tracer knew them."""
+class Placement(TypedDict):
+    """Where a process ran, when the tracer knew it (fleetd.analyze.reading.pods): the
+    keys a victim, a culprit and a process row gain, after their own."""
 
-    pid: int
-    tid: int
-    comm: str | None
-    thread: str | None
     pod: NotRequired[str]
     namespace: NotRequired[str]
     pod_uid: NotRequired[str]
     container: NotRequired[str]
 
 
-class Culprit(TypedDict):
+class Victim(Placement):
+    """The thread whose calls were slow."""
+
+    pid: int
+    tid: int
+    comm: str | None
+    thread: str | None
+
+
+class Culprit(Placement):
     """A chain's top culprit as its ``culprit`` shows it; ``self``: the victim's own
     process; ``tid``/``thread``: its thread that accounts for most of the time; ``where``
     and ``stack``: a lock holder traced with stacks."""
@@ -66,40 +72,25 @@ class Culprit(TypedDict):
     thread: NotRequired[str | None]
     where: NotRequired[str]
     stack: NotRequired[list[str]]
-    pod: NotRequired[str]
-    namespace: NotRequired[str]
-    pod_uid: NotRequired[str]
-    container: NotRequired[str]
 
 
-class RankedCulprit(TypedDict):
+class RankedCulprit(Culprit):
     """One of a chain's ``culprits``, most time first (``ns``: the time attributed,
     ``share`` of the chain's attributed time; ``presence``: how often it took over from
     the victim, cpu_contention)."""
 
-    pid: int
-    comm: str | None
     tids: NotRequired[list[int]]
     ns: int
     share: float
-    self: bool
     presence: NotRequired[float]
-    tid: NotRequired[int]
-    thread: NotRequired[str | None]
     busy: NotRequired[float | None]
-    where: NotRequired[str]
-    stack: NotRequired[list[str]]
-    pod: NotRequired[str]
-    namespace: NotRequired[str]
-    pod_uid: NotRequired[str]
-    container: NotRequired[str]
 
 
-class ChainJson(TypedDict):
-    """A causal chain (docs/explain.md, "A chain"): what was slow, why, who, what to do."""
+class ChainCore(TypedDict):
+    """What every reader of a chain shows: :class:`ChainJson` without its key, ranked
+    culprits and evidence (which the MCP tools cut short)."""
 
     id: str  # node:hash of key
-    key: str
     node: str
     severity: str  # HIGH | MEDIUM | LOW
     root_cause: str
@@ -107,15 +98,21 @@ class ChainJson(TypedDict):
     op: str | None
     victim: Victim
     culprit: Culprit | None
-    culprits: list[RankedCulprit]  # up to 5
     explained: float
     impact: float
     ts_ns: int
     dur_ns: int
     time: str | None
     detail: ChainDetail
-    evidence: list[EvidenceItem]
     fixes: list[str]
+
+
+class ChainJson(ChainCore):
+    """A causal chain (docs/explain.md, "A chain"): what was slow, why, who, what to do."""
+
+    key: str
+    culprits: list[RankedCulprit]  # up to 5
+    evidence: list[EvidenceItem]
 
 
 class NodeExplain(TypedDict):
