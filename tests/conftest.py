@@ -38,6 +38,19 @@ REPO = Path(__file__).resolve().parents[1]
 FLEETD = str(REPO / ".venv" / "bin" / "fleetd")
 
 
+@pytest.hookimpl
+def pytest_configure(config: pytest.Config) -> None:
+    """fleetd's bytecode, written once before any test runs. Where PYTHONDONTWRITEBYTECODE
+    is set (as on the engineers' machines here), no process writes it, and every one of
+    the suite's many ``fleetd`` processes (CLI calls, agents, tracers) compiled its 150-odd
+    modules from source first: 0.3 s apiece on a loaded two-core machine (`fleetd
+    explain` 1.10 s -> 0.77 s). A module edited later is still compiled afresh: bytecode
+    is checked against its source's size and mtime."""
+    import compileall
+
+    compileall.compile_dir(REPO / "fleetd", quiet=2)
+
+
 def synthetic_events(n: int, t0: int | None = None, pid: int = 4242) -> list[tuple[int, ...]]:
     """n plausible CUDA/sched events, 1 ms apart, ending about now."""
     t0 = t0 if t0 is not None else _time.time_ns() - n * 1_000_000
