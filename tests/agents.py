@@ -1,27 +1,33 @@
 """Real agents for tests: `fleetd agent` subprocesses on loopback with certificates
-made by `fleetd certs`, and an mTLS client that talks to them."""
+from the fleet CA (made by the code behind `fleetd certs`; the session's one CA is
+conftest's ``pki`` fixture), an mTLS client that talks to them, and stand-in nodes."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from cryptography import x509
 
-from fleetd.security import tls
+from fleetd.security import certs, tls
 
-from conftest import FLEETD
+from conftest import FLEETD, build_db
 
 LISTEN_RE = re.compile(r"listening on (https?)://([\d.]+):(\d+)")
 
@@ -37,18 +43,43 @@ class Pki:
     def pair(self, name: str) -> tuple[Path, Path]:
         return self.dir / f"{name}.pem", self.dir / f"{name}.key"
 
+    def client_flags(self, client: str = "laptop") -> list[str]:
+        """The fleet commands' TLS flags for ``client``."""
+        cert, key = self.pair(client)
+        return ["--ca-cert", str(self.ca), "--client-cert", str(cert), "--client-key", str(key)]
 
-def make_pki(d: Path, nodes: list[str], clients: list[str]) -> Pki:
-    def certs(*args: str) -> None:
-        subprocess.run([FLEETD, "certs", "--dir", str(d), *args], check=True,
-                       capture_output=True, text=True)
+    def copy_to(self, d: Path) -> Pki:
+        """The same CA and certificates in ``d``: for a module that adds certificates of
+        its own without writing them into the session's directory."""
+        shutil.copytree(self.dir, d)
+        return Pki(d)
 
-    certs("init-ca")
+
+def make_pki(d: Path, nodes: Iterable[str], clients: Iterable[str]) -> Pki:
+    """A new CA in ``d`` with node certificates (SANs 127.0.0.1 and localhost) and
+    client certificates; in-process (`fleetd certs` runs these same calls, and
+    tests/unit/test_certs.py runs the command)."""
+    certs.init_ca(d)
     for n in nodes:
-        certs("issue-node", n, "--san", "127.0.0.1", "--san", "localhost")
+        certs.issue_node(d, n, ["127.0.0.1", "localhost"])
     for c in clients:
-        certs("issue-client", c)
+        certs.issue_client(d, c)
     return Pki(d)
+
+
+def issue_odd(pki: Pki, name: str, subject: x509.Name,
+              usages: Sequence[x509.ObjectIdentifier] = ()) -> None:
+    """A certificate from ``pki``'s CA, valid for a day, with a subject and EKU that
+    `fleetd certs` never issues (a test of how the agent takes it)."""
+    ca_cert, ca_key = certs.load_ca(pki.dir)
+    key = certs.generate_key()
+    now = datetime.now(UTC)
+    cert = certs.build_certificate(
+        subject=subject, public_key=key.public_key(), issuer=ca_cert.subject,
+        issuer_key=ca_key, issuer_public=ca_key.public_key(),
+        window=(now - timedelta(minutes=1), now + timedelta(days=1)), is_ca=False,
+        usages=usages)
+    certs.write_pair(*pki.pair(name), cert, key, force=True)
 
 
 @dataclass
@@ -85,6 +116,14 @@ def agent(
             proc.kill()
         proc.wait(10)
         fh.close()
+
+
+@contextmanager
+def serving(d: Path, node: str, pki: Pki | None, n: int, *extra: str) -> Iterator[Agent]:
+    """An agent, not tracing, serving conftest's synthetic database of ``n`` events for
+    ``node``, made in ``d``."""
+    with agent(build_db(d / f"{node}.db", node, n), node, pki, "--no-trace", *extra) as a:
+        yield a
 
 
 def _wait_listening(proc: subprocess.Popen[str], log: Path, timeout: float = 30) -> str:
@@ -172,3 +211,77 @@ def stand_in_node(pki: Pki, name: str, routes: list[web.RouteDef]) -> Iterator[s
         thread.join(5)
         loop.run_until_complete(runner.cleanup())
         loop.close()
+
+
+@dataclass
+class AnsweringNode:
+    """A stand-in node's address, and what it answers: ``answers[PATH]`` for a GET of
+    PATH, read at each request so that a test may change it between asks."""
+
+    address: str
+    answers: dict[str, Any]
+
+
+@contextmanager
+def answering_node(pki: Pki, name: str) -> Iterator[AnsweringNode]:
+    """A stand-in node ``name`` (see :func:`stand_in_node`) whose /api/v1/health and
+    /api/v1/time answer as an agent's would, and every other GET PATH with
+    ``answers[PATH]`` (``{}`` until the test sets it): a node that lies on purpose."""
+    node = AnsweringNode("", {})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "node": name, "version": "0",
+                                  "schema_version": 2})
+
+    async def clock(_: web.Request) -> web.Response:
+        now = time.time_ns()
+        return web.json_response({"node": name, "t1_ns": now, "t2_ns": now})
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(node.answers.get(request.path, {}))
+
+    with stand_in_node(pki, name, [web.get("/api/v1/health", health),
+                                   web.get("/api/v1/time", clock),
+                                   web.get("/{tail:.*}", answer)]) as address:
+        node.address = address
+        yield node
+
+
+class RawListener:
+    """A plain TCP listener on loopback, served on a thread: counts connections and
+    keeps every byte they send. With ``greeting`` it sends that at once and hangs up
+    (something that is not a node, an SSH server say); else it reads one request's
+    headers and answers ``answer`` (a web server that is not a node)."""
+
+    def __init__(self, greeting: bytes = b"", answer: bytes = b"") -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.greeting, self.answer = greeting, answer
+        self.connections = 0
+        self.received = b""
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            conn.settimeout(2)
+            with contextlib.suppress(OSError):
+                if self.greeting:
+                    conn.sendall(self.greeting)
+                else:
+                    self._answer(conn)
+            conn.close()
+
+    def _answer(self, conn: socket.socket) -> None:
+        while piece := conn.recv(65536):
+            self.received += piece
+            if b"\r\n\r\n" in self.received:
+                conn.sendall(self.answer)
+                return
+
+    def close(self) -> None:
+        self.sock.close()

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from agents import Pki
 
 IN_CI = bool(os.environ.get("CI"))
 
@@ -99,6 +103,26 @@ def netbed_factory(tmp_path: Path) -> Generator[Any, None, None]:
             bed.close()
 
 
+# ---- the fleet's certificates (tests/agents.py's Pki) ------------------------------
+
+# One CA for the whole session signs every node and client a test runs as (a test that
+# needs a second CA, or a certificate of an odd kind, makes that itself).
+FLEET_NODES = ("gpu-01", "gpu-02", "gpu-03", "gpu-04", "gpu-05", "relay", "hostile", "peer",
+               "n1", "mcp", "liar", "pods-01", "plain-02", "old-03", "node-1", "node-2",
+               "node-3", "node-a", "node-b", "rs-01", "rs-02", "oncpu-1")
+FLEET_CLIENTS = ("laptop", "desk", "probe", "prometheus", "other")
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """The fleet CA with a node certificate (SANs 127.0.0.1, localhost) for each of
+    FLEET_NODES and a client certificate for each of FLEET_CLIENTS. Read-only: a module
+    that adds certificates works on ``pki.copy_to(...)``."""
+    from agents import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki") / "certs", FLEET_NODES, FLEET_CLIENTS)
+
+
 # ---- helpers shared by the CLI and tracing tests -----------------------------------
 
 
@@ -112,56 +136,25 @@ def assert_one_line_error(proc: Any, *needles: str) -> None:
         assert n in first, proc.stderr
 
 
+def cli_probe(runs: list[list[str]]) -> str:
+    """Python source for ``python -c SOURCE DB WORK`` in a fresh interpreter: fleetd's
+    CLI ``main`` run over each argv of ``runs`` (``{db}`` and ``{work}`` filled in),
+    output swallowed, exit codes kept in ``codes``; then the MCP tools and their HTTPS
+    transport imported. What it checks (loaded modules, say) the caller appends."""
+    return f"""
+import contextlib, io, json, sys
+from fleetd.cli.main import main
 
+db, work = sys.argv[1], sys.argv[2]
+codes = []
+for argv in {runs!r}:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            codes.append(main([a.format(db=db, work=work) for a in argv]))
+        except SystemExit as exc:
+            codes.append(exc.code)
+import fleetd.mcp.server, fleetd.mcp.https
+"""
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
-from contextlib import contextmanager as _contextmanager  # noqa: E402
 
 from recorder import wait_for_libcudart  # noqa: E402,F401  (one copy: the recorder's)
-
-
-@_contextmanager
-def running_workload(go: Path, *args: str) -> Iterator[subprocess.Popen[str]]:
-    """The reference workload (tests/workloads/train_loop.py ARGS), waiting for the
-    ``go`` file, yielded once it has loaded libcudart (so probes can attach); killed on
-    the way out."""
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "workloads" / "train_loop.py"),
-                             *args, "--go-file", str(go)], stdout=subprocess.PIPE, text=True)
-    try:
-        wait_for_libcudart(proc.pid)
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait(10)
-
-
-def trace_in_process(wl: Any, db: Path, node: str, go: Path,
-                     **cfg: Any) -> tuple[dict[str, Any], Any]:
-    """Trace the workload process ``wl`` (a Popen waiting for ``go``, printing one JSON
-    line of what it made) with an in-process Tracer of the CUDA layer, stacks on, until
-    it exits: (what it made, the tracer's summary). Kills ``wl`` if anything fails."""
-    import json
-
-    from fleetd.trace.tracer import TraceConfig, Tracer
-
-    try:
-        wait_for_libcudart(wl.pid)
-        writer = BatchWriter(db, node)
-        tracer = Tracer(TraceConfig(db=db, node=node, pids=[wl.pid], stacks=True,
-                                    layers=frozenset({"cuda"}), **cfg), writer=writer)
-        tracer.start()
-        try:
-            go.touch()
-            while not tracer.targets_gone():
-                tracer.poll(50)
-        finally:
-            summary = tracer.stop()
-            writer.close()
-        made: dict[str, Any] = json.loads(wl.communicate(timeout=60)[0])
-    finally:
-        if wl.poll() is None:
-            wl.kill()
-            wl.wait()
-    return made, summary

@@ -54,7 +54,8 @@ FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
 
 def why_no_bpf() -> str | None:
-    """None when agents can trace here, else the reason."""
+    """None when this machine can trace (root, bcc, tracefs), else the reason: the skip
+    reason of every test that loads BPF programs."""
     if os.geteuid() != 0:
         return "tracing needs root"
     try:

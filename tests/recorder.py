@@ -114,6 +114,24 @@ def wait_for_libcudart(pid: int, timeout: float = 20.0) -> None:
     raise RuntimeError(f"workload {pid} never mapped libcudart")
 
 
+@contextmanager
+def running(argv: list[str], cpu: int | None = None, start_s: float = 20.0,
+            groups: Sequence[Path] = (), env: dict[str, str] | None = None
+            ) -> Iterator[subprocess.Popen[str]]:
+    """A test workload ``argv`` (one that waits for its go file; stdout piped), started
+    as :func:`start_in` starts it, yielded once it has mapped libcudart so that probes
+    can attach (``start_s``: how long that may take); killed on the way out if still
+    running."""
+    wl = start_in(groups, argv, cpu, env)
+    try:
+        wait_for_libcudart(wl.pid, start_s)
+        yield wl
+    finally:
+        if wl.poll() is None:
+            wl.kill()
+        wl.wait(10)
+
+
 def _fill(args: tuple[str, ...], places: dict[str, str]) -> list[str]:
     return [a.format(**places) for a in args]
 
@@ -223,14 +241,11 @@ def trace_one(workload: list[str], db: Path, node: str, go: Path, seconds: float
     ``fleetd trace`` with ``trace_args``: let it go, wait for both to end cleanly, and
     compact the database. For tests that record one case of their own."""
     cpu = max(os.sched_getaffinity(0))  # one CPU, as the scenarios: threads take turns
-    wl = subprocess.Popen(workload, stdout=subprocess.PIPE, text=True,
-                          preexec_fn=_pinned(cpu))
-    tracer = None
-    try:
-        wait_for_libcudart(wl.pid)
+    with running(workload, cpu) as wl, _processes() as procs:
         tracer = subprocess.Popen([FLEETD, "trace", "--pid", str(wl.pid), "--db", str(db),
                                    "--node", node, *trace_args],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        procs.append(tracer)
         log = StderrLog(tracer)
         if not log.tracing(90):
             raise RuntimeError(f"fleetd trace did not start:\n{log.text(1)}")
@@ -240,11 +255,6 @@ def trace_one(workload: list[str], db: Path, node: str, go: Path, seconds: float
         if wl.returncode != 0 or tracer.returncode != 0:
             raise RuntimeError(f"trace exited {tracer.returncode}, workload "
                                f"{wl.returncode}:\n{log.text()}")
-    finally:
-        for p in (wl, tracer):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait(10)
     compact(db)
 
 
@@ -264,31 +274,41 @@ def scratch_cgroup(root: Path, setup: dict[str, str]) -> Iterator[Path]:
         d.rmdir()
 
 
-def start_in(groups: Sequence[Path], argv: list[str], cpu: int | None = None
-             ) -> subprocess.Popen[str]:
-    """``argv`` started inside every cgroup of ``groups`` (and pinned to ``cpu``): the
-    child joins them before exec, never the test's own process."""
+def start_in(groups: Sequence[Path], argv: list[str], cpu: int | None = None,
+             env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """``argv`` started inside every cgroup of ``groups`` (and pinned to ``cpu``; with
+    ``env`` as its environment): the child joins them before exec, never the test's own
+    process."""
     def enter() -> None:
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
         for g in groups:
             (g / "cgroup.procs").write_text(str(os.getpid()))
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, preexec_fn=enter)
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=enter)
 
 
-def trace_for(pid: int, db: Path, go: Path, duration: str) -> None:
-    """``fleetd trace --pid`` for ``duration``, ``go`` touched once it traces (the
-    workload waits for it): for tests that start their workload their own way."""
-    tr = subprocess.Popen([FLEETD, "trace", "--pid", str(pid), "--db", str(db),
-                           "--duration", duration], stderr=subprocess.PIPE, text=True)
+def trace_for(pid: int, db: Path, go: Path, duration: str, *trace_args: str,
+              verbose: bool = False) -> str:
+    """``fleetd [-v] trace --pid PID --duration DURATION TRACE_ARGS``, ``go`` touched once
+    it traces (the workload waits for it): for tests that start their workload their own
+    way. Returns all it wrote to stderr; a failure says all of it, from before and after
+    it started."""
+    tr = subprocess.Popen([FLEETD, *(["-v"] if verbose else []), "trace", "--pid", str(pid),
+                           "--db", str(db), "--duration", duration, *trace_args],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert tr.stderr is not None
+    said = []
     for line in tr.stderr:
+        said.append(line)
         if line.startswith("fleetd: tracing"):
             go.touch()
             break
-    _, err = tr.communicate(timeout=120)
+    _, err = tr.communicate(timeout=180)
+    said.append(err)
     if tr.returncode != 0:
-        raise RuntimeError(f"fleetd trace exited {tr.returncode}: {err}")
+        raise RuntimeError(f"fleetd trace exited {tr.returncode}: {''.join(said)}")
+    return "".join(said)
 
 
 @contextmanager

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import bisect
+import signal
 import sqlite3
 import subprocess
 import sys
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from conftest import REPO
@@ -14,13 +17,19 @@ from conftest import REPO
 SLACK_NS = 1_000_000  # the stored time and the workload's readings of one clock
 
 
-def start(out: Path, rate: int, duration: int = 900) -> subprocess.Popen[str]:
-    """The workload, once it has loaded the runtime (its pid is what to trace)."""
+@contextmanager
+def running(out: Path, rate: int, duration: int = 900) -> Iterator[subprocess.Popen[str]]:
+    """The workload, yielded once it has loaded the runtime (its pid is what to trace);
+    stopped with SIGTERM on the way out (it writes its stamps to ``out`` as it goes)."""
     wl = subprocess.Popen([sys.executable, str(REPO / "tests/workloads/stamped_calls.py"),
                            "--rate", str(rate), "--duration", str(duration), "--out",
                            str(out)], stdout=subprocess.PIPE, text=True)
-    assert wl.stdout is not None and wl.stdout.readline().strip() == "ready"
-    return wl
+    try:
+        assert wl.stdout is not None and wl.stdout.readline().strip() == "ready"
+        yield wl
+    finally:
+        wl.send_signal(signal.SIGTERM)
+        wl.wait(30)
 
 
 def calls(out: Path) -> list[tuple[int, int]]:

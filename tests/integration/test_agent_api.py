@@ -12,15 +12,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, request
+from agents import Agent, Pki, agent, client_ssl, request
 from hostile import HOSTILE_OVER_HTTP
 
 from conftest import build_db
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01", "gpu-02"], ["laptop"])
 
 
 @pytest.fixture(scope="module")

@@ -37,9 +37,8 @@ def test_twenty_kills_lose_at_most_the_last_second_and_say_so(tmp_path: Path) ->
     rng = random.Random(45)
     db = tmp_path / "node.db"
     stamps = tmp_path / "stamps.bin"
-    wl = stamped.start(stamps, RATE)
     runs: list[tuple[int, int]] = []  # (listening, killed) per start, wall ns
-    try:
+    with stamped.running(stamps, RATE) as wl:
         for _ in range(KILLS):
             with agent(db, "gpu-01", None, *agent_args(wl.pid)) as a:
                 up = time.time_ns()
@@ -60,9 +59,6 @@ def test_twenty_kills_lose_at_most_the_last_second_and_say_so(tmp_path: Path) ->
             health = request(a.url, None)[1]
             assert a.stop() == 0
             final_log = a.log.read_text()
-    finally:
-        wl.send_signal(signal.SIGTERM)
-        wl.wait(30)
     made = stamped.calls(stamps)
     kept = stamped.stored(db, wl.pid)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from agents import LISTEN_RE, Pki, agent, make_pki
+from agents import LISTEN_RE, Pki, agent
 
 from fleetd import __version__
 from fleetd.config import load_config
@@ -321,11 +321,6 @@ def test_the_dockerfile_builds_the_image_the_daemonset_names() -> None:
     for src in re.findall(r"^COPY (.+) \S+$", text, re.M):
         for name in src.split():
             assert (REPO / name).exists(), name
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01"], ["probe"])
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")

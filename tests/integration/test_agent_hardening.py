@@ -10,17 +10,16 @@ import socket
 import ssl
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, mem_mb, metric_value, request
+from agents import Agent, Pki, agent, client_ssl, issue_odd, mem_mb, metric_value, request
 from cryptography import x509
 
-from fleetd.security import certs, tls
+from fleetd.security import tls
 
 from conftest import build_db
 
@@ -43,24 +42,12 @@ RUNAWAY = {"sql": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM 
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    pki = make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01", "gpu-02", "gpu-03"],
-                   ["laptop", "desk"])
-    _no_eku_cert(pki, "bare")
-    return pki
-
-
-def _no_eku_cert(pki: Pki, name: str) -> None:
-    """A certificate from the fleet CA without any EKU or role (what the run found)."""
-    ca_cert, ca_key = certs.load_ca(pki.dir)
-    key = certs.generate_key()
-    now = datetime.now(UTC)
-    cert = certs.build_certificate(
-        subject=x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, name)]),
-        public_key=key.public_key(), issuer=ca_cert.subject, issuer_key=ca_key,
-        issuer_public=ca_key.public_key(), window=(now - timedelta(minutes=1),
-                                                   now + timedelta(days=1)), is_ca=False)
-    certs.write_pair(*pki.pair(name), cert, key, force=True)
+def pki(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """The fleet's, plus "bare": a certificate from the fleet CA without any EKU or
+    role (what the run found)."""
+    ours = pki.copy_to(tmp_path_factory.mktemp("hard-pki") / "certs")
+    issue_odd(ours, "bare", x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "bare")]))
+    return ours
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, request
+from agents import Agent, Pki, agent, client_ssl, request
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetd import __version__
@@ -28,11 +28,6 @@ TOKEN = "s3cret-metrics-token"
 LAUNCH, SYNC, ALLREDUCE = (op_code(n) for n in ("cudaLaunchKernel", "cudaStreamSynchronize",
                                                  "ncclAllReduce"))
 PAGE_ALLOC, OFF_CPU = op_code("page_alloc"), op_code("off_cpu")
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01"], ["prometheus"])
 
 
 @pytest.fixture(scope="module")

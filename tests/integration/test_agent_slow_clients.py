@@ -28,7 +28,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, mem_mb, metric_value
+from agents import Agent, Pki, agent, client_ssl, mem_mb, metric_value
 
 from conftest import build_db
 
@@ -46,11 +46,6 @@ RSS_GROWTH_MB = 256
 def _say(line: str) -> None:
     if os.environ.get("FLEETD_MEASURE"):
         print(f"\nMEASURE {line}", flush=True)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01"], ["laptop", "desk"])
 
 
 @pytest.fixture

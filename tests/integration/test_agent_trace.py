@@ -13,22 +13,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, request
+from agents import Agent, Pki, agent, client_ssl, request
 from hostile import HOSTILE_OVER_HTTP
-
-from conftest import running_workload
+from workload_run import running_workload
 
 pytestmark = [pytest.mark.bpf,
               pytest.mark.skipif(os.geteuid() != 0, reason="tracing needs root")]
 
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01"], ["laptop"])
+DB_NAME = "gpu-01.db"
 
 
 @pytest.fixture
@@ -46,15 +43,20 @@ def _count(a: Agent, pki: Pki) -> int:
     return int(res["rows"][0][0])
 
 
-def _wait_tracing(a: Agent, pki: Pki, tmp_path: Path) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        status, health, _ = request(a.url, client_ssl(pki))
-        if status == 200 and health["tracing"]:
-            (tmp_path / "go").touch()
-            return
-        time.sleep(0.1)
-    raise AssertionError(a.log.read_text())
+@contextmanager
+def _tracing(tmp_path: Path, pki: Pki, workload: subprocess.Popen[str]) -> Iterator[Agent]:
+    """An agent on DB_NAME in ``tmp_path`` tracing ``workload`` (every call sampled),
+    yielded once it traces and the workload has been let go (its go file)."""
+    with agent(tmp_path / DB_NAME, "gpu-01", pki, "--pid", str(workload.pid), "--sample", "1") as a:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status, health, _ = request(a.url, client_ssl(pki))
+            if status == 200 and health["tracing"]:
+                (tmp_path / "go").touch()
+                yield a
+                return
+            time.sleep(0.1)
+        raise AssertionError(a.log.read_text())
 
 
 def _wait_events(a: Agent, pki: Pki, at_least: int, timeout: float = 30) -> int:
@@ -70,9 +72,7 @@ def _wait_events(a: Agent, pki: Pki, at_least: int, timeout: float = 30) -> int:
 def test_hostile_queries_and_floods_do_not_interrupt_tracing(
     tmp_path: Path, pki: Pki, workload: subprocess.Popen[str]
 ) -> None:
-    db = tmp_path / "gpu-01.db"
-    with agent(db, "gpu-01", pki, "--pid", str(workload.pid), "--sample", "1") as a:
-        _wait_tracing(a, pki, tmp_path)
+    with _tracing(tmp_path, pki, workload) as a:
         before = _wait_events(a, pki, 200)
         ctx = client_ssl(pki)
         for body, status, code in HOSTILE_OVER_HTTP:
@@ -100,6 +100,7 @@ def test_hostile_queries_and_floods_do_not_interrupt_tracing(
         assert health["tracing"] and not health["trace"].get("error"), health
         assert after > before
         assert a.stop(signal.SIGTERM, timeout=30) == 0
+    db = tmp_path / DB_NAME
     with sqlite3.connect(db) as c:
         assert c.execute("PRAGMA integrity_check").fetchone() == ("ok",)
         ended, lost = c.execute("SELECT ended_ns, lost_events FROM sessions").fetchone()
@@ -115,12 +116,11 @@ def test_hostile_queries_and_floods_do_not_interrupt_tracing(
 def test_kill_9_keeps_everything_flushed_and_a_sound_file(
     tmp_path: Path, pki: Pki, workload: subprocess.Popen[str]
 ) -> None:
-    db = tmp_path / "gpu-01.db"
-    with agent(db, "gpu-01", pki, "--pid", str(workload.pid), "--sample", "1") as a:
-        _wait_tracing(a, pki, tmp_path)
+    with _tracing(tmp_path, pki, workload) as a:
         seen = _wait_events(a, pki, 500)
         a.proc.send_signal(signal.SIGKILL)
         a.proc.wait(10)
+    db = tmp_path / DB_NAME
     with sqlite3.connect(db) as c:
         assert c.execute("PRAGMA integrity_check").fetchone() == ("ok",)
         kept = c.execute("SELECT count(*) FROM event_data").fetchone()[0]
@@ -139,8 +139,7 @@ def test_kill_9_keeps_everything_flushed_and_a_sound_file(
             (None, None)]
     # Tracing again closes it as crashed, with what the kernel had emitted by its last
     # commit and the file does not hold counted as lost.
-    with agent(db, "gpu-01", pki, "--pid", str(workload.pid), "--sample", "1") as a:
-        _wait_tracing(a, pki, tmp_path)
+    with _tracing(tmp_path, pki, workload) as a:
         a.stop()
     with sqlite3.connect(db) as c:
         rows = c.execute("SELECT seq, ended_ns, updated_ns, end_reason, lost_events, "

@@ -9,7 +9,6 @@ a skew estimate from samples taken across a step follows the clock as it reads a
 from __future__ import annotations
 
 import os
-import signal
 import sqlite3
 import subprocess
 import time
@@ -49,26 +48,22 @@ def test_clock_steps_keep_the_timeline_and_are_recorded(tmp_path: Path) -> None:
     shift.write_text("0\n")
     env = {"LD_PRELOAD": str(shim(tmp_path)), "CLOCKSHIFT_FILE": str(shift)}
     stamps = tmp_path / "stamps.bin"
-    wl = stamped.start(stamps, 400, 300)
     db = tmp_path / "node.db"
-    try:
-        with agent(db, "gpu-01", None, "--plain-http", "--pid", str(wl.pid), "--sample", "1",
-                   "--no-host", "--cpu-sample-hz", "0", env=env) as a:
-            up = time.time_ns()
-            time.sleep(1.0)
-            before = [time_sample(a.url) for _ in range(3)]
-            shift.write_text(f"{HOUR_S}\n")  # +1 h
-            time.sleep(0.3)
-            after = time_sample(a.url)
-            time.sleep(RESAMPLE_S)
-            shift.write_text("0\n")  # and back: -1 h
-            time.sleep(RESAMPLE_S)
-            stopped = time.time_ns()
-            assert a.stop() == 0
-            text = a.log.read_text()
-    finally:
-        wl.send_signal(signal.SIGTERM)
-        wl.wait(30)
+    with stamped.running(stamps, 400, 300) as wl, agent(
+            db, "gpu-01", None, "--plain-http", "--pid", str(wl.pid), "--sample", "1",
+            "--no-host", "--cpu-sample-hz", "0", env=env) as a:
+        up = time.time_ns()
+        time.sleep(1.0)
+        before = [time_sample(a.url) for _ in range(3)]
+        shift.write_text(f"{HOUR_S}\n")  # +1 h
+        time.sleep(0.3)
+        after = time_sample(a.url)
+        time.sleep(RESAMPLE_S)
+        shift.write_text("0\n")  # and back: -1 h
+        time.sleep(RESAMPLE_S)
+        stopped = time.time_ns()
+        assert a.stop() == 0
+        text = a.log.read_text()
     made = stamped.calls(stamps)
 
     # The skew estimate follows the node's clock within the query that sees the step:

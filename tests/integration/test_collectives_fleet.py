@@ -11,24 +11,18 @@ a lying node is a warning, the others are kept.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, request
-from aiohttp import web
+from agents import Agent, AnsweringNode, Pki, agent, answering_node, client_ssl, request
 from collective_synth import four_ranks, write_job
 from synth import MS
-
-from fleetd.security import tls
 
 from conftest import FLEETD
 
@@ -42,9 +36,8 @@ EXIT_PARTIAL = 3
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pki, list[Agent]]]:
+def setup(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[tuple[Pki, list[Agent]]]:
     d = tmp_path_factory.mktemp("collectives")
-    pki = make_pki(d / "certs", ["node-a", "node-b", "liar"], ["laptop"])
     dbs = write_job(d, four_ranks(late_rank=1, delay=15 * MS, nodes=NODES),
                     skew={"node-b": SHIFT_NS})
     with ExitStack() as stack:
@@ -53,52 +46,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pki, list[
                                               env=FAKED))]
 
 
-class StandIn:
-    """An HTTPS server with a valid node certificate: health and time as an agent's,
-    every other GET path answered with ``answers[path]``."""
-
-    def __init__(self, pki: Pki) -> None:
-        self.answers: dict[str, Any] = {}
-        cert, key = pki.pair("liar")
-        self.ssl = tls.server_context(cert, key, None)
-        self.loop = asyncio.new_event_loop()
-        self.address = ""
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-        assert self.ready.wait(10)
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-
-        async def clock(_: web.Request) -> web.Response:
-            now = time.time_ns()
-            return web.json_response({"node": "liar", "t1_ns": now, "t2_ns": now})
-
-        async def other(req: web.Request) -> web.Response:
-            return web.json_response(self.answers.get(req.path, {}))
-
-        app = web.Application()
-        app.router.add_get("/api/v1/time", clock)
-        app.router.add_get("/{tail:.*}", other)
-        runner = web.AppRunner(app)
-        self.loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=self.ssl)
-        self.loop.run_until_complete(site.start())
-        self.address = f"127.0.0.1:{runner.addresses[0][1]}"
-        self.ready.set()
-        self.loop.run_forever()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
-def liar(setup: Any) -> Iterator[StandIn]:
-    server = StandIn(setup[0])
-    yield server
-    server.close()
+def liar(setup: Any) -> Iterator[AnsweringNode]:
+    """A node with a valid certificate whose answers are set by the test."""
+    with answering_node(setup[0], "liar") as server:
+        yield server
 
 
 def fleet(pki: Pki, agents: list[Agent], command: str, *extra: str,
@@ -172,7 +124,7 @@ def test_the_node_route_is_bounded(setup: Any) -> None:
         assert status == 400 and body["error"]["code"] == "bad_request", bad
 
 
-def test_a_lying_node_is_a_warning_and_the_others_are_kept(setup: Any, liar: StandIn) -> None:
+def test_a_lying_node_is_a_warning_and_the_others_are_kept(setup: Any, liar: AnsweringNode) -> None:
     pki, agents = setup
     good = {"node": "liar", "columns": ["ts_ns", "dur_ns", "pid", "tid", "op", "ret", "bytes",
                                         "seq", "comm_ptr", "comm_hash", "rank", "nranks"]}

@@ -8,11 +8,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, request
+from agents import Agent, Pki, agent, client_ssl, issue_odd, request
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
@@ -27,29 +26,17 @@ from conftest import build_db
 CONFIG = "detail:\n  clients: [laptop]\n  client_ous: [gpu-ops]\n"
 
 
-def _client_with_ou(pki: Pki, name: str, ou: str) -> None:
-    """A client certificate from the fleet CA whose subject also carries ``ou``."""
-    ca_cert, ca_key = certs.load_ca(pki.dir)
-    key = certs.generate_key()
-    now = datetime.now(UTC)
+@pytest.fixture(scope="module")
+def pki(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """The fleet's, plus client "oncall" whose subject also carries OU gpu-ops."""
+    ours = pki.copy_to(tmp_path_factory.mktemp("detail-pki") / "certs")
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fleetd"),
                          x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME,
                                             certs.ROLE_CLIENT),
-                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, ou),
-                         x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    cert = certs.build_certificate(
-        subject=subject, public_key=key.public_key(), issuer=ca_cert.subject,
-        issuer_key=ca_key, issuer_public=ca_key.public_key(),
-        window=(now - timedelta(minutes=1), now + timedelta(days=1)), is_ca=False,
-        usages=[ExtendedKeyUsageOID.CLIENT_AUTH])
-    certs.write_pair(*pki.pair(name), cert, key, force=True)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    pki = make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01"], ["laptop", "desk"])
-    _client_with_ou(pki, "oncall", "gpu-ops")
-    return pki
+                         x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, "gpu-ops"),
+                         x509.NameAttribute(NameOID.COMMON_NAME, "oncall")])
+    issue_odd(ours, "oncall", subject, [ExtendedKeyUsageOID.CLIENT_AUTH])
+    return ours
 
 
 @pytest.fixture(scope="module")

@@ -18,17 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agents import Pki, agent, client_ssl, make_pki, request
-
-from conftest import running_workload
+from agents import Pki, agent, client_ssl, request
+from workload_run import running_workload
 
 pytestmark = [pytest.mark.bpf,
               pytest.mark.skipif(os.geteuid() != 0, reason="tracing needs root")]
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01"], ["laptop", "desk"])
 
 
 def _config(d: Path, per_hour_s: float = 360) -> str:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import explain_html_golden as golden  # noqa: E402
 import synth  # noqa: E402
-from agents import agent, make_pki  # noqa: E402
+from agents import Pki, agent  # noqa: E402
 
 from fleetd.store.merge import merge  # noqa: E402
 
@@ -131,12 +131,12 @@ def test_a_merged_file_renders_in_chromium(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, list[str]]]:
+def fleet(tmp_path_factory: pytest.TempPathFactory,
+          pki: Pki) -> Iterator[tuple[Path, list[str]]]:
     """Three agents serving synthetic nodes over mTLS: quiet, a sync every step, a hog
     whose culprit has a hostile name."""
     d = tmp_path_factory.mktemp("html-fleet")
     nodes = {"gpu-01": synth.quiet, "gpu-02": synth.host_sync, "gpu-03": synth.cpu_hog}
-    pki = make_pki(d / "pki", list(nodes), ["laptop"])
     with ExitStack() as stack:
         specs = []
         for name, make in nodes.items():

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, request
+from agents import Agent, Pki, agent, client_ssl, request
 
 from conftest import FLEETD, REPO, build_db
 
@@ -26,9 +26,9 @@ NODES = ["rs-01", "rs-02"]
 
 
 @pytest.fixture(scope="module")
-def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pki, list[Agent], Path]]:
+def bed(tmp_path_factory: pytest.TempPathFactory,
+        pki: Pki) -> Iterator[tuple[Pki, list[Agent], Path]]:
     tmp = tmp_path_factory.mktemp("resume")
-    pki = make_pki(tmp / "certs", NODES, ["laptop"])
     with ExitStack() as stack:
         agents = [stack.enter_context(agent(build_db(tmp / f"{n}.db", node=n, n=50), n, pki,
                                             "--no-trace")) for n in NODES]

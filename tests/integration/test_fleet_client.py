@@ -7,6 +7,7 @@ No namespaces needed: agents listen on 127.0.0.1 with certificates from `fleetd 
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import sqlite3
 import ssl
@@ -33,17 +34,16 @@ def fleetd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    tmp = tmp_path_factory.mktemp("pki")
-    pki = make_pki(tmp / "certs", NODES, ["laptop"])
-    # A second fleet: its client certificate must be refused by ours.
+def pki(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """The fleet's, plus "mallory" and "other-ca.pem" from a second fleet: its client
+    certificate must be refused by ours."""
+    tmp = tmp_path_factory.mktemp("client-pki")
+    ours = pki.copy_to(tmp / "certs")
     other = make_pki(tmp / "other", [], ["mallory"])
-    (pki.dir / "mallory.pem").write_bytes(other.pair("mallory")[0].read_bytes())
-    key = pki.dir / "mallory.key"
-    key.write_bytes(other.pair("mallory")[1].read_bytes())
-    key.chmod(0o600)
-    (pki.dir / "other-ca.pem").write_bytes(other.ca.read_bytes())
-    return pki
+    for src, dst in zip(other.pair("mallory"), ours.pair("mallory"), strict=True):
+        shutil.copy2(src, dst)  # the key keeps its 0600
+    shutil.copy2(other.ca, ours.dir / "other-ca.pem")
+    return ours
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +55,12 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[list[A
         yield agents
 
 
-def tls_args(pki: Pki, client: str = "laptop") -> list[str]:
-    cert, key = pki.pair(client)
-    return ["--ca-cert", str(pki.ca), "--client-cert", str(cert), "--client-key", str(key)]
-
-
 def nodes(agents: list[Agent]) -> str:
     return ",".join(a.url.removeprefix("https://") for a in agents)
 
 
 def ask(pki: Pki, agents: list[Agent], *args: str) -> subprocess.CompletedProcess[str]:
-    return fleetd(*args, "--nodes", nodes(agents), *tls_args(pki))
+    return fleetd(*args, "--nodes", nodes(agents), *pki.client_flags())
 
 
 # ---- merged rows and --reduce ---------------------------------------------------------
@@ -167,7 +162,7 @@ def test_refused_port_is_a_refused_warning(pki: Pki, fleet: list[Agent]) -> None
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again before the query: nobody listens
     proc = fleetd("query", "SELECT 1 AS one", "--nodes", f"{nodes(fleet[:1])},127.0.0.1:{port}",
-                  *tls_args(pki), "--format", "json")
+                  *pki.client_flags(), "--format", "json")
     assert proc.returncode == 3, proc.stderr
     w = _warning(proc)
     assert w["node"] == f"127.0.0.1:{port}" and w["kind"] == "refused"
@@ -185,7 +180,7 @@ def test_missing_client_certificate_says_how_to_fix(pki: Pki, fleet: list[Agent]
 
 def test_client_certificate_from_another_ca_is_refused(pki: Pki, fleet: list[Agent]) -> None:
     proc = fleetd("query", "SELECT 1 AS one", "--nodes", nodes(fleet[:1]),
-                  *tls_args(pki, "mallory"), "--format", "json")
+                  *pki.client_flags("mallory"), "--format", "json")
     assert proc.returncode == 4, proc.stderr
     w = _warning(proc)
     assert w["kind"] in ("tls", "disconnected"), w
@@ -208,7 +203,7 @@ def test_plain_http_agent_is_a_tls_failure(pki: Pki, tmp_path: Path) -> None:
     db = build_db(tmp_path / "plain.db", node="plain")
     with agent(db, "plain", None, "--no-trace", "--plain-http") as a:
         proc = fleetd("query", "SELECT 1 AS one", "--nodes", a.url.removeprefix("http://"),
-                      *tls_args(pki), "--format", "json")
+                      *pki.client_flags(), "--format", "json")
     assert proc.returncode == 4, proc.stderr
     w = _warning(proc)
     assert w["kind"] == "tls" and "does not speak TLS" in w["error"], w
@@ -221,9 +216,9 @@ def test_missing_token_is_an_http_error_with_a_hint(pki: Pki, tmp_path: Path) ->
     db = build_db(tmp_path / "gpu-01.db", node="gpu-01")
     with agent(db, "gpu-01", pki, "--no-trace", "--token-file", str(token)) as a:
         target = a.url.removeprefix("https://")
-        proc = fleetd("query", "SELECT 1 AS one", "--nodes", target, *tls_args(pki),
+        proc = fleetd("query", "SELECT 1 AS one", "--nodes", target, *pki.client_flags(),
                       "--format", "json")
-        good = fleetd("query", "SELECT 1 AS one", "--nodes", target, *tls_args(pki),
+        good = fleetd("query", "SELECT 1 AS one", "--nodes", target, *pki.client_flags(),
                       "--token-file", str(token), "--format", "json")
     assert proc.returncode == 4
     w = _warning(proc)
@@ -269,7 +264,7 @@ def not_an_agent(pki: Pki) -> Iterator[str]:
 
 def test_an_answer_that_is_not_json_is_bad_json(pki: Pki) -> None:
     with not_an_agent(pki) as target:
-        proc = fleetd("query", "SELECT 1 AS one", "--nodes", target, *tls_args(pki),
+        proc = fleetd("query", "SELECT 1 AS one", "--nodes", target, *pki.client_flags(),
                       "--format", "json")
     assert proc.returncode == 4, proc.stderr
     w = _warning(proc)

@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 import perfetto_check
 import pytest
-from agents import Agent, Pki, agent, make_pki
+from agents import Agent, Pki, agent
 from synth import MAIN, cpu_hog
 
 from fleetd.export.fleet import LINE_WARNINGS, _events
@@ -47,12 +47,6 @@ def fleetd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]
     env = {k: v for k, v in os.environ.items() if k != "FLEETD_DB"}
     return subprocess.run([FLEETD, *args], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=timeout)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki") / "certs", [*NODES, "gpu-04", "gpu-05"],
-                    ["laptop"])
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +72,6 @@ def fleet(pki: Pki, dbs: dict[str, Path]) -> Iterator[list[Agent]]:
                for node, db in dbs.items()]
 
 
-def tls_args(pki: Pki) -> list[str]:
-    cert, key = pki.pair("laptop")
-    return ["--ca-cert", str(pki.ca), "--client-cert", str(cert), "--client-key", str(key)]
-
-
 def nodes_arg(agents: list[Agent], *extra: str) -> str:
     return ",".join([*(a.url.removeprefix("https://") for a in agents), *extra])
 
@@ -95,7 +84,7 @@ def dead_address() -> str:
 
 def export(pki: Pki, nodes: str, out: Path, *extra: str,
            code: int = 0) -> tuple[dict[str, Any], perfetto_check.TraceSummary, str]:
-    proc = fleetd("export", "--nodes", nodes, *tls_args(pki), "-o", str(out), *extra)
+    proc = fleetd("export", "--nodes", nodes, *pki.client_flags(), "-o", str(out), *extra)
     assert proc.returncode == code, proc.stderr
     assert "Traceback" not in proc.stderr
     trace = perfetto_check.load(out)
@@ -313,7 +302,7 @@ def test_the_spool_reader_skips_what_is_not_an_event(tmp_path: Path) -> None:
 
 def test_no_node_answering_is_an_error_and_no_file(pki: Pki, tmp_path: Path) -> None:
     out = tmp_path / "none.json"
-    proc = fleetd("export", "--nodes", f"{dead_address()},{dead_address()}", *tls_args(pki),
+    proc = fleetd("export", "--nodes", f"{dead_address()},{dead_address()}", *pki.client_flags(),
                   "-o", str(out))
     assert proc.returncode == 4 and "Traceback" not in proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("fleetd: error:")]
@@ -334,7 +323,7 @@ def test_no_node_answering_is_an_error_and_no_file(pki: Pki, tmp_path: Path) -> 
 ])
 def test_bad_flags_are_one_line_errors(pki: Pki, tmp_path: Path, args: list[str],
                                        needle: str) -> None:
-    proc = fleetd("export", "--nodes", dead_address(), *tls_args(pki), "-o",
+    proc = fleetd("export", "--nodes", dead_address(), *pki.client_flags(), "-o",
                   str(tmp_path / "x.json"), *args)
     assert_one_line_error(proc, needle)
     assert list(tmp_path.iterdir()) == []
@@ -343,14 +332,14 @@ def test_bad_flags_are_one_line_errors(pki: Pki, tmp_path: Path, args: list[str]
 def test_mixed_sources_and_bad_addresses_are_one_line_errors(pki: Pki, tmp_path: Path) -> None:
     out = str(tmp_path / "x.json")
     assert_one_line_error(fleetd("export", "--db", "x.db", "--nodes", "127.0.0.1:1",
-                                 *tls_args(pki), "-o", out), "--db")
-    assert_one_line_error(fleetd("export", "--nodes", "nohost", *tls_args(pki), "-o", out),
+                                 *pki.client_flags(), "-o", out), "--db")
+    assert_one_line_error(fleetd("export", "--nodes", "nohost", *pki.client_flags(), "-o", out),
                           "'nohost'")
     assert_one_line_error(fleetd("export", "--db", "x.db", "--ca-cert", str(pki.ca), "-o",
                                  out), "--ca-cert")
     assert_one_line_error(fleetd("export", "--nodes", "127.0.0.1:1", "-o", out),
                           "fleet CA")
-    assert_one_line_error(fleetd("export", "--nodes", "127.0.0.1:1", *tls_args(pki), "-o",
+    assert_one_line_error(fleetd("export", "--nodes", "127.0.0.1:1", *pki.client_flags(), "-o",
                                  str(tmp_path / "no" / "x.json")), "does not exist")
 
 

@@ -10,27 +10,20 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from pathlib import Path
 
 import pytest
-from agents import Agent, Pki, agent, make_pki, stand_in_node
+from agents import Agent, Pki, serving, stand_in_node
 from aiohttp import web
 
-from conftest import FLEETD, REPO, build_db
+from conftest import FLEETD, REPO
 
 Handler = Callable[[web.Request], object]
 EVIL_NAME = "\x1b]0;pwned\x07evil\nnode-1: forged line\x1b[2J"
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01", "hostile"], ["laptop"])
-
-
-@pytest.fixture(scope="module")
 def good(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Agent]:
-    db = build_db(tmp_path_factory.mktemp("good") / "gpu-01.db", "gpu-01", 50)
-    with agent(db, "gpu-01", pki, "--no-trace") as a:
+    with serving(tmp_path_factory.mktemp("good"), "gpu-01", pki, 50) as a:
         yield a
 
 
@@ -189,9 +182,8 @@ def test_a_broken_ndjson_stream_fails_only_its_node(pki: Pki, good: Agent, handl
     assert took < 15 and peak < 400, (took, peak)
 
 
-def test_certs_issues_node_and_client_kinds_distinctly(tmp_path: Path) -> None:
-    # `fleetd certs` issues the two kinds distinctly: the role is in the subject.
-    pki = make_pki(tmp_path / "c", ["n1"], ["c1"])
+def test_certs_issues_node_and_client_kinds_distinctly(pki: Pki) -> None:
+    # The fleet CA issues the two kinds distinctly: the role is in the subject.
     from cryptography import x509
     from cryptography.hazmat.primitives.serialization import Encoding
 
@@ -201,4 +193,4 @@ def test_certs_issues_node_and_client_kinds_distinctly(tmp_path: Path) -> None:
         cert = x509.load_pem_x509_certificate(pki.pair(name)[0].read_bytes())
         return peer_role(cert.public_bytes(Encoding.DER)).role
 
-    assert role("n1") == ROLE_NODE and role("c1") == ROLE_CLIENT
+    assert role("n1") == ROLE_NODE and role("laptop") == ROLE_CLIENT

@@ -19,7 +19,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, request
+from agents import Agent, Pki, agent, client_ssl, request
 
 from fleetd.store.schema import migrate
 from fleetd.wire import paths
@@ -50,11 +50,6 @@ def _copy(dst: Path, node: str) -> Path:
     finally:
         conn.close()
     return dst
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki") / "certs", NODES, ["laptop"])
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 
 import pytest
-from agents import Agent, Pki, agent, make_pki, stand_in_node
+from agents import Agent, Pki, RawListener, agent, stand_in_node
 from aiohttp import web
 
 from conftest import FLEETD, REPO, build_db
@@ -24,34 +23,9 @@ SECRET_SQL = "SELECT 'the-body-must-stay-home' AS marker"
 TOKEN = "a-bearer-token-that-must-stay-home-0123"
 
 
-class Recorder:
-    """A plain TCP listener that keeps every byte any connection sends it."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.connections = 0
-        self.received = b""
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.connections += 1
-            conn.settimeout(2)
-            try:
-                while piece := conn.recv(65536):
-                    self.received += piece
-                    if b"\r\n\r\n" in self.received:  # answer like a web server would
-                        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                                     b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
-                        break
-            except OSError:
-                pass
-            conn.close()
+# A web server that is not a node: keeps every byte any connection sends it.
+HTTP_OK = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+           b"Connection: close\r\n\r\n{}")
 
 
 def redirecting_node(pki: Pki, to: str) -> AbstractContextManager[str]:
@@ -63,18 +37,12 @@ def redirecting_node(pki: Pki, to: str) -> AbstractContextManager[str]:
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01", "relay", "hostile"],
-                    ["laptop"])
-
-
-@pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[dict[str, object]]:
     d = tmp_path_factory.mktemp("redirects")
     token = d / "token"
     token.write_text(TOKEN + "\n")
     token.chmod(0o600)
-    recorder = Recorder()
+    recorder = RawListener(answer=HTTP_OK)
     with redirecting_node(pki, f"http://{recorder.address}") as evil:
         (d / "relay.yaml").write_text(
             f"relay:\n  enabled: true\n  peers: [evil={evil}]\n"
@@ -101,13 +69,13 @@ def _fleetd(pki: Pki, bed: dict[str, object], *args: str) -> subprocess.Complete
 
 
 def _nothing_reached(recorder: object) -> None:
-    assert isinstance(recorder, Recorder)
+    assert isinstance(recorder, RawListener)
     assert recorder.connections == 0 and recorder.received == b"", recorder.received[:300]
 
 
 def _redirect_named(text: str, bed: dict[str, object]) -> None:
     recorder = bed["recorder"]
-    assert isinstance(recorder, Recorder)
+    assert isinstance(recorder, RawListener)
     assert f"node answered a redirect to http://{recorder.address}/api/v1/" in text, text
     assert "not followed" in text, text
 
@@ -152,7 +120,7 @@ def test_the_client_would_have_been_heard(bed: dict[str, object]) -> None:
     """The listener does record: a plain request reaches it (so 'nothing reached' above
     is a finding, not a deaf listener)."""
     recorder = bed["recorder"]
-    assert isinstance(recorder, Recorder)
+    assert isinstance(recorder, RawListener)
     host, port = recorder.address.split(":")
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(b"GET /probe HTTP/1.1\r\nHost: x\r\n\r\n")

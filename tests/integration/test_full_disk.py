@@ -78,37 +78,33 @@ def wait_for(what: str, cond: object, timeout: float = 30) -> None:
 
 
 def test_full_disk_drops_counted_queries_answered_writing_resumes(tmp_path: Path) -> None:
-    wl = stamped.start(tmp_path / "stamps.bin", 2000, 300)
-    try:
-        with small_tmpfs(tmp_path / "small") as mnt:
-            db = mnt / "node.db"
-            with agent(db, "gpu-01", None, "--plain-http", "--pid", str(wl.pid), "--sample",
-                       "1", "--no-host", "--cpu-sample-hz", "0") as a:
-                wait_for("events stored", lambda: count(a.url) > 1000)
-                filler = mnt / "filler"
-                filled = fill(filler)
-                wait_for("the disk-full gauge", lambda: metrics(a.url)["disk_full"] == 1)
-                during = []
-                for _ in range(8):  # queries answered while full, from what it has
-                    during.append(count(a.url))
-                    time.sleep(0.5)
-                full = metrics(a.url)
-                health = request(a.url, None)[1]
-                filler.unlink()
-                wait_for("writing to resume", lambda: metrics(a.url)["disk_full"] == 0)
-                resumed = metrics(a.url)
-                wait_for("new events written", lambda: metrics(a.url)["events_written_total"]
-                         > resumed["events_written_total"] + 2000)
-                after = metrics(a.url)
-                a.proc.send_signal(signal.SIGTERM)
-                assert a.proc.wait(60) == 0
-                text = a.log.read_text()
-            check = subprocess.run([FLEETD, "check", "--only", "db", "--db", str(db),
-                                    "--format", "json"], capture_output=True, text=True,
-                                   timeout=120)
-    finally:
-        wl.send_signal(signal.SIGTERM)
-        wl.wait(30)
+    with stamped.running(tmp_path / "stamps.bin", 2000, 300) as wl, \
+            small_tmpfs(tmp_path / "small") as mnt:
+        db = mnt / "node.db"
+        with agent(db, "gpu-01", None, "--plain-http", "--pid", str(wl.pid), "--sample",
+                   "1", "--no-host", "--cpu-sample-hz", "0") as a:
+            wait_for("events stored", lambda: count(a.url) > 1000)
+            filler = mnt / "filler"
+            filled = fill(filler)
+            wait_for("the disk-full gauge", lambda: metrics(a.url)["disk_full"] == 1)
+            during = []
+            for _ in range(8):  # queries answered while full, from what it has
+                during.append(count(a.url))
+                time.sleep(0.5)
+            full = metrics(a.url)
+            health = request(a.url, None)[1]
+            filler.unlink()
+            wait_for("writing to resume", lambda: metrics(a.url)["disk_full"] == 0)
+            resumed = metrics(a.url)
+            wait_for("new events written", lambda: metrics(a.url)["events_written_total"]
+                     > resumed["events_written_total"] + 2000)
+            after = metrics(a.url)
+            a.proc.send_signal(signal.SIGTERM)
+            assert a.proc.wait(60) == 0
+            text = a.log.read_text()
+        check = subprocess.run([FLEETD, "check", "--only", "db", "--db", str(db),
+                                "--format", "json"], capture_output=True, text=True,
+                               timeout=120)
     print("\n".join(ln for ln in text.splitlines() if "prun" in ln or "disk" in ln))
     print(f"\nfiller {filled} bytes; while full: counts {during}, metrics {full}; "
           f"after: {after}")

@@ -14,16 +14,13 @@ import json
 import socket
 import subprocess
 import tempfile
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki
-from aiohttp import web
+from agents import Agent, AnsweringNode, Pki, agent, answering_node, client_ssl
 from mcp import Client
 
 from fleetd.cli.main import main
@@ -32,7 +29,6 @@ from fleetd.fleet.fanout import FleetOptions
 from fleetd.fleet.targets import parse_nodes
 from fleetd.mcp.fleet import FleetBackend
 from fleetd.mcp.server import build_server
-from fleetd.security import tls
 
 from conftest import FLEETD
 
@@ -46,10 +42,9 @@ FIGURES = ("pid", "rank", "device", "window_ns", "idle_ns", "idle_pct", "compute
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pki, dict[str, Path],
-                                                                     list[Agent]]]:
+def setup(tmp_path_factory: pytest.TempPathFactory,
+          pki: Pki) -> Iterator[tuple[Pki, dict[str, Path], list[Agent]]]:
     d = tmp_path_factory.mktemp("gpufleet")
-    pki = make_pki(d / "certs", [*RANKS, "liar"], ["laptop"])
     dbs = {}
     for node, src in RANKS.items():
         dbs[node] = d / f"{node}.db"
@@ -59,62 +54,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pki, dict[
                          for node, db in dbs.items()]
 
 
-class Liar:
-    """An HTTPS server with a valid node certificate whose /api/v1/gpu answer is set by
-    the test; /api/v1/health and /api/v1/time answer as an agent's would."""
-
-    def __init__(self, pki: Pki) -> None:
-        self.answer: Any = {}
-        cert, key = pki.pair("liar")
-        self.ssl = tls.server_context(cert, key, None)
-        self.loop = asyncio.new_event_loop()
-        self.address = ""
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-        assert self.ready.wait(10)
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        async def health(_: web.Request) -> web.Response:
-            return web.json_response({"status": "ok", "node": "liar", "version": "0",
-                                      "schema_version": 2})
-
-        async def clock(_: web.Request) -> web.Response:
-            now = time.time_ns()
-            return web.json_response({"node": "liar", "t1_ns": now, "t2_ns": now})
-
-        async def gpu(_: web.Request) -> web.Response:
-            return web.json_response(self.answer)
-
-        app = web.Application()
-        app.router.add_get("/api/v1/health", health)
-        app.router.add_get("/api/v1/time", clock)
-        app.router.add_get("/api/v1/gpu", gpu)
-        runner = web.AppRunner(app)
-        self.loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=self.ssl)
-        self.loop.run_until_complete(site.start())
-        port = runner.addresses[0][1]
-        self.address = f"127.0.0.1:{port}"
-        self.ready.set()
-        self.loop.run_forever()
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture(scope="module")
-def liar(setup: Any) -> Iterator[Liar]:
-    server = Liar(setup[0])
-    yield server
-    server.close()
-
-
-def tls_args(pki: Pki) -> list[str]:
-    cert, key = pki.pair("laptop")
-    return ["--ca-cert", str(pki.ca), "--client-cert", str(cert), "--client-key", str(key)]
+def liar(setup: Any) -> Iterator[AnsweringNode]:
+    """A node with a valid certificate whose /api/v1/gpu answer is set by the test."""
+    with answering_node(setup[0], "liar") as server:
+        yield server
 
 
 def nodes(agents: list[Agent], *extra: str) -> str:
@@ -125,7 +69,7 @@ def fleet_gpu(pki: Pki, node_list: str, *extra: str) -> subprocess.CompletedProc
     # stdout goes to a file, not a pipe: after a uvloop run, a large write to a pipe whose
     # reader lags can come back short (seen with every fleet command; reported).
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.run([FLEETD, "gpu", "--nodes", node_list, *tls_args(pki),
+        proc = subprocess.run([FLEETD, "gpu", "--nodes", node_list, *pki.client_flags(),
                                "--timeout", "10", *extra], stdout=out, stderr=subprocess.PIPE,
                               text=True, timeout=120)
         out.seek(0)
@@ -230,14 +174,14 @@ GARBAGE: list[tuple[str, Any]] = [
 
 
 @pytest.mark.parametrize(("what", "garbage"), GARBAGE, ids=[g[0] for g in GARBAGE])
-def test_a_node_answering_garbage_is_bounded(setup: Any, liar: Liar, what: str,
+def test_a_node_answering_garbage_is_bounded(setup: Any, liar: AnsweringNode, what: str,
                                              garbage: Any,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     pki, _, agents = setup
     if isinstance(garbage, dict) and "ranks" not in garbage:
         rank = {**_good_rank(setup, capsys), **garbage}
         garbage = {"node": "liar", "ranks": [rank], "kernels": [], "warnings": []}
-    liar.answer = garbage
+    liar.answers = {"/api/v1/gpu": garbage}
     for fmt in ("json", "table"):
         proc = fleet_gpu(pki, nodes(agents, liar.address), "--format", fmt)
         assert proc.returncode == EXIT_PARTIAL, (what, proc.stderr)
@@ -249,13 +193,14 @@ def test_a_node_answering_garbage_is_bounded(setup: Any, liar: Liar, what: str,
             assert [w["kind"] for w in got["warnings"]] == ["bad_json"], what
 
 
-def test_control_characters_from_a_node_are_cleaned(setup: Any, liar: Liar,
+def test_control_characters_from_a_node_are_cleaned(setup: Any, liar: AnsweringNode,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     pki, _, agents = setup
     rank = _good_rank(setup, capsys)
-    liar.answer = {"node": "liar", "ranks": [dict(rank, pid=99)], "warnings": [],
-                   "kernels": [{"name": "evil\x1b[2J\x07kernel", "count": 1, "total_ns": 5,
-                                "mean_ns": 5, "p50_ns": 5, "p99_ns": 5, "share_pct": 100}]}
+    liar.answers = {"/api/v1/gpu": {
+        "node": "liar", "ranks": [dict(rank, pid=99)], "warnings": [],
+        "kernels": [{"name": "evil\x1b[2J\x07kernel", "count": 1, "total_ns": 5, "mean_ns": 5,
+                     "p50_ns": 5, "p99_ns": 5, "share_pct": 100}]}}
     proc = fleet_gpu(pki, nodes(agents, liar.address), "--format", "json")
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)

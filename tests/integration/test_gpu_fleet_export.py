@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 import perfetto_check
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki
+from agents import Agent, Pki, agent, client_ssl
 
 from fleetd.export import pull
 from fleetd.export.fleet import (
@@ -65,12 +65,6 @@ def fleetd(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki") / "certs",
-                    [*SOURCES, "gpu-03", "gpu-04"], ["laptop"])
-
-
-@pytest.fixture(scope="module")
 def dbs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("dbs")
     out = {}
@@ -88,18 +82,13 @@ def fleet(pki: Pki, dbs: dict[str, Path]) -> Iterator[list[Agent]]:
                for node, db in dbs.items()]
 
 
-def tls_args(pki: Pki) -> list[str]:
-    cert, key = pki.pair("laptop")
-    return ["--ca-cert", str(pki.ca), "--client-cert", str(cert), "--client-key", str(key)]
-
-
 def address(a: Agent) -> str:
     return a.url.removeprefix("https://")
 
 
 def live(pki: Pki, agents: list[Agent], out: Path, *extra: str
          ) -> tuple[dict[str, Any], perfetto_check.TraceSummary, str]:
-    proc = fleetd("export", "--nodes", ",".join(address(a) for a in agents), *tls_args(pki),
+    proc = fleetd("export", "--nodes", ",".join(address(a) for a in agents), *pki.client_flags(),
                   "-o", str(out), *extra)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr

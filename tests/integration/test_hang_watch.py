@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, request
+from agents import Agent, Pki, agent, client_ssl, request
 from webhook_receiver import receiver
 
 from conftest import FLEETD, REPO, build_db
@@ -45,18 +45,8 @@ def tracing(test: F) -> F:
     return pytest.mark.bpf(pytest.mark.slow(marked))  # type: ignore[no-any-return]
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), ["n1"], ["laptop", "desk"])
-
-
-def tls_args(pki: Pki) -> list[str]:
-    cert, key = pki.pair("laptop")
-    return ["--ca-cert", str(pki.ca), "--client-cert", str(cert), "--client-key", str(key)]
-
-
 def watch(pki: Pki, nodes: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([FLEETD, "watch", "--nodes", nodes, *tls_args(pki), *args],
+    return subprocess.Popen([FLEETD, "watch", "--nodes", nodes, *pki.client_flags(), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -196,7 +186,7 @@ def _stopped(job: Job, pki: Pki) -> dict[str, Any]:
     assert f"rank 2 (n1 pid {job.pids[2]}, stopped" in h["summary"]
     # The table names the same, and the gauge of /metrics shows the wait.
     once = subprocess.run([FLEETD, "watch", "--nodes", address(job.agent),
-                           *tls_args(pki), "--hang-after", "10s", "--once"],
+                           *pki.client_flags(), "--hang-after", "10s", "--once"],
                           capture_output=True, text=True, timeout=60)
     assert once.returncode == 6 and "stopped" in once.stdout
     assert str(job.pids[2]) in once.stdout and f"collective {h['seq']}" in once.stdout
@@ -241,7 +231,7 @@ def _notified_then_recovered(job: Job, pki: Pki, tmp: Path) -> dict[str, Any]:
 
     def hung() -> bool:
         nonlocal verdict
-        r = subprocess.run([FLEETD, "watch", "--nodes", address(job.agent), *tls_args(pki),
+        r = subprocess.run([FLEETD, "watch", "--nodes", address(job.agent), *pki.client_flags(),
                             "--hang-after", "3s", "--once", "--format", "json"],
                            capture_output=True, text=True, timeout=60)
         verdict = json.loads(r.stdout)
@@ -254,7 +244,7 @@ def _exited(job: Job, pki: Pki, before: dict[str, Any]) -> None:
     """The stopped rank killed: the same hang, its culprit now named exited."""
     os.kill(job.pids[2], signal.SIGKILL)
     _wait(lambda: _state_of(job, pki, job.pids[2]) == "exited", "rank 2 seen exited", 20)
-    once = subprocess.run([FLEETD, "watch", "--nodes", address(job.agent), *tls_args(pki),
+    once = subprocess.run([FLEETD, "watch", "--nodes", address(job.agent), *pki.client_flags(),
                            "--hang-after", "10s", "--once", "--format", "json"],
                           capture_output=True, text=True, timeout=60)
     assert once.returncode == 6, once.stderr

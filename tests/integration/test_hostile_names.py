@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from recorder import wait_for_libcudart
+from recorder import running, trace_for
 
 from conftest import FLEETD, REPO
 
@@ -111,33 +111,6 @@ def pod_cgroup() -> Iterator[Path]:
             d.rmdir()
 
 
-def start(group: Path, argv: list[str], cpu: int, env: dict[str, str]
-          ) -> subprocess.Popen[str]:
-    def enter() -> None:
-        os.sched_setaffinity(0, {cpu})
-        (group / "cgroup.procs").write_text(str(os.getpid()))
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=enter)
-
-
-def trace(pid: int, db: Path, go: Path) -> str:
-    """``fleetd -v trace`` with stacks and on-CPU samples, 5 s; its stderr."""
-    tr = subprocess.Popen([FLEETD, "-v", "trace", "--pid", str(pid), "--db", str(db),
-                           "--duration", "5s", "--stacks", "--stack-sample", "5",
-                           "--cpu-sample-hz", "99"],
-                          stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    assert tr.stderr is not None
-    seen = []
-    for line in tr.stderr:
-        seen.append(line)
-        if line.startswith("fleetd: tracing"):
-            go.touch()
-            break
-    _, err = tr.communicate(timeout=180)
-    assert tr.returncode == 0, "".join(seen) + err
-    return "".join(seen) + err
-
-
 def harmless(text: str) -> str:
     return RAW_JSON.sub("_", RAW.sub("_", text.replace("\n", "_")))
 
@@ -172,15 +145,12 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Recorded:
     shutil.copyfile(find_cudart(), lib)
     with pod_cgroup() as group:
         env = {**os.environ, "HOSTNAME": H.HOSTNAME}
-        wl = start(group, [sys.executable, str(REPO / "tests/workloads/hostile_names.py"),
-                           H.ARG, "--cudart", str(lib), "--duration", "40", "--go-file",
-                           str(go), *STEP], sorted(os.sched_getaffinity(0))[0], env)
-        try:
-            wait_for_libcudart(wl.pid)
-            err = trace(wl.pid, db, go)
-        finally:
-            wl.kill()
-            wl.wait(30)
+        with running([sys.executable, str(REPO / "tests/workloads/hostile_names.py"), H.ARG,
+                      "--cudart", str(lib), "--duration", "40", "--go-file", str(go), *STEP],
+                     sorted(os.sched_getaffinity(0))[0], groups=[group], env=env) as wl:
+            # -v: the tracer logs the library it attached to (test_the_tracer_log_...).
+            err = trace_for(wl.pid, db, go, "5s", "--stacks", "--stack-sample", "5",
+                            "--cpu-sample-hz", "99", verbose=True)
     copy = tmp / "harmless.db"
     harmless_copy(db, copy)
     return Recorded(db, copy, wl.pid, err)

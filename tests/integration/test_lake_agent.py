@@ -18,13 +18,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from agents import agent
+from workload_run import running_workload
 
 from fleetd.store.db import open_reader
 from fleetd.store.lake import lake_files
 from fleetd.store.lakesql import LakeDB
 from fleetd.store.writer import BatchWriter
 
-from conftest import running_workload, synthetic_events
+from conftest import synthetic_events
 
 
 def _segments(root: Path) -> list[Path]:

@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from agents import Agent, Pki, agent, make_pki
+from agents import Agent, Pki, agent
 
 from fleetd.store.db import open_reader
 from fleetd.store.lakesql import LakeDB
@@ -22,11 +22,6 @@ from conftest import FLEETD, REPO
 
 NODES = ["node-1", "node-2", "node-3"]
 TABLES = ("events", "sessions", "processes", "threads")
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki") / "certs", NODES, ["laptop"])
 
 
 @pytest.fixture(scope="module")

@@ -25,17 +25,18 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from recorder import running
 from test_trace import _bpf_ready  # the same requirements as the tracer's own tests
+from workload_run import trace_in_process
 
 from fleetd.store.catalog import BY_NAME
 
-from conftest import REPO, trace_in_process
+from conftest import REPO
 
 _WHY = _bpf_ready()
 pytestmark = [pytest.mark.bpf, pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
@@ -74,10 +75,9 @@ print(json.dumps({"launches": n, "returns": {k: dict(v) for k, v in rets.items()
 
 def _run(tmp: Path, name: str, **cfg: Any) -> tuple[dict[str, Any], Any, Path]:
     go, db = tmp / f"{name}.go", tmp / f"{name}.db"
-    wl = subprocess.Popen([sys.executable, "-c", LOOP, str(REPO / "tests" / "workloads"),
-                           str(go), str(BATCHES), str(PER_BATCH), str(EVERY)],
-                          stdout=subprocess.PIPE, text=True)
-    made, summary = trace_in_process(wl, db, f"launch-{name}", go, **cfg)
+    with running([sys.executable, "-c", LOOP, str(REPO / "tests" / "workloads"), str(go),
+                  str(BATCHES), str(PER_BATCH), str(EVERY)]) as wl:
+        made, summary = trace_in_process(wl, db, f"launch-{name}", go, **cfg)
     return made, summary, db
 
 

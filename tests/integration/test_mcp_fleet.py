@@ -27,7 +27,7 @@ from typing import Any
 import httpx2
 import perfetto_check
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki
+from agents import Agent, Pki, agent, client_ssl
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult
@@ -50,12 +50,6 @@ HTTP_RE = re.compile(r"listening on (https://127\.0\.0\.1:\d+/mcp)")
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki") / "certs", ["gpu-01", "gpu-02", "mcp"],
-                    ["laptop"])
-
-
-@pytest.fixture(scope="module")
 def dbs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("dbs")
     return {"gpu-01": build("cpu_hog", d / "gpu-01.db", "gpu-01"),
@@ -71,11 +65,6 @@ def fleet(pki: Pki, dbs: dict[str, Path]) -> Iterator[list[Agent]]:
 
 def nodes_arg(agents: list[Agent], *extra: str) -> str:
     return ",".join([*(a.url.removeprefix("https://") for a in agents), *extra])
-
-
-def tls_args(pki: Pki) -> list[str]:
-    cert, key = pki.pair("laptop")
-    return ["--ca-cert", str(pki.ca), "--client-cert", str(cert), "--client-key", str(key)]
 
 
 def fleet_server(pki: Pki, nodes: str, export_dir: Path | None = None) -> Any:
@@ -308,7 +297,7 @@ def test_stdio_database_mode(dbs: dict[str, Path], tmp_path: Path) -> None:
 
 def test_stdio_fleet_mode(pki: Pki, fleet: list[Agent]) -> None:
     async def go() -> CallToolResult:
-        async with Client(stdio("--nodes", nodes_arg(fleet), *tls_args(pki)),
+        async with Client(stdio("--nodes", nodes_arg(fleet), *pki.client_flags()),
                           mode="legacy") as client:
             return await client.call_tool("query_fleet", {"action": "chains", "top_n": 1})
 
@@ -420,7 +409,7 @@ def test_cli_refuses_db_with_nodes_and_a_missing_db(pki: Pki, dbs: dict[str, Pat
                                                     capsys: pytest.CaptureFixture[str]
                                                     ) -> None:
     assert main(["mcp", "--db", str(dbs["gpu-02"]), "--nodes", "127.0.0.1:1",
-                 *tls_args(pki)]) == 2
+                 *pki.client_flags()]) == 2
     assert "--db reads a local database" in capsys.readouterr().err
     assert main(["mcp", "--db", "/nonexistent.db"]) == 2
     assert "does not exist" in capsys.readouterr().err

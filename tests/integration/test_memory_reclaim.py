@@ -27,7 +27,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-from recorder import scratch_cgroup, start_in, trace_for, wait_for_libcudart
+from recorder import running, scratch_cgroup, trace_for
 
 from conftest import FLEETD, REPO
 
@@ -68,14 +68,9 @@ def explain_live(tmp_path: Path, limited: bool) -> dict[str, object]:
             if unified is not None and root != ROOT:
                 groups.append(stack.enter_context(scratch_cgroup(unified, {})))
 
-        wl = start_in(groups, [PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go),
-                               *STEP])
-        try:
-            wait_for_libcudart(wl.pid)
+        with running([PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go), *STEP],
+                     groups=groups) as wl:
             trace_for(wl.pid, db, go, "4s")
-        finally:
-            wl.kill()
-            wl.wait()
     r = subprocess.run([FLEETD, "explain", "--db", str(db), "--format", "json"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -14,15 +14,14 @@ hash of the unique id the ranks were handed.
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import test_trace
 from recorder import StderrLog
 from test_trace import _bpf_ready  # the same requirements as the tracer's own tests
 
@@ -42,16 +41,12 @@ COLLECTIVES = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather",
 NCCL_INVALID_ARGUMENT = 4
 
 
-@dataclass
-class Traced:
-    ranks: dict[int, dict[str, Any]]  # rank -> the workload's summary
-    summary: dict[str, Any]
-    db: Path
-    stderr: str
+class Traced(test_trace.Traced):
+    """test_trace's recording, its workload's summary each rank's (rank -> summary)."""
 
-    def q(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
-        with sqlite3.connect(self.db) as c:
-            return c.execute(sql, params).fetchall()
+    @property
+    def ranks(self) -> dict[int, dict[str, Any]]:
+        return self.workload
 
     def nccl(self, pid: int) -> list[dict[str, Any]]:
         """The process's NCCL events in call order, args decoded."""

@@ -12,9 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, request
-
-from conftest import build_db
+from agents import Agent, Pki, client_ssl, request, serving
 
 NDJSON = {"Accept": "application/x-ndjson"}
 # Rows slowly: one every 20k steps of a counter, so a short time limit ends it mid-way.
@@ -24,14 +22,8 @@ FOREVER = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELEC
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), ["gpu-01"], ["laptop", "other"])
-
-
-@pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Agent]:
-    db = build_db(tmp_path_factory.mktemp("nd") / "gpu-01.db", "gpu-01", 3000)
-    with agent(db, "gpu-01", pki, "--no-trace") as a:
+    with serving(tmp_path_factory.mktemp("nd"), "gpu-01", pki, 3000) as a:
         yield a
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agents import agent, make_pki
+from agents import Pki, agent
 from recorder import wait_for_libcudart
 
 from conftest import FLEETD, REPO
@@ -167,7 +167,7 @@ def test_gc_freeze_and_a_bounded_history_leave_no_gc_pause(tmp_path: Path) -> No
     assert chains(report, "host_cpu_bound") == [], report["chains"]
 
 
-def test_a_python_hot_loop_between_launches_is_host_cpu_bound(tmp_path: Path) -> None:
+def test_a_python_hot_loop_between_launches_is_host_cpu_bound(tmp_path: Path, pki: Pki) -> None:
     db, pid = trace_live(tmp_path, [str(TRAIN), *SPIN], node="oncpu-1")
     report = explain(db)
     [ch] = chains(report, "host_cpu_bound")
@@ -190,7 +190,6 @@ def test_a_python_hot_loop_between_launches_is_host_cpu_bound(tmp_path: Path) ->
     table = fleetd("profile", "--db", str(db), "--pid", str(pid))
     assert "Workload._cpu (train_loop.py:" in table
     # The same profile from the node's agent (GET /api/v1/cpu_stacks, over mTLS).
-    pki = make_pki(tmp_path / "pki", ["oncpu-1"], ["laptop"])
     cert, key = pki.pair("laptop")
     with agent(db, "oncpu-1", pki, "--no-trace") as a:
         got = fleetd("profile", "--nodes", "oncpu-1=" + a.url.removeprefix("https://"),

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from recorder import start_in, trace_for, wait_for_libcudart
+from recorder import running, trace_for
 
 from conftest import FLEETD, REPO
 
@@ -84,15 +84,10 @@ def _fleetd(*argv: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
 def test_the_pod_behind_the_process(tmp_path: Path) -> None:
     uid, cid = str(uuid.uuid4()), uuid.uuid4().hex + uuid.uuid4().hex
     go, db = tmp_path / "go", tmp_path / "t.db"
-    with fake_pod(uid, cid) as group:
-        wl = start_in([group], [PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go),
-                                *STEP], cpu=0)
-        try:
-            wait_for_libcudart(wl.pid)
-            trace_for(wl.pid, db, go, "4s")
-        finally:
-            wl.kill()
-            wl.wait()
+    with fake_pod(uid, cid) as group, running(
+            [PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go), *STEP], cpu=0,
+            groups=[group]) as wl:
+        trace_for(wl.pid, db, go, "4s")
     pid = wl.pid
     # Stored once per process: the query columns.
     got = json.loads(_fleetd("query", "--db", str(db), "--format", "json",

@@ -14,15 +14,16 @@ import glob
 import json
 import os
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from recorder import running
 from test_trace import _bpf_ready
+from workload_run import trace_in_process
 
-from conftest import REPO, trace_in_process, wait_for_libcudart
+from conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "workloads"))
 from train_loop import find_cudart  # noqa: E402
@@ -98,17 +99,10 @@ def _trace(exe: str, tmp: Path) -> tuple[Path, dict[str, Any], Any, str]:
 
     script, go, db = tmp / "nested.py", tmp / "go", tmp / "py.db"
     script.write_text(SCRIPT)
-    wl = subprocess.Popen([exe, str(script), find_cudart(), str(go)],
-                          stdout=subprocess.PIPE, text=True)
-    try:
-        wait_for_libcudart(wl.pid)
+    with running([exe, str(script), find_cudart(), str(go)]) as wl:
         interp = pyframes.find_interpreter(wl.pid)
         assert interp is not None and interp.layout is not None, interp
-    except BaseException:
-        wl.kill()
-        wl.wait()
-        raise
-    made, summary = trace_in_process(wl, db, "py-node", go, sample=1, stack_sample=1)
+        made, summary = trace_in_process(wl, db, "py-node", go, sample=1, stack_sample=1)
     return db, made, summary, interp.layout.source
 
 

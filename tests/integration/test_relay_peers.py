@@ -11,45 +11,22 @@ client learns nothing about ports.
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, request
+from agents import Agent, Pki, RawListener, agent, client_ssl, request
 
 from conftest import FLEETD, build_db
 
 INNER = {"method": "POST", "path": "/api/v1/query", "body": {"sql": "SELECT count(*) FROM events"}}
 
 
-class Listener:
-    """A TCP listener that counts connections and greets like an SSH server."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.accepted = 0
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            with contextlib.suppress(OSError):
-                conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
-            conn.close()
-
-    def close(self) -> None:
-        self.sock.close()
+SSH_GREETING = b"SSH-2.0-OpenSSH_9.2\r\n"  # a listener that is not a node
 
 
 def _free_address() -> str:
@@ -58,14 +35,9 @@ def _free_address() -> str:
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), ["relay", "peer"], ["laptop"])
-
-
-@pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[dict[str, Any]]:
     d = tmp_path_factory.mktemp("relay-peers")
-    unlisted, listed_plain = Listener(), Listener()
+    unlisted, listed_plain = RawListener(SSH_GREETING), RawListener(SSH_GREETING)
     dead = _free_address()
     (d / "peer.yaml").write_text("tls:\n  relay_nodes: [relay]\n")
     with agent(build_db(d / "peer.db", "peer", 120), "peer", pki, "--no-trace",
@@ -92,7 +64,7 @@ def _relay(relay: Agent, pki: Pki, targets: list[dict[str, str]]) -> list[dict[s
 
 def test_an_unlisted_address_is_refused_and_never_contacted(bed: dict[str, Any],
                                                              pki: Pki) -> None:
-    unlisted: Listener = bed["unlisted"]
+    unlisted: RawListener = bed["unlisted"]
     started = time.monotonic()
     (entry,) = _relay(bed["relay"], pki, [{"name": "x", "address": unlisted.address}])
     assert time.monotonic() - started < 5
@@ -103,7 +75,7 @@ def test_an_unlisted_address_is_refused_and_never_contacted(bed: dict[str, Any],
     (named,) = _relay(bed["relay"], pki, [{"name": "peer", "address": unlisted.address}])
     assert named["failure"] is None and named["replies"][0]["rows"] == [[120]]
     time.sleep(0.2)  # a connection the relay made would have been accepted by now
-    assert unlisted.accepted == 0
+    assert unlisted.connections == 0
     log = bed["relay"].log.read_text()
     assert "not forwarding to x: relay.peers does not list it" in log, log
 
@@ -115,10 +87,10 @@ def test_a_listed_peer_by_address_answers(bed: dict[str, Any], pki: Pki) -> None
 
 def test_failures_of_listed_peers_say_nothing_about_ports(bed: dict[str, Any],
                                                           pki: Pki) -> None:
-    plain: Listener = bed["plain"]
+    plain: RawListener = bed["plain"]
     entries = _relay(bed["relay"], pki, [{"name": "dead", "address": bed["dead"]},
                                          {"name": "plain", "address": plain.address}])
-    assert plain.accepted >= 1  # listed: the relay did try it
+    assert plain.connections >= 1  # listed: the relay did try it
     failures = {e["name"]: e["failure"] for e in entries}
     # Refused and "does not speak TLS" before: now the same kind and the same words.
     assert {f["kind"] for f in failures.values()} == {"unreachable"}

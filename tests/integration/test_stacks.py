@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from recorder import running
 from test_trace import _bpf_ready  # the same requirements as the tracer's own tests
+from workload_run import trace_in_process
 
-from conftest import FLEETD, REPO, trace_in_process
+from conftest import FLEETD, REPO
 
 WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
 PY = sys.executable
@@ -54,9 +56,8 @@ def _kernel_lib(tmp: Path) -> Path:
 
 def _trace(tmp: Path, wl_args: list[str], **cfg: Any) -> tuple[Path, dict[str, Any], Any]:
     go, db = tmp / "go", tmp / "stacks.db"
-    wl = subprocess.Popen([PY, str(WORKLOAD), "--go-file", str(go), *wl_args],
-                          stdout=subprocess.PIPE, text=True)
-    made, summary = trace_in_process(wl, db, "stack-node", go, **cfg)
+    with running([PY, str(WORKLOAD), "--go-file", str(go), *wl_args]) as wl:
+        made, summary = trace_in_process(wl, db, "stack-node", go, **cfg)
     return db, made, summary
 
 

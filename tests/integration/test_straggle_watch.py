@@ -27,7 +27,7 @@ from contextlib import ExitStack, suppress
 from pathlib import Path
 
 import pytest
-from agents import Agent, Pki, agent, client_ssl, make_pki, request
+from agents import Agent, Pki, agent, client_ssl, request
 from test_hang_watch import (
     RANKS,
     WORKLOAD,
@@ -43,11 +43,6 @@ from webhook_receiver import receiver
 from netbed import CpuSlices
 
 QUOTA_CPUS = 0.03
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("pki"), ["n1"], ["laptop"])
 
 
 class Lines:

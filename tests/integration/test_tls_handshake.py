@@ -19,6 +19,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TypeVar
 
+import agents
 import aiohttp
 import pytest
 import trustme
@@ -27,11 +28,12 @@ from aiohttp import web
 from fleetd.security import certs, tls
 
 T = TypeVar("T")
+NODE, CLIENT = "gpu-01", "laptop"  # conftest's pki
 TIMEOUT = 5.0
 
 
 @dataclass(frozen=True)
-class Pki:
+class Bed:
     ca: Path
     node_cert: Path
     node_key: Path
@@ -45,24 +47,23 @@ class Pki:
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    d = tmp_path_factory.mktemp("fleet")
+def bed(pki: agents.Pki, tmp_path_factory: pytest.TempPathFactory) -> Bed:
+    """The fleet's node gpu-01 and client laptop, an expired client of the same CA (in
+    a copy of the fleet's directory), and client mallory of some other CA."""
+    d = pki.copy_to(tmp_path_factory.mktemp("fleet") / "certs").dir
     other = tmp_path_factory.mktemp("other")
-    certs.init_ca(d)
-    certs.issue_node(d, "node1", ["127.0.0.1", "localhost"])
-    certs.issue_client(d, "alice")
     now = datetime.now(UTC)
     certs.issue_client(
         d, "expired", not_before=now - timedelta(days=30), not_after=now - timedelta(minutes=1)
     )
     certs.init_ca(other, name="some other CA")
     certs.issue_client(other, "mallory")
-    return Pki(
+    return Bed(
         ca=d / "ca.pem",
-        node_cert=d / "node1.pem",
-        node_key=d / "node1.key",
-        client_cert=d / "alice.pem",
-        client_key=d / "alice.key",
+        node_cert=d / f"{NODE}.pem",
+        node_key=d / f"{NODE}.key",
+        client_cert=d / f"{CLIENT}.pem",
+        client_key=d / f"{CLIENT}.key",
         expired_cert=d / "expired.pem",
         expired_key=d / "expired.key",
         foreign_cert=other / "mallory.pem",
@@ -138,13 +139,13 @@ def _quiet_asyncio(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.CRITICAL, logger="asyncio")
 
 
-def _mtls_server(pki: Pki) -> ssl.SSLContext:
-    return tls.server_context(pki.node_cert, pki.node_key, client_ca=pki.ca)
+def _mtls_server(bed: Bed) -> ssl.SSLContext:
+    return tls.server_context(bed.node_cert, bed.node_key, client_ca=bed.ca)
 
 
-def _raw_client(pki: Pki, cert: Path | None, key: Path | None) -> ssl.SSLContext:
+def _raw_client(bed: Bed, cert: Path | None, key: Path | None) -> ssl.SSLContext:
     """A plain ssl client context (no fleetd checks), to present what fleetd would refuse."""
-    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    ctx = ssl.create_default_context(cafile=str(bed.ca))
     if cert and key:
         ctx.load_cert_chain(cert, key)
     return ctx
@@ -153,10 +154,10 @@ def _raw_client(pki: Pki, cert: Path | None, key: Path | None) -> ssl.SSLContext
 # --- mTLS -----------------------------------------------------------------------------
 
 
-def test_valid_client_cert_completes_handshake_and_exchanges_bytes(pki: Pki) -> None:
+def test_valid_client_cert_completes_handshake_and_exchanges_bytes(bed: Bed) -> None:
     async def scenario() -> tuple[bytes, EchoServer, str | None]:
-        async with echo_server(_mtls_server(pki)) as srv:
-            client = tls.client_context(pki.ca, pki.client_cert, pki.client_key)
+        async with echo_server(_mtls_server(bed)) as srv:
+            client = tls.client_context(bed.ca, bed.client_cert, bed.client_key)
             reader, writer = await asyncio.open_connection("127.0.0.1", srv.port, ssl=client)
             writer.write(b"ping")
             data = await reader.read(100)
@@ -167,53 +168,53 @@ def test_valid_client_cert_completes_handshake_and_exchanges_bytes(pki: Pki) -> 
     data, srv, version = run(scenario())
     assert data == b"echo:ping"
     assert version == "TLSv1.3"
-    assert srv.peers == ["alice"] and srv.received == [b"ping"]
+    assert srv.peers == [CLIENT] and srv.received == [b"ping"]
 
 
-def test_node_cert_also_works_as_client_cert(pki: Pki) -> None:
+def test_node_cert_also_works_as_client_cert(bed: Bed) -> None:
     async def scenario() -> tuple[bytes, list[str]]:
-        async with echo_server(_mtls_server(pki)) as srv:
-            client = tls.client_context(pki.ca, pki.node_cert, pki.node_key)
+        async with echo_server(_mtls_server(bed)) as srv:
+            client = tls.client_context(bed.ca, bed.node_cert, bed.node_key)
             return await exchange(srv.port, client, "localhost"), srv.peers
 
-    assert run(scenario()) == (b"echo:ping", ["node1"])
+    assert run(scenario()) == (b"echo:ping", [NODE])
 
 
 @pytest.mark.parametrize("case", ["no client cert", "other CA", "expired", "trustme CA"])
-def test_handshake_refused_for_bad_client_certs(pki: Pki, case: str, tmp_path: Path) -> None:
+def test_handshake_refused_for_bad_client_certs(bed: Bed, case: str, tmp_path: Path) -> None:
     if case == "no client cert":
-        client = tls.client_context(pki.ca, None, None)
+        client = tls.client_context(bed.ca, None, None)
     elif case == "other CA":
-        client = tls.client_context(pki.ca, pki.foreign_cert, pki.foreign_key)
+        client = tls.client_context(bed.ca, bed.foreign_cert, bed.foreign_key)
     elif case == "expired":
         # fleetd's client_context refuses expired certs itself; a raw context presents it.
-        client = _raw_client(pki, pki.expired_cert, pki.expired_key)
+        client = _raw_client(bed, bed.expired_cert, bed.expired_key)
     else:
         other = trustme.CA()
         issued = other.issue_cert("mallory.example")
         issued.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "m.pem"))
-        client = _raw_client(pki, tmp_path / "m.pem", tmp_path / "m.pem")
+        client = _raw_client(bed, tmp_path / "m.pem", tmp_path / "m.pem")
 
     async def scenario() -> tuple[str, EchoServer]:
-        async with echo_server(_mtls_server(pki)) as srv:
+        async with echo_server(_mtls_server(bed)) as srv:
             # The control: the same server accepts a good client right before.
-            good = tls.client_context(pki.ca, pki.client_cert, pki.client_key)
+            good = tls.client_context(bed.ca, bed.client_cert, bed.client_key)
             assert await exchange(srv.port, good) == b"echo:ping"
             return await refused(srv.port, client), srv
 
     outcome, srv = run(scenario())
-    assert srv.peers == ["alice"], f"{case}: the refused client reached the handler"
+    assert srv.peers == [CLIENT], f"{case}: the refused client reached the handler"
     assert srv.received == [b"ping"]
     print(f"{case}: {outcome}")  # e.g. SSLError: [SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED]
 
 
-def test_tls12_client_is_refused(pki: Pki) -> None:
-    client = _raw_client(pki, pki.client_cert, pki.client_key)
+def test_tls12_client_is_refused(bed: Bed) -> None:
+    client = _raw_client(bed, bed.client_cert, bed.client_key)
     client.minimum_version = ssl.TLSVersion.TLSv1_2
     client.maximum_version = ssl.TLSVersion.TLSv1_2
 
     async def scenario() -> tuple[str, EchoServer]:
-        async with echo_server(_mtls_server(pki)) as srv:
+        async with echo_server(_mtls_server(bed)) as srv:
             return await refused(srv.port, client), srv
 
     outcome, srv = run(scenario())
@@ -223,12 +224,12 @@ def test_tls12_client_is_refused(pki: Pki) -> None:
     assert outcome != "EOF"
 
 
-def test_client_refuses_server_from_another_ca_or_wrong_host(pki: Pki) -> None:
+def test_client_refuses_server_from_another_ca_or_wrong_host(bed: Bed) -> None:
     async def scenario() -> list[str]:
         outcomes = []
-        async with echo_server(_mtls_server(pki)) as srv:
-            foreign = tls.client_context(pki.foreign_ca, pki.client_cert, pki.client_key)
-            good = tls.client_context(pki.ca, pki.client_cert, pki.client_key)
+        async with echo_server(_mtls_server(bed)) as srv:
+            foreign = tls.client_context(bed.foreign_ca, bed.client_cert, bed.client_key)
+            good = tls.client_context(bed.ca, bed.client_cert, bed.client_key)
             for ctx, host in ((foreign, "127.0.0.1"), (good, "gpu-99.example")):
                 with pytest.raises(ssl.SSLCertVerificationError) as err:
                     await exchange(srv.port, ctx, host)
@@ -308,7 +309,7 @@ def test_pinning_with_aiohttp_fails_before_the_request_is_sent(tmp_path: Path) -
     assert hits == [""]  # only the good request arrived; the token never left the client
 
 
-def test_aiohttp_mtls_end_to_end(pki: Pki) -> None:
+def test_aiohttp_mtls_end_to_end(bed: Bed) -> None:
     """An aiohttp server with server_context sees the verified client certificate."""
 
     async def who(request: web.Request) -> web.Response:
@@ -321,15 +322,15 @@ def test_aiohttp_mtls_end_to_end(pki: Pki) -> None:
         app.router.add_get("/who", who)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=_mtls_server(pki))
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=_mtls_server(bed))
         await site.start()
         url = f"https://localhost:{runner.addresses[0][1]}/who"
         try:
             async with aiohttp.ClientSession() as session:
-                ctx = tls.client_context(pki.ca, pki.client_cert, pki.client_key)
+                ctx = tls.client_context(bed.ca, bed.client_cert, bed.client_key)
                 async with session.get(url, ssl=ctx) as resp:
                     body = await resp.json()
-                anon = tls.client_context(pki.ca, None, None)
+                anon = tls.client_context(bed.ca, None, None)
                 with pytest.raises(aiohttp.ClientError) as err:
                     async with session.get(url, ssl=anon) as resp:
                         await resp.read()
@@ -338,7 +339,7 @@ def test_aiohttp_mtls_end_to_end(pki: Pki) -> None:
             await runner.cleanup()
 
     body, error_type = run(scenario())
-    assert body == {"cn": ["alice"]}
+    assert body == {"cn": [CLIENT]}
     assert issubclass(error_type, aiohttp.ClientError)
 
 

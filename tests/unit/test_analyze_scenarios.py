@@ -21,6 +21,16 @@ def _top(report: dict[str, Any], root: str) -> dict[str, Any]:
     return chains[0]
 
 
+def _chain(name: str, tmp_path: Path,
+           root: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """explain's report on scenario ``name`` and its first chain (of cause ``root`` when
+    given), the chain's shape checked."""
+    report = explain(build(name, tmp_path))
+    c = _top(report, root) if root else report["chains"][0]
+    _check_chain_shape(c)
+    return report, c
+
+
 def _check_chain_shape(c: dict[str, Any]) -> None:
     for k in ("id", "node", "severity", "summary", "root_cause", "culprit", "victim", "op",
               "evidence", "fixes"):
@@ -58,9 +68,7 @@ def test_quiet_baseline_sampled_is_still_quiet(tmp_path: Path) -> None:
 
 
 def test_cpu_hog_names_the_hog(tmp_path: Path) -> None:
-    report = explain(build("cpu_hog", tmp_path))
-    c = report["chains"][0]
-    _check_chain_shape(c)
+    _, c = _chain("cpu_hog", tmp_path)
     assert c["root_cause"] == "cpu_contention"
     assert c["severity"] == "HIGH"
     assert c["op"] == "cudaStreamSynchronize"
@@ -94,9 +102,7 @@ def test_the_tracer_is_named_when_it_is_the_culprit(tmp_path: Path) -> None:
 
 
 def test_lock_wait_blames_the_waker(tmp_path: Path) -> None:
-    report = explain(build("lock_wait", tmp_path))
-    c = _top(report, "lock_wait")
-    _check_chain_shape(c)
+    report, c = _chain("lock_wait", tmp_path, "lock_wait")
     assert c["culprit"]["pid"] == HALO and c["culprit"]["comm"] == "halolet"
     assert c["op"] == "cudaLaunchKernel"
     assert c["severity"] in ("HIGH", "MEDIUM")
@@ -122,9 +128,7 @@ def test_spike_evidence_names_the_launched_kernel(tmp_path: Path) -> None:
 
 
 def test_block_io_stall_between_calls(tmp_path: Path) -> None:
-    report = explain(build("block_stall", tmp_path))
-    c = report["chains"][0]
-    _check_chain_shape(c)
+    report, c = _chain("block_stall", tmp_path)
     assert c["root_cause"] == "block_io"
     assert c["severity"] == "HIGH"
     assert c["culprit"]["pid"] == MAIN and c["culprit"]["self"] is True
@@ -137,9 +141,7 @@ def test_block_io_stall_between_calls(tmp_path: Path) -> None:
 
 
 def test_host_sync_per_step(tmp_path: Path) -> None:
-    report = explain(build("host_sync", tmp_path))
-    c = report["chains"][0]
-    _check_chain_shape(c)
+    _, c = _chain("host_sync", tmp_path)
     assert c["root_cause"] == "host_sync" and c["severity"] == "HIGH"
     assert c["culprit"] is None and c["op"] == "cudaStreamSynchronize"
     assert any(".item()" in f for f in c["fixes"])
@@ -154,18 +156,14 @@ def test_alloc_churn(tmp_path: Path) -> None:
 
 
 def test_graph_recapture_storm(tmp_path: Path) -> None:
-    report = explain(build("graph_storm", tmp_path))
-    c = _top(report, "graph_recapture")
-    _check_chain_shape(c)
+    _, c = _chain("graph_storm", tmp_path, "graph_recapture")
     assert c["severity"] == "HIGH"
     assert c["detail"]["launch_rate_drop"] > 0.75
     assert c["detail"]["captures"] >= 20
 
 
 def test_dataloader_oversubscription(tmp_path: Path) -> None:
-    report = explain(build("dataloader", tmp_path))
-    c = report["chains"][0]
-    _check_chain_shape(c)
+    _, c = _chain("dataloader", tmp_path)
     assert c["root_cause"] == "dataloader_oversubscription"
     assert c["culprit"]["pid"] in WORKERS and c["culprit"]["comm"] == "pt_data_worker"
     assert c["severity"] in ("HIGH", "MEDIUM")

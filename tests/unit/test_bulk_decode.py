@@ -36,6 +36,8 @@ from fleetd.trace.bpf.ringbuf import (
 from fleetd.trace.enrich.stacks import KernelNames
 from fleetd.trace.enrich.symbols import FunctionSymbols
 
+from netbed import why_no_bpf
+
 OFFSET = 1_700_000_000_000_000_000
 PID = 4242
 KERNEL = 0x7F00_1234_5678
@@ -195,17 +197,7 @@ def test_split_frames_stops_at_a_cut_record() -> None:
     assert Chunk(b"", 0).count == 0
 
 
-def _bpf_ready() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root"
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        return "bcc (python3-bpfcc) is not installed"
-    return None
-
-
-_WHY = _bpf_ready()
+_WHY = why_no_bpf()
 
 _RING_PROG = f"""
 BPF_RINGBUF_OUTPUT(rb, 1);

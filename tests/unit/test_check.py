@@ -49,11 +49,10 @@ def assert_one_line(c: Check | dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("pki")
-    certs.init_ca(d)
-    certs.issue_node(d, "gpu-01", ["127.0.0.1", "localhost"])
-    certs.issue_client(d, "laptop")
+def certdir(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the fleet CA's directory (conftest's pki) with, in other/, a second CA
+    and its own gpu-01."""
+    d = pki.copy_to(tmp_path_factory.mktemp("check") / "certs").dir
     other = d / "other"
     certs.init_ca(other)
     certs.issue_node(other, "gpu-01", ["127.0.0.1"])
@@ -74,9 +73,10 @@ def checks_of(files: TlsFiles, **kw: Any) -> dict[str, Check]:
     return {c.name: c for c in found}
 
 
-def test_valid_certificates_are_ok(pki: Path) -> None:
-    found = checks_of(node_files(pki, fleet_ca=pki / "ca.pem", client_cert=pki / "laptop.pem",
-                                 client_key=pki / "laptop.key"))
+def test_valid_certificates_are_ok(certdir: Path) -> None:
+    found = checks_of(node_files(certdir, fleet_ca=certdir / "ca.pem",
+                                 client_cert=certdir / "laptop.pem",
+                                 client_key=certdir / "laptop.key"))
     assert {n: c.status for n, c in found.items()} == {
         "tls-listen": OK, "cert client-ca": OK, "cert node": OK, "cert client": OK}
     node = found["cert node"]
@@ -84,17 +84,17 @@ def test_valid_certificates_are_ok(pki: Path) -> None:
     assert node.data["days_left"] > 800
 
 
-def ca_copy(tmp_path: Path, pki: Path) -> Path:
+def ca_copy(tmp_path: Path, certdir: Path) -> Path:
     """The module's CA in a directory of its own, to issue odd certificates from."""
     d = tmp_path / "ca"
     d.mkdir()
     for f in ("ca.pem", "ca.key"):
-        (d / f).write_bytes((pki / f).read_bytes())
+        (d / f).write_bytes((certdir / f).read_bytes())
     return d
 
 
-def test_a_certificate_expiring_soon_warns(tmp_path: Path, pki: Path) -> None:
-    d = ca_copy(tmp_path, pki)  # a short-lived certificate, signed for real
+def test_a_certificate_expiring_soon_warns(tmp_path: Path, certdir: Path) -> None:
+    d = ca_copy(tmp_path, certdir)  # a short-lived certificate, signed for real
     certs.issue_node(d, "short", ["127.0.0.1"], not_after=NOW + timedelta(days=3))
     c = checks_of(node_files(d, "short"))["cert node"]
     assert c.status == WARN, c
@@ -104,8 +104,8 @@ def test_a_certificate_expiring_soon_warns(tmp_path: Path, pki: Path) -> None:
                                                                            ].status == OK
 
 
-def test_an_expired_certificate_fails(tmp_path: Path, pki: Path) -> None:
-    d = ca_copy(tmp_path, pki)
+def test_an_expired_certificate_fails(tmp_path: Path, certdir: Path) -> None:
+    d = ca_copy(tmp_path, certdir)
     certs.issue_node(d, "old", ["127.0.0.1"], not_before=NOW - timedelta(days=30),
                      not_after=NOW - timedelta(days=1))
     c = checks_of(node_files(d, "old"))["cert node"]
@@ -118,39 +118,39 @@ def test_an_expired_ca_fails(tmp_path: Path) -> None:
     assert c.status == FAIL and "expired on" in c.detail and "init-ca --force" in c.fix
 
 
-def test_a_key_of_another_certificate_fails(pki: Path) -> None:
-    c = checks_of(node_files(pki, node_key=pki / "laptop.key"))["cert node"]
+def test_a_key_of_another_certificate_fails(certdir: Path) -> None:
+    c = checks_of(node_files(certdir, node_key=certdir / "laptop.key"))["cert node"]
     assert c.status == FAIL
     assert "laptop.key does not belong to this certificate" in c.detail
     assert "issued together with it" in c.fix
 
 
-def test_a_certificate_from_another_ca_fails(pki: Path) -> None:
-    c = checks_of(node_files(pki / "other"))["cert node"]
+def test_a_certificate_from_another_ca_fails(certdir: Path) -> None:
+    c = checks_of(node_files(certdir / "other"))["cert node"]
     assert c.status == OK  # its own CA: fine
-    c = checks_of(node_files(pki / "other", client_ca=pki / "ca.pem"))["cert node"]
-    assert c.status == FAIL and f"not issued by the CA in {pki / 'ca.pem'}" in c.detail
+    c = checks_of(node_files(certdir / "other", client_ca=certdir / "ca.pem"))["cert node"]
+    assert c.status == FAIL and f"not issued by the CA in {certdir / 'ca.pem'}" in c.detail
     assert "--client-ca" in c.fix
 
 
-def test_a_leaf_given_as_the_ca_fails(pki: Path) -> None:
-    c = checks_of(TlsFiles(fleet_ca=pki / "laptop.pem"))["cert fleet-ca"]
+def test_a_leaf_given_as_the_ca_fails(certdir: Path) -> None:
+    c = checks_of(TlsFiles(fleet_ca=certdir / "laptop.pem"))["cert fleet-ca"]
     assert c.status == FAIL and "is not a CA certificate" in c.detail
 
 
-def test_a_client_certificate_cannot_serve(pki: Path) -> None:
-    c = checks_of(node_files(pki, "laptop"))["cert node"]
+def test_a_client_certificate_cannot_serve(certdir: Path) -> None:
+    c = checks_of(node_files(certdir, "laptop"))["cert node"]
     assert c.status == FAIL and "not for serverAuth" in c.detail
 
 
-def test_a_listen_host_missing_from_the_sans_warns(pki: Path) -> None:
-    c = checks_of(node_files(pki, listen="10.1.2.3:7600"))["cert node"]
+def test_a_listen_host_missing_from_the_sans_warns(certdir: Path) -> None:
+    c = checks_of(node_files(certdir, listen="10.1.2.3:7600"))["cert node"]
     assert c.status == WARN and "does not name the listen host 10.1.2.3" in c.detail
     assert "--san 10.1.2.3" in c.fix
-    assert checks_of(node_files(pki, listen="0.0.0.0:7600"))["cert node"].status == OK
+    assert checks_of(node_files(certdir, listen="0.0.0.0:7600"))["cert node"].status == OK
 
 
-def test_the_listen_policy_is_the_agents(pki: Path) -> None:
+def test_the_listen_policy_is_the_agents(certdir: Path) -> None:
     found = checks_of(TlsFiles(listen="10.1.2.3:7600"))
     assert found["tls-listen"].status == FAIL and "needs a server certificate" in \
         found["tls-listen"].detail
@@ -159,14 +159,14 @@ def test_the_listen_policy_is_the_agents(pki: Path) -> None:
     assert found["certs"].status == SKIP and "fleetd.yaml" in found["certs"].fix
 
 
-def test_missing_and_swapped_files_fail_with_the_file_named(tmp_path: Path, pki: Path) -> None:
-    found = checks_of(node_files(pki, node_cert=tmp_path / "nope.pem",
-                                 client_ca=pki / "gpu-01.key"))
+def test_missing_and_swapped_files_fail_with_the_file_named(tmp_path: Path, certdir: Path) -> None:
+    found = checks_of(node_files(certdir, node_cert=tmp_path / "nope.pem",
+                                 client_ca=certdir / "gpu-01.key"))
     assert found["cert node"].status == FAIL
     assert found["cert node"].detail == f"certificate '{tmp_path / 'nope.pem'}' does not exist"
     assert found["cert client-ca"].status == FAIL
     assert "holds a private key, not a certificate" in found["cert client-ca"].detail
-    c = checks_of(TlsFiles(node_cert=pki / "gpu-01.pem"))["cert node"]
+    c = checks_of(TlsFiles(node_cert=certdir / "gpu-01.pem"))["cert node"]
     assert c.status == FAIL and "a certificate without its key" in c.detail
 
 
@@ -225,20 +225,10 @@ def test_max_bytes_beyond_the_free_space_warns(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def fleet_pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    return make_pki(tmp_path_factory.mktemp("fleet-pki"), ["gpu-01"], ["laptop"])
-
-
-@pytest.fixture(scope="module")
-def running(tmp_path_factory: pytest.TempPathFactory, fleet_pki: Pki) -> Iterator[Agent]:
+def running(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Agent]:
     d = tmp_path_factory.mktemp("agent")
-    with agent(build_db(d / "gpu-01.db", "gpu-01", 50), "gpu-01", fleet_pki, "--no-trace") as a:
+    with agent(build_db(d / "gpu-01.db", "gpu-01", 50), "gpu-01", pki, "--no-trace") as a:
         yield a
-
-
-def client_flags(pki: Pki) -> list[str]:
-    cert, key = pki.pair("laptop")
-    return ["--ca-cert", str(pki.ca), "--client-cert", str(cert), "--client-key", str(key)]
 
 
 def free_port() -> int:
@@ -247,10 +237,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_a_running_agent_is_reachable_over_mtls(running: Agent, fleet_pki: Pki) -> None:
+def test_a_running_agent_is_reachable_over_mtls(running: Agent, pki: Pki) -> None:
     address = running.url.removeprefix("https://")
     proc, report = fleetd_check("--only", "nodes", "--nodes", f"gpu-01={address}",
-                                *client_flags(fleet_pki))
+                                *pki.client_flags())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (c,) = report["checks"]
     assert c["name"] == "node gpu-01" and c["status"] == OK and c["group"] == "nodes"
@@ -259,10 +249,10 @@ def test_a_running_agent_is_reachable_over_mtls(running: Agent, fleet_pki: Pki) 
     assert c["data"]["schema_version"] == SCHEMA_VERSION
 
 
-def test_a_closed_port_fails_with_the_clients_hint(fleet_pki: Pki) -> None:
+def test_a_closed_port_fails_with_the_clients_hint(pki: Pki) -> None:
     port = free_port()
     proc, report = fleetd_check("--only", "nodes", "--nodes", f"127.0.0.1:{port}",
-                                *client_flags(fleet_pki))
+                                *pki.client_flags())
     assert proc.returncode == 1
     (c,) = report["checks"]
     assert c["status"] == FAIL and c["data"]["failure"] == "refused"
@@ -274,7 +264,7 @@ def test_a_closed_port_fails_with_the_clients_hint(fleet_pki: Pki) -> None:
 def test_an_agent_with_an_untrusted_certificate_fails(running: Agent, tmp_path: Path) -> None:
     stranger = make_pki(tmp_path / "stranger", [], ["laptop"])
     proc, report = fleetd_check("--only", "nodes", "--nodes", running.url.removeprefix(
-        "https://"), *client_flags(stranger))
+        "https://"), *stranger.client_flags())
     assert proc.returncode == 1
     (c,) = report["checks"]
     assert c["status"] == FAIL and c["data"]["failure"] == "tls"
@@ -294,10 +284,10 @@ def test_missing_client_files_are_a_failed_check_not_an_abort(tmp_path: Path) ->
 # ---- the command: JSON shape, config, exit codes, usage errors ----------------------------
 
 
-def test_json_shape_and_table(tmp_path: Path, pki: Path) -> None:
+def test_json_shape_and_table(tmp_path: Path, certdir: Path) -> None:
     flags = ["--only", "db,certs", "--db", str(tmp_path / "x.db"), "--tls-cert",
-             str(pki / "gpu-01.pem"), "--tls-key", str(pki / "laptop.key"),
-             "--client-ca", str(pki / "ca.pem")]
+             str(certdir / "gpu-01.pem"), "--tls-key", str(certdir / "laptop.key"),
+             "--client-ca", str(certdir / "ca.pem")]
     proc, report = fleetd_check(*flags)
     assert proc.returncode == 1  # the mismatched key
     assert set(report) == {"status", "counts", "checks"} and report["status"] == FAIL
@@ -318,18 +308,18 @@ def test_json_shape_and_table(tmp_path: Path, pki: Path) -> None:
     assert lines[-1] == "4 checks: 3 ok, 0 warn, 1 fail, 0 skip"
 
 
-def test_a_config_gives_every_setting(tmp_path: Path, fleet_pki: Pki, running: Agent) -> None:
-    cert, key = fleet_pki.pair("gpu-01")
-    client, client_key = fleet_pki.pair("laptop")
+def test_a_config_gives_every_setting(tmp_path: Path, pki: Pki, running: Agent) -> None:
+    cert, key = pki.pair("gpu-01")
+    client, client_key = pki.pair("laptop")
     cfg = tmp_path / "fleetd.yaml"
     cfg.write_text(f"""
 node: gpu-01
 listen: 127.0.0.1:7600
-tls: {{cert: {cert}, key: {key}, client_ca: {fleet_pki.ca}}}
+tls: {{cert: {cert}, key: {key}, client_ca: {pki.ca}}}
 store: {{db: {tmp_path / 'data' / 'fleetd.db'}}}
 fleet:
   nodes: [{{name: gpu-01, address: "{running.url.removeprefix('https://')}"}}]
-  ca: {fleet_pki.ca}
+  ca: {pki.ca}
   client_cert: {client}
   client_key: {client_key}
 """)

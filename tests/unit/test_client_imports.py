@@ -15,27 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, build_db
+from conftest import REPO, build_db, cli_probe
 
-PROBE = """
-import contextlib, io, json, sys
-from fleetd.cli.main import main
-
-db, work = sys.argv[1], sys.argv[2]
-runs = [["--help"], ["explain", "--db", db, "--format", "json"],
-        ["explain", "--db", db, "--format", "html", "-o", work + "/r.html"],
-        ["ops", "--db", db], ["overview", "--db", db], ["stacks", "--db", db],
-        ["query", "--db", db, "SELECT count(*) FROM events"],
-        ["merge", db, "-o", work + "/m.db"], ["export", "--db", db, "-o", work + "/t.json"],
-        ["certs", "--dir", work + "/pki", "init-ca"], ["completion", "bash"]]
-codes = []
-for argv in runs:
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        try:
-            codes.append(main(argv))
-        except SystemExit as exc:
-            codes.append(exc.code)
-import fleetd.mcp.server, fleetd.mcp.https
+PROBE = cli_probe([
+    ["--help"], ["explain", "--db", "{db}", "--format", "json"],
+    ["explain", "--db", "{db}", "--format", "html", "-o", "{work}/r.html"],
+    ["ops", "--db", "{db}"], ["overview", "--db", "{db}"], ["stacks", "--db", "{db}"],
+    ["query", "--db", "{db}", "SELECT count(*) FROM events"],
+    ["merge", "{db}", "-o", "{work}/m.db"], ["export", "--db", "{db}", "-o", "{work}/t.json"],
+    ["certs", "--dir", "{work}/pki", "init-ca"], ["completion", "bash"]]) + """
 print(json.dumps({"codes": codes, "loaded": sorted(m for m in sys.modules
                                                    if m.split(".")[0] in ("bcc", "elftools"))}))
 """

@@ -7,6 +7,7 @@ import json
 import re
 import sqlite3
 import subprocess
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -42,25 +43,19 @@ def lakes(tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Path]:
     out = {}
     for src in SOURCES:
         root = tmp_path_factory.mktemp("lake") / "lake"
-        conn = open_reader(src)
-        try:
+        with closing(open_reader(src)) as conn:
             export_lake(conn, root)
-        finally:
-            conn.close()
         out[src] = root
     return out
 
 
 def _sqlite_counts(src: Path, view: str) -> dict[str, int]:
-    conn = open_reader(src)
-    try:
+    with closing(open_reader(src)) as conn:
         if not conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (view,)).fetchone():
             return {}
         if view == "stacks":
             return {}
         return dict(conn.execute(f"SELECT node, count(*) FROM {view} GROUP BY node"))
-    finally:
-        conn.close()
 
 
 @pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
@@ -85,13 +80,10 @@ def test_row_counts_per_table_and_node_equal_the_source(lakes: dict[Path, Path],
 
 
 def test_events_keep_the_store_columns_and_values(lakes: dict[Path, Path]) -> None:
-    conn = open_reader(FLEET)
-    try:
+    with closing(open_reader(FLEET)) as conn:
         cur = conn.execute("SELECT * FROM events ORDER BY rowkey LIMIT 200")
         cols = [d[0] for d in cur.description]
         want = cur.fetchall()
-    finally:
-        conn.close()
     with LakeDB(lakes[FLEET]) as db:
         got = db.query("SELECT * FROM events ORDER BY rowkey LIMIT 200")
     # The store's columns in the store's order, then the lake's own.
@@ -110,11 +102,8 @@ def test_clock_correction_is_the_timeline_exports(lakes: dict[Path, Path]) -> No
     from fleetd.export.clockfix import recorded_fix
     from fleetd.store.lake import session_clocks
 
-    conn = open_reader(FLEET)
-    try:
+    with closing(open_reader(FLEET)) as conn:
         fix, _ = recorded_fix(session_clocks(conn, "node-1"))
-    finally:
-        conn.close()
     assert fix.pieces, "the 3-node set has clock samples that moved"
     with LakeDB(lakes[FLEET]) as db:
         rows = db.query("SELECT ts_recorded_ns, ts_ns FROM events WHERE node = 'node-1'").rows
@@ -149,22 +138,16 @@ def _source_count() -> int:
 
 
 def _source_count_by_node() -> dict[str, int]:
-    conn = open_reader(FLEET)
-    try:
+    with closing(open_reader(FLEET)) as conn:
         return {str(n): int(c) for n, c in conn.execute(
             "SELECT node, count(*) FROM events GROUP BY node")}
-    finally:
-        conn.close()
 
 
 def test_exporting_again_replaces_never_duplicates(lakes: dict[Path, Path]) -> None:
     root = lakes[FLEET]
     before = sorted(str(f.path) for f in lake_files(root))
-    conn = open_reader(FLEET)
-    try:
+    with closing(open_reader(FLEET)) as conn:
         export_lake(conn, root)
-    finally:
-        conn.close()
     assert sorted(str(f.path) for f in lake_files(root)) == before
     with LakeDB(root) as db:
         assert db.query("SELECT count(*) FROM events").rows == [(_source_count(),)]
@@ -178,14 +161,11 @@ def test_big_tables_go_a_chunk_at_a_time(tmp_path: Path,
     from fleetd.store import lake
 
     monkeypatch.setattr(lake, "CHUNK_ROWS", 1000)
-    conn = open_reader(FLEET)
-    try:
+    with closing(open_reader(FLEET)) as conn:
         export_lake(conn, tmp_path)
         files = sorted(str(f.path) for f in lake_files(tmp_path) if f.table == "events")
         assert len(files) >= _source_count() // 1000  # 1000 row keys a chunk
         export_lake(conn, tmp_path)
-    finally:
-        conn.close()
     assert sorted(str(f.path) for f in lake_files(tmp_path) if f.table == "events") == files
     with LakeDB(tmp_path) as db:
         assert dict(db.query("SELECT node, count(*) FROM events GROUP BY node").rows) == \
@@ -224,11 +204,8 @@ def dated_lake(tmp_path: Path) -> Path:
         for d in range(4):
             w.add_events(synthetic_events(50, t0=t0 + d * DAY + 3_600 * 10**9))
     root = tmp_path / "lake"
-    conn = open_reader(db)
-    try:
+    with closing(open_reader(db)) as conn:
         export_lake(conn, root)
-    finally:
-        conn.close()
     return root
 
 

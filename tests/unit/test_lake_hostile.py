@@ -16,6 +16,7 @@ import shutil
 import stat
 import subprocess
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -37,11 +38,8 @@ SECRETS = {"format": "AKIA-SECRET-VALUE", "version": "hunter2", "token": "s3cr3t
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     root = tmp_path_factory.mktemp("lake") / "lake"
-    conn = open_reader(SOURCE)
-    try:
+    with closing(open_reader(SOURCE)) as conn:
         export_lake(conn, root)
-    finally:
-        conn.close()
     with LakeDB(root) as db:
         (n,), = db.query(COUNT).rows
     return root, int(n)

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from webhook_receiver import receiver
@@ -18,6 +18,9 @@ from fleetd.errors import UsageError
 from fleetd.fleet.notify import Delivery, Notifier, finding_of_hang, signature
 
 from conftest import FLEETD
+
+if TYPE_CHECKING:
+    from agents import Pki
 
 SECRET = b"s3cret-shared-with-the-receiver"
 
@@ -146,16 +149,13 @@ def test_exec_does_not_wait_out_the_webhooks_retries(tmp_path: Path) -> None:
     assert took >= 1.5 and float(started.read_text()) - t0 < 1.4
 
 
-def test_sigterm_ends_a_watch_after_its_poll_without_a_traceback(tmp_path: Path) -> None:
+def test_sigterm_ends_a_watch_after_its_poll_without_a_traceback(pki: Pki) -> None:
     """A supervisor's SIGTERM ends watch as --for would (here: no node ever answered, 4);
     no traceback, and well before --for."""
     import signal
     import time
 
-    from agents import make_pki
-
-    pki = make_pki(tmp_path, [], ["me"])
-    cert, key = pki.pair("me")
+    cert, key = pki.pair("laptop")
     w = subprocess.Popen([FLEETD, "watch", "--nodes", "127.0.0.1:9", "--for", "120s",
                           "--interval", "1s", "--timeout", "1s", "--ca-cert", str(pki.ca),
                           "--client-cert", str(cert), "--client-key", str(key)],

@@ -55,25 +55,27 @@ def test_forward_migration_keeps_data(tmp_path: Path, monkeypatch: pytest.Monkey
     assert conn.execute("SELECT count(*) FROM added_in_v2").fetchone() == (0,)
 
 
+def _both_refuse(path: Path, reader_says: str, writer_says: str) -> None:
+    """Neither a reader nor the writer opens ``path``; each says why (a pattern)."""
+    with pytest.raises(StoreError, match=reader_says):
+        open_reader(path)
+    with pytest.raises(StoreError, match=writer_says):
+        open_writer(path)
+
+
 def test_newer_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "future.db"
     BatchWriter(path, "n1").close()
     with sqlite3.connect(path) as c:
         c.execute("PRAGMA user_version = 99")
-    with pytest.raises(StoreError, match="schema version 99, newer"):
-        open_reader(path)
-    with pytest.raises(StoreError, match="upgrade|newer"):
-        open_writer(path)
+    _both_refuse(path, "schema version 99, newer", "upgrade|newer")
 
 
 def test_foreign_sqlite_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "other.db"
     with sqlite3.connect(path) as c:
         c.execute("CREATE TABLE x(y)")
-    with pytest.raises(StoreError, match="not a fleetd one"):
-        open_reader(path)
-    with pytest.raises(StoreError, match="not a fleetd one"):
-        open_writer(path)
+    _both_refuse(path, "not a fleetd one", "not a fleetd one")
 
 
 def test_corrupt_file_is_refused(tmp_path: Path) -> None:

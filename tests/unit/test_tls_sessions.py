@@ -13,22 +13,22 @@ import ssl
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from fleetd.security import certs, sessions, tls
+from fleetd.security import sessions, tls
 
-NODE, CLIENT, OTHER = "node1", "alice", "bob"
+if TYPE_CHECKING:
+    from agents import Pki
+
+NODE, CLIENT, OTHER = "gpu-01", "laptop", "desk"  # conftest's pki
 
 
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("pki")
-    certs.init_ca(d)
-    certs.issue_node(d, NODE, ["127.0.0.1"])
-    certs.issue_client(d, CLIENT)
-    certs.issue_client(d, OTHER)
-    return d
+def certdir(pki: Pki) -> Path:
+    """The fleet CA's directory (conftest's pki)."""
+    return pki.dir
 
 
 @pytest.fixture()
@@ -90,36 +90,36 @@ def _run(pki: Path, *steps: tuple[str, int | None]) -> list[str]:
     return asyncio.run(go())
 
 
-def test_a_second_command_resumes_and_the_cache_is_private(pki: Path, cache: Path) -> None:
+def test_a_second_command_resumes_and_the_cache_is_private(certdir: Path, cache: Path) -> None:
     assert sessions.openssl() is not None, "resumption is off on this Python/OpenSSL"
-    assert _run(pki, (CLIENT, None), (CLIENT, None), (CLIENT, None)) == ["F", "R", "R"]
+    assert _run(certdir, (CLIENT, None), (CLIENT, None), (CLIENT, None)) == ["F", "R", "R"]
     files = list(cache.glob(f"*/{sessions.FILE_NAME}"))
     assert len(files) == 1  # one directory per fleet CA
     assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
     assert stat.S_IMODE(files[0].parent.stat().st_mode) == 0o700
 
 
-def test_a_ticket_is_offered_only_to_its_node_and_identity(pki: Path, cache: Path) -> None:
+def test_a_ticket_is_offered_only_to_its_node_and_identity(certdir: Path, cache: Path) -> None:
     # bob has no ticket of alice's; the same server under another address (port) is
     # another node as far as the cache knows.
-    assert _run(pki, (CLIENT, None), (OTHER, None), (CLIENT, 1)) == ["F", "F", "F"]
-    assert _run(pki, (CLIENT, None), (CLIENT, None)) == ["F", "R"]
+    assert _run(certdir, (CLIENT, None), (OTHER, None), (CLIENT, 1)) == ["F", "F", "F"]
+    assert _run(certdir, (CLIENT, None), (CLIENT, None)) == ["F", "R"]
 
 
-def test_a_corrupt_cache_costs_a_full_handshake_and_is_removed(pki: Path, cache: Path
+def test_a_corrupt_cache_costs_a_full_handshake_and_is_removed(certdir: Path, cache: Path
                                                                ) -> None:
-    _run(pki, (CLIENT, None))
+    _run(certdir, (CLIENT, None))
     [file] = cache.glob(f"*/{sessions.FILE_NAME}")
     file.write_bytes(b'{"x": {"der": "!!not base64", "expires": 1, "saved": 1}}')
     # (A new server has new ticket keys: resuming needs a ticket from this one.)
-    assert _run(pki, (CLIENT, None), (CLIENT, None)) == ["F", "R"]
+    assert _run(certdir, (CLIENT, None), (CLIENT, None)) == ["F", "R"]
     file.write_bytes(b"\x00garbage")
-    assert _run(pki, (CLIENT, None)) == ["F"]
+    assert _run(certdir, (CLIENT, None)) == ["F"]
     assert not file.exists() or file.read_bytes() != b"\x00garbage"
 
 
-def test_a_cache_others_can_write_is_not_used(pki: Path, cache: Path) -> None:
-    _run(pki, (CLIENT, None))
+def test_a_cache_others_can_write_is_not_used(certdir: Path, cache: Path) -> None:
+    _run(certdir, (CLIENT, None))
     [file] = cache.glob(f"*/{sessions.FILE_NAME}")
     file.chmod(0o666)
     assert sessions.SessionCache(file.parent).load() == {}
@@ -141,12 +141,13 @@ def test_the_cache_is_bounded_and_drops_expired_entries(tmp_path: Path,
     assert os.stat(c.file).st_size < 5 * 1024
 
 
-def test_turned_off_by_the_environment(pki: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_turned_off_by_the_environment(certdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(sessions.CACHE_ENV, "off")
-    ctx = tls.client_context(pki / "ca.pem", pki / f"{CLIENT}.pem", pki / f"{CLIENT}.key")
+    ctx = tls.client_context(certdir / "ca.pem", certdir / f"{CLIENT}.pem",
+                             certdir / f"{CLIENT}.key")
     assert isinstance(ctx, tls.ClientContext)
     assert ctx.sessions is not None and ctx.sessions.cache is None  # in-process only
-    plain = tls.client_context(pki / "ca.pem", None, None, resume=False)
+    plain = tls.client_context(certdir / "ca.pem", None, None, resume=False)
     assert isinstance(plain, ssl.SSLContext) and getattr(plain, "sessions", None) is None
 
 

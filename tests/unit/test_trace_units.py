@@ -31,22 +31,22 @@ WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
 NCCL_WORKLOAD = REPO / "tests" / "workloads" / "nccl_ranks.py"
 
 
-def _workload_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_loop", WORKLOAD)
+def _load(path: Path) -> ModuleType:
+    """A workload script imported as a module of its own name (its helpers, not its run)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["train_loop"] = mod
+    sys.modules[path.stem] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def _workload_module() -> ModuleType:
+    return _load(WORKLOAD)
 
 
 def _nccl_ranks() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("nccl_ranks", NCCL_WORKLOAD)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["nccl_ranks"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return _load(NCCL_WORKLOAD)
 
 
 def _cudart() -> str:
