@@ -55,12 +55,10 @@ def liar(setup: Any) -> Iterator[AnsweringNode]:
 
 def fleet(pki: Pki, agents: list[Agent], command: str, *extra: str,
           more: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    cert, key = pki.pair("laptop")
     nodes = ",".join([*(a.url.removeprefix("https://") for a in agents), *more])
     # stdout to a file: see tests/integration/test_gpu_fleet.py (fleet_gpu).
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.run([FLEETD, command, "--nodes", nodes, "--ca-cert", str(pki.ca),
-                               "--client-cert", str(cert), "--client-key", str(key),
+        proc = subprocess.run([FLEETD, command, "--nodes", nodes, *pki.client_flags(),
                                "--timeout", "20", *extra], stdout=out,
                               stderr=subprocess.PIPE, text=True, timeout=120)
         out.seek(0)

@@ -50,7 +50,6 @@ _PEAK_OF_CHILD = (
 def ask(pki: Pki, good: Agent, evil: str, *args: str,
         timeout_s: str = "10") -> tuple[subprocess.CompletedProcess[str], float, float]:
     """Run the real client; (its result, seconds, peak MB of the client)."""
-    cert, key = pki.pair("laptop")
     nodes = f"{good.url.removeprefix('https://')},{evil}"
     t0 = time.monotonic()
     # This process's RUSAGE_CHILDREN covers every child it ever waited for (agents,
@@ -58,8 +57,7 @@ def ask(pki: Pki, good: Agent, evil: str, *args: str,
     proc = subprocess.run(
         [sys.executable, "-c", _PEAK_OF_CHILD, FLEETD, "query",
          "SELECT node, op FROM events LIMIT 5", "--nodes", nodes,
-         "--ca-cert", str(pki.ca), "--client-cert", str(cert), "--client-key", str(key),
-         "--timeout", timeout_s, *args],
+         *pki.client_flags(), "--timeout", timeout_s, *args],
         capture_output=True, text=True, cwd=REPO, timeout=60)
     took = time.monotonic() - t0
     err, _, peak_kb = proc.stderr.rpartition("\nPEAK_KB=")

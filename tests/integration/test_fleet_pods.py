@@ -61,10 +61,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[list[A
 
 
 def ask(pki: Pki, agents: list[Agent], *args: str) -> subprocess.CompletedProcess[str]:
-    cert, key = pki.pair("laptop")
     nodes = ",".join(a.url.removeprefix("https://") for a in agents)
-    return subprocess.run([FLEETD, *args, "--nodes", nodes, "--ca-cert", str(pki.ca),
-                           "--client-cert", str(cert), "--client-key", str(key)],
+    return subprocess.run([FLEETD, *args, "--nodes", nodes, *pki.client_flags()],
                           capture_output=True, text=True, cwd=REPO, timeout=120,
                           env={**os.environ, "COLUMNS": "250"})
 

@@ -61,10 +61,9 @@ def _address(a: object) -> str:
 
 
 def _fleetd(pki: Pki, bed: dict[str, object], *args: str) -> subprocess.CompletedProcess[str]:
-    cert, key = pki.pair("laptop")
     return subprocess.run(
-        [FLEETD, *args, "--ca-cert", str(pki.ca), "--client-cert", str(cert),
-         "--client-key", str(key), "--token-file", str(bed["token"]), "--timeout", "10"],
+        [FLEETD, *args, *pki.client_flags(), "--token-file", str(bed["token"]),
+         "--timeout", "10"],
         capture_output=True, text=True, cwd=REPO, timeout=60)
 
 

@@ -36,10 +36,8 @@ def fleet(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[A
 
 
 def _fleet_args(pki: Pki, agents: list[Agent]) -> list[str]:
-    cert, key = pki.pair("laptop")
     nodes = ",".join(f"{a.node}={a.url.split('://')[1]}" for a in agents)
-    return ["--nodes", nodes, "--ca-cert", str(pki.ca), "--client-cert", str(cert),
-            "--client-key", str(key)]
+    return ["--nodes", nodes, *pki.client_flags()]
 
 
 def _want(table: str) -> dict[str, int]:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, cli_probe
 
 pytestmark = pytest.mark.slow
 
@@ -152,24 +152,12 @@ def test_the_installed_wheel_loads_its_own_bpf_sources_and_configs(fresh: Path,
 # Runs client commands in one interpreter of the fresh venv, then names every module
 # they loaded that belongs to no distribution the wheel requires (its dependencies
 # without extras, and theirs): what a `pip install fleetd` would lack.
-CLIENT_PROBE = """
-import contextlib, io, json, sys
-from fleetd.cli.main import main
-
-db, work = sys.argv[1], sys.argv[2]
-runs = [["--help"], ["explain", "--db", db, "--format", "json"],
-        ["explain", "--db", db, "--format", "html", "-o", work + "/r.html"],
-        ["ops", "--db", db], ["query", "--db", db, "SELECT count(*) FROM events"],
-        ["merge", db, "-o", work + "/m.db"], ["export", "--db", db, "-o", work + "/t.json"],
-        ["certs", "--dir", work + "/pki", "init-ca"], ["certs", "--help"]]
-codes = []
-for argv in runs:
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        try:
-            codes.append(main(argv))
-        except SystemExit as exc:
-            codes.append(exc.code)
-import fleetd.mcp.server, fleetd.mcp.https  # the MCP tools and their HTTPS transport
+CLIENT_PROBE = cli_probe([
+    ["--help"], ["explain", "--db", "{db}", "--format", "json"],
+    ["explain", "--db", "{db}", "--format", "html", "-o", "{work}/r.html"],
+    ["ops", "--db", "{db}"], ["query", "--db", "{db}", "SELECT count(*) FROM events"],
+    ["merge", "{db}", "-o", "{work}/m.db"], ["export", "--db", "{db}", "-o", "{work}/t.json"],
+    ["certs", "--dir", "{work}/pki", "init-ca"], ["certs", "--help"]]) + """
 loaded = {m.split(".")[0] for m in list(sys.modules)}
 
 import importlib.metadata as md, re

@@ -29,23 +29,13 @@ from fleetd.trace.bpf.bpfsrc import NR_URETPROBE
 from fleetd.trace.host.libs import mapped_libraries
 
 from conftest import FLEETD, REPO, wait_for_libcudart
+from netbed import why_no_bpf
 
 WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
 PY = sys.executable
 
 
-def _bpf_ready() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root"
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        return "bcc (python3-bpfcc) is not installed"
-    if not Path("/sys/kernel/btf").exists() and not Path("/sys/kernel/tracing").exists():
-        return "no BPF/tracefs support"
-    return None
-
-
+_bpf_ready = why_no_bpf  # the tracing tests' own name for it
 _WHY = _bpf_ready()
 pytestmark = [pytest.mark.bpf, pytest.mark.skipif(_WHY is not None, reason=_WHY or "")]
 

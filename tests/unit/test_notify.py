@@ -155,10 +155,8 @@ def test_sigterm_ends_a_watch_after_its_poll_without_a_traceback(pki: Pki) -> No
     import signal
     import time
 
-    cert, key = pki.pair("laptop")
     w = subprocess.Popen([FLEETD, "watch", "--nodes", "127.0.0.1:9", "--for", "120s",
-                          "--interval", "1s", "--timeout", "1s", "--ca-cert", str(pki.ca),
-                          "--client-cert", str(cert), "--client-key", str(key)],
+                          "--interval", "1s", "--timeout", "1s", *pki.client_flags()],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(3)
     t0 = time.monotonic()
