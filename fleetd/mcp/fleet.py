@@ -26,18 +26,42 @@ from fleetd.fleet import queries
 from fleetd.fleet.dispatch import fan_out
 from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request, session
 from fleetd.fleet.queries import QuerySpec
-from fleetd.mcp.local import (
+from fleetd.mcp.answers import (
     CompactChain,
+    FanOutPart,
+    FleetChains,
+    FleetExport,
+    FleetGpu,
+    FleetGraphs,
+    FleetHealth,
+    FleetOps,
+    FleetOverview,
+    FleetProfile,
+    FleetQuery,
+    FleetSql,
+    FleetStacks,
+    FleetStragglers,
+    Head,
+    HealthKey,
+    HeavyStack,
+    NodeHealth,
+    NodeOverview,
+    OverviewKey,
+    TopOp,
+    TopOpKey,
+)
+from fleetd.mcp.local import (
     compact_chain,
     compact_straggler,
+    cut,
     default_export_dir,
     export_answer,
     export_path,
-    shown,
+    marked_kernels,
 )
 from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
 from fleetd.questions.catalog import CPU_STACKS, GPU, GRAPHS, STACKS
-from fleetd.questions.spec import Params, Question
+from fleetd.questions.spec import Answer, Params, Question
 from fleetd.runner import run_loop
 from fleetd.store.bounds import WHOLE, Bounds
 from fleetd.wire import paths
@@ -50,7 +74,11 @@ STACK_FRAMES = 16  # frames per stack, innermost first (as get_stacks)
 GRAPH_BUCKETS = 20  # timeline buckets per process (as graph_lifecycle)
 STRAGGLER_CHAINS = 3  # chains shown as the "why" of each flagged node
 BASE_KEYS = ("nodes", "warnings", "skew")  # said by header(), or the merged rows
-HEALTH_KEYS = ("status", "version", "schema_version", "tracing", "uptime_s", "trace")
+HEALTH_KEYS: tuple[HealthKey, ...] = ("status", "version", "schema_version", "tracing",
+                                      "uptime_s", "trace")
+OVERVIEW_KEYS: tuple[OverviewKey, ...] = ("node", "events", "by_source", "lost_events",
+                                          "chains", "verdict", "window", "warnings")
+TOP_OP_KEYS: tuple[TopOpKey, ...] = ("op", "count", "total_ns", "p50_ns", "p99_ns")
 
 
 @dataclass(slots=True)
@@ -63,15 +91,17 @@ class FleetBackend:
         # sessions) open between tool calls instead of a handshake per node per call.
         self.opts = dataclasses.replace(self.opts, keep_warm=True)
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> FleetHealth:
         """Every node's /health: reachable, version, tracing, probes and libraries."""
         answer: FleetAnswer = run_loop(fan_out(
             self.opts, lambda _off: [Request("GET", paths.HEALTH, expect=("status",))]))
         found = []
         for o in answer.outcomes:
-            item: dict[str, Any] = {"node": o.name, "address": o.target.address}
+            item: NodeHealth = {"node": o.name, "address": o.target.address}
             if o.replies:
-                item.update({k: o.replies[0].get(k) for k in HEALTH_KEYS if k in o.replies[0]})
+                for k in HEALTH_KEYS:
+                    if k in o.replies[0]:
+                        item[k] = o.replies[0].get(k)
             else:
                 item["status"] = "unreachable"
                 item["error"] = o.failure.text() if o.failure else "no answer"
@@ -81,7 +111,7 @@ class FleetBackend:
     def query(self, action: str, window: Bounds, pid: int | None, sql: str | None,
               params: list[Any], max_rows: int, per_process: bool, top_n: int,
               evidence_n: int, op: str | None = None, pod: str | None = None,
-              namespace: str | None = None) -> dict[str, Any]:
+              namespace: str | None = None) -> FleetQuery:
         if (pod or namespace) and action not in ("chains", "stragglers", "ops"):
             raise UsageError(f"pod/namespace select processes for actions chains, "
                              f"stragglers and ops, not {action!r}", "drop pod and namespace")
@@ -119,7 +149,7 @@ class FleetBackend:
         raise UsageError(f"unknown action {action!r}", f"use one of: {', '.join(ACTIONS)}")
 
     def export(self, name: str | None, window: Bounds, pid: int | None,
-               limit_per_node: int | None, chains: str) -> dict[str, Any]:
+               limit_per_node: int | None, chains: str) -> FleetExport:
         """Every node's timeline into one file, as ``fleetd export --nodes`` writes it."""
         from fleetd.export.fleet import FleetExportOptions, export_fleet
 
@@ -143,8 +173,7 @@ class FleetBackend:
                 return await poll(self.opts, client, hang_after_s)
 
         answer, result = run_loop(go())
-        head = header(answer)
-        head.pop("skew")  # only ages are compared: no clock offset is sampled or needed
+        head = fan_out_of(answer)  # no skew: only ages are compared, no offset is sampled
         jobs: list[str] = []
         for h in result["hangs"]:
             for p in (*h["culprits"], *h["waiting"]):
@@ -162,7 +191,7 @@ class FleetBackend:
 
     # ---- actions ----------------------------------------------------------------------
 
-    def _sql(self, sql: str | None, params: list[Any], max_rows: int) -> dict[str, Any]:
+    def _sql(self, sql: str | None, params: list[Any], max_rows: int) -> FleetSql:
         if not sql:
             raise UsageError("action 'sql' needs sql", "pass one SELECT statement in sql")
         # Each node stops the SQL a little before our deadline, so a slow query comes back
@@ -179,7 +208,7 @@ class FleetBackend:
                 if truncated else []}
 
     def _ops(self, window: Bounds, pid: int | None, per_process: bool, top_n: int,
-             pod: str | None = None, namespace: str | None = None) -> dict[str, Any]:
+             pod: str | None = None, namespace: str | None = None) -> FleetOps:
         if pod or namespace:  # per process, each row with its pod (as fleetd ops --pod)
             at = COLUMNS.index("comm") + 1
             cols = [*COLUMNS[:at], "pod", *COLUMNS[at:]]
@@ -192,25 +221,28 @@ class FleetBackend:
         total_i = result.columns.index("total_ns")
         rows.sort(key=lambda r: -int(r[total_i] or 0))
         return {**header(result.answer), "columns": result.columns, "rows": rows[:top_n],
-                **shown("rows", len(rows), top_n)}
+                "rows_total": len(rows), **cut("rows", len(rows), top_n)}
 
-    def _overview(self, window: Bounds) -> dict[str, Any]:
+    def _overview(self, window: Bounds) -> FleetOverview:
         result = queries.overview(self.opts, window)
         names = self._names()
-        keep = ("node", "events", "by_source", "lost_events", "chains", "verdict", "window",
-                "warnings")
         found = []
         for n in result.obj["nodes"]:
-            item = {k: n.get(k) for k in keep}
+            item: NodeOverview = {}
+            for k in OVERVIEW_KEYS:
+                item[k] = n.get(k)
             item["sessions"] = len(n.get("sessions") or [])
-            item["top_ops"] = [{k: r.get(k) for k in ("op", "count", "total_ns", "p50_ns",
-                                                      "p99_ns")}
-                               for r in (n.get("top_ops") or [])[:5]]
+            item["top_ops"] = []
+            for r in (n.get("top_ops") or [])[:5]:
+                op: TopOp = {}
+                for t in TOP_OP_KEYS:
+                    op[t] = r.get(t)
+                item["top_ops"].append(op)
             found.append(item)
         return {NAMES_KEY: names, **header(result.answer), "nodes": found}
 
     def _stacks(self, window: Bounds, op: str | None, pid: int | None, top_n: int
-                ) -> dict[str, Any]:
+                ) -> FleetStacks:
         if op:
             op_code(op)  # refused here, once, rather than by every node
         result = queries.ask(self.opts, STACKS, window, STACKS.values(
@@ -218,22 +250,23 @@ class FleetBackend:
         found = result.obj["stacks"]
         bare = sum(int(n.get("events_without_stack") or 0) for n in result.obj["nodes"]
                    if isinstance(n.get("events_without_stack"), int))
-        out = {**header(result.answer), "op": op, "pid": pid, "stacks": found[:top_n],
-               **shown("stacks", len(found), top_n), "events_without_stack": bare}
+        out: FleetStacks = {**header(result.answer), "op": op, "pid": pid,
+                            "stacks": found[:top_n], "stacks_total": len(found),
+                            **cut("stacks", len(found), top_n), "events_without_stack": bare}
         if not found:
             out["note"] = NOTE_NO_STACKS
         return out
 
-    def _graphs(self, window: Bounds, pid: int | None) -> dict[str, Any]:
+    def _graphs(self, window: Bounds, pid: int | None) -> FleetGraphs:
         result = queries.ask(self.opts, GRAPHS, window,
                              GRAPHS.values({"pid": pid, "buckets": GRAPH_BUCKETS}))
         procs = result.obj["processes"]
-        out = {**header(result.answer), "processes": procs}
+        out: FleetGraphs = {**header(result.answer), "processes": procs}
         if not procs:
             out["note"] = "no CUDA graph call (capture, instantiate, launch) on any node"
         return out
 
-    def _gpu(self, window: Bounds, pid: int | None, top_n: int) -> dict[str, Any]:
+    def _gpu(self, window: Bounds, pid: int | None, top_n: int) -> FleetGpu:
         """Every node's imported GPU ranks side by side (``fleetd gpu --nodes``), the
         slowest flagged; kernel names come from the profiled programs, marked as data."""
         from fleetd.analyze.gpu.device import NOTE_NO_GPU, THRESHOLDS
@@ -243,15 +276,16 @@ class FleetBackend:
         obj = result.obj
         kernels = obj.get("kernels") or []
         ranks = obj.get("ranks") or []
-        out = {**header(result.answer), "ranks": ranks, "straggler": obj.get("straggler"),
-               "kernels": [{**k, "name": untrusted(k["name"])} for k in kernels[:top_n]],
-               **shown("kernels", len(kernels), top_n)}
+        out: FleetGpu = {**header(result.answer), "ranks": ranks,
+                         "straggler": obj.get("straggler"),
+                         "kernels": marked_kernels(kernels[:top_n]),
+                         "kernels_total": len(kernels), **cut("kernels", len(kernels), top_n)}
         if not ranks:
             out["note"] = NOTE_NO_GPU
         return out
 
     def ask(self, question: Question, win: Bounds, params: Params, node: str | None
-            ) -> dict[str, Any]:
+            ) -> Answer:
         """A question of the registry, of every node (``node``: its rows only), led by
         how the fan-out went."""
         result = queries.ask(self.opts, question, win, params)
@@ -262,7 +296,7 @@ class FleetBackend:
         return {**header(result.answer), **body}
 
     def cpu_profile(self, win: Bounds, pid: int | None, tid: int | None, top_n: int,
-                    stacks_n: int, node: str | None) -> dict[str, Any]:
+                    stacks_n: int, node: str | None) -> FleetProfile:
         """Every node's on-CPU samples (``GET /api/v1/cpu_stacks``, as ``fleetd profile
         --nodes``) merged into one profile: top frames over the fleet, and the heaviest
         (node, thread, stack) counts, each with its node. ``node``: that node's only."""
@@ -275,12 +309,16 @@ class FleetBackend:
                   if node is None or s["node"] == node]
         summary = profile(counts, int(result.obj["period_ns"]), top_n)
         ranked = sorted(counts, key=lambda c: (-c.samples, c.node, c.tid, c.frames))
-        heavy = [{"node": c.node, "pid": c.pid, "tid": c.tid,
-                  "frames": list(c.frames[:STACK_FRAMES * 2]), "samples": c.samples,
-                  "gc": c.gc} for c in ranked[:stacks_n]]
-        out: dict[str, Any] = {**header(result.answer), "pid": pid, "tid": tid,
-                               **{k: v for k, v in summary.items() if k != "note"},
-                               "stacks": heavy, **shown("stacks", len(ranked), stacks_n)}
+        heavy: list[HeavyStack] = [
+            {"node": c.node, "pid": c.pid, "tid": c.tid,
+             "frames": list(c.frames[:STACK_FRAMES * 2]), "samples": c.samples, "gc": c.gc}
+            for c in ranked[:stacks_n]]
+        out: FleetProfile = {
+            **header(result.answer), "pid": pid, "tid": tid,
+            "samples": summary["samples"], "gc_samples": summary["gc_samples"],
+            "period_ns": summary["period_ns"], "on_cpu_ns": summary["on_cpu_ns"],
+            "threads": summary["threads"], "stacks": heavy, "top": summary["top"],
+            "stacks_total": len(ranked), **cut("stacks", len(ranked), stacks_n)}
         if summary["note"]:
             out["note"] = summary["note"]
         return out
@@ -300,14 +338,14 @@ class FleetBackend:
 
     def _explain(self, action: str, window: Bounds, pid: int | None, top_n: int,
                  evidence_n: int, pod: str | None = None, namespace: str | None = None
-                 ) -> dict[str, Any]:
+                 ) -> FleetChains | FleetStragglers:
         result = queries.explain(self.opts, window, pid, pod, namespace)
         obj = result.obj
         chains = obj.get("chains") or []
         if action == "chains":
             return {**header(result.answer), "verdicts": obj.get("verdicts") or {},
                     "chains": [compact_chain(c, evidence_n) for c in chains[:top_n]],
-                    **shown("chains", len(chains), top_n)}
+                    "chains_total": len(chains), **cut("chains", len(chains), top_n)}
         ranked = obj.get("stragglers") or []
         why: dict[str, list[CompactChain]] = {}
         for s in ranked:  # a rank named by collective arrival first: its node's host chains
@@ -321,8 +359,15 @@ class FleetBackend:
                 "flagged": list(why), "why": why, "verdicts": obj.get("verdicts") or {}}
 
 
-def header(answer: FleetAnswer) -> dict[str, Any]:
-    """How the fan-out went, first in every fleet answer."""
+def fan_out_of(answer: FleetAnswer) -> FanOutPart:
+    """How the fan-out went: its status, who answered, and a line per node warning."""
+    return {"status": answer.status,
+            "answered": f"{len(answer.answered)} of {len(answer.outcomes)} node(s)",
+            "warnings": [f"node {w.node}: {w.error}" for w in answer.warnings]}
+
+
+def header(answer: FleetAnswer) -> Head:
+    """How the fan-out went, and each node's clock, first in every fleet answer."""
     skew = []
     for o in answer.outcomes:
         if o.skew is not None:
@@ -330,12 +375,7 @@ def header(answer: FleetAnswer) -> dict[str, Any]:
             skew.append(f"{o.name}: {o.skew.describe()}{fixed}")
         elif o.ok:
             skew.append(f"{o.name}: clock offset unknown; timestamps not corrected")
-    return {
-        "status": answer.status,
-        "answered": f"{len(answer.answered)} of {len(answer.outcomes)} node(s)",
-        "warnings": [f"node {w.node}: {w.error}" for w in answer.warnings],
-        "skew": skew,
-    }
+    return {**fan_out_of(answer), "skew": skew}
 
 
 def _mark_column(columns: list[str], rows: list[list[Any]], name: str) -> list[list[Any]]:

@@ -6,8 +6,9 @@ uses :meth:`SafeDB.query` (row/byte limits, ``truncated``); fleetd's own analysi
 with :meth:`SafeDB.analyze`, so even its fixed SQL cannot write. Each call opens its own
 connection: tools run on worker threads, and SafeDB is one-thread-at-a-time.
 
-The functions return plain dicts; :mod:`fleetd.mcp.server` cleans, marks and size-caps
-them on the way out (:mod:`fleetd.mcp.safety`).
+The functions return the answers of :mod:`fleetd.mcp.answers` (a registry question's
+own answer for ``ask``); :mod:`fleetd.mcp.server` cleans, marks and size-caps them on
+the way out (:mod:`fleetd.mcp.safety`).
 """
 
 from __future__ import annotations
@@ -20,26 +21,43 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NotRequired, TypeVar
+from typing import Any, TypeVar, cast
 
 from fleetd.analyze.causes.chains import SEVERITY_RANK
 from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
 from fleetd.analyze.pernode.opstats import COLUMNS
 from fleetd.analyze.reading import pods
 from fleetd.analyze.reading.answers import (
-    ChainCore,
     ChainJson,
-    EvidenceItem,
-    RankedCulprit,
+    GpuAnswer,
+    KernelRow,
+    OpRow,
+    ProcessRow,
     StragglerEntry,
 )
 from fleetd.analyze.reading.data import json_or_text, nodes
 from fleetd.analyze.reading.window import Window, resolve
 from fleetd.analyze.stacks import op_code
 from fleetd.errors import UsageError
-from fleetd.mcp.safety import NAMES_KEY, mark_rows, untrusted
+from fleetd.mcp.answers import (
+    BreakdownTool,
+    ChainsTool,
+    CompactChain,
+    CpuProfileTool,
+    Cut,
+    ExportAnswer,
+    GpuTool,
+    MarkedKernel,
+    Recording,
+    SessionCount,
+    SessionRow,
+    SqlTool,
+    StacksTool,
+    TraceStats,
+)
+from fleetd.mcp.safety import mark_rows, untrusted
 from fleetd.questions.catalog import GPU, GRAPHS, STACKS
-from fleetd.questions.spec import Params, Question
+from fleetd.questions.spec import Answer, Params, Question
 from fleetd.security.private_dir import private_dir, user_cache_base
 from fleetd.store.bounds import Bounds
 from fleetd.store.catalog import SOURCES
@@ -80,11 +98,11 @@ class LocalBackend:
     # ---- tools ------------------------------------------------------------------------
 
     def trace_stats(self, win: Bounds, pid: int | None, per_process: bool,
-                    source: str | None, top_n: int, node: str | None) -> dict[str, Any]:
+                    source: str | None, top_n: int, node: str | None) -> TraceStats:
         if source is not None and source not in SOURCES:
             raise UsageError(f"unknown source {source!r}", f"use one of: {', '.join(SOURCES)}")
 
-        def go(conn: sqlite3.Connection) -> dict[str, Any]:
+        def go(conn: sqlite3.Connection) -> TraceStats:
             a = Analysis.of(conn, win, node)
             names, w = a.node_names(), a.window
             rows = [r for r in a.op_stats(pid, per_process)
@@ -95,7 +113,7 @@ class LocalBackend:
                 "events_by_source": _by_source(conn, w, pid, node),
                 "sessions": _sessions(conn, node),
                 "ops": {"columns": cols, "rows": [_op_row(r, cols) for r in rows[:top_n]]},
-                **shown("ops", len(rows), top_n),
+                "ops_total": len(rows), **cut("ops", len(rows), top_n),
                 "warnings": list(w.warnings),
             }
 
@@ -103,21 +121,23 @@ class LocalBackend:
 
     def causal_chains(self, win: Bounds, pid: int | None, top_n: int, min_severity: str,
                       evidence_n: int, node: str | None, pod: str | None = None,
-                      namespace: str | None = None) -> dict[str, Any]:
+                      namespace: str | None = None) -> ChainsTool:
         bar = SEVERITY_RANK[min_severity]
 
-        def go(conn: sqlite3.Connection) -> dict[str, Any]:
+        def go(conn: sqlite3.Connection) -> ChainsTool:
             a = Analysis.of(conn, win, node)
             a.node_names()
             report = a.explain(pid, pids=pods.selected(conn, pid, pod, namespace, ""))
             chains = [c for c in report["chains"] if SEVERITY_RANK[c["severity"]] <= bar]
             counts = {s: sum(1 for c in report["chains"] if c["severity"] == s)
                       for s in SEVERITY_RANK}
-            out = {NAMES_KEY: process_names(conn),
-                   "verdict": report["verdict"], "quiet": report["quiet"],
-                   "window": report["window"], "nodes": report["nodes"], "counts": counts,
-                   "chains": [compact_chain(c, evidence_n) for c in chains[:top_n]],
-                   **shown("chains", len(chains), top_n), "warnings": report["warnings"]}
+            out: ChainsTool = {
+                "_traced_names": process_names(conn),
+                "verdict": report["verdict"], "quiet": report["quiet"],
+                "window": report["window"], "nodes": report["nodes"], "counts": counts,
+                "chains": [compact_chain(c, evidence_n) for c in chains[:top_n]],
+                "chains_total": len(chains), **cut("chains", len(chains), top_n),
+                "warnings": report["warnings"]}
             arrivals = a.collectives()  # NCCL collectives: the rank the others wait for
             if len(report["nodes"]) > 1 or arrivals["stragglers"]:
                 # A merged file: rank its nodes as the fleet client ranks live ones.
@@ -129,39 +149,40 @@ class LocalBackend:
 
     def latency_breakdown(self, win: Bounds, pid: int | None, top_n: int, threads_n: int,
                           node: str | None, pod: str | None = None,
-                          namespace: str | None = None) -> dict[str, Any]:
-        def go(conn: sqlite3.Connection) -> dict[str, Any]:
+                          namespace: str | None = None) -> BreakdownTool:
+        def go(conn: sqlite3.Connection) -> BreakdownTool:
             a = Analysis.of(conn, win, node)
             a.node_names()
             w = a.window
             procs = a.breakdown(pid, pods.selected(conn, pid, pod, namespace, ""))
             return {"window": w.to_json(),
                     "processes": [_breakdown(p, threads_n) for p in procs[:top_n]],
-                    **shown("processes", len(procs), top_n), "warnings": list(w.warnings)}
+                    "processes_total": len(procs), **cut("processes", len(procs), top_n),
+                    "warnings": list(w.warnings)}
 
         return self.analyze(go)
 
     def stacks(self, win: Bounds, op: str | None, pid: int | None, top_n: int,
-               frames_n: int, node: str | None) -> dict[str, Any]:
+               frames_n: int, node: str | None) -> StacksTool:
         if op:
             op_code(op)  # an unknown op is refused before the file is opened
         got = self.ask(STACKS, win, STACKS.values(
             {"op": op, "pid": pid, "top_n": top_n, "frames_n": frames_n}), node)
         found = got["stacks"]
-        out: dict[str, Any] = {
+        out: StacksTool = {
             "window": got["window"], "op": op, "pid": pid, "stacks": found[:top_n],
-            **shown("stacks", len(found), top_n),
+            "stacks_total": len(found), **cut("stacks", len(found), top_n),
             "events_without_stack": got["events_without_stack"], "warnings": got["warnings"]}
         if got.get("note"):
             out["note"] = got["note"]
         return out
 
     def cpu_profile(self, win: Bounds, pid: int | None, tid: int | None, top_n: int,
-                    stacks_n: int, node: str | None) -> dict[str, Any]:
+                    stacks_n: int, node: str | None) -> CpuProfileTool:
         """The on-CPU profile (fleetd profile): top frames, and the heaviest stacks."""
         from fleetd.analyze.reading.profile import StackCount, profile, stack_counts, stacks_json
 
-        def go(conn: sqlite3.Connection) -> dict[str, Any]:
+        def go(conn: sqlite3.Connection) -> CpuProfileTool:
             a = Analysis.of(conn, win, node)
             counts: list[StackCount] = []
             period = 0
@@ -171,11 +192,14 @@ class LocalBackend:
                 period = max(period, p)
             summary = profile(counts, period, top_n)
             heavy, left = stacks_json(counts, stacks_n, 32)
-            out: dict[str, Any] = {"window": a.window.to_json(), "pid": pid, "tid": tid,
-                                   **{k: v for k, v in summary.items() if k != "note"},
-                                   "stacks": heavy, **shown("stacks", len(heavy) + left,
-                                                            stacks_n),
-                                   "warnings": list(a.window.warnings)}
+            total = len(heavy) + left
+            out: CpuProfileTool = {
+                "window": a.window.to_json(), "pid": pid, "tid": tid,
+                "samples": summary["samples"], "gc_samples": summary["gc_samples"],
+                "period_ns": summary["period_ns"], "on_cpu_ns": summary["on_cpu_ns"],
+                "threads": summary["threads"], "stacks": heavy, "top": summary["top"],
+                "stacks_total": total, **cut("stacks", total, stacks_n),
+                "warnings": list(a.window.warnings)}
             if summary["note"]:
                 out["note"] = summary["note"]
             return out
@@ -183,7 +207,7 @@ class LocalBackend:
         return self.analyze(go)
 
     def run_sql(self, sql: str, params: list[Any], max_rows: int, timeout_s: float
-                ) -> dict[str, Any]:
+                ) -> SqlTool:
         limits = self.sql_limits.lowered(timeout_s=timeout_s, max_rows=max_rows)
         with SafeDB(self.db, self.sql_limits) as db:
             res = db.query(sql, params, limits)
@@ -194,36 +218,39 @@ class LocalBackend:
                 "elapsed_ms": round(res.elapsed_ms, 2), "warnings": res.warnings}
 
     def graphs(self, win: Bounds, pid: int | None, buckets: int, node: str | None
-               ) -> dict[str, Any]:
+               ) -> Answer:
         return self.ask(GRAPHS, win, GRAPHS.values({"pid": pid, "buckets": buckets}), node)
 
     def gpu(self, win: Bounds, pid: int | None, steps: bool, top_n: int,
-            node: str | None) -> dict[str, Any]:
+            node: str | None) -> GpuTool:
         """The GPU breakdown of imported timelines, kernel table cut to ``top_n``; kernel
         names come from the profiled program's file, so they are marked as data."""
-        got = self.ask(GPU, win, GPU.values({"pid": pid, "steps": steps}), node)
+        # The GPU question's answer over a file is the analyzer's own: a GpuAnswer.
+        got = cast(GpuAnswer, self.ask(GPU, win, GPU.values({"pid": pid, "steps": steps}),
+                                       node))
         return compact_gpu(got, top_n)
 
     def ask(self, question: Question, win: Bounds, params: Params, node: str | None
-            ) -> dict[str, Any]:
-        """A question of the registry, of this file (``node``: that node of it)."""
-        def go(conn: sqlite3.Connection) -> dict[str, Any]:
+            ) -> Answer:
+        """A question of the registry, of this file (``node``: that node of it): the
+        question's own answer (its ``shape``)."""
+        def go(conn: sqlite3.Connection) -> Answer:
             a = Analysis.of(conn, win if question.windowed else Bounds(), node)
             a.node_names()
             return dict(question.answer_locally(a, params))
 
         return self.analyze(go)
 
-    def recording(self) -> dict[str, Any]:
+    def recording(self) -> Recording:
         """What the file says about how it was recorded (for get_check)."""
-        def go(conn: sqlite3.Connection) -> dict[str, Any]:
+        def go(conn: sqlite3.Connection) -> Recording:
             return {"db": str(self.db), "nodes": [n.name for n in nodes(conn)],
                     "sessions": _session_details(conn)}
 
         return self.analyze(go)
 
     def export(self, name: str | None, win: Bounds, pid: int | None,
-               limit_per_node: int | None, chains: str) -> dict[str, Any]:
+               limit_per_node: int | None, chains: str) -> ExportAnswer:
         from fleetd.export.local import LocalOptions, local_traces
         from fleetd.export.output import open_output
         from fleetd.export.perfetto import write_trace
@@ -246,16 +273,6 @@ class LocalBackend:
 # ---- helpers shared with the fleet backend ---------------------------------------------------
 
 
-class CompactChain(ChainCore):
-    """A chain as the MCP tools give it: :class:`ChainJson` without its ``key``, with
-    three culprits, ``evidence_n`` evidence items (``evidence_omitted``: the rest) and
-    without the flame graph's stacks (``get_cpu_profile`` gives them)."""
-
-    culprits: list[RankedCulprit]
-    evidence: list[EvidenceItem]
-    evidence_omitted: NotRequired[int]
-
-
 def compact_chain(c: ChainJson, evidence_n: int) -> CompactChain:
     """A chain as explain gives it, minus internal keys, with short lists."""
     evidence = c["evidence"]
@@ -274,14 +291,19 @@ def compact_chain(c: ChainJson, evidence_n: int) -> CompactChain:
     return out
 
 
-def compact_gpu(report: dict[str, Any], top_n: int) -> dict[str, Any]:
+def compact_gpu(report: GpuAnswer, top_n: int) -> GpuTool:
     """``fleetd gpu``'s report for a model: the kernel table cut to ``top_n`` rows (the
     cut reported), kernel names marked as untrusted data."""
-    out = dict(report)
-    kernels = list(report.get("kernels") or [])
-    out["kernels"] = [{**k, "name": untrusted(k["name"])} for k in kernels[:top_n]]
-    out["kernels_shown"] = shown("kernels", len(kernels), top_n)
+    kernels = report["kernels"]
+    out: GpuTool = {**report, "kernels": marked_kernels(kernels[:top_n]),
+                    "kernels_shown": {"kernels_total": len(kernels),
+                                      **cut("kernels", len(kernels), top_n)}}
     return out
+
+
+def marked_kernels(kernels: list[KernelRow]) -> list[MarkedKernel]:
+    """Kernel rows with their names (the profiled program's) marked as data."""
+    return [{**k, "name": untrusted(k["name"])} for k in kernels]
 
 
 def compact_straggler(s: StragglerEntry) -> StragglerEntry:
@@ -323,7 +345,7 @@ def private_export_dir(directory: Path) -> Path:
                        "directory of yours that nobody else can write)")
 
 
-def export_answer(path: Path, stats: list[Any], warnings: list[str]) -> dict[str, Any]:
+def export_answer(path: Path, stats: list[Any], warnings: list[str]) -> ExportAnswer:
     return {
         "path": str(path), "bytes": path.stat().st_size,
         "format": "Chrome Trace Event JSON" + (" (gzip)" if path.name.endswith(".gz") else ""),
@@ -333,15 +355,16 @@ def export_answer(path: Path, stats: list[Any], warnings: list[str]) -> dict[str
         "events": sum(s.events for s in stats), "warnings": warnings}
 
 
-def shown(what: str, total: int, limit: int) -> dict[str, Any]:
-    """``<what>_total``, and the truncation flag when ``top_n`` hid some."""
+def cut(what: str, total: int, limit: int) -> Cut:
+    """Whether ``top_n`` hid some of ``total`` (the answer says ``<what>_total`` just
+    before), and how to see them."""
     if total <= limit:
-        return {f"{what}_total": total, "truncated": False}
-    return {f"{what}_total": total, "truncated": True,
+        return {"truncated": False}
+    return {"truncated": True,
             "truncated_reason": [f"top_n: {limit} of {total} {what} shown; raise top_n for more"]}
 
 
-def _op_row(r: dict[str, Any], cols: list[str]) -> list[Any]:
+def _op_row(r: OpRow, cols: list[str]) -> list[Any]:
     return [untrusted(r[c]) if c == "comm" and r[c] is not None else r[c] for c in cols]
 
 
@@ -373,7 +396,7 @@ def _by_source(conn: sqlite3.Connection, w: Window, pid: int | None,
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def _sessions(conn: sqlite3.Connection, node: str | None) -> list[dict[str, Any]]:
+def _sessions(conn: sqlite3.Connection, node: str | None) -> list[SessionCount]:
     sql = ("SELECT node, count(*), sum(lost_events), sum(dropped_stacks), sum(sampled_out) "
            "FROM sessions" + (" WHERE node = ?" if node else "") + " GROUP BY node")
     return [{"node": n, "sessions": c, "lost_events": lost or 0, "dropped_stacks": ds or 0,
@@ -381,21 +404,20 @@ def _sessions(conn: sqlite3.Connection, node: str | None) -> list[dict[str, Any]
             for n, c, lost, ds, so in conn.execute(sql, (node,) if node else ())]
 
 
-def _session_details(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+def _session_details(conn: sqlite3.Connection) -> list[SessionRow]:
     cols = ("id", "node", "host", "kernel", "started_ns", "ended_ns", "tool_version",
             "headers_route", "lost_events", "dropped_stacks", "sampled_out", "drops",
             "targets", "rank", "world_size")
     rows = conn.execute(f"SELECT {', '.join(cols)} FROM sessions ORDER BY started_ns "
                         "DESC LIMIT 20").fetchall()
-    out = []
-    for r in rows:
-        d = dict(zip(cols, r, strict=True))
-        d["drops"] = json_or_text(d["drops"])
-        out.append(d)
-    return out
+    return [{"id": r[0], "node": r[1], "host": r[2], "kernel": r[3], "started_ns": r[4],
+             "ended_ns": r[5], "tool_version": r[6], "headers_route": r[7],
+             "lost_events": r[8], "dropped_stacks": r[9], "sampled_out": r[10],
+             "drops": json_or_text(r[11]), "targets": r[12], "rank": r[13],
+             "world_size": r[14]} for r in rows]
 
 
-def _breakdown(p: dict[str, Any], threads_n: int) -> dict[str, Any]:
+def _breakdown(p: ProcessRow, threads_n: int) -> ProcessRow:
     out = {k: v for k, v in p.items() if k not in ("threads", "top_ops")}
     threads = list(p["threads"])
     out["threads"] = [_thread(t) for t in threads[:threads_n]]

@@ -26,7 +26,7 @@ import math
 import re
 import unicodedata
 from collections.abc import Iterable
-from typing import Annotated, Any
+from typing import Annotated, Any, Final, TypedDict
 
 import orjson
 from pydantic import Strict
@@ -36,9 +36,9 @@ from pydantic import Strict
 # count; strict, such a number is a tool error that says an integer was expected.
 Int = Annotated[int, Strict()]
 
-UNTRUSTED = "untrusted"
+UNTRUSTED: Final = "untrusted"
 # A backend may list more traced names under this key; the server takes it out.
-NAMES_KEY = "_traced_names"
+NAMES_KEY: Final = "_traced_names"
 # Fields whose values come from the traced machine, not from fleetd.
 TRACED_KEYS = frozenset({
     "comm", "thread", "peer_comm", "victim_comm", "culprit_comm", "main_comm", "exe",
@@ -85,12 +85,18 @@ def clean(text: str, cap: int = TEXT_CAP, *, quoted: bool = False) -> str:
     return result
 
 
-def untrusted(value: Any) -> dict[str, Any]:
+class Untrusted(TypedDict):
+    """A traced value (a string, or a list or table of them) marked as data."""
+
+    untrusted: Any
+
+
+def untrusted(value: Any) -> Untrusted:
     """Mark a traced value (a string, or a list/table of them) as data."""
     return {UNTRUSTED: _cell(value, NAME_CAP)}
 
 
-def mark_rows(rows: Iterable[Iterable[Any]], cap: int = TEXT_CAP) -> dict[str, Any]:
+def mark_rows(rows: Iterable[Iterable[Any]], cap: int = TEXT_CAP) -> Untrusted:
     """SQL rows: every cell is whatever the database held, so the whole table is marked."""
     return {UNTRUSTED: [[_cell(v, cap) for v in row] for row in rows]}
 

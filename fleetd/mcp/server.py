@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -44,6 +44,7 @@ from fleetd.errors import (
     UsageError,
 )
 from fleetd.mcp import prompts
+from fleetd.mcp.answers import ExportAnswer, FileCheck, FleetCheck, MachineCheck
 from fleetd.mcp.fleet import ACTIONS, FleetBackend
 from fleetd.mcp.local import LocalBackend
 from fleetd.mcp.safety import NAMES_KEY, Int, clean, fit, scrub
@@ -111,7 +112,7 @@ class Answers:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
 
-    def __call__(self, tool: str, produce: Callable[[], dict[str, Any]]) -> CallToolResult:
+    def __call__(self, tool: str, produce: Callable[[], Mapping[str, Any]]) -> CallToolResult:
         started = time.perf_counter()
         try:
             payload = produce()
@@ -129,7 +130,8 @@ class Answers:
         return result
 
 
-def finish(payload: dict[str, Any], max_bytes: int) -> CallToolResult:
+def finish(answer: Mapping[str, Any], max_bytes: int) -> CallToolResult:
+    payload = dict(answer)  # a tool's answer (fleetd.mcp.answers), names taken out
     names = payload.pop(NAMES_KEY, ())
     cleaned: dict[str, Any] = scrub(payload, names)
     cleaned.setdefault("truncated", False)
@@ -190,11 +192,11 @@ def _check_tool(server: MCPServer, backend: LocalBackend | FleetBackend,
             description="also compile the BPF programs and attach every probe to the CUDA "
             "libraries found, then detach (needs root; takes seconds)")] = False,
     ) -> CallToolResult:
-        def go() -> dict[str, Any]:
+        def go() -> FileCheck | FleetCheck:
             from fleetd.trace.checks import FAIL, WARN, run_checks
 
             checks = [c.as_dict() for c in run_checks(attach=attach_probes)]
-            here = {"can_trace": not any(c["status"] == FAIL for c in checks),
+            here: MachineCheck = {"can_trace": not any(c["status"] == FAIL for c in checks),
                     "warnings": sum(1 for c in checks if c["status"] == WARN),
                     "checks": checks}
             if isinstance(backend, LocalBackend):
@@ -359,7 +361,7 @@ def _local_tools(server: MCPServer, b: LocalBackend, answers: Answers) -> None:
 
 Arg = tuple[str, Any, Any]  # a tool argument: name, type (Annotated), default
 WINDOW: list[Arg] = [("since", Since, None), ("start", Start, None), ("end", End, None)]
-Call = Callable[[Bounds, dict[str, Any]], dict[str, Any]]
+Call = Callable[[Bounds, dict[str, Any]], Mapping[str, Any]]  # the tool's answer
 
 
 def _tool(server: MCPServer, answers: Answers, name: str, args: list[Arg], call: Call,
@@ -498,7 +500,7 @@ def _export_tool(server: MCPServer, backend: LocalBackend | FleetBackend,
             description="causal chain markers: stored ones else computed (auto), only "
             "stored, always computed, or none")] = "auto",
     ) -> CallToolResult:
-        def go() -> dict[str, Any]:
+        def go() -> ExportAnswer:
             return backend.export(name, Bounds.parse(since, start, end), pid, limit_per_node,
                                   chains)
 

@@ -43,6 +43,7 @@ from fleetd.analyze.reading.answers import (
     GraphsAnswer,
     GraphTimeline,
     Judgement,
+    KernelFigures,
     KernelRow,
     MetricScore,
     NodeExplain,
@@ -71,8 +72,8 @@ __all__ = [
     "Delays", "EvidenceItem", "ExplainReport", "ExposedPrep", "FlameStack", "FlameStacks",
     "FrameShare", "GpuAnswer", "GpuBrief", "GpuFigures", "GpuRank", "GpuStep",
     "GraphEpisode", "GraphPhase", "GraphProcess", "GraphRates", "GraphTimeline",
-    "GraphsAnswer", "Judgement", "KernelRow", "MetricScore", "NoProfile", "NodeExplain",
-    "NodeProfile", "OpRow", "OverviewAnswer", "OverviewSession", "ProcessRow", "RankSpan",
-    "RankStraggler", "RankVerdict", "RankedCulprit", "StackGroup", "StackProcess",
+    "GraphsAnswer", "Judgement", "KernelFigures", "KernelRow", "MetricScore", "NoProfile",
+    "NodeExplain", "NodeProfile", "OpRow", "OverviewAnswer", "OverviewSession", "ProcessRow",
+    "RankSpan", "RankStraggler", "RankVerdict", "RankedCulprit", "StackGroup", "StackProcess",
     "StacksAnswer", "StragglerEntry", "Victim", "WindowJson"
 ]

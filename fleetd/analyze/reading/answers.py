@@ -501,14 +501,17 @@ class GpuRank(RankSpan, GpuFigures):
     host_frames: NotRequired[dict[str, Any]]  # fleetd.analyze.causes.idle_frames.during_idle
 
 
-class KernelRow(TypedDict):
-    name: str
+class KernelFigures(TypedDict):
     count: int
     total_ns: int
     mean_ns: float
     p50_ns: float
     p99_ns: float
     share_pct: float
+
+
+class KernelRow(KernelFigures):
+    name: str
 
 
 class RankStraggler(TypedDict):
