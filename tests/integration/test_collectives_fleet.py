@@ -126,12 +126,16 @@ def test_a_lying_node_is_a_warning_and_the_others_are_kept(setup: Any, liar: Ans
     pki, agents = setup
     good = {"node": "liar", "columns": ["ts_ns", "dur_ns", "pid", "tid", "op", "ret", "bytes",
                                         "seq", "comm_ptr", "comm_hash", "rank", "nranks"]}
+    window = {"start_ns": 0, "end_ns": 1, "label": "all", "start": "1970-01-01T00:00:00Z",
+              "end": "1970-01-01T00:00:00Z"}
     liar.answers = {
         "/api/v1/collectives": {**good, "rows": [[1, 1, 1, 1, "ncclAllReduce\x1b[2J", 0, 0,
                                                   1, None, None, None, None]]},
-        "/api/v1/chains": {"node": "liar", "chains": [], "processes": [], "warnings": [],
-                           "verdict": "quiet"},
-        "/api/v1/profile": {"node": "liar", "features": {}},
+        # A node with no CUDA work: no chains, no main process, no features.
+        "/api/v1/chains": {"node": "liar", "window": window, "chains": [], "processes": [],
+                           "warnings": [], "verdict": "quiet"},
+        "/api/v1/profile": {"node": "liar", "window": window, "main_pid": None,
+                            "features": {}},
     }
     proc = fleet(pki, agents, "collectives", "--format", "json", more=(liar.address,))
     assert proc.returncode == EXIT_PARTIAL, proc.stderr
