@@ -13,7 +13,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Collection, Mapping, Sequence
 from functools import cached_property
-from typing import Any, cast
+from typing import Any
 
 from fleetd.analyze import explain as explainer
 from fleetd.analyze.distributed import collectives as coll
@@ -25,7 +25,6 @@ from fleetd.analyze.pernode.model import NodeSlice
 from fleetd.analyze.reading import pods
 from fleetd.analyze.reading.answers import (
     ChainJson,
-    CollectivesAnswer,
     ExplainReport,
     GpuAnswer,
     GraphsAnswer,
@@ -36,6 +35,7 @@ from fleetd.analyze.reading.answers import (
     StacksAnswer,
     StragglerEntry,
 )
+from fleetd.analyze.reading.answers_collectives import CollectivesAnswer
 from fleetd.analyze.reading.data import Node, nodes
 from fleetd.analyze.reading.window import Window, resolve
 from fleetd.analyze.stacks import NOTE_NO_STACKS, op_code, stack_groups
@@ -138,7 +138,7 @@ class Analysis:
         node; ``clocks``: node -> (offset, error)."""
         # coll.analyze assembles it from untyped parts; tests/unit/test_answer_shapes.py
         # holds real answers to the class.
-        return cast(CollectivesAnswer, coll.analyze(self.arrivals(max_rows), clocks))
+        return coll.analyze(self.arrivals(max_rows), clocks)
 
     def breakdown(self, pid: int | None = None, pids: Collection[int] | None = None
                   ) -> list[dict[str, Any]]:

@@ -41,6 +41,7 @@ from fleetd.questions.catalog import COLLECTIVES
 from fleetd.questions.spec import Params
 from fleetd.runner import run_loop
 from fleetd.store.bounds import Bounds
+from fleetd.wire.answers import CollectivesAnswer
 from fleetd.wire.collectives import check_reply
 from fleetd.wire.failure import BadReply, Failure, NodeFailed
 from fleetd.wire.values import printable
@@ -117,7 +118,7 @@ async def _optional(client: FleetClient, t: Target, r: Request) -> dict[str, Any
 
 
 def from_answer(answer: FleetAnswer, index: int, max_rows: int = coll.DEFAULT_ROWS,
-                *, strict: bool = False) -> dict[str, Any]:
+                *, strict: bool = False) -> CollectivesAnswer:
     """The arrival report over the answered nodes' ``index``-th replies. A node whose
     arrivals are missing or malformed is a warning (``strict``: a failed node), and the
     others are compared without it."""

@@ -2,24 +2,18 @@
 
 The analyzers build their answers as these types; the agent serves them and the fleet
 client, the MCP server and the CLI read and render them, so mypy holds both ends to one
-shape. The classes are defined in :mod:`fleetd.analyze.reading.answers`, beside their producers
-(an analyzer may not import this layer, docs/architecture.md); this module names them
-for the layers above. It imports nothing heavy: ``typing`` and that one module.
+shape. The classes are defined in :mod:`fleetd.analyze.reading.answers` (the
+collectives' in :mod:`fleetd.analyze.reading.answers_collectives`), beside their
+producers (an analyzer may not import this layer, docs/architecture.md); this module
+names them for the layers above. It imports nothing heavy: ``typing`` and those two.
 """
 
 from __future__ import annotations
 
 from fleetd.analyze.reading.answers import (
     ANSWERS,
-    AlignmentSummary,
     ChainDetail,
     ChainJson,
-    ClockJson,
-    CollectiveRank,
-    CollectivesAnswer,
-    CollectiveStraggler,
-    Communicator,
-    CommunicatorAlignment,
     CpuProfile,
     CpuStack,
     CpuStacksAnswer,
@@ -64,6 +58,16 @@ from fleetd.analyze.reading.answers import (
     Victim,
     WindowJson,
 )
+from fleetd.analyze.reading.answers_collectives import (
+    AlignmentSummary,
+    ClockJson,
+    CollectiveRank,
+    CollectivesAnswer,
+    CollectiveStraggler,
+    Communicator,
+    CommunicatorAlignment,
+    Stretch,
+)
 
 __all__ = [
     "ANSWERS", "AlignmentSummary", "ChainDetail", "ChainJson", "ClockJson",
@@ -75,5 +79,5 @@ __all__ = [
     "GraphsAnswer", "Judgement", "KernelFigures", "KernelRow", "MetricScore", "NoProfile",
     "NodeExplain", "NodeProfile", "OpRow", "OverviewAnswer", "OverviewSession", "ProcessRow",
     "RankSpan", "RankStraggler", "RankVerdict", "RankedCulprit", "StackGroup", "StackProcess",
-    "StacksAnswer", "StragglerEntry", "Victim", "WindowJson"
+    "StacksAnswer", "StragglerEntry", "Stretch", "Victim", "WindowJson"
 ]

@@ -82,6 +82,16 @@ from fleetd.analyze.distributed.arrivals import (
 from fleetd.analyze.distributed.nccl_failures import NCCL_CODES, failed, failures, nccl_error
 from fleetd.analyze.distributed.stragglers import chain_brief
 from fleetd.analyze.reading.answers import ChainJson, StragglerEntry
+from fleetd.analyze.reading.answers_collectives import (
+    AlignmentSummary,
+    ClockJson,
+    CollectiveRank,
+    CollectivesAnswer,
+    CollectiveStraggler,
+    Communicator,
+    CommunicatorAlignment,
+    Stretch,
+)
 from fleetd.store.clockinfo import Clock, combined_error
 
 __all__ = [  # the arrival side and the failures, used from here by older callers
@@ -154,7 +164,7 @@ class _Stretch(NamedTuple):
 
 
 def analyze(parts: Sequence[NodeArrivals], clocks: Mapping[str, Clock] | None = None
-            ) -> dict[str, Any]:
+            ) -> CollectivesAnswer:
     """The arrival report over every node's calls (docs/json.md, ``fleetd collectives``).
 
     ``clocks``: node -> (offset, error) to move arrivals into one clock; without it, the
@@ -219,7 +229,7 @@ def analyze(parts: Sequence[NodeArrivals], clocks: Mapping[str, Clock] | None = 
     found = sorted((c["straggler"] for c in out if c["straggler"]),
                    key=lambda s: (-s["share_last"], -s["judged"], s["node"], s["pid"]))
     seen: set[tuple[str, int]] = set()
-    stragglers = []
+    stragglers: list[CollectiveStraggler] = []
     for s in found:  # one entry per process, its clearest communicator
         if (s["node"], s["pid"]) not in seen:
             seen.add((s["node"], s["pid"]))
@@ -234,11 +244,17 @@ def analyze(parts: Sequence[NodeArrivals], clocks: Mapping[str, Clock] | None = 
         "events": events,
         "unmatched": unmatched,
         "truncated": any(p.truncated for p in parts),
-        "clocks": {n: {"offset_ns": c.offset_ns, "error_ns": c.error_ns,
-                       **({"domain": c.domain} if c.domain else {})}
+        "clocks": {n: _clock_json(c)
                    for n, c in sorted((n, Clock(*c)) for n, c in clocks.items())},
         "notes": warnings,
     }
+
+
+def _clock_json(c: Clock) -> ClockJson:
+    out: ClockJson = {"offset_ns": c.offset_ns, "error_ns": c.error_ns}
+    if c.domain:
+        out["domain"] = c.domain
+    return out
 
 
 def _instances(c: _Comm, clocks: Mapping[str, Clock]) -> None:
@@ -281,19 +297,21 @@ def _for_alignment(calls: Mapping[_Stretch, Sequence[tuple[int, _Hit]]]
     return out
 
 
-def _alignment_json(c: _Comm, nranks: int | None, warnings: list[str]) -> dict[str, Any]:
+def _alignment_json(c: _Comm, nranks: int | None, warnings: list[str]
+                    ) -> CommunicatorAlignment:
     """How the ranks' numbers were matched: method, confidence, and per stretch of a
     process's calls its offset (added to its numbers) and how it was found."""
     al = c.alignment
     assert al is not None
-    stretches = []
+    stretches: list[Stretch] = []
     for k in sorted(al.offsets, key=lambda k: (k.rank, k.node, k.pid, k.part)):
         p = al.pairs.get(k)
-        stretches.append({"rank": k.rank, "node": k.node, "pid": k.pid,
-                          "offset": al.offsets[k], "confidence": al.confidence_of(k),
-                          **({"by": p.by, "pairs": p.pairs, "residual_ns": p.residual_ns,
-                              "runner_up_ns": p.runner_up_ns, "reason": p.reason or None}
-                             if p is not None else {})})
+        stretch: Stretch = {"rank": k.rank, "node": k.node, "pid": k.pid,
+                            "offset": al.offsets[k], "confidence": al.confidence_of(k)}
+        if p is not None:
+            stretch.update({"by": p.by, "pairs": p.pairs, "residual_ns": p.residual_ns,
+                            "runner_up_ns": p.runner_up_ns, "reason": p.reason or None})
+        stretches.append(stretch)
     unsure = sorted({k.rank for k in al.offsets if not al.sure(k)})
     if unsure:
         why = "; ".join(sorted({p.reason for k, p in al.pairs.items()
@@ -306,13 +324,14 @@ def _alignment_json(c: _Comm, nranks: int | None, warnings: list[str]) -> dict[s
             "stretches": stretches[:4 * (nranks or 64)]}
 
 
-def _overall(comms: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+def _overall(comms: Sequence[Communicator]) -> AlignmentSummary | None:
     """The weakest alignment over the communicators (None without any)."""
     found = [c["alignment"] for c in comms]
     if not found:
         return None
     worst = max(found, key=lambda a: align.CONFIDENCES.index(a["confidence"]))
-    return {k: worst[k] for k in ("method", "confidence", "by", "text")}
+    return {"method": worst["method"], "confidence": worst["confidence"], "by": worst["by"],
+            "text": worst["text"]}
 
 
 def _ordinals(arrivals: Iterable[Arrival]) -> dict[tuple[int, str | None], int]:
@@ -372,7 +391,7 @@ def _ambiguous(inst: Mapping[int, _Hit], hits: Sequence[tuple[int, int]],
 
 
 def _report(c: _Comm, clocks: Mapping[str, Clock], procs: Mapping[tuple[str, int], Proc],
-            warnings: list[str]) -> dict[str, Any]:
+            warnings: list[str]) -> Communicator:
     nranks = c.sizes.most_common(1)[0][0] if c.sizes else None
     expected = frozenset(range(nranks)) if nranks else frozenset(c.ranks)
     complete = [s for s, inst in c.instances.items() if expected <= inst.keys()]
@@ -431,7 +450,7 @@ def _report(c: _Comm, clocks: Mapping[str, Clock], procs: Mapping[tuple[str, int
 
 
 def _rank_row(rank: int, st: _RankStats, procs: Mapping[tuple[str, int], Proc]
-              ) -> dict[str, Any]:
+              ) -> CollectiveRank:
     node, pid = st.who.most_common(1)[0][0]
     proc = procs.get((node, pid))
     return {
@@ -444,8 +463,8 @@ def _rank_row(rank: int, st: _RankStats, procs: Mapping[tuple[str, int], Proc]
     }
 
 
-def _decide(c: _Comm, judged: int, ambiguous: int, ranks: list[dict[str, Any]]
-            ) -> tuple[dict[str, Any] | None, str]:
+def _decide(c: _Comm, judged: int, ambiguous: int, ranks: list[CollectiveRank]
+            ) -> tuple[CollectiveStraggler | None, str]:
     """The communicator's straggler (or None) and one line saying why."""
     where = f"{c.matching} {c.key}"
     if judged < MIN_INSTANCES:
@@ -469,15 +488,16 @@ def _decide(c: _Comm, judged: int, ambiguous: int, ranks: list[dict[str, Any]]
               f"{top['node']}) arrived last in {share:.0%} of {judged} collectives of "
               f"{where}, a median {dur_text(late)} after the others (p99 "
               f"{dur_text(top['lateness_p99_ns'] or 0)})")
-    straggler = {"communicator": c.key, "matching": c.matching, "rank": top["rank"],
-                 "node": top["node"], "pid": top["pid"], "comm": top["comm"],
-                 "share_last": round(share, 4), "last": top["last"], "judged": judged,
-                 "lateness_p50_ns": top["lateness_p50_ns"],
-                 "lateness_p99_ns": top["lateness_p99_ns"], "reason": reason}
+    straggler: CollectiveStraggler = {
+        "communicator": c.key, "matching": c.matching, "rank": top["rank"],
+        "node": top["node"], "pid": top["pid"], "comm": top["comm"],
+        "share_last": round(share, 4), "last": top["last"], "judged": judged,
+        "lateness_p50_ns": top["lateness_p50_ns"],
+        "lateness_p99_ns": top["lateness_p99_ns"], "reason": reason}
     return straggler, f"{where}: straggler {reason}"
 
 
-def _verdict(comms: list[dict[str, Any]], stragglers: list[dict[str, Any]], events: int
+def _verdict(comms: list[Communicator], stragglers: list[CollectiveStraggler], events: int
              ) -> str:
     if not events:
         return "no NCCL collective in the window"

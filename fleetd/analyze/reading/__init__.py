@@ -1,6 +1,7 @@
 """What every analyzer reads: the window (``window``), one node's slice of a
 database (``data``, ``nodeview``), per-cgroup samples (``cgroup_samples``), where each
 process ran (``pods``), why a thread slept (``waits``), on-CPU samples folded into stacks
-(``profile``), stack frames as text (``frames``) and the answers' shapes (``answers``).
+(``profile``), stack frames as text (``frames``) and the answers' shapes (``answers``,
+the NCCL collectives' in ``answers_collectives``).
 The bottom room of :mod:`fleetd.analyze`: it imports no other room.
 """

@@ -22,6 +22,19 @@ from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
+# The NCCL collectives' answer has its own module (one family per module, under the line
+# limit); ExplainReport holds it and ANSWERS lists it with the others.
+from fleetd.analyze.reading.answers_collectives import (
+    AlignmentSummary,
+    ClockJson,
+    CollectiveRank,
+    CollectivesAnswer,
+    CollectiveStraggler,
+    Communicator,
+    CommunicatorAlignment,
+    Stretch,
+)
+
 # ---- explain (fleetd explain, GET /api/v1/chains) -------------------------------------------
 
 
@@ -542,97 +555,7 @@ class GpuAnswer(TypedDict):
     note: NotRequired[str]
 
 
-# ---- NCCL collective arrival (fleetd collectives; the fleet client compares) -----------
-
-
-class AlignmentSummary(TypedDict):
-    """How the ranks' collective numbers were matched (the weakest, over the report)."""
-
-    method: str
-    confidence: str
-    by: str
-    text: str
-
-
-class CommunicatorAlignment(AlignmentSummary):
-    renumbered: int
-    stretches: list[dict[str, Any]]  # rank, node, pid, offset, confidence, by?, ...
-
-
-class CollectiveRank(TypedDict):
-    rank: int
-    node: str
-    pid: int
-    comm: str | None
-    count: int
-    bytes: int
-    failures: int
-    judged: int
-    last: int
-    last_ambiguous: int
-    last_share: float | None
-    lateness_p50_ns: int | None
-    lateness_p99_ns: int | None
-
-
-class CollectiveStraggler(TypedDict):
-    communicator: str
-    matching: str
-    rank: int
-    node: str
-    pid: int
-    comm: str | None
-    share_last: float
-    last: int
-    judged: int
-    lateness_p50_ns: int | None
-    lateness_p99_ns: int | None
-    reason: str
-
-
-class Communicator(TypedDict):
-    key: str
-    matching: str  # communicator | torchrun
-    job: str | None
-    nranks: int | None
-    alignment: CommunicatorAlignment
-    ranks_seen: int
-    instances: int
-    judged: int
-    ambiguous: int
-    incomplete: int
-    partial: bool
-    op_mismatch: int
-    first_ts_ns: int | None
-    last_ts_ns: int | None
-    ops: dict[str, int]
-    straggler: CollectiveStraggler | None
-    verdict: str
-    ranks: list[CollectiveRank]
-
-
-class ClockJson(TypedDict):
-    offset_ns: int
-    error_ns: int | None
-    domain: NotRequired[str]
-
-
-class CollectivesAnswer(TypedDict):
-    """Collective arrival per communicator and rank (``Analysis.collectives``)."""
-
-    matching: str | None  # communicator | torchrun | mixed
-    alignment: AlignmentSummary | None
-    verdict: str
-    communicators: list[Communicator]
-    stragglers: list[CollectiveStraggler]
-    events: int
-    unmatched: int
-    truncated: bool
-    clocks: dict[str, ClockJson]
-    notes: list[str]
-
-
-# Every shape above, in the order docs/json.md lists them.
+# Every shape above (and the collectives'), in the order docs/json.md lists them.
 ANSWERS: tuple[type, ...] = (
     WindowJson, ExplainReport, StragglerEntry, MetricScore, NodeProfile, NoProfile,
     GpuBrief,
@@ -642,6 +565,6 @@ ANSWERS: tuple[type, ...] = (
     GraphProcess, GraphPhase, GraphRates, GraphEpisode, GraphTimeline, GpuAnswer, GpuRank,
     RankSpan, GpuFigures, Delays, ExposedPrep, Judgement, RankVerdict, GpuStep, KernelRow,
     RankStraggler,
-    CollectivesAnswer, AlignmentSummary, CommunicatorAlignment, Communicator,
+    CollectivesAnswer, AlignmentSummary, CommunicatorAlignment, Stretch, Communicator,
     CollectiveRank, CollectiveStraggler, ClockJson,
 )
