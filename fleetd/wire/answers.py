@@ -10,6 +10,7 @@ names them for the layers above. It imports nothing heavy: ``typing`` and those 
 
 from __future__ import annotations
 
+from fleetd.analyze.reading import answers_collectives as _collectives
 from fleetd.analyze.reading.answers import (
     ANSWERS,
     ChainDetail,
@@ -58,16 +59,16 @@ from fleetd.analyze.reading.answers import (
     Victim,
     WindowJson,
 )
-from fleetd.analyze.reading.answers_collectives import (
-    AlignmentSummary,
-    ClockJson,
-    CollectiveRank,
-    CollectivesAnswer,
-    CollectiveStraggler,
-    Communicator,
-    CommunicatorAlignment,
-    Stretch,
-)
+
+# The collectives' family, named here as the others are.
+AlignmentSummary = _collectives.AlignmentSummary
+ClockJson = _collectives.ClockJson
+CollectiveRank = _collectives.CollectiveRank
+CollectivesAnswer = _collectives.CollectivesAnswer
+CollectiveStraggler = _collectives.CollectiveStraggler
+Communicator = _collectives.Communicator
+CommunicatorAlignment = _collectives.CommunicatorAlignment
+Stretch = _collectives.Stretch
 
 __all__ = [
     "ANSWERS", "AlignmentSummary", "ChainDetail", "ChainJson", "ClockJson",

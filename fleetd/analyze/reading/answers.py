@@ -24,16 +24,7 @@ from typing import Any, NotRequired, TypedDict
 
 # The NCCL collectives' answer has its own module (one family per module, under the line
 # limit); ExplainReport holds it and ANSWERS lists it with the others.
-from fleetd.analyze.reading.answers_collectives import (
-    AlignmentSummary,
-    ClockJson,
-    CollectiveRank,
-    CollectivesAnswer,
-    CollectiveStraggler,
-    Communicator,
-    CommunicatorAlignment,
-    Stretch,
-)
+from fleetd.analyze.reading.answers_collectives import COLLECTIVE_SHAPES, CollectivesAnswer
 
 # ---- explain (fleetd explain, GET /api/v1/chains) -------------------------------------------
 
@@ -565,6 +556,5 @@ ANSWERS: tuple[type, ...] = (
     GraphProcess, GraphPhase, GraphRates, GraphEpisode, GraphTimeline, GpuAnswer, GpuRank,
     RankSpan, GpuFigures, Delays, ExposedPrep, Judgement, RankVerdict, GpuStep, KernelRow,
     RankStraggler,
-    CollectivesAnswer, AlignmentSummary, CommunicatorAlignment, Stretch, Communicator,
-    CollectiveRank, CollectiveStraggler, ClockJson,
+    *COLLECTIVE_SHAPES,
 )

@@ -112,3 +112,9 @@ class CollectivesAnswer(TypedDict):
     truncated: bool
     clocks: dict[str, ClockJson]
     notes: list[str]
+
+
+# In the order docs/json.md lists them (fleetd.analyze.reading.answers.ANSWERS takes them).
+COLLECTIVE_SHAPES: tuple[type, ...] = (
+    CollectivesAnswer, AlignmentSummary, CommunicatorAlignment, Stretch, Communicator,
+    CollectiveRank, CollectiveStraggler, ClockJson)
