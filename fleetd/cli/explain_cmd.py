@@ -21,9 +21,8 @@ import io
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from fleetd.analyze.facade import Analysis
 from fleetd.cli.explain_render import render, render_fleet
 from fleetd.cli.fleet_args import fleet_mode, fleet_options, report
 from fleetd.cli.outfile import add_output_args, output_path
@@ -34,6 +33,9 @@ from fleetd.cli.window_args import add_common, open_analysis, window_of
 from fleetd.errors import UsageError
 from fleetd.store.bounds import Bounds
 from fleetd.wire.answers import ChainJson, ExplainReport
+
+if TYPE_CHECKING:  # the command loads it only when it runs: `fleetd --version` stays quick
+    from fleetd.analyze.facade import Analysis
 
 EXPLAIN_FORMATS = ("table", "json", "html")
 FAIL_ON = ("HIGH", "MEDIUM", "LOW")  # worst first

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TextIO
 
-from fleetd.analyze.distributed.collectives import host_chains
 from fleetd.analyze.reading import pods
 from fleetd.cli.output import SEVERITY_STYLE, colour_wanted, paint, table
 from fleetd.printable import printable_tree
@@ -77,6 +76,8 @@ def render_fleet(report: Mapping[str, Any], out: TextIO) -> None:
                       f"last in {s['share_last']:.0%} of {s['judged']} collectives, median "
                       f"{_dur(s['lateness_p50_ns'])} late\n  {s['reason']}\n"
                       "  why (its node's top host chains):\n")
+            from fleetd.analyze.distributed.collectives import host_chains  # only here
+
             theirs = host_chains(s["node"], s["pid"], report["chains"], s.get("peers") or ())
         else:
             out.write(f"\nSTRAGGLER {s['node']}: score {s['score']:.2f} on {s['metric']}\n"

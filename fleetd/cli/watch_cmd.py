@@ -20,14 +20,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from fleetd.cli.fleet_args import add_fleet_args, fleet_options, seconds
 from fleetd.errors import UsageError
 from fleetd.fleet.notify import Delivery
-from fleetd.fleet.straggle import Changes
 from fleetd.printable import printable, printable_tree
 from fleetd.wire.headers import WEBHOOK_SIGNATURE
+
+if TYPE_CHECKING:  # the command loads it only when it runs: `fleetd --version` stays quick
+    from fleetd.fleet.straggle import Changes
 
 log = logging.getLogger("fleetd.watch")
 

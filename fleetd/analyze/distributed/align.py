@@ -298,3 +298,10 @@ def _score(d: int, probes: Sequence[Call], by_seq: Mapping[int, Call]
 
 def _ms(ns: int) -> str:
     return f"{ns / 1e6:.1f} ms"
+
+
+def torchrun_key(job: str | None, world_size: int, ordinal: int = 1) -> str:
+    """The group key of ranks matched by their torchrun identity: ``job/world_size``
+    (``-`` for an unknown job), ``#n`` for a process's n-th communicator (the hang
+    watcher groups the same way)."""
+    return f"{job or '-'}/{world_size}" + (f"#{ordinal}" if ordinal > 1 else "")

@@ -60,7 +60,7 @@ from typing import Any, NamedTuple
 
 from fleetd.analyze.causes.chains import culprit_json
 from fleetd.analyze.distributed import align
-from fleetd.analyze.distributed.align import Alignment
+from fleetd.analyze.distributed.align import Alignment, torchrun_key
 from fleetd.analyze.distributed.arrivals import (
     ARRIVAL_COLUMNS,
     COLLECTIVE_CODES,
@@ -356,13 +356,6 @@ def _match(a: Arrival, proc: Proc | None, ordinal: Mapping[tuple[int, str | None
         return None
     key = torchrun_key(proc.job, proc.world_size, ordinal.get((a.pid, a.comm_ptr), 1))
     return TORCHRUN, key, proc.rank, proc.world_size, proc.job
-
-
-def torchrun_key(job: str | None, world_size: int, ordinal: int = 1) -> str:
-    """The group key of ranks matched by their torchrun identity: ``job/world_size``
-    (``-`` for an unknown job), ``#n`` for a process's n-th communicator (the hang
-    watcher groups the same way)."""
-    return f"{job or '-'}/{world_size}" + (f"#{ordinal}" if ordinal > 1 else "")
 
 
 def _median(xs: Sequence[int]) -> int:

@@ -45,8 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from fleetd.analyze.distributed import align
-from fleetd.analyze.distributed.align import Alignment
-from fleetd.analyze.distributed.collectives import torchrun_key
+from fleetd.analyze.distributed.align import Alignment, torchrun_key
 from fleetd.store.catalog import NCCL_P2P_MATCH
 
 STATES = ("running", "sleeping", "stopped", "d_state", "exited", "unknown")
