@@ -39,3 +39,19 @@ def test_client_commands_import_neither_bcc_nor_pyelftools(tmp_path: Path) -> No
     got = json.loads(proc.stdout)
     assert got["codes"] == [0] * 11, got
     assert got["loaded"] == [], got
+
+
+def test_the_parser_loads_no_analyzer_and_no_http_client() -> None:
+    """Every fleetd process builds the whole parser first; a command's heavy imports
+    (the analyzers, aiohttp) wait until that command runs, so `fleetd --version`, `fleetd
+    query` and the suite's thousand short commands do not pay for them."""
+    code = ("import json, sys\nfrom fleetd.cli.main import build_parser\nbuild_parser()\n"
+            "print(json.dumps(sorted(sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    loaded = json.loads(proc.stdout)
+    heavy = [m for m in loaded if m.split(".")[0] == "aiohttp" or m in (
+        "fleetd.analyze.facade", "fleetd.analyze.explain", "fleetd.fleet.client",
+        "fleetd.analyze.distributed.collectives", "fleetd.analyze.causes.chains")]
+    assert heavy == [], heavy

@@ -14,11 +14,10 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from fleetd.analyze.pernode.model import NodeSlice
 from fleetd.analyze.reading.data import args_object, in_list, name_of
 from fleetd.store.catalog import NCCL_COLLECTIVES
 from fleetd.store.clockinfo import (
@@ -29,6 +28,9 @@ from fleetd.store.clockinfo import (
     same_boot,
     session_clock,
 )
+
+if TYPE_CHECKING:  # a type only: the registry reads this module's limits at start-up
+    from fleetd.analyze.pernode.model import NodeSlice
 
 COLLECTIVES = NCCL_COLLECTIVES.names
 COLLECTIVE_CODES: tuple[int, ...] = NCCL_COLLECTIVES.codes
