@@ -10,11 +10,14 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fleetd.cli.argtypes import positive
 from fleetd.cli.output import dumps, table, warn
 from fleetd.printable import printable_tree
+
+if TYPE_CHECKING:  # the analyzers load only when the command runs
+    from fleetd.wire.answers import GpuAnswer, GpuDiff
 
 FORMATS = ("table", "json")
 _HEADER = 72  # an SQLite header, through its application_id
@@ -75,7 +78,7 @@ def is_fleetd_db(path: Path) -> bool:
             and int.from_bytes(head[68:72], "big") == APPLICATION_ID)
 
 
-def _report(path: Path, scratch: Path, steps: bool) -> dict[str, Any]:
+def _report(path: Path, scratch: Path, steps: bool) -> GpuAnswer:
     from fleetd.analyze.facade import Analysis
     from fleetd.store.db import open_reader
 
@@ -88,7 +91,7 @@ def _report(path: Path, scratch: Path, steps: bool) -> dict[str, Any]:
         db = scratch
     conn = open_reader(db)
     try:
-        return dict(Analysis.of(conn).gpu(None, steps))
+        return Analysis.of(conn).gpu(None, steps)
     finally:
         conn.close()
 
@@ -106,7 +109,7 @@ _UNITS = {"step_ns": ("ms", 1e6), "window_ns": ("ms", 1e6), "kernel_ns": ("ms", 
 _VERDICT = {True: "worse", False: "better", None: ""}
 
 
-def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:
+def _write(obj: GpuDiff, args: argparse.Namespace) -> None:
     if args.format == "json":
         sys.stdout.write(dumps(obj).decode() + "\n")
         return

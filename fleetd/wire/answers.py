@@ -11,6 +11,7 @@ names them for the layers above. It imports nothing heavy: ``typing`` and those 
 from __future__ import annotations
 
 from fleetd.analyze.reading import answers_collectives as _collectives
+from fleetd.analyze.reading import answers_diff as _diff
 from fleetd.analyze.reading.answers import (
     ANSWERS,
     ChainDetail,
@@ -69,9 +70,17 @@ CollectiveStraggler = _collectives.CollectiveStraggler
 Communicator = _collectives.Communicator
 CommunicatorAlignment = _collectives.CommunicatorAlignment
 Stretch = _collectives.Stretch
+# fleetd diff's.
+GpuDiff = _diff.GpuDiff
+DiffSide = _diff.DiffSide
+DiffRank = _diff.DiffRank
+MetricDelta = _diff.MetricDelta
+StepDelta = _diff.StepDelta
+KernelDelta = _diff.KernelDelta
 
 __all__ = [
-    "ANSWERS", "AlignmentSummary", "ChainDetail", "ChainJson", "ClockJson",
+    "ANSWERS", "AlignmentSummary", "DiffRank", "DiffSide", "GpuDiff", "KernelDelta",
+    "MetricDelta", "StepDelta", "ChainDetail", "ChainJson", "ClockJson",
     "CollectiveRank", "CollectiveStraggler", "CollectivesAnswer", "Communicator",
     "CommunicatorAlignment", "CpuProfile", "CpuStack", "CpuStacksAnswer", "Culprit",
     "Delays", "EvidenceItem", "ExplainReport", "ExposedPrep", "FlameStack", "FlameStacks",

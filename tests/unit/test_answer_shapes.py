@@ -276,6 +276,16 @@ def test_graphs_collectives_and_cpu_answers_of_synth_recordings(
     check(flame, answers.FlameStacks, "flame", seen)
 
 
+def test_the_diff_command_prints_a_gpu_diff(
+        capsys: pytest.CaptureFixture[str], seen: set[str]) -> None:
+    """`fleetd diff --format json` of the two ranks' traces: every part met."""
+    capsys.readouterr()
+    assert main(["diff", *map(str, GPU_TRACES), "--format", "json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["baseline"]["ranks"] and got["metrics"] and got["steps"] and got["kernels"]
+    check(got, answers.GpuDiff, "diff", seen)
+
+
 def test_every_class_was_met_in_a_real_answer(seen: set[str]) -> None:
     """Runs after the tests above (file order): each class but the agent's own was
     checked against at least one answer."""

@@ -18,6 +18,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fleetd.analyze.reading.answers_diff import (
+    DiffSide,
+    GpuDiff,
+    KernelDelta,
+    MetricDelta,
+    StepDelta,
+)
+
 # (name, how a side's figure is made from its ranks, True when larger is worse; None:
 # not judged, a larger compute or communication share can be good or bad news)
 _METRICS: tuple[tuple[str, str, bool | None], ...] = (
@@ -78,8 +86,8 @@ def _change(base: float | None, target: float | None) -> tuple[float | None, flo
 
 
 def metric_rows(base: Mapping[str, float | None], target: Mapping[str, float | None]
-                ) -> list[dict[str, Any]]:
-    rows = []
+                ) -> list[MetricDelta]:
+    rows: list[MetricDelta] = []
     for name, _, larger_worse in _METRICS:
         b, t = base.get(name), target.get(name)
         delta, pct = _change(b, t)
@@ -90,7 +98,7 @@ def metric_rows(base: Mapping[str, float | None], target: Mapping[str, float | N
     return rows
 
 
-def step_rows(base: Mapping[str, Any], target: Mapping[str, Any]) -> list[dict[str, Any]]:
+def step_rows(base: Mapping[str, Any], target: Mapping[str, Any]) -> list[StepDelta]:
     """Steps paired by position; each side's n-th step time averaged over its ranks."""
     def by_position(report: Mapping[str, Any]) -> list[tuple[str, float]]:
         cols: list[list[tuple[str, int]]] = []
@@ -102,7 +110,7 @@ def step_rows(base: Mapping[str, Any], target: Mapping[str, Any]) -> list[dict[s
         return [(c[0][0], sum(ns for _, ns in c) / len(c)) for c in cols]
 
     b, t = by_position(base), by_position(target)
-    rows = []
+    rows: list[StepDelta] = []
     for i in range(max(len(b), len(t))):
         bn, bv = b[i] if i < len(b) else (None, None)
         tn, tv = t[i] if i < len(t) else (None, None)
@@ -113,11 +121,11 @@ def step_rows(base: Mapping[str, Any], target: Mapping[str, Any]) -> list[dict[s
 
 
 def kernel_rows(base: Sequence[Mapping[str, Any]], target: Sequence[Mapping[str, Any]]
-                ) -> list[dict[str, Any]]:
+                ) -> list[KernelDelta]:
     """Kernels by name, biggest increase of total time first (then name)."""
     b = {str(k["name"]): k for k in base}
     t = {str(k["name"]): k for k in target}
-    rows: list[dict[str, Any]] = []
+    rows: list[KernelDelta] = []
     for name in b.keys() | t.keys():
         kb, kt = b.get(name), t.get(name)
         bn, tn = (int(kb["total_ns"]) if kb else 0), (int(kt["total_ns"]) if kt else 0)
@@ -128,11 +136,11 @@ def kernel_rows(base: Sequence[Mapping[str, Any]], target: Sequence[Mapping[str,
             "delta_pct": 100.0 * (tn - bn) / bn if bn else None,
             "baseline_mean_ns": bn / bc if bc else None, "target_mean_ns": tn / tc if tc else None,
             "only_in": "baseline" if kt is None else "target" if kb is None else None})
-    rows.sort(key=lambda r: (-int(r["delta_ns"]), str(r["name"])))
+    rows.sort(key=lambda r: (-r["delta_ns"], r["name"]))
     return rows
 
 
-def _side(report: Mapping[str, Any], source: str) -> dict[str, Any]:
+def _side(report: Mapping[str, Any], source: str) -> DiffSide:
     ranks = report.get("ranks") or []
     return {"source": source, "ranks": [
         {"node": r["node"], "pid": r["pid"], "rank": r.get("rank"), "device": r["device"]}
@@ -140,7 +148,7 @@ def _side(report: Mapping[str, Any], source: str) -> dict[str, Any]:
 
 
 def gpu_diff(base: Mapping[str, Any], target: Mapping[str, Any], base_source: str,
-             target_source: str) -> dict[str, Any]:
+             target_source: str) -> GpuDiff:
     """The comparison; the shape is documented in docs/json.md (``fleetd diff``)."""
     warnings = [f"{which}: {w}" for which, rep in (("baseline", base), ("target", target))
                 for w in rep.get("warnings") or []]
@@ -153,7 +161,7 @@ def gpu_diff(base: Mapping[str, Any], target: Mapping[str, Any], base_source: st
     return {"baseline": bs, "target": ts, "metrics": metrics,
             "regressions": [m["metric"] for m in sorted(
                 (m for m in metrics if m["worse"] and m["delta_pct"] is not None),
-                key=lambda m: -abs(float(m["delta_pct"])))],
+                key=lambda m: -abs(m["delta_pct"] or 0.0))],
             "steps": step_rows(base, target),
             "kernels": kernel_rows(base.get("kernels") or [], target.get("kernels") or []),
             "warnings": warnings}

@@ -2,6 +2,6 @@
 database (``data``, ``nodeview``), per-cgroup samples (``cgroup_samples``), where each
 process ran (``pods``), why a thread slept (``waits``), on-CPU samples folded into stacks
 (``profile``), stack frames as text (``frames``) and the answers' shapes (``answers``,
-the NCCL collectives' in ``answers_collectives``).
+the NCCL collectives' in ``answers_collectives``, ``fleetd diff``'s in ``answers_diff``).
 The bottom room of :mod:`fleetd.analyze`: it imports no other room.
 """

@@ -25,6 +25,7 @@ from typing import Any, NotRequired, TypedDict
 # The NCCL collectives' answer has its own module (one family per module, under the line
 # limit); ExplainReport holds it and ANSWERS lists it with the others.
 from fleetd.analyze.reading.answers_collectives import COLLECTIVE_SHAPES, CollectivesAnswer
+from fleetd.analyze.reading.answers_diff import DIFF_SHAPES
 
 # ---- explain (fleetd explain, GET /api/v1/chains) -------------------------------------------
 
@@ -556,5 +557,5 @@ ANSWERS: tuple[type, ...] = (
     GraphProcess, GraphPhase, GraphRates, GraphEpisode, GraphTimeline, GpuAnswer, GpuRank,
     RankSpan, GpuFigures, Delays, ExposedPrep, Judgement, RankVerdict, GpuStep, KernelRow,
     RankStraggler,
-    *COLLECTIVE_SHAPES,
+    *COLLECTIVE_SHAPES, *DIFF_SHAPES,
 )
