@@ -19,7 +19,7 @@ import sqlite3
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, TypedDict
 
 from fleetd.analyze.reading.answers import CpuProfile, CpuStack, FlameStack, FlameStacks, FrameShare
 from fleetd.analyze.reading.data import Node, code, in_list, json_or_text
@@ -192,7 +192,34 @@ def flame_stacks(stacks: list[StackCount]) -> FlameStacks:
     return FlameStacks(samples=sum(n for _, n in ranked), stacks=kept)
 
 
-def speedscope(stacks: list[StackCount], name: str) -> dict[str, Any]:
+class SpeedscopeFrame(TypedDict):
+    name: str
+
+
+class SpeedscopeShared(TypedDict):
+    frames: list[SpeedscopeFrame]
+
+
+class SampledProfile(TypedDict):
+    """speedscope's "sampled" profile: each sample a stack of frame indices."""
+
+    type: Literal["sampled"]
+    name: str
+    unit: str
+    startValue: int
+    endValue: int
+    samples: list[list[int]]
+    weights: list[int]
+
+
+# The speedscope file (https://www.speedscope.app/file-format-schema.json): its
+# "$schema" key is no Python name, hence the functional form.
+Speedscope = TypedDict("Speedscope", {
+    "$schema": str, "exporter": str, "name": str, "activeProfileIndex": int,
+    "shared": SpeedscopeShared, "profiles": list[SampledProfile]})
+
+
+def speedscope(stacks: list[StackCount], name: str) -> Speedscope:
     """A speedscope file (its "sampled" profile type): frames listed once, each stack
     as indices outermost first, weighted by its samples."""
     index: dict[str, int] = {}
