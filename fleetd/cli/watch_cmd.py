@@ -29,6 +29,7 @@ from fleetd.printable import printable, printable_tree
 from fleetd.wire.headers import WEBHOOK_SIGNATURE
 
 if TYPE_CHECKING:  # the command loads it only when it runs: `fleetd --version` stays quick
+    from fleetd.fleet.hang import HangJson, HangVerdict
     from fleetd.fleet.straggle import Changes
 
 log = logging.getLogger("fleetd.watch")
@@ -133,14 +134,15 @@ def _delivery(args: argparse.Namespace) -> Delivery | None:
     return d if d.wanted else None
 
 
-def _evidence(answer: Any, hangs: list[dict[str, Any]], node: str | None = None
+def _evidence(answer: Any, hangs: list[HangJson], node: str | None = None
               ) -> str | None:
     """Where the first culprit's node (or ``node``) shows its ranks (the agent's ranks
     route)."""
     from fleetd.wire.paths import RANKS
 
     if node is None:
-        node = ((hangs[0].get("culprits") or [{}])[0]).get("node") if hangs else None
+        culprits = hangs[0]["culprits"] if hangs else []
+        node = culprits[0]["node"] if culprits else None
     for o in answer.outcomes:
         if o.name == node:
             return f"https://{o.target.address}{RANKS}"
@@ -176,7 +178,6 @@ async def _polls(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO, client: A
     answered_ever = False
     hung_ever = False
     polls = 0
-    result: dict[str, Any] = {}
     detail = DetailAsks()
     straggle = StraggleWatch()
     while True:
@@ -300,7 +301,7 @@ class _Stop:
             await asyncio.wait_for(self.event.wait(), timeout_s)
 
 
-def status_line(result: dict[str, Any], answered: int, total: int, watched: float) -> str:
+def status_line(result: HangVerdict, answered: int, total: int, watched: float) -> str:
     groups = result.get("groups") or []
     what = "; ".join(f"{g['group']} at collective {g['seq']}" for g in groups[:2])
     if len(groups) > 2:
@@ -329,17 +330,18 @@ def print_straggle(changes: Changes, fmt: str, out: TextIO, live: TextIO | bool)
         elif event == "straggler":
             out.write(printable(f"STRAGGLER: {s['summary']}") + "\n")
         elif event == "cause":
-            chain = s["top_chain"] or {}
+            chain = s["top_chain"]
+            severity, cause, summary = ((chain["severity"], chain["root_cause"],
+                                         chain["summary"]) if chain else (None, None, None))
             out.write(printable(f"CAUSE of rank {s['rank']} ({s['node']} pid {s['pid']}): "
-                                f"[{chain.get('severity')}] {chain.get('root_cause')}: "
-                                f"{chain.get('summary')}") + "\n")
+                                f"[{severity}] {cause}: {summary}") + "\n")
         else:
             out.write(printable(f"RECOVERED (straggler): {s['group']}: rank {s['rank']} "
                                 f"({s['node']} pid {s['pid']}) on time again") + "\n")
     out.flush()
 
 
-def print_verdict(result: dict[str, Any], fmt: str, out: TextIO) -> None:
+def print_verdict(result: HangVerdict, fmt: str, out: TextIO) -> None:
     from fleetd.cli.output import dumps
 
     if fmt == "json":
@@ -369,12 +371,12 @@ def print_verdict(result: dict[str, Any], fmt: str, out: TextIO) -> None:
     out.flush()
 
 
-def _culprit_table(h: dict[str, Any]) -> str:
+def _culprit_table(h: HangJson) -> str:
     from fleetd.cli.output import table
 
     rows = []
     for c in h["culprits"]:
-        lc = c.get("last_call") or {}
+        lc = c["last_call"]
         last = f"{lc['op']} {lc['age_s']:.1f} s ago" if lc else None
         rows.append([c["node"], c["pid"], c["rank"], c["state"], c.get("wchan"),
                      c.get("exit_code"), c["seq"], last])
@@ -385,7 +387,7 @@ def _culprit_table(h: dict[str, Any]) -> str:
                                    "last_seq", "last_call"], rows)
 
 
-def _waiting_table(h: dict[str, Any]) -> str:
+def _waiting_table(h: HangJson) -> str:
     from fleetd.cli.output import table
 
     rows = [[w["node"], w["pid"], w["rank"], w["state"], w["op"], w["seq"], w["age_s"]]

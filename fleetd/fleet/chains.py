@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.fanout import FleetAnswer
 from fleetd.wire import paths
 from fleetd.wire.failure import NodeFailed
-from fleetd.wire.ranks import top_chain
+from fleetd.wire.ranks import TopChain, top_chain
 
 log = logging.getLogger("fleetd.fleet.chains")
 
@@ -22,11 +21,11 @@ CHAIN_TIMEOUT_S = 5.0
 
 async def chains_of(answer: FleetAnswer, client: FleetClient,
                     wanted: Sequence[tuple[str, int]], since: str
-                    ) -> dict[tuple[str, int], dict[str, Any] | None]:
+                    ) -> dict[tuple[str, int], TopChain | None]:
     """The top causal chain of each (node, pid) over ``since``, asked of its node at once
     (best effort: one that cannot say within CHAIN_TIMEOUT_S is left out). """
     targets = {o.name: o.target for o in answer.answered}
-    found: dict[tuple[str, int], dict[str, Any] | None] = {}
+    found: dict[tuple[str, int], TopChain | None] = {}
 
     async def one(node: str, pid: int) -> None:
         target = targets.get(node)

@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from fleetd.analyze.distributed.hangs import (
     Group,
@@ -37,10 +37,10 @@ from fleetd.fleet.chains import CHAIN_TIMEOUT_S, chains_of
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.dispatch import fan_out
 from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request
-from fleetd.fleet.straggle import StraggleWatch
+from fleetd.fleet.straggle import StragglerJson, StraggleWatch
 from fleetd.wire import paths
 from fleetd.wire.failure import BadReply, NodeFailed
-from fleetd.wire.ranks import check_ranks_reply
+from fleetd.wire.ranks import TopChain, check_ranks_reply
 
 log = logging.getLogger("fleetd.fleet.hang")
 
@@ -53,12 +53,96 @@ DETAIL_AFTER_S = 1.0
 DETAIL_S = 30
 
 
+# ---- the verdict's shape (docs/json.md, fleetd watch) -------------------------------------
+
+
+class LastCallJson(TypedDict):
+    op: str
+    age_s: float | None
+    ret: int
+
+
+class PartyJson(TypedDict):
+    """A rank in a hang: one the others wait for (a culprit) or one waiting; ``top_chain``
+    (culprits, when asked) its node's top chain for the process."""
+
+    node: str
+    pid: int
+    comm: str | None
+    rank: int
+    job: str | None
+    state: str
+    wchan: str | None
+    seq: int | None
+    recorded_seq: int | None
+    op: str | None
+    age_s: float | None
+    last_call: LastCallJson | None
+    exit_code: NotRequired[int | None]
+    exited_s_ago: NotRequired[float | None]
+    top_chain: NotRequired[TopChain | None]
+
+
+class AlignmentJson(TypedDict):
+    """How a group's collective numbers were matched."""
+
+    method: str
+    confidence: str
+    by: str
+    text: str
+    offsets: dict[str, int]  # rank -> offset added to its numbers
+    ambiguous_ranks: list[int]
+
+
+class GroupJson(TypedDict):
+    group: str
+    matching: str  # communicator | torchrun
+    key: str
+    size: int | None
+    ranks: list[int]
+    seq: int
+    progress_s: float | None
+    missing_ranks: list[int]
+    alignment: AlignmentJson | None
+
+
+class HangJson(TypedDict):
+    kind: str  # collective | stalled | exited | p2p
+    matching: str
+    group: str
+    key: str
+    seq: int
+    op: str | None
+    waited_s: float
+    summary: str
+    culprits: list[PartyJson]
+    waiting: list[PartyJson]
+    alignment: AlignmentJson | None
+    peer_op: NotRequired[str | None]
+    missing_ranks: NotRequired[list[int]]
+
+
+class HangVerdict(TypedDict):
+    """One poll's verdict (``fleetd watch --format json``); ``stragglers``: the late ranks
+    ``fleetd watch`` flags (with a :class:`~fleetd.fleet.straggle.StraggleWatch`)."""
+
+    status: str  # hang | ok
+    hang_after_s: float
+    verdict: str
+    hangs: list[HangJson]
+    groups: list[GroupJson]
+    ranks: int
+    nodes: list[str]
+    warnings: list[str]
+    stragglers: NotRequired[list[StragglerJson]]
+
+
 # ---- the verdict --------------------------------------------------------------------------
 
 
 def verdict(replies: Sequence[tuple[str, Mapping[str, Any]]], hang_after_s: float, *,
             deaths_within_s: float | None = None, age_error_s: float | None = 0.0
-            ) -> dict[str, Any]:
+            ) -> HangVerdict:
     """The verdict over the nodes' ``GET /api/v1/ranks`` answers, as (node, answer).
 
     ``status`` is ``hang`` when some group of ranks has waited ``hang_after_s`` or longer
@@ -92,7 +176,7 @@ def checked(replies: Sequence[tuple[str, Mapping[str, Any]]]) -> Checked:
 
 
 def judged(ranks: Checked, hang_after_s: float, *, deaths_within_s: float | None = None,
-           age_error_s: float | None = 0.0) -> dict[str, Any]:
+           age_error_s: float | None = 0.0) -> HangVerdict:
     """:func:`verdict` over answers already read (:func:`checked`)."""
     if not (math.isfinite(hang_after_s) and hang_after_s > 0):
         raise ValueError(f"hang_after_s must be a positive number, not {hang_after_s!r}")
@@ -130,7 +214,7 @@ def _why_unsure(g: Group) -> str:
     return "; ".join(why) or "ambiguous"
 
 
-def alignment_json(g: Group) -> dict[str, Any] | None:
+def alignment_json(g: Group) -> AlignmentJson | None:
     """How the group's collective numbers were matched (docs/json.md, ``watch``)."""
     al = g.alignment
     if al is None:
@@ -160,17 +244,17 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
-def _group_json(g: Group) -> dict[str, Any]:
+def _group_json(g: Group) -> GroupJson:
     return {"group": g.label, "matching": g.matching, "key": g.key, "size": g.size,
             "ranks": sorted(g.members), "seq": g.max_seq,
             "progress_s": _s(g.progress_age_ns), "missing_ranks": g.missing()[:64],
             "alignment": alignment_json(g)}
 
 
-def _party_json(p: Party) -> dict[str, Any]:
+def _party_json(p: Party) -> PartyJson:
     v = p.view
     lc = v.last_call
-    out: dict[str, Any] = {
+    out: PartyJson = {
         "node": v.node, "pid": v.pid, "comm": v.comm, "rank": p.rank, "job": v.job,
         "state": v.state, "wchan": v.wchan, "seq": p.seq, "recorded_seq": p.recorded,
         "op": p.op, "age_s": _s(p.age_ns),
@@ -202,7 +286,7 @@ def _where(p: Party) -> str:
     return at
 
 
-def _hang_json(h: Hang) -> dict[str, Any]:
+def _hang_json(h: Hang) -> HangJson:
     g = h.group
     waited = h.waited_ns / 1e9
     culprits, waiting = h.culprits, h.waiting
@@ -232,7 +316,7 @@ def _hang_json(h: Hang) -> dict[str, Any]:
                    f"since its {h.op} #{w.seq} {way} rank {c.rank} of {g.label}")
     if h.kind != "p2p" and g.alignment is not None:
         summary += f" ({g.alignment.describe()})"
-    out: dict[str, Any] = {
+    out: HangJson = {
         "kind": h.kind, "matching": g.matching, "group": g.label, "key": g.key,
         "seq": h.seq, "op": h.op, "waited_s": round(waited, 3), "summary": summary,
         "culprits": [_party_json(c) for c in culprits],
@@ -257,7 +341,7 @@ def _check(reply: dict[str, Any]) -> dict[str, Any]:
 async def poll(opts: FleetOptions, client: FleetClient, hang_after_s: float, *,
                deaths_within_s: float | None = None, chains: bool = True,
                detail: DetailAsks | None = None, straggle: StraggleWatch | None = None
-               ) -> tuple[FleetAnswer, dict[str, Any]]:
+               ) -> tuple[FleetAnswer, HangVerdict]:
     """Ask every node once for its ranks and judge them; with a hang, fetch the top chain
     of each culprit's process from its node (``chains``); with ``detail`` (fleetd watch),
     ask the nodes of the ranks that others wait for to trace launches whole; with
@@ -333,7 +417,7 @@ class DetailAsks:
             log.debug("node %s: no launch detail window: %s", node, reply.get("why"))
 
 
-async def add_chains(answer: FleetAnswer, client: FleetClient, result: dict[str, Any],
+async def add_chains(answer: FleetAnswer, client: FleetClient, result: HangVerdict,
                      hang_after_s: float) -> None:
     """Each culprit's top causal chain over the last minutes, from its node (best effort:
     a node that cannot say in time leaves ``top_chain`` null)."""

@@ -86,12 +86,12 @@ def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds")
 
 
-def _hang_key(h: dict[str, Any]) -> str:
+def _hang_key(h: Mapping[str, Any]) -> str:
     ranks = ",".join(str(c.get("rank")) for c in h.get("culprits") or [])
     return f"{h.get('kind')}:{h.get('key') or h.get('group')}:{ranks}"
 
 
-def _cause(h: dict[str, Any]) -> tuple[str, str | None]:
+def _cause(h: Mapping[str, Any]) -> tuple[str, str | None]:
     """The hang's cause: its top host chain's root cause when the node gave one."""
     for c in h.get("culprits") or []:
         chain = c.get("top_chain") or {}
@@ -110,7 +110,7 @@ def _process(culprit: Any) -> str | None:
     return f"{culprit.get('comm') or 'pid'} pid {culprit.get('pid')}"
 
 
-def finding_of_hang(h: dict[str, Any], first_seen: float, evidence: str | None) -> Finding:
+def finding_of_hang(h: Mapping[str, Any], first_seen: float, evidence: str | None) -> Finding:
     """A firing message from one hang of the watch's verdict (fleetd.fleet.hang JSON)."""
     first = (h.get("culprits") or [{}])[0]
     cause, chain_culprit = _cause(h)
@@ -189,7 +189,7 @@ class Notifier:
     sent: int = 0
     failed: int = 0
 
-    async def update(self, hangs: list[dict[str, Any]], evidence: str | None,
+    async def update(self, hangs: Sequence[Mapping[str, Any]], evidence: str | None,
                      now: float | None = None,
                      stragglers: Sequence[Mapping[str, Any]] = ()) -> list[Finding]:
         """Compare this poll's hangs and flagged stragglers with the open findings; send

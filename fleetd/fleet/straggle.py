@@ -16,13 +16,14 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from fleetd.analyze.distributed.hangs import RankView
 from fleetd.analyze.distributed.lateness import Lateness, lateness
 from fleetd.fleet.chains import chains_of
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.fanout import FleetAnswer
+from fleetd.wire.ranks import TopChain
 
 log = logging.getLogger("fleetd.fleet.straggle")
 
@@ -48,7 +49,7 @@ class StragglerJson(TypedDict):
     late_ms: float  # median time it entered after the next rank, at those
     collectives: int
     summary: str
-    top_chain: dict[str, Any] | None
+    top_chain: TopChain | None
 
 
 @dataclass
@@ -143,7 +144,8 @@ def _key(x: Lateness) -> str:
 
 
 def _named(s: StragglerJson) -> bool:
-    return bool((s["top_chain"] or {}).get("root_cause"))
+    chain = s["top_chain"]
+    return bool(chain and chain["root_cause"])
 
 
 def _summary(x: Lateness) -> str:

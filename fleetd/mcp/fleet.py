@@ -166,13 +166,16 @@ class FleetBackend:
     def hang(self, hang_after_s: float) -> dict[str, Any]:
         """Every node's NCCL ranks polled once and judged as ``fleetd watch`` judges them
         (fleetd/fleet/hang.py): the rank a hung job waits for, or no hang."""
-        from fleetd.fleet.hang import poll
+        from fleetd.fleet.hang import HangVerdict, poll
 
-        async def go() -> tuple[FleetAnswer, dict[str, Any]]:
+        async def go() -> tuple[FleetAnswer, HangVerdict]:
             async with session(self.opts.client, warm=True) as client:  # this thread's warm client
                 return await poll(self.opts, client, hang_after_s)
 
-        answer, result = run_loop(go())
+        answer, verdict = run_loop(go())
+        # Jobs and keys are marked as data in place, which changes their type: from here
+        # the verdict is a plain JSON tree.
+        result: dict[str, Any] = {**verdict}
         head = fan_out_of(answer)  # no skew: only ages are compared, no offset is sampled
         jobs: list[str] = []
         for h in result["hangs"]:

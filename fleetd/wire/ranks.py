@@ -10,7 +10,7 @@ the node's answer (:class:`~fleetd.wire.failure.BadReply`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from fleetd.analyze.distributed.hangs import (
     STATES,
@@ -122,14 +122,29 @@ def _opt_text(v: Any, where: str, limit: int) -> str | None:
     return None if v is None else need_text(v, where, limit)
 
 
-def top_chain(reply: Mapping[str, Any]) -> dict[str, Any] | None:
+class TopCulprit(TypedDict):
+    pid: int | None
+    comm: str | None
+
+
+class TopChain(TypedDict):
+    """A node's first chain for a process, as ``watch`` shows it beside a culprit: its
+    checked fields only (each None when the node's was not valid)."""
+
+    severity: str | None
+    root_cause: str | None
+    summary: str | None
+    culprit: NotRequired[TopCulprit]
+
+
+def top_chain(reply: Mapping[str, Any]) -> TopChain | None:
     """The first chain of a node's ``/api/v1/chains`` answer, reduced to checked fields."""
     chains = reply.get("chains")
     if not isinstance(chains, list) or not chains or not isinstance(chains[0], dict):
         return None
     c = chains[0]
     severity = c.get("severity")
-    out: dict[str, Any] = {
+    out: TopChain = {
         "severity": severity if severity in SEVERITIES else None,
         "root_cause": printable(c["root_cause"], MAX_NAME)
         if isinstance(c.get("root_cause"), str) else None,
