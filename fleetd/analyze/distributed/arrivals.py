@@ -14,7 +14,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import orjson
 
@@ -80,6 +80,23 @@ class Proc:
         return [self.pid, self.comm, self.rank, self.world_size, self.job]
 
 
+class CallTable(TypedDict):
+    columns: list[str]
+    rows: list[list[Any]]  # one cell per column
+
+
+class CollectiveCalls(CallTable):
+    """The body of ``GET /api/v1/collectives`` (docs/api.md), less node, window and
+    warnings: the calls, the processes that made them, the node's clock."""
+
+    processes: CallTable
+    clock_error_ns: int | None
+    boot_id: str | None
+    mono_offset_ns: int | None
+    truncated: bool
+    truncated_reason: str | None  # rows | bytes
+
+
 @dataclass(slots=True)
 class NodeArrivals:
     """What one node contributes: its collective calls in the window (oldest first), the
@@ -96,7 +113,7 @@ class NodeArrivals:
     # nodes of one boot share the monotonic clock, so this aligns them exactly.
     mono_offset_ns: int | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> CollectiveCalls:
         """The body of ``GET /api/v1/collectives`` (docs/api.md), less node, window and
         warnings."""
         return {"columns": list(ARRIVAL_COLUMNS), "rows": [a.row() for a in self.arrivals],
