@@ -5,7 +5,7 @@ formats need; and the one rule that turns every node's refusal into a usage erro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from fleetd.errors import QueryError
 from fleetd.fleet.combine import NodeWarning
@@ -44,5 +44,12 @@ def raise_if_user_error(answer: FleetAnswer) -> None:
                          code=f.code or "bad_request")
 
 
-def base_json(answer: FleetAnswer) -> dict[str, Any]:
+class BaseJson(TypedDict):
+    """What every fleet answer's JSON carries: the nodes' warnings and clock offsets."""
+
+    warnings: list[dict[str, str]]  # NodeWarning.to_json: node, error, kind
+    skew: dict[str, dict[str, float]]  # node -> its offset (FleetAnswer.skew_json)
+
+
+def base_json(answer: FleetAnswer) -> BaseJson:
     return {"warnings": [w.to_json() for w in answer.warnings], "skew": answer.skew_json()}
