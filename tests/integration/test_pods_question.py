@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from agents import Agent, Pki, client_ssl, request
-from test_fleet_pods import LOADER, NODES, TRAINER, ask, fleet, pki  # noqa: F401 (fixtures)
+from test_fleet_pods import LOADER, NODES, TRAINER, ask, fleet  # noqa: F401 (fixtures)
 
 
 def test_every_node_answers_its_pods(pki: Pki, fleet: list[Agent]) -> None:  # noqa: F811
