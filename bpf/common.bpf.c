@@ -378,8 +378,11 @@ static __always_inline void fl_submit(struct fl_rec *r)
     u64 flags = BPF_RB_NO_WAKEUP;
     if (!tick || ((*tick += 1) % FL_WAKE_EVERY) == 0)
         flags = 0;
-    bpf_ringbuf_submit(r, flags);
+    /* Counted before the submit: a handler preempted between the two (a busy node)
+     * must not hand over a record the count does not yet hold, which the tracer's
+     * stop would read as more stored than emitted. */
     fl_count(FL_C_EMITTED);
+    bpf_ringbuf_submit(r, flags);
 }
 
 static __always_inline void fl_fill(struct fl_rec *r, u64 ts, u64 dur, u32 pid, u32 tid,

@@ -288,11 +288,10 @@ class BatchWriter:
     def _put(self, item: _Item, n: int) -> bool:
         if self._closed:
             raise RuntimeError("writer is closed")
-        def room() -> bool:  # a batch larger than the whole queue goes in alone
-            return self.stats.queue_rows + n <= self.queue_limit or not self.stats.queue_rows
-
         with self._space:
-            if not room() and not self._space.wait_for(room, self.put_timeout_s):
+            if self.stats.queue_rows + n > self.queue_limit and not self._space.wait_for(
+                lambda: self.stats.queue_rows + n <= self.queue_limit, self.put_timeout_s
+            ):
                 self.stats.queue_dropped += n
                 return False
             self.stats.queue_rows += n

@@ -59,6 +59,8 @@ from fleetd.trace.siderows import SideRows
 from fleetd.trace.targets import Targets, check_pids, prefetch_symbols
 
 log = logging.getLogger("fleetd.trace.tracer")
+# After the freeze at stop, up to this many 10 ms rounds for in-flight handlers to finish.
+STOP_SETTLE_TRIES = 50
 
 
 class Tracer:
@@ -349,6 +351,15 @@ class Tracer:
         self.side_rows.kernel_work(self.writer, self.bpf, self.clock.to_wall(start),
                               self.clock.to_wall(now_mono))
 
+    def _drain_all(self) -> None:
+        assert self.writer is not None and self.bpf is not None
+        if self.rings.mapped:
+            while self.intake.drain(self.rings, self.writer):
+                pass
+        else:
+            self.bpf.ring_buffer_consume()
+            self.intake.flush_pending(self.rings, self.writer)
+
     def counters(self) -> dict[str, int]:
         return accounting.read_counters(self.bpf)
 
@@ -413,12 +424,15 @@ class Tracer:
         # what the kernel says it emitted matches what we drained.
         self.bpf[b"fl_ctl"][ctypes.c_int(0)] = ctypes.c_uint64(1)
         time.sleep(0.02)
-        if self.rings.mapped:
-            while self.intake.drain(self.rings, self.writer):
-                pass
-        else:
-            self.bpf.ring_buffer_consume()
-            self.intake.flush_pending(self.rings, self.writer)
+        self._drain_all()
+        # A handler that was running at the freeze (preempted, on a busy node) may still
+        # submit the record it counted: drain until the count holds still.
+        for _ in range(STOP_SETTLE_TRIES):
+            emitted = self.counters()["emitted"]
+            time.sleep(0.01)
+            self._drain_all()
+            if self.counters()["emitted"] == emitted:
+                break
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         if self._oncpu is not None:
             self._oncpu.flush(self.writer, now, final=True)
