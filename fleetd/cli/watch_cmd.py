@@ -29,7 +29,9 @@ from fleetd.printable import printable, printable_tree
 from fleetd.wire.headers import WEBHOOK_SIGNATURE
 
 if TYPE_CHECKING:  # the command loads it only when it runs: `fleetd --version` stays quick
+    from fleetd.fleet.client import FleetClient
     from fleetd.fleet.hang import HangJson, HangVerdict
+    from fleetd.fleet.notify import Notifier
     from fleetd.fleet.straggle import Changes
 
 log = logging.getLogger("fleetd.watch")
@@ -167,8 +169,8 @@ async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
         stop.remove()
 
 
-async def _polls(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO, client: Any,
-                 notifier: Any, stop: _Stop) -> int:
+async def _polls(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO, client: FleetClient,
+                 notifier: Notifier | None, stop: _Stop) -> int:
     from fleetd.fleet.hang import DetailAsks, poll
     from fleetd.fleet.straggle import StraggleWatch
 

@@ -427,11 +427,12 @@ class Tracer:
         self._drain_all()
         # A handler that was running at the freeze (preempted, on a busy node) may still
         # submit the record it counted: drain until the count holds still.
+        emitted = self.counters()["emitted"]
         for _ in range(STOP_SETTLE_TRIES):
-            emitted = self.counters()["emitted"]
             time.sleep(0.01)
             self._drain_all()
-            if self.counters()["emitted"] == emitted:
+            emitted, before = self.counters()["emitted"], emitted
+            if emitted == before:
                 break
         now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         if self._oncpu is not None:
