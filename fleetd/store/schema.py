@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from fleetd.store.catalog import OPS, SOURCES
 
@@ -30,6 +30,65 @@ EVENT_FIELDS: tuple[str, ...] = (
 EventRow = tuple[int, int, int, int, int, int, int, int, int, int, int]
 # An event's args: a mapping, or its JSON text already made (repeated kernel launches).
 EventArgs = Mapping[str, Any] | str
+
+
+class FdHolder(TypedDict):
+    """A process holding the other end of the pipe, FIFO or socket a thread slept on."""
+
+    pid: int
+    comm: str | None
+    mode: str  # "r", "w" or "rw": how that process opened it
+
+
+class FdInfo(TypedDict, total=False):
+    """``args.fd`` of an off-CPU record that slept in a read or a write
+    (:mod:`fleetd.trace.enrich.fdpeers`)."""
+
+    path: str  # the fd's link text: pipe:[N], socket:[N], /dev/pts/3, a file's path
+    kind: str  # pipe, fifo, socket, tty, file
+    peers: list[FdHolder]  # other processes holding the same pipe, FIFO or socket
+    remote: str  # a TCP/UDP socket's peer address, host:port
+    local: str  # and its own
+
+
+class RecordArgs(TypedDict, total=False):
+    """A traced record's ``event_args.args`` (docs/schema.md): what the decoder
+    unpacks from the record (:mod:`fleetd.trace.bpf.decoder`) and the enrichers add in
+    user space. Handles are hex text; a key is there only when it has something to say."""
+
+    # kernel launches (and the kernel's name, added once it is resolved)
+    grid: list[int]
+    block: list[int]
+    shared_mem: int
+    stream: str
+    kernel: str
+    # other CUDA calls' handles, and a capture's mode
+    event: str
+    ptr: str
+    graph: str
+    exec: str
+    mode: int
+    # NCCL calls: a datatype or reduction op past the known ones stays its number
+    dtype: str | int
+    comm: str
+    redop: str | int
+    seq: int
+    comm_hash: str
+    rank: int
+    nranks: int
+    parent: str
+    color: int
+    key: int
+    # block I/O
+    rw: str
+    queued_ns: int
+    # a call that was slow for its kind: the kind's median
+    median_ns: int
+    # off-CPU: the lock (futex), the kernel wait (D state), the fd slept on
+    lock: str
+    wchan: str
+    kstack: list[str]
+    fd: FdInfo
 
 _V1 = """
 CREATE TABLE meta (

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -29,7 +29,7 @@ from fleetd.store.catalog import (
     SCHED_PEERS,
     op_code,
 )
-from fleetd.store.schema import EventRow
+from fleetd.store.schema import EventRow, RecordArgs
 from fleetd.store.syscalls import NR
 from fleetd.trace.bpf.bpfsrc import PYFRAME, PYSTACK_HEAD, REC, WHY_SLOW
 from fleetd.trace.bpf.ringbuf import FAST, FRAME, HDR, Chunk
@@ -67,8 +67,10 @@ MAX_LAUNCH_TEXTS = 65536  # finished launch args kept for reuse (cleared when pa
 
 # op code -> names of x0, x1, x3 (x2 is only used by launches); a handle is kept only
 # when non-zero, so most records get no args row at all.
-_EXTRAS: dict[int, tuple[str | None, str | None, str | None]] = {}
-for _name, _x in {
+_Handle = Literal["event", "ptr", "stream", "graph", "exec"]
+_Extra = tuple[_Handle | Literal["mode"] | None, _Handle | None, _Handle | None]
+_EXTRAS: dict[int, _Extra] = {}
+_EXTRA_NAMES: dict[str, _Extra] = {
     "cudaMemcpyAsync": (None, None, "stream"),
     "cudaStreamSynchronize": (None, None, "stream"),
     "cudaEventSynchronize": ("event", None, None),
@@ -86,7 +88,8 @@ for _name, _x in {
     "cuMemcpyDtoHAsync_v2": (None, None, "stream"),
     "cuStreamSynchronize": (None, None, "stream"),
     "cuGraphLaunch": ("exec", None, "stream"),
-}.items():
+}
+for _name, _x in _EXTRA_NAMES.items():
     _EXTRAS[BY_NAME[_name].code] = _x
 # Ops whose records carry nothing beyond the columns (and a slow call's median): the
 # bulk decoder's inline case. Every other op takes the reference path.
@@ -127,7 +130,7 @@ class StackRef:
 class Batch:
     rows: list[EventRow] = field(default_factory=list)
     # Extras per row: a dict, or the finished JSON text of a launch seen before.
-    args: list[tuple[int, dict[str, Any] | str]] = field(default_factory=list)
+    args: list[tuple[int, RecordArgs | str]] = field(default_factory=list)
     tasks: list[tuple[int, int | None, str | None]] = field(default_factory=list)
     new_tids: list[tuple[int, int]] = field(default_factory=list)  # (tid, pid) first seen
     lifecycle: list[Lifecycle] = field(default_factory=list)
@@ -164,9 +167,9 @@ def nccl_id_hash(unique_id: bytes) -> int:
     return h ^ (h >> 31)
 
 
-def launch_args(x0: int, x1: int, x2: int, x3: int) -> dict[str, Any]:
+def launch_args(x0: int, x1: int, x2: int, x3: int) -> RecordArgs:
     """Unpack the launch extras (layout documented in bpf/cuda.bpf.c)."""
-    args: dict[str, Any] = {
+    args: RecordArgs = {
         "grid": [x0 & 0xFFFFFFFF, x0 >> 32, x1 & 0xFFFF],
         "block": [x2 & 0xFFFFFFFF, x2 >> 32, (x1 >> 16) & 0xFFFF],
     }
@@ -291,7 +294,7 @@ class Decoder:
             out.stacks.append(_stack_ref(i, owner, stack, stacked, REC.size))
         if func and op in _LAUNCHES:
             out.kernels.append((i, pid, op, func))
-        args: dict[str, Any] | None
+        args: RecordArgs | None
         if op in _NCCL:
             args = self._nccl(pid, op, ret, a0, a1, x0, x1, x2, x3)
         else:
@@ -314,7 +317,8 @@ class Decoder:
                 args = {"rw": x0.to_bytes(8, "little").rstrip(b"\0").decode(
                     errors="replace")}
             if op == OP_BLOCK and x1:  # created by pid/tid, queued this long before issue
-                args = {**(args or {}), "queued_ns": x1}
+                args = args or {}
+                args["queued_ns"] = x1
         elif op in (OP_FORK, OP_EXEC, OP_EXIT):
             if op != OP_FORK and self._launch_text:
                 # A new program (or a pid free for reuse): its launches' addresses
@@ -327,24 +331,28 @@ class Decoder:
         if args:
             out.args.append((i, args))
 
-    def _extras(self, op: int, x0: int, x1: int, x2: int, x3: int) -> dict[str, Any] | None:
+    def _extras(self, op: int, x0: int, x1: int, x2: int, x3: int) -> RecordArgs | None:
         if op in _LAUNCHES:
             return launch_args(x0, x1, x2, x3)
         names = _EXTRAS.get(op)
         if names is None:
             return None
-        args = {}
+        args: RecordArgs = {}
         for name, value in zip(names, (x0, x1, x3), strict=True):
-            if name and value:
-                args[name] = value if name == "mode" else _hex(value)
+            if not (name and value):
+                continue
+            if name == "mode":
+                args["mode"] = value
+            else:
+                args[name] = _hex(value)
         return args or None
 
     def _nccl(self, pid: int, op: int, ret: int, a0: int, a1: int, x0: int, x1: int,
-              x2: int, x3: int) -> dict[str, Any] | None:
+              x2: int, x3: int) -> RecordArgs | None:
         """The args of an NCCL record (layout in bpf/nccl.bpf.c; keys in docs/schema.md)."""
         if op in _NCCL_CALLS:
             dtype = x0 & 0xFFFFFFFF
-            args: dict[str, Any] = {
+            args: RecordArgs = {
                 "dtype": _NCCL_TYPES[dtype] if dtype < len(_NCCL_TYPES) else dtype,
                 "comm": _hex(x1),
             }

@@ -13,8 +13,9 @@ UDP socket's peer is its remote address (``/proc/PID/net/tcp``...). Every read i
 procfs (links and small text files, which never block on a device) and tolerates the
 process being gone: a missing fact is left out.
 
-The result goes on the off-CPU record as ``args.fd`` (:class:`FdInfo`'s keys), on one
-wait per (process, fd) and :data:`NAME_EVERY_NS`, like the lock names.
+The result goes on the off-CPU record as ``args.fd`` (the keys of
+:class:`fleetd.store.schema.FdInfo`), on one wait per (process, fd) and
+:data:`NAME_EVERY_NS`, like the lock names.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import os
 import stat
 import time
 from collections.abc import Callable
-from typing import TypedDict
 
+from fleetd.store.schema import FdHolder, FdInfo
 from fleetd.trace.bpf.decoder import Batch
 from fleetd.trace.host import procinfo
 
@@ -35,20 +36,6 @@ MAX_FDS = 256  # fds per process that scan reads
 MAX_NAMED = 4096  # (pid, fd) pairs remembered before the memory starts over
 MAX_PEERS = 8  # holders of the other end kept per object
 _ACCMODE = 3  # O_ACCMODE
-
-
-class Holder(TypedDict):
-    pid: int
-    comm: str | None
-    mode: str  # "r", "w" or "rw": how that process opened it
-
-
-class FdInfo(TypedDict, total=False):
-    path: str  # the fd's link text: pipe:[N], socket:[N], /dev/pts/3, a file's path
-    kind: str  # pipe, fifo, socket, tty, file
-    peers: list[Holder]  # other processes holding the same pipe, FIFO or socket
-    remote: str  # a TCP/UDP socket's peer address, host:port
-    local: str  # and its own
 
 
 def kind_of(path: str, pid: int, fd: int) -> str:
@@ -81,7 +68,7 @@ def _mode(pid: int, fd: int) -> str:
     return "?"
 
 
-def holders(path: str, besides: int, wide: bool = True) -> list[Holder]:
+def holders(path: str, besides: int, wide: bool = True) -> list[FdHolder]:
     """Processes other than ``besides`` with an fd whose link reads ``path``: its
     parent and the parent's children first (a shell pipeline, a spawned shipper), the
     rest of the node only when none of them holds it and ``wide``."""
@@ -110,8 +97,8 @@ def _family(pid: int) -> list[int]:
     return list(dict.fromkeys(kin))
 
 
-def _scan(path: str, pids: list[int]) -> list[Holder]:
-    out: list[Holder] = []
+def _scan(path: str, pids: list[int]) -> list[FdHolder]:
+    out: list[FdHolder] = []
     for pid in pids:
         fd = _fd_holding(pid, path)
         if fd is not None:
@@ -166,7 +153,7 @@ def socket_ends(pid: int, inode: str) -> tuple[str, str] | None:
     return None
 
 
-HoldersOf = Callable[[str, int, bool], list[Holder]]
+HoldersOf = Callable[[str, int, bool], list[FdHolder]]
 
 
 def describe(pid: int, fd: int, holders_of: HoldersOf | None = None) -> FdInfo | None:
@@ -198,9 +185,9 @@ class FdNames:
 
     def __init__(self) -> None:
         self._named: dict[tuple[int, int], int] = {}
-        self._holders: dict[str, tuple[int, list[Holder]]] = {}
+        self._holders: dict[str, tuple[int, list[FdHolder]]] = {}
 
-    def _holders_of(self, path: str, pid: int, wide: bool) -> list[Holder]:
+    def _holders_of(self, path: str, pid: int, wide: bool) -> list[FdHolder]:
         now = time.monotonic_ns()
         seen = self._holders.get(path)
         if seen is not None and now - seen[0] < HOLDERS_EVERY_NS:
