@@ -11,6 +11,7 @@ here, below both.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypedDict
 
 
 def _int(v: str | None) -> int | None:
@@ -20,7 +21,15 @@ def _int(v: str | None) -> int | None:
         return None
 
 
-def ranks_of(env: Mapping[str, str]) -> dict[str, int | None]:
+class TorchrunRanks(TypedDict):
+    """A process's place in a torchrun job (each None when its variable is unset)."""
+
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+
+
+def ranks_of(env: Mapping[str, str]) -> TorchrunRanks:
     """rank, local_rank and world_size from torchrun's environment (None: unset)."""
     return {
         "rank": _int(env.get("RANK")),

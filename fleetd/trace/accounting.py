@@ -17,13 +17,15 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NotRequired, Protocol, TypedDict
 
 from fleetd import __version__
 from fleetd.store.catalog import BY_NAME
 from fleetd.store.schema import SCHEMA_VERSION
+from fleetd.store.torchrun import TorchrunRanks
 from fleetd.store.writer import WriterStats
 from fleetd.trace.bpf.bpfsrc import COUNTERS, NBUCKETS
+from fleetd.trace.bpf.mapwatch import MappingJSON
 from fleetd.trace.bpf.probes import SPECS, AttachReport
 from fleetd.trace.host import procinfo
 from fleetd.trace.host.clock import ClockMap
@@ -176,8 +178,66 @@ class TracedSet(Protocol):
     def sample(self) -> int: ...
 
 
+class LibraryJson(TypedDict):
+    """One library in the session's ``targets``: where its probes went."""
+
+    path: str
+    kind: str
+    found_by: str
+    probes: int
+    via: str | None  # multi | perf
+
+
+class TargetsJson(TypedDict):
+    """The session row's ``targets``: what is traced (docs/schema.md)."""
+
+    pids: dict[str, str]  # pid -> how it became a target (named first)
+    pids_total: int
+    cgroups: list[str]
+    system_wide: bool
+    libraries: list[LibraryJson]
+    layers: list[str]
+    sample: int
+    tracer_pid: int
+    mapping: NotRequired[MappingJSON]  # probes before the first call (bpf.mapwatch)
+    hidden_runtimes: NotRequired[dict[str, list[int]]]  # runtime path -> pids
+    python: NotRequired[dict[str, str]]  # pid -> the interpreter followed, or why not
+
+
+class SessionOpening(TorchrunRanks):
+    """The session row as a session starts (session_data's columns)."""
+
+    host: str
+    kernel: str
+    boot_id: str | None
+    started_ns: int
+    mono_offset_ns: int
+    clock_error_ns: int
+    clock_samples: list[list[int]]
+    tool_version: str
+    schema_version: int
+    targets: TargetsJson
+    headers_route: str | None
+    command: str | None
+    drops: dict[str, int]
+
+
+class SessionProgress(TypedDict):
+    """What a session row gains as it runs, and as it ends."""
+
+    lost_events: int
+    dropped_stacks: int
+    sampled_out: int
+    drops: dict[str, int]
+    clock_samples: list[list[int]]
+    clock_error_ns: int
+    targets: TargetsJson
+    ended_ns: NotRequired[int]
+    end_reason: NotRequired[str]
+
+
 def targets_json(cfg: TracedSet, targets: Mapping[int, str], libs: Iterable[Library],
-                 report: AttachReport) -> dict[str, Any]:
+                 report: AttachReport) -> TargetsJson:
     """What is traced: target pids by origin, cgroups, libraries and their probes."""
     # Named targets first; a fork-heavy workload must not make the row huge.
     pids = sorted(targets.items(), key=lambda kv: (kv[1] != "named", kv[0]))
@@ -200,7 +260,7 @@ def targets_json(cfg: TracedSet, targets: Mapping[int, str], libs: Iterable[Libr
     }
 
 
-def rank_of(pids: Iterable[int]) -> dict[str, int | None]:
+def rank_of(pids: Iterable[int]) -> TorchrunRanks:
     """The distributed rank of the first target that has one (all None otherwise)."""
     for pid in pids:
         info = procinfo.rank_info(pid)
@@ -209,8 +269,8 @@ def rank_of(pids: Iterable[int]) -> dict[str, int | None]:
     return {"rank": None, "local_rank": None, "world_size": None}
 
 
-def opening_fields(clock: ClockMap, rank: Mapping[str, int | None], targets: dict[str, Any],
-                   route: HeaderRoute | None, command: str | None) -> dict[str, Any]:
+def opening_fields(clock: ClockMap, rank: TorchrunRanks, targets: TargetsJson,
+                   route: HeaderRoute | None, command: str | None) -> SessionOpening:
     """The session row as a session starts."""
     first = clock.first
     return {
@@ -232,9 +292,9 @@ def opening_fields(clock: ClockMap, rank: Mapping[str, int | None], targets: dic
 
 
 def progress_fields(drops: dict[str, int], counters: Mapping[str, int], clock: ClockMap,
-                    targets: dict[str, Any], *, final: bool) -> dict[str, Any]:
+                    targets: TargetsJson, *, final: bool) -> SessionProgress:
     """What a session row gains as it runs; ``final``: and when it ended."""
-    fields: dict[str, Any] = {
+    fields: SessionProgress = {
         "lost_events": lost_total(drops),
         "dropped_stacks": counters["stack_lost"],
         "sampled_out": counters["sampled_out"],

@@ -241,7 +241,7 @@ class Targets:
             return False
         return not self.live()
 
-    def json(self) -> dict[str, Any]:
+    def json(self) -> accounting.TargetsJson:
         """What is traced, for the session row (:func:`fleetd.trace.accounting.targets_json`)."""
         got = accounting.targets_json(self.cfg, self.pids, list(self.libs.values()),
                                       self.report)

@@ -381,7 +381,7 @@ class Tracer:
             "libraries": len(self.libs),
         }
 
-    def _targets_json(self) -> dict[str, Any]:
+    def _targets_json(self) -> accounting.TargetsJson:
         got = self.scope.json()
         if self.cfg.stacks:
             got["python"] = self.python_status()

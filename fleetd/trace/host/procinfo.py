@@ -23,7 +23,7 @@ from fleetd.security.procfs import (
     STATUS_MAX,
     read_proc_text,
 )
-from fleetd.store.torchrun import job_of, ranks_of
+from fleetd.store.torchrun import TorchrunRanks, job_of, ranks_of
 from fleetd.trace.host.cgroups import process_placement
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -82,7 +82,7 @@ def environ(pid: int) -> dict[str, str]:
     return {key: value for key, value in pairs}
 
 
-def rank_info(pid: int) -> dict[str, int | None]:
+def rank_info(pid: int) -> TorchrunRanks:
     return ranks_of(environ(pid))
 
 
