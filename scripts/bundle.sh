@@ -32,7 +32,7 @@
 # a cold one downloads about 60 MB and compresses LLVM for a few minutes.
 #
 # WITHOUT leaves out packages the nodes are known to have (e.g. WITHOUT="aiohttp uvloop
-# pyyaml prometheus-client rich" for an image that holds them); by default the bundle
+# pyyaml prometheus-client" for an image that holds them); by default the bundle
 # carries every dependency of the node side, so it needs nothing of the node's Python.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -251,7 +251,7 @@ class Check:
                 item.fail(f"{want} loaded from {libs.get(want)}, not from the bundle")
         mods = {}
         for name in ("fleetd", "bcc", "orjson", "cryptography", "aiohttp", "yaml", "uvloop",
-                     "rich", "prometheus_client", "elftools"):
+                     "prometheus_client", "elftools"):
             try:
                 mod = __import__(name)
                 mods[name] = str(Path(mod.__file__ or "").parent)

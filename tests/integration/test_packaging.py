@@ -215,7 +215,8 @@ def test_the_client_runs_without_bcc_root_or_the_agent_extra(fresh: Path,
     got = json.loads(in_fresh(tmp_path, bin_ / "python", "-c", CLIENT_PROBE, db,
                               work).stdout)
     assert got["codes"] == [0] * 9, got
-    assert {"aiohttp", "cryptography", "mcp", "orjson", "rich"} <= set(got["need"])
+    assert {"aiohttp", "cryptography", "mcp", "orjson"} <= set(got["need"])
+    assert "rich" not in got["need"]  # nothing imports it
     assert "pyelftools" not in got["need"]  # the agent extra
     assert not got["bcc"] and not got["elftools"], got
     assert got["outside"] == [] and got["unknown"] == [], got
