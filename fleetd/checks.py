@@ -11,15 +11,33 @@ This module has no heavy imports, so every one of them can use it.
 from __future__ import annotations
 
 import importlib.resources
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from importlib.resources.abc import Traversable
-from typing import Any
+from typing import TypedDict
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 STATUSES = (OK, WARN, FAIL, SKIP)
 # Order of the groups is the order of the report.
 GROUPS = ("host", "cuda", "db", "certs", "nodes")
 _RANK = {OK: 0, SKIP: 1, WARN: 2, FAIL: 3}
+
+
+# A check's figures for scripts (JSON only). Each check types its own where it builds
+# them (store.checks.DbFigures, ...); this base layer cannot name the layers above it,
+# and only ever hands the figures to a JSON encoder, so it holds them as a mapping.
+CheckFigures = Mapping[str, object]
+
+
+class CheckJson(TypedDict):
+    """One check in ``fleetd check --format json`` and MCP's get_check."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str
+    group: str
+    data: CheckFigures
 
 
 @dataclass
@@ -29,7 +47,7 @@ class Check:
     detail: str
     fix: str = ""
     group: str = "host"
-    data: dict[str, Any] = field(default_factory=dict)  # figures for scripts (JSON only)
+    data: CheckFigures = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # One line each, whatever a library's error text looked like: the table and
@@ -37,8 +55,9 @@ class Check:
         self.detail = " ".join(self.detail.split())
         self.fix = " ".join(self.fix.split())
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def as_dict(self) -> CheckJson:
+        return {"name": self.name, "status": self.status, "detail": self.detail,
+                "fix": self.fix, "group": self.group, "data": self.data}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +70,7 @@ class Finding:
 
 
 def row(name: str, group: str, subject: str, findings: list[Finding], summary: str,
-        data: dict[str, Any] | None = None, *, always_summary: bool = False) -> Check:
+        data: CheckFigures | None = None, *, always_summary: bool = False) -> Check:
     """One check from its findings: the worst status; after ``subject``, the problems
     (failures first), or ``summary`` when there are none (and after the problems too
     with ``always_summary``); the problems' fixes."""
@@ -88,7 +107,7 @@ class Stop(Exception):
 
 
 def stopped(name: str, group: str, subject: str, finding: Finding,
-             data: dict[str, Any]) -> Check:
+             data: CheckFigures) -> Check:
     # Messages from fleetd's file readers already name the file; say it once.
     text = finding.text if subject in finding.text else f"{subject}: {finding.text}"
     return Check(name, finding.status, text, finding.fix, group=group, data=data)

@@ -32,6 +32,7 @@ from fleetd.analyze.reading.answers import (
     StragglerEntry,
     WindowJson,
 )
+from fleetd.checks import CheckJson
 from fleetd.mcp.safety import Untrusted
 from fleetd.wire.gpu import CheckedRank
 
@@ -407,7 +408,7 @@ class MachineCheck(TypedDict):
 
     can_trace: bool
     warnings: int
-    checks: list[dict[str, Any]]  # fleetd.checks.Check.as_dict: each check's own figures
+    checks: list[CheckJson]  # each check with its own figures
 
 
 class FileCheck(TypedDict):

@@ -11,13 +11,13 @@ import shutil
 import sqlite3
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from fleetd.checks import FAIL, OK, WARN, Check, Finding, Stop, row, stopped
 from fleetd.errors import StoreError
 from fleetd.store import foreign
 from fleetd.store.db import DAMAGE_CHECK_S, check_identity, connect, find_damage
-from fleetd.store.losses import describe_crash, session_losses
+from fleetd.store.losses import SessionLosses, describe_crash, session_losses
 from fleetd.store.schema import SCHEMA_VERSION
 
 DISK_FAIL_BYTES = 100 * 2**20  # below this the writer fails within minutes of tracing
@@ -27,9 +27,20 @@ DISK_WARN_BYTES = 2**30
 # ---- the database ---------------------------------------------------------------------
 
 
+class DbFigures(TypedDict):
+    """The db check's figures for scripts (``data`` of its JSON row), in the order they
+    are found; a step that was not reached leaves its key out."""
+
+    path: str
+    schema_version: NotRequired[int]
+    damage: NotRequired[list[str]]  # quick_check's complaints
+    sessions: NotRequired[SessionLosses]
+    free_bytes: NotRequired[int]
+
+
 def db_check(path: Path, max_bytes: int | None = None) -> Check:
     """Can an agent create or open ``path`` and keep writing to it?"""
-    data: dict[str, Any] = {"path": str(path)}
+    data: DbFigures = {"path": str(path)}
     try:
         directory = _db_directory(path)
         if path.exists():
@@ -68,7 +79,7 @@ def _db_directory(path: Path) -> Path:
     return existing
 
 
-def _db_file(path: Path, data: dict[str, Any]) -> list[Finding]:
+def _db_file(path: Path, data: DbFigures) -> list[Finding]:
     try:
         conn = connect(f"file:{foreign.uri_path(path)}?mode=ro", uri=True, path=path)
     except sqlite3.Error as exc:
@@ -85,7 +96,7 @@ def _db_file(path: Path, data: dict[str, Any]) -> list[Finding]:
     data["schema_version"] = version
     size = path.stat().st_size
     out = [_schema_finding(version, size), _damage_finding(path, data)]
-    if version > 0 and not data["damage"]:
+    if version > 0 and not data.get("damage"):
         out.append(_losses_finding(path, data))
     if not os.access(path, os.W_OK):
         out.append(Finding(FAIL, "the file is read-only for this user",
@@ -93,7 +104,7 @@ def _db_file(path: Path, data: dict[str, Any]) -> list[Finding]:
     return out
 
 
-def _damage_finding(path: Path, data: dict[str, Any]) -> Finding:
+def _damage_finding(path: Path, data: DbFigures) -> Finding:
     """PRAGMA quick_check under a deadline: a torn page, a file cut short."""
     found, finished = find_damage(path, DAMAGE_CHECK_S)
     data["damage"] = found
@@ -106,7 +117,7 @@ def _damage_finding(path: Path, data: dict[str, Any]) -> Finding:
     return Finding(OK, "no damaged page (quick_check)")
 
 
-def _losses_finding(path: Path, data: dict[str, Any]) -> Finding:
+def _losses_finding(path: Path, data: DbFigures) -> Finding:
     """Sessions ended by a kill (what they lost, from their last commit) and events the
     writer dropped on a full disk: a warning while the newest session is such a one."""
     try:
@@ -153,7 +164,7 @@ def _schema_finding(version: int, size: int) -> Finding:
 
 
 def _disk_space(directory: Path, path: Path, max_bytes: int | None,
-                data: dict[str, Any]) -> Finding:
+                data: DbFigures) -> Finding:
     free = shutil.disk_usage(directory).free
     data["free_bytes"] = free
     where = f"{_size(free)} free on {directory.absolute()}'s file system"
