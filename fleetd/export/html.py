@@ -25,24 +25,11 @@ import math
 from collections.abc import Mapping
 from typing import Any, TextIO
 
+from fleetd.export import svg
 from fleetd.export.html_chains import SEVERITY_CLASS, chains_section
 from fleetd.export.html_gpu import gpu_section
-from fleetd.export.svg import (
-    as_dict,
-    as_list,
-    axis_labels,
-    decade_label,
-    dur,
-    esc,
-    num,
-    pct,
-    short,
-    svg_doc,
-    svg_line,
-    svg_rect,
-    svg_text,
-)
 from fleetd.store.catalog import CALL_SOURCES
+from fleetd.wire.answers import OpRow
 
 # The per-thread columns that add up to the wall time (docs/explain.md), with a colour
 # and a label each.
@@ -113,20 +100,20 @@ CSP = "default-src 'none'; style-src 'unsafe-inline'"
 
 def write_report(report: Mapping[str, Any], out: TextIO) -> None:
     """Write the HTML page of one explain report (local or fleet) to ``out``."""
-    nodes = [str(n) for n in as_list(report.get("nodes"))]
-    window = as_dict(report.get("window"))
+    nodes = [str(n) for n in svg.as_list(report.get("nodes"))]
+    window = svg.as_dict(report.get("window"))
     title = f"fleetd explain: {len(nodes)} node(s), {window.get('label') or 'window'}"
     out.write("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
               f"<meta http-equiv=\"Content-Security-Policy\" content=\"{CSP}\">\n"
               "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
-              f"<title>{esc(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n")
+              f"<title>{svg.esc(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n")
     out.write(_header(report, nodes, window))
     out.write(_warnings(report))
-    out.write(_stragglers(as_list(report.get("stragglers")), "stragglers" in report))
-    out.write(gpu_section(as_list(report.get("gpu"))))
-    out.write(_threads(as_list(report.get("processes"))))
-    out.write(_ops(as_list(report.get("ops"))))
-    out.write(chains_section(as_list(report.get("chains"))))
+    out.write(_stragglers(svg.as_list(report.get("stragglers")), "stragglers" in report))
+    out.write(gpu_section(svg.as_list(report.get("gpu"))))
+    out.write(_threads(svg.as_list(report.get("processes"))))
+    out.write(_ops(svg.as_list(report.get("ops"))))
+    out.write(chains_section(svg.as_list(report.get("chains"))))
     out.write("<footer class=\"note\"><p>Written by <code>fleetd explain --format html</code>"
               "; the fields are described in docs/explain.md and docs/json.md.</p></footer>"
               "\n</body>\n</html>\n")
@@ -135,13 +122,13 @@ def write_report(report: Mapping[str, Any], out: TextIO) -> None:
 def _metric_value(metric: str, value: Any) -> str:
     """A straggler metric in its own unit (analyze/distributed/stragglers.py: rate, share,
     latency)."""
-    v = num(value)
+    v = svg.num(value)
     if v is None:
         return "-"
     if metric.endswith("_ns"):
-        return dur(v)
+        return svg.dur(v)
     if metric.endswith("_share"):
-        return pct(v)
+        return svg.pct(v)
     if metric.endswith("_per_s"):
         return f"{v:,.1f}/s"
     return f"{v:.4g}"
@@ -155,8 +142,8 @@ def _metric_value(metric: str, value: Any) -> str:
 def _header(report: Mapping[str, Any], nodes: list[str], window: Mapping[str, Any]) -> str:
     span = ""
     if window.get("start") and window.get("end"):
-        span = f" ({esc(window['start'])} .. {esc(window['end'])})"
-    chains = [as_dict(c) for c in as_list(report.get("chains"))]
+        span = f" ({svg.esc(window['start'])} .. {svg.esc(window['end'])})"
+    chains = [svg.as_dict(c) for c in svg.as_list(report.get("chains"))]
     worst = next((s for s in SEVERITIES if any(c.get("severity") == s for c in chains)), None)
     cls = "quiet" if report.get("quiet") is True or worst is None else \
         SEVERITY_CLASS.get(worst, "low")
@@ -166,19 +153,19 @@ def _header(report: Mapping[str, Any], nodes: list[str], window: Mapping[str, An
         verdict = ", ".join(f"{n} {s}" for s, n in counts.items()) + " chain(s)"
     parts = [
         "<header>\n<h1>fleetd explain</h1>\n",
-        f"<p class=\"meta\">{len(nodes)} node(s): {esc(', '.join(nodes) or 'none')}; "
-        f"{esc(window.get('label') or '')}{span}</p>\n",
-        f"<p class=\"verdict {cls}\">{esc(verdict)}</p>\n",
+        f"<p class=\"meta\">{len(nodes)} node(s): {svg.esc(', '.join(nodes) or 'none')}; "
+        f"{svg.esc(window.get('label') or '')}{span}</p>\n",
+        f"<p class=\"verdict {cls}\">{svg.esc(verdict)}</p>\n",
     ]
-    verdicts = as_dict(report.get("verdicts"))
+    verdicts = svg.as_dict(report.get("verdicts"))
     if verdicts:
         parts.append("<table><tr><th>node</th><th>verdict</th></tr>"
-                     + "".join(f"<tr><td class=\"node\">{esc(n)}</td><td>{esc(v)}</td></tr>"
+                     + "".join(f"<tr><td class=\"node\">{svg.esc(n)}</td><td>{svg.esc(v)}</td></tr>"
                                for n, v in verdicts.items()) + "</table>\n")
-    coll = as_dict(report.get("collectives"))
+    coll = svg.as_dict(report.get("collectives"))
     if coll.get("communicators"):
-        parts.append(f"<p>Collective arrival: {esc(coll.get('verdict'))}</p>\n")
-    gpu = "<a href=\"#gpu\">GPU</a>" if as_list(report.get("gpu")) else ""
+        parts.append(f"<p>Collective arrival: {svg.esc(coll.get('verdict'))}</p>\n")
+    gpu = "<a href=\"#gpu\">GPU</a>" if svg.as_list(report.get("gpu")) else ""
     parts.append(f"<nav><a href=\"#stragglers\">stragglers</a>{gpu}"
                  "<a href=\"#threads\">threads</a><a href=\"#ops\">op latency</a>"
                  "<a href=\"#chains\">chains</a></nav>\n</header>\n")
@@ -187,16 +174,17 @@ def _header(report: Mapping[str, Any], nodes: list[str], window: Mapping[str, An
 
 def _warnings(report: Mapping[str, Any]) -> str:
     items = []
-    for w in as_list(report.get("warnings")):
+    for w in svg.as_list(report.get("warnings")):
         if isinstance(w, dict):  # a fleet warning: {node, error, kind}
-            items.append(f"<li><b>{esc(w.get('node'))}</b> ({esc(w.get('kind'))}): "
-                         f"{esc(w.get('error'))}</li>")
+            items.append(f"<li><b>{svg.esc(w.get('node'))}</b> ({svg.esc(w.get('kind'))}): "
+                         f"{svg.esc(w.get('error'))}</li>")
         else:
-            items.append(f"<li>{esc(w)}</li>")
-    skew = as_dict(report.get("skew"))
+            items.append(f"<li>{svg.esc(w)}</li>")
+    skew = svg.as_dict(report.get("skew"))
     rows = "".join(
-        f"<tr><td>{esc(n)}</td><td class=\"num\">{esc(as_dict(s).get('offset_ms'))}</td>"
-        f"<td class=\"num\">{esc(as_dict(s).get('error_ms'))}</td></tr>" for n, s in skew.items())
+        f"<tr><td>{svg.esc(n)}</td><td class=\"num\">"
+        f"{svg.esc(svg.as_dict(s).get('offset_ms'))}</td><td class=\"num\">"
+        f"{svg.esc(svg.as_dict(s).get('error_ms'))}</td></tr>" for n, s in skew.items())
     out = ""
     if items:
         out += ("<section id=\"warnings\" class=\"warn\">\n<h2>Warnings</h2>\n<ul>"
@@ -212,11 +200,11 @@ def _warnings(report: Mapping[str, Any]) -> str:
 
 def _stragglers(entries: list[Any], ranked: bool) -> str:
     head = "<section id=\"stragglers\">\n<h2>Stragglers</h2>\n"
-    ranked_entries = [as_dict(s) for s in entries]
+    ranked_entries = [svg.as_dict(s) for s in entries]
     if not ranked_entries:
         why = ("no node could be ranked" if ranked else
                "one node: stragglers are ranked across nodes (a merged file or --nodes)")
-        return head + f"<p class=\"note\">{esc(why)}</p>\n</section>\n"
+        return head + f"<p class=\"note\">{svg.esc(why)}</p>\n</section>\n"
     charts = [c for m in _chart_metrics(ranked_entries)
               if (c := _straggler_chart(m, ranked_entries))]
     rows = []
@@ -224,13 +212,13 @@ def _stragglers(entries: list[Any], ranked: bool) -> str:
         flag = s.get("flagged")
         flagged = ("<span class=\"yes\">YES</span>" if flag is True
                    else "no" if flag is False else "-")
-        score = num(s.get("score"))
+        score = svg.num(s.get("score"))
         metric = str(s.get("metric") or "")
         if s.get("rank") is not None:
             metric += f" (rank {s.get('rank')})"
-        rows.append(f"<tr><td class=\"node\">{esc(s.get('node'))}</td><td class=\"num\">"
+        rows.append(f"<tr><td class=\"node\">{svg.esc(s.get('node'))}</td><td class=\"num\">"
                     f"{'-' if score is None else f'{score:.2f}'}</td><td>{flagged}</td>"
-                    f"<td>{esc(metric)}</td><td>{esc(s.get('reason'))}</td></tr>")
+                    f"<td>{svg.esc(metric)}</td><td>{svg.esc(s.get('reason'))}</td></tr>")
     return (head + "<p class=\"note\">Each bar is a node's value of the metric that makes a "
             "node slow; the dashed line is the fleet median. Flagged nodes are red. Score: "
             "the node's speed relative to the best node on the metric (1.0 = the best).</p>\n"
@@ -261,8 +249,8 @@ def _metric_rows(metric: str, entries: list[dict[str, Any]]
     rows = []
     seen: set[str] = set()
     for s in entries:
-        got = as_dict(as_dict(s.get("metrics")).get(metric))
-        v = num(got.get("value"))
+        got = svg.as_dict(svg.as_dict(s.get("metrics")).get(metric))
+        v = svg.num(got.get("value"))
         node = str(s.get("node"))
         if v is None or node in seen:
             continue
@@ -275,29 +263,29 @@ def _straggler_chart(metric: str, entries: list[dict[str, Any]]) -> str:
     rows = _metric_rows(metric, entries)
     if not rows:
         return ""
-    median = next((m for *_, got in rows if (m := num(got.get("fleet_median"))) is not None),
+    median = next((m for *_, got in rows if (m := svg.num(got.get("fleet_median"))) is not None),
                   None)
     label_w, bar_w, row_h, top = 150.0, 430.0, 22.0, 42.0
     width = label_w + bar_w + 110
     height = top + row_h * len(rows) + 10
     hi = max([v for _, v, _, _ in rows] + ([median] if median is not None else [])) or 1.0
     scale = bar_w / (hi * 1.05)
-    body = [svg_text(0, 14, f"{metric}: each node against the fleet median", extra=" "
+    body = [svg.svg_text(0, 14, f"{metric}: each node against the fleet median", extra=" "
                   "font-weight=\"bold\"")]
     for i, (node, v, flagged, _) in enumerate(rows):
         y = top + i * row_h
         colour = "#c62828" if flagged else "#1e88e5"
         shown = _metric_value(metric, v)
-        body.append(svg_text(label_w - 6, y + 14, short(node, 22), "end"))
-        body.append(svg_rect(label_w, y + 3, v * scale, row_h - 6, colour,
+        body.append(svg.svg_text(label_w - 6, y + 14, svg.short(node, 22), "end"))
+        body.append(svg.svg_rect(label_w, y + 3, v * scale, row_h - 6, colour,
                           f"{node}: {metric} {shown}{' (straggler)' if flagged else ''}"))
-        body.append(svg_text(label_w + v * scale + 4, y + 14, shown))
+        body.append(svg.svg_text(label_w + v * scale + 4, y + 14, shown))
     if median is not None:
         x = label_w + median * scale
-        body.append(svg_line(x, top - 4, x, top + row_h * len(rows), "median"))
-        body.append(svg_text(x, top - 8, f"fleet median {_metric_value(metric, median)}",
+        body.append(svg.svg_line(x, top - 4, x, top + row_h * len(rows), "median"))
+        body.append(svg.svg_text(x, top - 8, f"fleet median {_metric_value(metric, median)}",
                           "middle"))
-    return f"<figure>{svg_doc(width, height, f'{metric} per node', body)}</figure>\n"
+    return f"<figure>{svg.svg_doc(width, height, f'{metric} per node', body)}</figure>\n"
 
 
 # ---- where each thread's time went ------------------------------------------------------
@@ -311,16 +299,16 @@ def _threads(processes: list[Any]) -> str:
             "In CUDA overlaps the rest.</p>\n")
     rows = []
     for p in processes:
-        for t in as_list(as_dict(p).get("threads")):
-            t = as_dict(t)
-            wall = num(t.get("wall_ns"))
+        for t in svg.as_list(svg.as_dict(p).get("threads")):
+            t = svg.as_dict(t)
+            wall = svg.num(t.get("wall_ns"))
             if wall is None or wall <= 0:
                 continue
-            rows.append((as_dict(p), t, wall))
+            rows.append((svg.as_dict(p), t, wall))
     if not rows:
         return head + "<p class=\"note\">no traced threads in the window</p>\n</section>\n"
     legend = "<p class=\"legend\">" + "".join(
-        f"<span><i style=\"background:{c}\"></i>{esc(label)}</span>"
+        f"<span><i style=\"background:{c}\"></i>{svg.esc(label)}</span>"
         for _, label, c in BREAKDOWN) + "</p>\n"
     shown = rows[:MAX_THREADS]
     label_w, bar_w, row_h, top = 300.0, 520.0, 20.0, 4.0
@@ -329,25 +317,25 @@ def _threads(processes: list[Any]) -> str:
         y = top + i * row_h
         name = (f"{p.get('node', '')} {t.get('comm') or ''}[{t.get('pid')}] "
                 f"{t.get('thread') or ''} tid {t.get('tid')}")
-        body.append(svg_text(label_w - 6, y + 14, short(name), "end", extra=""))
+        body.append(svg.svg_text(label_w - 6, y + 14, svg.short(name), "end", extra=""))
         x = label_w
         for key, label, colour in BREAKDOWN:
-            share = max(0.0, (num(t.get(key)) or 0.0) / wall)
+            share = max(0.0, (svg.num(t.get(key)) or 0.0) / wall)
             w = min(share * bar_w, label_w + bar_w - x)  # shares past 100% stay inside
             if w <= 0:
                 continue
-            body.append(svg_rect(x, y + 3, w, row_h - 6, colour,
-                              f"{name}: {label} {pct(share)} ({dur(t.get(key))})"))
+            body.append(svg.svg_rect(x, y + 3, w, row_h - 6, colour,
+                              f"{name}: {label} {svg.pct(share)} ({svg.dur(t.get(key))})"))
             x += w
-        in_cuda = num(t.get("in_cuda_ns"))
+        in_cuda = svg.num(t.get("in_cuda_ns"))
         est = "*" if t.get("in_cuda_estimated") is True else ""
-        body.append(svg_text(label_w + bar_w + 6, y + 14,
-                          f"CUDA {pct((in_cuda or 0.0) / wall)}{est}"))
-    svg = svg_doc(label_w + bar_w + 90, top + row_h * len(shown) + 4,
+        body.append(svg.svg_text(label_w + bar_w + 6, y + 14,
+                          f"CUDA {svg.pct((in_cuda or 0.0) / wall)}{est}"))
+    figure = svg.svg_doc(label_w + bar_w + 90, top + row_h * len(shown) + 4,
                "per-thread time breakdown", body)
     more = (f"<p class=\"note\">{len(rows) - len(shown)} more thread(s) not drawn; "
             "--format json lists them all.</p>\n" if len(rows) > len(shown) else "")
-    return (head + legend + f"<figure>{svg}</figure>\n" + more
+    return (head + legend + f"<figure>{figure}</figure>\n" + more
             + "<p class=\"note\">* in CUDA scaled from the in-kernel histograms (calls "
             "were sampled).</p>\n</section>\n")
 
@@ -363,10 +351,10 @@ def _ops(ops: list[Any]) -> str:
             "narrow, tall bar is a tight cluster and a long, low one a tail. Half the calls "
             "are at or below p50 (the bracket). Percentiles are exact from stored events, "
             "or estimated from the in-kernel log2 histograms when calls were sampled.</p>\n")
-    by_node: dict[str, list[dict[str, Any]]] = {}
+    by_node: dict[str, list[OpRow]] = {}
     for r in ops:
-        r = as_dict(r)
-        p50, count = num(r.get("p50_ns")), num(r.get("count"))
+        r = svg.as_dict(r)
+        p50, count = svg.num(r.get("p50_ns")), svg.num(r.get("count"))
         if p50 is None or count is None or count <= 0:
             continue
         by_node.setdefault(str(r.get("node") or ""), []).append(r)
@@ -378,7 +366,7 @@ def _ops(ops: list[Any]) -> str:
         rest = [r for r in rows if r.get("source") not in GPU_SOURCES]
         chosen = (sorted(gpu, key=_total, reverse=True)
                   + sorted(rest, key=_total, reverse=True))[:MAX_OPS_PER_NODE]
-        parts.append(f"<h3>{esc(node) or '(node)'}</h3>\n<div class=\"grid\">\n")
+        parts.append(f"<h3>{svg.esc(node) or '(node)'}</h3>\n<div class=\"grid\">\n")
         parts += [_histogram(r) for r in chosen]
         parts.append("</div>\n")
         if len(rows) > len(chosen):
@@ -389,17 +377,17 @@ def _ops(ops: list[Any]) -> str:
 
 
 def _total(r: Mapping[str, Any]) -> float:
-    return num(r.get("total_ns")) or 0.0
+    return svg.num(r.get("total_ns")) or 0.0
 
 
 def _histogram(r: Mapping[str, Any]) -> str:
     op = str(r.get("op") or "?")
     who = f" {r.get('comm') or ''}[{r.get('pid')}]" if r.get("pid") is not None else ""
-    p = [max(1.0, v) if (v := num(r.get(k))) is not None else None
+    p = [max(1.0, v) if (v := svg.num(r.get(k))) is not None else None
          for k in ("p50_ns", "p95_ns", "p99_ns", "max_ns")]
     p50 = p[0] or 1.0
     known = [v for v in p if v is not None]
-    mean = num(r.get("mean_ns"))
+    mean = svg.num(r.get("mean_ns"))
     lo = 10 ** math.floor(math.log10(min([p50, *([mean] if mean and mean >= 1 else [])]) / 2))
     hi = 10 ** math.ceil(math.log10(max(known) * 1.05))
     width, left, right, top, plot_h = 330.0, 10.0, 10.0, 20.0, 60.0
@@ -419,32 +407,33 @@ def _histogram(r: Mapping[str, Any]) -> str:
     # Heights on a log scale over DENSITY_DECADES: a 1% tail stays visible beside the
     # 45% around the median.
     base = top + plot_h
-    body = [svg_text(left, 13, short(op + who, 50), extra=" font-weight=\"bold\"")]
+    body = [svg.svg_text(left, 13, svg.short(op + who, 50), extra=" font-weight=\"bold\"")]
     for (a, b, share, name), d in zip(bins, densities, strict=True):
         h = max(2.0, plot_h * (1 + math.log10(d / peak) / DENSITY_DECADES))
         x0, x1 = x(a), x(b)
-        body.append(svg_rect(x0, base - h, max(x1 - x0, 1.5), h, "#1e88e5",
-                          f"{op}: {share:.0%} of calls {name}, {dur(a)} to {dur(b)}"))
+        body.append(svg.svg_rect(x0, base - h, max(x1 - x0, 1.5), h, "#1e88e5",
+                          f"{op}: {share:.0%} of calls {name}, {svg.dur(a)} to {svg.dur(b)}"))
     # Half the calls at or below p50: a bracket from the axis start.
-    body.append(svg_line(x(lo), base - 4, x(p50), base - 4, "axis"))
-    body.append(svg_line(x(p50), base - 9, x(p50), base, "axis"))
-    body.append(svg_text(x(lo) + 2, base - 7, "50%"))
-    body.append(svg_line(left, base, width - right, base, "axis"))
+    body.append(svg.svg_line(x(lo), base - 4, x(p50), base - 4, "axis"))
+    body.append(svg.svg_line(x(p50), base - 9, x(p50), base, "axis"))
+    body.append(svg.svg_text(x(lo) + 2, base - 7, "50%"))
+    body.append(svg.svg_line(left, base, width - right, base, "axis"))
     decades = int(round(span))
     ticks = []
     for i in range(decades + 1):
         v = lo * 10 ** i
-        body.append(svg_line(x(v), base, x(v), base + 4, "axis"))
+        body.append(svg.svg_line(x(v), base, x(v), base + 4, "axis"))
         anchor = "start" if i == 0 else "end" if i == decades else "middle"
-        ticks.append((x(v), decade_label(v), anchor))
-    body += [svg_text(tx, base + 15, label, anchor) for tx, label, anchor in axis_labels(ticks)]
+        ticks.append((x(v), svg.decade_label(v), anchor))
+    body += [svg.svg_text(tx, base + 15, label, anchor)
+             for tx, label, anchor in svg.axis_labels(ticks)]
     max_mark = "" if r.get("max_exact") is not False else "≥ "
-    count = num(r.get("count")) or 0
+    count = svg.num(r.get("count")) or 0
     how = {"events": "exact, from stored events",
            "histogram": "estimated from in-kernel histograms"}.get(str(r.get("stats_from")),
                                                                  str(r.get("stats_from") or ""))
-    caption = (f"{r.get('source') or ''} · {count:,.0f} calls · p50 {dur(p[0])} · "
-               f"p95 {dur(p[1])} · p99 {dur(p[2])} · max {max_mark}{dur(p[3])} · "
-               f"mean {dur(mean)} · {how}")
-    svg = svg_doc(width, base + 20, f"latency histogram of {op}{who}", body)
-    return f"<figure>{svg}<figcaption>{esc(caption)}</figcaption></figure>\n"
+    caption = (f"{r.get('source') or ''} · {count:,.0f} calls · p50 {svg.dur(p[0])} · "
+               f"p95 {svg.dur(p[1])} · p99 {svg.dur(p[2])} · max {max_mark}{svg.dur(p[3])} · "
+               f"mean {svg.dur(mean)} · {how}")
+    figure = svg.svg_doc(width, base + 20, f"latency histogram of {op}{who}", body)
+    return f"<figure>{figure}<figcaption>{svg.esc(caption)}</figcaption></figure>\n"

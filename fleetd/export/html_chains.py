@@ -9,22 +9,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleetd.analyze.reading import pods
+from fleetd.export import svg
 from fleetd.export.html_frames import flame_graph, top_frames_chart
-from fleetd.export.svg import (
-    as_dict,
-    as_list,
-    axis_labels,
-    decade_label,
-    dur,
-    esc,
-    num,
-    pct,
-    short,
-    svg_doc,
-    svg_line,
-    svg_rect,
-    svg_text,
-)
+from fleetd.wire.answers import EvidenceItem
 
 SEVERITY_CLASS = {"HIGH": "high", "MEDIUM": "medium", "LOW": "low"}
 # Evidence kinds with a colour of their own on a chain's timeline; the rest are grey.
@@ -39,7 +26,7 @@ MAX_GROUP_ITEMS = 12  # bars per timeline
 
 def chains_section(chains: list[Any]) -> str:
     head = "<section id=\"chains\">\n<h2>Causal chains</h2>\n"
-    found = [as_dict(c) for c in chains]
+    found = [svg.as_dict(c) for c in chains]
     if not found:
         return head + "<p class=\"note\">no chain: no host-side cause found</p>\n</section>\n"
     worth = [c for c in found if c.get("severity") in ("HIGH", "MEDIUM")]
@@ -69,36 +56,37 @@ def _chain(c: Mapping[str, Any], index: int) -> str:
     sev = str(c.get("severity") or "LOW")
     cls = SEVERITY_CLASS.get(sev, "low")
     where = f" on {c.get('node')}" if c.get("node") else ""
-    rows = [f"<tr><th>victim</th><td>{esc(_who(as_dict(c.get('victim'))))}</td></tr>"]
-    culprit = as_dict(c.get("culprit"))
+    rows = [f"<tr><th>victim</th><td>{svg.esc(_who(svg.as_dict(c.get('victim'))))}</td></tr>"]
+    culprit = svg.as_dict(c.get("culprit"))
     if culprit:
-        share = num(as_dict(as_list(c.get("culprits"))[0] if as_list(c.get("culprits"))
-                           else {}).get("share"))
+        ranked = svg.as_list(c.get("culprits"))
+        share = svg.num(svg.as_dict(ranked[0] if ranked else {}).get("share"))
         extra = " (the victim process itself)" if culprit.get("self") is True else ""
         if share is not None:
             extra += f", {share:.0%} of the attributed time"
-        rows.append(f"<tr><th>culprit</th><td>{esc(_who(culprit) + extra)}</td></tr>")
-    rows.append(f"<tr><th>explained</th><td>{pct(c.get('explained'), 0)} of the extra "
-                f"time</td></tr><tr><th>impact</th><td>{pct(c.get('impact'))} of wall time"
+        rows.append(f"<tr><th>culprit</th><td>{svg.esc(_who(culprit) + extra)}</td></tr>")
+    rows.append(f"<tr><th>explained</th><td>{svg.pct(c.get('explained'), 0)} of the extra "
+                f"time</td></tr><tr><th>impact</th><td>{svg.pct(c.get('impact'))} of wall time"
                 "</td></tr>")
     if c.get("op"):
-        rows.append(f"<tr><th>op</th><td>{esc(c.get('op'))}</td></tr>")
-    evidence = [as_dict(e) for e in as_list(c.get("evidence"))]
-    fixes = "".join(f"<li>{esc(f)}</li>" for f in as_list(c.get("fixes")))
+        rows.append(f"<tr><th>op</th><td>{svg.esc(c.get('op'))}</td></tr>")
+    evidence = [svg.as_dict(e) for e in svg.as_list(c.get("evidence"))]
+    fixes = "".join(f"<li>{svg.esc(f)}</li>" for f in svg.as_list(c.get("fixes")))
     return (f"<article class=\"chain {cls}\" id=\"chain-{index}\">\n"
-            f"<h3><span class=\"badge {cls}\">{esc(sev)}</span> {esc(c.get('root_cause'))}"
-            f"{esc(where)} <span class=\"mono note\">{esc(c.get('id'))}</span></h3>\n"
-            f"<p>{esc(c.get('summary'))}</p>\n<table>{''.join(rows)}</table>\n"
+            f"<h3><span class=\"badge {cls}\">{svg.esc(sev)}</span> {svg.esc(c.get('root_cause'))}"
+            f"{svg.esc(where)} <span class=\"mono note\">{svg.esc(c.get('id'))}</span></h3>\n"
+            f"<p>{svg.esc(c.get('summary'))}</p>\n<table>{''.join(rows)}</table>\n"
             + _evidence_svg(evidence) + _evidence_table(evidence)
-            + top_frames_chart(as_dict(c.get("detail"))) + flame_graph(as_dict(c.get("detail")))
+            + top_frames_chart(svg.as_dict(c.get("detail")))
+            + flame_graph(svg.as_dict(c.get("detail")))
             + (f"<h4>Fix</h4>\n<ul>{fixes}</ul>\n" if fixes else "") + "</article>\n")
 
 
-def _groups(evidence: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def _groups(evidence: Sequence[EvidenceItem]) -> list[list[EvidenceItem]]:
     """A slow call (or stall, gap, example call) and the host items that name it."""
-    groups: list[list[dict[str, Any]]] = []
+    groups: list[list[EvidenceItem]] = []
     for e in evidence:
-        if num(e.get("ts_ns")) is None:
+        if svg.num(e.get("ts_ns")) is None:
             continue
         if e.get("spike") is not None and groups:
             groups[-1].append(e)
@@ -107,11 +95,11 @@ def _groups(evidence: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return groups[:MAX_EVIDENCE_GROUPS]
 
 
-def _call_lengths(groups: list[list[dict[str, Any]]]) -> str:
+def _call_lengths(groups: list[list[EvidenceItem]]) -> str:
     """Each slow call's duration as a bar on one logarithmic axis shared by the chain's
     calls, labelled with its value: the zoomed timelines below give every call the same
     width, so a 234 ms call and a 330 us one would look alike."""
-    durs = [max(num(g[0].get("dur_ns")) or 0.0, 0.0) for g in groups]
+    durs = [max(svg.num(g[0].get("dur_ns")) or 0.0, 0.0) for g in groups]
     if len(groups) < 2 or not any(durs):
         return ""
     label_w, bar_w, row_h, top = 150.0, 420.0, 16.0, 20.0
@@ -123,30 +111,31 @@ def _call_lengths(groups: list[list[dict[str, Any]]]) -> str:
     def x(ns: float) -> float:
         return label_w + (math.log10(max(ns, lo)) - math.log10(lo)) / span * bar_w
 
-    body = [svg_text(0, 12, "each call's duration (log scale)", extra=" font-weight=\"bold\"")]
+    body = [svg.svg_text(0, 12, "each call's duration (log scale)", extra=" font-weight=\"bold\"")]
     for i, (g, d) in enumerate(zip(groups, durs, strict=True)):
         y = top + i * row_h
         first = g[0]
         when = str(first.get("time") or "")[11:23]
-        body.append(svg_text(label_w - 6, y + 11, short(f"{first.get('kind')} {when}", 24),
+        body.append(svg.svg_text(label_w - 6, y + 11, svg.short(f"{first.get('kind')} {when}", 24),
                           "end"))
         w = max(x(d) - label_w, 1.5) if d > 0 else 0.0
-        body.append(svg_rect(label_w, y + 2, w, row_h - 4,
+        body.append(svg.svg_rect(label_w, y + 2, w, row_h - 4,
                           EVIDENCE_COLOURS.get(str(first.get("kind")), "#9e9e9e"),
-                          f"{first.get('text') or first.get('kind')} ({dur(d)})"))
-        body.append(svg_text(label_w + w + 4, y + 11, dur(d)))
+                          f"{first.get('text') or first.get('kind')} ({svg.dur(d)})"))
+        body.append(svg.svg_text(label_w + w + 4, y + 11, svg.dur(d)))
     base = top + len(groups) * row_h + 2
-    body.append(svg_line(label_w, base, label_w + bar_w, base, "axis"))
+    body.append(svg.svg_line(label_w, base, label_w + bar_w, base, "axis"))
     ticks = []
     for i in range(int(round(span)) + 1):
         v = lo * 10 ** i
-        body.append(svg_line(x(v), base, x(v), base + 4, "axis"))
-        ticks.append((x(v), decade_label(v), "middle" if i else "start"))
-    body += [svg_text(tx, base + 15, t, a) for tx, t, a in axis_labels(ticks)]
-    return f"<figure>{svg_doc(label_w + bar_w + 80, base + 20, 'call durations', body)}</figure>\n"
+        body.append(svg.svg_line(x(v), base, x(v), base + 4, "axis"))
+        ticks.append((x(v), svg.decade_label(v), "middle" if i else "start"))
+    body += [svg.svg_text(tx, base + 15, t, a) for tx, t, a in svg.axis_labels(ticks)]
+    drawn = svg.svg_doc(label_w + bar_w + 80, base + 20, "call durations", body)
+    return f"<figure>{drawn}</figure>\n"
 
 
-def _evidence_svg(evidence: Sequence[dict[str, Any]]) -> str:
+def _evidence_svg(evidence: Sequence[EvidenceItem]) -> str:
     groups = _groups(evidence)
     if not groups:
         return ""
@@ -155,45 +144,46 @@ def _evidence_svg(evidence: Sequence[dict[str, Any]]) -> str:
     y = 0.0
     for group in groups:
         items = group[:MAX_GROUP_ITEMS]
-        t0 = min(num(e.get("ts_ns")) or 0.0 for e in items)
-        t1 = max((num(e.get("ts_ns")) or 0.0) + max(num(e.get("dur_ns")) or 0.0, 0.0)
+        t0 = min(svg.num(e.get("ts_ns")) or 0.0 for e in items)
+        t1 = max((svg.num(e.get("ts_ns")) or 0.0) + max(svg.num(e.get("dur_ns")) or 0.0, 0.0)
                  for e in items)
         span = max(t1 - t0, 1.0)
         first = items[0]
         when = str(first.get("time") or "")[11:]
-        body.append(svg_text(0, y + 12, f"{first.get('kind')} at {when}, {dur(span)} shown",
+        body.append(svg.svg_text(0, y + 12, f"{first.get('kind')} at {when}, {svg.dur(span)} shown",
                           extra=" font-weight=\"bold\""))
         y += gap - 4
         for e in items:
-            start = ((num(e.get("ts_ns")) or t0) - t0) / span * bar_w
-            w = max(max(num(e.get("dur_ns")) or 0.0, 0.0) / span * bar_w, 1.5)
+            start = ((svg.num(e.get("ts_ns")) or t0) - t0) / span * bar_w
+            w = max(max(svg.num(e.get("dur_ns")) or 0.0, 0.0) / span * bar_w, 1.5)
             kind = str(e.get("kind") or "")
             colour = EVIDENCE_COLOURS.get(kind, "#9e9e9e")
-            body.append(svg_text(label_w - 6, y + 12, short(kind, 14), "end"))
-            body.append(svg_rect(label_w + start, y + 2, w, row_h - 4, colour,
-                              f"{e.get('text') or kind} ({dur(e.get('dur_ns'))})"))
+            body.append(svg.svg_text(label_w - 6, y + 12, svg.short(kind, 14), "end"))
+            body.append(svg.svg_rect(label_w + start, y + 2, w, row_h - 4, colour,
+                              f"{e.get('text') or kind} ({svg.dur(e.get('dur_ns'))})"))
             y += row_h
         y += 8
     return (_call_lengths(groups)
-            + f"<figure>{svg_doc(label_w + bar_w + 10, y, 'evidence timeline', body)}</figure>\n")
+            + f"<figure>{svg.svg_doc(label_w + bar_w + 10, y, 'evidence timeline', body)}"
+            "</figure>\n")
 
 
-def _evidence_table(evidence: Sequence[dict[str, Any]]) -> str:
+def _evidence_table(evidence: Sequence[EvidenceItem]) -> str:
     if not evidence:
         return ""
     rows = []
     for e in evidence:
         when = str(e.get("time") or "")[11:]
-        text = esc(e.get("text"))
-        if num(e.get("overlap_ns")) is not None:
-            text += f" <span class=\"note\">[overlap {dur(e.get('overlap_ns'))}]</span>"
-        frames = [f for f in as_list(e.get("stack")) if f is not None]
+        text = svg.esc(e.get("text"))
+        if svg.num(e.get("overlap_ns")) is not None:
+            text += f" <span class=\"note\">[overlap {svg.dur(e.get('overlap_ns'))}]</span>"
+        frames = [f for f in svg.as_list(e.get("stack")) if f is not None]
         if frames:
             text += ("<details><summary>stack</summary><ul class=\"frames mono\">"
-                     + "".join(f"<li>{esc(f)}</li>" for f in frames) + "</ul></details>")
+                     + "".join(f"<li>{svg.esc(f)}</li>" for f in frames) + "</ul></details>")
         indent = " style=\"padding-left:1.5em\"" if e.get("spike") is not None else ""
-        rows.append(f"<tr><td class=\"mono\">{esc(when)}</td><td{indent}>"
-                    f"{esc(e.get('kind'))}</td><td>{text}</td></tr>")
+        rows.append(f"<tr><td class=\"mono\">{svg.esc(when)}</td><td{indent}>"
+                    f"{svg.esc(e.get('kind'))}</td><td>{text}</td></tr>")
     return ("<h4>Evidence</h4>\n<table><tr><th>time (UTC)</th><th>kind</th><th>what</th>"
             "</tr>" + "".join(rows) + "</table>\n")
 
