@@ -8,7 +8,7 @@ columns from here, so a new column is added once.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import orjson
 
@@ -23,15 +23,41 @@ STORED_CHAIN_COLUMNS = ", ".join(("id", *CHAIN_FIELDS))
 STORED_CHAIN_WINDOW = "ts_ns < ? AND ts_ns + dur_ns >= ?"
 
 
-def chain_row(c: Mapping[str, Any]) -> dict[str, Any]:
-    """A chain of ``explain``'s JSON as a row to store (``key`` picks the version)."""
+class ChainRow(TypedDict):
+    """A chain version as the batch writer stores it: :data:`CHAIN_FIELDS` and the
+    ``key`` that picks the version."""
+
+    ts_ns: int
+    dur_ns: int
+    severity: str
+    root_cause: str
+    summary: str
+    op: str | None
+    victim_pid: int
+    victim_tid: int
+    victim_comm: str | None
+    culprit_pid: int | None
+    culprit_comm: str | None
+    explained: float
+    impact: float
+    # explain's evidence items (fleetd.analyze.reading.answers.EvidenceItem, a layer
+    # above this one), stored as JSON text
+    evidence: Sequence[Mapping[str, object]]
+    fixes: list[str]
+    key: str
+
+
+def chain_row(c: Mapping[str, Any]) -> ChainRow:
+    """A chain of ``explain``'s JSON (its ChainJson) as a row to store."""
     culprit = c["culprit"] or {}
     victim = c["victim"]
-    row = {f: c.get(f) for f in CHAIN_FIELDS}
-    row.update(key=c["key"], victim_pid=victim["pid"], victim_tid=victim["tid"],
-               victim_comm=victim["comm"], culprit_pid=culprit.get("pid"),
-               culprit_comm=culprit.get("comm"))
-    return row
+    return {"ts_ns": c["ts_ns"], "dur_ns": c["dur_ns"], "severity": c["severity"],
+            "root_cause": c["root_cause"], "summary": c["summary"], "op": c["op"],
+            "victim_pid": victim["pid"], "victim_tid": victim["tid"],
+            "victim_comm": victim["comm"], "culprit_pid": culprit.get("pid"),
+            "culprit_comm": culprit.get("comm"), "explained": c["explained"],
+            "impact": c["impact"], "evidence": c["evidence"], "fixes": c["fixes"],
+            "key": c["key"]}
 
 
 def stored_chain(row: Sequence[Any]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 
 from fleetd.store.caps import cap, capped
-from fleetd.store.chainrow import CHAIN_FIELDS
+from fleetd.store.chainrow import CHAIN_FIELDS, ChainRow
 from fleetd.store.db import ensure_node, open_writer
 from fleetd.store.files import create_private
 from fleetd.store.losses import tracer_gone
@@ -133,7 +133,9 @@ class _Item:
     kind: str
     rows: Any
     done: threading.Event | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    args: list[tuple[int, str]] = field(default_factory=list)  # events: (row, JSON text)
+    seq: int = 0  # session: which row
+    new: bool = False  # session: a new row (else more of one)
 
 
 class BatchWriter:
@@ -205,9 +207,9 @@ class BatchWriter:
         """
         # Finished JSON text comes from args that were capped when first made (the
         # tracer's launch cache); a dict is capped here.
-        extra = {"args": [(i, a if isinstance(a, str) else orjson.dumps(capped(a)).decode())
-                          for i, a in args]} if args else {}
-        return self._put(_Item("events", rows, extra=extra), len(rows))
+        texts = [(i, a if isinstance(a, str) else orjson.dumps(capped(a)).decode())
+                 for i, a in args]
+        return self._put(_Item("events", rows, args=texts), len(rows))
 
     def add_processes(self, rows: Iterable[Mapping[str, Any]]) -> None:
         """Process facts by PROCESS_COLS name; the names the process chose are capped
@@ -233,18 +235,18 @@ class BatchWriter:
         tuples = list(rows)
         self._put(_Item("aggregates", tuples), len(tuples))
 
-    def begin_session(self, fields: Mapping[str, Any]) -> int:
+    def begin_session(self, fields: Mapping[str, object]) -> int:
         """Record a trace session now and return its seq (events carry it)."""
         _check_session_fields(fields)
         with self._lock:
             seq = self._next_session
             self._next_session += 1
-        self._put(_Item("session", dict(fields), extra={"seq": seq, "new": True}), 1)
+        self._put(_Item("session", dict(fields), seq=seq, new=True), 1)
         return seq
 
-    def update_session(self, seq: int, fields: Mapping[str, Any]) -> None:
+    def update_session(self, seq: int, fields: Mapping[str, object]) -> None:
         _check_session_fields(fields)
-        self._put(_Item("session", dict(fields), extra={"seq": seq, "new": False}), 1)
+        self._put(_Item("session", dict(fields), seq=seq, new=False), 1)
 
     def track_session(self, seq: int | None, emitted: Callable[[], int] | None = None) -> None:
         """With every commit of events, record how far session ``seq`` got: when, the
@@ -258,9 +260,9 @@ class BatchWriter:
         st = self.stats
         return st.events_written + st.queue_dropped + st.failed_rows
 
-    def add_chains(self, chains: Iterable[Mapping[str, Any]]) -> None:
+    def add_chains(self, chains: Iterable[ChainRow]) -> None:
         """New chain versions; a chain whose ``key`` exists gets the next version."""
-        items = [dict(c) for c in chains]
+        items = [c.copy() for c in chains]
         self._put(_Item("chains", items), len(items))
 
     def flush(self, timeout: float | None = 30.0) -> bool:
@@ -373,9 +375,9 @@ class BatchWriter:
                 _insert_blocks(conn, _EVENT_NEXT_HEAD, len(EVENT_FIELDS), item.rows)
             else:
                 conn.executemany(_EVENT_SQL, _with_ids(base, item.rows))
-            if item.extra:
+            if item.args:
                 _insert_blocks(conn, _ARGS_HEAD, 2,
-                               [(base + i, a) for i, a in item.extra["args"]])
+                               [(base + i, a) for i, a in item.args])
             return len(item.rows)
         if item.kind == "processes":
             conn.executemany(PROCESS_SQL, ((node, *r) for r in item.rows))
@@ -386,7 +388,7 @@ class BatchWriter:
         elif item.kind == "aggregates":
             conn.executemany(_AGG_SQL, ((node, *r) for r in item.rows))
         elif item.kind == "session":
-            self._write_session(item.rows, item.extra["seq"], item.extra["new"])
+            self._write_session(item.rows, item.seq, item.new)
         elif item.kind == "chains":
             for chain in item.rows:
                 self._write_chain(chain)
@@ -425,7 +427,9 @@ class BatchWriter:
         self._conn.execute(_PROGRESS_SQL, (time.time_ns(), count, accounted, self.node_key,
                                            seq))
 
-    def _write_session(self, fields: dict[str, Any], seq: int, new: bool) -> None:
+    def _write_session(self, fields: Mapping[str, object], seq: int, new: bool) -> None:
+        # Session columns by name (the caller's own shape, e.g. the tracer's
+        # SessionOpening), checked against the table on the caller's thread.
         values = {k: _jsonish(v) for k, v in fields.items()}
         if new:
             cols = ["node", "seq", *values]
@@ -441,7 +445,7 @@ class BatchWriter:
                 (*values.values(), self.node_key, seq),
             )
 
-    def _write_chain(self, chain: dict[str, Any]) -> None:
+    def _write_chain(self, chain: ChainRow) -> None:
         key = str(chain["key"])
         version = self._scalar(
             "SELECT coalesce(max(version), 0) FROM chain_data WHERE node = ? AND key = ?",
@@ -599,7 +603,7 @@ def _lowest(*caps: int | None) -> int | None:
     return min(known) if known else None
 
 
-def _check_session_fields(fields: Mapping[str, Any]) -> None:
+def _check_session_fields(fields: Mapping[str, object]) -> None:
     # Checked on the caller's thread: a bad field must not cost the batch it lands in.
     unknown = set(fields) - set(_SESSION_COLS)
     if unknown:
@@ -634,7 +638,7 @@ def _rows_of(item: _Item) -> int:
     return len(item.rows) if isinstance(item.rows, list | tuple) else 1
 
 
-def _jsonish(value: Any) -> Any:
+def _jsonish(value: object) -> object:
     """Lists and dicts go in as JSON text; everything else as it is."""
     if isinstance(value, list | dict | tuple):
         return orjson.dumps(value).decode()
