@@ -60,7 +60,8 @@ def read_chain(value: Any, where: str) -> ChainJson:
     _party(c.get("victim"), f"{where}.victim", ("tid",))
     if c.get("culprit") is not None:
         _party(c["culprit"], f"{where}.culprit", ())
-        need_bool(c["culprit"].get("self"), f"{where}.culprit.self")
+        culprit = need_dict(c["culprit"], f"{where}.culprit")
+        need_bool(culprit.get("self"), f"{where}.culprit.self")
     for i, x in enumerate(need_list(c.get("culprits"), f"{where}.culprits", MAX_ITEMS)):
         _party(x, f"{where}.culprits[{i}]", ("ns",))
         need_number(x.get("share"), f"{where}.culprits[{i}].share")

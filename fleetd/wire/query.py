@@ -22,17 +22,18 @@ import orjson
 
 from fleetd.wire.failure import BadReply
 from fleetd.wire.limits import COLUMN_CHARS, MAX_COLUMNS, MAX_ROWS
-from fleetd.wire.shapes import ErrorDetail, QueryReply
+from fleetd.wire.shapes import ErrorDetail, QueryReply, StreamTrailer
 from fleetd.wire.values import is_cell, is_number, printable, valid_int
 
 TRUNCATED_REASONS = ("rows", "bytes")
 
 
-def check_rows(reply: dict[str, Any], max_rows: int | None) -> QueryReply:
-    """A node's JSON query answer, made safe to merge, in place (and returned as its
-    shape): at most ``max_rows`` rows (a node that ignores the limit is cut, and its
-    answer marked truncated), every row as wide as the columns, every cell a value
-    SQLite can hold, column names printable."""
+def check_rows(reply: dict[str, object], max_rows: int | None) -> QueryReply:
+    """A node's JSON query answer (as parsed: untrusted, so its values are ``object``
+    until read here), made safe to merge, in place (and returned as its shape): at most
+    ``max_rows`` rows (a node that ignores the limit is cut, and its answer marked
+    truncated), every row as wide as the columns, every cell a value SQLite can hold,
+    column names printable."""
     columns, rows = reply.get("columns"), reply.get("rows")
     if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
         raise _bad_json("columns that are not a list of names")
@@ -53,7 +54,8 @@ def check_rows(reply: dict[str, Any], max_rows: int | None) -> QueryReply:
         "columns": [printable(c, 200) for c in columns], "rows": rows,
         "truncated": truncated,
         "truncated_reason": reason if reason in TRUNCATED_REASONS else None,
-        "elapsed_ms": elapsed if is_number(elapsed) else None}
+        "elapsed_ms": elapsed if isinstance(elapsed, int | float) and is_number(elapsed)
+        else None}
     reply.update(checked)
     return checked
 
@@ -90,10 +92,11 @@ class QueryStream:
         self.cap = cap
         self.max_rows = max_rows
         self.got = 0  # bytes received
-        self.header: dict[str, Any] | None = None
+        self.columns: list[str] | None = None  # the header's, once read (printable)
+        self.node: str | None = None  # the header's node, when it names one
         self.width = 0
         self.rows: list[list[Any]] = []
-        self.trailer: dict[str, Any] | None = None
+        self.trailer: StreamTrailer | None = None
         self.cut = False  # more rows than we keep: the rest is not read
         self._pending: list[bytes] = []  # the last line so far, not yet ended
 
@@ -121,7 +124,7 @@ class QueryStream:
         except orjson.JSONDecodeError:
             shown = printable(line[:60].decode("utf-8", "replace"))
             raise _bad_stream(f"a line that is not JSON: {shown!r}") from None
-        if self.header is None:
+        if self.columns is None:
             self._take_header(obj)
         elif isinstance(obj, list):
             self._take_row(obj)
@@ -142,8 +145,9 @@ class QueryStream:
         claimed = valid_int(limits.get("max_rows"), 1) if isinstance(limits, dict) else None
         if claimed is not None:
             self.max_rows = min(self.max_rows, claimed)  # may lower ours, never raise it
-        obj["columns"] = [printable(c, COLUMN_CHARS) for c in cols]
-        self.header, self.width = obj, len(cols)
+        node = obj.get("node")
+        self.node = node if isinstance(node, str) else None
+        self.columns, self.width = [printable(c, COLUMN_CHARS) for c in cols], len(cols)
 
     def _take_row(self, row: list[Any]) -> None:
         if len(row) != self.width:
@@ -154,20 +158,26 @@ class QueryStream:
             return
         self.rows.append(row)
 
-    def _take_trailer(self, obj: dict[str, Any]) -> None:
+    def _take_trailer(self, obj: dict[str, object]) -> None:
+        """The last line (a JSON object as parsed: untrusted until read here)."""
         if obj.get("error") is not None:
             err = error_detail(obj["error"])
             code = err["code"]
             raise BadReply(f"failed after {len(self.rows)} rows{f' ({code})' if code else ''}: "
                            f"{err['message'] or 'no error message'}", err.get("hint"),
                            kind="http", code=code or None)
-        n = obj.get("rows")
-        if obj.get("end") is not True or valid_int(n, 0) is None:
+        raw_n = obj.get("rows")
+        n = valid_int(raw_n, 0)
+        if obj.get("end") is not True or n is None:
             raise _bad_stream("a trailer without end and a row count")
         if n != len(self.rows):
-            raise _bad_stream(f"a trailer that counts {printable(n, 30)} rows, "
+            raise _bad_stream(f"a trailer that counts {printable(raw_n, 30)} rows, "
                               f"after {len(self.rows)}")
-        self.trailer = obj
+        elapsed, reason = obj.get("elapsed_ms"), obj.get("truncated_reason")
+        self.trailer = {"end": True, "rows": n, "truncated": obj.get("truncated") is True,
+                        "truncated_reason": reason if reason in TRUNCATED_REASONS else None}
+        if isinstance(elapsed, int | float) and is_number(elapsed):
+            self.trailer["elapsed_ms"] = elapsed
 
     def finish(self) -> QueryReply:
         """The answer, shaped as the JSON one; fails when the stream was incomplete."""
@@ -175,7 +185,7 @@ class QueryStream:
         self._pending = []
         if last and not self.cut:
             self._line(last)  # a last line without its newline
-        if self.header is None:
+        if self.columns is None:
             raise _bad_stream("no header (the answer is empty)")
         if self.cut:
             return self._answer(True, "rows", None)
@@ -184,16 +194,12 @@ class QueryStream:
                            f"({self.got} bytes), without its trailer",
                            "did the agent restart or crash? see its log", kind="disconnected")
         t = self.trailer
-        elapsed = t.get("elapsed_ms")
-        return self._answer(t.get("truncated") is True, t.get("truncated_reason"),
-                            elapsed if is_number(elapsed) else None)
+        return self._answer(t["truncated"], t["truncated_reason"], t.get("elapsed_ms"))
 
     def _answer(self, truncated: bool, reason: object, elapsed_ms: float | None
                 ) -> QueryReply:
-        assert self.header is not None
-        node = self.header.get("node")
+        assert self.columns is not None
         kept = reason if truncated and reason in TRUNCATED_REASONS else None
-        return {"node": node if isinstance(node, str) else None,
-                "columns": self.header["columns"], "rows": self.rows,
+        return {"node": self.node, "columns": self.columns, "rows": self.rows,
                 "truncated": truncated, "truncated_reason": kept,
                 "elapsed_ms": elapsed_ms}

@@ -130,7 +130,9 @@ class RelayNode(TypedDict):
     address: str
     name: str
     failure: FailureJson | None
-    replies: NotRequired[list[dict[str, Any]] | None]
+    # Each peer's reply as the relay checked it; untrusted again once it crosses to the
+    # client, which reads each one as it reads a direct answer (fleet/relayed.py).
+    replies: NotRequired[list[dict[str, object]] | None]
     skew: NotRequired[SkewJson | None]
     skew_failure: NotRequired[FailureJson | None]
 

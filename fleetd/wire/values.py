@@ -57,7 +57,9 @@ def shown(value: object) -> str:
     return f"{type(value).__name__} {printable(value, 40)!r}"
 
 
-def need_dict(value: Any, where: str) -> dict[str, Any]:
+def need_dict(value: object, where: str) -> dict[str, object]:
+    """An object of a node's answer: still untrusted (each value is ``object`` until its
+    own reader reads it), so ``dict[str, object]`` is its honest type."""
     if not isinstance(value, dict):
         raise BadReply(f"{where}: expected an object, got {type(value).__name__}")
     return value
