@@ -17,9 +17,13 @@ up, the fleet without the hog). A scenario whose workload is not in the tree is 
 as skipped, not counted.
 
 The victim runs alone on the last CPU; the tracers (the instrument), the neighbours
-placed "other" and the other fleet nodes on the first. ``--noise`` runs every scenario
-on a busy node (bench/_noise.py, as ``busy-node.sh --cpus <the others> --io``): a busy
-loop on every CPU but the victim's and 4 MiB fsynced every 50 ms on the scenarios' disk.
+placed "other" and the other fleet nodes on the first. While a scenario's processes run,
+every other process on the machine (other sessions' work, ``busy-node.sh``'s loops, the
+noise below) yields the CPU to them at once (tests/shield.py: cgroup ``cpu.idle``): on a
+busy machine they would otherwise preempt the victim, a real delay the scenario did not
+inject, and the right answer would be theirs. ``--noise`` runs every scenario on a busy
+node (bench/_noise.py, as ``busy-node.sh --cpus <the others> --io``): a busy loop on
+every CPU but the victim's and 4 MiB fsynced every 50 ms on the scenarios' disk.
 
 What is compared with what was injected:
 
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -77,6 +82,7 @@ from recorder import (  # noqa: E402
     StderrLog,
     wait_for_libcudart,
 )
+from shield import others_yield  # noqa: E402
 
 from fleetd.analyze.causes.chains import severity  # noqa: E402
 
@@ -168,6 +174,7 @@ class Run:
     neighbour: int | None = None
     report: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    shield: str = ""  # how the scenario's processes were kept first (tests/shield.py)
 
 
 def _cpus() -> tuple[int, int]:
@@ -192,6 +199,9 @@ def run_case(case: Case, tmp: Path) -> Run:
     out = Run()
     t0 = time.monotonic()
     with ExitStack() as stack:
+        # Up first, down last: from before the first process starts to after the last
+        # one is stopped; the explain after it runs beside everything else.
+        out.shield = stack.enter_context(others_yield()).describe()
         procs: list[subprocess.Popen[Any]] = []
         stack.callback(_stop_all, procs)
         stack.callback(_unlink, [places["shared"], places["own"]])
@@ -397,6 +407,10 @@ def main(argv: list[str]) -> int:
     counts = dict.fromkeys(("right", "wrong_culprit", "missed", "false_high"), 0)
     t0 = time.monotonic()
     mine, other = _cpus()
+    # A TERM unwinds like Ctrl-C: the other processes go back to their priority, the
+    # scenario's are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    shields: set[str] = set()
     with ExitStack() as stack:
         if noisy:
             # A busy node: CPU noise on every CPU but the victim's, disk noise on its disk.
@@ -408,6 +422,10 @@ def main(argv: list[str]) -> int:
         for case in cases:
             outcome, seen, run = _one(case)
             counts[outcome] += 1
+            shield = run.shield.split(" other processes")[-1]  # the same from run to run
+            if run.shield and shield not in shields:
+                shields.add(shield)
+                print(f"# {run.shield}", flush=True)
             want = case.root or "quiet"
             print(f"{case.name:22} {outcome:13} {run.seconds:5.1f}s  want {want}: {seen}",
                   flush=True)

@@ -1,0 +1,237 @@
+"""A scenario's own processes first: while a block runs, every other process on the
+machine yields the CPU to them at once.
+
+A live test or bench scenario measures who delayed its victim. On a busy machine the
+answer is honestly "whoever else was running there" (another session's tests, a soak,
+``busy-node.sh``'s loops): real contention the scenario did not inject. Pinning the
+victim to a CPU of its own is not enough, since anything unpinned or pinned there too
+still runs on it.
+
+What a cgroup v2 cpuset partition would do (take the CPU away from everyone else) is not
+available where the cpuset controller is bound to cgroup v1, and v1's equivalent (moving
+every other process into a cpuset without the victim's CPU) makes their
+``sched_setaffinity`` to that CPU fail with EINVAL, breaking whatever else the machine
+is running. So this moves the other processes into one cgroup with ``cpu.idle`` set
+(the cpu controller, v1 or v2; Linux 5.15+) instead: a task there is preempted the
+moment a normal task wakes on its CPU (no slice protection, weight 3 against 1024), so
+it no longer delays the scenario's processes, and it still runs on every CPU they leave
+idle. Nothing stops, no affinity changes.
+
+Who moves: every process in the root cgroup that was there when the block began, and
+any started during it by someone else (swept again every 0.2 s), except kernel threads,
+init and its direct children (the machine's own services), and the caller with its
+ancestors. Processes the caller starts inside the block are the scenario's and stay
+normal; its children from before (a bench's noise) are other load and yield too. On the
+way out (an exception and Ctrl-C included) every process goes back to the root cgroup
+(the kernel puts a root task back in its autogroup) and the cgroup is removed; one left
+by a killed run is dissolved by the next run's start. Two shielded blocks on one machine
+(two benches, a bench and a live test) would each put the other's processes at idle
+priority: they take turns instead (a lock file, waited for up to ``WAIT_S``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PREFIX = "fleetd-shield-"
+SWEEP_S = 0.2
+WAIT_S = 300.0  # for another shielded block to end
+LOCK = Path("/run/lock/fleetd-shield.lock")
+_KTHREAD = 0x00200000  # PF_KTHREAD in /proc/PID/stat's flags
+
+
+@dataclass
+class Shield:
+    """What a block ran under: the idle cgroup the others were moved into (None: no
+    shield, ``why`` says why) and how many processes were moved."""
+
+    group: Path | None
+    why: str = ""
+    moved: set[int] = field(default_factory=set)
+
+    def describe(self) -> str:
+        if self.group is None:
+            return f"no shield ({self.why})"
+        return f"{len(self.moved)} other processes yielding (cpu.idle in {self.group})"
+
+
+def cpu_root() -> Path | None:
+    """The cpu controller's root cgroup where it has ``cpu.idle``: v1's mount, else the
+    cgroup2 mount with the cpu controller."""
+    v1 = Path("/sys/fs/cgroup/cpu")
+    if (v1 / "cpu.shares").exists():
+        return v1
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        parts = line.split()
+        if len(parts) > 2 and parts[2] == "cgroup2":
+            ctl = Path(parts[1]) / "cgroup.controllers"
+            if ctl.exists() and "cpu" in ctl.read_text().split():
+                return Path(parts[1])
+    return None
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, flags) of a process, or None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # after the command, which may hold spaces
+    return int(fields[1]), int(fields[6])
+
+
+def _lineage(pid: int) -> list[int]:
+    """pid and its ancestors up to init."""
+    out = []
+    while pid > 0 and pid not in out:
+        out.append(pid)
+        st = _stat(pid)
+        if st is None:
+            break
+        pid = st[0]
+    return out
+
+
+class _Mover:
+    """Moves the others from ``root`` into ``group``; ``started`` is the set present
+    when the block began (the caller's children among them are moved)."""
+
+    def __init__(self, root: Path, group: Path) -> None:
+        self.root, self.group = root, group
+        self.me = os.getpid()
+        self.keep = set(_lineage(self.me))  # the caller and its ancestors
+        self.started = set(self._root_pids())
+        self.moved: set[int] = set()
+        self.passed: set[int] = set()  # judged to stay: not asked again
+
+    def _root_pids(self) -> list[int]:
+        return [int(p) for p in (self.root / "cgroup.procs").read_text().split()]
+
+    def _stays(self, pid: int) -> bool:
+        st = _stat(pid)
+        if st is None or pid in self.keep or st[1] & _KTHREAD:
+            return True
+        if pid == 1 or st[0] == 1:
+            return True  # init and the machine's services
+        # Started during the block by the caller: one of the scenario's processes.
+        return pid not in self.started and self.me in _lineage(pid)[1:]
+
+    def sweep(self) -> None:
+        for pid in self._root_pids():
+            if pid in self.moved or pid in self.passed:
+                continue
+            if self._stays(pid):
+                self.passed.add(pid)
+                continue
+            # Gone meanwhile, or not movable (a realtime task into a group without RT
+            # time): it stays where it is.
+            with suppress(OSError):
+                (self.group / "cgroup.procs").write_text(f"{pid}\n")
+                self.moved.add(pid)
+
+
+def _dissolve(root: Path, group: Path) -> None:
+    """Every process of ``group`` back to ``root``, then the cgroup removed (retried
+    while the processes that a move raced with settle)."""
+    for _ in range(50):
+        for pid in (group / "cgroup.procs").read_text().split():
+            with suppress(OSError):
+                (root / "cgroup.procs").write_text(f"{pid}\n")
+        try:
+            group.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            threading.Event().wait(0.05)
+    raise OSError(f"could not empty {group}: its processes would stay at idle priority; "
+                  f"move them to {root / 'cgroup.procs'} and remove it")
+
+
+def reclaim(root: Path) -> None:
+    """Dissolve the shields of runs that are gone (killed before their way out)."""
+    for group in root.glob(f"{PREFIX}*"):
+        owner = group.name[len(PREFIX):]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            _dissolve(root, group)
+
+
+@contextmanager
+def others_yield() -> Iterator[Shield]:
+    """While the block runs, every other process yields the CPU to the ones the caller
+    starts in it (see the module's docstring). Without root or a cpu controller that
+    has ``cpu.idle``, the block runs unshielded and the Shield says why."""
+    root = cpu_root()
+    if root is None or os.geteuid() != 0:
+        yield Shield(None, "needs root and a cgroup cpu controller" if root is None
+                     else "needs root")
+        return
+    with _turn() as why:
+        if why:
+            yield Shield(None, why)
+            return
+        with _shielded(root) as shield:
+            yield shield
+
+
+@contextmanager
+def _turn() -> Iterator[str]:
+    """This process's turn to shield: yields "" once no other shielded block runs,
+    or why not after ``WAIT_S``."""
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with LOCK.open("a") as f:
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield f"another shielded run held {LOCK} for {WAIT_S:g} s"
+                    return
+                time.sleep(0.1)
+        try:
+            yield ""
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _shielded(root: Path) -> Iterator[Shield]:
+    reclaim(root)
+    group = root / f"{PREFIX}{os.getpid()}"
+    try:
+        group.mkdir(exist_ok=True)
+        if root != Path("/sys/fs/cgroup/cpu") and "cpu" not in (
+                root / "cgroup.subtree_control").read_text().split():
+            (root / "cgroup.subtree_control").write_text("+cpu\n")  # v2: hand it down
+        (group / "cpu.idle").write_text("1\n")
+    except OSError as e:
+        with suppress(OSError):
+            group.rmdir()
+        yield Shield(None, f"cpu.idle not available: {e}")
+        return
+    mover = _Mover(root, group)
+    stop = threading.Event()
+
+    def keep_sweeping() -> None:
+        while not stop.wait(SWEEP_S):
+            mover.sweep()
+
+    sweeper = threading.Thread(target=keep_sweeping, name="shield-sweep", daemon=True)
+    try:
+        mover.sweep()
+        sweeper.start()
+        yield Shield(group, moved=mover.moved)
+    finally:
+        stop.set()
+        if sweeper.is_alive():
+            sweeper.join(5)
+        _dissolve(root, group)
