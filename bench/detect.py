@@ -30,7 +30,9 @@ By default (make bench) the quick form: three faults (quota, hog, stop) of 15 s,
 gaps (under 2 minutes on 2 cores with the BPF programs cached). DETECT_FULL=1: every kind
 twice, 25 s each, 20-40 s healthy between (about 15 minutes); DETECT_S=N: the full kinds
 for about N seconds of schedule. DETECT_SEED picks the order, hosts and gaps;
-DETECT_DEBUG=FILE keeps watch's -vv log (each poll's lateness per rank) there.
+DETECT_DEBUG=FILE keeps watch's -vv log (each poll's lateness per rank) there;
+DETECT_KINDS=quota,hog runs only those kinds (once each in the quick form); DETECT_KEEP=DIR
+keeps the agents' databases and logs there (to read a wrong cause on the data).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ HANG_AFTER_S = 10
 QUOTA_CPUS = 0.03
 EXPECTED = {"hog": {"cpu_contention"}, "quota": {"cpu_throttled"}, "gc": {"gc_pause"},
             "loader": {"data_starvation"}, "disk": {"io_schedule"}, "stop": set()}
-KINDS = ("quota", "hog", "stop") if QUICK else ("hog", "quota", "gc", "loader", "disk", "stop")
+KINDS = tuple(k for k in os.environ.get("DETECT_KINDS", "").split(",") if k) or (
+    ("quota", "hog", "stop") if QUICK else ("hog", "quota", "gc", "loader", "disk", "stop"))
 LINE_RE = re.compile(r"rank (\d+) \((host-\d+) pid (\d+)")
 
 
@@ -267,6 +270,16 @@ def main() -> int:
     why = why_unavailable()
     if why:
         print(f"BENCH detect skipped: {why}")
+        return 0
+    unknown = sorted(set(KINDS) - set(EXPECTED))
+    if unknown:
+        print(f"DETECT_KINDS names {', '.join(unknown)}: pick from {', '.join(EXPECTED)}",
+              file=sys.stderr)
+        return 2
+    keep = os.environ.get("DETECT_KEEP")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        print(run(Path(keep)), flush=True)
         return 0
     with tempfile.TemporaryDirectory(prefix="fleetd-detect-") as d:
         print(run(Path(d)), flush=True)

@@ -5,14 +5,18 @@ top host cause asked of its node.
 A rank is flagged once the rule has called it late at :data:`FLAG_POLLS` consecutive
 polls, and recovers once it has not for :data:`CALM_POLLS` (no flapping on a rank that
 is late at half the polls). While a flagged rank has no named cause, its node is asked
-for the rank's top causal chain over the last :data:`CAUSE_SINCE_S` seconds
-(``GET /api/v1/chains``, as a hang's culprit is: :mod:`fleetd.fleet.chains`),
-at most every :data:`CAUSE_EVERY_S`; the first chain with a root cause names it.
+for the rank's top causal chain over the straggle's own seconds (``GET /api/v1/chains``,
+as a hang's culprit is: :mod:`fleetd.fleet.chains`), at most every :data:`CAUSE_EVERY_S`;
+the first chain with a root cause names it. The window starts :data:`CAUSE_LEAD_S` before
+the first poll that called the rank late (at least :data:`CAUSE_MIN_S`, at most
+:data:`CAUSE_SINCE_S` long): the rank's seconds before it turned late are the same for
+every rank of the job (a CPU they all share) and would outweigh what changed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +34,9 @@ log = logging.getLogger("fleetd.fleet.straggle")
 FLAG_POLLS = 2  # consecutive polls late before a rank is flagged
 CALM_POLLS = 3  # consecutive polls not late before it recovers
 CAUSE_EVERY_S = 2.0  # a flagged rank's node asked again for its chain, until it names one
-CAUSE_SINCE_S = 15  # the chain window: the straggle's own seconds, not the minutes before
+CAUSE_SINCE_S = 15  # the chain window at most: the straggle's own seconds, not the minutes before
+CAUSE_MIN_S = 5  # ...and at least (a sampled cgroup, a few steps)
+CAUSE_LEAD_S = 2  # ...from this long before the first poll that called the rank late
 
 
 class StragglerJson(TypedDict):
@@ -57,6 +63,7 @@ class _Open:
     found: StragglerJson
     calm: int = 0
     asked: float = 0.0  # monotonic time its node was last asked for a chain
+    began: float = 0.0  # monotonic time of the first poll that called it late
 
 
 @dataclass
@@ -76,6 +83,7 @@ class StraggleWatch:
     flag_polls: int = FLAG_POLLS
     calm_polls: int = CALM_POLLS
     streak: dict[str, int] = field(default_factory=dict)  # key -> consecutive late polls
+    began: dict[str, float] = field(default_factory=dict)  # key -> the streak's first poll
     open: dict[str, _Open] = field(default_factory=dict)
     changes: Changes = field(default_factory=Changes)  # the last poll's
 
@@ -99,14 +107,16 @@ class StraggleWatch:
         flagged: list[StragglerJson] = []
         for key, x in late.items():
             self.streak[key] = self.streak.get(key, 0) + 1
+            self.began.setdefault(key, time.monotonic())
             if key in self.open:
                 self.open[key].calm = 0
                 _refresh(self.open[key].found, x)
             elif self.streak[key] >= self.flag_polls:
-                self.open[key] = _Open(_json(key, x))
+                self.open[key] = _Open(_json(key, x), began=self.began[key])
                 flagged.append(self.open[key].found)
         for key in [k for k in self.streak if k not in late]:
             del self.streak[key]
+            self.began.pop(key, None)
         recovered: list[StragglerJson] = []
         for key in [k for k in self.open if k not in late]:
             o = self.open[key]
@@ -128,8 +138,10 @@ class StraggleWatch:
             return []
         for o in due:
             o.asked = now
-        found = await chains_of(answer, client, [(o.found["node"], o.found["pid"]) for o in due],
-                                f"{CAUSE_SINCE_S}s")
+        found = {}
+        for since, group in _by_window(due, now).items():
+            found.update(await chains_of(
+                answer, client, [(o.found["node"], o.found["pid"]) for o in group], since))
         named = []
         for o in due:
             chain = found.get((o.found["node"], o.found["pid"]))
@@ -137,6 +149,16 @@ class StraggleWatch:
                 o.found["top_chain"] = chain
                 named.append(o.found)
         return named
+
+
+def _by_window(due: list[_Open], now: float) -> dict[str, list[_Open]]:
+    """The flagged ranks by the chain window each is asked for (``"7s"``): from
+    CAUSE_LEAD_S before its streak began, within [CAUSE_MIN_S, CAUSE_SINCE_S]."""
+    out: dict[str, list[_Open]] = {}
+    for o in due:
+        s = min(CAUSE_SINCE_S, max(CAUSE_MIN_S, math.ceil(now - o.began + CAUSE_LEAD_S)))
+        out.setdefault(f"{s}s", []).append(o)
+    return out
 
 
 def _key(x: Lateness) -> str:

@@ -4,6 +4,9 @@ one where the unified hierarchy has the cpu controller, traced with real BPF. Th
 cause is the quota, named with its cgroup and figures; no process is blamed for the
 time the quota kept the thread off the CPU. With a busy loop inside the same
 quota, the quota and the busy loop both show; without a quota, no cpu_throttled chain.
+A quota on the cgroup above the workload's is found the same way. A window that is
+crowded by a loop outside the quota first and throttled after splits the run-queue time
+between the two causes by when each held the thread, naming the limit that throttled.
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from recorder import scratch_cgroup, start_in, trace_for, wait_for_libcudart
@@ -86,10 +92,14 @@ def explain_live(tmp_path: Path, quota_us: int | None, hog: bool,
                 if p is not None:
                     p.kill()
                     p.wait()
+    return dict(_explain(db), pid=wl.pid, hog=hogp.pid if hogp else None)
+
+
+def _explain(db: Path) -> dict[str, object]:
     r = subprocess.run([FLEETD, "explain", "--db", str(db), "--format", "json"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    return dict(json.loads(r.stdout), pid=wl.pid, hog=hogp.pid if hogp else None)
+    return dict(json.loads(r.stdout))
 
 
 def _chains(report: dict[str, object], root: str) -> list[dict[str, object]]:
@@ -140,3 +150,90 @@ def test_a_busy_neighbour_inside_the_quota_shows_beside_it(tmp_path: Path,
 def test_without_a_quota_there_is_no_throttling_chain(tmp_path: Path) -> None:
     report = explain_live(tmp_path, None, hog=False)
     assert _chains(report, "cpu_throttled") == []
+
+
+def _set_quota(group: Path, quota_us: int, hierarchy: str) -> None:
+    if hierarchy == "v1":
+        (group / "cpu.cfs_quota_us").write_text(str(quota_us))
+    else:
+        (group / "cpu.max").write_text(f"{quota_us} 100000")
+
+
+@pytest.mark.parametrize("hierarchy", HIERARCHIES)
+def test_crowded_then_throttled_each_cause_gets_its_own_time(tmp_path: Path,
+                                                             hierarchy: str) -> None:
+    """The first half of the window a busy loop outside the workload's cgroup shares its
+    CPU (a limit of 0.9 CPU it never reaches); the second half the loop is gone and the
+    limit drops to 3%. The quota is named as it was when it throttled (3000 us), nobody
+    is blamed for the throttled half, the loop is the culprit of the crowded half, and
+    the two chains split the thread's run-queue time between them."""
+    go, db = tmp_path / "go", tmp_path / "t.db"
+    with cpu_cgroup(90_000, hierarchy) as group:
+        assert group is not None
+        wl = _start_in(group, [PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go),
+                               *STEP])
+        # Niced up: on a busy machine it must stand out among what else runs on the CPU.
+        hog = start_in([], [PY, str(NEIGHBOUR), "hog", "--seconds", "30", "--nice", "-10"],
+                       cpu=0)
+
+        def switch() -> None:  # 4 s into the trace: the loop goes, the limit drops
+            deadline = time.monotonic() + 120
+            while not go.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(4)
+            hog.kill()
+            _set_quota(group, 3_000, hierarchy)
+        t = threading.Thread(target=switch, daemon=True)
+        try:
+            wait_for_libcudart(wl.pid)
+            t.start()
+            trace_for(wl.pid, db, go, "8s")
+        finally:
+            t.join(10)
+            for p in (wl, hog):
+                p.kill()
+                p.wait()
+    report: Any = _explain(db)
+    [quota] = [c for c in _chains(report, "cpu_throttled") if c["victim"]["pid"] == wl.pid]
+    assert quota["culprit"] is None and quota["culprits"] == [], quota
+    assert quota["detail"]["quota_us"] == 3_000, quota["detail"]
+    assert "quota 3000 us per 100000 us" in json.dumps(quota["evidence"])
+    # Of its queued time while the cgroup was throttled, the quota accounts for most.
+    assert quota["explained"] >= 0.5 and quota["impact"] >= 0.2, quota
+    [crowd] = [c for c in _chains(report, "cpu_contention")
+               if c["victim"]["tid"] == quota["victim"]["tid"]]
+    assert hog.pid in [c["pid"] for c in crowd["culprits"]], crowd["culprits"]
+    [proc] = [p for p in report["processes"] if p["pid"] == wl.pid]
+    row = next(x for x in proc["threads"] if x["tid"] == quota["victim"]["tid"])
+    runq = row["runq_ns"] / row["wall_ns"]
+    assert crowd["impact"] + quota["impact"] == pytest.approx(runq, abs=2e-3), (crowd, runq)
+
+
+@pytest.mark.parametrize("hierarchy", HIERARCHIES)
+def test_a_quota_on_the_cgroup_above_is_the_cause(tmp_path: Path, hierarchy: str) -> None:
+    """The limit sits on the parent (a pod's or a slice's cgroup), the workload in a child
+    without one of its own: the parent's throttling holds it off the CPU all the same, so
+    the chain is cpu_throttled, naming the parent, and nobody is the culprit."""
+    go, db = tmp_path / "go", tmp_path / "t.db"
+    with cpu_cgroup(25_000, hierarchy) as parent:
+        assert parent is not None
+        if hierarchy == "v2":
+            (parent / "cgroup.subtree_control").write_text("+cpu")
+        with scratch_cgroup(parent, {}) as child:
+            wl = _start_in(child, [PY, str(WORKLOAD), "--duration", "30", "--go-file",
+                                   str(go), *STEP])
+            try:
+                wait_for_libcudart(wl.pid)
+                trace_for(wl.pid, db, go, "6s")
+            finally:
+                wl.kill()
+                wl.wait()
+    report: Any = _explain(db)
+    [ch] = _chains(report, "cpu_throttled")
+    assert ch["victim"]["pid"] == wl.pid and ch["culprit"] is None, ch
+    root = CPU_ROOT if hierarchy == "v1" else V2_ROOT
+    assert root is not None
+    assert ch["detail"]["cgroup"] == "/" + parent.relative_to(root).as_posix(), ch["detail"]
+    assert ch["detail"]["quota_us"] == 25_000 and ch["detail"]["throttled_periods"] > 0
+    assert wl.pid in ch["detail"]["members"], ch["detail"]
+    assert ch["severity"] in ("HIGH", "MEDIUM"), ch

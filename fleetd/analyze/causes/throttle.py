@@ -8,10 +8,17 @@ named a culprit: the chain names the cgroup, its quota and period, and how much 
 window it was throttled, from the cgroup's own accounting (the tracer's
 ``cpu_throttle`` samples of ``cpu.stat``). A busy neighbour *inside* the same quota does
 take from it: it stays a ``cpu_contention`` culprit beside this chain.
+
+The quota is tied to the thread's run-queue time where the two happened together: per
+sample interval (about a second), the thread's run-queue time in it up to the cgroup's
+throttled time in it. A window that holds both a throttled stretch and a crowded one (a
+quota set in the middle of it; a busy CPU before) splits the column between the two
+causes by when each held the thread, not by their totals over the whole window.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,15 +26,21 @@ from fleetd.analyze.causes.chains import Chain, severity
 from fleetd.analyze.causes.rules import Context, rule_chain
 from fleetd.analyze.reading import pods
 from fleetd.analyze.reading.cgroup_samples import place_of, sampled_pids, samples
+from fleetd.analyze.reading.nodeview import OFF_CPU, RUNQ, task_state
 from fleetd.store.catalog import op_code
 
 CPU_THROTTLE = op_code("cpu_throttle")
 MIN_THROTTLED_SHARE = 0.01  # of the window: below this a quota is not what slows it
+SAMPLE_REACH_NS = 5 * 10**9  # a sample that began this long before the window may end in it
+MAX_WAIT_NS = 10**9  # a run-queue wait that began this long before a span still counts in it
 
 
 @dataclass(slots=True)
 class Quota:
-    """One limited cgroup over the window, summed from its samples."""
+    """One limited cgroup over the window, summed from its samples. ``quota_us`` and
+    ``period_us`` are those of the samples with the most throttled time (a quota changed
+    in the window is named as it was while it throttled); ``spans`` are the samples'
+    intervals with the throttled time in each, oldest first."""
 
     cgroup: str
     quota_us: int
@@ -37,6 +50,8 @@ class Quota:
     periods: int = 0
     members: set[int] = field(default_factory=set)
     place: dict[str, Any] = field(default_factory=dict)  # container, pod, namespace
+    spans: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, ns)
+    by_limit: dict[tuple[int, int], int] = field(default_factory=dict)  # -> throttled ns
 
     @property
     def cpus(self) -> float:
@@ -44,20 +59,33 @@ class Quota:
 
 
 def quotas(ctx: Context) -> list[Quota]:
-    """The limited cgroups the traced processes ran in, over the window."""
+    """The limited cgroups the traced processes ran in, over the window: each sample's
+    figures clipped to the part of its interval inside the window (spread evenly), so a
+    short window starting mid-interval counts what fell inside it."""
     found: dict[str, Quota] = {}
-    for (pid, throttled, t_periods, periods), a in samples(
-            ctx.view, CPU_THROTTLE, ("pid", "bytes", "a0", "a1")):
+    w0, w1 = ctx.view.win.start_ns, ctx.view.win.end_ns
+    for (pid, throttled, t_periods, periods, ts, dur), a in samples(
+            ctx.view, CPU_THROTTLE, ("pid", "bytes", "a0", "a1", "ts_ns", "dur_ns"),
+            by_time=True, reach_ns=SAMPLE_REACH_NS):
         path, quota, period = a.get("cgroup"), a.get("quota_us"), a.get("period_us")
         if not isinstance(path, str) or not isinstance(quota, int) or \
                 not isinstance(period, int) or quota <= 0 or period <= 0:
             continue
         q = found.setdefault(path, Quota(path, quota, period))
-        q.throttled_ns += max(0, int(throttled or 0))
-        q.throttled_periods += max(0, int(t_periods or 0))
-        q.periods += max(0, int(periods or 0))
+        t0, t1 = int(ts), int(ts) + max(0, int(dur or 0))
+        s0, s1 = max(t0, w0), min(t1, w1)
+        part = (s1 - s0) / (t1 - t0) if t1 > t0 else 1.0
+        ns = round(max(0, int(throttled or 0)) * part)
+        q.throttled_ns += ns
+        q.throttled_periods += round(max(0, int(t_periods or 0)) * part)
+        q.periods += round(max(0, int(periods or 0)) * part)
         q.members.update(sampled_pids(pid, a))
         q.place = place_of(a)
+        q.spans.append((s0, s1, ns))
+        q.by_limit[(quota, period)] = q.by_limit.get((quota, period), 0) + ns
+    for q in found.values():
+        # Most throttled time first; a tie goes to the later limit (dicts keep order).
+        q.quota_us, q.period_us = max(reversed(q.by_limit.items()), key=lambda kv: kv[1])[0]
     return list(found.values())
 
 
@@ -70,18 +98,23 @@ def throttle_rule(ctx: Context, chains: list[Chain]) -> list[Chain]:
     stays the chain, with the quota named in its evidence and detail. Otherwise the
     quota is the cause: the thread's run-queue column goes to ``cpu_throttled`` up to the
     throttled time, whoever ran meanwhile is no culprit, and the contention chain keeps
-    only the time beyond the throttling (or goes when there is none worth a chain)."""
+    only the time beyond the throttling (or goes when there is none worth a chain).
+
+    A thread under two limited cgroups (its own and one above it: a container's and its
+    pod's, a slice's) gets one chain, from the quota that held it off the CPU the
+    longest; the other's figures are added to its evidence."""
     out: list[Chain] = []
-    for q in quotas(ctx):
-        share = q.throttled_ns / ctx.span_ns
-        if share < MIN_THROTTLED_SHARE:
+    found = [q for q in quotas(ctx) if q.throttled_ns / ctx.span_ns >= MIN_THROTTLED_SHARE]
+    for pid in ctx.gpu_pids():
+        made = [(_chain(ctx, q, pid, q.throttled_ns / ctx.span_ns), q)
+                for q in found if pid in q.members]
+        if not made:
             continue
-        for pid in ctx.gpu_pids():
-            if pid not in q.members:
-                continue
-            quota = _chain(ctx, q, pid, share)
-            if not _neighbour_spends_it(chains, quota, q):
-                out.append(quota)
+        quota, q = max(made, key=lambda cq: (cq[0].impact, cq[1].throttled_ns))
+        quota.extra_evidence += [e for c, _ in made if c is not quota
+                                 for e in c.extra_evidence]
+        if not _neighbour_spends_it(chains, quota, q):
+            out.append(quota)
     chains[:] = [c for c in chains if not c.detail.get("throttled_away")]
     return out
 
@@ -90,9 +123,15 @@ def _chain(ctx: Context, q: Quota, pid: int, throttled_share: float) -> Chain:
     t = ctx.main_thread(pid)
     tid = int(t["tid"]) if t else pid
     runq = ctx.share(tid, "runq")
-    # The quota explains the thread's run-queue time up to the time it was throttled.
-    explained = min(1.0, throttled_share / runq) if runq > 0 else 0.0
-    impact = min(runq, throttled_share) if runq > 0 else throttled_share
+    held, queued = held_by_quota(ctx, tid, q)
+    if runq > 0:
+        # The quota's part of the run-queue column: the thread's queued time while the
+        # cgroup was throttled, up to that throttled time; ``explained``, how much of
+        # its queued time in the throttled intervals the quota accounts for.
+        impact = min(runq, held / ctx.span_ns)
+        explained = held / queued if queued else 0.0
+    else:  # no run-queue records for the thread: the cgroup's figure alone, unexplained
+        impact, explained = throttled_share, 0.0
     periods = q.throttled_periods / q.periods if q.periods else 0.0
     detail = {"cgroup": q.cgroup, "quota_us": q.quota_us, "period_us": q.period_us,
               "cpus": round(q.cpus, 3), "throttled_ns": q.throttled_ns,
@@ -106,8 +145,43 @@ def _chain(ctx: Context, q: Quota, pid: int, throttled_share: float) -> Chain:
                  f"({q.cpus:g} CPU); throttled in {q.throttled_periods} of {q.periods} "
                  f"periods ({periods:.0%}), {q.throttled_ns / 1e6:.1f} ms in all "
                  f"({throttled_share:.1%} of the window)"}]
-    return rule_chain(ctx, "cpu_throttled", pid, None, explained, impact, evidence, detail,
-                      tid=tid)
+    return rule_chain(ctx, "cpu_throttled", pid, None, round(explained, 4), round(impact, 6),
+                      evidence, detail, tid=tid)
+
+
+def held_by_quota(ctx: Context, tid: int, q: Quota) -> tuple[int, int]:
+    """(ns the quota held thread ``tid`` off the CPU, ns it was queued in the intervals
+    the cgroup was throttled in). Per sample interval: its queued time there, up to the
+    cgroup's throttled time there (a thread waits in one throttled run queue at a time,
+    so no more than the interval either)."""
+    spans = [sp for sp in q.spans if sp[2] > 0 and sp[1] > sp[0]]
+    if not spans:
+        return 0, 0
+    queued = _queued_per_span(ctx, tid, spans)
+    held = sum(min(qn, ns, b - a) for (a, b, ns), qn in zip(spans, queued, strict=True))
+    return held, sum(queued)
+
+
+def _queued_per_span(ctx: Context, tid: int, spans: list[tuple[int, int, int]]) -> list[int]:
+    """The thread's run-queue time in each span: its run-queue records there (the tail
+    after a wakeup, a preemption), or its preempted off-CPU time there when that is more
+    (a run-queue record under the tracer's threshold), as the breakdown counts it."""
+    starts = [a for a, _, _ in spans]
+    runq, off_r = [0] * len(spans), [0] * len(spans)
+    v = ctx.view
+    for op, ts, dur, a0 in v.conn.execute(
+            "SELECT op, ts_ns, dur_ns, a0 FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
+            "AND id BETWEEN ? AND ? AND tid = ? AND op IN (?, ?)",
+            (spans[0][0] - MAX_WAIT_NS, spans[-1][1], v.node.lo, v.node.hi, tid, OFF_CPU, RUNQ)):
+        if op == OFF_CPU and task_state(int(a0 or 0)) != "R":
+            continue
+        into = runq if op == RUNQ else off_r
+        t0, t1 = int(ts), int(ts) + int(dur or 0)
+        i = max(0, bisect.bisect_right(starts, t0) - 1)
+        while i < len(spans) and spans[i][0] < t1:
+            into[i] += max(0, min(t1, spans[i][1]) - max(t0, spans[i][0]))
+            i += 1
+    return [max(r, o) for r, o in zip(runq, off_r, strict=True)]
 
 
 def _neighbour_spends_it(chains: list[Chain], quota: Chain, q: Quota) -> bool:

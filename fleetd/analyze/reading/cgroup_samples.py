@@ -23,18 +23,21 @@ PLACE_KEYS = ("container", "container_name", "runtime", "pod", "namespace", "pod
 Sample = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-def samples(view: NodeView, op: int, columns: tuple[str, ...], *, by_time: bool = False
-            ) -> Iterator[Sample]:
+def samples(view: NodeView, op: int, columns: tuple[str, ...], *, by_time: bool = False,
+            reach_ns: int = 0) -> Iterator[Sample]:
     """Each ``op`` sample in the view's window: its event_data ``columns`` and its args
     object ({} when it has none). ``by_time``: oldest first, for a caller that keeps a
-    sample's latest value; otherwise in the order SQLite returns them."""
+    sample's latest value; otherwise in the order SQLite returns them. ``reach_ns``: also
+    the samples that began up to that long before the window and end inside it (an
+    interval sample whose time the caller clips to the window)."""
     order = " ORDER BY e.ts_ns" if by_time else ""
     picked = ", ".join(f"e.{c}" for c in columns)
+    start = view.win.start_ns
     for row in view.conn.execute(
             f"SELECT {picked}, x.args FROM event_data e LEFT JOIN "
             "event_args x ON x.id = e.id WHERE e.op = ? AND e.ts_ns >= ? AND e.ts_ns < ? "
-            f"AND e.id BETWEEN ? AND ?{order}",
-            (op, view.win.start_ns, view.win.end_ns, view.node.lo, view.node.hi)):
+            f"AND e.id BETWEEN ? AND ? AND (e.ts_ns >= ? OR e.ts_ns + e.dur_ns > ?){order}",
+            (op, start - reach_ns, view.win.end_ns, view.node.lo, view.node.hi, start, start)):
         yield tuple(row[:-1]), args_object(row[-1])
 
 

@@ -181,25 +181,35 @@ def pod_name_and_namespace(pid: int, env: dict[str, str]) -> tuple[str | None, s
 MAX_MEMBERS = 64  # processes of one cgroup listed with each sample
 
 
-def members(groups: dict[str, str], root: Path = CGROUP_ROOT) -> list[int]:
+def members(groups: dict[str, str], root: Path = CGROUP_ROOT, *, subtree: bool = False
+            ) -> list[int]:
     """The processes sharing the cgroup's CPU quota (traced or not: a neighbour inside
-    the quota takes from it), at most MAX_MEMBERS, smallest pids first."""
-    return members_of(groups, "cpu", root)
+    the quota takes from it), at most MAX_MEMBERS, smallest pids first; ``subtree``: those
+    of every cgroup below it too (a quota set above the process's own cgroup)."""
+    return members_of(groups, "cpu", root, subtree=subtree)
 
 
-def members_of(groups: dict[str, str], controller: str, root: Path = CGROUP_ROOT
-               ) -> list[int]:
+def members_of(groups: dict[str, str], controller: str, root: Path = CGROUP_ROOT, *,
+               subtree: bool = False) -> list[int]:
     """The processes in the process's cgroup of ``controller`` (its v1 hierarchy where
-    mounted, else the v2 one), at most MAX_MEMBERS, smallest pids first."""
+    mounted, else the v2 one), at most MAX_MEMBERS, smallest pids first; ``subtree``:
+    and in the cgroups below it (read until MAX_MEMBERS are found)."""
     if controller in groups:
-        procs = root / controller / groups[controller].lstrip("/") / "cgroup.procs"
+        base = root / controller / groups[controller].lstrip("/")
     else:
-        procs = (v2_root(root) or root) / groups.get("", "/").lstrip("/") / "cgroup.procs"
-    try:
-        pids = sorted(int(x) for x in procs.read_text().split() if x.isdigit())
-    except OSError:
-        return []
-    return pids[:MAX_MEMBERS]
+        base = (v2_root(root) or root) / groups.get("", "/").lstrip("/")
+    found: set[int] = set()
+    dirs = [base]
+    while dirs and len(found) < MAX_MEMBERS:
+        d = dirs.pop()
+        try:
+            found.update(int(x) for x in (d / "cgroup.procs").read_text().split()
+                         if x.isdigit())
+            if subtree:
+                dirs += sorted((c for c in d.iterdir() if c.is_dir()), reverse=True)
+        except OSError:
+            continue
+    return sorted(found)[:MAX_MEMBERS]
 
 
 def groups_by_path(cache: dict[int, dict[str, str] | None], pids: Iterable[int],
@@ -263,11 +273,44 @@ class _Seen:
     args: dict[str, object]
 
 
+def ancestors(path: str) -> list[str]:
+    """The cgroup ``path`` and each cgroup above it, innermost first, the root left out
+    (it has no quota); none above a path that climbs out of its namespace (``..``)."""
+    parts = [p for p in path.split("/") if p]
+    if ".." in parts:
+        return [path]
+    return ["/" + "/".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def limited_cgroups(by_path: dict[str, tuple[int, dict[str, str]]]
+                    ) -> dict[str, tuple[int, dict[str, str], CpuLimit, bool]]:
+    """Every cgroup with a CPU quota that holds a traced process, its own or one above it
+    (a quota on a pod's or a slice's cgroup throttles the processes of every cgroup below,
+    which have none of their own): path -> (a traced pid below it, that pid's cgroups
+    with the CPU path set to it, its limit, whether it is that pid's own)."""
+    out: dict[str, tuple[int, dict[str, str], CpuLimit, bool]] = {}
+    unlimited: set[str] = set()
+    for own, (pid, groups) in by_path.items():
+        key = "cpu" if "cpu" in groups else ""
+        for path in ancestors(own):
+            if path in out or path in unlimited:
+                continue
+            at = {**groups, key: path}
+            limit = cpu_limit(at)
+            if limit is None or limit.quota_us is None:
+                unlimited.add(path)
+            else:
+                out[path] = (pid, at, limit, path == own)
+    return out
+
+
 class ThrottleSampler:
-    """Each limited cgroup of the traced processes, sampled about once a second: one
-    ``cpu_throttle`` interval per cgroup per sample with the throttled time and periods
-    since the last one (the cgroup's own accounting, exact however the scheduler events
-    were sampled), and the quota, period, container and pod in its args."""
+    """Each limited cgroup of the traced processes (their own, or one above their own),
+    sampled about once a second: one ``cpu_throttle`` interval per cgroup per sample with
+    the throttled time and periods since the last one (the cgroup's own accounting,
+    exact however the scheduler events were sampled), and the quota, period, container
+    and pod in its args; ``pids``, the processes sharing the quota (below it, for a
+    cgroup above the process's own)."""
 
     def __init__(self, code: int, environ: Callable[[int], dict[str, str]]) -> None:
         self.code = code
@@ -279,10 +322,7 @@ class ThrottleSampler:
                ) -> list[tuple[tuple[int, ...], dict[str, object]]]:
         by_path = groups_by_path(self._groups, pids, cpu_path)
         out: list[tuple[tuple[int, ...], dict[str, object]]] = []
-        for path, (pid, groups) in by_path.items():
-            limit = cpu_limit(groups)
-            if limit is None or limit.quota_us is None:
-                continue
+        for path, (pid, groups, limit, own) in limited_cgroups(by_path).items():
             last = self._seen.get(path)
             self._seen[path] = _Seen(now_ns, limit,
                                      last.args if last else
@@ -295,7 +335,7 @@ class ThrottleSampler:
                    max(0, limit.periods - last.limit.periods), 0)
             out.append((row, {**self._seen[path].args, "quota_us": limit.quota_us,
                               "period_us": limit.period_us,
-                              "pids": members(groups)}))
+                              "pids": members(groups, subtree=not own)}))
         return out
 
 
