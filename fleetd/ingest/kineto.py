@@ -53,7 +53,7 @@ from fleetd.ingest.kineto_events import Converter, opt_int
 from fleetd.ingest.kineto_stage import GPU_ROWS, EventArgs, Facts, Rows, Stage
 from fleetd.ingest.kineto_text import Clock, SplitFailed, Text
 from fleetd.ingest.session import Names, Parsed, Source, check_node, new_batch
-from fleetd.store.imports import GPU_KINDS, AnnotationRow, GpuRow
+from fleetd.store.imports import GPU_KINDS, AnnotationRow, GpuRow, ImportArgs
 from fleetd.store.schema import EventRow
 
 _EPOCH_US = 1e14  # timestamps below this (1973) are relative, not epoch microseconds
@@ -93,7 +93,8 @@ def _read(src: Source, names: Names, node: str | None, text: Text, conv: Convert
     name = check_node(node or default)
     facts = stage.finish(src, base)
     # made now, as it waits for the file's hash (computed meanwhile on another thread)
-    batch = new_batch(src, name, None, base, 1000, {"rank": rank, "world_size": world})
+    batch = new_batch(src, name, None, base, 1000)
+    batch.source["rank"], batch.source["world_size"] = rank, world
     batch.rank, batch.world_size = rank, world
     batch.started_ns, batch.ended_ns = facts.started, facts.ended
     # Rows read from the scratch file as the writer goes, not lists: the writer takes
@@ -102,7 +103,7 @@ def _read(src: Source, names: Names, node: str | None, text: Text, conv: Convert
     batch.events = cast("list[EventRow]", Rows(
         stage, "SELECT * FROM api_s", "?1 + ts_rel, dur, pid, tid, op, 0, 0, 0, corrf, 0, 0",
         "idx", base, facts.events))
-    batch.event_args = cast("list[tuple[int, dict[str, Any]]]", EventArgs(stage))
+    batch.event_args = cast("list[tuple[int, ImportArgs]]", EventArgs(stage))
     batch.gpu = cast("list[GpuRow]", Rows(
         stage, GPU_ROWS, "?1 + ts_rel, dur, dev, stream, kind, name, corr, bytes, coll, gx, gy, "
         "gz, bx, by, bz, pid, launch", "ts, rowid", base, facts.gpu, facts.ends["gpu"]))

@@ -288,7 +288,8 @@ class Converter:
         self.gpu.clear()
         self.ranges.clear()
 
-    def _meta(self, ev: dict[str, Any]) -> None:
+    def _meta(self, ev: dict[str, object]) -> None:
+        # A metadata event of the file, unchecked: each value is tested before use.
         args = ev.get("args")
         name = args.get("name") if isinstance(args, dict) else None
         if not isinstance(name, str):
@@ -303,7 +304,7 @@ class Converter:
                                     or len(self.thread_names) < _META_MAX):
                 self.thread_names[tid] = clean_text(name[:64])
 
-    def check_profiler(self, src: Source, doc: dict[str, Any]) -> None:
+    def check_profiler(self, src: Source, doc: dict[str, object]) -> None:
         """Refuse another tool's Chrome trace: complete events, none of a category the
         PyTorch profiler writes, and none of the profiler's top-level keys."""
         if self.profiler or not self.foreign or any(k in doc for k in _PROFILER_KEYS):

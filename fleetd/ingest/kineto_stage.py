@@ -22,7 +22,7 @@ from typing import Any
 from fleetd.errors import UsageError
 from fleetd.ingest.session import MAX_EVENTS, Source
 from fleetd.store.db import connect
-from fleetd.store.imports import GPU_KINDS
+from fleetd.store.imports import GPU_KINDS, ImportArgs
 
 MAX_RSS_BYTES = 2 << 30  # the memory ceiling of an import (resident set)
 _STAGE_CACHE_KIB = 32 << 10  # the scratch file's page cache (its sorter's memory too)
@@ -223,7 +223,7 @@ class EventArgs:
     def __init__(self, stage: Stage) -> None:
         self._stage = stage
 
-    def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
+    def __iter__(self) -> Iterator[tuple[int, ImportArgs]]:
         for i, other, corr in self._stage.db.execute(
                 "SELECT idx - 1, other, corr FROM api_s WHERE other IS NOT NULL ORDER BY idx"):
             yield i, {"name": other, "correlation": corr}

@@ -93,8 +93,9 @@ class Clock:
 
 
 
-def _load(src: Source, text: bytes) -> dict[str, Any]:
-    """The whole document parsed at once (the fallback for odd layouts)."""
+def _load(src: Source, text: bytes) -> dict[str, object]:
+    """The whole document parsed at once (the fallback for odd layouts). Its values are
+    the file's, unchecked: each reader checks the few it takes (kineto._read)."""
     try:
         doc = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
@@ -162,7 +163,8 @@ class Text:
         self.bare = False  # the bare-array form
         self.head = b""  # the document up to its events array's '[' (excluded)
         self.marker = orjson.dumps(f"fleetd-events-{secrets.token_hex(16)}")
-        self.doc: dict[str, Any] = {}  # the document without its events
+        # The document without its events: the file's JSON, checked key by key where read
+        self.doc: dict[str, object] = {}
         self.replaced = 0  # invalid UTF-8 sequences read as U+FFFD
         self.surrogates = 0  # escaped lone surrogates read as '?'
         self.unclosed = False  # a bare array without its ']'
@@ -224,7 +226,7 @@ class Text:
         view = memoryview(self.buf if data is None else data)
         return self.parse(b"".join((b"[", view[start:stop], b"]")))  # type: ignore[no-any-return]
 
-    def doc_with(self, tail: bytes, count: bool = False) -> dict[str, Any] | None:
+    def doc_with(self, tail: bytes, count: bool = False) -> dict[str, object] | None:
         """The document without its events when they end right before ``tail``."""
         doc = self.parse(b"".join((self.head, self.marker, tail)), count)
         if isinstance(doc, dict) and doc.get("traceEvents") == self.marker[1:-1].decode():

@@ -264,9 +264,9 @@ def _read(ex: _Export, names: Names, node: str | None) -> Parsed:
     version = ex.scalar(meta, f"SELECT value FROM {meta} WHERE name = "
                         "'EXPORT_PRODUCT_VERSION'") if meta and {"name", "value"} <= \
         ex.columns(meta) else None
-    batch = new_batch(src, check_node(node or host or _stem(src)), host, offset, 1,
-                      {"nsys_version": clean_text(version)[:64] if isinstance(version, str)
-                       else None})
+    batch = new_batch(src, check_node(node or host or _stem(src)), host, offset, 1)
+    batch.source["nsys_version"] = (clean_text(version)[:64] if isinstance(version, str)
+                                    else None)
     batch.rank, batch.world_size, batch.local_rank = _ranks(env.get("env", ""))
     parsed = Parsed(batch)
     if not ex.has("StringIds"):

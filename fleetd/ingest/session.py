@@ -29,7 +29,7 @@ from fleetd.errors import FleetdError, UsageError
 from fleetd.store import foreign
 from fleetd.store.catalog import BY_NAME, CUDA_SOURCES
 from fleetd.store.db import connect_foreign, validate_node_name
-from fleetd.store.imports import ImportBatch, ImportOutcome, write_imports
+from fleetd.store.imports import ImportBatch, ImportOutcome, ImportSource, write_imports
 
 MAX_FILE_BYTES = 8 << 30  # an nsys export or a compressed Kineto file
 # A Kineto file's JSON text, plain or once decompressed: read a piece at a time, so this
@@ -340,9 +340,11 @@ Reader = Callable[[Source, "Names", str | None], Parsed]
 
 
 def new_batch(src: Source, node: str, host: str | None, offset_ns: int,
-              error_ns: int | None, extra: dict[str, Any] | None = None) -> ImportBatch:
-    info: dict[str, Any] = {"format": src.fmt, "path": str(src.path.absolute()),
-                            "sha256": src.sha256, "bytes": src.size, **(extra or {})}
+              error_ns: int | None) -> ImportBatch:
+    """The batch of one file; a reader adds what its format says of the file to
+    ``source`` (after these keys)."""
+    info: ImportSource = {"format": src.fmt, "path": str(src.path.absolute()),
+                          "sha256": src.sha256, "bytes": src.size}
     return ImportBatch(node=node, host=host, started_ns=0, ended_ns=0, offset_ns=offset_ns,
                        clock_error_ns=error_ns, source=info, tool_version=__version__,
                        command=f"fleetd import --format {src.fmt} {src.path.name}")

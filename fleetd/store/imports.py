@@ -33,14 +33,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import orjson
 
 from fleetd.errors import StoreError, UsageError
 from fleetd.store import files, foreign
 from fleetd.store.db import connect, ensure_node, open_writer
-from fleetd.store.schema import EVENT_FIELDS, SCHEMA_VERSION, SEQ_BITS, SEQ_MASK, EventRow
+from fleetd.store.schema import (
+    EVENT_FIELDS,
+    SCHEMA_VERSION,
+    SEQ_BITS,
+    SEQ_MASK,
+    EventRow,
+    ProcessFields,
+)
 from fleetd.store.writer import PROCESS_COLS, PROCESS_SQL, TASK_SQL
 
 GPU_KINDS: dict[str, int] = {"kernel": 1, "memcpy": 2, "memset": 3, "sync": 4}
@@ -78,6 +85,27 @@ _SESSION_SQL = (
 )
 
 
+class ImportSource(TypedDict):
+    """The file an import read: the session's ``targets.import``."""
+
+    format: str
+    path: str
+    sha256: str
+    bytes: int
+    rank: NotRequired[int | None]  # Kineto: the distributedInfo it names
+    world_size: NotRequired[int | None]
+    nsys_version: NotRequired[str | None]
+    sched_states: NotRequired[dict[str, int]]  # nsys: switch-outs by thread state
+
+
+class ImportArgs(TypedDict):
+    """An imported event's args: the CUDA call's own name, when it is stored under
+    another op (``cuda_api``), and its correlation id with the GPU work it launched."""
+
+    name: str
+    correlation: NotRequired[int]
+
+
 @dataclass(slots=True)
 class ImportBatch:
     """Everything one file holds, parsed and checked, ready to be written."""
@@ -88,18 +116,18 @@ class ImportBatch:
     ended_ns: int
     offset_ns: int  # wall = the file's own timestamp + offset
     clock_error_ns: int | None
-    source: dict[str, Any]  # format, path, sha256, ... (the session's targets.import)
+    source: ImportSource
     tool_version: str
     command: str
     rank: int | None = None
     local_rank: int | None = None
     world_size: int | None = None
     events: list[EventRow] = field(default_factory=list)
-    event_args: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    event_args: list[tuple[int, ImportArgs]] = field(default_factory=list)
     gpu: list[GpuRow] = field(default_factory=list)
     annotations: list[AnnotationRow] = field(default_factory=list)
     names: dict[int, str] = field(default_factory=dict)  # hash -> name
-    processes: list[dict[str, Any]] = field(default_factory=list)
+    processes: list[ProcessFields] = field(default_factory=list)
     tasks: list[tuple[int, int | None, str | None]] = field(default_factory=list)
 
 

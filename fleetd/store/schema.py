@@ -434,6 +434,32 @@ JOIN ops o ON o.code = e.op;
 # their processes have no placement (NULL).
 PLACEMENT_COLUMNS = ("cgroup", "runtime", "container", "container_name", "pod", "namespace",
                      "pod_uid")
+
+
+class ProcessFields(TypedDict, total=False):
+    """A processes row as a writer takes it (process_data's columns by name): what is
+    known of the process; a fact left out (or None) keeps the one stored before."""
+
+    pid: int
+    ppid: int | None
+    comm: str | None
+    exe: str | None
+    cmdline: str | None
+    rank: int | None
+    local_rank: int | None
+    world_size: int | None
+    start_ns: int | None
+    exit_ns: int | None
+    exit_code: int | None
+    job: str | None
+    # placement (PLACEMENT_COLUMNS)
+    cgroup: str | None
+    runtime: str | None
+    container: str | None
+    container_name: str | None
+    pod: str | None
+    namespace: str | None
+    pod_uid: str | None
 _V5 = "".join(f"ALTER TABLE process_data ADD COLUMN {c} TEXT;\n" for c in PLACEMENT_COLUMNS) \
     + """DROP VIEW processes;
 CREATE VIEW processes AS
