@@ -21,7 +21,11 @@ Who moves: every process in the root cgroup that was there when the block began,
 any started during it by someone else (swept again every 0.2 s), except kernel threads,
 init and its direct children (the machine's own services), and the caller with its
 ancestors. Processes the caller starts inside the block are the scenario's and stay
-normal; its children from before (a bench's noise) are other load and yield too. On the
+normal; its children from before (a bench's noise) are other load and yield too. Others
+that run in cgroups of their own (another session's CPU slices, pinned to the same CPU)
+stay in them, limits and accounting untouched: each such top-level cgroup gets
+``cpu.idle`` itself for the block (not one holding the caller's processes, nor an empty
+one), and its old value back after. On the
 way out (an exception and Ctrl-C included) every process goes back to the root cgroup
 (the kernel puts a root task back in its autogroup) and the cgroup is removed; one left
 by a killed run is dissolved by the next run's start. Two shielded blocks on one machine
@@ -44,6 +48,7 @@ PREFIX = "fleetd-shield-"
 SWEEP_S = 0.2
 WAIT_S = 300.0  # for another shielded block to end
 LOCK = Path("/run/lock/fleetd-shield.lock")
+IDLED = "fleetd-shield-{}.idled"  # beside LOCK: the cgroups a run set idle, to undo
 _KTHREAD = 0x00200000  # PF_KTHREAD in /proc/PID/stat's flags
 
 
@@ -55,11 +60,13 @@ class Shield:
     group: Path | None
     why: str = ""
     moved: set[int] = field(default_factory=set)
+    idled: list[Path] = field(default_factory=list)  # others' cgroups set idle
 
     def describe(self) -> str:
         if self.group is None:
             return f"no shield ({self.why})"
-        return f"{len(self.moved)} other processes yielding (cpu.idle in {self.group})"
+        return (f"{len(self.moved)} other processes (into {self.group}) and "
+                f"{len(self.idled)} other cgroups yield the CPU (cpu.idle)")
 
 
 def cpu_root() -> Path | None:
@@ -100,16 +107,19 @@ def _lineage(pid: int) -> list[int]:
 
 
 class _Mover:
-    """Moves the others from ``root`` into ``group``; ``started`` is the set present
-    when the block began (the caller's children among them are moved)."""
+    """Moves the others from ``root`` into ``group`` and sets others' cgroups idle; the
+    caller's processes from before the block (``before``) count as others."""
 
     def __init__(self, root: Path, group: Path) -> None:
         self.root, self.group = root, group
         self.me = os.getpid()
         self.keep = set(_lineage(self.me))  # the caller and its ancestors
-        self.started = set(self._root_pids())
+        self.before = {int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()}
         self.moved: set[int] = set()
         self.passed: set[int] = set()  # judged to stay: not asked again
+        self.idled: list[Path] = []  # others' cgroups set idle, to undo
+        self.own: set[Path] = set()  # cgroups holding the caller's processes
+        self.record = LOCK.parent / IDLED.format(self.me)
 
     def _root_pids(self) -> list[int]:
         return [int(p) for p in (self.root / "cgroup.procs").read_text().split()]
@@ -120,10 +130,33 @@ class _Mover:
             return True
         if pid == 1 or st[0] == 1:
             return True  # init and the machine's services
-        # Started during the block by the caller: one of the scenario's processes.
-        return pid not in self.started and self.me in _lineage(pid)[1:]
+        return self._mine(pid)
+
+    def _mine(self, pid: int) -> bool:
+        """Started during the block by the caller: one of the scenario's processes."""
+        return pid not in self.before and self.me in _lineage(pid)[1:]
+
+    def _idle_groups(self) -> None:
+        for d in self.root.iterdir():
+            if (not d.is_dir() or d.name.startswith(PREFIX) or d in self.own
+                    or d in self.idled or not (d / "cpu.idle").exists()):
+                continue
+            pids = [int(p) for f in d.rglob("cgroup.procs") for p in f.read_text().split()]
+            if any(self._mine(p) for p in pids):
+                self.own.add(d)
+            elif pids and (d / "cpu.idle").read_text().strip() == "0":
+                # Written down before it is set, so a killed run's is undone too.
+                self.record.write_text("".join(f"{p}\n" for p in [*self.idled, d]))
+                (d / "cpu.idle").write_text("1\n")
+                self.idled.append(d)
+
+    def undo(self) -> None:
+        _unidle(self.idled)
+        self.record.unlink(missing_ok=True)
 
     def sweep(self) -> None:
+        with suppress(OSError):  # a cgroup removed meanwhile: the next sweep sees
+            self._idle_groups()
         for pid in self._root_pids():
             if pid in self.moved or pid in self.passed:
                 continue
@@ -155,8 +188,19 @@ def _dissolve(root: Path, group: Path) -> None:
                   f"move them to {root / 'cgroup.procs'} and remove it")
 
 
+def _unidle(groups: list[Path]) -> None:
+    for d in groups:
+        with suppress(OSError):  # removed by its owner meanwhile
+            (d / "cpu.idle").write_text("0\n")
+
+
 def reclaim(root: Path) -> None:
-    """Dissolve the shields of runs that are gone (killed before their way out)."""
+    """Undo the shields of runs that are gone (killed before their way out)."""
+    for record in LOCK.parent.glob(IDLED.format("*")):
+        owner = record.name.split("-")[-1].split(".")[0]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            _unidle([Path(line) for line in record.read_text().split()])
+            record.unlink(missing_ok=True)
     for group in root.glob(f"{PREFIX}*"):
         owner = group.name[len(PREFIX):]
         if owner.isdigit() and not Path(f"/proc/{owner}").exists():
@@ -229,9 +273,10 @@ def _shielded(root: Path) -> Iterator[Shield]:
     try:
         mover.sweep()
         sweeper.start()
-        yield Shield(group, moved=mover.moved)
+        yield Shield(group, moved=mover.moved, idled=mover.idled)
     finally:
         stop.set()
         if sweeper.is_alive():
             sweeper.join(5)
+        mover.undo()
         _dissolve(root, group)

@@ -1,7 +1,8 @@
 """tests/shield.py on this machine's real cgroups: a busy loop sharing a victim's CPU
-delays it; inside ``others_yield`` the same loop does not, and after the block (an
-exception included) it is back where it was and the cgroup is gone; a cgroup left by a
-killed run is dissolved by the next one."""
+delays it; inside ``others_yield`` the same loop does not, whether it runs in the root
+cgroup or in a cgroup of its own, and after the block (an exception included) it is
+back where it was, its own cgroup as it was, and the shield's cgroup gone; what a killed
+run left is undone by the next one."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from shield import PREFIX, cpu_root, others_yield
+from recorder import scratch_cgroup
+from shield import IDLED, LOCK, PREFIX, cpu_root, others_yield
 
 ROOT = cpu_root()
 pytestmark = pytest.mark.skipif(ROOT is None or os.geteuid() != 0,
@@ -89,6 +91,29 @@ def test_an_exception_in_the_block_restores_everything(
         raise KeyboardInterrupt
     assert _cgroup(hog.pid) == "/"
     assert shield.group is not None and not shield.group.exists()
+
+
+def test_load_in_a_cgroup_of_its_own_yields_and_keeps_its_cgroup(
+        hog: subprocess.Popen[bytes]) -> None:
+    assert ROOT is not None
+    with scratch_cgroup(ROOT, {}) as own:
+        (own / "cgroup.procs").write_text(f"{hog.pid}\n")
+        assert _victim_delay() > 0.15
+        with others_yield() as shield:
+            assert own in shield.idled and (own / "cpu.idle").read_text().strip() == "1"
+            assert _cgroup(hog.pid) == f"/{own.name}"  # not moved
+            assert _victim_delay() < 0.03
+        assert (own / "cpu.idle").read_text().strip() == "0"
+        assert _cgroup(hog.pid) == f"/{own.name}"
+        # A killed run's record of what it set idle is undone by the next run.
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        (own / "cpu.idle").write_text("1\n")
+        (LOCK.parent / IDLED.format(dead.pid)).write_text(f"{own}\n")
+        with others_yield():
+            pass
+        assert (own / "cpu.idle").read_text().strip() == "0"
+        assert not (LOCK.parent / IDLED.format(dead.pid)).exists()
 
 
 def test_a_killed_runs_cgroup_is_dissolved_by_the_next(
