@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import orjson
 from aiohttp import web
@@ -178,7 +178,7 @@ async def relay(request: web.Request, s: RelaySettings) -> web.StreamResponse:
         hint = exc.hint if isinstance(exc, _Bad) else "send a JSON object"
         return error_response("bad_request", message, hint)
     log.info("relaying for %s to %d node(s): %s (limits: %s)", who, len(job.targets),
-             ", ".join(f"{r['method']} {r['path']}" for r in job.requests), job.limits_text)
+             ", ".join(f"{r.method} {r.path}" for r in job.requests), job.limits_text)
     return await _run(job, s, who)
 
 
@@ -209,11 +209,31 @@ class _Asked:
     peer: Target | None
 
 
+@dataclass(frozen=True, slots=True)
+class _Relayed:
+    """One request of the client's (wire.shapes.RelayedRequest), checked (:func:`_request`)."""
+
+    method: str  # GET | POST
+    path: str  # an agent API path, never the relay's own
+    params: dict[str, str] | None
+    # Passed on as it came (a query's limits lowered to ours): each peer checks it, as it
+    # would the client's own, so it stays the parsed JSON object it is.
+    body: dict[str, object] | None
+    shift: list[list[str | int]]  # the fields moved into each peer's clock
+
+
+class _Moved(TypedDict):
+    """A request's params and body, copied for one peer and moved into its clock."""
+
+    params: dict[str, str] | None
+    body: dict[str, object] | None
+
+
 @dataclass(frozen=True)
 class _Job:
     targets: tuple[Target, ...]  # the listed peers to ask, each once
     asked: tuple[_Asked, ...]
-    requests: list[dict[str, Any]]
+    requests: list[_Relayed]
     timeout_s: float
     skew_samples: int
     max_answer_bytes: int
@@ -238,15 +258,16 @@ def _job(body: Any, s: RelaySettings) -> _Job:
     cap = min(int(_number(body.get("max_answer_bytes", s.max_answer_bytes),
                           "max_answer_bytes")), s.max_answer_bytes)
     for r in requests:
-        body = r["body"]
-        if r["path"] == paths.QUERY and body is not None:
+        body = r.body
+        if r.path == paths.QUERY and body is not None:
             # A node's SQL must stop before this fan-out's deadline, so that it answers
             # with its own timeout error instead of being cut off without one.
             asked = body.get("timeout_s")
             if isinstance(asked, int | float) and not isinstance(asked, bool):
                 body["timeout_s"] = min(asked, round(timeout * QUERY_TIME_SHARE, 3))
-    query = next((r.get("body") for r in requests if r["path"] == paths.QUERY), None) or {}
-    limits = {k: query[k] for k in ("max_rows", "max_bytes", "timeout_s") if k in query}
+    query = next((r.body for r in requests if r.path == paths.QUERY), None) or {}
+    limits: dict[str, object] = {k: query[k] for k in ("max_rows", "max_bytes", "timeout_s")
+                                 if k in query}
     text = ";".join(f"{k}={v}" for k, v in {**limits, "fanout_timeout_s": timeout}.items())
     return _Job(targets, wanted, requests, timeout, samples, cap, text)
 
@@ -302,7 +323,7 @@ def _targets(value: Any, most: int, peers: Sequence[Target]) -> tuple[_Asked, ..
     return tuple(out.values())
 
 
-def _request(value: Any, ceiling: Limits) -> dict[str, Any]:
+def _request(value: Any, ceiling: Limits) -> _Relayed:
     if not isinstance(value, dict):
         raise _Bad("each of requests must be an object {method, path, params?, body?}")
     method, path = value.get("method"), value.get("path")
@@ -331,34 +352,34 @@ def _request(value: Any, ceiling: Limits) -> dict[str, Any]:
             and all(isinstance(k, str | int) and not isinstance(k, bool) for k in p)
             for p in shift)):
         raise _Bad(f"shift of {path} must be a list of at most {MAX_SHIFTS} field paths")
-    return {"method": method, "path": path, "params": params, "body": body, "shift": shift}
+    return _Relayed(method, path, params, body, shift)
 
 
-def _lowered(body: dict[str, Any], ceiling: Limits) -> dict[str, Any]:
+def _lowered(body: dict[str, object], ceiling: Limits) -> dict[str, object]:
     """The client's query limits, never above this agent's ceilings: a relay forwards
     min(client's, its own) and every peer then applies its own on top."""
     out = dict(body)
     for key, top in (("max_rows", ceiling.max_rows), ("max_bytes", ceiling.max_bytes),
                      ("timeout_s", ceiling.timeout_s)):
         asked = out.get(key)
-        number = isinstance(asked, int | float) and not isinstance(asked, bool)
-        if asked is None or (number and asked > top):
+        if asked is None or (isinstance(asked, int | float) and not isinstance(asked, bool)
+                             and asked > top):
             out[key] = top
         # Anything else (a string, a negative number) goes on: the peer refuses it with
         # its own message, as it would refuse the client.
     return out
 
 
-def _plan(requests: list[dict[str, Any]]) -> Callable[[int], list[Request]]:
+def _plan(requests: list[_Relayed]) -> Callable[[int], list[Request]]:
     def plan(offset_ns: int) -> list[Request]:
         out = []
         for r in requests:
-            moved: dict[str, Any] = {"params": r["params"], "body": r["body"]}
-            if offset_ns and r["shift"]:
+            moved: _Moved = {"params": r.params, "body": r.body}
+            if offset_ns and r.shift:
                 moved = orjson.loads(orjson.dumps(moved))  # a copy per peer
-                for path in r["shift"]:
+                for path in r.shift:
                     _shift(moved, path, offset_ns)
-            out.append(Request(r["method"], r["path"], moved["params"], moved["body"]))
+            out.append(Request(r.method, r.path, moved["params"], moved["body"]))
         return out
 
     return plan
@@ -396,7 +417,7 @@ async def _run(job: _Job, s: RelaySettings, who: str) -> web.StreamResponse:
     if job.targets:
         opts = FleetOptions(job.targets, client, skew_samples=job.skew_samples)
         answer = await fan_out(opts, _plan(job.requests),
-                               needs_offset=any(r["shift"] for r in job.requests))
+                               needs_offset=any(r.shift for r in job.requests))
         outcomes = {o.target.address: o for o in answer.outcomes}
         answered = len(answer.answered)
     parts, used = [], 0

@@ -41,6 +41,7 @@ from fleetd.wire.failure import BadReply, Failure, NodeFailed
 from fleetd.wire.headers import RECV_NS, SEND_NS
 from fleetd.wire.limits import ERROR_BODY_BYTES, INT64_MAX, MAX_ANSWER_BYTES, TIME_BODY_BYTES
 from fleetd.wire.query import error_detail
+from fleetd.wire.shapes import QueryBody, RelayBody
 from fleetd.wire.values import printable
 
 log = logging.getLogger("fleetd.fleet.client")
@@ -194,7 +195,9 @@ class FleetClient:
                   ) -> dict[str, Any]:
         return await self._request("GET", target, path, params=params, retry=True)
 
-    async def post(self, target: Target, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def post(self, target: Target, path: str,
+                   body: QueryBody | RelayBody | dict[str, object]) -> dict[str, Any]:
+        # body: ours, or (a relay's) a client's passed on as it came, for its peer to check
         # Never retried: a POST is not idempotent by contract, even when it only reads.
         return await self._request("POST", target, path, body=orjson.dumps(body), retry=False)
 

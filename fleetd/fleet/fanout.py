@@ -31,6 +31,7 @@ from fleetd.wire import paths
 from fleetd.wire.failure import BadReply, Failure, NodeFailed
 from fleetd.wire.headers import RECV_NS, SEND_NS
 from fleetd.wire.limits import INT64_MAX, INT64_MIN, NAME_CHARS
+from fleetd.wire.shapes import QueryBody
 from fleetd.wire.values import printable
 
 log = logging.getLogger("fleetd.fleet.fanout")
@@ -63,7 +64,9 @@ class Request:
     method: str  # GET | POST
     path: str
     params: dict[str, str] | None = None
-    body: dict[str, Any] | None = None
+    # A query's (ours), or a body passed on as it came (a relay's client's: the peer
+    # that gets it checks it, fleetd/relay.py).
+    body: QueryBody | dict[str, object] | None = None
     expect: tuple[str, ...] = ()  # keys the answer must have
     # The answer checked (trimmed, rebuilt) by the wire's reader for its shape, raising
     # BadReply for one that is not usable; without one, every number in it must be one

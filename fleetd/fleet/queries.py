@@ -16,7 +16,7 @@ from typing import Any
 
 from fleetd.analyze.causes.chains import SEVERITY_RANK
 from fleetd.analyze.distributed import stragglers
-from fleetd.analyze.reading.answers import ChainJson, ProcessRow
+from fleetd.analyze.reading.answers import ChainJson
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import Merged, NodeRows, NodeWarning, merge, reduce
 from fleetd.fleet.dispatch import fan_out
@@ -44,6 +44,7 @@ from fleetd.store.bounds import Bounds
 from fleetd.wire import paths
 from fleetd.wire.pods import PLACEMENT_FIELDS, label, params, read_placement
 from fleetd.wire.query import check_rows
+from fleetd.wire.shapes import QueryBody
 
 log = logging.getLogger("fleetd.fleet.queries")
 
@@ -86,7 +87,7 @@ async def query_async(opts: FleetOptions, spec: QuerySpec,
 def _query_request(spec: QuerySpec, offset_ns: int) -> Request:
     params = [p + offset_ns if i in spec.time_params and isinstance(p, int) else p
               for i, p in enumerate(spec.params)]
-    body: dict[str, Any] = {"sql": spec.sql, "params": params}
+    body: QueryBody = {"sql": spec.sql, "params": params}
     if spec.max_rows is not None:
         body["max_rows"] = spec.max_rows
     if spec.timeout_s is not None:
@@ -133,7 +134,9 @@ def explain(opts: FleetOptions, bounds: Bounds, pid: int | None = None,
         needs_offset=bounds.absolute))
     raise_if_user_error(answer)
     chains: list[ChainJson] = []
-    processes: list[ProcessRow] = []
+    # A node's process rows pass through as it sent them (untrusted JSON objects), but
+    # for their placement, read as text, and their node (_placed).
+    processes: list[dict[str, object]] = []
     profiles: dict[str, dict[str, Any]] = {}
     verdicts: dict[str, str] = {}
     for o in answer.answered:
@@ -161,7 +164,7 @@ def explain(opts: FleetOptions, bounds: Bounds, pid: int | None = None,
     return FleetResult(answer, obj)
 
 
-def _placed(proc: ProcessRow, node: str) -> ProcessRow:
+def _placed(proc: dict[str, object], node: str) -> dict[str, object]:
     """A node's process row tagged with its node, its pod fields read as untrusted
     text (fleetd.wire.pods)."""
     out = {k: v for k, v in proc.items() if k not in PLACEMENT_FIELDS}

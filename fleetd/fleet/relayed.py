@@ -52,7 +52,7 @@ from fleetd.fleet.targets import RelayRoute, Target, parse_nodes
 from fleetd.wire import paths
 from fleetd.wire.failure import FAILURE_KINDS, Failure, NodeFailed
 from fleetd.wire.limits import INT64_MAX, INT64_MIN
-from fleetd.wire.shapes import SkewJson
+from fleetd.wire.shapes import RelayBody, RelayedRequest, SkewJson
 from fleetd.wire.values import printable, valid_int
 
 MAX_SHIFTS = 16  # time fields the relay moves into each peer's clock
@@ -174,7 +174,7 @@ async def _ask(client: FleetClient, opts: FleetOptions, route: RelayRoute, plan:
     """One relay's share: an outcome per member, every one accounted for."""
     offset = relay_skew.correction_ns if (needs_offset and relay_skew and opts.correct) else 0
     requests = list(plan(offset))
-    body = {
+    body: RelayBody = {
         "targets": [{"name": m.name, "address": m.address} for m in route.members],
         "requests": [_wire(r, plan, offset, i) if needs_offset and opts.correct
                      else _wire(r) for i, r in enumerate(requests)],
@@ -202,8 +202,8 @@ def _failed(member: Target, route: RelayRoute, failure: Failure) -> NodeOutcome:
 
 
 def _wire(r: Request, plan: Plan | None = None, offset: int = 0, index: int = 0
-          ) -> dict[str, Any]:
-    out: dict[str, Any] = {"method": r.method, "path": r.path}
+          ) -> RelayedRequest:
+    out: RelayedRequest = {"method": r.method, "path": r.path}
     if r.params is not None:
         out["params"] = r.params
     if r.body is not None:

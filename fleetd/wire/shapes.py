@@ -104,6 +104,44 @@ class OpsReply(TypedDict):
     ops: list[OpRow]
 
 
+class QueryBody(TypedDict):
+    """``POST /api/v1/query``'s body, as the fleet client sends it."""
+
+    sql: str
+    params: list[Any]  # SQL parameters: any value SQLite binds (text, numbers, null)
+    max_rows: NotRequired[int]
+    max_bytes: NotRequired[int]
+    timeout_s: NotRequired[float]
+
+
+class RelayedRequest(TypedDict):
+    """One request a relay sends each of its peers, as the client writes it (fleetd.relay
+    reads it back, checked, into its own ``_Relayed``)."""
+
+    method: str
+    path: str
+    params: NotRequired[dict[str, str]]
+    body: NotRequired[QueryBody | dict[str, object]]  # as fleet.fanout.Request.body
+    # Where the body or params hold times in the node's clock: each peer's gets the
+    # relay's offset to that peer added (fleet/relayed.py time_paths).
+    shift: NotRequired[list[list[str | int]]]
+
+
+class RelayTarget(TypedDict):
+    name: str
+    address: str
+
+
+class RelayBody(TypedDict):
+    """``POST /api/v1/relay``'s body: the peers to ask, what to ask them, the bounds."""
+
+    targets: list[RelayTarget]
+    requests: list[RelayedRequest]
+    timeout_s: float
+    skew_samples: int
+    max_answer_bytes: int
+
+
 class FailureJson(TypedDict):
     """Why a node gave no usable answer, as a relay reports it per peer."""
 
