@@ -28,7 +28,9 @@ every CPU but the victim's and 4 MiB fsynced every 50 ms on the scenarios' disk.
 What is compared with what was injected:
 
 - the verdict: a problem case's expected cause is the answer (its chain at the expected
-  severity, no other cause above it unless it blames the same culprit); a control has
+  severity, no other cause above it unless it blames the same culprit; for a cause that
+  costs nothing without a GPU, named at LOW, no HIGH chain and nothing above it but the
+  CPU that other load still takes, MEDIUM at most, as in the controls); a control has
   no HIGH chain (the fast producer's control: none but the producer taking the CPU it
   shares with the feeder, a real loss), and none of its ``forbid`` causes above LOW
   (the start-up allocations: no ``alloc_churn``), and the fleet's control no straggler;
@@ -119,8 +121,10 @@ CASES: tuple[Case, ...] = (
     Case("cpu_hog_control", BASE, ("hog",), "other"),
     Case("dataloader", (*BASE, "--workers", "4"), root="dataloader_oversubscription",
          culprit="workers"),
-    # Without a GPU a read-back costs nothing: the pattern is named, at LOW, and the run
-    # stays quiet.
+    # Without a GPU a read-back costs nothing (the runtime fails it at once, whatever the
+    # count): the pattern is named, at LOW, and nothing of the scenario's ranks above it.
+    # Judged as the quiet control is: what other load still costs the victim (see
+    # outside()) may be MEDIUM, never HIGH.
     Case("host_sync", (*BASE, "--host-syncs", "1"), root="host_sync", severity="LOW"),
     Case("block_io", (*BASE, "--dstate", "fsync:4", "--tmpdir", "{disk}"), root="block_io",
          culprit="self"),
@@ -128,6 +132,7 @@ CASES: tuple[Case, ...] = (
          "other", "lock_wait", "neighbour"),
     Case("lock_wait_control", (*BASE, "--dstate", "lock:{own}"), ("lock-holder", "{shared}"),
          "other"),
+    # The same for cudaMalloc/cudaFree: failed at once, a pattern without a cost here.
     Case("alloc_churn", (*BASE, "--alloc-churn", "2"), root="alloc_churn", severity="LOW"),
     Case("gil_heavy", (*BASE, "--gil-thread"), root="lock_contention", culprit="gil_thread"),
     Case("gil_light", (*BASE, "--gil-thread", "--gil-duty", "0.3"), root="lock_contention",
@@ -314,6 +319,25 @@ def _culprit_ok(case: Case, c: dict[str, Any] | None, summary: dict[str, Any],
     raise ValueError(case.culprit)
 
 
+def _scenario_pids(summary: dict[str, Any], neighbour: int | None) -> set[int]:
+    """The processes the scenario started: the workload, its children, the neighbour."""
+    kids = [*summary.get("worker_pids", []), *summary.get("producer_pids", []),
+            summary.get("shipper_pid")]
+    return {summary["pid"], *(k for k in kids if k), *([neighbour] if neighbour else [])}
+
+
+def outside(c: dict[str, Any], summary: dict[str, Any], neighbour: int | None) -> bool:
+    """A chain about the machine, not the scenario: the CPU taken by processes the
+    scenario did not start, at most MEDIUM. The shield (tests/shield.py) makes other
+    load yield at once, but what runs in the kernel without a preemption point, and
+    the kernel's own threads, still delay the victim (about 1 % of its time at a load
+    of 15 here): real, and what the quiet control tolerates too."""
+    if c["severity"] == "HIGH" or c["root_cause"] != "cpu_contention":
+        return False
+    blamed = {k["pid"] for k in c.get("culprits") or []} | {(c.get("culprit") or {}).get("pid")}
+    return not blamed & _scenario_pids(summary, neighbour)
+
+
 def judge(case: Case, run: Run) -> tuple[str, str]:
     """(outcome, what was seen) for one scenario."""
     report = run.report
@@ -349,10 +373,21 @@ def judge(case: Case, run: Run) -> tuple[str, str]:
              and RANK[c["severity"]] > RANK[best["severity"]]
              and not (case.culprit and _culprit_ok(case, c.get("culprit"), summary,
                                                    run.neighbour))]
+    # A cause that costs nothing here is outranked by what other load costs: tolerated
+    # as in the controls, and said.
+    if case.severity == "LOW":
+        other = [c for c in above if outside(c, summary, run.neighbour)]
+        above = [c for c in above if c not in other]
+        if other:
+            line += (f" (above it, other load: [{other[0]['severity']}] "
+                     f"{other[0]['root_cause']} {other[0]['impact']:.1%}, culprit "
+                     f"{(other[0].get('culprit') or {}).get('comm')} pid "
+                     f"{(other[0].get('culprit') or {}).get('pid')})")
     if above:
         return "missed", f"{above[0]['root_cause']} ({above[0]['severity']}) ranks above {line}"
     if case.severity == "LOW":
-        if not report["quiet"]:
+        highs = [c for c in chains if c["severity"] == "HIGH"]
+        if highs:
             return "missed", f"not quiet: {report['verdict']}"
     elif case.severity != "share" and RANK[best["severity"]] < RANK[case.severity]:
         return "missed", f"below {case.severity}: {line}"

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -172,9 +173,13 @@ class _Mover:
 
 def _dissolve(root: Path, group: Path) -> None:
     """Every process of ``group`` back to ``root``, then the cgroup removed (retried
-    while the processes that a move raced with settle)."""
+    while the processes that a move raced with settle). A process that exited and is
+    not reaped yet can neither move nor run: the cgroup then stays, empty of anything
+    that runs, until the next shield of this machine removes it."""
+    left: list[str] = []
     for _ in range(50):
-        for pid in (group / "cgroup.procs").read_text().split():
+        left = (group / "cgroup.procs").read_text().split()
+        for pid in left:
             with suppress(OSError):
                 (root / "cgroup.procs").write_text(f"{pid}\n")
         try:
@@ -183,9 +188,19 @@ def _dissolve(root: Path, group: Path) -> None:
         except FileNotFoundError:
             return
         except OSError:
-            threading.Event().wait(0.05)
-    raise OSError(f"could not empty {group}: its processes would stay at idle priority; "
-                  f"move them to {root / 'cgroup.procs'} and remove it")
+            time.sleep(0.05)
+    alive = [p for p in left if (_state(int(p)) or "Z") not in "ZX"]
+    if alive:
+        print(f"shield: processes {', '.join(alive)} could not leave {group} (still at idle "
+              f"priority): move them to {root / 'cgroup.procs'}", file=sys.stderr)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2]
 
 
 def _unidle(groups: list[Path]) -> None:
