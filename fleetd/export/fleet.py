@@ -44,7 +44,7 @@ from fleetd.export.model import (
 )
 from fleetd.export.output import check_output, open_output
 from fleetd.export.perfetto import NodeStats, Written, write_trace
-from fleetd.export.pull import NodePull, PullSpec, pull
+from fleetd.export.pull import NodePull, PullFacts, PullSpec, pull
 from fleetd.fleet.fanout import EXIT_NO_ANSWER, FleetAnswer, FleetOptions
 from fleetd.store.bounds import Bounds
 from fleetd.store.clockinfo import SessionClock, session_clock
@@ -279,14 +279,14 @@ def _stacks(reply: Any, note: Warn) -> dict[int, list[str]]:
 # ---- chains -----------------------------------------------------------------------------
 
 
-def _chains(facts: Mapping[str, Any], note: Warn) -> list[ChainMark]:
+def _chains(facts: PullFacts, note: Warn) -> list[ChainMark]:
     marks: list[ChainMark] = []
-    for row in _rows(facts.get("stored"), "stored chains", note):
+    for row in _rows(facts["stored"], "stored chains", note):
         marks += _checked(chain_from_row, row, note)
-    computed = facts.get("computed")
-    if isinstance(computed, dict):
-        for c in computed.get("chains") or []:
-            marks += _checked(ChainMark.from_report, c, note)
+    computed = facts["computed"]
+    chains = computed.get("chains") if computed is not None else None
+    for c in chains if isinstance(chains, list) else []:
+        marks += _checked(ChainMark.from_report, c, note)
     return marks
 
 

@@ -29,7 +29,6 @@ from fleetd.export import svg
 from fleetd.export.html_chains import SEVERITY_CLASS, chains_section
 from fleetd.export.html_gpu import gpu_section
 from fleetd.store.catalog import CALL_SOURCES
-from fleetd.wire.answers import OpRow
 
 # The per-thread columns that add up to the wall time (docs/explain.md), with a colour
 # and a label each.
@@ -98,7 +97,7 @@ details > summary { cursor: pointer; }
 CSP = "default-src 'none'; style-src 'unsafe-inline'"
 
 
-def write_report(report: Mapping[str, Any], out: TextIO) -> None:
+def write_report(report: Mapping[str, object], out: TextIO) -> None:
     """Write the HTML page of one explain report (local or fleet) to ``out``."""
     nodes = [str(n) for n in svg.as_list(report.get("nodes"))]
     window = svg.as_dict(report.get("window"))
@@ -139,7 +138,7 @@ def _metric_value(metric: str, value: Any) -> str:
 # ---- header and warnings ------------------------------------------------------------
 
 
-def _header(report: Mapping[str, Any], nodes: list[str], window: Mapping[str, Any]) -> str:
+def _header(report: Mapping[str, object], nodes: list[str], window: Mapping[str, object]) -> str:
     span = ""
     if window.get("start") and window.get("end"):
         span = f" ({svg.esc(window['start'])} .. {svg.esc(window['end'])})"
@@ -172,7 +171,7 @@ def _header(report: Mapping[str, Any], nodes: list[str], window: Mapping[str, An
     return "".join(parts)
 
 
-def _warnings(report: Mapping[str, Any]) -> str:
+def _warnings(report: Mapping[str, object]) -> str:
     items = []
     for w in svg.as_list(report.get("warnings")):
         if isinstance(w, dict):  # a fleet warning: {node, error, kind}
@@ -227,7 +226,7 @@ def _stragglers(entries: list[Any], ranked: bool) -> str:
             "<th>reason</th></tr>" + "".join(rows) + "</table>\n</section>\n")
 
 
-def _chart_metrics(entries: list[dict[str, Any]]) -> list[str]:
+def _chart_metrics(entries: list[dict[str, object]]) -> list[str]:
     """The metrics of the flagged nodes, else the first node's: the ones worth a chart."""
     flagged = [s for s in entries if s.get("flagged") is True]
     metrics: list[str] = []
@@ -244,8 +243,8 @@ def _chart_metrics(entries: list[dict[str, Any]]) -> list[str]:
     return metrics[:MAX_STRAGGLER_CHARTS]
 
 
-def _metric_rows(metric: str, entries: list[dict[str, Any]]
-                 ) -> list[tuple[str, float, bool, dict[str, Any]]]:
+def _metric_rows(metric: str, entries: list[dict[str, object]]
+                 ) -> list[tuple[str, float, bool, dict[str, object]]]:
     rows = []
     seen: set[str] = set()
     for s in entries:
@@ -259,7 +258,7 @@ def _metric_rows(metric: str, entries: list[dict[str, Any]]
     return rows
 
 
-def _straggler_chart(metric: str, entries: list[dict[str, Any]]) -> str:
+def _straggler_chart(metric: str, entries: list[dict[str, object]]) -> str:
     rows = _metric_rows(metric, entries)
     if not rows:
         return ""
@@ -351,7 +350,7 @@ def _ops(ops: list[Any]) -> str:
             "narrow, tall bar is a tight cluster and a long, low one a tail. Half the calls "
             "are at or below p50 (the bracket). Percentiles are exact from stored events, "
             "or estimated from the in-kernel log2 histograms when calls were sampled.</p>\n")
-    by_node: dict[str, list[OpRow]] = {}
+    by_node: dict[str, list[dict[str, object]]] = {}
     for r in ops:
         r = svg.as_dict(r)
         p50, count = svg.num(r.get("p50_ns")), svg.num(r.get("count"))
@@ -376,11 +375,11 @@ def _ops(ops: list[Any]) -> str:
     return "".join(parts)
 
 
-def _total(r: Mapping[str, Any]) -> float:
+def _total(r: Mapping[str, object]) -> float:
     return svg.num(r.get("total_ns")) or 0.0
 
 
-def _histogram(r: Mapping[str, Any]) -> str:
+def _histogram(r: Mapping[str, object]) -> str:
     op = str(r.get("op") or "?")
     who = f" {r.get('comm') or ''}[{r.get('pid')}]" if r.get("pid") is not None else ""
     p = [max(1.0, v) if (v := svg.num(r.get(k))) is not None else None

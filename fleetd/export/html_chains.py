@@ -11,7 +11,6 @@ from typing import Any
 from fleetd.analyze.reading import pods
 from fleetd.export import svg
 from fleetd.export.html_frames import flame_graph, top_frames_chart
-from fleetd.wire.answers import EvidenceItem
 
 SEVERITY_CLASS = {"HIGH": "high", "MEDIUM": "medium", "LOW": "low"}
 # Evidence kinds with a colour of their own on a chain's timeline; the rest are grey.
@@ -43,7 +42,7 @@ def chains_section(chains: list[Any]) -> str:
     return "".join(parts)
 
 
-def _who(task: Mapping[str, Any]) -> str:
+def _who(task: Mapping[str, object]) -> str:
     text = f"{task.get('comm') or '?'} pid {task.get('pid')}"
     if task.get("tid") is not None and task.get("tid") != task.get("pid"):
         text += f" thread {task.get('thread') or '?'} tid {task.get('tid')}"
@@ -52,7 +51,7 @@ def _who(task: Mapping[str, Any]) -> str:
     return text + pods.label(task)  # its pod and container, where recorded
 
 
-def _chain(c: Mapping[str, Any], index: int) -> str:
+def _chain(c: Mapping[str, object], index: int) -> str:
     sev = str(c.get("severity") or "LOW")
     cls = SEVERITY_CLASS.get(sev, "low")
     where = f" on {c.get('node')}" if c.get("node") else ""
@@ -82,9 +81,9 @@ def _chain(c: Mapping[str, Any], index: int) -> str:
             + (f"<h4>Fix</h4>\n<ul>{fixes}</ul>\n" if fixes else "") + "</article>\n")
 
 
-def _groups(evidence: Sequence[EvidenceItem]) -> list[list[EvidenceItem]]:
+def _groups(evidence: Sequence[dict[str, object]]) -> list[list[dict[str, object]]]:
     """A slow call (or stall, gap, example call) and the host items that name it."""
-    groups: list[list[EvidenceItem]] = []
+    groups: list[list[dict[str, object]]] = []
     for e in evidence:
         if svg.num(e.get("ts_ns")) is None:
             continue
@@ -95,7 +94,7 @@ def _groups(evidence: Sequence[EvidenceItem]) -> list[list[EvidenceItem]]:
     return groups[:MAX_EVIDENCE_GROUPS]
 
 
-def _call_lengths(groups: list[list[EvidenceItem]]) -> str:
+def _call_lengths(groups: list[list[dict[str, object]]]) -> str:
     """Each slow call's duration as a bar on one logarithmic axis shared by the chain's
     calls, labelled with its value: the zoomed timelines below give every call the same
     width, so a 234 ms call and a 330 us one would look alike."""
@@ -135,7 +134,7 @@ def _call_lengths(groups: list[list[EvidenceItem]]) -> str:
     return f"<figure>{drawn}</figure>\n"
 
 
-def _evidence_svg(evidence: Sequence[EvidenceItem]) -> str:
+def _evidence_svg(evidence: Sequence[dict[str, object]]) -> str:
     groups = _groups(evidence)
     if not groups:
         return ""
@@ -168,7 +167,7 @@ def _evidence_svg(evidence: Sequence[EvidenceItem]) -> str:
             "</figure>\n")
 
 
-def _evidence_table(evidence: Sequence[EvidenceItem]) -> str:
+def _evidence_table(evidence: Sequence[dict[str, object]]) -> str:
     if not evidence:
         return ""
     rows = []

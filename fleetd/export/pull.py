@@ -28,7 +28,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypedDict
 
 import orjson
 
@@ -112,12 +112,28 @@ class PullSpec:
     chains: str = "auto"  # auto | stored | computed | none, as fleetd.export.local
 
 
+# A node's query or chains answer as the fan-out let it through (the keys asked for are
+# there, every number fits: fleetd.fleet.fanout.checked), its rows not yet read: data
+# from another machine until fleetd.export.fleet reads it, row by row, skipping a bad row
+# with a note (one bad row costs that row, not the node). Hence ``object`` values.
+class PullFacts(TypedDict):
+    """What round 1 got from one node: its replies, as they came, and its notes."""
+
+    names: dict[str, object]  # NAMES_SQL
+    sessions: dict[str, object]  # SESSIONS_SQL
+    stacks: dict[str, object]  # STACKS_SQL
+    stored: dict[str, object] | None  # its stored chains (--chains auto or stored)
+    computed: dict[str, object] | None  # GET /api/v1/chains, where nothing is stored
+    notes: list[str]  # what was left out, and why
+    placement: dict[str, object] | None  # PLACEMENT_SQL; None: no pod names
+
+
 @dataclass(slots=True)
 class NodePull:
     """What one node sent: its facts (replies of round 1) and its spool files."""
 
     outcome: NodeOutcome
-    facts: dict[str, Any]  # names, sessions, stored, computed: the nodes' JSON replies
+    facts: PullFacts
     events: Path  # NDJSON as the node sent it
     rates: Path  # one JSON [ts_ns, dur_ns, calls] per line
     events_bytes: int = 0
@@ -150,15 +166,20 @@ async def pull_async(opts: FleetOptions, spec: PullSpec, spool: Path
                      ) -> tuple[FleetAnswer, list[NodePull]]:
     node_limit = max(0.05, opts.client.timeout_s * 0.9)
 
+    got: dict[Target, PullFacts] = {}
+
     async def facts(client: FleetClient, t: Target, offset: int) -> list[dict[str, Any]]:
-        return [await _facts(client, t, spec, offset, node_limit)]
+        got[t] = facts = await _facts(client, t, spec, offset, node_limit)
+        # The fan-out names a node from its replies: the names answer carries its name.
+        return [facts["names"]]
 
     async with FleetClient(opts.client) as client:
         # needs_offset: the window goes to each node in its own clock.
         answer = await fan_out_work(opts, facts, needs_offset=True, client=client)
         raise_if_user_error(answer)
         async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(_bulk(client, answer, o, spec, spool / str(i), node_limit))
+            tasks = [tg.create_task(_bulk(client, answer, o, got[o.target], spec,
+                                          spool / str(i), node_limit))
                      for i, o in enumerate(answer.answered)]
     pulls = [p for p in (t.result() for t in tasks) if p is not None]
     return answer, pulls
@@ -178,7 +199,7 @@ def _sql(sql: str, params: list[Any], timeout_s: float, max_rows: int | None = N
 
 
 async def _facts(client: FleetClient, t: Target, spec: PullSpec, offset: int,
-                 node_limit: float) -> dict[str, Any]:
+                 node_limit: float) -> PullFacts:
     start, end = spec.span.in_clock(offset)
     asks = [_sql(NAMES_SQL, [], node_limit), _sql(SESSIONS_SQL, [], node_limit),
             _sql(STACKS_SQL, [start, end], node_limit, MAX_STACKS)]
@@ -191,9 +212,8 @@ async def _facts(client: FleetClient, t: Target, spec: PullSpec, offset: int,
         asks.append(_sql(sql + " ORDER BY ts_ns, id", params, node_limit))
     replies = await send_all(client, t, asks)
     stored = replies[3] if len(replies) > 3 else None
-    facts: dict[str, Any] = {"node": replies[0].get("node"), "names": replies[0],
-                             "sessions": replies[1], "stacks": replies[2], "stored": stored,
-                             "computed": None, "notes": []}
+    facts: PullFacts = {"names": replies[0], "sessions": replies[1], "stacks": replies[2],
+                        "stored": stored, "computed": None, "notes": [], "placement": None}
     if spec.chains == "computed" or (spec.chains == "auto" and not (stored or {}).get("rows")):
         facts["computed"] = await _computed_chains(client, t, spec, offset, facts["notes"])
     facts["placement"] = await _placement(client, t, node_limit, facts["notes"])
@@ -201,7 +221,7 @@ async def _facts(client: FleetClient, t: Target, spec: PullSpec, offset: int,
 
 
 async def _placement(client: FleetClient, t: Target, node_limit: float, notes: list[str]
-                     ) -> dict[str, Any] | None:
+                     ) -> dict[str, object] | None:
     """The node's processes' pods and containers, to name them on the timeline as the
     local export does; None (no pods named) where its file predates them (schema < 5) or
     the question fails, which costs only the pod names."""
@@ -216,7 +236,7 @@ async def _placement(client: FleetClient, t: Target, node_limit: float, notes: l
 
 
 async def _computed_chains(client: FleetClient, t: Target, spec: PullSpec, offset_ns: int,
-                           notes: list[str]) -> dict[str, Any] | None:
+                           notes: list[str]) -> dict[str, object] | None:
     """The node's explain over the window: the expensive request, made only when nothing
     is stored. Chains are annotations, so a node whose analysis fails or runs too long
     still exports its events, with a note, instead of being dropped."""
@@ -243,15 +263,13 @@ async def _computed_chains(client: FleetClient, t: Target, spec: PullSpec, offse
 # ---- round 2: bulk ------------------------------------------------------------------
 
 
-async def _bulk(client: FleetClient, answer: FleetAnswer, o: NodeOutcome, spec: PullSpec,
-                base: Path, node_limit: float) -> NodePull | None:
+async def _bulk(client: FleetClient, answer: FleetAnswer, o: NodeOutcome, facts: PullFacts,
+                spec: PullSpec, base: Path, node_limit: float) -> NodePull | None:
     """Spool one node's events, rates and imported GPU work; a failure drops the node
     with a warning (a failure of the rates only costs the rates)."""
-    assert o.replies is not None
-    facts = o.replies[0]
     start, end = spec.span.in_clock(answer.offset_ns(o))
     node = NodePull(o, facts, base.with_suffix(".events.ndjson"),
-                    base.with_suffix(".rates.ndjson"), warnings=list(facts.get("notes") or []),
+                    base.with_suffix(".rates.ndjson"), warnings=list(facts["notes"]),
                     window=(start, end))
     params = {"since": str(start), "until": str(end)}
     if spec.pid is not None:
@@ -300,7 +318,7 @@ def _drop(answer: FleetAnswer, o: NodeOutcome, exc: NodeFailed) -> None:
                                        exc.failure.kind))
 
 
-async def _ask(client: FleetClient, t: Target, request: Request) -> dict[str, Any]:
+async def _ask(client: FleetClient, t: Target, request: Request) -> dict[str, object]:
     """One request of the bulk round. The client's deadline is the facts round's; a page
     asked after a long events stream gets the whole ``--timeout`` of its own instead (the
     bulk round has only a limit on silence)."""
@@ -317,7 +335,9 @@ async def _rates(client: FleetClient, t: Target, spec: PullSpec, start: int, end
     while True:
         params: list[Any] = [cursor, end, *([spec.pid] if spec.pid is not None else [])]
         reply = await _ask(client, t, _sql(sql, params, node_limit, RATES_PAGE))
-        rows = [r for r in reply.get("rows") or [] if isinstance(r, list) and len(r) == 3]
+        got = reply.get("rows")
+        rows = [r for r in (got if isinstance(got, list) else [])
+                if isinstance(r, list) and len(r) == 3]
         out.write(b"".join(orjson.dumps(r) + b"\n" for r in rows))
         if not reply.get("truncated") or not rows or not isinstance(rows[-1][0], int):
             return

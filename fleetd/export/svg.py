@@ -21,7 +21,11 @@ def as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def as_dict(value: Any) -> dict[str, Any]:
+def as_dict(value: Any) -> dict[str, object]:
+    """An object of the report, else empty. The page draws any report, whatever its
+    shape (a node may send anything: tests/unit/test_explain_html.py), so its values
+    stay unchecked ``object`` here: each is read through :func:`num`, :func:`esc`,
+    :func:`as_list` or this, never trusted to have a type."""
     return value if isinstance(value, dict) else {}
 
 
