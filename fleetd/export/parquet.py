@@ -156,8 +156,7 @@ async def _pull_table(client: FleetClient, t: Target, table: LakeTable,
         if "no such table" in str(exc):
             return None
         raise
-    check_rows(probe, 0)
-    base = select_sql(None, table, set(probe["columns"]))
+    base = select_sql(None, table, set(check_rows(probe, 0)["columns"]))
     if base is None:
         return None
     cond: list[str] = []
@@ -182,6 +181,7 @@ async def _pull_table(client: FleetClient, t: Target, table: LakeTable,
                                                        "max_rows": PAGE_ROWS})
         check_rows(reply, PAGE_ROWS)
         page = reply["rows"]
+        assert isinstance(page, list)  # check_rows: a list of rows, each a list of cells
         rows += page
         if len(page) < PAGE_ROWS and not reply.get("truncated"):
             return rows

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from fleetd.checks import FAIL, OK, WARN, Check, Finding, row
 from fleetd.fleet import skew
@@ -24,6 +24,20 @@ from fleetd.wire import paths
 from fleetd.wire.failure import NodeFailed
 
 CLOCK_SAMPLES = 5  # /api/v1/time requests per node: the best round trip is the network's
+
+
+class NodeFigures(TypedDict):
+    """A node check's figures (``data`` in ``fleetd check --format json``): what its
+    /health said of it, as it said it (shown, never computed with), and the timings."""
+
+    address: str
+    node: object
+    version: object
+    schema_version: object
+    connect_ms: float
+    rtt_ms: NotRequired[float]
+    offset_ms: NotRequired[float]
+    error_ms: NotRequired[float]
 
 
 def node_checks(opts: FleetOptions) -> list[Check]:
@@ -57,9 +71,10 @@ async def _one(client: FleetClient, target: Target, threshold_ms: float) -> Chec
     return _judge(name, target, health, connect_ms, est, threshold_ms)
 
 
-def _judge(name: str, target: Target, health: dict[str, Any], connect_ms: float,
+def _judge(name: str, target: Target, health: dict[str, object], connect_ms: float,
            est: skew.Skew | None, threshold_ms: float) -> Check:
-    data: dict[str, Any] = {
+    """``health``: the node's answer as parsed (unchecked: each value is only shown)."""
+    data: NodeFigures = {
         "address": target.address, "node": health.get("node"),
         "version": health.get("version"), "schema_version": health.get("schema_version"),
         "connect_ms": round(connect_ms, 3),
@@ -72,8 +87,9 @@ def _judge(name: str, target: Target, health: dict[str, Any], connect_ms: float,
         findings.append(Finding(WARN, f"its clock could not be sampled (GET {paths.TIME} "
                                 "failed)", "see the agent's log"))
     else:
-        data.update(rtt_ms=round(2 * est.error_ms, 3), offset_ms=round(est.offset_ms, 3),
-                    error_ms=round(est.error_ms, 3))
+        data["rtt_ms"] = round(2 * est.error_ms, 3)
+        data["offset_ms"] = round(est.offset_ms, 3)
+        data["error_ms"] = round(est.error_ms, 3)
         parts.append(f"round trip {2 * est.error_ms:.2f} ms, clock {est.offset_ms:+.2f} ms "
                      f"(+/- {est.error_ms:.2f})")
         findings.append(_clock(est, threshold_ms))

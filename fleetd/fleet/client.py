@@ -191,12 +191,14 @@ class FleetClient:
     def remaining(self) -> float:
         return self.deadline - asyncio.get_running_loop().time()
 
+    # A node's answer comes back as parsed (parse_json): untrusted, each value ``object``
+    # until a reader of fleetd.wire checks it (fleet/fanout.py: the request's check).
     async def get(self, target: Target, path: str, params: dict[str, str] | None = None
-                  ) -> dict[str, Any]:
+                  ) -> dict[str, object]:
         return await self._request("GET", target, path, params=params, retry=True)
 
     async def post(self, target: Target, path: str,
-                   body: QueryBody | RelayBody | dict[str, object]) -> dict[str, Any]:
+                   body: QueryBody | RelayBody | dict[str, object]) -> dict[str, object]:
         # body: ours, or (a relay's) a client's passed on as it came, for its peer to check
         # Never retried: a POST is not idempotent by contract, even when it only reads.
         return await self._request("POST", target, path, body=orjson.dumps(body), retry=False)
@@ -292,7 +294,7 @@ class FleetClient:
 
     async def _request(self, method: str, target: Target, path: str, *,
                        params: dict[str, str] | None = None, body: bytes | None = None,
-                       retry: bool) -> dict[str, Any]:
+                       retry: bool) -> dict[str, object]:
         attempt = 0
         while True:
             try:
@@ -310,7 +312,7 @@ class FleetClient:
                 await asyncio.sleep(backoff)
 
     async def _once(self, method: str, target: Target, path: str,
-                    params: dict[str, str] | None, body: bytes | None) -> dict[str, Any]:
+                    params: dict[str, str] | None, body: bytes | None) -> dict[str, object]:
         headers = {"Content-Type": "application/json"} if body is not None else None
         if path == paths.QUERY:  # rows line by line, never the whole body at once
             headers = {**(headers or {}), "Accept": paths.NDJSON}
@@ -378,7 +380,9 @@ def _too_big(size: int, cap: int, *, more: bool = False) -> Failure:
                    "lower --limit or narrow the query")
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
+def parse_json(raw: bytes) -> dict[str, object]:
+    """An answer's body as a JSON object, its values unread (the untrusted boundary: the
+    wire's readers check them)."""
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

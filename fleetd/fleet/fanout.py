@@ -71,7 +71,7 @@ class Request:
     # The answer checked (trimmed, rebuilt) by the wire's reader for its shape, raising
     # BadReply for one that is not usable; without one, every number in it must be one
     # JSON tools can carry.
-    check: Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
+    check: Callable[[dict[str, object]], Mapping[str, object]] | None = None
 
 
 # offset (node clock minus ours, ns; 0 when unknown or not corrected) -> the requests
@@ -335,7 +335,7 @@ async def _send(client: FleetClient, t: Target, r: Request) -> dict[str, Any]:
 VERSION_HINT = f"is the agent a different fleetd version? compare {paths.HEALTH} versions"
 
 
-def checked(r: Request, reply: dict[str, Any], where: str) -> dict[str, Any]:
+def checked(r: Request, reply: dict[str, object], where: str) -> dict[str, Any]:
     """A node's answer to ``r`` (direct or relayed), checked once: the keys it must have,
     then ``r.check`` (the wire's reader for its shape) or, without one, its numbers.
     Raises :class:`BadReply`, which fails the node."""

@@ -333,7 +333,9 @@ def _hang_json(h: Hang) -> HangJson:
 # ---- asking the fleet ---------------------------------------------------------------------
 
 
-def _check(reply: dict[str, Any]) -> dict[str, Any]:
+def _check(reply: dict[str, object]) -> dict[str, object]:
+    """The ranks answer as it came, once every rank in it reads (:func:`checked` reads
+    it again into RankViews with the node's name)."""
     check_ranks_reply("?", reply)
     return reply
 

@@ -251,7 +251,7 @@ def _as_int(v: Any) -> int | None:
 # ---- a relay's answer, checked ------------------------------------------------------
 
 
-def unpack(reply: dict[str, Any], route: RelayRoute, requests: Sequence[Request]
+def unpack(reply: dict[str, object], route: RelayRoute, requests: Sequence[Request]
            ) -> list[NodeOutcome]:
     """A relay's merged answer as one outcome per member; what it says of other nodes
     is dropped, a member it leaves out fails with that said."""
@@ -264,7 +264,8 @@ def unpack(reply: dict[str, Any], route: RelayRoute, requests: Sequence[Request]
     for entry in entries[: len(route.members) * 2]:
         if not isinstance(entry, dict):
             continue
-        member = wanted.get(entry.get("address"))  # type: ignore[arg-type]
+        address = entry.get("address")
+        member = wanted.get(address) if isinstance(address, str) else None
         if member is None or member.address in got:
             continue
         got[member.address] = _entry(entry, member, route, requests)
@@ -273,7 +274,7 @@ def unpack(reply: dict[str, Any], route: RelayRoute, requests: Sequence[Request]
     return [got.get(m.address) or _failed(m, route, missing) for m in route.members]
 
 
-def _entry(entry: dict[str, Any], member: Target, route: RelayRoute,
+def _entry(entry: dict[str, object], member: Target, route: RelayRoute,
            requests: Sequence[Request]) -> NodeOutcome:
     out = NodeOutcome(member, member.name)
     failure = entry.get("failure")
