@@ -62,6 +62,7 @@ from fleetd.store.db import (
     validate_node_name,
 )
 from fleetd.store.guard import Limits
+from fleetd.store.health import StoreStatus, TraceStats
 from fleetd.store.losses import CrashReport, describe_crash, session_losses
 from fleetd.store.writer import BatchWriter
 
@@ -73,7 +74,7 @@ class TracerHandle(Protocol):
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> TraceStats: ...
     def ask_detail(self, seconds: float) -> bool: ...  # fleetd.node.detail
 
 
@@ -104,21 +105,32 @@ class AgentSettings:
     self_signed_dir: Path | None = None
     extra_routes: list[web.RouteDef] = field(default_factory=list)
     extra_middlewares: list[Any] = field(default_factory=list)  # run after the token's
-    ready: Callable[[dict[str, Any]], None] | None = None  # told where it listens
+    ready: Callable[[Listening], None] | None = None  # told where it listens
     lake: LakeSettings | None = None  # --parquet-dir: a Parquet segment per interval
 
 
+class Listening(TypedDict):
+    """Where a started agent listens: announced on stderr, and told to ``ready``."""
+
+    node: str
+    listen: str  # host:port, the port bound
+    scheme: str  # http | https
+    fingerprint: str | None  # a self-signed certificate's SHA-256
+    pid: int
+    db: str
+
+
+class Hardening(TypedDict):
+    """The :class:`AgentSettings` fields that bound what clients may hold."""
+
+    max_queries_per_client: int | None
+    conns: ConnLimits
+    body_timeout_s: float
+    relay_nodes: frozenset[str]
+    detail: DetailPolicy
+
+
 WRITER = web.AppKey("writer", BatchWriter)
-
-
-class StoreStatus(TypedDict):
-    """``store`` in GET /api/v1/health while the agent writes (docs/api.md)."""
-
-    disk_full: bool  # writes fail for lack of space now
-    disk_full_dropped: int  # events dropped because the disk was full, since the start
-    failed_writes: int  # events lost to any failed write (disk full included)
-    pruned_events: int  # oldest events deleted to keep store.max_bytes (or a full disk)
-    crashed_sessions: list[CrashReport]  # sessions found killed at this start
 
 
 STORE_STATUS: web.AppKey[Callable[[], StoreStatus]] = web.AppKey("store_status")
@@ -148,7 +160,7 @@ def _store_status(writer: BatchWriter, crashes: list[CrashReport]) -> StoreStatu
                        crashed_sessions=crashes)
 
 
-def hardening(cfg: Config) -> dict[str, Any]:
+def hardening(cfg: Config) -> Hardening:
     """The :class:`AgentSettings` fields that bound what clients may hold, from the
     config's ``limits`` and ``tls`` (each checked positive)."""
     lim = cfg.limits
@@ -283,7 +295,7 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
             return
         writer = ObservedWriter(s.db, s.node, book, max_bytes=s.store_max_bytes)
         app[WRITER] = writer
-        sources.writer = lambda: vars(writer.stats)
+        sources.writer = lambda: writer.stats
         # The writer's connection belongs to its thread: read what it last measured.
         sources.db_bytes = lambda: writer.stats.used_bytes
         crashes = _report_crashes(s, writer.crashed_sessions)
@@ -371,8 +383,9 @@ async def serve(s: AgentSettings) -> int:
             return GuardedHandler(server, loop=loop, **HANDLER_KWARGS)
 
         accepting = loop.create_task(gate.accept_forever(lsock, factory))
-        info = {"node": s.node, "listen": f"{host}:{bound}", "scheme": "http" if ssl_ctx is None
-                else "https", "fingerprint": fp, "pid": os.getpid(), "db": str(s.db)}
+        info: Listening = {"node": s.node, "listen": f"{host}:{bound}",
+                           "scheme": "http" if ssl_ctx is None else "https",
+                           "fingerprint": fp, "pid": os.getpid(), "db": str(s.db)}
         _announce(info)
         # After runner.setup() (the tracer's probes are attached) and the listen above.
         notify(f"READY=1\nSTATUS=listening on {info['scheme']}://{info['listen']}")
@@ -392,7 +405,8 @@ async def serve(s: AgentSettings) -> int:
 
 # Given to aiohttp's request handler of every connection. An idle keep-alive connection
 # is closed after 15 s (a descriptor is worth more than a saved handshake), and the
-# unread rest of a refused body is never read.
+# unread rest of a refused body is never read. (aiohttp's keyword arguments: it annotates
+# access_log as a Logger, yet None is how it is turned off, so they stay loosely typed.)
 HANDLER_KWARGS: dict[str, Any] = {"access_log": None, "keepalive_timeout": 15.0,
                                   "lingering_time": 0.0}
 LISTEN_BACKLOG = 128
@@ -419,7 +433,7 @@ def _listen(host: str, port: int, listen: str) -> socket.socket:
     return sock
 
 
-def _announce(info: dict[str, Any]) -> None:
+def _announce(info: Listening) -> None:
     line = f"fleetd agent {info['node']} listening on {info['scheme']}://{info['listen']}"
     if info["fingerprint"]:
         line += f" (self-signed, SHA-256 {info['fingerprint']})"

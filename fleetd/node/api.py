@@ -38,7 +38,8 @@ from fleetd.node.conns import GuardedHandler, Outbox
 from fleetd.node.readers import ReaderPool
 from fleetd.security.certs import peer_role
 from fleetd.security.tls import client_refusal, token_ok
-from fleetd.store.guard import STREAM_CHUNK_BYTES, Limits, QueryResult, SafeDB
+from fleetd.store.guard import STREAM_CHUNK_BYTES, Limits, Params, QueryResult, SafeDB
+from fleetd.store.health import NodeStatus
 from fleetd.store.schema import SCHEMA_VERSION
 from fleetd.wire import paths
 from fleetd.wire.limits import INT64_MAX, INT64_MIN
@@ -84,7 +85,7 @@ class NodeState:
     query_errors: int = 0
     query_seconds: float = 0.0
     query_hist: list[int] = field(default_factory=lambda: [0] * len(QUERY_BUCKETS_S))
-    status: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    status: Callable[[], NodeStatus] = NodeStatus  # nothing more while it does not trace
     relay_nodes: frozenset[str] = frozenset()  # node certificates allowed to query
     client_refusals: int = 0  # certificates refused as clients (node, no role, no EKU)
     body_timeout_s: float = 30.0  # a request body must arrive within this
@@ -253,7 +254,8 @@ async def clock(request: web.Request) -> web.StreamResponse:
     return json_response(body)
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
+async def _json_body(request: web.Request) -> dict[str, object]:
+    """A client's JSON object, unchecked: each handler checks the fields it reads."""
     st = request.app[STATE]
     declared = request.content_length
     if declared is not None and declared > st.max_body_bytes:
@@ -280,7 +282,7 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _limits_from(body: dict[str, Any], ceiling: Limits) -> Limits:
+def _limits_from(body: dict[str, object], ceiling: Limits) -> Limits:
     try:
         return ceiling.lowered(
             timeout_s=body.get("timeout_s"), max_rows=body.get("max_rows"),
@@ -332,7 +334,7 @@ async def query(request: web.Request) -> web.StreamResponse:
     return await held_answer(request, limits.max_bytes, made)
 
 
-async def _query_stream(request: web.Request, sql: str, params: list[Any] | dict[str, Any],
+async def _query_stream(request: web.Request, sql: str, params: Params,
                         limits: Limits) -> web.StreamResponse:
     """The query's answer as NDJSON (docs/api.md): a header object, one array per row,
     a trailer object. An error before the first row is an ordinary JSON error; one

@@ -37,7 +37,7 @@ import ssl
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import orjson
 from aiohttp import web
@@ -51,6 +51,14 @@ ACCEPT_PAUSE_S = 0.05  # after EMFILE: let connections close before accepting ag
 # answer to leave, but not for TLS's orderly shutdown, which keeps reading (and
 # discarding) whatever the peer still sends, 100 MB of refused body included.
 ABORT_AFTER_S = 0.3
+
+
+class _TlsKwargs(TypedDict, total=False):
+    """How a TLS connection is accepted (asyncio's connect_accepted_socket)."""
+
+    ssl: ssl.SSLContext
+    ssl_handshake_timeout: float
+    ssl_shutdown_timeout: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +225,7 @@ class Gate:
             return handler
 
         conn.setblocking(False)
-        kwargs: dict[str, Any] = {}
+        kwargs: _TlsKwargs = {}
         if self.ssl is not None:
             kwargs = {"ssl": self.ssl, "ssl_handshake_timeout": self.limits.handshake_timeout_s,
                       "ssl_shutdown_timeout": self.limits.handshake_timeout_s}

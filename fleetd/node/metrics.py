@@ -42,7 +42,9 @@ from fleetd.node.ranks import RANKBOOK, RankBook, local_late
 from fleetd.node.readers import ReaderPool
 from fleetd.node.stamps import HANDSHAKES, Handshakes
 from fleetd.store.catalog import BY_CODE, CALLS
+from fleetd.store.health import TraceStats
 from fleetd.store.schema import SCHEMA_VERSION
+from fleetd.store.writer import WriterStats
 
 log = logging.getLogger("fleetd.node.metrics")
 
@@ -154,8 +156,8 @@ def _read_new(conn: sqlite3.Connection, node: str, key: int | None, after: int |
 class Sources:
     """Callables the agent wires in; each returns the current numbers of one part."""
 
-    writer: Callable[[], dict[str, Any]] = field(default=lambda: {})
-    tracer: Callable[[], dict[str, Any]] = field(default=lambda: {})
+    writer: Callable[[], WriterStats] = WriterStats
+    tracer: Callable[[], TraceStats] = TraceStats
     db_bytes: Callable[[], int] = field(default=lambda: 0)
     conns: ConnStats = field(default_factory=ConnStats)
     client_refusals: Callable[[], int] = field(default=lambda: 0)
@@ -211,23 +213,23 @@ class AgentCollector(Collector):
         yield _gauge("fleetd_trace_targets", "processes traced now", t.get("targets", 0))
         yield _gauge("fleetd_trace_probes", "uprobes attached", t.get("probes", 0))
         yield _counter("fleetd_events_written", "events committed to the database",
-                       w.get("events_written", 0))
-        writer_lost = w.get("queue_dropped", 0) + w.get("failed_rows", 0)
+                       w.events_written)
+        writer_lost = w.queue_dropped + w.failed_rows
         # The tracer's count includes the writer's (its drops name writer_queue and
         # writer_failed); without a tracer only the writer's is known.
         yield _counter("fleetd_events_lost", "events lost: ring buffers or kernel maps "
                        "full, writer queue full, failed writes",
                        max(t.get("lost", 0), writer_lost))
         yield _gauge("fleetd_writer_queue_rows", "rows waiting for the writer thread",
-                     w.get("queue_rows", 0))
+                     w.queue_rows)
         yield _counter("fleetd_events_pruned", "oldest events deleted to bound the size",
-                       w.get("pruned_events", 0))
+                       w.pruned_events)
         yield _gauge("fleetd_disk_full", "1 while writes fail because the database's disk "
                      "is full (the agent prunes and retries; writing resumes by itself)",
-                     1 if w.get("disk_full") else 0)
+                     1 if w.disk_full else 0)
         yield _counter("fleetd_events_dropped_disk_full", "rows the writer dropped because "
                        "the disk was full (also in fleetd_events_lost)",
-                       w.get("disk_full_rows", 0))
+                       w.disk_full_rows)
         yield _gauge("fleetd_db_bytes", "bytes of the database holding data", src.db_bytes())
         yield _counter("fleetd_tls_handshake_failures", "TLS handshakes that failed or "
                        "timed out", src.conns.handshake_failures)

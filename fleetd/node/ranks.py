@@ -42,7 +42,7 @@ from fleetd.store.catalog import (
     NCCL_INITS,
     NCCL_P2P,
 )
-from fleetd.store.schema import EventArgs, EventRow
+from fleetd.store.schema import EventArgs, EventRow, ProcessFields
 from fleetd.store.torchrun import job_of, ranks_of
 from fleetd.store.writer import BatchWriter
 from fleetd.wire import paths
@@ -484,7 +484,7 @@ class ObservedWriter(BatchWriter):
         self.book.observe(rows, args)
         return super().add_events(rows, args)
 
-    def add_processes(self, rows: Iterable[Mapping[str, Any]]) -> None:
+    def add_processes(self, rows: Iterable[ProcessFields]) -> None:
         listed = list(rows)
         self.book.observe_processes(listed)
         super().add_processes(listed)

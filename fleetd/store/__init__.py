@@ -2,7 +2,8 @@
 
 * the file: ``schema`` (tables, versions, migrations), ``db`` (open, create, refuse),
   ``files`` (no symlinks, owner-only), ``writer`` (the one writer thread),
-  ``losses`` (what a crash or a full disk cost), ``checks``;
+  ``losses`` (what a crash or a full disk cost), ``health`` (the agent's
+  report of its tracer and store), ``checks``;
 * the rows: ``catalog`` (one code per traced op, and the op families), ``chainrow``
   (a stored causal chain), ``caps``, ``cuda_errors``, ``syscalls``, ``clockinfo``,
   ``torchrun`` (a process's rank and job, from its environment);

@@ -82,15 +82,15 @@ class Limits:
     def lowered(
         self,
         *,
-        timeout_s: float | None = None,
-        max_rows: int | None = None,
-        max_bytes: int | None = None,
+        timeout_s: object = None,
+        max_rows: object = None,
+        max_bytes: object = None,
     ) -> Limits:
-        """These limits, lowered by a request's wishes; a wish above a ceiling is ignored."""
+        """These limits, lowered by a request's wishes; a wish above a ceiling is ignored.
+        Each wish is checked here: it may come straight from a client's JSON."""
         out = self
         if timeout_s is not None:
-            _check_positive("timeout", timeout_s)
-            out = replace(out, timeout_s=min(out.timeout_s, float(timeout_s)))
+            out = replace(out, timeout_s=min(out.timeout_s, _positive("timeout", timeout_s)))
         if max_rows is not None:
             rows = integer(max_rows, "max_rows", 1)  # 1e23 is not a row count
             out = replace(out, max_rows=min(out.max_rows, rows))
@@ -108,15 +108,16 @@ class Limits:
         """
         for what, value in (("timeout", timeout_s), ("row limit", max_rows)):
             if value is not None and value != 0:
-                _check_positive(what, value)
+                _positive(what, value)
         return cls(timeout_s=float(timeout_s) if timeout_s else math.inf,
                    max_rows=int(max_rows) if max_rows else sys.maxsize,
                    max_bytes=sys.maxsize)
 
 
-def _check_positive(what: str, value: float) -> None:
+def _positive(what: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise UsageError(f"{what} must be a positive number, got {value!r}")
+    return float(value)
 
 
 @dataclass(slots=True)

@@ -133,7 +133,9 @@ def read_marker(root: Path) -> int:
     return version
 
 
-def _marker_json(raw: bytes) -> dict[str, Any] | None:
+def _marker_json(raw: bytes) -> dict[str, object] | None:
+    """The marker file's JSON object, unchecked (the file may be anyone's): its reader
+    tests the two values it takes."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

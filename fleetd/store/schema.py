@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 from fleetd.store.catalog import OPS, SOURCES
 
@@ -432,8 +432,23 @@ JOIN ops o ON o.code = e.op;
 # its CPU controller, and the container and Kubernetes pod its cgroup path and the
 # container runtime's files name (fleetd.trace.host.cgroups). Older files read as before;
 # their processes have no placement (NULL).
-PLACEMENT_COLUMNS = ("cgroup", "runtime", "container", "container_name", "pod", "namespace",
-                     "pod_uid")
+PlacementColumn = Literal["cgroup", "runtime", "container", "container_name", "pod",
+                          "namespace", "pod_uid"]
+PLACEMENT_COLUMNS: tuple[PlacementColumn, ...] = (
+    "cgroup", "runtime", "container", "container_name", "pod", "namespace", "pod_uid")
+
+
+class ProcessPlacement(TypedDict):
+    """A process's placement columns, each None when unknown
+    (:func:`fleetd.trace.host.cgroups.process_placement`)."""
+
+    cgroup: str | None  # the cgroup carrying its CPU controller
+    runtime: str | None
+    container: str | None  # the container id, 12 hex
+    container_name: str | None
+    pod: str | None
+    namespace: str | None
+    pod_uid: str | None
 
 
 class ProcessFields(TypedDict, total=False):

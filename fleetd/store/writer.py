@@ -40,6 +40,7 @@ from fleetd.store.schema import (
     SEQ_MASK,
     EventArgs,
     EventRow,
+    ProcessFields,
 )
 
 log = logging.getLogger("fleetd.store.writer")
@@ -211,7 +212,7 @@ class BatchWriter:
                  for i, a in args]
         return self._put(_Item("events", rows, args=texts), len(rows))
 
-    def add_processes(self, rows: Iterable[Mapping[str, Any]]) -> None:
+    def add_processes(self, rows: Iterable[ProcessFields]) -> None:
         """Process facts by PROCESS_COLS name; the names the process chose are capped
         (fleetd.store.caps)."""
         tuples = [tuple(capped(r).get(c) for c in PROCESS_COLS) for r in rows]

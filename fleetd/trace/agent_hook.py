@@ -8,8 +8,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from fleetd.store.health import TraceStats
 from fleetd.store.writer import BatchWriter
 from fleetd.trace.bpf.modes import LAUNCH_RETURNS
 from fleetd.trace.enrich.oncpu import DEFAULT_HZ
@@ -63,7 +63,7 @@ class AgentTracer:
                     "%d unreported", sm.session, sm.events_written, sm.lost_total,
                     sm.unreported_loss)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> TraceStats:
         if self.tracer.bpf is None:
             return {"events_per_s": 0.0, "lost": 0, "running": False, "error": self.error}
         st = self.tracer.status()

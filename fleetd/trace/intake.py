@@ -9,8 +9,8 @@ where each event's time goes (the writer's commits are in ``WriterStats.commit_c
 from __future__ import annotations
 
 import time
-from typing import Any
 
+from fleetd.store.schema import PLACEMENT_COLUMNS, ProcessFields
 from fleetd.store.torchrun import job_of, ranks_of
 from fleetd.store.writer import BatchWriter
 from fleetd.trace.bpf.decoder import OP_EXEC, OP_EXIT, OP_FORK, Batch, Decoder, Lifecycle
@@ -96,7 +96,7 @@ class Intake:
         """A process that names itself after fork (prctl PR_SET_NAME in a worker: a
         DataLoader worker, a producer) shows it on its main thread's comm; the process
         row, read at fork, still has the parent's name: carry the new one over."""
-        renamed = []
+        renamed: list[ProcessFields] = []
         for tid, pid, comm in tasks:
             # A main thread (tid == pid); a peer's pid is often unknown (None), but a tid
             # that has a process row of ours is that process's main thread too.
@@ -104,7 +104,10 @@ class Intake:
             if main and comm and self._proc_comm.get(tid) != comm:
                 first = tid not in self._proc_comm
                 self._proc_comm[tid] = comm
-                renamed.append({"pid": tid, "comm": comm, **(_job_of(tid) if first else {})})
+                row: ProcessFields = {"pid": tid, "comm": comm}
+                if first:
+                    row.update(_job_of(tid))
+                renamed.append(row)
         if renamed:
             w.add_processes(renamed)
 
@@ -112,7 +115,8 @@ class Intake:
         if ev.op == OP_FORK and ev.child:
             self.targets.pids.setdefault(ev.child, "child")
             row = procinfo.process_row(ev.child)
-            row.update(ppid=ev.pid, start_ns=row.get("start_ns") or ev.ts_ns)
+            row["ppid"] = ev.pid
+            row["start_ns"] = row.get("start_ns") or ev.ts_ns
             row["comm"] = row["comm"] or ev.comm  # a child's comm is its parent's at fork
             self._proc_comm[ev.child] = str(row["comm"] or "")
             w.add_processes([row])
@@ -128,7 +132,7 @@ class Intake:
             w.add_processes([{"pid": ev.pid, "exit_ns": ev.ts_ns, "exit_code": ev.exit_code}])
 
 
-def _job_of(pid: int) -> dict[str, Any]:
+def _job_of(pid: int) -> ProcessFields:
     """The torchrun job of a process seen first as a waker or a culprit, without its
     rank: a rank that another node traces must be known here as one of the job (a
     peer's wait is the collective's, never a data-starvation cause), yet must not count
@@ -136,9 +140,14 @@ def _job_of(pid: int) -> dict[str, Any]:
     traced rank (which inherits the rank's environment) from a peer. Where it runs (its
     cgroup, container and pod) comes with it: a culprit is named with its pod too."""
     env = procinfo.environ(pid)
-    place = {k: v for k, v in process_placement(pid, env).items() if v is not None}
+    found = process_placement(pid, env)
+    place: ProcessFields = {}
+    for key in PLACEMENT_COLUMNS:
+        if found[key] is not None:
+            place[key] = found[key]
     if "RANK" not in env:
         return place
-    size = ranks_of(env)["world_size"]
-    return {**place, "ppid": procinfo.ppid_of(pid), "world_size": size,
-            "job": job_of(env)}
+    place["ppid"] = procinfo.ppid_of(pid)
+    place["world_size"] = ranks_of(env)["world_size"]
+    place["job"] = job_of(env)
+    return place

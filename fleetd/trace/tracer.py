@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fleetd.store.health import TracerCounts
 from fleetd.store.writer import BatchWriter
 from fleetd.trace import accounting
 from fleetd.trace.bpf.bpfsrc import ProgramOptions, compile_program, detach_all
@@ -371,7 +372,7 @@ class Tracer:
     def lost_total(drops: dict[str, int]) -> int:
         return accounting.lost_total(drops)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> TracerCounts:
         d = self.drops()
         return {
             "records": self.decoder.records,

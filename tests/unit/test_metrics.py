@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetd.node.api import NodeState
 from fleetd.node.metrics import OpLatency, Sources, render
 from fleetd.store.catalog import op_code
+from fleetd.store.writer import WriterStats
 
 
 def families(src: Sources, state: NodeState | None = None) -> dict[str, Any]:
@@ -29,7 +30,7 @@ def test_label_values_are_escaped_and_read_back() -> None:
 
 def test_no_series_carries_the_node_label() -> None:
     src = Sources(nccl_ranks=lambda: 3, nccl_waits=lambda: [("communicator", "0xab", 0)],
-                  writer=lambda: {"events_written": 10})
+                  writer=lambda: WriterStats(events_written=10))
     src.latency.add([(op_code("cudaMalloc"), 14, 2, 40_000)])
     fams = families(src)
     assert all(set(s.labels) <= {"le", "op", "source", "matching", "group", "version",
@@ -66,8 +67,8 @@ def test_the_kernel_buckets_become_cumulative_le_buckets_in_seconds() -> None:
 
 def test_lost_events_are_not_counted_twice() -> None:
     # The tracer's count already includes the writer's drops.
-    src = Sources(writer=lambda: {"queue_dropped": 5, "failed_rows": 1},
+    src = Sources(writer=lambda: WriterStats(queue_dropped=5, failed_rows=1),
                   tracer=lambda: {"lost": 9, "running": True})
     assert families(src)["fleetd_events_lost"].samples[0].value == 9
-    src = Sources(writer=lambda: {"queue_dropped": 5, "failed_rows": 1})
+    src = Sources(writer=lambda: WriterStats(queue_dropped=5, failed_rows=1))
     assert families(src)["fleetd_events_lost"].samples[0].value == 6

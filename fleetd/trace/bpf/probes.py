@@ -23,7 +23,7 @@ import os
 import platform
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from fleetd.store.catalog import BY_NAME, ENQUEUES, NCCL
 from fleetd.trace.host.libs import ElfExports, Library, exported_functions
@@ -429,6 +429,13 @@ def _attach_name_probes(bpf: Any, lib: Library, offsets: dict[str, int],
             report.failed.setdefault(lib.path, []).append(f"{sym}: {err}")
 
 
+class _ProbeAt(TypedDict, total=False):
+    """Where BCC puts a uprobe in a library: by symbol name, or by file offset."""
+
+    sym: bytes
+    addr: int
+
+
 def _attach_pair(bpf: Any, path: str, sym: str, offset: int, spec: ProbeSpec | None = None,
                  *, entry_fn: str = "", return_fn: str = "") -> str | None:
     """Entry + return probe on one symbol; by name, then by file offset."""
@@ -437,7 +444,7 @@ def _attach_pair(bpf: Any, path: str, sym: str, offset: int, spec: ProbeSpec | N
         entry_fn, return_fn = spec.entry_fn, spec.return_fn
     name, entry, ret = os.fsencode(path), entry_fn.encode(), return_fn.encode()
     for how in ("sym", "addr"):
-        kw: dict[str, Any] = {"sym": sym.encode()} if how == "sym" else {"addr": offset}
+        kw: _ProbeAt = {"sym": sym.encode()} if how == "sym" else {"addr": offset}
         try:
             bpf.attach_uprobe(name=name, fn_name=entry, **kw)
         except Exception as exc:  # bcc raises bare Exception
@@ -453,7 +460,7 @@ def _attach_pair(bpf: Any, path: str, sym: str, offset: int, spec: ProbeSpec | N
     return "; ".join(errors)
 
 
-def _detach_quietly(bpf: Any, path: bytes, kw: dict[str, Any], *, retprobe: bool) -> None:
+def _detach_quietly(bpf: Any, path: bytes, kw: _ProbeAt, *, retprobe: bool) -> None:
     try:
         if retprobe:
             bpf.detach_uretprobe(name=path, **kw)

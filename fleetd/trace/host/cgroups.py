@@ -33,13 +33,13 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import orjson
 
 from fleetd.errors import FleetdError
 from fleetd.security.private_dir import read_regular
 from fleetd.security.procfs import CGROUP_MAX, read_in_root, read_proc_text
+from fleetd.store.schema import PlacementColumn, ProcessPlacement
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 _ID = r"([0-9a-f]{64})"
@@ -367,7 +367,7 @@ RUNTIME_FILES: dict[str, tuple[str, ...]] = {
 RUNTIME_FILES["kubernetes"] = tuple(p for v in RUNTIME_FILES.values() for p in v)
 RUNTIME_FILE_MAX = 4 << 20  # bytes: a container's config is tens of kB
 # The labels (Docker) or OCI annotations the kubelet's runtimes write, per fact.
-_LABELS: dict[str, tuple[str, ...]] = {
+_LABELS: dict[PlacementColumn, tuple[str, ...]] = {
     "container_name": ("io.kubernetes.cri.container-name", "io.kubernetes.container.name"),
     "pod": ("io.kubernetes.cri.sandbox-name", "io.kubernetes.pod.name"),
     "namespace": ("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.pod.namespace"),
@@ -375,11 +375,14 @@ _LABELS: dict[str, tuple[str, ...]] = {
 }
 
 
-def runtime_labels(config: dict[str, Any]) -> dict[str, str]:
+def runtime_labels(config: dict[str, object]) -> dict[str, str]:
     """Container name, pod, namespace and pod uid from a container's configuration:
-    an OCI config's ``annotations`` or Docker's ``Config.Labels``."""
+    an OCI config's ``annotations`` or Docker's ``Config.Labels``. The configuration is
+    the runtime's file as parsed, unchecked: each value is tested before it is used."""
     found: dict[str, str] = {}
-    for where in (config.get("annotations"), (config.get("Config") or {}).get("Labels")):
+    docker = config.get("Config")
+    for where in (config.get("annotations"),
+                  docker.get("Labels") if isinstance(docker, dict) else None):
         if not isinstance(where, dict):
             continue
         for fact, keys in _LABELS.items():
@@ -405,34 +408,38 @@ def read_runtime_labels(runtime: str, container_id: str, host: Path = Path("/")
 
 
 def process_placement(pid: int, env: dict[str, str], host: Path = Path("/")
-                      ) -> dict[str, str | None]:
+                      ) -> ProcessPlacement:
     """A process row's placement columns (fleetd.store.schema.PLACEMENT_COLUMNS): the
     cgroup carrying its CPU controller, and the container and pod its cgroup path names,
     completed from the runtime's files, then from the process itself (HOSTNAME, the
     service-account namespace). All None when /proc/PID/cgroup cannot be read."""
     groups = read_groups(pid)
     if groups is None:
-        return dict.fromkeys(PLACEMENT_KEYS)
+        return _unplaced()
     return placement_of_groups(pid, groups, env, host)
 
 
-PLACEMENT_KEYS = ("cgroup", "runtime", "container", "container_name", "pod", "namespace",
-                  "pod_uid")
+def _unplaced() -> ProcessPlacement:
+    return {"cgroup": None, "runtime": None, "container": None, "container_name": None,
+            "pod": None, "namespace": None, "pod_uid": None}
 
 
 def placement_of_groups(pid: int, groups: dict[str, str], env: dict[str, str],
-                        host: Path = Path("/")) -> dict[str, str | None]:
+                        host: Path = Path("/")) -> ProcessPlacement:
     """:func:`process_placement` of a process whose cgroups are already read."""
-    out: dict[str, str | None] = dict.fromkeys(PLACEMENT_KEYS)
+    out = _unplaced()
     out["cgroup"] = cpu_path(groups)
     place = next((pl for pl in map(placement_of_path, (groups.get("", ""), *groups.values()))
                   if pl.container_id), None)
     if place is None:
         return out
     assert place.container_id is not None
-    out.update(runtime=place.runtime, container=place.container_id[:12], pod_uid=place.pod_uid)
+    out["runtime"], out["container"] = place.runtime, place.container_id[:12]
+    out["pod_uid"] = place.pod_uid
     labels = read_runtime_labels(place.runtime or "kubernetes", place.container_id, host)
-    out.update({k: v for k, v in labels.items() if v})
+    for key in _LABELS:
+        if labels.get(key):
+            out[key] = labels[key]
     if place.pod_uid and not (out["pod"] and out["namespace"]):
         name, ns = pod_name_and_namespace(pid, env)
         out["pod"] = out["pod"] or name

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 from fleetd.security.procfs import (
     CMDLINE_MAX,
@@ -23,6 +22,7 @@ from fleetd.security.procfs import (
     STATUS_MAX,
     read_proc_text,
 )
+from fleetd.store.schema import PLACEMENT_COLUMNS, ProcessFields
 from fleetd.store.torchrun import TorchrunRanks, job_of, ranks_of
 from fleetd.trace.host.cgroups import process_placement
 
@@ -86,7 +86,7 @@ def rank_info(pid: int) -> TorchrunRanks:
     return ranks_of(environ(pid))
 
 
-def process_row(pid: int) -> dict[str, Any]:
+def process_row(pid: int) -> ProcessFields:
     """A processes row for the writer; absent facts are None (the writer keeps old ones)."""
     exe: str | None
     try:
@@ -96,11 +96,17 @@ def process_row(pid: int) -> dict[str, Any]:
     raw = read_proc_text(pid, "cmdline", CMDLINE_MAX)
     cmdline = " ".join(a for a in raw.split("\0") if a) if raw else None
     env = environ(pid)
-    return {
+    ranks = ranks_of(env)
+    row: ProcessFields = {
         "pid": pid, "ppid": ppid_of(pid), "comm": comm(pid), "exe": exe,
-        "cmdline": cmdline, "start_ns": start_wall_ns(pid), **ranks_of(env),
-        "job": job_of(env), **process_placement(pid, env),
+        "cmdline": cmdline, "start_ns": start_wall_ns(pid), "rank": ranks["rank"],
+        "local_rank": ranks["local_rank"], "world_size": ranks["world_size"],
+        "job": job_of(env),
     }
+    place = process_placement(pid, env)
+    for key in PLACEMENT_COLUMNS:
+        row[key] = place[key]
+    return row
 
 
 def children_map() -> dict[int, list[int]]:
