@@ -22,6 +22,8 @@ from agents import Agent, Pki, agent, client_ssl, request
 from hostile import HOSTILE_OVER_HTTP
 from workload_run import running_workload
 
+from fleetd.store.health import StoreStatus, TraceStats
+
 pytestmark = [pytest.mark.bpf,
               pytest.mark.skipif(os.geteuid() != 0, reason="tracing needs root")]
 
@@ -98,6 +100,10 @@ def test_hostile_queries_and_floods_do_not_interrupt_tracing(
         after = _wait_events(a, pki, before + 200)
         status, health, _ = request(a.url, ctx)
         assert health["tracing"] and not health["trace"].get("error"), health
+        # A tracing agent's health carries its tracer's and its store's parts whole, in
+        # the shapes the agent and the tracer are typed with (fleetd.store.health).
+        assert set(health["trace"]) == set(TraceStats.__annotations__), health["trace"]
+        assert set(health["store"]) == set(StoreStatus.__annotations__), health["store"]
         assert after > before
         assert a.stop(signal.SIGTERM, timeout=30) == 0
     db = tmp_path / DB_NAME
