@@ -18,7 +18,7 @@ it no longer delays the scenario's processes, and it still runs on every CPU the
 idle. Nothing stops, no affinity changes.
 
 Who moves: every process in the root cgroup that was there when the block began, and
-any started during it by someone else (swept again every 0.2 s), except kernel threads,
+any started during it by someone else (swept again every 0.05 s), except kernel threads,
 init and its direct children (the machine's own services), and the caller with its
 ancestors. Processes the caller starts inside the block are the scenario's and stay
 normal; its children from before (a bench's noise) are other load and yield too. Others
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PREFIX = "fleetd-shield-"
-SWEEP_S = 0.2
+SWEEP_S = 0.05  # a process another session starts is at its normal priority until then
 WAIT_S = 300.0  # for another shielded block to end
 LOCK = Path("/run/lock/fleetd-shield.lock")
 IDLED = "fleetd-shield-{}.idled"  # beside LOCK: the cgroups a run set idle, to undo
