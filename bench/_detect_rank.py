@@ -1,10 +1,11 @@
 """One rank of tests/workloads/nccl_ranks.py with faults switched on from outside, for
 bench/detect.py: before each step's compute the rank reads its fault file (``--fault-file``;
-its mtime first, so a step costs one stat) and, while it names a fault, does it in-process:
+its mtime first, so a step costs one stat) and, while it names a fault, does it in-process
+(the loader in its loader process):
 
 * ``gc``: a garbage-collection storm: builds cyclic garbage and collects it every step;
-* ``loader``: a starved data loader: the step waits for a batch from a loader thread that
-  makes one every 150 ms;
+* ``loader``: a starved data loader: the step waits for its batch from a loader process
+  (a pipe, as a DataLoader worker's queue) that makes one in 150 ms instead of 1 ms;
 * ``disk``: slow disk I/O: writes 4 MiB and fsyncs it every step (``--io-dir``).
 
 Faults outside the process (a CPU hog beside it, a CPU quota, SIGSTOP) need no help here,
@@ -14,11 +15,11 @@ they stretch it as they would a real step.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
-import queue
+import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -34,18 +35,13 @@ class Faults:
         self.path, self.io_dir = path, io_dir
         self.mtime = 0.0
         self.now = ""
-        self.batches: queue.Queue[int] = queue.Queue(maxsize=2)
-        threading.Thread(target=self._loader, name="loader", daemon=True).start()
+        self.batches, self.requests = _start_loader(path)
 
-    def _loader(self) -> None:
-        n = 0
-        while True:
-            if self.now == "loader":
-                time.sleep(LOADER_MS / 1000)
-            else:
-                time.sleep(0.001)
-            n += 1
-            self.batches.put(n)
+    def next_batch(self) -> None:
+        """The step's batch from the loader process (a pipe read: the wait a DataLoader
+        worker's queue makes), then the next one asked for ahead, as prefetching does."""
+        os.read(self.batches, 1)
+        os.write(self.requests, b"?")
 
     def step(self) -> None:
         try:
@@ -63,17 +59,52 @@ class Faults:
                 junk.append(a)
             del junk
             gc.collect()
-        elif self.now == "loader":
-            self.batches.get()
         elif self.now == "disk":
             f = self.io_dir / f"rank-{os.getpid()}.bin"
             with f.open("wb") as fh:
                 fh.write(os.urandom(DISK_MB << 20))
                 fh.flush()
                 os.fsync(fh.fileno())
-        else:
-            while not self.batches.empty():  # a healthy loader is always ahead
-                self.batches.get_nowait()
+        # Every step takes a batch; a healthy loader has it ready, a starved one makes the
+        # step wait for it (the fault is the loader's: it reads the same fault file).
+        self.next_batch()
+
+
+def _start_loader(fault_file: Path) -> tuple[int, int]:
+    """A data-loader process (forked before NCCL starts, as DataLoader workers are
+    separate processes): it serves one batch per request, made in 1 ms, or in LOADER_MS
+    while the fault file says ``loader``. (read end of the batches, write end of the
+    requests); the first batch is asked for at once."""
+    batches_r, batches_w = os.pipe()
+    requests_r, requests_w = os.pipe()
+    if os.fork() == 0:
+        os.close(batches_r)
+        os.close(requests_w)
+        try:
+            _serve(fault_file, requests_r, batches_w)
+        finally:
+            os._exit(0)
+    os.close(batches_w)
+    os.close(requests_r)
+    os.write(requests_w, b"?")
+    return batches_r, requests_w
+
+
+def _serve(fault_file: Path, requests: int, batches: int) -> None:
+    libc = ctypes.CDLL(None)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: go with the rank
+    libc.prctl(15, b"loader", 0, 0, 0)  # PR_SET_NAME
+    mtime, now = 0.0, ""
+    while os.read(requests, 1):
+        try:
+            m = fault_file.stat().st_mtime
+        except FileNotFoundError:
+            m = 0.0
+        if m != mtime:
+            mtime = m
+            now = fault_file.read_text().strip() if m else ""
+        time.sleep((LOADER_MS if now == "loader" else 1) / 1000)
+        os.write(batches, b"b")
 
 
 def _cpu_busy(ms: float) -> None:

@@ -19,6 +19,7 @@ causes by when each held the thread, not by their totals over the whole window.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,8 @@ from fleetd.analyze.causes.chains import Chain, severity
 from fleetd.analyze.causes.rules import Context, rule_chain
 from fleetd.analyze.reading import pods
 from fleetd.analyze.reading.cgroup_samples import place_of, sampled_pids, samples
-from fleetd.analyze.reading.nodeview import OFF_CPU, RUNQ, task_state
+from fleetd.analyze.reading.nodeview import OFF_CPU, RUNQ, NodeView, task_state
+from fleetd.analyze.reading.window import Window
 from fleetd.store.catalog import op_code
 
 CPU_THROTTLE = op_code("cpu_throttle")
@@ -113,7 +115,7 @@ def throttle_rule(ctx: Context, chains: list[Chain]) -> list[Chain]:
         quota, q = max(made, key=lambda cq: (cq[0].impact, cq[1].throttled_ns))
         quota.extra_evidence += [e for c, _ in made if c is not quota
                                  for e in c.extra_evidence]
-        if not _neighbour_spends_it(chains, quota, q):
+        if not _neighbour_spends_it(ctx, chains, quota, q):
             out.append(quota)
     chains[:] = [c for c in chains if not c.detail.get("throttled_away")]
     return out
@@ -151,15 +153,23 @@ def _chain(ctx: Context, q: Quota, pid: int, throttled_share: float) -> Chain:
 
 def held_by_quota(ctx: Context, tid: int, q: Quota) -> tuple[int, int]:
     """(ns the quota held thread ``tid`` off the CPU, ns it was queued in the intervals
-    the cgroup was throttled in). Per sample interval: its queued time there, up to the
-    cgroup's throttled time there (a thread waits in one throttled run queue at a time,
-    so no more than the interval either)."""
-    spans = [sp for sp in q.spans if sp[2] > 0 and sp[1] > sp[0]]
-    if not spans:
-        return 0, 0
-    queued = _queued_per_span(ctx, tid, spans)
-    held = sum(min(qn, ns, b - a) for (a, b, ns), qn in zip(spans, queued, strict=True))
-    return held, sum(queued)
+    the cgroup was throttled in): :func:`held_spans` summed."""
+    spans = held_spans(ctx, tid, q)
+    return sum(h for _, _, h, _ in spans), sum(n for _, _, _, n in spans)
+
+
+def held_spans(ctx: Context, tid: int, q: Quota) -> list[tuple[int, int, int, int]]:
+    """(start, end, held, queued) per sample interval the cgroup was throttled in: the
+    thread's queued time there, and of it the part the quota held it off the CPU (up to
+    the cgroup's throttled time there; a thread waits in one throttled run queue at a
+    time, so no more than the interval either). Read once per thread and cgroup."""
+    key = (f"quota_spans {q.cgroup}", tid)
+    if key not in ctx.memo:
+        spans = [sp for sp in q.spans if sp[2] > 0 and sp[1] > sp[0]]
+        queued = _queued_per_span(ctx, tid, spans) if spans else []
+        ctx.memo[key] = [(a, b, min(n, ns, b - a), n)
+                         for (a, b, ns), n in zip(spans, queued, strict=True)]
+    return list(ctx.memo[key])
 
 
 def _queued_per_span(ctx: Context, tid: int, spans: list[tuple[int, int, int]]) -> list[int]:
@@ -184,9 +194,10 @@ def _queued_per_span(ctx: Context, tid: int, spans: list[tuple[int, int, int]]) 
     return [max(r, o) for r, o in zip(runq, off_r, strict=True)]
 
 
-def _neighbour_spends_it(chains: list[Chain], quota: Chain, q: Quota) -> bool:
+def _neighbour_spends_it(ctx: Context, chains: list[Chain], quota: Chain, q: Quota) -> bool:
     """True when a contention chain of the thread names a task inside the quota (it
-    then carries the quota's figures); else those chains lose the throttled time."""
+    then carries the quota's figures); else those chains lose the throttled time, and
+    their culprits are those that took the CPU outside it."""
     pid, tid = int(quota.victim["pid"]), int(quota.victim["tid"])
     mine = [ch for ch in chains
             if ch.root_cause == "cpu_contention" and int(ch.victim.get("tid") or 0) == tid]
@@ -208,4 +219,45 @@ def _neighbour_spends_it(chains: list[Chain], quota: Chain, q: Quota) -> bool:
         ch.detail.update(quota_share=round(quota.impact, 6), share=round(rest, 6))
         ch.impact = round(rest, 6)
         ch.severity = severity(ch.explained, ch.impact)
+        _culprits_outside(ctx, ch, tid, held_spans(ctx, tid, q))
     return False
+
+
+def _culprits_outside(ctx: Context, ch: Chain, tid: int,
+                      spans: list[tuple[int, int, int, int]]) -> None:
+    """The contention chain's culprits, measured again outside the intervals the quota
+    held the thread for most of its queued time: whoever ran while the cgroup was
+    throttled took nothing from it. A culprit that held the CPU only then is dropped;
+    when the thread was throttled throughout, the culprits stay (the time beyond the
+    throttling cannot be told apart from it)."""
+    takers: Counter[int] = Counter()
+    v = ctx.view
+    for a, b in _unthrottled(v.win.start_ns, v.win.end_ns, spans):
+        takers.update(NodeView(v.conn, v.node, Window(a, b, v.win.label), v.tasks,
+                               v.names).cpu_takers(tid))
+    if not takers:
+        return
+    kept = []
+    for c in ch.culprits:
+        ns = sum(takers.get(int(t), 0) for t in c.get("tids") or [c.get("tid")])
+        if ns > 0:
+            kept.append({**c, "ns": ns})
+    total = sum(takers.values())
+    for c in kept:
+        c["share"] = round(c["ns"] / max(1, total), 3)
+    ch.culprits = sorted(kept, key=lambda c: -(c["share"] + c.get("presence", 0.0)))
+
+
+def _unthrottled(w0: int, w1: int, spans: list[tuple[int, int, int, int]]
+                 ) -> list[tuple[int, int]]:
+    """[w0, w1) less the intervals where the quota held the thread for at least half of
+    its queued time there."""
+    out, at = [], w0
+    for a, b, held, queued in spans:
+        if queued and held * 2 >= queued:
+            if a > at:
+                out.append((at, a))
+            at = max(at, b)
+    if w1 > at:
+        out.append((at, w1))
+    return out
