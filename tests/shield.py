@@ -189,7 +189,9 @@ def _dissolve(root: Path, group: Path) -> None:
             return
         except OSError:
             time.sleep(0.05)
-    alive = [p for p in left if (_state(int(p)) or "Z") not in "ZX"]
+    time.sleep(0.5)  # one that was exiting is gone by now
+    alive = [p for p in (group / "cgroup.procs").read_text().split()
+             if (_state(int(p)) or "Z") not in "ZX"]
     if alive:
         print(f"shield: processes {', '.join(alive)} could not leave {group} (still at idle "
               f"priority): move them to {root / 'cgroup.procs'}", file=sys.stderr)
