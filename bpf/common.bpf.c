@@ -21,6 +21,17 @@
 #include <uapi/linux/ptrace.h>
 #include "fleetd.h"
 
+/* User-memory reads go through these, never through BCC's bpf_probe_read_user names:
+ * BCC 0.26's rewriter looks /proc/kallsyms up (a scan of 100k+ symbols, ~60 ms of CPU)
+ * at every call site of bpf_probe_read_user(_str), whose existence it checks for old
+ * kernels; ours has both helpers (the tracer needs 5.8+ for ring buffers anyway). Same
+ * helpers, same types as BCC's declarations: the instructions are identical, and a cold
+ * compile is a second or more cheaper (bench/compile_cost.py). */
+static int (*fl_read_user)(void *dst, __u32 size, const void *unsafe_ptr) =
+    (void *)BPF_FUNC_probe_read_user;
+static int (*fl_read_user_str)(void *dst, __u32 size, const void *unsafe_ptr) =
+    (void *)BPF_FUNC_probe_read_user_str;
+
 #ifndef FL_TRACER_PID
 #define FL_TRACER_PID 0
 #endif
@@ -487,11 +498,11 @@ static __always_inline void fl_stack_args(u32 op, struct fl_call *c, struct fl_r
 {
     struct fl_stack3 st = {};
     if (op == OP_CUDALAUNCHKERNEL) {
-        bpf_probe_read_user(&st, 16, (void *)(c->sp + 8));
+        fl_read_user(&st, 16, (void *)(c->sp + 8));
         r->x[1] |= st.s[0] << 32;
         r->x[3] = st.s[1];
     } else if (op == OP_CULAUNCHKERNEL) {
-        bpf_probe_read_user(&st, 24, (void *)(c->sp + 8));
+        fl_read_user(&st, 24, (void *)(c->sp + 8));
         u64 bz = st.s[0] & 0xffff;
         r->a1 = r->a1 * bz;
         r->x[1] |= (bz << 16) | ((st.s[1] & 0xffffffff) << 32);
@@ -549,23 +560,23 @@ static __always_inline void fl_py_walk(u32 tgid, u32 tid, struct fl_pystack *py)
         return;
     }
     u64 frame = 0;
-    bpf_probe_read_user(&frame, 8, (void *)(*ts + o->tstate_frame));
+    fl_read_user(&frame, 8, (void *)(*ts + o->tstate_frame));
     if (o->cframe_frame != FL_PY_DIRECT && frame)
-        bpf_probe_read_user(&frame, 8, (void *)(frame + o->cframe_frame));
+        fl_read_user(&frame, 8, (void *)(frame + o->cframe_frame));
     u32 n = 0;
 #pragma unroll
     for (int i = 0; i < FL_PY_FRAMES + 4; i++) {
         if (!frame || n >= FL_PY_FRAMES)
             break;
         u8 owner = 0;
-        bpf_probe_read_user(&owner, 1, (void *)(frame + o->owner));
+        fl_read_user(&owner, 1, (void *)(frame + o->owner));
         if (owner != o->owner_skip || o->owner_skip == 0xff) {
             u32 k = n & (FL_PY_FRAMES - 1);
-            bpf_probe_read_user(&py->f[k].code, 8, (void *)(frame + o->code));
-            bpf_probe_read_user(&py->f[k].instr, 8, (void *)(frame + o->instr));
+            fl_read_user(&py->f[k].code, 8, (void *)(frame + o->code));
+            fl_read_user(&py->f[k].instr, 8, (void *)(frame + o->instr));
             n++;
         }
-        bpf_probe_read_user(&frame, 8, (void *)(frame + o->previous));
+        fl_read_user(&frame, 8, (void *)(frame + o->previous));
     }
     py->n = n;
     py->status = frame ? FL_PY_DEEPER : FL_PY_OK;
@@ -596,7 +607,7 @@ static __always_inline void fl_nccl_created(u32 tgid, struct fl_call *c, s32 ret
 {
     u64 comm = 0;
     if ((ret == 0 || ret == 7 /* ncclInProgress */) && c->x[1])
-        bpf_probe_read_user(&comm, sizeof(comm), (void *)c->x[1]);
+        fl_read_user(&comm, sizeof(comm), (void *)c->x[1]);
     c->x[1] = comm;
     if (comm) {
         struct fl_nccl_key k = {.comm = comm, .tgid = tgid};

@@ -28,7 +28,7 @@ struct fl_launch_config {
 static __always_inline int fl_enter_CULAUNCHKERNELEX(struct pt_regs *ctx)
 {
     struct fl_launch_config c = {};
-    bpf_probe_read_user(&c, sizeof(c), (void *)PT_REGS_PARM1(ctx));
+    fl_read_user(&c, sizeof(c), (void *)PT_REGS_PARM1(ctx));
     return fl_call_enter_f(ctx, OP_CULAUNCHKERNELEX, PT_REGS_PARM2(ctx), 0, 0, 0, c.g[0] | ((u64)c.g[1] << 32),
                          (c.g[2] & 0xffff) | ((u64)(c.b[2] & 0xffff) << 16) |
                              ((u64)c.shmem << 32),
@@ -145,7 +145,7 @@ int fl_kn_out(struct pt_regs *ctx)
     if (PT_REGS_RC(ctx) != 0)
         return 0; /* CUDA_SUCCESS only: on failure *out is not a handle */
     struct fl_kkey key = {.tgid = id >> 32};
-    if (bpf_probe_read_user(&key.handle, 8, (void *)got.out) || !key.handle)
+    if (fl_read_user(&key.handle, 8, (void *)got.out) || !key.handle)
         return 0;
     if (got.kind == 1) {
         struct fl_kkey from = {.handle = got.src, .tgid = id >> 32};
@@ -158,7 +158,7 @@ int fl_kn_out(struct pt_regs *ctx)
     struct fl_kname *buf = fl_kname_buf.lookup(&zero);
     if (!buf)
         return 0;
-    if (bpf_probe_read_user_str(buf->name, FL_KNAME_LEN, (void *)got.src) <= 0)
+    if (fl_read_user_str(buf->name, FL_KNAME_LEN, (void *)got.src) <= 0)
         return 0;
     fl_knames.update(&key, buf);
     return 0;

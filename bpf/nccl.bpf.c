@@ -34,7 +34,7 @@ static __always_inline u64 fl_nccl_size(u64 dtype)
 static __always_inline u64 fl_nccl_stack(struct pt_regs *ctx, int slot)
 {
     u64 v = 0;
-    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * slot));
+    fl_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * slot));
     return v;
 }
 
@@ -135,7 +135,7 @@ static __always_inline int fl_enter_NCCLRECV(struct pt_regs *ctx)
 static __always_inline u64 fl_nccl_id_hash(u64 addr)
 {
     u64 w[16] = {};
-    if (bpf_probe_read_user(w, sizeof(w), (void *)addr))
+    if (fl_read_user(w, sizeof(w), (void *)addr))
         return 0;
     u64 h = 0xcbf29ce484222325ull;
 #pragma unroll

@@ -15,7 +15,15 @@
  * the Python maps and the counters are shared. The consumer is not woken per sample:
  * it drains the ring on its own poll, which a few dozen samples a second never fill.
  */
-#include <uapi/linux/bpf_perf_event.h> /* struct bpf_perf_event_data: the sample's regs */
+/* A perf-event program's context (struct bpf_perf_event_data): the interrupted
+ * registers first, which is all that is read here (the verifier checks each access
+ * against the kernel's own layout at load). Declared, not included: in a kernel header
+ * tree uapi/linux/bpf_perf_event.h brings linux/ptrace.h and with it linux/sched.h,
+ * some 400 headers that BCC parses three times per compile (over a second of a cold
+ * start's CPU) for this one field. */
+struct fl_perf_event_data {
+    struct pt_regs regs;
+};
 
 #ifndef FL_CPU_RB_PAGES
 #define FL_CPU_RB_PAGES 64
@@ -44,7 +52,7 @@ BPF_STACK_TRACE(fl_cpu_stacks, 4096);
 /* tgid -> address of its interpreter's GC "collecting" int (0: not a known CPython). */
 BPF_HASH(fl_cpu_gc, u32, u64, 1024);
 
-int fl_cpu_sample(struct bpf_perf_event_data *ctx)
+int fl_cpu_sample(struct fl_perf_event_data *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tgid = id >> 32;
@@ -70,7 +78,7 @@ int fl_cpu_sample(struct bpf_perf_event_data *ctx)
     u64 *gc = fl_cpu_gc.lookup(&tgid);
     if (gc && *gc) {
         s32 collecting = 0;
-        bpf_probe_read_user(&collecting, sizeof(collecting), (void *)*gc);
+        fl_read_user(&collecting, sizeof(collecting), (void *)*gc);
         if (collecting)
             s->flags |= FL_CPU_GC;
     }
@@ -122,7 +130,7 @@ int fl_gc_start(struct pt_regs *ctx)
         bpf_probe_read_kernel(&r, sizeof(r), (char *)ctx + (a->reg & 0xf8));
         if (a->deref) {
             s32 g = -1;
-            bpf_probe_read_user(&g, sizeof(g), (void *)(r + a->off));
+            fl_read_user(&g, sizeof(g), (void *)(r + a->off));
             b.gen = g;
         } else {
             b.gen = (s32)r;

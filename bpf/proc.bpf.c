@@ -28,7 +28,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_clone)
 TRACEPOINT_PROBE(syscalls, sys_enter_clone3)
 {
     u64 flags = 0; /* struct clone_args starts with u64 flags */
-    bpf_probe_read_user(&flags, sizeof(flags), (void *)args->uargs);
+    fl_read_user(&flags, sizeof(flags), (void *)args->uargs);
     fl_note_clone(flags);
     return 0;
 }
@@ -244,7 +244,7 @@ TRACEPOINT_PROBE(syscalls, sys_exit_mmap)
     int zero = 0;
     struct fl_name_buf *b = fl_name_scratch.lookup(&zero);
     if (name && b) {
-        int len = bpf_probe_read_user_str(b->s, sizeof(b->s), (void *)*name);
+        int len = fl_read_user_str(b->s, sizeof(b->s), (void *)*name);
         if (len > 0)
             hash = fl_name_hash(b, len);
     }
