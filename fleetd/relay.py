@@ -266,6 +266,7 @@ def _job(body: Any, s: RelaySettings) -> _Job:
             if isinstance(asked, int | float) and not isinstance(asked, bool):
                 body["timeout_s"] = min(asked, round(timeout * QUERY_TIME_SHARE, 3))
     query = next((r.body for r in requests if r.path == paths.QUERY), None) or {}
+    # The client's query limits as it sent them (only written into a header's text).
     limits: dict[str, object] = {k: query[k] for k in ("max_rows", "max_bytes", "timeout_s")
                                  if k in query}
     text = ";".join(f"{k}={v}" for k, v in {**limits, "fanout_timeout_s": timeout}.items())

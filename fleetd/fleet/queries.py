@@ -10,13 +10,13 @@ node's clock offset, merges, and returns a :class:`FleetResult`: the JSON object
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fleetd.analyze.causes.chains import SEVERITY_RANK
 from fleetd.analyze.distributed import stragglers
-from fleetd.analyze.reading.answers import ChainJson
+from fleetd.analyze.reading.answers import ChainJson, NodeProfile, NoProfile
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import Merged, NodeRows, NodeWarning, merge, reduce
 from fleetd.fleet.dispatch import fan_out
@@ -38,7 +38,7 @@ from fleetd.questions.catalog import (
     PROFILE,
     overview_rows,
 )
-from fleetd.questions.spec import Params, Question
+from fleetd.questions.spec import Check, Params, Question
 from fleetd.runner import run_loop
 from fleetd.store.bounds import Bounds
 from fleetd.wire import paths
@@ -137,7 +137,7 @@ def explain(opts: FleetOptions, bounds: Bounds, pid: int | None = None,
     # A node's process rows pass through as it sent them (untrusted JSON objects), but
     # for their placement, read as text, and their node (_placed).
     processes: list[dict[str, object]] = []
-    profiles: dict[str, dict[str, Any]] = {}
+    profiles: dict[str, NodeProfile | NoProfile] = {}
     verdicts: dict[str, str] = {}
     for o in answer.answered:
         assert o.replies is not None
@@ -146,7 +146,7 @@ def explain(opts: FleetOptions, bounds: Bounds, pid: int | None = None,
         chains += [_tagged(correct_obj(c, off), o.name) for c in got.get("chains") or []]
         processes += [_placed(p, o.name) for p in got.get("processes") or []
                       if isinstance(p, dict)]
-        profiles[o.name] = prof
+        profiles[o.name] = cast(NodeProfile | NoProfile, prof)  # read by PROFILE.check
         verdicts[o.name] = str(got.get("verdict") or "")
         answer.warnings += [NodeWarning(o.name, str(w), "window")
                             for w in got.get("warnings") or []]
@@ -190,7 +190,7 @@ def ops(opts: FleetOptions, bounds: Bounds, pid: int | None, per_process: bool,
     answer = result.answer
     cols = [c for c in columns if c != "node"]
     parts = []
-    windows: dict[str, Any] = {}
+    windows: dict[str, object] = {}  # each node's as it sent it (OPS has no reader yet)
     for reply in result.obj["nodes"]:
         rows = [[label(read_placement(r)) if c == "pod" else r.get(c) for c in cols]
                 for r in reply.get("ops") or [] if isinstance(r, dict)]
@@ -216,7 +216,7 @@ def overview(opts: FleetOptions, bounds: Bounds) -> FleetResult:
 # ---- a question of the registry -----------------------------------------------------
 
 
-def _reader(question: Question) -> Callable[[dict[str, Any]], Mapping[str, Any]] | None:
+def _reader(question: Question) -> Check | None:
     """The question's wire reader, given an answer whose numbers all fit."""
     read = question.check
     return None if read is None else (lambda r: read(check_numbers(r, "the answer")))

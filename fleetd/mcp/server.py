@@ -52,6 +52,7 @@ from fleetd.questions.catalog import QUESTIONS
 from fleetd.questions.spec import Param, Question
 from fleetd.security.private_dir import UnsafePathError
 from fleetd.store.bounds import Bounds
+from fleetd.wire.shapes import ErrorDetail, ErrorReply
 
 log = logging.getLogger("fleetd.mcp.server")
 
@@ -142,10 +143,10 @@ def finish(answer: Mapping[str, Any], max_bytes: int) -> CallToolResult:
 
 
 def error_result(code: str, message: str, hint: str | None) -> CallToolResult:
-    err: dict[str, Any] = {"code": code, "message": clean(message)}
+    err: ErrorDetail = {"code": code, "message": clean(message)}
     if hint:
         err["hint"] = clean(hint)
-    body = {"error": err}
+    body: ErrorReply = {"error": err}
     return CallToolResult(content=[TextContent(type="text", text=orjson.dumps(body).decode())],
                           structured_content=body, is_error=True)
 

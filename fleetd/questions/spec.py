@@ -104,7 +104,9 @@ class Params:
 NodeAnswer = Callable[["Analysis", str, Params], Answer]
 LocalAnswer = Callable[["Analysis", Params], Answer]
 Combine = Callable[[list[Reply]], Reply]
-Check = Callable[[dict[str, Any]], Mapping[str, Any]]
+# A question's reader: a node's answer as parsed (untrusted: its values are ``object``
+# until read) to the checked answer, of the type the reader names (ChainsReply, ...).
+Check = Callable[[dict[str, object]], Mapping[str, object]]
 
 
 @dataclass(frozen=True, slots=True)

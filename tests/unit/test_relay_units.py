@@ -134,6 +134,7 @@ def test_a_lying_relay_costs_only_the_nodes_it_lied_about() -> None:
         {"address": "10.0.0.2:7600", "replies": [_ok("n2", [[2**70]])], "skew": skew},
         {"address": "10.0.0.3:7600", "failure": {"kind": "\x1b[31mpwned", "message":
                                                  "down\x1b]0;x\x07", "status": 9999}},
+        {"address": ["10.0.0.4:7600"], "replies": [_ok("n4", [[4]])]},  # not text: ignored
     ]}
     req = Request("POST", "/api/v1/query", body={}, expect=("columns", "rows"))
     n1, n2, n3, n4 = unpack(reply, route, [req])
