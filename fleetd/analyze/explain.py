@@ -19,7 +19,7 @@ import sqlite3
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from fleetd.analyze.causes import (
     causes,
@@ -44,6 +44,7 @@ from fleetd.analyze.causes.chains import (
     evidence_timeline,
     find_spikes,
     find_stalls,
+    place_chain,
 )
 from fleetd.analyze.distributed import collectives
 from fleetd.analyze.distributed.stragglers import node_profile as node_profile  # facade, agents
@@ -57,8 +58,6 @@ from fleetd.analyze.reading.answers import (
     NoProfile,
     OpRow,
     ProcessRow,
-    RankedCulprit,
-    Victim,
 )
 from fleetd.analyze.reading.data import (
     CALL_SOURCES,
@@ -193,7 +192,7 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
     # Each process named with its pod and container, where the tracer recorded them.
     placed = pods.placements(sl.conn, sl.node.key)
     for c in chains:
-        pods.annotate([c.victim, *c.culprits], sl.node.key, placed)
+        place_chain(c, sl.node.key, placed)
     pods.annotate(procs, sl.node.key, placed)
     return {"chains": [chain_json(c) for c in chains], "processes": procs, "ops": out_ops,
             "warnings": warnings}
@@ -224,9 +223,8 @@ def _brief(r: OpRow) -> OpRow:
 
 def chain_json(ch: Chain) -> ChainJson:
     """The chain as every reader sees it (docs/explain.md, "A chain"). The rules build a
-    :class:`Chain` with plain dictionaries for its victim and culprits (each rule adds
-    its own keys); here they become the answer's types, which tests/unit/
-    test_answer_shapes.py holds real answers to."""
+    :class:`Chain` of the answer's own types (victim, culprits, detail, evidence), which
+    tests/unit/test_answer_shapes.py holds real answers to."""
     if not ch.summary:
         ch.summary = causes.summary(ch)
     if not ch.fixes:
@@ -240,9 +238,9 @@ def chain_json(ch: Chain) -> ChainJson:
         "root_cause": ch.root_cause,
         "summary": ch.summary,
         "op": ch.op,
-        "victim": cast(Victim, ch.victim),
+        "victim": ch.victim,
         "culprit": culprit_json(top) if top is not None else None,
-        "culprits": cast(list[RankedCulprit], ch.culprits[:5]),
+        "culprits": ch.culprits[:5],
         "explained": ch.explained,
         "impact": ch.impact,
         "ts_ns": ch.ts_ns,

@@ -28,6 +28,7 @@ from fleetd.analyze.facade import ANALYSIS_TIMEOUT_S, Analysis
 from fleetd.analyze.pernode.opstats import COLUMNS
 from fleetd.analyze.reading import pods
 from fleetd.analyze.reading.answers import (
+    ChainDetail,
     ChainJson,
     GpuAnswer,
     KernelRow,
@@ -273,6 +274,13 @@ class LocalBackend:
 # ---- helpers shared with the fleet backend ---------------------------------------------------
 
 
+def _without_flame(detail: ChainDetail) -> ChainDetail:
+    """A chain's detail less its flame graph's stacks (the HTML page's)."""
+    out = detail.copy()
+    out.pop("flame", None)
+    return out
+
+
 def compact_chain(c: ChainJson, evidence_n: int) -> CompactChain:
     """A chain as explain gives it, minus internal keys, with short lists."""
     evidence = c["evidence"]
@@ -283,7 +291,7 @@ def compact_chain(c: ChainJson, evidence_n: int) -> CompactChain:
         "impact": c["impact"], "ts_ns": c["ts_ns"], "dur_ns": c["dur_ns"],
         "time": c["time"],
         # The flame graph's stacks are the HTML page's; get_cpu_profile gives the stacks.
-        "detail": {k: v for k, v in c["detail"].items() if k != "flame"},
+        "detail": _without_flame(c["detail"]),
         "fixes": c["fixes"], "culprits": c["culprits"][:3],
         "evidence": evidence[:evidence_n]}
     if len(evidence) > evidence_n:

@@ -276,6 +276,36 @@ def test_graphs_collectives_and_cpu_answers_of_synth_recordings(
     check(flame, answers.FlameStacks, "flame", seen)
 
 
+def test_chains_of_the_rules_no_shipped_recording_has(tmp_path: Path, seen: set[str]) -> None:
+    """Chains whose ``detail`` and evidence no scenario above holds (on-CPU samples: a
+    CPU-bound feeder with its frames and flame graph, GC pauses; synth's graph storm,
+    host syncs, allocation churn and DataLoader workers), against ChainJson: their
+    detail keys and evidence kinds are ChainDetail's and EvidenceItem's."""
+    import synth
+    from test_oncpu_units import GC_STACK, HOT_STACK, SYNC_STACK, _recording
+
+    from fleetd.analyze.explain import explain
+
+    got = {}
+    (tmp_path / "cpu").mkdir()
+    for c in _recording(tmp_path / "cpu", [(HOT_STACK, 250, 0), (SYNC_STACK, 10, 0)])["chains"]:
+        got[c["root_cause"]] = c
+    (tmp_path / "gc").mkdir()
+    pauses = [(1_000_000_000, 180_000_000), (3_000_000_000, 120_000_000)]
+    for c in _recording(tmp_path / "gc", [(HOT_STACK, 20, 0), (GC_STACK, 15, 15)],
+                        pauses)["chains"]:
+        got[c["root_cause"]] = c
+    for name in ("graph_storm", "host_sync", "alloc_churn", "dataloader"):
+        for c in explain(synth.build(name, tmp_path / name))["chains"]:
+            got[c["root_cause"]] = c
+    wanted = {"host_cpu_bound", "gc_pause", "graph_recapture", "host_sync", "alloc_churn",
+              "dataloader_oversubscription"}
+    assert wanted <= got.keys(), sorted(got)
+    assert got["host_cpu_bound"]["detail"]["flame"]["stacks"]
+    for root, c in sorted(got.items()):
+        check(c, answers.ChainJson, f"{root} chain", seen)
+
+
 def test_the_diff_command_prints_a_gpu_diff(
         capsys: pytest.CaptureFixture[str], seen: set[str]) -> None:
     """`fleetd diff --format json` of the two ranks' traces: every part met."""

@@ -32,6 +32,7 @@ from fleetd.analyze.causes.wait_words import (
     is_driver_poller as is_driver_poller,
 )
 from fleetd.analyze.causes.wait_words import ms as _ms
+from fleetd.analyze.reading.answers_chain import ChainDetail
 from fleetd.analyze.reading.data import TRACER_MARK
 from fleetd.store.catalog import HOST_DELAYS
 
@@ -547,9 +548,15 @@ def _share(ch: Chain) -> str:
     if not also:
         return f"{ch.impact:.1%} of wall time {words}"
     # Each column's share as the breakdown prints it, then their sum (the impact).
-    parts = [f"{float(ch.detail.get('share', 0.0)):.1%} {words}"] + [
-        f"{float(ch.detail.get(f'{k}_share', 0.0)):.1%} {COLUMN_WORDS[k]}" for k in also]
+    parts = [f"{ch.detail.get('share', 0.0):.1%} {words}"] + [
+        f"{_also_share(ch.detail, k):.1%} {COLUMN_WORDS[k]}" for k in also]
     return f"{ch.impact:.1%} of wall time: {' and '.join(parts)}"
+
+
+def _also_share(d: ChainDetail, column: str) -> float:
+    """The share a chain states of a further breakdown column (``detail.share_also``):
+    only kernel lock spinning is one (oncpu, beside a lock_wait's D state)."""
+    return d.get("lock_spin_share", 0.0) if column == "lock_spin" else 0.0
 
 
 def fixes(ch: Chain) -> list[str]:

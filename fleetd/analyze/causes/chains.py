@@ -17,7 +17,6 @@ import logging
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from fleetd.analyze.causes.io_owner import io_worker
 from fleetd.analyze.causes.spikes import (
@@ -28,16 +27,32 @@ from fleetd.analyze.causes.spikes import (
     find_spikes,
     find_stalls,
 )
-from fleetd.analyze.reading.answers import Culprit, EvidenceItem
+from fleetd.analyze.reading import pods
+from fleetd.analyze.reading.answers_chain import (
+    ChainDetail,
+    Culprit,
+    EvidenceItem,
+    RankedCulprit,
+    ShadowedChain,
+    Victim,
+)
 from fleetd.analyze.reading.data import SYNC_OPS, code
 from fleetd.analyze.reading.nodeview import OFF_CPU, NodeView, task_state
+from fleetd.analyze.reading.rows import (
+    PLACEMENT_KEYS,
+    CgroupPlace,
+    Placement,
+    PlacementKey,
+    ThreadRow,
+    TimeColumn,
+)
 
 # Older callers import the view, the spikes and their steps from here: chains.py was
 # all of them once. New code imports them from nodeview and spikes.
 __all__ = [
     "COLUMN_WORDS", "MIN_CALLS", "OFF_CPU", "REASON_COLUMN", "SEVERITY_RANK", "Baseline",
     "Chain", "NodeView", "Spike", "account", "attribute", "build_chains", "column_of",
-    "culprit_json", "evidence_timeline", "find_spikes", "find_stalls", "severity",
+    "culprit_json", "evidence_timeline", "find_spikes", "find_stalls", "place_chain", "severity",
     "task_state", "thread_share",
 ]
 
@@ -49,21 +64,26 @@ EVIDENCE_PER_SPIKE = 6
 
 @dataclass(slots=True)
 class Chain:
+    """A causal chain as the rules build it. Its victim, culprits, ``detail`` and
+    evidence are already the answer's types (fleetd.analyze.reading.answers_chain), so
+    every rule is held to one shape and :func:`fleetd.analyze.explain.chain_json` only
+    adds what is derived (id, key, summary, fixes, the evidence timeline)."""
+
     node: str
     root_cause: str
-    victim: dict[str, Any]
+    victim: Victim
     op: str | None
     spikes: list[Spike]
     span_ns: int
     scale: float = 1.0
-    culprits: list[dict[str, Any]] = field(default_factory=list)
-    extra_evidence: list[dict[str, Any]] = field(default_factory=list)
+    culprits: list[RankedCulprit] = field(default_factory=list)
+    extra_evidence: list[EvidenceItem] = field(default_factory=list)
     summary: str = ""
     fixes: list[str] = field(default_factory=list)
     severity: str = "LOW"
     explained: float = 0.0
     impact: float = 0.0
-    detail: dict[str, Any] = field(default_factory=dict)
+    detail: ChainDetail = field(default_factory=ChainDetail)
     start_ns: int = 0  # for rule chains, which have no spikes
     end_ns: int = 0
 
@@ -118,8 +138,9 @@ def build_chains(view: NodeView, spikes: list[Spike], scale: dict[tuple[int, int
                 s.op if s.root_cause == "unexplained" else None)].append(s)
     chains: list[Chain] = []
     for (pid, tid, root, _), group in groups.items():
-        victim = {"pid": pid, "tid": tid, "comm": view.names.get(pid) or view.who(tid)["comm"],
-                  "thread": view.tasks.get(tid, (None, None))[1]}
+        victim: Victim = {
+            "pid": pid, "tid": tid, "comm": view.names.get(pid) or view.who(tid)["comm"],
+            "thread": view.tasks.get(tid, (None, None))[1]}
         by_op: dict[tuple[str, str | None], int] = defaultdict(int)
         for s in group:
             by_op[(s.kind, s.op)] += s.excess_ns
@@ -141,10 +162,21 @@ _ROLES = {"cpu_contention": ("cpu",), "lock_wait": ("wake",), "block_io": ("io",
           "irq_preemption": ()}
 
 
+@dataclass(slots=True)
+class _Taker:
+    """A process that took a victim's time, while its culprits are being ranked."""
+
+    pid: int
+    comm: str | None
+    tids: set[int] = field(default_factory=set)
+    ns: int = 0
+    by_tid: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+
+
 def _rank_culprits(view: NodeView, group: list[Spike], root: str, victim_pid: int
-                   ) -> list[dict[str, Any]]:
+                   ) -> list[RankedCulprit]:
     roles = _ROLES.get(root, ())
-    by_pid: dict[int, dict[str, Any]] = {}
+    by_pid: dict[int, _Taker] = {}
     total = 0
     taken: list[tuple[tuple[str, int], int, str | None]] = [
         (key, ns, s.op) for s in group for key, ns in s.culprit_ns.items()]
@@ -163,41 +195,46 @@ def _rank_culprits(view: NodeView, group: list[Spike], root: str, victim_pid: in
             continue
         if role in ("wake", "io") and io_worker(who["comm"]):
             continue  # it completed or dispatched someone's I/O: never the cause
-        entry = by_pid.setdefault(pid, {"pid": pid, "comm": who["comm"], "tids": set(),
-                                        "ns": 0, "by_tid": defaultdict(int)})
-        entry["tids"].add(tid)
-        entry["by_tid"][tid] += ns
-        entry["ns"] += ns
+        entry = by_pid.setdefault(pid, _Taker(pid, who["comm"]))
+        entry.tids.add(tid)
+        entry.by_tid[tid] += ns
+        entry.ns += ns
         total += ns
-    for d in by_pid.values():
-        d["share"] = round(d["ns"] / max(1, total), 3)
-        d["self"] = d["pid"] == victim_pid
+    share = {pid: round(t.ns / max(1, total), 3) for pid, t in by_pid.items()}
+    presence: dict[int, float] | None = None
     if root == "cpu_contention" and group:
         # Who ran first after each preemption is only part of the story: under a CPU
         # quota the victim is throttled and whatever is runnable elsewhere goes first.
         # Rank by that time share plus how often each one took over from the victim.
-        _add_presence(view, group[0].call.tid, by_pid)
-    ranked = sorted(by_pid.values(), key=lambda d: -(d["share"] + d.get("presence", 0.0)))
-    for d in ranked:
-        d["tids"] = sorted(d["tids"])
-        # The thread that accounts for most of the time: the culprit when it is a thread.
-        d["tid"] = max(d["by_tid"].items(), key=lambda kv: kv[1])[0]
-        d["thread"] = view.tasks.get(d["tid"], (None, None))[1]
-        del d["by_tid"]
-    return ranked
+        presence = _presence(view, group[0].call.tid, by_pid)
+    ranked = sorted(by_pid.values(),
+                    key=lambda t: -(share[t.pid] + (presence or {}).get(t.pid, 0.0)))
+    return [_ranked(view, t, share[t.pid], victim_pid, presence) for t in ranked]
 
 
-def _add_presence(view: NodeView, victim_tid: int, by_pid: dict[int, dict[str, Any]]) -> None:
+def _ranked(view: NodeView, t: _Taker, share: float, victim_pid: int,
+            presence: dict[int, float] | None) -> RankedCulprit:
+    out: RankedCulprit = {"pid": t.pid, "comm": t.comm, "tids": sorted(t.tids), "ns": t.ns,
+                          "share": share, "self": t.pid == victim_pid}
+    if presence is not None:
+        out["presence"] = presence[t.pid]
+    # The thread that accounts for most of the time: the culprit when it is a thread.
+    out["tid"] = max(t.by_tid.items(), key=lambda kv: kv[1])[0]
+    out["thread"] = view.tasks.get(out["tid"], (None, None))[1]
+    return out
+
+
+def _presence(view: NodeView, victim_tid: int, by_pid: dict[int, _Taker]) -> dict[int, float]:
+    """How often each of ``by_pid`` took the CPU over from the victim (a share)."""
     peers = view.switch_peers(victim_tid)
     counts: dict[int, int] = defaultdict(int)
     for tid, n in peers.items():
         counts[int(view.who(tid)["pid"])] += n
     total = sum(counts.values())
-    for pid, d in by_pid.items():
-        d["presence"] = round(counts.get(pid, 0) / max(1, total), 3)
+    return {pid: round(counts.get(pid, 0) / max(1, total), 3) for pid in by_pid}
 
 
-def _detail(group: list[Spike], kind: str, op: str | None) -> dict[str, Any]:
+def _detail(group: list[Spike], kind: str, op: str | None) -> ChainDetail:
     causes: dict[str, int] = defaultdict(int)
     for s in group:
         for k, v in s.cause_ns.items():
@@ -243,8 +280,9 @@ def column_of(ch: Chain) -> str | None:
         return str(ch.detail["share_of"])
     col = REASON_COLUMN.get(ch.root_cause)
     if ch.root_cause == "lock_wait" and ch.spikes:
-        host = ch.detail.get("host_ns") or {}
-        if int(host.get("sleep", 0)) > int(host.get("d_state", 0)):
+        host = ch.detail.get("host_ns")
+        by_cause = host if isinstance(host, dict) else {}  # a spike chain's, by cause
+        if by_cause.get("sleep", 0) > by_cause.get("d_state", 0):
             # Sleeps woken by another process: a futex (lock), a pipe or socket (data).
             why: dict[str, int] = defaultdict(int)
             for s in ch.spikes:
@@ -254,15 +292,24 @@ def column_of(ch: Chain) -> str | None:
     return col
 
 
-def thread_share(threads: list[dict[str, Any]], tid: int, col: str) -> float | None:
+# A breakdown column by name (as REASON_COLUMN and the rules name it) -> a thread row's key.
+COLUMN_KEYS: Mapping[str, TimeColumn] = {
+    "running": "running_ns", "runq": "runq_ns", "irq": "irq_ns", "d_state": "d_state_ns",
+    "sleeping": "sleeping_ns", "lock": "lock_ns", "data": "data_ns", "timer": "timer_ns",
+    "gpu_sync": "gpu_sync_ns", "other": "other_ns", "off_cpu": "off_cpu_ns",
+    "in_cuda": "in_cuda_ns", "reclaim": "reclaim_ns", "lock_spin": "lock_spin_ns",
+}
+
+
+def thread_share(threads: list[ThreadRow], tid: int, col: str) -> float | None:
     """The share of its wall time thread ``tid`` spent in breakdown column ``col``."""
-    row = next((t for t in threads if int(t["tid"]) == tid), None)
-    if row is None or not int(row["wall_ns"]):
+    row = next((t for t in threads if t["tid"] == tid), None)
+    if row is None or not row["wall_ns"]:
         return None
-    return min(1.0, int(row[f"{col}_ns"]) / int(row["wall_ns"]))
+    return min(1.0, row[COLUMN_KEYS[col]] / row["wall_ns"])
 
 
-def account(chains: list[Chain], threads: list[dict[str, Any]]) -> list[Chain]:
+def account(chains: list[Chain], threads: list[ThreadRow]) -> list[Chain]:
     """Each chain's lost share from its victim thread's breakdown column, one chain per
     thread and column.
 
@@ -289,20 +336,28 @@ def account(chains: list[Chain], threads: list[dict[str, Any]]) -> list[Chain]:
         top = group[0]
         share = thread_share(threads, tid, col) or 0.0
         top.detail.setdefault("estimate", top.impact)
-        top.detail.update(share=round(share, 6), share_of=col)
+        top.detail["share"] = round(share, 6)
+        top.detail["share_of"] = col
         if len(group) > 1:
-            top.detail["also"] = [
-                {"root_cause": c.root_cause, "op": c.op,
-                 "estimate": c.detail.get("estimate", c.impact),
-                 "culprit": culprit_json(c.culprits[0]) if c.culprits else None}
-                for c in group[1:]]
+            top.detail["also"] = [_shadowed(c) for c in group[1:]]
         top.impact = round(share, 6)
         top.severity = severity(top.explained, top.impact)
         out.append(top)
     return out
 
 
-def culprit_json(top: Mapping[str, Any]) -> Culprit:
+# A culprit's placement keys, in the order its JSON has them (not pods.fields' order).
+CULPRIT_PLACE: tuple[PlacementKey, ...] = ("pod", "namespace", "container", "pod_uid")
+
+
+def _shadowed(c: Chain) -> ShadowedChain:
+    """A chain whose share another chain of its thread and column states."""
+    return {"root_cause": c.root_cause, "op": c.op,
+            "estimate": c.detail.get("estimate", c.impact),
+            "culprit": culprit_json(c.culprits[0]) if c.culprits else None}
+
+
+def culprit_json(top: Culprit) -> Culprit:
     """A ranked culprit as a chain's JSON shows it; a thread culprit also names its
     thread. (Also applied to culprits a node sent, so ``self`` may be missing.)"""
     out: Culprit = {"pid": top["pid"], "comm": top["comm"], "self": top.get("self", False)}
@@ -310,11 +365,28 @@ def culprit_json(top: Mapping[str, Any]) -> Culprit:
         out["tid"], out["thread"] = top["tid"], top.get("thread")
     if top.get("where"):  # a lock holder traced with stacks: its line and frames
         out["where"], out["stack"] = top["where"], top.get("stack") or []
-    # Where it runs (analyze.pods), in the order the placement gave them.
-    for k in ("pod", "namespace", "container", "pod_uid"):
+    # Where it runs (analyze.pods), in this order whatever order the placement had.
+    for k in CULPRIT_PLACE:
         if top.get(k):
             out[k] = top[k]
     return out
+
+
+def place_chain(chain: Chain, node_key: int, found: dict[tuple[int, int], CgroupPlace]
+                ) -> None:
+    """Name the pod and container (pods.fields) of the chain's victim and culprits, in
+    place, after their own keys (what pods.annotate does for a process row)."""
+    _place(chain.victim, chain.victim["pid"], node_key, found)
+    for c in chain.culprits:
+        _place(c, c["pid"], node_key, found)
+
+
+def _place(row: Placement, pid: int, node_key: int,
+           found: dict[tuple[int, int], CgroupPlace]) -> None:
+    where = pods.fields(found.get((node_key, pid)))
+    for k in PLACEMENT_KEYS:
+        if k in where:
+            row[k] = where[k]
 
 
 def evidence_timeline(chain: Chain) -> list[EvidenceItem]:

@@ -31,14 +31,15 @@ import bisect
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 
 from fleetd.analyze.causes.chains import OFF_CPU, Chain
 from fleetd.analyze.causes.rules import Context, rule_chain
+from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, RankedCulprit
 from fleetd.analyze.reading.data import code, in_list, job_peers
 from fleetd.analyze.reading.frames import top_python_frame
+from fleetd.analyze.reading.rows import ThreadRow
 from fleetd.analyze.reading.waits import reason
 from fleetd.store.timeparse import format_ns
 
@@ -148,7 +149,7 @@ def waker_where(ctx: Context, hashes: list[int]) -> Where | None:
     return Where(top, frames[best], hits, len(hashes))
 
 
-def feeders(ctx: Context) -> list[tuple[int, dict[str, Any]]]:
+def feeders(ctx: Context) -> list[tuple[int, ThreadRow]]:
     """(pid, feeding thread) of every process with CUDA calls."""
     out = []
     for pid in ctx.gpu_pids():
@@ -158,7 +159,7 @@ def feeders(ctx: Context) -> list[tuple[int, dict[str, Any]]]:
     return out
 
 
-def _thread_row(ctx: Context, tid: int) -> dict[str, Any] | None:
+def _thread_row(ctx: Context, tid: int) -> ThreadRow | None:
     return next((t for t in ctx.threads if int(t["tid"]) == tid), None)
 
 
@@ -171,12 +172,12 @@ def _busy(ctx: Context, tid: int) -> float | None:
     return _demand(t)
 
 
-def _demand(t: dict[str, Any]) -> float:
+def _demand(t: ThreadRow) -> float:
     return (int(t["running_ns"]) + int(t["runq_ns"])) / int(t["wall_ns"])
 
 
 def _examples(ctx: Context, mine: list[Sleep], text: str,
-              ended: list[Sleep] | None = None) -> list[dict[str, Any]]:
+              ended: list[Sleep] | None = None) -> list[EvidenceItem]:
     """The longest sleeps, those the culprit ended (``ended``; default: all of
     ``mine``) first; any other one says it ended without the culprit."""
     ended = mine if ended is None else ended
@@ -186,14 +187,17 @@ def _examples(ctx: Context, mine: list[Sleep], text: str,
         pick += sorted((s for s in mine if s not in chosen),
                        key=lambda s: -s.slept)[:EXAMPLES - len(pick)]
     by = set(ended)
-    items = []
+    items: list[EvidenceItem] = []
     for s in pick:
-        item = {"kind": "off_cpu", "ts_ns": s.ts, "time": format_ns(s.ts), "dur_ns": s.slept,
-                "reason": s.why, "addr": f"{s.arg:#x}"}
         who = ctx.view.who(s.waker) if s.waker else None
         name = f"{who['thread'] or who['comm']} (tid {s.waker})" if who else ""
+        item: EvidenceItem = {"kind": "off_cpu", "ts_ns": s.ts, "time": format_ns(s.ts),
+                              "dur_ns": s.slept, "reason": s.why, "addr": f"{s.arg:#x}",
+                              "culprit": who, "text": ""}  # culprit and text: below
+        if who is None or s not in by:
+            del item["culprit"]  # only a waker that ended the sleep is named
         if who is not None and s in by:
-            item.update(culprit=who, text=f"{text} for {s.slept / 1e6:.2f} ms, woken by {name}")
+            item["text"] = f"{text} for {s.slept / 1e6:.2f} ms, woken by {name}"
         elif who is not None:
             item["text"] = (f"{text} for {s.slept / 1e6:.2f} ms, ended while {name} was on the "
                             "CPU (a timeout: a bystander)")
@@ -298,7 +302,7 @@ def _lock_chain(ctx: Context, pid: int, tid: int, waits: list[Sleep]) -> Chain |
     if at is not None:
         culprits[0]["where"], culprits[0]["stack"] = at.frame, at.stack
     explained = addr_ns / max(1, total)
-    detail = {"lock_addr": f"{addr:#x}", "lock_symbol": symbol,
+    detail: ChainDetail = {"lock_addr": f"{addr:#x}", "lock_symbol": symbol,
               "lock_share": round(share, 6), "share": round(share, 6), "share_of": "lock",
               "estimate": round(lost / ctx.span_ns, 4),
               "waits": len(on), "released": len(released), "holder_tid": holder,
@@ -312,7 +316,8 @@ def _lock_chain(ctx: Context, pid: int, tid: int, waits: list[Sleep]) -> Chain |
              "the same process released it" if released else
              "none ended by a release the tracer saw (waits that time out are woken by "
              "whatever ran when the timer fired)")
-    ev = [{"kind": "lock_wait", "addr": f"{addr:#x}", "waits": len(on), "lost_ns": addr_ns,
+    ev: list[EvidenceItem] = [
+        {"kind": "lock_wait", "addr": f"{addr:#x}", "waits": len(on), "lost_ns": addr_ns,
            "released_ns": lost,
            "text": f"{len(on)} futex waits on the lock at {addr:#x} ({addr_ns / 1e6:.1f} ms, "
                    f"{explained:.0%} of the {total / 1e6:.1f} ms the thread waited for "
@@ -321,7 +326,7 @@ def _lock_chain(ctx: Context, pid: int, tid: int, waits: list[Sleep]) -> Chain |
            "running_share": detail["holder_busy"],
            "text": _holder_text(culprits[0], busy, held_ns, base, at, inferred)}]
     if at is not None:
-        ev[-1].update(where=at.frame, stack=at.stack)
+        ev[-1]["where"], ev[-1]["stack"] = at.frame, at.stack
     ev += _examples(ctx, on, "futex wait", released)
     ch = rule_chain(ctx, "lock_contention", pid, None, explained, share, ev, detail, tid)
     ch.culprits = culprits
@@ -404,13 +409,13 @@ def _lock_object(by_addr: Counter[int]) -> tuple[int, int]:
     return best
 
 
-def _thread_culprit(ctx: Context, tid: int, ns: int, lost: int, pid: int) -> dict[str, Any]:
+def _thread_culprit(ctx: Context, tid: int, ns: int, lost: int, pid: int) -> RankedCulprit:
     who = ctx.view.who(tid)
     return {"pid": who["pid"], "tid": tid, "comm": who["comm"], "thread": who["thread"],
             "ns": ns, "share": round(ns / max(1, lost), 3), "self": who["pid"] == pid}
 
 
-def _holder_text(c: dict[str, Any], busy: float | None, held: int, lost: int,
+def _holder_text(c: RankedCulprit, busy: float | None, held: int, lost: int,
                  at: Where | None, inferred: bool = False) -> str:
     name = c["thread"] or c["comm"]
     ran = f", on or waiting for a CPU {busy:.0%} of the time" if busy is not None else ""
@@ -436,18 +441,19 @@ def _data_chain(ctx: Context, pid: int, tid: int, fed: list[Sleep], lost: int,
     by_pid: dict[int, int] = defaultdict(int)
     for s in fed:
         by_pid[_pid_of(ctx, s.waker) or 0] += s.slept
-    producers: list[dict[str, Any]] = []
+    producers: list[RankedCulprit] = []
     for p, ns in sorted(by_pid.items(), key=lambda kv: -kv[1])[:5]:
         busy = _process_busy(ctx, p)
         producers.append({"pid": p, "comm": ctx.view.names.get(p) or ctx.view.who(p)["comm"],
                           "ns": ns, "share": round(ns / max(1, lost), 3), "self": False,
                           "busy": None if busy is None else round(busy, 3)})
-    top_busy: float | None = producers[0]["busy"]
+    top_busy = producers[0].get("busy")
     bound = top_busy is not None and top_busy >= PRODUCER_BUSY
-    detail = {"data_share": round(share, 6), "share": round(share, 6), "share_of": "data",
+    detail: ChainDetail = {
+              "data_share": round(share, 6), "share": round(share, 6), "share_of": "data",
               "estimate": round(lost / ctx.span_ns, 4), "waits": len(fed),
               "producers": len(by_pid), "producer_busy": top_busy, "producer_bound": bound}
-    ev: list[dict[str, Any]] = [{
+    ev: list[EvidenceItem] = [{
         "kind": "data_wait", "waits": len(fed), "lost_ns": lost,
         "text": f"{len(fed)} waits for input ({lost / 1e6:.1f} ms, {lost / max(1, total):.0%} "
                 f"of the thread's {total / 1e6:.1f} ms waiting for input; {share:.1%} of wall "

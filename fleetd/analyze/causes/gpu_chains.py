@@ -23,10 +23,10 @@ import sqlite3
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from fleetd.analyze.causes.chains import Chain
 from fleetd.analyze.causes.rules import Context, rule_chain
+from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, RankedCulprit
 from fleetd.analyze.reading.data import in_list
 from fleetd.store.catalog import op_code
 from fleetd.store.db import present_tables
@@ -137,7 +137,7 @@ def _rank_chain(ctx: Context, pid: int, device: int, lo: int, hi: int) -> Chain 
     for g, _, ws in cover:
         for w in ws:
             by_label[w.label] += min(w.end, g[1]) - max(w.ts, g[0])
-    detail = {"kind": "gpu_idle", "device": device, "gaps": len(gaps), "idle_ns": idle,
+    detail: ChainDetail = {"kind": "gpu_idle", "device": device, "gaps": len(gaps), "idle_ns": idle,
               "covered_ns": total_cover, "gaps_covered": sum(1 for _, c, _ in cover if c),
               "launch_tids": tids, "waits_ns": dict(sorted(by_label.items())),
               "dominant": max(by_label.items(), key=lambda kv: (kv[1], kv[0]))[0]}
@@ -172,11 +172,11 @@ def _overlapping(gap: Span, waits: Sequence[Wait]) -> list[Wait]:
 
 
 def _evidence(ctx: Context, cover: list[tuple[Span, int, list[Wait]]], device: int
-              ) -> list[dict[str, Any]]:
+              ) -> list[EvidenceItem]:
     """The most covered gaps in time order, each followed by its largest host waits."""
     view = ctx.view
     top = sorted((c for c in cover if c[1]), key=lambda c: (-c[1], c[0][0]))[:EVIDENCE_GAPS]
-    out: list[dict[str, Any]] = []
+    out: list[EvidenceItem] = []
     for (a, b), cov, ws in sorted(top, key=lambda c: c[0][0]):
         gap_id = f"gpu{device}@{a}"
         out.append({"kind": "gpu_gap", "id": gap_id, "ts_ns": a, "time": format_ns(a),
@@ -186,7 +186,7 @@ def _evidence(ctx: Context, cover: list[tuple[Span, int, list[Wait]]], device: i
         biggest = sorted(ws, key=lambda w: -(min(w.end, b) - max(w.ts, a)))[:EVIDENCE_PER_GAP]
         for w in sorted(biggest, key=lambda w: w.ts):
             ov = min(w.end, b) - max(w.ts, a)
-            item: dict[str, Any] = {
+            item: EvidenceItem = {
                 "kind": w.kind, "id": view.node.event_id(w.rowkey), "ts_ns": w.ts,
                 "time": format_ns(w.ts), "dur_ns": w.end - w.ts, "overlap_ns": ov,
                 "tid": w.tid, "spike": gap_id,
@@ -200,7 +200,7 @@ def _evidence(ctx: Context, cover: list[tuple[Span, int, list[Wait]]], device: i
 
 
 def _culprits(ctx: Context, cover: list[tuple[Span, int, list[Wait]]], victim_pid: int,
-              launchers: set[int]) -> list[dict[str, Any]]:
+              launchers: set[int]) -> list[RankedCulprit]:
     """Who ran while a launcher was preempted or queued, weighted by the overlapped idle."""
     ns: dict[int, int] = defaultdict(int)
     for (a, b), _, ws in cover:
@@ -208,14 +208,14 @@ def _culprits(ctx: Context, cover: list[tuple[Span, int, list[Wait]]], victim_pi
             if w.peer and w.peer not in launchers and (w.kind == "runq_wait" or w.state == "R"):
                 ns[w.peer] += min(w.end, b) - max(w.ts, a)
     total = sum(ns.values())
-    by_pid: dict[int, dict[str, Any]] = {}
+    by_pid: dict[int, RankedCulprit] = {}
     for tid, t in sorted(ns.items(), key=lambda kv: -kv[1]):
         who = ctx.view.who(tid)
         d = by_pid.setdefault(int(who["pid"]), {
             "pid": int(who["pid"]), "comm": who["comm"], "tid": tid, "thread": who["thread"],
-            "ns": 0, "self": int(who["pid"]) == victim_pid})
-        d["ns"] += t
-    out = sorted(by_pid.values(), key=lambda d: -int(d["ns"]))
+            "ns": 0, "self": int(who["pid"]) == victim_pid, "share": 0.0})  # share: below
+        d["ns"] = d.get("ns", 0) + t
+    out = sorted(by_pid.values(), key=lambda d: -d.get("ns", 0))
     for d in out:
-        d["share"] = round(int(d["ns"]) / max(1, total), 3)
+        d["share"] = round(d.get("ns", 0) / max(1, total), 3)
     return out[:5]

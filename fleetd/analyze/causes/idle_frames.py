@@ -18,9 +18,9 @@ from __future__ import annotations
 import re
 import sqlite3
 from collections.abc import Sequence
-from typing import Any
 
 from fleetd.analyze.causes.gpu_chains import MIN_GAP_NS, idle_gaps
+from fleetd.analyze.reading.answers_chain import IdleFrames, TopFrame
 from fleetd.analyze.reading.data import Node, code
 from fleetd.analyze.reading.frames import is_python_frame, short_frame
 from fleetd.analyze.reading.profile import StackCount, samples_in_spans
@@ -35,7 +35,7 @@ Span = tuple[int, int]
 
 
 def rank_frames(host: Sequence[tuple[StackCount, float]], total: float, n: int = TOP_FRAMES
-                ) -> list[dict[str, Any]]:
+                ) -> list[TopFrame]:
     """Where the (weighted) samples were, by function: the innermost Python frame of
     each sample (the user's code; a native frame above it is a call that code made), else
     the innermost frame. Each function is shown at its hottest line; ``share`` is of
@@ -50,7 +50,7 @@ def rank_frames(host: Sequence[tuple[StackCount, float]], total: float, n: int =
         by[func] = by.get(func, 0) + w
         at = lines.setdefault(func, {})
         at[frame] = at.get(frame, 0) + w
-    out = []
+    out: list[TopFrame] = []
     for func, w in sorted(by.items(), key=lambda kv: -kv[1])[:n]:
         hottest = max(lines[func].items(), key=lambda kv: kv[1])[0]
         samples: float = w if isinstance(w, int) else round(w, 2)
@@ -74,7 +74,7 @@ def sampled_span(conn: sqlite3.Connection, node: Node, win: Window, pid: int,
 
 
 def during_idle(conn: sqlite3.Connection, node: Node, win: Window, pid: int,
-                tid: int | None = None) -> dict[str, Any] | None:
+                tid: int | None = None) -> IdleFrames | None:
     """The idle gaps of process ``pid``'s GPUs and what thread ``tid`` (None: the thread
     of the process with the most samples outside CUDA calls in them) ran in them; None
     without a GPU timeline, gaps in the sampled time, or samples in them."""

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
 
 from fleetd.analyze.causes import causes
 from fleetd.analyze.causes.chains import Chain, severity
 from fleetd.analyze.causes.oncpu import MIN_HOST_SHARE
-from fleetd.analyze.causes.rules import Context, rule_chain
+from fleetd.analyze.causes.rules import Context, rule_chain, with_place
 from fleetd.analyze.reading import pods
+from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem
 from fleetd.analyze.reading.cgroup_samples import place_of, sampled_pids, samples
 from fleetd.analyze.reading.data import args_object, in_list
 from fleetd.store.catalog import op_code
@@ -63,7 +63,7 @@ class Limit:
     psi_system_us: int | None = None
     sampled_ns: int = 0
     members: set[int] = field(default_factory=set)
-    place: dict[str, Any] = field(default_factory=dict)
+    place: dict[str, str] = field(default_factory=dict)  # cgroup_samples.place_of
 
 
 def thread_stalls(ctx: Context, tid: int) -> Stalls:
@@ -139,20 +139,22 @@ def _chain(ctx: Context, pid: int, tid: int, share: float, s: Stalls,
     kinds = ", ".join(f"{k} {ns / 1e6:.1f} ms" for k, ns in
                       sorted(s.by_kind.items(), key=lambda kv: -kv[1]))
     avg = s.stall_ns / s.stalls if s.stalls else 0
-    evidence: list[dict[str, Any]] = [{
+    evidence: list[EvidenceItem] = [{
         "kind": "reclaim_stalls", "tid": tid, "stalls": s.stalls, "stall_ns": s.stall_ns,
         "pages": s.pages, "text":
             f"{s.stalls} reclaim/compaction stall(s) in thread {tid}, {s.stall_ns / 1e6:.1f} "
             f"ms in all ({share:.1%} of its wall time; {kinds}), {avg / 1e3:.0f} us each on "
             f"average, {s.pages} pages reclaimed"}]
-    detail: dict[str, Any] = {
+    detail: ChainDetail = {
         "stall_ns": s.stall_ns, "stalls": s.stalls, "pages": s.pages,
         "by_kind": dict(s.by_kind), "share_of": "reclaim"}
     if q is not None:
         evidence.append({"kind": "cgroup_memory", "text": _limit_text(q)})
-        detail.update(cgroup=q.cgroup, limit_bytes=q.limit, usage_bytes=q.usage,
-                      peak_bytes=q.peak, limit_hits=q.limit_hits, file_bytes=q.file,
-                      anon_bytes=q.anon, **q.place)
+        detail["cgroup"], detail["limit_bytes"], detail["usage_bytes"] = (
+            q.cgroup, q.limit, q.usage)
+        detail["peak_bytes"], detail["limit_hits"] = q.peak, q.limit_hits
+        detail["file_bytes"], detail["anon_bytes"] = q.file, q.anon
+        with_place(detail, q.place)
         if q.psi_some_us is not None and q.sampled_ns:
             detail["psi_some_share"] = round(q.psi_some_us * 1000 / q.sampled_ns, 4)
             evidence.append({"kind": "memory_pressure", "text":
@@ -178,21 +180,24 @@ def take_reclaim_from_cpu_bound(ctx: Context, chains: list[Chain]) -> None:
         if m is None:
             keep.append(c)
             continue
-        host_ns, of_runnable = int(c.detail["host_ns"]), float(c.detail["host_share_of_runnable"])
+        host = c.detail.get("host_ns", 0)  # host_cpu_bound's: its time outside CUDA calls
+        host_ns = host if isinstance(host, int) else 0
+        of_runnable = c.detail["host_share_of_runnable"]
         # Reclaim inside a CUDA call (pinned allocations) is not in the host samples.
-        taken = min(host_ns, int(m.detail["stall_ns"]))
+        taken = min(host_ns, m.detail["stall_ns"])
         rest = host_ns - taken
         runnable = host_ns / of_runnable if of_runnable > 0 else float(ctx.span_ns)
-        top = (c.detail.get("top_frames") or [{}])[0]
-        if top.get("frame"):
+        frames = c.detail.get("top_frames") or []
+        if frames and frames[0]["frame"]:
             m.extra_evidence.append({"kind": "cpu_profile", "text":
-                                     f"on-CPU samples put that time under {top['frame']} "
-                                     f"({top.get('share', 0):.0%} of the thread's samples): "
+                                     f"on-CPU samples put that time under {frames[0]['frame']} "
+                                     f"({frames[0]['share']:.0%} of the thread's samples): "
                                      "where it allocates"})
         if rest / runnable < MIN_HOST_SHARE:
             m.detail["cpu_bound_without_reclaim"] = round(rest / ctx.span_ns, 4)
             continue
-        c.detail.update(reclaim_ns=taken, host_share=round(rest / ctx.span_ns, 4))
+        c.detail["reclaim_ns"] = taken
+        c.detail["host_share"] = round(rest / ctx.span_ns, 4)
         c.impact = round(rest / ctx.span_ns, 4)
         c.severity = severity(c.explained, c.impact)
         keep.append(c)

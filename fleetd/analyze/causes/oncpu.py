@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 from fleetd.analyze.causes.chains import Chain, severity
 from fleetd.analyze.causes.idle_frames import during_idle, rank_frames
 from fleetd.analyze.causes.rules import Context, rule_chain
+from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, GcTrigger, TopFrame
 from fleetd.analyze.reading.data import code
 from fleetd.analyze.reading.frames import short_frame, top_python_frame
 from fleetd.analyze.reading.profile import GC_FRAME, StackCount, flame_stacks, stack_counts
@@ -123,8 +123,9 @@ def _add_lock_spin(ctx: Context, ts: ThreadSamples, chains: list[Chain]) -> None
         f"{n} of the thread's {ts.total} on-CPU samples at {hz} Hz were taken spinning in "
         f"the kernel for a lock ({kernel}) under {where}: {share:.1%} of the window on "
         "the CPU waiting (the breakdown's lock_spin column)"})
-    target.detail.update(lock_spin_share=round(share, 4), spin_samples=n,
-                         share_also=["lock_spin"])
+    target.detail["lock_spin_share"] = round(share, 4)
+    target.detail["spin_samples"] = n
+    target.detail["share_also"] = ["lock_spin"]
     target.impact = round(target.impact + share, 6)
     target.severity = severity(target.explained, target.impact)
 
@@ -155,7 +156,7 @@ def _gc_chain(ctx: Context, ts: ThreadSamples) -> Chain | None:
     host = ts.gc + sum(s.samples for s in ts.host)
     triggers = _gc_triggers(ts.stacks)
     hz = round(1e9 / ts.period_ns)
-    detail: dict[str, Any] = {
+    detail: ChainDetail = {
         "pauses": len(pauses), "longest_ns": longest, "gc_ns": gc_ns,
         "gc_share": round(share, 4), "gc_samples": ts.gc, "samples": ts.total,
         "period_ns": ts.period_ns, "generation": max(gens) if gens else None,
@@ -165,7 +166,7 @@ def _gc_chain(ctx: Context, ts: ThreadSamples) -> Chain | None:
         "triggers": triggers, "share_from": "on_cpu_samples"}
     how = (" (measured by the interpreter's gc__start/gc__done probes; generations "
            + ", ".join(f"{g}: {n}" for g, n in sorted(gens.items())) + ")") if exact else ""
-    evidence = [{"kind": "gc_pause", "text":
+    evidence: list[EvidenceItem] = [{"kind": "gc_pause", "text":
                  f"{len(pauses)} pause(s) in the garbage collector between CUDA calls, "
                  f"longest {longest / 1e6:.0f} ms{how}; {ts.gc} of the thread's {ts.total} "
                  f"on-CPU samples at {hz} Hz were in the collector: about "
@@ -181,7 +182,7 @@ def _gc_chain(ctx: Context, ts: ThreadSamples) -> Chain | None:
                       detail, tid=ts.tid)
 
 
-def _gc_triggers(stacks: list[StackCount]) -> list[dict[str, Any]]:
+def _gc_triggers(stacks: list[StackCount]) -> list[GcTrigger]:
     """The Python lines that were running when the collector started (the allocation
     that crossed a threshold), by GC samples."""
     by: Counter[str] = Counter()
@@ -199,18 +200,18 @@ def _cpu_bound_chain(ctx: Context, ts: ThreadSamples) -> Chain | None:
     host_samples = sum(s.samples for s in host)
     host_ns = host_samples * ts.period_ns
     share = min(1.0, host_ns / ctx.span_ns)
-    t = ctx.main_thread(ts.pid) or {}
-    wall = max(1, int(t.get("wall_ns") or ctx.span_ns))
-    gpu_wait = min(1.0, (int(t.get("in_cuda_ns") or 0) + int(t.get("gpu_sync_ns") or 0)) / wall)
+    t = ctx.main_thread(ts.pid)
+    wall = max(1, (t["wall_ns"] if t else 0) or ctx.span_ns)
+    gpu_wait = min(1.0, ((t["in_cuda_ns"] + t["gpu_sync_ns"]) if t else 0) / wall)
     # Of the time it could run: the run-queue time is another chain's (cpu_contention,
     # cpu_throttled), and a thread CPU-bound on a crowded machine still is CPU-bound.
-    runnable = max(1, wall - int(t.get("runq_ns") or 0) - int(t.get("irq_ns") or 0))
+    runnable = max(1, wall - ((t["runq_ns"] + t["irq_ns"]) if t else 0))
     of_runnable = min(1.0, host_ns / runnable)
     if ts.total < MIN_SAMPLES or of_runnable < MIN_HOST_SHARE or gpu_wait > MAX_GPU_WAIT_SHARE:
         return None
     top = _top_frames(host, ts.total)
     hz = round(1e9 / ts.period_ns)
-    detail: dict[str, Any] = {
+    detail: ChainDetail = {
         "host_share": round(share, 4), "host_share_of_runnable": round(of_runnable, 4),
         "host_ns": host_ns, "host_samples": host_samples,
         "samples": ts.total, "gc_samples": ts.gc,
@@ -220,7 +221,7 @@ def _cpu_bound_chain(ctx: Context, ts: ThreadSamples) -> Chain | None:
         "top_frames": top, "share_from": "on_cpu_samples",
         "flame": flame_stacks(ts.stacks)}
     lines = "; ".join(f"{f['frame']} {f['share']:.0%}" for f in top[:3])
-    evidence = [{"kind": "cpu_profile", "text":
+    evidence: list[EvidenceItem] = [{"kind": "cpu_profile", "text":
                  f"{host_samples} of the thread's {ts.total} on-CPU samples at {hz} Hz were "
                  f"outside CUDA calls and the collector ({share:.1%} of the window on the "
                  f"CPU; {gpu_wait:.1%} in CUDA calls or waiting for the GPU); top frames: "
@@ -235,7 +236,7 @@ def _cpu_bound_chain(ctx: Context, ts: ThreadSamples) -> Chain | None:
                       share, evidence, detail, tid=ts.tid)
 
 
-def _top_frames(host: list[StackCount], total: int) -> list[dict[str, Any]]:
+def _top_frames(host: list[StackCount], total: int) -> list[TopFrame]:
     """Where the host samples were, by function: the innermost Python frame of each
     sample (the user's code; a native frame above it is a call that code made), else
     the innermost frame. Each function is shown at its hottest line."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import platform
 from collections import defaultdict
-from typing import Any
+from typing import cast
 
 import orjson
 
@@ -28,6 +28,8 @@ from fleetd.analyze.causes.chains import Chain
 from fleetd.analyze.causes.contention import Sleep, feeders, sleeps
 from fleetd.analyze.causes.io_owner import io_worker
 from fleetd.analyze.causes.rules import Context, rule_chain
+from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, RankedCulprit
+from fleetd.store.schema import FdInfo
 from fleetd.store.syscalls import NR
 from fleetd.store.timeparse import format_ns
 
@@ -52,11 +54,11 @@ def pipe_rule(ctx: Context) -> list[Chain]:
     return out
 
 
-def _fd_infos(ctx: Context, waits: list[Sleep]) -> dict[int, dict[str, Any]]:
+def _fd_infos(ctx: Context, waits: list[Sleep]) -> dict[int, FdInfo]:
     """fd -> what the tracer named it (args.fd), from any of these waits that carries
     it (the tracer names each fd on one wait a second)."""
     keys = [s.rowkey for s in waits if s.rowkey]
-    found: dict[int, dict[str, Any]] = {}
+    found: dict[int, FdInfo] = {}
     for i in range(0, len(keys), 500):
         part = keys[i:i + 500]
         for key, text in ctx.view.conn.execute(
@@ -68,9 +70,23 @@ def _fd_infos(ctx: Context, waits: list[Sleep]) -> dict[int, dict[str, Any]]:
                 value = orjson.loads(text)
             except orjson.JSONDecodeError:
                 continue
-            if isinstance(value, dict):
-                found.setdefault(fd, value)
+            info = _checked(value)
+            if info is not None:
+                found.setdefault(fd, info)
     return found
+
+
+def _checked(value: object) -> FdInfo | None:
+    """``args.fd`` as the tracer writes it (fleetd.store.schema.FdInfo); None when the
+    stored JSON is not that shape."""
+    if not isinstance(value, dict):
+        return None
+    names = all(isinstance(value.get(k), str | None) for k in ("path", "kind", "remote"))
+    peers = value.get("peers", [])
+    held = isinstance(peers, list) and all(
+        isinstance(h, dict) and isinstance(h.get("pid"), int) for h in peers)
+    # Checked just above: every key a reader here takes has the type FdInfo gives it.
+    return cast(FdInfo, value) if names and held else None
 
 
 def _pid_of(ctx: Context, tid: int) -> int | None:
@@ -85,17 +101,17 @@ def _chain(ctx: Context, pid: int, tid: int, blocked: list[Sleep], lost: int,
         by_fd[s.arg] += s.slept
     fd = max(by_fd.items(), key=lambda kv: kv[1])[0]
     on_fd = [s for s in blocked if s.arg == fd]
-    info = _fd_infos(ctx, on_fd).get(fd, {})
+    info = _fd_infos(ctx, on_fd).get(fd, FdInfo())
     culprits, ended = _other_end(ctx, pid, on_fd, info)
     kind = str(info.get("kind") or "unknown")
-    detail = {"fd": fd, "object": info.get("path"), "kind": kind,
+    detail: ChainDetail = {"fd": fd, "object": info.get("path"), "kind": kind,
               "remote": info.get("remote"), "waits": len(blocked),
               "blocked_ns": lost, "blocked_share": round(share, 6),
               "longest_ns": max(s.slept for s in blocked),
               "fd_share": round(by_fd[fd] / max(1, lost), 3),
               "readers": [{"pid": h["pid"], "comm": h.get("comm")}
                           for h in info.get("peers") or [] if "r" in str(h.get("mode"))]}
-    ev: list[dict[str, Any]] = [{
+    ev: list[EvidenceItem] = [{
         "kind": "peer_wait", "fd": fd, "object": info.get("path"), "what": kind,
         "remote": info.get("remote"), "waits": len(on_fd), "lost_ns": by_fd[fd],
         "text": f"{len(on_fd)} write(s) to fd {fd} ({_object(info, fd)}) slept "
@@ -113,8 +129,8 @@ def _chain(ctx: Context, pid: int, tid: int, blocked: list[Sleep], lost: int,
     return ch
 
 
-def _other_end(ctx: Context, pid: int, waits: list[Sleep], info: dict[str, Any]
-               ) -> tuple[list[dict[str, Any]], int]:
+def _other_end(ctx: Context, pid: int, waits: list[Sleep], info: FdInfo
+               ) -> tuple[list[RankedCulprit], int]:
     """The processes at the other end: those the tracer found holding it to read (for
     a pipe or FIFO), ranked by the wait time their wakeups ended, then any other
     process whose wakeups ended the waits (a socket's or terminal's reader, unseen
@@ -129,10 +145,11 @@ def _other_end(ctx: Context, pid: int, waits: list[Sleep], info: dict[str, Any]
     readers = {int(h["pid"]): h for h in info.get("peers") or []
                if "r" in str(h.get("mode")) and int(h["pid"]) != pid}
     total = sum(s.slept for s in waits)
-    out: list[dict[str, Any]] = []
+    out: list[RankedCulprit] = []
     for p in sorted(set(readers) | set(woke), key=lambda p: (-woke.get(p, 0), p)):
         h = readers.get(p)
-        comm = ctx.view.names.get(p) or (h or {}).get("comm") or ctx.view.who(p)["comm"]
+        held = h.get("comm") if h is not None else None
+        comm = ctx.view.names.get(p) or held or ctx.view.who(p)["comm"]
         out.append({"pid": p, "comm": comm, "self": False, "tids": [],
                     "share": round(woke.get(p, 0) / max(1, total), 3),
                     "role": "reader" if h is not None or info.get("kind") in (
@@ -142,7 +159,7 @@ def _other_end(ctx: Context, pid: int, waits: list[Sleep], info: dict[str, Any]
     return out[:5], sum(woke.get(c["pid"], 0) for c in out[:5])
 
 
-def _object(info: dict[str, Any], fd: int) -> str:
+def _object(info: FdInfo, fd: int) -> str:
     path = info.get("path")
     if not path:
         return "not named: the process was gone, or not traced with syscalls"
@@ -150,17 +167,17 @@ def _object(info: dict[str, Any], fd: int) -> str:
     return f"{path}{remote}"
 
 
-def _examples(ctx: Context, waits: list[Sleep], fd: int, info: dict[str, Any]
-              ) -> list[dict[str, Any]]:
-    items = []
+def _examples(ctx: Context, waits: list[Sleep], fd: int, info: FdInfo
+              ) -> list[EvidenceItem]:
+    items: list[EvidenceItem] = []
     for s in sorted(waits, key=lambda s: -s.slept)[:EXAMPLES]:
         who = ctx.view.who(s.waker) if s.waker else None
-        items.append({"kind": "off_cpu", "ts_ns": s.ts, "time": format_ns(s.ts),
-                      "dur_ns": s.slept, "state": "S", "fd": fd,
-                      "id": ctx.view.node.event_id(s.rowkey), **(
-                          {"culprit": who} if who else {}),
-                      "text": f"write to {info.get('path') or f'fd {fd}'} slept "
-                              f"{s.slept / 1e6:.2f} ms"
-                              + (f", woken by {who['comm']} (pid {who['pid']})" if who
-                                 else "")})
-    return sorted(items, key=lambda e: int(e["ts_ns"]))
+        item: EvidenceItem = {
+            "kind": "off_cpu", "ts_ns": s.ts, "time": format_ns(s.ts), "dur_ns": s.slept,
+            "state": "S", "fd": fd, "id": ctx.view.node.event_id(s.rowkey), "culprit": who,
+            "text": f"write to {info.get('path') or f'fd {fd}'} slept {s.slept / 1e6:.2f} ms"
+                    + (f", woken by {who['comm']} (pid {who['pid']})" if who else "")}
+        if not who:
+            del item["culprit"]  # no wakeup recorded: the key is left out, not null
+        items.append(item)
+    return sorted(items, key=lambda e: e["ts_ns"])

@@ -27,6 +27,7 @@ import bisect
 import logging
 import sqlite3
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from fleetd.analyze.causes.chains import (
     task_state,
     thread_share,
 )
+from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, RankedCulprit, Victim
 from fleetd.analyze.reading.data import (
     ALLOC_OPS,
     CAPTURE_OPS,
@@ -49,6 +51,7 @@ from fleetd.analyze.reading.data import (
     in_list,
     name_of,
 )
+from fleetd.analyze.reading.rows import OpRow, ThreadRow
 from fleetd.store.catalog import READBACKS
 from fleetd.store.timeparse import format_ns
 
@@ -73,8 +76,8 @@ class Context:
 
     view: NodeView
     span: tuple[int, int]
-    ops: list[dict[str, Any]]  # per-process op stats
-    threads: list[dict[str, Any]]
+    ops: list[OpRow]  # per-process op stats
+    threads: list[ThreadRow]
     parents: dict[int, int]
     pages: dict[tuple[int, int], Hist] = field(default_factory=dict)
     # What two rules read alike (a thread's sleeps: the wait and pipe rules), read once.
@@ -84,7 +87,7 @@ class Context:
     def span_ns(self) -> int:
         return max(1, self.span[1] - self.span[0])
 
-    def main_thread(self, pid: int) -> dict[str, Any] | None:
+    def main_thread(self, pid: int) -> ThreadRow | None:
         """The process's GPU-feeding thread: the one with the most time in CUDA."""
         ts = [t for t in self.threads if t["pid"] == pid and t["in_cuda_ns"] > 0]
         return max(ts, key=lambda t: int(t["in_cuda_ns"]), default=None)
@@ -96,7 +99,7 @@ class Context:
                 seen[int(r["pid"])] += int(r["total_ns"] or 0)  # None: none timed
         return sorted(seen, key=lambda p: -seen[p])
 
-    def op_rows(self, pid: int, names: frozenset[str]) -> list[dict[str, Any]]:
+    def op_rows(self, pid: int, names: frozenset[str]) -> list[OpRow]:
         return [r for r in self.ops if r["pid"] == pid and r["op"] in names]
 
     def share(self, tid: int, column: str) -> float:
@@ -105,7 +108,7 @@ class Context:
         return thread_share(self.threads, tid, column) or 0.0
 
 
-def _victim(ctx: Context, pid: int) -> dict[str, Any]:
+def _victim(ctx: Context, pid: int) -> Victim:
     t = ctx.main_thread(pid)
     tid = int(t["tid"]) if t else pid
     return {"pid": pid, "tid": tid, "comm": ctx.view.names.get(pid) or ctx.view.who(tid)["comm"],
@@ -113,7 +116,7 @@ def _victim(ctx: Context, pid: int) -> dict[str, Any]:
 
 
 def rule_chain(ctx: Context, root: str, pid: int, op: str | None, explained: float,
-                impact: float, evidence: list[dict[str, Any]], detail: dict[str, Any],
+                impact: float, evidence: list[EvidenceItem], detail: ChainDetail,
                 tid: int | None = None) -> Chain:
     """A rule's chain on thread ``tid`` of ``pid`` (default: its feeding thread). A rule
     whose cause is a wait passes as ``impact`` that thread's breakdown column for it
@@ -130,13 +133,30 @@ def rule_chain(ctx: Context, root: str, pid: int, op: str | None, explained: flo
     return ch
 
 
-def _stat_item(r: dict[str, Any], text: str) -> dict[str, Any]:
+def with_place(detail: ChainDetail, place: Mapping[str, str]) -> None:
+    """Add where a cgroup runs (cgroup_samples.place_of: those of its PLACE_KEYS the
+    samples gave, in that order) to a chain's detail."""
+    if "container" in place:
+        detail["container"] = place["container"]
+    if "container_name" in place:
+        detail["container_name"] = place["container_name"]
+    if "runtime" in place:
+        detail["runtime"] = place["runtime"]
+    if "pod" in place:
+        detail["pod"] = place["pod"]
+    if "namespace" in place:
+        detail["namespace"] = place["namespace"]
+    if "pod_uid" in place:
+        detail["pod_uid"] = place["pod_uid"]
+
+
+def _stat_item(r: OpRow, text: str) -> EvidenceItem:
     return {"kind": "op_stats", "op": r["op"], "pid": r["pid"], "count": r["count"],
             "total_ns": r["total_ns"], "p50_ns": r["p50_ns"], "p99_ns": r["p99_ns"],
             "calls_per_s": r["calls_per_s"], "stats_from": r["stats_from"], "text": text}
 
 
-def _examples(ctx: Context, pid: int, ops: frozenset[str], n: int = 3) -> list[dict[str, Any]]:
+def _examples(ctx: Context, pid: int, ops: frozenset[str], n: int = 3) -> list[EvidenceItem]:
     """The slowest stored calls of these ops: concrete, clickable evidence."""
     v = ctx.view
     rows = v.conn.execute(
@@ -149,14 +169,16 @@ def _examples(ctx: Context, pid: int, ops: frozenset[str], n: int = 3) -> list[d
 
 
 def _call_items(ctx: Context, rows: list[Any], notes: dict[int, str] | None = None
-                ) -> list[dict[str, Any]]:
+                ) -> list[EvidenceItem]:
     """Stored calls (id, ts_ns, dur_ns, tid, op) as ``call`` evidence in time order,
     with a note after the text of those ``notes`` names by id."""
     node, notes = ctx.view.node, notes or {}
-    return sorted(({"ts_ns": ts, "time": format_ns(ts), "dur_ns": dur, "kind": "call",
-                    "id": node.event_id(k), "tid": tid, "op": name_of(op),
-                    "text": f"{name_of(op)} took {dur / 1e6:.2f} ms{notes.get(k, '')}"}
-                   for k, ts, dur, tid, op in rows), key=lambda e: int(e["ts_ns"]))
+    items: list[EvidenceItem] = [
+        {"ts_ns": ts, "time": format_ns(ts), "dur_ns": dur, "kind": "call",
+         "id": node.event_id(k), "tid": tid, "op": name_of(op),
+         "text": f"{name_of(op)} took {dur / 1e6:.2f} ms{notes.get(k, '')}"}
+        for k, ts, dur, tid, op in rows]
+    return sorted(items, key=lambda e: e["ts_ns"])
 
 
 # ---- dataloader oversubscription ---------------------------------------------------
@@ -178,7 +200,7 @@ def workers_of(ctx: Context, pid: int) -> set[int]:
     return max(groups, key=len, default=kids)
 
 
-def _page_evidence(ctx: Context, pids: set[int]) -> tuple[float, dict[str, Any]]:
+def _page_evidence(ctx: Context, pids: set[int]) -> tuple[float, EvidenceItem]:
     pages = sum(h.total for (p, op), h in ctx.pages.items() if p in pids and op == PAGE_ALLOC)
     allocs = sum(h.count for (p, op), h in ctx.pages.items() if p in pids and op == PAGE_ALLOC)
     rate = pages / (ctx.span_ns / 1e9)
@@ -234,7 +256,7 @@ def dataloader_rule(ctx: Context, chains: list[Chain]) -> list[Chain]:
 
 
 def _stolen_by(ctx: Context, tid: int, workers: set[int]
-               ) -> tuple[int, int, list[dict[str, Any]]]:
+               ) -> tuple[int, int, list[RankedCulprit]]:
     """Preempted time of ``tid`` in all, and with a worker running instead."""
     v = ctx.view
     per: dict[int, int] = defaultdict(int)
@@ -251,9 +273,10 @@ def _stolen_by(ctx: Context, tid: int, workers: set[int]
         if int(who["pid"]) in workers:
             per[int(who["pid"])] += dur
     stolen = sum(per.values())
-    top = [{"pid": p, "comm": v.names.get(p) or v.who(p)["comm"], "ns": ns,
-            "share": round(ns / max(1, stolen), 3), "self": False}
-           for p, ns in sorted(per.items(), key=lambda kv: -kv[1])]
+    top: list[RankedCulprit] = [
+        {"pid": p, "comm": v.names.get(p) or v.who(p)["comm"], "ns": ns,
+         "share": round(ns / max(1, stolen), 3), "self": False}
+        for p, ns in sorted(per.items(), key=lambda kv: -kv[1])]
     return stolen, total, top
 
 
@@ -282,12 +305,12 @@ def _timed_syncs(ctx: Context, pid: int, chains: list[Chain]) -> Chain | None:
         return None
     launches = sum(int(r["count"]) for r in ctx.op_rows(pid, LAUNCH_OPS))
     per_sync = launches / n
-    share = max(0.0, sum(int(r["total_ns"]) for r in syncs) - known) / ctx.span_ns
+    share = max(0.0, sum((r["total_ns"] or 0) for r in syncs) - known) / ctx.span_ns
     rate = n / (ctx.span_ns / 1e9)
     if per_sync > MAX_LAUNCHES_PER_SYNC or share < MIN_SYNC_SHARE or rate < 1.0:
         return None
-    top = max(syncs, key=lambda r: int(r["total_ns"]))
-    ev = [_stat_item(r, f"{r['op']}: {r['count']} calls, {int(r['total_ns']) / 1e6:.0f} ms "
+    top = max(syncs, key=lambda r: (r["total_ns"] or 0))
+    ev = [_stat_item(r, f"{r['op']}: {r['count']} calls, {(r['total_ns'] or 0) / 1e6:.0f} ms "
                         f"in all ({r['calls_per_s']}/s)") for r in syncs]
     ev.append({"kind": "ratio", "launches": launches, "syncs": n,
                "launches_per_sync": round(per_sync, 1),
@@ -320,9 +343,10 @@ def _readbacks(ctx: Context, pid: int) -> Chain | None:
         return None
     share = total / ctx.span_ns
     per = launches / n
-    ev = [{"kind": "readback", "count": n, "max_bytes": biggest, "total_ns": total,
-           "text": f"{n} device-to-host copies of at most {biggest} bytes ({rate:.1f}/s), "
-                   f"one every {per:.0f} launches: a scalar read back each step"}]
+    ev: list[EvidenceItem] = [
+        {"kind": "readback", "count": n, "max_bytes": biggest, "total_ns": total,
+         "text": f"{n} device-to-host copies of at most {biggest} bytes ({rate:.1f}/s), "
+                 f"one every {per:.0f} launches: a scalar read back each step"}]
     ev += _examples(ctx, pid, READBACKS.name_set)
     return rule_chain(ctx, "host_sync", pid, "cudaMemcpy", 1.0, share, ev,
                        {"syncs": n, "launches": launches, "sync_share": round(share, 4),
@@ -411,7 +435,7 @@ def _churn(ctx: Context, pid: int, begin: int) -> Chain | None:
     rate = allocs / (ctx.span_ns / 1e9)
     rows = ctx.op_rows(pid, ALLOC_OPS)
     ev = [_stat_item(r, f"{r['op']}: {r['count']} calls ({r['calls_per_s']}/s), "
-                        f"{int(r['total_ns']) / 1e6:.1f} ms in all") for r in rows]
+                        f"{(r['total_ns'] or 0) / 1e6:.1f} ms in all") for r in rows]
     ev.append({"kind": "ratio", "late_share": round(late_share, 3),
                "text": f"{late_share:.0%} of the allocation calls after start-up came in the "
                        "second half of the rest of the window: allocation continues"})
@@ -444,7 +468,7 @@ def graph_recapture_rule(ctx: Context) -> list[Chain]:
         if drop < MIN_RATE_DROP and share < 0.05:
             continue
         impact = max(share, affected * drop)
-        ev: list[dict[str, Any]] = [{
+        ev: list[EvidenceItem] = [{
             "kind": "launch_rate", "text": f"launch rate {rates[0]:.0f}/s outside capture, "
             f"{rates[1]:.0f}/s while capturing ({drop:.0%} drop); {begins} captures/"
             f"instantiations took {cap_ns / 1e6:.1f} ms", "rate_outside": round(rates[0], 1),

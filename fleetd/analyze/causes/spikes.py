@@ -16,9 +16,9 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
 
 from fleetd.analyze.causes.io_owner import Charge, charge, queues_for
+from fleetd.analyze.reading.answers_chain import EvidenceItem, Task
 from fleetd.analyze.reading.data import CALL_CODES, SYNC_OPS, in_list, name_of
 from fleetd.analyze.reading.frames import top_python_frame
 from fleetd.analyze.reading.nodeview import (
@@ -54,7 +54,7 @@ class Spike:
     cause_ns: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     # (role, tid) -> ns; role "cpu" = ran instead, "wake" = woke us, "io" = issued the I/O
     culprit_ns: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
-    evidence: list[dict[str, Any]] = field(default_factory=list)
+    evidence: list[EvidenceItem] = field(default_factory=list)
     root_cause: str = "unexplained"
     explained_ns: int = 0
     scale: float = 1.0  # stored calls are a sample: slow calls of its op per stored one
@@ -322,7 +322,7 @@ def _real_pid(view: NodeView, tid: int) -> int | None:
     return None if tid == 0 or pid == 0 else int(pid)
 
 
-def _spike_item(view: NodeView, spike: Spike) -> dict[str, Any]:
+def _spike_item(view: NodeView, spike: Spike) -> EvidenceItem:
     """The slow call (or the stall and the call it delayed), with the call's recorded
     stack where there is one: its top Python frame is the user's line."""
     c = spike.call
@@ -343,23 +343,33 @@ def _spike_item(view: NodeView, spike: Spike) -> dict[str, Any]:
         text += f" at {where}"
     item = _spike_base(view, spike, kind, text)
     if frames:
-        item.update(where=where, stack=frames)
+        item["where"], item["stack"] = where, frames
     if kernel:
         item["kernel"] = kernel
     return item
 
 
-def _spike_base(view: NodeView, spike: Spike, kind: str, text: str) -> dict[str, Any]:
+def _spike_base(view: NodeView, spike: Spike, kind: str, text: str) -> EvidenceItem:
     c = spike.call
     return {"ts_ns": c.ts, "time": format_ns(c.ts), "dur_ns": c.dur, "kind": kind,
             "id": view.event_id(c), "tid": c.tid, "op": spike.op, "text": text}
 
 
-def _item(view: NodeView, e: Ev, kind: str, ov: int, text: str, **extra: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"ts_ns": e.ts, "time": format_ns(e.ts), "dur_ns": e.dur,
-                           "overlap_ns": ov, "kind": kind, "id": view.event_id(e),
-                           "tid": e.tid, "text": text}
-    out.update({k: v for k, v in extra.items() if v is not None})
+def _item(view: NodeView, e: Ev, kind: str, ov: int, text: str, *, irq: int | None = None,
+          state: str | None = None, culprit: Task | None = None, file: str | None = None
+          ) -> EvidenceItem:
+    """A host event overlapping a spike; the keyword keys only when given (not None)."""
+    out: EvidenceItem = {"ts_ns": e.ts, "time": format_ns(e.ts), "dur_ns": e.dur,
+                         "overlap_ns": ov, "kind": kind, "id": view.event_id(e),
+                         "tid": e.tid, "text": text}
+    if irq is not None:
+        out["irq"] = irq
+    if state is not None:
+        out["state"] = state
+    if culprit is not None:
+        out["culprit"] = culprit
+    if file is not None:
+        out["file"] = file
     return out
 
 

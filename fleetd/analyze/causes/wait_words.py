@@ -55,9 +55,10 @@ def lock_wait_fixes(ch: Chain) -> list[str]:
         who = f"another thread of {cn} (pid {cp})"
     else:
         who = f"{cn} (pid {cp})"
-    host = ch.detail.get("host_ns") or {}
+    host = ch.detail.get("host_ns")
+    by_cause = host if isinstance(host, dict) else {}  # a spike chain's, by cause
     both = list(dict.fromkeys(str(p) for p in (pid, vp)))  # the culprit, then the victim
-    if int(host.get("d_state", 0)) >= int(host.get("sleep", 0)):
+    if by_cause.get("d_state", 0) >= by_cause.get("sleep", 0):
         return [f"{vc} waited in D state until {who} woke it: they share a kernel lock, "
                 "most likely the inode lock of a file both write; find the file (ls -l "
                 f"{' '.join(f'/proc/{p}/fd' for p in both)}) and watch what it does "

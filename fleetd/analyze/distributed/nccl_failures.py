@@ -9,11 +9,11 @@ more before returning is a stall the failure explains, and weighs as such.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Any
 
 from fleetd.analyze.causes.chains import Chain
 from fleetd.analyze.causes.rules import Context, rule_chain
 from fleetd.analyze.distributed.arrivals import dur_text
+from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, NcclErrorCount
 from fleetd.analyze.reading.data import in_list, name_of
 from fleetd.store.catalog import NCCL, NCCL_COMM_CREATES
 from fleetd.store.timeparse import format_ns
@@ -59,9 +59,10 @@ def failures(ctx: Context) -> tuple[list[Chain], list[str]]:
         # A failed communicator creation explains the failures after it: it leads.
         errs.sort(key=lambda e: (e[0] not in NCCL_COMM_CREATES.code_set, -e[2], e[0], e[1]))
         n_failed = sum(e[2] for e in errs)
-        by_error = [{"op": name_of(op), "ret": ret, "error": nccl_error(ret), "count": n}
-                    for op, ret, n, _ in errs]
-        items = [{"kind": "nccl_error", "op": name_of(op), "ret": ret,
+        by_error: list[NcclErrorCount] = [
+            {"op": name_of(op), "ret": ret, "error": nccl_error(ret), "count": n}
+            for op, ret, n, _ in errs]
+        items: list[EvidenceItem] = [{"kind": "nccl_error", "op": name_of(op), "ret": ret,
                   "error": nccl_error(ret), "count": n, "ts_ns": first,
                   "time": format_ns(first),
                   "text": f"{name_of(op)} returned {ret} {nccl_error(ret)} {n} time(s), "
@@ -70,7 +71,7 @@ def failures(ctx: Context) -> tuple[list[Chain], list[str]]:
         items += _failed_calls(ctx, pid, where, params)
         share = n_failed / max(1, calls[pid])
         blocked = _longest_failed(ctx, pid, where, params)
-        detail = {"failed": n_failed, "calls": calls[pid], "by_error": by_error,
+        detail: ChainDetail = {"failed": n_failed, "calls": calls[pid], "by_error": by_error,
                   "longest_failed_ns": blocked}
         # Failing at once costs the job nothing by itself (the warning says it); failing
         # after holding the rank (a timed-out init, a collective that hung then broke)
@@ -94,7 +95,7 @@ def _longest_failed(ctx: Context, pid: int, where: str, params: tuple[int, ...])
 
 
 def _failed_calls(ctx: Context, pid: int, where: str, params: tuple[int, ...]
-                  ) -> list[dict[str, Any]]:
+                  ) -> list[EvidenceItem]:
     v = ctx.view
     rows = v.conn.execute(
         f"SELECT id, ts_ns, dur_ns, tid, op, ret FROM event_data {where} AND pid = ? "

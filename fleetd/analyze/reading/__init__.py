@@ -2,7 +2,8 @@
 database (``data``, ``nodeview``), per-cgroup samples (``cgroup_samples``), where each
 process ran (``pods``), why a thread slept (``waits``), on-CPU samples folded into stacks
 (``profile``), stack frames as text (``frames``) and the answers' shapes (``answers``,
-the NCCL collectives' in ``answers_collectives``, ``fleetd diff``'s in ``answers_diff``;
+the NCCL collectives' in ``answers_collectives``, ``fleetd diff``'s in ``answers_diff``,
+a chain's victim, culprits, detail and evidence in ``answers_chain``;
 the rows they hold, op and process rows, a process's placement and the pods answer, in
 ``rows``). The bottom room of :mod:`fleetd.analyze`: it imports no other room.
 """

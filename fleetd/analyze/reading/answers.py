@@ -10,22 +10,39 @@ Only ``typing`` is imported: a client-only install reads these without the analy
 dependencies. A key that is not always there is ``NotRequired``; a value that may be
 JSON ``null`` has ``None`` in its type. ``window`` is
 :class:`WindowJson` (:meth:`fleetd.analyze.reading.window.Window.to_json`). An op row (a
-row of ``fleetd ops``), a process row of the breakdown, a chain's ``detail`` and an
-evidence item stay plain dictionaries (:data:`OpRow`, :data:`ProcessRow`,
-:data:`ChainDetail`, :data:`EvidenceItem`): their keys depend on the op source, the
-root cause or the evidence kind, and docs/explain.md lists them per case. docs/json.md
-lists every key of every class below, and tests/unit/test_answer_shapes.py holds the
-two, and a real answer, to each other.
+row of ``fleetd ops``) and a process row of the breakdown are
+:mod:`fleetd.analyze.reading.rows`' :class:`OpRow` and :class:`ProcessRow`, named here
+too. A chain's parts (victim, culprits, ``detail``,
+evidence items) live in :mod:`fleetd.analyze.reading.answers_chain` and are named here
+too; a ``detail``'s keys depend on the root cause and an evidence item's on its kind,
+and docs/explain.md lists them per case. docs/json.md lists every key of every class in
+:data:`ANSWERS`, and tests/unit/test_answer_shapes.py holds the two, and a real answer
+(its chains' details and evidence included), to each other.
 """
 
 from __future__ import annotations
 
 from typing import Any, NotRequired, TypedDict
 
-# The NCCL collectives' answer has its own module (one family per module, under the line
-# limit); ExplainReport holds it and ANSWERS lists it with the others.
+# The NCCL collectives' answer and a chain's parts have their own modules (one family
+# per module, under the line limit); they are named here with the rest, and ANSWERS
+# lists the collectives' with the others.
+from fleetd.analyze.reading.answers_chain import ChainDetail as ChainDetail
+from fleetd.analyze.reading.answers_chain import Culprit as Culprit
+from fleetd.analyze.reading.answers_chain import EvidenceItem as EvidenceItem
+from fleetd.analyze.reading.answers_chain import FlameStack as FlameStack
+from fleetd.analyze.reading.answers_chain import FlameStacks as FlameStacks
+from fleetd.analyze.reading.answers_chain import IdleFrames as IdleFrames
+from fleetd.analyze.reading.answers_chain import Placement as Placement
+from fleetd.analyze.reading.answers_chain import RankedCulprit as RankedCulprit
+from fleetd.analyze.reading.answers_chain import Task as Task
+from fleetd.analyze.reading.answers_chain import Victim as Victim
 from fleetd.analyze.reading.answers_collectives import COLLECTIVE_SHAPES, CollectivesAnswer
 from fleetd.analyze.reading.answers_diff import DIFF_SHAPES
+
+# An op row (``fleetd ops``) and a process of the breakdown: the rows' own module.
+from fleetd.analyze.reading.rows import OpRow as OpRow
+from fleetd.analyze.reading.rows import ProcessRow as ProcessRow
 
 # ---- explain (fleetd explain, GET /api/v1/chains) -------------------------------------------
 
@@ -40,55 +57,6 @@ class WindowJson(TypedDict):
     label: str
 
 
-OpRow = dict[str, Any]  # a row of ``fleetd ops`` (docs/explain.md, "fleetd ops --format json")
-ProcessRow = dict[str, Any]  # a process of the breakdown: docs/explain.md, "A process"
-ChainDetail = dict[str, Any]  # the figures behind a chain, by root cause
-EvidenceItem = dict[str, Any]  # ``kind``, ``text`` and the kind's own keys
-
-
-class Placement(TypedDict):
-    """Where a process ran, when the tracer knew it (fleetd.analyze.reading.pods): the
-    keys a victim, a culprit and a process row gain, after their own."""
-
-    pod: NotRequired[str]
-    namespace: NotRequired[str]
-    pod_uid: NotRequired[str]
-    container: NotRequired[str]
-
-
-class Victim(Placement):
-    """The thread whose calls were slow."""
-
-    pid: int
-    tid: int
-    comm: str | None
-    thread: str | None
-
-
-class Culprit(Placement):
-    """A chain's top culprit as its ``culprit`` shows it; ``self``: the victim's own
-    process; ``tid``/``thread``: its thread that accounts for most of the time; ``where``
-    and ``stack``: a lock holder traced with stacks."""
-
-    pid: int
-    comm: str | None
-    self: bool
-    tid: NotRequired[int]
-    thread: NotRequired[str | None]
-    where: NotRequired[str]
-    stack: NotRequired[list[str]]
-
-
-class RankedCulprit(Culprit):
-    """One of a chain's ``culprits``, most time first (``ns``: the time attributed,
-    ``share`` of the chain's attributed time; ``presence``: how often it took over from
-    the victim, cpu_contention)."""
-
-    tids: NotRequired[list[int]]
-    ns: int
-    share: float
-    presence: NotRequired[float]
-    busy: NotRequired[float | None]
 
 
 class ChainCore(TypedDict):
@@ -298,18 +266,6 @@ class CpuStacksAnswer(TypedDict):
     warnings: list[str]
 
 
-class FlameStack(TypedDict):
-    frames: list[str]  # outermost first
-    samples: int
-
-
-class FlameStacks(TypedDict):
-    """A thread's stacks for a flame graph (the HTML report)."""
-
-    samples: int
-    stacks: list[FlameStack]
-
-
 # ---- stacks (GET /api/v1/stacks, fleetd stacks) -----------------------------------------
 
 
@@ -503,7 +459,7 @@ class GpuRank(RankSpan, GpuFigures):
     summary: str
     verdict: RankVerdict
     steps: list[GpuStep]
-    host_frames: NotRequired[dict[str, Any]]  # fleetd.analyze.causes.idle_frames.during_idle
+    host_frames: NotRequired[IdleFrames]  # fleetd.analyze.causes.idle_frames.during_idle
 
 
 class KernelFigures(TypedDict):

@@ -13,10 +13,10 @@ import bisect
 import sqlite3
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 
+from fleetd.analyze.reading.answers_chain import Task
 from fleetd.analyze.reading.data import CALL_CODES, Node, code, in_list
 from fleetd.analyze.reading.window import Window
 
@@ -207,7 +207,7 @@ class NodeView:
             (ev.end, ev.end + 10**9, self.node.lo, self.node.hi, ev.tid)).fetchone()
         return self.stack(Ev(int(row[0]), 0, 0, 0, ev.tid, 0)) if row else []
 
-    def who(self, tid: int) -> dict[str, Any]:
+    def who(self, tid: int) -> Task:
         """A task as the output shows it: pid, tid and the process name."""
         pid, thread = self.tasks.get(tid, (None, None))
         comm = self.names.get(pid) if pid is not None else None
