@@ -13,7 +13,7 @@ each lasting FAULT_S:
 * ``quota``: the rank's slice capped at 3% of a CPU (cpu.max): cpu_throttled;
 * ``gc``: a garbage-collection storm inside the rank: gc_pause;
 * ``loader``: the rank's data loader starved (a batch every 150 ms): data_starvation;
-* ``disk``: 4 MiB written and fsynced each step: io_schedule;
+* ``disk``: 4 MiB written and fsynced each step: block_io (D-state waits on its I/O);
 * ``stop``: SIGSTOP (a hang, judged by ``--hang-after``; SIGCONT at its end).
 
 Figures: flag_s, from a fault's onset to the first STRAGGLER line naming the faulted
@@ -69,7 +69,7 @@ GRACE_S = 12.0  # after a fault ends: its recovery, not a false alarm
 HANG_AFTER_S = 10
 QUOTA_CPUS = 0.03
 EXPECTED = {"hog": {"cpu_contention"}, "quota": {"cpu_throttled"}, "gc": {"gc_pause"},
-            "loader": {"data_starvation"}, "disk": {"io_schedule"}, "stop": set()}
+            "loader": {"data_starvation"}, "disk": {"block_io"}, "stop": set()}
 KINDS = tuple(k for k in os.environ.get("DETECT_KINDS", "").split(",") if k) or (
     ("quota", "hog", "stop") if QUICK else ("hog", "quota", "gc", "loader", "disk", "stop"))
 LINE_RE = re.compile(r"rank (\d+) \((host-\d+) pid (\d+)")

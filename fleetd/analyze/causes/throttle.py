@@ -33,6 +33,7 @@ from fleetd.store.catalog import op_code
 
 CPU_THROTTLE = op_code("cpu_throttle")
 MIN_THROTTLED_SHARE = 0.01  # of the window: below this a quota is not what slows it
+INSIDE_SHARE = 0.1  # of the contention's taker time: neighbours inside the quota that spend it
 SAMPLE_REACH_NS = 5 * 10**9  # a sample that began this long before the window may end in it
 MAX_WAIT_NS = 10**9  # a run-queue wait that began this long before a span still counts in it
 
@@ -195,16 +196,20 @@ def _queued_per_span(ctx: Context, tid: int, spans: list[tuple[int, int, int]]) 
 
 
 def _neighbour_spends_it(ctx: Context, chains: list[Chain], quota: Chain, q: Quota) -> bool:
-    """True when a contention chain of the thread names a task inside the quota (it
-    then carries the quota's figures); else those chains lose the throttled time, and
-    their culprits are those that took the CPU outside it."""
+    """True when a contention chain of the thread names tasks inside the quota that held
+    the CPU for a good part of its wait (they spend it; the chain then carries the
+    quota's figures); else those chains lose the throttled time, and their culprits are
+    those that took the CPU outside it."""
     pid, tid = int(quota.victim["pid"]), int(quota.victim["tid"])
     mine = [ch for ch in chains
             if ch.root_cause == "cpu_contention" and int(ch.victim.get("tid") or 0) == tid]
     for ch in mine:
         inside = [c for c in ch.culprits if int(c.get("pid") or -1) in q.members
                   and int(c.get("pid") or -1) != pid]
-        if inside:
+        # They spend the quota when they held the CPU for a good part of the thread's
+        # wait (a tenth of the time others held it); a member that barely ran (a
+        # data loader's worker process, a sidecar) is no reason the quota binds.
+        if inside and sum(float(c.get("share") or 0.0) for c in inside) >= INSIDE_SHARE:
             ch.culprits = inside
             ch.extra_evidence = [*quota.extra_evidence, *ch.extra_evidence]
             ch.detail["quota"] = {k: quota.detail[k] for k in (
