@@ -19,7 +19,6 @@ import sqlite3
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from fleetd.analyze.causes import (
     causes,
@@ -56,14 +55,13 @@ from fleetd.analyze.reading.answers import (
     NodeExplain,
     NodeProfile,
     NoProfile,
-    OpRow,
-    ProcessRow,
 )
 from fleetd.analyze.reading.data import (
     CALL_SOURCES,
     code,
     nodes,
 )
+from fleetd.analyze.reading.rows import OpRow, ProcessRow, ThreadRow, TopOp
 from fleetd.analyze.reading.window import Window, resolve
 from fleetd.store.bounds import Bounds
 from fleetd.store.chainrow import chain_row
@@ -115,8 +113,8 @@ def report(slices: list[NodeSlice], win: Window, pid: int | None = None,
         part = explain_node(sl, pid, per_process or pids is not None)
         if pids is not None:
             part = {"chains": [c for c in part["chains"] if c["victim"]["pid"] in pids],
-                    "processes": [r for r in part["processes"] if r.get("pid") in pids],
-                    "ops": [r for r in part["ops"] if r.get("pid") in pids],
+                    "processes": [r for r in part["processes"] if r["pid"] in pids],
+                    "ops": [r for r in part["ops"] if r["pid"] in pids],
                     "warnings": part["warnings"]}
         chains += part["chains"]
         procs += part["processes"]
@@ -198,16 +196,16 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
             "warnings": warnings}
 
 
-def _spike_chains(ctx: rules.Context, ops: list[dict[str, Any]],
-                  threads: list[dict[str, Any]]) -> list[Chain]:
+def _spike_chains(ctx: rules.Context, ops: list[OpRow], threads: list[ThreadRow]
+                  ) -> list[Chain]:
     baselines = [
-        Baseline(int(r["pid"]), code(str(r["op"])), int(r["count"]), int(r["p50_ns"] or 0),
-                 int(r["p99_ns"] or 0))
+        Baseline(int(r["pid"] or 0), code(r["op"]), r["count"], r["p50_ns"] or 0,
+                 r["p99_ns"] or 0)
         for r in ops
-        if r["source"] in CALL_SOURCES and int(r["count"]) >= MIN_CALLS and r["p50_ns"]
+        if r["source"] in CALL_SOURCES and r["count"] >= MIN_CALLS and r["p50_ns"]
     ]
     spikes, scale = find_spikes(ctx.view, baselines)
-    feeding = {int(t["tid"]): int(t["pid"]) for t in threads if t["cuda_calls_stored"]}
+    feeding = {t["tid"]: t["pid"] for t in threads if t["cuda_calls_stored"]}
     spikes += find_stalls(ctx.view, feeding)
     for s in spikes:
         attribute(ctx.view, s)
@@ -216,9 +214,9 @@ def _spike_chains(ctx: rules.Context, ops: list[dict[str, Any]],
             if c.root_cause != "unexplained" or c.impact >= MIN_UNEXPLAINED_IMPACT]
 
 
-def _brief(r: OpRow) -> OpRow:
-    keys = ("op", "count", "total_ns", "p50_ns", "p99_ns", "stats_from")
-    return {k: r[k] for k in keys}
+def _brief(r: OpRow) -> TopOp:
+    return {"op": r["op"], "count": r["count"], "total_ns": r["total_ns"],
+            "p50_ns": r["p50_ns"], "p99_ns": r["p99_ns"], "stats_from": r["stats_from"]}
 
 
 def chain_json(ch: Chain) -> ChainJson:

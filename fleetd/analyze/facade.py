@@ -11,9 +11,8 @@ stragglers, say) therefore read names, op statistics and threads once.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from functools import cached_property
-from typing import Any
 
 from fleetd.analyze import explain as explainer
 from fleetd.analyze.distributed import collectives as coll
@@ -37,6 +36,7 @@ from fleetd.analyze.reading.answers import (
 )
 from fleetd.analyze.reading.answers_collectives import CollectivesAnswer
 from fleetd.analyze.reading.data import Node, nodes
+from fleetd.analyze.reading.rows import KernelOpRow, OpRow, ProcessRow
 from fleetd.analyze.reading.window import Window, resolve
 from fleetd.analyze.stacks import NOTE_NO_STACKS, op_code, stack_groups
 from fleetd.errors import UsageError
@@ -96,13 +96,15 @@ class Analysis:
         ``pids`` when given (``--pod``, ``--namespace``)."""
         return explainer.report(self.slices, self.window, pid, per_process, pids)
 
-    def op_stats(self, pid: int | None = None, per_process: bool = False, by: str = "op"
-                 ) -> list[dict[str, Any]]:
-        """p50/p95/p99 per op (or per kernel name, ``by="kernel"``) and process, every
-        node's rows one after another."""
-        if by == "kernel":
-            return [r for sl in self.slices for r in sl.kernel_stats(pid, per_process)]
+    def op_stats(self, pid: int | None = None, per_process: bool = False) -> list[OpRow]:
+        """p50/p95/p99 per op (and process), every node's rows one after another."""
         return [r for sl in self.slices for r in sl.op_stats(pid, per_process)]
+
+    def kernel_stats(self, pid: int | None = None, per_process: bool = False
+                     ) -> list[KernelOpRow]:
+        """p50/p95/p99 per launched kernel name (and process), every node's rows one
+        after another."""
+        return [r for sl in self.slices for r in sl.kernel_stats(pid, per_process)]
 
     def overview(self, node: str) -> OverviewAnswer:
         """One node's events by source, sessions, chain counts and top ops."""
@@ -116,7 +118,7 @@ class Analysis:
         return explainer.node_profile(sl)
 
     def stragglers(self, chains: Sequence[ChainJson],
-                   collectives: Mapping[str, Any] | None = None) -> list[StragglerEntry]:
+                   collectives: CollectivesAnswer | None = None) -> list[StragglerEntry]:
         """The nodes of the file ranked as the fleet client ranks live ones (two or more),
         led by the ranks collective arrival names (``collectives``: :meth:`collectives`'
         report, computed here when not given)."""
@@ -141,17 +143,17 @@ class Analysis:
         return coll.analyze(self.arrivals(max_rows), clocks)
 
     def breakdown(self, pid: int | None = None, pids: Collection[int] | None = None
-                  ) -> list[dict[str, Any]]:
+                  ) -> list[ProcessRow]:
         """Where each process's threads spent their wall time (most CUDA time first);
         only of ``pids`` when given (a pod's processes)."""
-        procs: list[dict[str, Any]] = []
+        procs: list[ProcessRow] = []
         for sl in self.slices:
             mine = sl.processes(sl.threads_of(pid))
             if pids is not None:
-                mine = [p for p in mine if int(p["pid"]) in pids]
+                mine = [p for p in mine if p["pid"] in pids]
             pods.annotate(mine, sl.node.key, pods.placements(sl.conn, sl.node.key))
             procs += mine
-        procs.sort(key=lambda p: (-int(p["in_cuda_ns"]), -int(p["off_cpu_ns"])))
+        procs.sort(key=lambda p: (-p["in_cuda_ns"], -p["off_cpu_ns"]))
         return procs
 
     def stacks(self, op: str | None, pid: int | None, top_n: int, frames_n: int,

@@ -8,14 +8,16 @@ from collections.abc import Mapping
 from typing import Any, TextIO
 
 from fleetd.analyze.reading import pods
+from fleetd.analyze.reading.rows import TimeColumn
 from fleetd.cli.output import SEVERITY_STYLE, colour_wanted, paint, table
 from fleetd.printable import printable_tree
 from fleetd.store.timeparse import format_ns
 from fleetd.wire.answers import ChainJson, ExplainReport, ProcessRow, StragglerEntry
 
 # The per-thread columns, adding up to the wall time: sleeps split by wait reason.
-BREAKDOWN_KEYS = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "lock_ns", "data_ns",
-                  "timer_ns", "gpu_sync_ns", "other_ns")
+BREAKDOWN_KEYS: tuple[TimeColumn, ...] = (
+    "running_ns", "runq_ns", "irq_ns", "d_state_ns", "lock_ns", "data_ns", "timer_ns",
+    "gpu_sync_ns", "other_ns")
 
 
 def _dur(ns: int | None) -> str:

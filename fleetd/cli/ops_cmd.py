@@ -14,6 +14,7 @@ from fleetd.cli.window_args import add_common
 
 if TYPE_CHECKING:
     from fleetd.analyze.facade import Analysis
+    from fleetd.analyze.reading.rows import KernelOpRow, OpRow
     from fleetd.fleet.fanout import FleetOptions
     from fleetd.fleet.result import FleetResult
     from fleetd.store.bounds import Bounds
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from fleetd.analyze.pernode.opstats import COLUMNS, KERNEL_COLUMNS
 
     fmt = check_format(args.format)
-    every = list(KERNEL_COLUMNS if args.by == "kernel" else COLUMNS)
+    every: list[str] = list(KERNEL_COLUMNS if args.by == "kernel" else COLUMNS)
 
     def fleet(opts: FleetOptions, bounds: Bounds) -> FleetResult:
         from fleetd.fleet.queries import ops
@@ -59,12 +60,14 @@ def run(args: argparse.Namespace) -> int:
         pids = selected_pids(args, analysis.conn)
         # A pod's processes: per process (a total over all cannot be split afterwards).
         per_process = args.per_process or pids is not None
-        rows = analysis.op_stats(args.pid, per_process, args.by)
-        if pids is not None:
-            rows = [r for r in rows if r.get("pid") in pids]
+        rows: list[OpRow] | list[KernelOpRow] = (
+            analysis.kernel_stats(args.pid, per_process) if args.by == "kernel"
+            else analysis.op_stats(args.pid, per_process))
         cols = [c for c in every if per_process or c not in ("pid", "comm")]
         win = analysis.window
-        return {"columns": cols, "rows": [[r[c] for c in cols] for r in rows],
+        # The cells of ``cols``, the rows' own keys (KERNEL_COLUMNS or COLUMNS).
+        return {"columns": cols, "rows": [[r.get(c) for c in cols] for r in rows
+                                          if pids is None or r["pid"] in pids],
                 "window": win.to_json(), "warnings": list(win.warnings)}
 
     def fleet_check() -> None:

@@ -10,6 +10,7 @@ fleetd's own sentences; it never leaves the server (:func:`fleetd.mcp.server.fin
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
 from typing import Any, Literal, NotRequired
 
@@ -25,13 +26,13 @@ from fleetd.analyze.reading.answers import (
     GpuRank,
     GraphProcess,
     KernelFigures,
-    ProcessRow,
     RankedCulprit,
     RankStraggler,
     StackGroup,
     StragglerEntry,
     WindowJson,
 )
+from fleetd.analyze.reading.rows import ProcessTotals, ThreadRow
 from fleetd.checks import CheckJson
 from fleetd.mcp.safety import Untrusted
 from fleetd.wire.gpu import CheckedRank
@@ -158,12 +159,31 @@ class CpuProfileTool(ProfileTool):
     warnings: list[str]
 
 
+class BreakdownThread(ThreadRow):
+    """A thread of get_latency_breakdown: its row, and its columns' shares of its wall
+    time (by column name less ``_ns``)."""
+
+    share_of_wall: dict[str, float]
+
+
+# typing's TypedDict, as ProcessTotals is: one class may not derive from both kinds.
+class ThreadsOmitted(typing.TypedDict):
+    threads_omitted: NotRequired[int]  # the threads past ``threads_n``, when there are
+
+
+class BreakdownProcess(ProcessTotals, ThreadsOmitted):
+    """A process of get_latency_breakdown: its totals (no ``top_ops``), its first
+    ``threads_n`` threads and how many more it has."""
+
+    threads: list[BreakdownThread]
+
+
 class BreakdownTool(Truncation):
     """get_latency_breakdown: the processes, each with its first ``threads_n`` threads
     (``threads_omitted``: the rest; each thread with its ``share_of_wall``)."""
 
     window: WindowJson
-    processes: list[ProcessRow]
+    processes: list[BreakdownProcess]
     processes_total: int
     warnings: list[str]
 

@@ -37,10 +37,19 @@ from fleetd.analyze.reading.answers import (
     StragglerEntry,
 )
 from fleetd.analyze.reading.data import json_or_text, nodes
+from fleetd.analyze.reading.rows import (
+    PLACEMENT_KEYS,
+    OpColumn,
+    ProcessTotals,
+    ThreadRow,
+    TimeColumn,
+)
 from fleetd.analyze.reading.window import Window, resolve
 from fleetd.analyze.stacks import op_code
 from fleetd.errors import UsageError
 from fleetd.mcp.answers import (
+    BreakdownProcess,
+    BreakdownThread,
     BreakdownTool,
     ChainsTool,
     CompactChain,
@@ -54,6 +63,7 @@ from fleetd.mcp.answers import (
     SessionRow,
     SqlTool,
     StacksTool,
+    ThreadsOmitted,
     TraceStats,
 )
 from fleetd.mcp.safety import mark_rows, untrusted
@@ -71,7 +81,8 @@ T = TypeVar("T")
 # Ceilings for run_sql; a call may lower them, never raise them.
 SQL_LIMITS = Limits(timeout_s=10.0, max_rows=1000, max_bytes=1024 * 1024)
 EXPORT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,120}\.json(\.gz)?")
-SHARE_KEYS = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "sleeping_ns", "in_cuda_ns")
+SHARE_KEYS: tuple[TimeColumn, ...] = ("running_ns", "runq_ns", "irq_ns", "d_state_ns",
+                                      "sleeping_ns", "in_cuda_ns")
 
 
 def default_export_dir() -> Path:
@@ -113,7 +124,7 @@ class LocalBackend:
                 "window": w.to_json(), "nodes": names,
                 "events_by_source": _by_source(conn, w, pid, node),
                 "sessions": _sessions(conn, node),
-                "ops": {"columns": cols, "rows": [_op_row(r, cols) for r in rows[:top_n]]},
+                "ops": {"columns": [*cols], "rows": [_op_row(r, cols) for r in rows[:top_n]]},
                 "ops_total": len(rows), **cut("ops", len(rows), top_n),
                 "warnings": list(w.warnings),
             }
@@ -372,8 +383,9 @@ def cut(what: str, total: int, limit: int) -> Cut:
             "truncated_reason": [f"top_n: {limit} of {total} {what} shown; raise top_n for more"]}
 
 
-def _op_row(r: OpRow, cols: list[str]) -> list[Any]:
-    return [untrusted(r[c]) if c == "comm" and r[c] is not None else r[c] for c in cols]
+def _op_row(r: OpRow, cols: list[OpColumn]) -> list[Any]:
+    comm = r["comm"]
+    return [untrusted(comm) if c == "comm" and comm is not None else r[c] for c in cols]
 
 
 def process_names(conn: sqlite3.Connection, limit: int = 5000) -> list[str]:
@@ -425,22 +437,32 @@ def _session_details(conn: sqlite3.Connection) -> list[SessionRow]:
              "world_size": r[14]} for r in rows]
 
 
-def _breakdown(p: ProcessRow, threads_n: int) -> ProcessRow:
-    out = {k: v for k, v in p.items() if k not in ("threads", "top_ops")}
-    threads = list(p["threads"])
-    out["threads"] = [_thread(t) for t in threads[:threads_n]]
-    if len(threads) > threads_n:
-        out["threads_omitted"] = len(threads) - threads_n
-    return out
+def _breakdown(p: ProcessRow, threads_n: int) -> BreakdownProcess:
+    totals: ProcessTotals = {  # the row's own keys, in its order, less threads and ops
+        "node": p["node"], "pid": p["pid"], "comm": p["comm"],
+        "running_ns": p["running_ns"], "runq_ns": p["runq_ns"], "irq_ns": p["irq_ns"],
+        "d_state_ns": p["d_state_ns"], "sleeping_ns": p["sleeping_ns"],
+        "lock_ns": p["lock_ns"], "data_ns": p["data_ns"], "timer_ns": p["timer_ns"],
+        "gpu_sync_ns": p["gpu_sync_ns"], "other_ns": p["other_ns"],
+        "off_cpu_ns": p["off_cpu_ns"], "in_cuda_ns": p["in_cuda_ns"],
+        "reclaim_ns": p["reclaim_ns"], "lock_spin_ns": p["lock_spin_ns"],
+        "switches": p["switches"], "hist_off_cpu": p["hist_off_cpu"],
+        "hist_runq": p["hist_runq"], "page_allocs": p["page_allocs"],
+        "block_io": p["block_io"]}
+    for k in PLACEMENT_KEYS:
+        if k in p:
+            totals[k] = p[k]
+    threads = p["threads"]
+    more: ThreadsOmitted = ({"threads_omitted": len(threads) - threads_n}
+                            if len(threads) > threads_n else {})
+    return {**totals, "threads": [_thread(t) for t in threads[:threads_n]], **more}
 
 
-def _thread(t: dict[str, Any]) -> dict[str, Any]:
-    wall = int(t["wall_ns"]) or 1
-    out = dict(t)
+def _thread(t: ThreadRow) -> BreakdownThread:
+    wall = t["wall_ns"] or 1
     # Shares of the thread's wall time make the split readable at a glance; in_cuda
     # overlaps the others (a thread inside a CUDA call may be running or waiting).
-    out["share_of_wall"] = {k.removesuffix("_ns"): round(int(t[k]) / wall, 4)
-                            for k in SHARE_KEYS}
-    return out
+    return {**t, "share_of_wall": {k.removesuffix("_ns"): round(t[k] / wall, 4)
+                                   for k in SHARE_KEYS}}
 
 

@@ -31,6 +31,7 @@ from fleetd.wire.values import printable, valid_int
 if TYPE_CHECKING:
     from fleetd.analyze.facade import Analysis
     from fleetd.analyze.reading.profile import StackCount
+    from fleetd.analyze.reading.rows import KernelOpRow, OpRow, PodProcess, PodsAnswer
 
 MAX_TOP_N = 1000  # stacks per answer
 MAX_FRAMES = 128  # frames per stack
@@ -254,7 +255,7 @@ def _pods(a: Analysis, node: str, p: Params) -> Answer:
     from fleetd.analyze.reading import pods
 
     procs = [r for sl in a.slices for r in pods.processes(sl.conn, sl.node.key, sl.name)]
-    out: Reply = {"processes": procs, "pods": pods.by_pod(procs)}
+    out: PodsAnswer = {"processes": procs, "pods": pods.by_pod(procs)}
     if not procs:
         out["note"] = pods.NOTE_NO_PODS
     return out
@@ -264,7 +265,7 @@ def _pods_combine(nodes: list[Reply]) -> Reply:
     """Every node's processes, their names and placements read as untrusted text."""
     from fleetd.analyze.reading.pods import by_pod
 
-    procs = []
+    procs: list[PodProcess] = []
     for n in nodes:
         for r in n.get("processes") or []:
             pid = valid_int(r.get("pid"), 1) if isinstance(r, dict) else None
@@ -321,18 +322,20 @@ def _ops(a: Analysis, node: str, p: Params) -> Answer:
 
     by = p.text("by") or "op"
     pod, ns = p.text(paths.POD_PARAM), p.text(paths.NAMESPACE_PARAM)
+    pid, per_process = p.maybe_int("pid"), p.flag("per_process")
+    rows: list[OpRow] | list[KernelOpRow]
     if not pod and not ns:
-        rows = a.op_stats(p.maybe_int("pid"), p.flag("per_process"), by)
+        rows = a.kernel_stats(pid, per_process) if by == "kernel" else a.op_stats(pid, per_process)
     else:
         # A pod's processes: per process, each row with its pod (as fleetd ops --pod).
         pids = pods.select(a.conn, pod, ns)
         found = pods.placements(a.conn)
-        rows = []
-        for sl in a.slices:
-            every = sl.kernel_stats(None, True) if by == "kernel" else sl.op_stats(None, True)
-            part = [r for r in every if r.get("pid") in pids]
-            pods.annotate(part, sl.node.key, found)
-            rows += part
+        if by == "kernel":
+            rows = [r for sl in a.slices
+                    for r in pods.placed(sl.kernel_stats(None, True), pids, sl.node.key, found)]
+        else:
+            rows = [r for sl in a.slices
+                    for r in pods.placed(sl.op_stats(None, True), pids, sl.node.key, found)]
     return {"window": a.window.to_json(), "warnings": list(a.window.warnings), "ops": rows}
 
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fleetd.analyze.reading.rows import Placement, PlacementKey
 from fleetd.wire.limits import POD_CHARS
 from fleetd.wire.paths import NAMESPACE_PARAM, POD_PARAM
 from fleetd.wire.values import printable
 
 # What a row gains from fleetd.analyze.reading.pods.fields; each a short name or uid.
-PLACEMENT_FIELDS = ("pod", "namespace", "container", "pod_uid")
+PLACEMENT_FIELDS: tuple[PlacementKey, ...] = ("pod", "namespace", "container", "pod_uid")
 
 
 def params(pod: str | None, namespace: str | None) -> dict[str, str]:
@@ -35,11 +36,15 @@ def read_params(query: Mapping[str, str]) -> tuple[str | None, str | None]:
     return out[0], out[1]
 
 
-def read_placement(row: Mapping[str, Any]) -> dict[str, str]:
+def read_placement(row: Mapping[str, Any]) -> Placement:
     """The placement fields of a node's row that are text, printable and cut; anything
     else is dropped (a process with no pod shows none)."""
-    return {k: printable(row[k], POD_CHARS) for k in PLACEMENT_FIELDS
-            if isinstance(row.get(k), str) and row[k]}
+    out: Placement = {}
+    for k in PLACEMENT_FIELDS:
+        v = row.get(k)
+        if isinstance(v, str) and v:
+            out[k] = printable(v, POD_CHARS)
+    return out
 
 
 def label(row: Mapping[str, Any]) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from synth import MAIN, MS, T0, US, Timeline, quiet
 
-from fleetd.analyze.pernode.opstats import op_stats
+from fleetd.analyze.pernode.opstats import kernel_stats, op_stats
 from fleetd.analyze.reading.data import Hist
 from fleetd.analyze.reading.window import resolve_window
 from fleetd.errors import UsageError
@@ -96,7 +96,7 @@ def test_kernel_stats_name_each_kernel_and_scale_the_sample(tmp_path: Path) -> N
                      [(j, {"kernel": name}) for j, (_, name) in enumerate(kernels)])
     conn = open_reader(path)
     try:
-        rows = {r["kernel"]: r for r in op_stats(conn, resolve_window(conn), by="kernel")}
+        rows = {r["kernel"]: r for r in kernel_stats(conn, resolve_window(conn))}
     finally:
         conn.close()
     # 100 stored unnamed launches from the first write, 100 named from the second.

@@ -44,7 +44,7 @@ import bisect
 import statistics
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 
@@ -87,11 +87,6 @@ class Pair:
     residual_ns: int | None = None  # median |arrival difference| at that offset
     runner_up_ns: int | None = None  # the same at the next best agreeing offset
     reason: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"confidence": self.confidence, "by": self.by, "pairs": self.pairs,
-                "agreeing_offsets": self.agreeing, "residual_ns": self.residual_ns,
-                "runner_up_ns": self.runner_up_ns, "reason": self.reason or None}
 
 
 @dataclass(slots=True)

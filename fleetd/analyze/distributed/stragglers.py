@@ -60,6 +60,7 @@ from fleetd.analyze.reading.data import (
     histograms,
     in_list,
 )
+from fleetd.analyze.reading.rows import OpRow, ThreadRow, TimeColumn
 from fleetd.analyze.reading.window import Window
 from fleetd.store.catalog import CALLS, LAUNCHES
 
@@ -321,9 +322,10 @@ def node_profile(sl: NodeSlice) -> NodeProfile:
     ops, threads = sl.ops, sl.threads
     cuda_time: dict[int, int] = {}
     for r in ops:
-        if r["source"] in CALL_SOURCES:
+        pid = r["pid"]  # the slice's op rows are per process: never None
+        if r["source"] in CALL_SOURCES and pid is not None:
             # None: launches none of which was timed (entry-only); they add no time
-            cuda_time[int(r["pid"])] = cuda_time.get(int(r["pid"]), 0) + int(r["total_ns"] or 0)
+            cuda_time[pid] = cuda_time.get(pid, 0) + (r["total_ns"] or 0)
     if not cuda_time:
         return {"node": node, "window": window.to_json(), "main_pid": None, "features": {}}
     main = max(cuda_time, key=lambda p: cuda_time[p])
@@ -347,7 +349,7 @@ def node_profile(sl: NodeSlice) -> NodeProfile:
             "d_state_share": _share(feeding, "d_state_ns"),
             "lock_share": _share(feeding, "lock_ns"),
             "data_wait_share": _share(feeding, "data_ns"),
-            "block_io_ns": sum(int(r["total_ns"] or 0) for r in ops if r["op"] == "block_io"
+            "block_io_ns": sum(r["total_ns"] or 0 for r in ops if r["op"] == "block_io"
                                and r["pid"] == main),
         },
     }
@@ -387,8 +389,8 @@ def counted_calls(sl: NodeSlice, pid: int) -> Counted | None:
     if _sampled(sl):
         return None
     rows = [r for r in sl.ops if r["pid"] == pid and r["source"] in CALL_SOURCES]
-    return Counted(sum(int(r["count"]) for r in rows),
-                   sum(int(r["count"]) for r in rows if r["op"] in LAUNCH_OPS),
+    return Counted(sum(r["count"] for r in rows),
+                   sum(r["count"] for r in rows if r["op"] in LAUNCH_OPS),
                    start, end, "events")
 
 
@@ -450,16 +452,18 @@ def _sampled(sl: NodeSlice) -> bool:
     return False
 
 
-def _pct(rows: list[dict[str, Any]], names: frozenset[str], prefix: str) -> dict[str, Any]:
-    """p50/p99 of the busiest op of a family (percentiles do not add across ops)."""
+def _pct(rows: list[OpRow], names: frozenset[str], prefix: str
+         ) -> dict[str, float | str | None]:
+    """p50/p99 of the busiest op of a family (percentiles do not add across ops): three
+    of the profile's ``features``, named after ``prefix``."""
     fam = [r for r in rows if r["op"] in names]
     if not fam:
         return {f"{prefix}_op": None, f"{prefix}_p50_ns": None, f"{prefix}_p99_ns": None}
-    top = max(fam, key=lambda r: int(r["count"]))
+    top = max(fam, key=lambda r: r["count"])
     return {f"{prefix}_op": top["op"], f"{prefix}_p50_ns": top["p50_ns"],
             f"{prefix}_p99_ns": top["p99_ns"]}
 
 
-def _share(threads: list[dict[str, Any]], key: str) -> float | None:
-    wall = sum(int(t["wall_ns"]) for t in threads)
-    return round(sum(int(t[key]) for t in threads) / wall, 4) if wall else None
+def _share(threads: list[ThreadRow], key: TimeColumn) -> float | None:
+    wall = sum(t["wall_ns"] for t in threads)
+    return round(sum(t[key] for t in threads) / wall, 4) if wall else None

@@ -28,6 +28,7 @@ from fleetd.analyze.reading.answers import (
     GraphsAnswer,
 )
 from fleetd.analyze.reading.data import Node, code, in_list
+from fleetd.analyze.reading.rows import OpRow
 from fleetd.analyze.reading.window import Window
 from fleetd.store.catalog import GRAPH_LAUNCHES
 from fleetd.store.timeparse import format_ns
@@ -50,6 +51,19 @@ MIN_REPLAYS = 10
 MIN_BUILDS = 3  # fewer instantiations are warm-up (one graph per shape), not re-capture
 RATE_DROP = 0.5  # launch rate during capture episodes this much below outside: re-capture
 BUILD_SHARE = 0.05  # or this share of wall time spent capturing/instantiating
+
+
+@dataclass(slots=True)
+class _Run:
+    """A run of timeline buckets that build graphs, summed (a :class:`GraphEpisode`)."""
+
+    start: str
+    buckets: int = 0
+    captures: int = 0
+    instantiations: int = 0
+    updates: int = 0
+    launches: int = 0
+    build_ms: float = 0.0
 
 
 @dataclass(slots=True)
@@ -86,7 +100,7 @@ def _load(conn: sqlite3.Connection, n: Node, win: Window, pid: int | None) -> di
     return out
 
 
-def _process(n: Node, p: _Proc, stats: list[dict[str, Any]], comm: str | None,
+def _process(n: Node, p: _Proc, stats: list[OpRow], comm: str | None,
              span: tuple[int, int], buckets: int) -> GraphProcess:
     span_ns = max(1, span[1] - span[0])
     phases = _phases(stats, p)
@@ -112,13 +126,13 @@ def _process(n: Node, p: _Proc, stats: list[dict[str, Any]], comm: str | None,
     }
 
 
-def _phases(stats: list[dict[str, Any]], p: _Proc) -> dict[str, GraphPhase]:
+def _phases(stats: list[OpRow], p: _Proc) -> dict[str, GraphPhase]:
     """Per phase: count and latency; the stats rows (histogram-aware) when there are."""
     out: dict[str, GraphPhase] = {}
     for r in stats:
-        ph = PHASE_OF[code(str(r["op"]))]
+        ph = PHASE_OF[code(r["op"])]
         prev = out.get(ph)
-        if prev is None or int(r["count"]) > int(prev["count"]):
+        if prev is None or r["count"] > prev["count"]:
             out[ph] = GraphPhase(count=r["count"], total_ns=r["total_ns"], p50_ns=r["p50_ns"],
                                  p99_ns=r["p99_ns"], max_ns=r["max_ns"])
     # A phase without a stats row (none in the window's timed ops): count its events.
@@ -151,28 +165,29 @@ def _episodes(rows: list[list[Any]], width: int
               ) -> tuple[list[GraphEpisode], float | None, float | None]:
     """Runs of buckets that instantiate or update graphs (the expensive part of a
     capture), and the launch rate inside them versus outside."""
-    runs: list[dict[str, Any]] = []
+    runs: list[_Run] = []
     inside: list[float] = []
     outside: list[float] = []
-    current: dict[str, Any] | None = None
-    for row in rows:
+    current: _Run | None = None
+    for row in rows:  # TIMELINE_COLUMNS
         building = row[2] + row[3] > 0
         (inside if building else outside).append(row[5])
         if building:
             if current is None:
-                current = {"start": row[0], "buckets": 0, "captures": 0, "instantiations": 0,
-                           "updates": 0, "launches": 0, "build_ms": 0.0}
+                current = _Run(row[0])
                 runs.append(current)
-            current["buckets"] += 1
-            for i, k in ((1, "captures"), (2, "instantiations"), (3, "updates"),
-                         (4, "launches"), (6, "build_ms")):
-                current[k] += row[i]
+            current.buckets += 1
+            current.captures += row[1]
+            current.instantiations += row[2]
+            current.updates += row[3]
+            current.launches += row[4]
+            current.build_ms += row[6]
         else:
             current = None
-    episodes = [GraphEpisode(start=e["start"], captures=e["captures"],
-                             instantiations=e["instantiations"], updates=e["updates"],
-                             launches=e["launches"], build_ms=round(e["build_ms"], 3),
-                             duration_ms=round(e["buckets"] * width / 1e6, 1)) for e in runs]
+    episodes = [GraphEpisode(start=e.start, captures=e.captures,
+                             instantiations=e.instantiations, updates=e.updates,
+                             launches=e.launches, build_ms=round(e.build_ms, 3),
+                             duration_ms=round(e.buckets * width / 1e6, 1)) for e in runs]
     rate_in = round(sum(inside) / len(inside), 1) if inside else None
     rate_out = round(sum(outside) / len(outside), 1) if outside else None
     return episodes, rate_in, rate_out

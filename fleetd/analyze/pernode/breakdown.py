@@ -17,11 +17,18 @@ from __future__ import annotations
 import bisect
 import sqlite3
 from collections import defaultdict
-from typing import Any
 
 from fleetd.analyze.causes.chains import task_state
 from fleetd.analyze.reading.data import CALL_CODES, SYNC_OPS, Node, code, histograms, in_list
 from fleetd.analyze.reading.profile import stack_counts
+from fleetd.analyze.reading.rows import (
+    SUMMED_COLUMNS,
+    HistTotal,
+    ProcessRow,
+    SyscallOutlier,
+    ThreadRow,
+    WaitChannel,
+)
 from fleetd.analyze.reading.waits import REASONS, sql_reason
 from fleetd.analyze.reading.window import Window
 from fleetd.store.catalog import RECLAIM_RUNS
@@ -39,7 +46,7 @@ def thread_breakdown(
     conn: sqlite3.Connection, node: Node, win: Window, span: tuple[int, int],
     tasks: dict[int, tuple[int | None, str | None]], names: dict[int, str],
     pid: int | None = None,
-) -> list[dict[str, Any]]:
+) -> list[ThreadRow]:
     """One row per thread that has host or CUDA events in the window."""
     acc: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     pids: dict[int, int] = {}
@@ -82,10 +89,9 @@ def thread_breakdown(
     _sync_sleeps(conn, node, win, acc)
     outliers = _syscall_outliers(conn, node, where, params)
     wchans = _wait_channels(conn, where, params)
-    rows = [_row(tid, pids[tid], a, wall, tasks, names, outliers.get(tid, []))
+    rows = [_row(tid, pids[tid], a, wall, tasks, names, outliers.get(tid, []),
+                 wchans.get(tid, []))
             for tid, a in acc.items()]
-    for r in rows:
-        r["d_state_wchan"] = wchans.get(int(r["tid"]), [])
     rows.sort(key=lambda r: (-int(r["in_cuda_ns"]), -int(r["off_cpu_ns"])))
     return rows
 
@@ -168,8 +174,8 @@ def _scale_cuda(conn: sqlite3.Connection, node: Node, win: Window,
 
 
 def _syscall_outliers(conn: sqlite3.Connection, node: Node, where: str, params: list[int]
-                      ) -> dict[int, list[dict[str, Any]]]:
-    out: dict[int, list[dict[str, Any]]] = defaultdict(list)
+                      ) -> dict[int, list[SyscallOutlier]]:
+    out: dict[int, list[SyscallOutlier]] = defaultdict(list)
     rows = conn.execute(
         f"SELECT tid, id, ts_ns, dur_ns, a0, ret FROM event_data WHERE {where} AND op = ? "
         "ORDER BY dur_ns DESC LIMIT 500", [*params, SYSCALL],
@@ -182,10 +188,10 @@ def _syscall_outliers(conn: sqlite3.Connection, node: Node, where: str, params: 
 
 
 def _wait_channels(conn: sqlite3.Connection, where: str, params: list[int]
-                   ) -> dict[int, list[dict[str, Any]]]:
+                   ) -> dict[int, list[WaitChannel]]:
     """Per thread, where its D-state time went: the kernel wait channels the tracer
     recorded (the first frame past the scheduler), most time first."""
-    out: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    out: dict[int, list[WaitChannel]] = defaultdict(list)
     for tid, wchan, n, total in conn.execute(
         "SELECT e.tid, json_extract(x.args, '$.wchan'), count(*), sum(e.dur_ns) FROM "
         f"(SELECT id, tid, dur_ns FROM event_data WHERE {where} AND op = ? AND a0 & 2 != 0 "
@@ -199,7 +205,7 @@ def _wait_channels(conn: sqlite3.Connection, where: str, params: list[int]
 
 def _row(tid: int, pid: int, a: dict[str, int], wall: int,
          tasks: dict[int, tuple[int | None, str | None]], names: dict[int, str],
-         outliers: list[dict[str, Any]]) -> dict[str, Any]:
+         outliers: list[SyscallOutlier], wchans: list[WaitChannel]) -> ThreadRow:
     runq = min(a["runq"], a["off_cpu"]) if a["off_cpu"] else a["runq"]
     d_state = max(0, a["off_D"] - a["runq_after_D"])
     sleeping = max(0, a["off_S"] - a["runq_after_S"])
@@ -213,12 +219,14 @@ def _row(tid: int, pid: int, a: dict[str, int], wall: int,
         "pid": pid, "tid": tid, "comm": names.get(pid), "thread": tasks.get(tid, (None, None))[1],
         "wall_ns": wall, "running_ns": running, "runq_ns": runq, "irq_ns": a["irq"],
         "d_state_ns": d_state, "sleeping_ns": sleeping,
-        **{f"{r}_ns": waits[r] for r in REASONS}, "off_cpu_ns": off,
+        # The five sleep reasons (waits.REASONS), in that order.
+        "lock_ns": waits["lock"], "data_ns": waits["data"], "timer_ns": waits["timer"],
+        "gpu_sync_ns": waits["gpu_sync"], "other_ns": waits["other"], "off_cpu_ns": off,
         "in_cuda_ns": a["in_cuda"], "in_cuda_estimated": bool(a["in_cuda_estimated"]),
         "reclaim_ns": min(wall, a["reclaim"]),
         "lock_spin_ns": min(running, a["lock_spin"]),
         "cuda_calls_stored": a["cuda_calls"], "switches": a["switches"],
-        "syscall_outliers": outliers,
+        "syscall_outliers": outliers, "d_state_wchan": wchans,
     }
 
 
@@ -233,29 +241,36 @@ def _sleep_reasons(a: dict[str, int], sleeping: int) -> dict[str, int]:
     return out
 
 
-def process_rows(threads: list[dict[str, Any]], conn: sqlite3.Connection, node: Node,
-                 win: Window) -> list[dict[str, Any]]:
+def process_rows(threads: list[ThreadRow], conn: sqlite3.Connection, node: Node,
+                 win: Window) -> list[ProcessRow]:
     """Threads summed per process, with the exact histogram totals beside them."""
     hists = histograms(conn, node, win, (OFF_CPU, RUNQ, code("page_alloc"), code("block_io")))
-    keys = ("running_ns", "runq_ns", "irq_ns", "d_state_ns", "sleeping_ns",
-            *(f"{r}_ns" for r in REASONS), "off_cpu_ns", "in_cuda_ns", "reclaim_ns",
-            "lock_spin_ns", "switches")
-    procs: dict[int, dict[str, Any]] = {}
+
+    def h(pid: int, op: str) -> tuple[int, int]:
+        x = hists.get((pid, code(op)))
+        return (x.count, x.total) if x else (0, 0)
+
+    def totals(pid: int, op: str) -> HistTotal:
+        count, total = h(pid, op)
+        return {"count": count, "total_ns": total}
+
+    procs: dict[int, ProcessRow] = {}
     for t in threads:
-        p = procs.setdefault(t["pid"], {"node": node.name, "pid": t["pid"], "comm": t["comm"],
-                                        "threads": [], **{k: 0 for k in keys}})
-        for k in keys:
+        pid = t["pid"]
+        p = procs.get(pid)
+        if p is None:
+            allocs, pages = h(pid, "page_alloc")
+            p = procs[pid] = {
+                "node": node.name, "pid": pid, "comm": t["comm"], "threads": [],
+                "running_ns": 0, "runq_ns": 0, "irq_ns": 0, "d_state_ns": 0,
+                "sleeping_ns": 0, "lock_ns": 0, "data_ns": 0, "timer_ns": 0,
+                "gpu_sync_ns": 0, "other_ns": 0, "off_cpu_ns": 0, "in_cuda_ns": 0,
+                "reclaim_ns": 0, "lock_spin_ns": 0, "switches": 0,
+                "hist_off_cpu": totals(pid, "off_cpu"), "hist_runq": totals(pid, "runq_wait"),
+                "page_allocs": {"count": allocs, "pages": pages},
+                "block_io": totals(pid, "block_io"), "top_ops": [],
+            }
+        for k in SUMMED_COLUMNS:
             p[k] += t[k]
         p["threads"].append(t)
-    for pid, p in procs.items():
-        def h(op: str, pid: int = pid) -> tuple[int, int]:
-            x = hists.get((pid, code(op)))
-            return (x.count, x.total) if x else (0, 0)
-        p["hist_off_cpu"] = dict(zip(("count", "total_ns"), h("off_cpu"), strict=True))
-        p["hist_runq"] = dict(zip(("count", "total_ns"), h("runq_wait"), strict=True))
-        p["page_allocs"] = dict(zip(("count", "pages"), h("page_alloc"), strict=True))
-        p["block_io"] = dict(zip(("count", "total_ns"), h("block_io"), strict=True))
-        p["top_ops"] = []
-    out = sorted(procs.values(), key=lambda p: (-int(p["in_cuda_ns"]), -int(p["off_cpu_ns"])))
-    return out
-
+    return sorted(procs.values(), key=lambda p: (-p["in_cuda_ns"], -p["off_cpu_ns"]))

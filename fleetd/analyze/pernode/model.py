@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import sqlite3
 from functools import cached_property
-from typing import Any
 
 from fleetd.analyze.pernode.breakdown import process_rows, thread_breakdown
 from fleetd.analyze.pernode.opstats import Loaded, load_op_stats, node_kernel_stats, node_op_stats
 from fleetd.analyze.reading.data import Node, comms, effective_span, tasks
+from fleetd.analyze.reading.rows import KernelOpRow, OpRow, ProcessRow, ThreadRow
 from fleetd.analyze.reading.window import Window
 
 
@@ -66,13 +66,12 @@ class NodeSlice:
         return load_op_stats(self.conn, self.node, self.window)
 
     @cached_property
-    def ops(self) -> list[dict[str, Any]]:
+    def ops(self) -> list[OpRow]:
         """Op statistics per process, every process (largest total time first)."""
         return node_op_stats(self.conn, self.node, self.window, None, True, self.names,
                              self._op_events)
 
-    def op_stats(self, pid: int | None = None, per_process: bool = True
-                 ) -> list[dict[str, Any]]:
+    def op_stats(self, pid: int | None = None, per_process: bool = True) -> list[OpRow]:
         """Op statistics for one process or all, per process or summed over processes."""
         if pid is None and per_process:
             return self.ops
@@ -82,18 +81,18 @@ class NodeSlice:
         return node_op_stats(self.conn, self.node, self.window, pid, per_process, self.names)
 
     def kernel_stats(self, pid: int | None = None, per_process: bool = True
-                     ) -> list[dict[str, Any]]:
+                     ) -> list[KernelOpRow]:
         """Launch statistics per kernel name (``fleetd ops --by kernel``)."""
         return node_kernel_stats(self.conn, self.node, self.window, pid, per_process,
                                  self.names)
 
     @cached_property
-    def threads(self) -> list[dict[str, Any]]:
+    def threads(self) -> list[ThreadRow]:
         """Where every traced thread's wall time went (most CUDA time first)."""
         return thread_breakdown(self.conn, self.node, self.window, self.span, self.tasks,
                                 self.names)
 
-    def threads_of(self, pid: int | None) -> list[dict[str, Any]]:
+    def threads_of(self, pid: int | None) -> list[ThreadRow]:
         """:attr:`threads`, or only one process's (read for that process alone)."""
         if pid is None:
             return self.threads
@@ -105,6 +104,6 @@ class NodeSlice:
         breakdown), so that a progress line can tell the reading from the analysis."""
         _ = (self.names, self.tasks, self.span, self.ops, self.threads)
 
-    def processes(self, threads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def processes(self, threads: list[ThreadRow]) -> list[ProcessRow]:
         """``threads`` summed per process, with the exact histogram totals beside them."""
         return process_rows(threads, self.conn, self.node, self.window)

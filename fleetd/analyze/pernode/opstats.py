@@ -36,7 +36,7 @@ from array import array
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 from fleetd.analyze.reading.data import (
     Hist,
@@ -48,6 +48,8 @@ from fleetd.analyze.reading.data import (
     nodes,
 )
 from fleetd.analyze.reading.data import comms as load_comms
+from fleetd.analyze.reading.rows import KERNEL_COLUMNS as KERNEL_COLUMNS
+from fleetd.analyze.reading.rows import OP_COLUMNS, KernelOpRow, OpRow
 from fleetd.analyze.reading.window import Window
 from fleetd.store.catalog import BY_CODE, BY_NAME, KERNEL_LAUNCHES, TIMED
 from fleetd.store.syscalls import SLEEPS, syscall_name
@@ -58,16 +60,9 @@ SYSCALL = BY_NAME["syscall"].code
 # Ops with a duration worth a percentile: calls and host intervals. Syscalls are read
 # apart, by their number.
 TIMED_CODES: tuple[int, ...] = tuple(c for c in TIMED.codes if c != SYSCALL)
-COLUMNS: tuple[str, ...] = (
-    "node", "pid", "comm", "op", "source", "count", "errors", "total_ns", "mean_ns",
-    "p50_ns", "p95_ns", "p99_ns", "max_ns", "max_exact", "calls_per_s", "stats_from",
-    "events",
-)
-# ``--by kernel``: one row per kernel name (and process), from the stored launches.
-KERNEL_COLUMNS: tuple[str, ...] = (
-    "node", "pid", "comm", "kernel", "op", "count", "est_calls", "errors", "total_ns",
-    "mean_ns", "p50_ns", "p95_ns", "p99_ns", "max_ns", "calls_per_s", "stats_from",
-)
+# The columns of an op row and (KERNEL_COLUMNS, ``--by kernel``: one row per kernel name
+# and process, from the stored launches) of a kernel row, in order: the rows' own keys.
+COLUMNS = OP_COLUMNS
 LAUNCH_CODES: tuple[int, ...] = KERNEL_LAUNCHES.codes
 UNNAMED = "(unnamed)"
 
@@ -127,7 +122,7 @@ def _exact_quantile(sorted_durs: array[int], q: float) -> int:
 def _row(
     node: Node, pid: int | None, op: int, g: _Group | None, h: Hist | None, span_s: float,
     comm: str | None, name: tuple[str, str] | None = None,
-) -> dict[str, Any]:
+) -> OpRow:
     """One row; ``name`` is (op, source) where the op code alone does not say it."""
     durs = array("q", sorted(g.durs)) if g else array("q")
     sampled = h is not None and h.count > len(durs)
@@ -202,7 +197,7 @@ def node_op_stats(
     conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
     per_process: bool = True, comms: dict[int, str] | None = None,
     loaded: Loaded | None = None,
-) -> list[dict[str, Any]]:
+) -> list[OpRow]:
     """Stats rows for one node, sorted by total time, largest first (from ``loaded``
     when the caller has read the same node, window and pid already)."""
     got = loaded if loaded is not None else load_op_stats(conn, node, win, pid)
@@ -246,23 +241,40 @@ def _merge_pid_hists(hists: dict[tuple[int, int], Hist]) -> dict[tuple[int, int]
 
 def op_stats(
     conn: sqlite3.Connection, win: Window, pid: int | None = None, per_process: bool = False,
-    node: str | None = None, by: str = "op",
-) -> list[dict[str, Any]]:
-    """Stats rows per op (or per kernel name, ``by="kernel"``) for every node in the
-    file (or one), node by node."""
-    per_node = node_kernel_stats if by == "kernel" else node_op_stats
-    rows: list[dict[str, Any]] = []
+    node: str | None = None,
+) -> list[OpRow]:
+    """Stats rows per op for every node in the file (or one), node by node."""
+    return _every_node(conn, node, lambda n, names: node_op_stats(
+        conn, n, win, pid, per_process, names), "op")
+
+
+def kernel_stats(
+    conn: sqlite3.Connection, win: Window, pid: int | None = None, per_process: bool = False,
+    node: str | None = None,
+) -> list[KernelOpRow]:
+    """Stats rows per kernel name for every node in the file (or one), node by node."""
+    return _every_node(conn, node, lambda n, names: node_kernel_stats(
+        conn, n, win, pid, per_process, names), "kernel")
+
+
+Row = TypeVar("Row", OpRow, KernelOpRow)
+
+
+def _every_node(conn: sqlite3.Connection, node: str | None,
+                rows_of: Callable[[Node, dict[int, str]], list[Row]], what: str) -> list[Row]:
+    """``rows_of`` each node of the file (or the one), with its process names."""
+    rows: list[Row] = []
     for n in nodes(conn, node):
         names, _ = load_comms(conn, n)
-        rows += per_node(conn, n, win, pid, per_process, names)
-    log.debug("%s stats: %d rows", by, len(rows))
+        rows += rows_of(n, names)
+    log.debug("%s stats: %d rows", what, len(rows))
     return rows
 
 
 def node_kernel_stats(
     conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
     per_process: bool = True, comms: dict[int, str] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[KernelOpRow]:
     """Launch statistics per kernel name (and process), largest total first.
 
     Launches are sampled in the kernel, so only the stored ones carry a name: ``count``
@@ -297,17 +309,21 @@ def node_kernel_stats(
     start, end = effective_span(conn, node, win)
     span_s = (end - start) / 1e9
     names = comms or {}
-    rows = []
+    rows: list[KernelOpRow] = []
     for (p, name, op), g in groups.items():
         h = hists.get((p, op))
         scale = h.count / stored[(p, op)] if h is not None and h.count > stored[(p, op)] else 1.0
         base = _row(node, p if per_process else None, op, g, None, span_s,
                     names.get(p) if per_process else None)
         est = round(len(g.durs) * scale)
-        rows.append({**{c: base.get(c) for c in KERNEL_COLUMNS}, "kernel": name,
-                     "est_calls": est,
-                     "calls_per_s": round(est / span_s, 3) if span_s > 0 else None,
-                     "stats_from": "sample" if scale > 1.0 else "events"})
+        rows.append({
+            "node": base["node"], "pid": base["pid"], "comm": base["comm"], "kernel": name,
+            "op": base["op"], "count": base["count"], "est_calls": est,
+            "errors": base["errors"], "total_ns": base["total_ns"], "mean_ns": base["mean_ns"],
+            "p50_ns": base["p50_ns"], "p95_ns": base["p95_ns"], "p99_ns": base["p99_ns"],
+            "max_ns": base["max_ns"],
+            "calls_per_s": round(est / span_s, 3) if span_s > 0 else None,
+            "stats_from": "sample" if scale > 1.0 else "events"})
     rows.sort(key=lambda r: (-int(r["total_ns"] or 0), str(r["kernel"])))
     return rows
 

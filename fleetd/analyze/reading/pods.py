@@ -11,13 +11,24 @@ added and nothing is guessed.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import TypeVar, cast
 
+from fleetd.analyze.reading.rows import (
+    PLACEMENT_KEYS,
+    CgroupPlace,
+    KernelOpRow,
+    OpRow,
+    Placement,
+    PodGroup,
+    PodProcess,
+    ProcessRow,
+)
 from fleetd.errors import UsageError
 from fleetd.store.schema import PLACEMENT_COLUMNS
 
-Placement = dict[str, str]  # the known ones of PLACEMENT_COLUMNS
+# The rows that name a process and gain its placement.
+Row = TypeVar("Row", OpRow, KernelOpRow, ProcessRow)
 
 
 def columns(conn: sqlite3.Connection) -> list[str]:
@@ -26,8 +37,15 @@ def columns(conn: sqlite3.Connection) -> list[str]:
     return [c for c in PLACEMENT_COLUMNS if c in have]
 
 
+def _place(cols: Sequence[str], values: Sequence[object]) -> CgroupPlace:
+    """The placement columns ``cols`` of a process_data row that are set, as text."""
+    # cols are PLACEMENT_COLUMNS (columns() keeps no other), CgroupPlace's keys.
+    return cast(CgroupPlace, {c: str(v) for c, v in zip(cols, values, strict=True)
+                              if v is not None})
+
+
 def placements(conn: sqlite3.Connection, node_key: int | None = None
-               ) -> dict[tuple[int, int], Placement]:
+               ) -> dict[tuple[int, int], CgroupPlace]:
     """(node key, pid) -> what is known of where the process ran; processes in no
     container (their cgroup only) are left out."""
     cols = columns(conn)
@@ -36,24 +54,28 @@ def placements(conn: sqlite3.Connection, node_key: int | None = None
     where = "container IS NOT NULL" + ("" if node_key is None else " AND node = ?")
     rows = conn.execute(f"SELECT node, pid, {', '.join(cols)} FROM process_data WHERE "
                         f"{where}", () if node_key is None else (node_key,))
-    return {(int(r[0]), int(r[1])): {c: str(v) for c, v in zip(cols, r[2:], strict=True)
-                                     if v is not None}
-            for r in rows}
+    return {(int(r[0]), int(r[1])): _place(cols, r[2:]) for r in rows}
 
 
-def fields(place: Placement | None) -> dict[str, str]:
+def fields(place: CgroupPlace | None) -> Placement:
     """What a victim, culprit or process row gains: ``pod`` and ``namespace`` (when
     known), ``container`` (its name, else its short id) and ``pod_uid``."""
+    out: Placement = {}
     if not place:
-        return {}
-    out = {k: place[k] for k in ("pod", "namespace", "pod_uid") if place.get(k)}
+        return out
+    if place.get("pod"):
+        out["pod"] = place["pod"]
+    if place.get("namespace"):
+        out["namespace"] = place["namespace"]
+    if place.get("pod_uid"):
+        out["pod_uid"] = place["pod_uid"]
     container = place.get("container_name") or place.get("container")
     if container:
         out["container"] = container
     return out
 
 
-def label(obj: Mapping[str, Any]) -> str:
+def label(obj: Mapping[str, object]) -> str:
     """`` (pod ns/name, container c)`` for a row carrying :func:`fields`, else ``""``."""
     pod, container = obj.get("pod"), obj.get("container")
     if pod:
@@ -78,15 +100,27 @@ def where(place: Mapping[str, str]) -> str:
     return ""
 
 
-def annotate(rows: list[dict[str, Any]], node_key: int,
-             found: dict[tuple[int, int], Placement]) -> None:
+def annotate(rows: Iterable[Row], node_key: int,
+             found: dict[tuple[int, int], CgroupPlace]) -> None:
     """Add :func:`fields` to every row with a ``pid`` on this node, in place."""
     if not found:
         return
     for r in rows:
-        pid = r.get("pid")
-        if isinstance(pid, int):
-            r.update(fields(found.get((node_key, pid))))
+        pid = r["pid"]
+        if pid is not None:
+            place = fields(found.get((node_key, pid)))
+            for k in PLACEMENT_KEYS:  # in fields' order: the JSON's key order
+                if k in place:
+                    r[k] = place[k]
+
+
+def placed(rows: list[Row], pids: Collection[int], node_key: int,
+           found: dict[tuple[int, int], CgroupPlace]) -> list[Row]:
+    """The rows of ``pids`` (a pod's processes, :func:`select`), each with its
+    :func:`fields`."""
+    mine = [r for r in rows if r["pid"] in pids]
+    annotate(mine, node_key, found)
+    return mine
 
 
 def select(conn: sqlite3.Connection, pod: str | None, namespace: str | None
@@ -150,7 +184,7 @@ NOTE_NO_PODS = ("no traced process ran in a container (or the file was recorded 
                 "pods were, schema < 5)")
 
 
-def processes(conn: sqlite3.Connection, node_key: int, node: str) -> list[dict[str, Any]]:
+def processes(conn: sqlite3.Connection, node_key: int, node: str) -> list[PodProcess]:
     """Every process of one node that ran in a container or a pod: node, pid, comm and
     its :func:`fields`, by namespace, pod and pid (fleetd pods)."""
     cols = columns(conn)
@@ -159,20 +193,18 @@ def processes(conn: sqlite3.Connection, node_key: int, node: str) -> list[dict[s
         return []
     rows = conn.execute(f"SELECT pid, comm, {', '.join(cols)} FROM process_data "
                         f"WHERE node = ? AND ({placed})", (node_key,)).fetchall()
-    found = [{"node": node, "pid": int(r[0]), "comm": str(r[1] or ""),
-              **fields({c: str(v) for c, v in zip(cols, r[2:], strict=True) if v is not None})}
-             for r in rows]
+    found: list[PodProcess] = [{"node": node, "pid": int(r[0]), "comm": str(r[1] or ""),
+                                **fields(_place(cols, r[2:]))} for r in rows]
     found.sort(key=lambda r: (r.get("namespace", ""), r.get("pod", ""), r["pid"]))
     return found
 
 
-def by_pod(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def by_pod(procs: list[PodProcess]) -> list[PodGroup]:
     """The processes of :func:`processes` grouped per node and pod (a container outside
     any pod is its own group): node, namespace, pod, pids."""
-    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    groups: dict[tuple[str, str, str], PodGroup] = {}
     for r in procs:
-        key = (str(r.get("node", "")), str(r.get("namespace", "")),
-               str(r.get("pod") or r.get("container", "")))
+        key = (r["node"], r.get("namespace", ""), r.get("pod") or r.get("container", ""))
         g = groups.setdefault(key, {"node": key[0], "namespace": r.get("namespace"),
                                     "pod": r.get("pod") or r.get("container"), "pids": []})
         g["pids"].append(r["pid"])

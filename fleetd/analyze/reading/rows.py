@@ -49,18 +49,15 @@ class CgroupPlace(TypedDict):
 # ---- op statistics (fleetd.analyze.pernode.opstats) ------------------------------------
 
 
-class OpRow(Placement):
-    """A row of ``fleetd ops``: one op (per process with ``--per-process``; ``pid`` and
-    ``comm`` None when summed over processes). ``total_ns`` and the percentiles are None
-    where no call was timed; ``stats_from``: ``events``, ``histogram``,
-    ``timed_sample`` or ``duty_cycle``. The op rows of a pod's selection carry its
-    :class:`Placement`."""
+class OpFigures(TypedDict):
+    """What an op row and a kernel row both say of their calls: ``pid`` and ``comm`` None
+    when summed over processes; ``total_ns`` and the percentiles None where no call was
+    timed."""
 
     node: str
     pid: int | None
     comm: str | None
     op: str
-    source: str
     count: int
     errors: int
     total_ns: int | None
@@ -69,9 +66,17 @@ class OpRow(Placement):
     p95_ns: int | None
     p99_ns: int | None
     max_ns: int | None
-    max_exact: bool
     calls_per_s: float | None
     stats_from: str
+
+
+class OpRow(Placement, OpFigures):
+    """A row of ``fleetd ops``: one op (per process with ``--per-process``);
+    ``stats_from``: ``events``, ``histogram``, ``timed_sample`` or ``duty_cycle``. The op
+    rows of a pod's selection carry its :class:`Placement`."""
+
+    source: str
+    max_exact: bool
     events: int
 
 
@@ -87,27 +92,14 @@ OP_COLUMNS: tuple[OpColumn, ...] = (
 )
 
 
-class KernelOpRow(TypedDict):
+class KernelOpRow(Placement, OpFigures):
     """A row of ``fleetd ops --by kernel``: one kernel name (and process) of the stored
     launches; ``est_calls`` scales its stored count by its op's sampling, and
-    ``stats_from`` is ``sample`` when that scaled it, else ``events``."""
+    ``stats_from`` is ``sample`` when that scaled it, else ``events``. The kernel rows
+    of a pod's selection carry its :class:`Placement`."""
 
-    node: str
-    pid: int | None
-    comm: str | None
     kernel: str
-    op: str
-    count: int
     est_calls: int
-    errors: int
-    total_ns: int | None
-    mean_ns: int | None
-    p50_ns: int | None
-    p95_ns: int | None
-    p99_ns: int | None
-    max_ns: int | None
-    calls_per_s: float | None
-    stats_from: str
 
 
 KernelColumn = Literal[
@@ -153,8 +145,8 @@ class WaitChannel(TypedDict):
     ns: int
 
 
-# The columns of a thread's wall time (and, summed, of a process's): ns each but
-# ``switches``. The five sleep reasons are fleetd.analyze.reading.waits.REASONS + "_ns".
+# The keys of :class:`TimeSplit`, which a process sums over its threads. The five sleep
+# reasons are fleetd.analyze.reading.waits.REASONS + "_ns".
 TimeColumn = Literal[
     "running_ns", "runq_ns", "irq_ns", "d_state_ns", "sleeping_ns", "lock_ns", "data_ns",
     "timer_ns", "gpu_sync_ns", "other_ns", "off_cpu_ns", "in_cuda_ns", "reclaim_ns",
@@ -167,16 +159,12 @@ SUMMED_COLUMNS: tuple[TimeColumn, ...] = (
 )
 
 
-class ThreadRow(TypedDict):
-    """Where one thread's wall time went (docs/explain.md, "A process", ``threads``):
-    the columns from ``running_ns`` to ``other_ns`` add up to ``wall_ns``; ``in_cuda_ns``,
-    ``reclaim_ns`` and ``lock_spin_ns`` overlap them."""
+class TimeSplit(TypedDict):
+    """Where wall time went, for a thread and (summed over its threads) a process:
+    ``running_ns`` to ``other_ns`` add up to the wall time; ``in_cuda_ns``,
+    ``reclaim_ns`` and ``lock_spin_ns`` overlap them; ``switches``: stored off-CPU
+    intervals."""
 
-    pid: int
-    tid: int
-    comm: str | None
-    thread: str | None
-    wall_ns: int
     running_ns: int
     runq_ns: int
     irq_ns: int
@@ -189,11 +177,21 @@ class ThreadRow(TypedDict):
     other_ns: int
     off_cpu_ns: int
     in_cuda_ns: int
-    in_cuda_estimated: bool
     reclaim_ns: int
     lock_spin_ns: int
-    cuda_calls_stored: int
     switches: int
+
+
+class ThreadRow(TimeSplit):
+    """Where one thread's wall time went (docs/explain.md, "A process", ``threads``)."""
+
+    pid: int
+    tid: int
+    comm: str | None
+    thread: str | None
+    wall_ns: int
+    in_cuda_estimated: bool
+    cuda_calls_stored: int
     syscall_outliers: list[SyscallOutlier]
     d_state_wchan: list[WaitChannel]
 
@@ -210,34 +208,24 @@ class PageAllocs(TypedDict):
     pages: int
 
 
-class ProcessRow(Placement):
-    """A process of the breakdown (docs/explain.md, "A process"): its threads summed,
-    the exact in-kernel totals beside them, its heaviest ops, then its
-    :class:`Placement`."""
+class ProcessTotals(Placement, TimeSplit):
+    """A process of the breakdown without its threads and ops: its threads' columns
+    summed, the exact in-kernel totals beside them, then its :class:`Placement`."""
 
     node: str
     pid: int
     comm: str | None
-    threads: list[ThreadRow]
-    running_ns: int
-    runq_ns: int
-    irq_ns: int
-    d_state_ns: int
-    sleeping_ns: int
-    lock_ns: int
-    data_ns: int
-    timer_ns: int
-    gpu_sync_ns: int
-    other_ns: int
-    off_cpu_ns: int
-    in_cuda_ns: int
-    reclaim_ns: int
-    lock_spin_ns: int
-    switches: int
     hist_off_cpu: HistTotal
     hist_runq: HistTotal
     page_allocs: PageAllocs
     block_io: HistTotal
+
+
+class ProcessRow(ProcessTotals):
+    """A process of the breakdown (docs/explain.md, "A process"): its totals, its
+    threads and its heaviest ops (``threads`` comes after ``comm`` in the JSON)."""
+
+    threads: list[ThreadRow]
     top_ops: list[TopOp]  # up to 5
 
 
