@@ -9,15 +9,17 @@ hard or lightly, too slow a data producer, weights allocated once at start-up:
 bench/_first_alloc.py), the feeding thread's own page-fault reads beside a neighbour
 reading the same disk (tests/workloads/own_faults.py), each step's log line written to a
 pipe a slow shipper drains (tests/workloads/log_pipe.py), or the three-node fleet with
-one node's CPU shared with a busy loop, traced by ``fleetd trace`` exactly as a user
-would (real BPF), then ``fleetd explain --format json``. Each problem has a control, the
-same run without it (or with a harmless version of it: the busy loop on another CPU,
+each node in a CPU slice of its own (a cgroup CPU quota of a third of the victim's CPU,
+as a pod's limit) and a busy loop in node-3's, traced by ``fleetd trace`` exactly as a
+user would (real BPF), then ``fleetd explain --format json``. Each problem has a
+control, the same run without it (or with a harmless version of it: the busy loop on another CPU,
 the sidecar rewriting a file nobody else writes, a fast producer, a shipper that keeps
 up, the fleet without the hog). A scenario whose workload is not in the tree is listed
 as skipped, not counted.
 
-The victim runs alone on the last CPU; the tracers (the instrument), the neighbours
-placed "other" and the other fleet nodes on the first. While a scenario's processes run,
+The victim runs alone on the last CPU (the fleet's nodes share it, each in its slice);
+the tracers (the instrument), the neighbours placed "other" and this process on the
+first. While a scenario's processes run,
 every other process on the machine (other sessions' work, ``busy-node.sh``'s loops, the
 noise below) yields the CPU to them at once (tests/shield.py: cgroup ``cpu.idle``): on a
 busy machine they would otherwise preempt the victim, a real delay the scenario did not
@@ -88,10 +90,12 @@ from shield import others_yield  # noqa: E402
 
 from fleetd.analyze.causes.chains import severity  # noqa: E402
 
+from netbed import CpuSlices  # noqa: E402
+
 SECONDS = float(os.environ.get("BENCH_ACCURACY_S", "4"))
 RANK = {"HIGH": 3, "MEDIUM": 2, "LOW": 1}
 SHARE_TOLERANCE = 0.02  # a chain's share against the breakdown column, as a fraction
-CPUS = sorted(os.sched_getaffinity(0))  # as started: main() then keeps itself off the last
+CPUS = sorted(os.sched_getaffinity(0))  # as started (a scenario keeps this process off one)
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,9 @@ CASES: tuple[Case, ...] = (
 
 FLEET = ("node-1", "node-2", "node-3")
 FLEET_SLOW = "node-3"  # the node that shares its CPU with the hog
+# Each node's CPU slice on the victim's CPU: a third of it, as a pod's CPU limit (the
+# reference workload needs about a fifth); the hog runs inside node-3's.
+FLEET_QUOTA = 0.33
 
 
 @dataclass
@@ -188,8 +195,25 @@ def _cpus() -> tuple[int, int]:
     return CPUS[-1], CPUS[0]
 
 
-def _pinned(cpu: int) -> Callable[[], None]:
-    return lambda: os.sched_setaffinity(0, {cpu})
+def _pinned(cpu: int, group: Path | None = None) -> Callable[[], None]:
+    """A preexec_fn: on ``cpu``, and in the cgroup ``group`` if one is given."""
+    def enter() -> None:
+        if group is not None:
+            (group / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        os.sched_setaffinity(0, {cpu})
+    return enter
+
+
+def _fleet_slices(stack: ExitStack) -> dict[str, Path]:
+    """One CPU slice per fleet node (a cgroup CPU quota), removed when ``stack`` closes;
+    none where no cgroup cpu controller is writable: the nodes then run as placed."""
+    slices = CpuSlices.detect()
+    if slices is None:
+        return {}
+    parent = f"fleetd-acc-{os.getpid()}"
+    stack.callback(slices.remove_all)
+    slices.make(parent)
+    return {n: slices.make(f"{parent}/{n}", FLEET_QUOTA) for n in FLEET}
 
 
 def run_case(case: Case, tmp: Path) -> Run:
@@ -198,15 +222,21 @@ def run_case(case: Case, tmp: Path) -> Run:
     mine, other = _cpus()
     places = {"disk": str(tmp), "shared": str(Path("/dev/shm") / f"fleetd-acc-{os.getpid()}"),
               "own": str(Path("/dev/shm") / f"fleetd-acc-own-{os.getpid()}")}
-    nodes = ([(n, mine if n == FLEET_SLOW else other) for n in FLEET]
-             if case.fleet else [("acc-01", mine)])
     go = tmp / "go"
     out = Run()
     t0 = time.monotonic()
     with ExitStack() as stack:
         # Up first, down last: from before the first process starts to after the last
-        # one is stopped; the explain after it runs beside everything else.
+        # one is stopped; the explain after it runs beside everything else. This
+        # process (the shield's sweeps) keeps off the victim's CPU meanwhile.
         out.shield = stack.enter_context(others_yield()).describe()
+        os.sched_setaffinity(0, [c for c in CPUS if c != mine] or [mine])
+        stack.callback(os.sched_setaffinity, 0, CPUS)
+        slices = _fleet_slices(stack) if case.fleet else {}
+        # The fleet's nodes share the victim's CPU, each in its slice; without slices
+        # node-3 has it alone with the hog and the others share the first CPU.
+        nodes = ([(n, mine if slices or n == FLEET_SLOW else other) for n in FLEET]
+                 if case.fleet else [("acc-01", mine)])
         procs: list[subprocess.Popen[Any]] = []
         stack.callback(_stop_all, procs)
         stack.callback(_unlink, [places["shared"], places["own"]])
@@ -217,7 +247,7 @@ def run_case(case: Case, tmp: Path) -> Run:
             wl = subprocess.Popen(
                 [sys.executable, str(REPO / case.workload), "--duration", f"{SECONDS:g}",
                  "--go-file", str(go), *(a.format(**places) for a in case.args)],
-                stdout=subprocess.PIPE, text=True, preexec_fn=_pinned(cpu))
+                stdout=subprocess.PIPE, text=True, preexec_fn=_pinned(cpu, slices.get(node)))
             procs.append(wl)
             loads.append((node, wl))
         tracers = []
@@ -237,7 +267,8 @@ def run_case(case: Case, tmp: Path) -> Run:
             nb = subprocess.Popen(
                 [sys.executable, str(NEIGHBOUR), *(a.format(**places) for a in case.neighbour),
                  "--seconds", f"{SECONDS + 20:g}"],
-                preexec_fn=_pinned(mine if case.neighbour_cpu == "same" else other))
+                preexec_fn=_pinned(mine if case.neighbour_cpu == "same" else other,
+                                   slices.get(FLEET_SLOW)))
             procs.append(nb)
             out.neighbour = nb.pid
             time.sleep(0.3)  # the neighbour is up before the first step
@@ -402,7 +433,7 @@ def _judge_fleet(case: Case, run: Run) -> tuple[str, str]:
     report = run.report
     flagged = [s["node"] for s in report.get("stragglers", []) if s["flagged"]]
     if case.root is None:
-        # The fleet's answer is its stragglers. (Two of the nodes share a CPU by design,
+        # The fleet's answer is its stragglers. (The nodes share a CPU by design,
         # so their chains may be HIGH: they do take the CPU from each other.)
         if flagged:
             return "false_high", f"stragglers flagged: {flagged}, expected none"
@@ -443,9 +474,6 @@ def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     mine, other = _cpus()
     spare = [c for c in CPUS if c != mine] or [mine]
-    # This process (the shield's sweeps, the merges and explains it runs) keeps off the
-    # victim's CPU too; what it starts sets its own CPU.
-    os.sched_setaffinity(0, spare)
     # A TERM unwinds like Ctrl-C: the other processes go back to their priority, the
     # scenario's are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
