@@ -19,7 +19,7 @@ as skipped, not counted.
 
 The victim runs alone on the last CPU (the fleet's nodes share it, each in its slice);
 the tracers (the instrument), the neighbours placed "other" and this process on the
-first. While a scenario's processes run,
+first. While a scenario runs (its processes, then the merge and explain of what they did),
 every other process on the machine (other sessions' work, ``busy-node.sh``'s loops, the
 noise below) yields the CPU to them at once (tests/shield.py: cgroup ``cpu.idle``): on a
 busy machine they would otherwise preempt the victim, a real delay the scenario did not
@@ -219,17 +219,36 @@ def _fleet_slices(stack: ExitStack) -> dict[str, Path]:
 def run_case(case: Case, tmp: Path) -> Run:
     """Start the workload(s), trace each with its own ``fleetd trace``, start the
     neighbour, let the workloads go, wait for all, then explain (the merge for a fleet)."""
+    out = Run()
+    t0 = time.monotonic()
+    # From before the first process starts to the explain's end: on a busy machine the
+    # bench's own work (the tracers' start, the merge, the explain) would otherwise take
+    # most of its minutes.
+    with others_yield() as shield:
+        out.shield = shield.describe()
+        first = _trace(case, tmp, out)
+        target = out.dbs[first]
+        if case.fleet:
+            target = tmp / "cluster.db"
+            subprocess.run([FLEETD, "merge", *map(str, out.dbs.values()), "-o",
+                            str(target)], check=True, capture_output=True, text=True,
+                           timeout=300)
+        done = subprocess.run([FLEETD, "explain", "--db", str(target), "--format", "json"],
+                              capture_output=True, text=True, check=True, timeout=300)
+    out.report = json.loads(done.stdout)
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+def _trace(case: Case, tmp: Path, out: Run) -> str:
+    """Run and trace the scenario's processes into ``out`` (summaries, databases,
+    neighbour); every one is stopped on the way out. Returns the first node's name."""
     mine, other = _cpus()
     places = {"disk": str(tmp), "shared": str(Path("/dev/shm") / f"fleetd-acc-{os.getpid()}"),
               "own": str(Path("/dev/shm") / f"fleetd-acc-own-{os.getpid()}")}
     go = tmp / "go"
-    out = Run()
-    t0 = time.monotonic()
     with ExitStack() as stack:
-        # Up first, down last: from before the first process starts to after the last
-        # one is stopped; the explain after it runs beside everything else. This
-        # process (the shield's sweeps) keeps off the victim's CPU meanwhile.
-        out.shield = stack.enter_context(others_yield()).describe()
+        # This process (the shield's sweeps) keeps off the victim's CPU meanwhile.
         os.sched_setaffinity(0, [c for c in CPUS if c != mine] or [mine])
         stack.callback(os.sched_setaffinity, 0, CPUS)
         slices = _fleet_slices(stack) if case.fleet else {}
@@ -280,16 +299,7 @@ def run_case(case: Case, tmp: Path) -> Run:
                 raise RuntimeError(f"{node}: trace exited {tr.returncode}, workload "
                                    f"{wl.returncode}:\n{log.text()}")
             out.summaries[node] = json.loads(text.strip().splitlines()[-1])
-    target = out.dbs[nodes[0][0]]
-    if case.fleet:
-        target = tmp / "cluster.db"
-        subprocess.run([FLEETD, "merge", *map(str, out.dbs.values()), "-o", str(target)],
-                       check=True, capture_output=True, text=True, timeout=300)
-    done = subprocess.run([FLEETD, "explain", "--db", str(target), "--format", "json"],
-                          capture_output=True, text=True, check=True, timeout=300)
-    out.report = json.loads(done.stdout)
-    out.seconds = time.monotonic() - t0
-    return out
+    return nodes[0][0]
 
 
 def _stop_all(procs: list[subprocess.Popen[Any]]) -> None:
