@@ -21,13 +21,19 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 from fleetd.analyze.causes.chains import Chain, severity
-from fleetd.analyze.causes.rules import Context, rule_chain
+from fleetd.analyze.causes.rules import Context, rule_chain, with_place
 from fleetd.analyze.reading import pods
+from fleetd.analyze.reading.answers_chain import (
+    ChainDetail,
+    EvidenceItem,
+    QuotaFigures,
+    RankedCulprit,
+)
 from fleetd.analyze.reading.cgroup_samples import place_of, sampled_pids, samples
 from fleetd.analyze.reading.nodeview import OFF_CPU, RUNQ, NodeView, task_state
+from fleetd.analyze.reading.rows import CgroupPlace
 from fleetd.analyze.reading.window import Window
 from fleetd.store.catalog import op_code
 
@@ -52,7 +58,7 @@ class Quota:
     throttled_periods: int = 0
     periods: int = 0
     members: set[int] = field(default_factory=set)
-    place: dict[str, Any] = field(default_factory=dict)  # container, pod, namespace
+    place: CgroupPlace = field(default_factory=lambda: CgroupPlace())  # container, pod, ...
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, ns)
     by_limit: dict[tuple[int, int], int] = field(default_factory=dict)  # -> throttled ns
 
@@ -136,13 +142,15 @@ def _chain(ctx: Context, q: Quota, pid: int, throttled_share: float) -> Chain:
     else:  # no run-queue records for the thread: the cgroup's figure alone, unexplained
         impact, explained = throttled_share, 0.0
     periods = q.throttled_periods / q.periods if q.periods else 0.0
-    detail = {"cgroup": q.cgroup, "quota_us": q.quota_us, "period_us": q.period_us,
-              "cpus": round(q.cpus, 3), "throttled_ns": q.throttled_ns,
-              "throttled_share": round(throttled_share, 4),
-              "throttled_periods": q.throttled_periods, "periods": q.periods,
-              "throttled_period_share": round(periods, 4),
-              "members": sorted(q.members)[:16], **q.place, "share_of": "runq"}
-    evidence = [{"kind": "cgroup_quota", "text":
+    detail: ChainDetail = {
+        "cgroup": q.cgroup, "quota_us": q.quota_us, "period_us": q.period_us,
+        "cpus": round(q.cpus, 3), "throttled_ns": q.throttled_ns,
+        "throttled_share": round(throttled_share, 4),
+        "throttled_periods": q.throttled_periods, "periods": q.periods,
+        "throttled_period_share": round(periods, 4), "members": sorted(q.members)[:16]}
+    with_place(detail, q.place)
+    detail["share_of"] = "runq"
+    evidence: list[EvidenceItem] = [{"kind": "cgroup_quota", "text":
                  f"cgroup {q.cgroup}{pods.where(q.place)}: quota {q.quota_us} us per "
                  f"{q.period_us} us "
                  f"({q.cpus:g} CPU); throttled in {q.throttled_periods} of {q.periods} "
@@ -212,16 +220,20 @@ def _neighbour_spends_it(ctx: Context, chains: list[Chain], quota: Chain, q: Quo
         if inside and sum(float(c.get("share") or 0.0) for c in inside) >= INSIDE_SHARE:
             ch.culprits = inside
             ch.extra_evidence = [*quota.extra_evidence, *ch.extra_evidence]
-            ch.detail["quota"] = {k: quota.detail[k] for k in (
-                "cgroup", "quota_us", "period_us", "cpus", "throttled_share",
-                "throttled_period_share")}
+            d = quota.detail
+            ch.detail["quota"] = QuotaFigures(
+                cgroup=d.get("cgroup", q.cgroup), quota_us=d.get("quota_us", q.quota_us),
+                period_us=d.get("period_us", q.period_us), cpus=d.get("cpus", q.cpus),
+                throttled_share=d.get("throttled_share", 0.0),
+                throttled_period_share=d.get("throttled_period_share", 0.0))
             return True
     for ch in mine:
         rest = max(0.0, ch.impact - quota.impact)
         if rest < MIN_THROTTLED_SHARE:
             ch.detail["throttled_away"] = True
             continue
-        ch.detail.update(quota_share=round(quota.impact, 6), share=round(rest, 6))
+        ch.detail["quota_share"] = round(quota.impact, 6)
+        ch.detail["share"] = round(rest, 6)
         ch.impact = round(rest, 6)
         ch.severity = severity(ch.explained, ch.impact)
         _culprits_outside(ctx, ch, tid, held_spans(ctx, tid, q))
@@ -242,14 +254,17 @@ def _culprits_outside(ctx: Context, ch: Chain, tid: int,
                                v.names).cpu_takers(tid))
     if not takers:
         return
-    kept = []
+    kept: list[RankedCulprit] = []
     for c in ch.culprits:
-        ns = sum(takers.get(int(t), 0) for t in c.get("tids") or [c.get("tid")])
+        tids = c.get("tids") or [t for t in (c.get("tid"),) if t is not None]
+        ns = sum(takers.get(int(t), 0) for t in tids)
         if ns > 0:
-            kept.append({**c, "ns": ns})
+            k = c.copy()
+            k["ns"] = ns
+            kept.append(k)
     total = sum(takers.values())
     for c in kept:
-        c["share"] = round(c["ns"] / max(1, total), 3)
+        c["share"] = round(c.get("ns", 0) / max(1, total), 3)
     ch.culprits = sorted(kept, key=lambda c: -(c["share"] + c.get("presence", 0.0)))
 
 
