@@ -165,9 +165,10 @@ def _set_quota(group: Path, quota_us: int, hierarchy: str) -> None:
 def test_crowded_then_throttled_each_cause_gets_its_own_time(tmp_path: Path,
                                                              hierarchy: str) -> None:
     """The first 3 s a busy loop outside the workload's cgroup shares its CPU (a limit of
-    0.9 CPU it never reaches); then the loop is gone and the limit drops to 3%. The quota is named as it was when it throttled (3000 us), nobody
-    is blamed for the throttled half, the loop is the culprit of the crowded half, and
-    the two chains split the thread's run-queue time between them."""
+    0.9 CPU it never reaches); then the loop is gone and the limit drops to 3%. The quota
+    is named as it was when it throttled (3000 us), nobody is blamed for the throttled
+    part, the loop is the culprit of the crowded part, and the two chains split the
+    thread's run-queue time between them."""
     go, db = tmp_path / "go", tmp_path / "t.db"
     with cpu_cgroup(90_000, hierarchy) as group:
         assert group is not None
