@@ -13,7 +13,7 @@ import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from fleetd.errors import StoreError, UsageError
 from fleetd.fleet.client import FleetClient
@@ -129,8 +129,9 @@ async def _fleet_lake(opts: FleetOptions, root: Path, since_ns: int | None,
     out = LakeExport(root)
     for o in answer.answered:
         assert o.replies is not None
-        pulled: dict[str, list[list[Any]] | None] = o.replies[0]["tables"]
-        for name in o.replies[0]["cut"]:
+        # What work() above returned for the node (the fan-out holds it as a JSON object).
+        pulled = cast(dict[str, list[list[Any]] | None], o.replies[0]["tables"])
+        for name in cast(list[str], o.replies[0]["cut"]):
             out.warnings.append(f"node {o.name!r}: only the first {MAX_NODE_ROWS:,} rows of "
                                 f"{name} were exported; narrow the window (--from/--to) or "
                                 "let the agent keep its own lake (--parquet-dir)")

@@ -97,7 +97,7 @@ def with_arrivals(plan: Plan, bounds: Bounds, max_rows: int | None = None) -> No
     """Per node: the plan's requests (any failure fails the node) and, beside them, its
     arrivals, whose failure is only remembered (:data:`FAILED`): an agent without the
     endpoint still has chains and a profile."""
-    async def work(client: FleetClient, t: Target, offset: int) -> list[dict[str, Any]]:
+    async def work(client: FleetClient, t: Target, offset: int) -> list[dict[str, object]]:
         extra = asyncio.create_task(_optional(client, t, request(bounds, offset, max_rows)))
         try:
             replies = await send_all(client, t, plan(offset))
@@ -109,7 +109,7 @@ def with_arrivals(plan: Plan, bounds: Bounds, max_rows: int | None = None) -> No
     return work
 
 
-async def _optional(client: FleetClient, t: Target, r: Request) -> dict[str, Any]:
+async def _optional(client: FleetClient, t: Target, r: Request) -> dict[str, object]:
     try:
         [reply] = await send_all(client, t, [r])
     except NodeFailed as exc:

@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fleetd.errors import UsageError
 from fleetd.fleet import skew as skewmod
@@ -79,14 +79,18 @@ Plan = Callable[[int], Sequence[Request]]
 # (client, node, offset) -> the node's replies: what a plan's requests would give, for
 # work that is more than one round of requests (a request that depends on another's
 # answer, a streamed body)
-NodeWork = Callable[[FleetClient, Target, int], Awaitable[list[dict[str, Any]]]]
+NodeWork = Callable[[FleetClient, Target, int], Awaitable[list[dict[str, object]]]]
 
 
 @dataclass(slots=True)
 class NodeOutcome:
     target: Target
     name: str
-    replies: list[dict[str, Any]] | None = None
+    # One per request, as checked() left it: the request's reader's typed answer (copied
+    # into a plain dict), or a body whose numbers were checked. A node's requests differ
+    # in shape, so here each is only a JSON object; whoever planned the request knows
+    # its reader and reads the reply as that reader's type.
+    replies: list[dict[str, object]] | None = None
     failure: Failure | None = None
     skew: Skew | None = None
     skew_failure: Failure | None = None
@@ -135,7 +139,7 @@ class FleetAnswer:
 
 def plan_work(plan: Plan) -> NodeWork:
     """A plan's requests as one node's work: sent at once, the first failure fails it."""
-    async def work(c: FleetClient, t: Target, offset: int) -> list[dict[str, Any]]:
+    async def work(c: FleetClient, t: Target, offset: int) -> list[dict[str, object]]:
         return await send_all(c, t, plan(offset))
 
     return work
@@ -306,7 +310,7 @@ def _estimate(out: NodeOutcome, clock: ClockLog, failure: Failure | None) -> Non
 
 
 async def send_all(client: FleetClient, t: Target, requests: Sequence[Request]
-                   ) -> list[dict[str, Any]]:
+                   ) -> list[dict[str, object]]:
     """The requests to one node at once; the first failure fails the node."""
     if len(requests) == 1:
         return [await _send(client, t, requests[0])]
@@ -324,7 +328,7 @@ async def send_all(client: FleetClient, t: Target, requests: Sequence[Request]
     return [task.result() for task in tasks]
 
 
-async def _send(client: FleetClient, t: Target, r: Request) -> dict[str, Any]:
+async def _send(client: FleetClient, t: Target, r: Request) -> dict[str, object]:
     if r.method == "POST":
         reply = await client.post(t, r.path, r.body or {})
     else:
@@ -335,7 +339,7 @@ async def _send(client: FleetClient, t: Target, r: Request) -> dict[str, Any]:
 VERSION_HINT = f"is the agent a different fleetd version? compare {paths.HEALTH} versions"
 
 
-def checked(r: Request, reply: dict[str, object], where: str) -> dict[str, Any]:
+def checked(r: Request, reply: dict[str, object], where: str) -> dict[str, object]:
     """A node's answer to ``r`` (direct or relayed), checked once: the keys it must have,
     then ``r.check`` (the wire's reader for its shape) or, without one, its numbers.
     Raises :class:`BadReply`, which fails the node."""

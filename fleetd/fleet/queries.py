@@ -10,7 +10,7 @@ node's clock offset, merges, and returns a :class:`FleetResult`: the JSON object
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -44,7 +44,7 @@ from fleetd.store.bounds import Bounds
 from fleetd.wire import paths
 from fleetd.wire.pods import PLACEMENT_FIELDS, label, params, read_placement
 from fleetd.wire.query import check_rows
-from fleetd.wire.shapes import QueryBody
+from fleetd.wire.shapes import ChainsReply, QueryBody, QueryReply
 
 log = logging.getLogger("fleetd.fleet.queries")
 
@@ -100,8 +100,9 @@ def _node_rows(answer: FleetAnswer, o: NodeOutcome) -> NodeRows:
     """A node's rows in our clock. Its answer was checked where it was read
     (:func:`fleetd.wire.query.check_rows`, the request's check), so it has its shape."""
     assert o.replies is not None
-    reply = o.replies[0]
-    columns, rows = reply["columns"], reply["rows"]
+    reply = cast(QueryReply, o.replies[0])  # read by check_rows, the request's check
+    # check_rows let through only rows that are lists (JSON arrays), kept in place.
+    columns, rows = reply["columns"], cast(list[list[Any]], reply["rows"])
     correct_rows(columns, rows, answer.offset_ns(o))
     return NodeRows(o.name, columns, rows, reply["truncated"], reply["truncated_reason"])
 
@@ -141,7 +142,8 @@ def explain(opts: FleetOptions, bounds: Bounds, pid: int | None = None,
     verdicts: dict[str, str] = {}
     for o in answer.answered:
         assert o.replies is not None
-        got, prof = o.replies[:2]
+        got = cast(ChainsReply, o.replies[0])  # read by CHAINS.check (_reader)
+        prof = o.replies[1]
         off = answer.offset_ns(o)
         chains += [_tagged(correct_obj(c, off), o.name) for c in got.get("chains") or []]
         processes += [_placed(p, o.name) for p in got.get("processes") or []
@@ -164,7 +166,7 @@ def explain(opts: FleetOptions, bounds: Bounds, pid: int | None = None,
     return FleetResult(answer, obj)
 
 
-def _placed(proc: dict[str, object], node: str) -> dict[str, object]:
+def _placed(proc: Mapping[str, object], node: str) -> dict[str, object]:
     """A node's process row tagged with its node, its pod fields read as untrusted
     text (fleetd.wire.pods)."""
     out = {k: v for k, v in proc.items() if k not in PLACEMENT_FIELDS}

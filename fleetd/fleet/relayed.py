@@ -124,7 +124,7 @@ async def fan_out_relayed(opts: FleetOptions, plan: Plan, *, needs_offset: bool 
                and r.relay.address not in {t.address for t in direct}]
     probe = Request("GET", paths.HEALTH, expect=("node",))
 
-    async def work(c: FleetClient, t: Target, offset: int) -> list[dict[str, Any]]:
+    async def work(c: FleetClient, t: Target, offset: int) -> list[dict[str, object]]:
         return await send_all(c, t, plan(offset) if t.address in listed else [probe])
 
     direct_opts = dataclasses.replace(opts, targets=tuple(direct), relays=())
@@ -295,7 +295,8 @@ def _entry(entry: dict[str, object], member: Target, route: RelayRoute,
     return out
 
 
-def _replies(raw: Any, member: Target, requests: Sequence[Request]) -> list[dict[str, Any]]:
+def _replies(raw: Any, member: Target, requests: Sequence[Request]
+             ) -> list[dict[str, object]]:
     """The same checks a direct answer passes (fanout's per-request checks)."""
     where = f"{member.address} (relayed)"
     if not isinstance(raw, list) or len(raw) != len(requests):
