@@ -31,10 +31,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from fleetd.cli.demo_slices import Slices, pin
 from fleetd.errors import FleetdError, TraceError, UsageError
@@ -396,9 +396,11 @@ def _check_parts(fleet: Fleet) -> None:
             _say(f"  FAILED {line}")
 
 
-def _explain(cmd: list[str], dest: Path) -> dict[str, Any]:
+def _explain(cmd: list[str], dest: Path) -> dict[str, object]:
     """Run the fleet explain once, as JSON into ``dest``, and print that answer as the
-    table ``fleetd explain`` prints: the summary then repeats the same answer."""
+    table ``fleetd explain`` prints: the summary then repeats the same answer. The answer
+    is read back from a file another process wrote, so it stays unchecked ``object``
+    values: the summary below reads each with ``isinstance`` and a fallback."""
     from fleetd.cli.explain_render import render_fleet
 
     shown = ["fleetd", *cmd[len(_fleetd()):]]
@@ -421,12 +423,21 @@ def _explain(cmd: list[str], dest: Path) -> dict[str, Any]:
     return doc
 
 
-def _late_ranks(verdict: dict[str, Any]) -> list[dict[str, Any]]:
-    return [s for s in verdict.get("stragglers") or [] if isinstance(s, dict)
-            and s.get("metric") == "collective_arrival" and s.get("flagged")]
+def _objects(value: object) -> list[dict[str, object]]:
+    """The objects of a list in the answer (anything else in it, or no list: none)."""
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
 
 
-def headline_missing(verdict: dict[str, Any], failures: list[str]) -> str | None:
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def _late_ranks(verdict: Mapping[str, object]) -> list[dict[str, object]]:
+    return [s for s in _objects(verdict.get("stragglers"))
+            if s.get("metric") == "collective_arrival" and s.get("flagged")]
+
+
+def headline_missing(verdict: Mapping[str, object], failures: list[str]) -> str | None:
     """Why the late rank could not be named (None when it was)."""
     if _late_ranks(verdict):
         return None
@@ -436,38 +447,37 @@ def headline_missing(verdict: dict[str, Any], failures: list[str]) -> str | None
                       *failures])
 
 
-def _top_chains(verdict: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _top_chains(verdict: Mapping[str, object]) -> dict[str, dict[str, object]]:
     """Each node's first chain (the list comes most severe first)."""
-    top: dict[str, dict[str, Any]] = {}
-    for chain in verdict.get("chains") or []:
-        if isinstance(chain, dict) and isinstance(chain.get("node"), str):
-            top.setdefault(chain["node"], chain)
+    top: dict[str, dict[str, object]] = {}
+    for chain in _objects(verdict.get("chains")):
+        if isinstance(node := chain.get("node"), str):
+            top.setdefault(node, chain)
     return top
 
 
-def _culprit_text(chain: dict[str, Any]) -> str:
+def _culprit_text(chain: Mapping[str, object]) -> str:
     c = chain.get("culprit")
     if not isinstance(c, dict):
         return "no culprit process"
     return f"culprit {c.get('comm', '?')} pid {c.get('pid', '?')}"
 
 
-def summary_lines(verdict: dict[str, Any], files: list[Path],
+def summary_lines(verdict: Mapping[str, object], files: list[Path],
                   window: list[str] | None = None) -> list[str]:
     """At most 12 lines: who is late, each node's top cause, the files written, what
     next. From the one explain answer step 5 printed; only ``files`` that exist."""
     lines = ["Summary (the full explain is above):"]
     ranks = _late_ranks(verdict)
-    nodes = [s for s in verdict.get("stragglers") or []
-             if isinstance(s, dict) and s.get("flagged") and s.get("metric") !=
-             "collective_arrival"]
+    nodes = [s for s in _objects(verdict.get("stragglers"))
+             if s.get("flagged") and s.get("metric") != "collective_arrival"]
     if ranks:
         r = ranks[0]
         lines.append(f"  straggler: rank {r.get('rank')} on {r.get('node')} (pid {r.get('pid')}), "
-                     f"last in {float(r.get('share_last') or 0):.0%} of the collectives")
+                     f"last in {_number(r.get('share_last')):.0%} of the collectives")
     if nodes:
         lines.append(f"  straggler node: {nodes[0].get('node')} ({nodes[0].get('metric')}, "
-                     f"score {float(nodes[0].get('score') or 0):.2f})")
+                     f"score {_number(nodes[0].get('score')):.2f})")
     if not ranks and not nodes:
         lines.append("  no straggler named (see the explain above)")
     for node, chain in sorted(_top_chains(verdict).items())[:3]:

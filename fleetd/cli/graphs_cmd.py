@@ -45,18 +45,22 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write(obj: dict[str, Any], fmt: str) -> None:
-    procs = [p for p in obj.get("processes") or [] if isinstance(p, dict)]
+    got = obj.get("processes")
+    procs = [p for p in got if isinstance(p, dict)] if isinstance(got, list) else []
     rows = [_row(p) for p in procs]
     write_rows(COLUMNS, rows, fmt, sys.stdout, {k: v for k, v in obj.items()
                                                  if k != "processes"} | {"processes": procs})
     print_notes(obj, bool(procs), fmt)
 
 
-def _row(p: dict[str, Any]) -> list[Any]:
+def _row(p: dict[str, object]) -> list[object]:
+    """A process's row. Over the fleet, a node's answer to graphs has no wire reader
+    (only its numbers are checked), so its values stay ``object``, each read with a
+    fallback: a node that sends something else costs that cell, not the table."""
     phases = _dict(p.get("phases"))
     rates = _dict(p.get("rates"))
 
-    def count(phase: str) -> Any:
+    def count(phase: str) -> object:
         got = phases.get(phase)
         return got.get("count") if isinstance(got, dict) else 0
 
@@ -65,6 +69,6 @@ def _row(p: dict[str, Any]) -> list[Any]:
             rates.get("build_share_of_wall"), p.get("verdict")]
 
 
-def _dict(value: Any) -> dict[str, Any]:
+def _dict(value: object) -> dict[str, object]:
     """A node's nested object, or an empty one where it sent something else."""
     return value if isinstance(value, dict) else {}

@@ -79,14 +79,19 @@ def _min_dur(text: str | None) -> int:
         raise UsageError(f"--min-dur: {exc.message}", exc.hint) from exc
 
 
-def _write(obj: dict[str, Any], found: list[dict[str, Any]], fmt: str, out: TextIO) -> None:
+def _write(obj: dict[str, Any], found: list[dict[str, object]], fmt: str,
+           out: TextIO) -> None:
+    """``found``: the stacks to show. Over the fleet a node's answer to stacks has no
+    wire reader (only its numbers are checked), so a stack's values stay ``object``,
+    each read with a fallback."""
     if fmt == FOLDED:
         for s in found:
-            out.write(folded([str(f) for f in s.get("frames") or []],
-                             int(s.get("events") or 0)) + "\n")
+            events = s.get("events")
+            out.write(folded(_frame_list(s), events if isinstance(events, int) else 0)
+                      + "\n")
         return
     rows = [[s.get("node"), s.get("events"), s.get("total_ns"), s.get("mean_ns"),
-             s.get("max_ns"), ",".join(map(str, s.get("ops") or [])),
+             s.get("max_ns"), ",".join(map(str, _list(s.get("ops")))),
              _frames(s, fmt)] for s in found]
     extra = {k: v for k, v in obj.items() if k != "stacks"}
     shown, values = table_view(COLUMNS, rows, fmt)  # durations in human units in tables
@@ -94,8 +99,16 @@ def _write(obj: dict[str, Any], found: list[dict[str, Any]], fmt: str, out: Text
     print_notes(obj, bool(found), fmt)
 
 
-def _frames(s: dict[str, Any], fmt: str) -> Any:
-    frames = [str(f) for f in s.get("frames") or []]
+def _list(value: object) -> list[object]:
+    return value if isinstance(value, list) else []
+
+
+def _frame_list(s: dict[str, object]) -> list[str]:
+    return [str(f) for f in _list(s.get("frames"))]
+
+
+def _frames(s: dict[str, object], fmt: str) -> str | list[str]:
+    frames = _frame_list(s)
     if fmt == "table":  # the user's line first: it is what the reader looks for
         top = top_python_frame(frames)
         text = FRAME_JOIN.join(short_frame(f) for f in frames)
