@@ -17,13 +17,28 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from fleetd.export.lanes import Group
 from fleetd.export.model import AnnotationRow, GpuRow, NodeTrace
 from fleetd.export.tracejson import json_text as _j
 from fleetd.export.tracejson import us as _us
 from fleetd.store.schema import SEQ_MASK
+
+
+class GpuSliceArgs(TypedDict):
+    """A GPU slice's ``args`` in the trace (docs/export.md), in the order written."""
+
+    kind: str
+    device: int
+    stream: int
+    correlation: int
+    bytes: NotRequired[int]
+    collective: NotRequired[str]
+    grid: NotRequired[list[int]]
+    block: NotRequired[list[int]]
+    launch: NotRequired[str]  # NODE:SEQ of the host call that launched it
+    gpu: NotRequired[str]  # NODE:ID of the row: always written, after the others
 
 GPU_KIND_NAMES = {1: "kernel", 2: "memcpy", 3: "memset", 4: "sync"}
 ANNOTATION_KIND_NAMES = {1: "step", 2: "nvtx", 3: "user_annotation", 4: "cpu_op"}
@@ -108,7 +123,7 @@ class GpuTracks:
             ts = fix.apply(ts)
             dur = max(0, dur)
             lane = self._stream_group(pid, device, stream).place(ts, ts + dur)
-            args: dict[str, Any] = {"kind": GPU_KIND_NAMES.get(kind, str(kind)),
+            args: GpuSliceArgs = {"kind": GPU_KIND_NAMES.get(kind, str(kind)),
                                     "device": device, "stream": stream, "correlation": corr}
             if nbytes:
                 args["bytes"] = nbytes

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import orjson
 
@@ -82,6 +82,17 @@ class Piece:
         return 0
 
 
+class ClockFixJson(TypedDict):
+    """How a node's stamps were corrected, as the trace's ``otherData.nodes[].clock``
+    records it (docs/export.md)."""
+
+    source: str
+    offset_ns: int
+    error_ns: int | None
+    interpolated_pieces: int
+    max_interpolated_ns: int
+
+
 @dataclass(frozen=True, slots=True)
 class ClockFix:
     """How a node's timestamps are corrected: a constant ``offset_ns`` (measured by the
@@ -105,7 +116,7 @@ class ClockFix:
         i = bisect.bisect_right(self.pieces, ts, key=lambda p: p.start_ns) - 1
         return ts + self.offset_ns + (self.pieces[i].delta(ts) if i >= 0 else 0)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> ClockFixJson:
         return {
             "source": self.source,
             "offset_ns": self.offset_ns,

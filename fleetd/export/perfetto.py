@@ -27,8 +27,8 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NotRequired, TypedDict
 
 import orjson
 
@@ -36,7 +36,15 @@ from fleetd.export.clockfix import corrected
 from fleetd.export.flows import FlowIds, NodeFlows
 from fleetd.export.gpu import GpuTracks
 from fleetd.export.lanes import Group
-from fleetd.export.model import ByteSink, ChainMark, EventRow, NodeTrace, task_name
+from fleetd.export.model import (
+    ByteSink,
+    ChainMark,
+    ClockFix,
+    ClockFixJson,
+    EventRow,
+    NodeTrace,
+    task_name,
+)
 from fleetd.export.tracejson import json_text as _j
 from fleetd.export.tracejson import us as _us
 from fleetd.store.catalog import BY_NAME, CALLS, OPS
@@ -92,16 +100,39 @@ class NodeStats:
     flows: int = 0
     first_ns: int | None = None
     last_ns: int | None = None
-    clock: dict[str, Any] = field(default_factory=dict)
+    clock: ClockFixJson = field(default_factory=lambda: ClockFix().to_json())
     # Imported GPU timelines only (left out of the metadata when None): GPU slices,
     # annotated ranges and launch arrows written.
     gpu: dict[str, int] | None = None
 
 
-def _stats_json(s: NodeStats) -> dict[str, Any]:
-    d = asdict(s)
-    if d["gpu"] is None:
-        del d["gpu"]  # recorded nodes keep the metadata they always had
+class NodeStatsJson(TypedDict):
+    """A node's :class:`NodeStats` as ``otherData.nodes[]`` writes them, in its order."""
+
+    name: str
+    pid: int
+    label: str
+    events: int
+    slices: int
+    instants: int
+    skipped: int
+    overlap_lanes: int
+    chains: int
+    flows: int
+    first_ns: int | None
+    last_ns: int | None
+    clock: ClockFixJson
+    gpu: NotRequired[dict[str, int]]
+
+
+def _stats_json(s: NodeStats) -> NodeStatsJson:
+    d: NodeStatsJson = {
+        "name": s.name, "pid": s.pid, "label": s.label, "events": s.events,
+        "slices": s.slices, "instants": s.instants, "skipped": s.skipped,
+        "overlap_lanes": s.overlap_lanes, "chains": s.chains, "flows": s.flows,
+        "first_ns": s.first_ns, "last_ns": s.last_ns, "clock": s.clock}
+    if s.gpu is not None:  # recorded nodes keep the metadata they always had
+        d["gpu"] = s.gpu
     return d
 
 
