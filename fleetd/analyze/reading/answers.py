@@ -32,10 +32,18 @@ from fleetd.analyze.reading.answers_chain import Culprit as Culprit
 from fleetd.analyze.reading.answers_chain import EvidenceItem as EvidenceItem
 from fleetd.analyze.reading.answers_chain import FlameStack as FlameStack
 from fleetd.analyze.reading.answers_chain import FlameStacks as FlameStacks
+from fleetd.analyze.reading.answers_chain import GcPause as GcPause
+from fleetd.analyze.reading.answers_chain import GcTrigger as GcTrigger
 from fleetd.analyze.reading.answers_chain import IdleFrames as IdleFrames
+from fleetd.analyze.reading.answers_chain import KernelWork as KernelWork
+from fleetd.analyze.reading.answers_chain import NcclErrorCount as NcclErrorCount
 from fleetd.analyze.reading.answers_chain import Placement as Placement
+from fleetd.analyze.reading.answers_chain import QuotaFigures as QuotaFigures
 from fleetd.analyze.reading.answers_chain import RankedCulprit as RankedCulprit
+from fleetd.analyze.reading.answers_chain import Reader as Reader
+from fleetd.analyze.reading.answers_chain import ShadowedChain as ShadowedChain
 from fleetd.analyze.reading.answers_chain import Task as Task
+from fleetd.analyze.reading.answers_chain import TopFrame as TopFrame
 from fleetd.analyze.reading.answers_chain import Victim as Victim
 from fleetd.analyze.reading.answers_collectives import COLLECTIVE_SHAPES, CollectivesAnswer
 from fleetd.analyze.reading.answers_diff import DIFF_SHAPES
@@ -113,7 +121,8 @@ class ExplainReport(TypedDict):
     collectives: NotRequired[CollectivesAnswer]
     gpu: NotRequired[list[GpuBrief]]
     stragglers: NotRequired[list[StragglerEntry]]
-    skew: NotRequired[dict[str, Any]]  # node -> its clock offset (fleetd.wire SkewJson)
+    # node -> its clock offset, {"offset_ms", "error_ms"} (fleetd.fleet.skew.Skew.to_json)
+    skew: NotRequired[dict[str, dict[str, float]]]
     stored: NotRequired[int]
 
 
