@@ -20,8 +20,10 @@ import json
 import logging
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import bcc
@@ -140,12 +142,14 @@ def key_inputs(text: str, flags: list[str]) -> bpfcache.KeyInputs:
 def load_or_compile(text: str, flags: list[str], params: dict[str, int], values: dict[int, int],
                     compile_only: Compiler, compile_with_values: Compiler,
                     stage: Callable[[bool], None] = lambda _cached: None,
-                    ) -> tuple[Any, HeaderRoute]:
+                    more: Callable[[], Entry] | None = None) -> tuple[Any, HeaderRoute]:
     """The loaded module for ``text`` compiled with ``flags``, whose ``params`` (name ->
     sentinel) take ``values`` (sentinel -> value) at load: from the cache, else from
     ``compile_only()`` (BCC, nothing loaded), kept for the next start. When the compiled
     module cannot be kept, ``compile_with_values()`` is what is returned. ``stage``
-    hears True before a load from the cache, False before a compile."""
+    hears True before a load from the cache, False before a compile. ``more``: the
+    entry of a module with the same maps and more programs, asked for when a program
+    this one lacks is first loaded (CachedBPF.load_func)."""
     cache = cache_dir()
     key = bpfcache.cache_key(key_inputs(text, flags))
     t0 = time.perf_counter()
@@ -153,7 +157,7 @@ def load_or_compile(text: str, flags: list[str], params: dict[str, int], values:
     if entry is not None:
         stage(True)
         try:
-            obj = CachedBPF(entry, values)
+            obj = CachedBPF(entry, values, more)
         except Exception as exc:  # bcc-style bare Exception from a load or an attach
             # What the key does not cover (a tracepoint gone with a module) fails here
             # once: the entry goes, and the compile says what is wrong, if anything.
@@ -163,24 +167,46 @@ def load_or_compile(text: str, flags: list[str], params: dict[str, int], values:
                      "%.2f s", key[:16], time.perf_counter() - t0)
             return obj, HeaderRoute(*entry.route)
     stage(False)
-    bpf, route = compile_only()
     try:
-        entry = capture(bpf, (route.name, route.source, route.detail),
-                        {s: n for n, s in params.items()}, text)
+        entry, route = _compiled_entry(text, params, compile_only)
     except CacheError as exc:
-        entry = None
         log.warning("the compiled BPF programs cannot be cached (%s): compiling them again "
                     "with this start's values", exc)
+        return compile_with_values()
+    _keep(cache, key, entry)
+    return CachedBPF(entry, values, more), route
+
+
+def kept_entry(text: str, flags: list[str], params: dict[str, int], compile_only: Compiler,
+               stage: Callable[[bool], None] = lambda _cached: None) -> Entry:
+    """The entry for ``text`` compiled with ``flags`` (``params`` as in load_or_compile):
+    from the cache, else compiled and kept; CacheError when it cannot be captured."""
+    cache = cache_dir()
+    key = bpfcache.cache_key(key_inputs(text, flags))
+    entry = bpfcache.load(cache, key)
+    stage(entry is not None)
+    if entry is None:
+        entry, _route = _compiled_entry(text, params, compile_only)
+        _keep(cache, key, entry)
+    return entry
+
+
+def _compiled_entry(text: str, params: dict[str, int], compile_only: Compiler
+                    ) -> tuple[Entry, HeaderRoute]:
+    bpf, route = compile_only()
+    try:
+        return capture(bpf, (route.name, route.source, route.detail),
+                       {s: n for n, s in params.items()}, text), route
     finally:
         bpf.cleanup()  # nothing of it was loaded or attached; its maps go
-    if entry is None:
-        return compile_with_values()
+
+
+def _keep(cache: Path, key: str, entry: Entry) -> None:
     try:
         path = bpfcache.store(cache, key, entry)
         log.info("compiled BPF programs kept in %s", path)
     except (OSError, FleetdError) as exc:
         log.warning("the compiled BPF programs could not be kept in %s: %s", cache, exc)
-    return CachedBPF(entry, values), route
 
 
 # ---- capture ------------------------------------------------------------------------------
@@ -258,9 +284,12 @@ def _table_class(map_type: int) -> type:
 
 
 class CachedBPF(BPF):  # type: ignore[misc]  # bcc has no type information
-    """A loaded module from a cache entry; see the module's docstring."""
+    """A loaded module from a cache entry; see the module's docstring. ``more``: the
+    entry of a module with the same maps and more programs, read the first time a
+    program this one lacks is loaded (its programs join this one's, on its maps)."""
 
-    def __init__(self, entry: Entry, params: dict[int, int]) -> None:
+    def __init__(self, entry: Entry, params: dict[int, int],
+                 more: Callable[[], Entry] | None = None) -> None:
         # What BPF.__init__ sets up, without a module (self.module stays None).
         self.kprobe_fds: dict[Any, Any] = {}
         self.uprobe_fds: dict[Any, Any] = {}
@@ -279,20 +308,57 @@ class CachedBPF(BPF):  # type: ignore[misc]  # bcc has no type information
         self.module = None
         self.entry = entry
         self.map_fds: list[int] = []
+        self._params = params
+        self._more = more
+        self._more_failed: Exception | None = None
+        self._more_lock = threading.Lock()
         self._license = ctypes.create_string_buffer(entry.license.encode())
         atexit.register(self.cleanup)
         try:
             for spec in entry.tables:
                 self.map_fds.append(_create_map(spec))
             self._insns: dict[bytes, bytearray] = {}
-            for name, insns in entry.funcs.items():
-                patched = indices_to_fds(insns, self.map_fds)
-                patch_params(patched, params)
-                self._insns[name.encode()] = patched
+            self._adopt(entry, self.map_fds)
             self._trace_autoload()
         except BaseException:
             self.cleanup()
             raise
+
+    def _adopt(self, entry: Entry, fds: list[int]) -> None:
+        """``entry``'s programs this module lacks, with ``fds`` for its table indices."""
+        for name, insns in entry.funcs.items():
+            if name.encode() not in self._insns:
+                patched = indices_to_fds(insns, fds)
+                patch_params(patched, self._params)
+                self._insns[name.encode()] = patched
+
+    def _adopt_more(self) -> None:
+        """The programs of ``more`` (once; a failure is kept and raised again)."""
+        with self._more_lock:
+            if self._more_failed is not None:
+                raise self._more_failed
+            if self._more is None:
+                return
+            try:
+                other = self._more()
+                self._adopt(other, self._same_maps(other))
+            except Exception as exc:  # TraceError from a compile, CacheError, OSError
+                self._more_failed = Exception(f"the programs this module leaves out could "
+                                              f"not be made ready: {exc}")
+                raise self._more_failed from exc
+            self._more = None
+
+    def _same_maps(self, other: Entry) -> list[int]:
+        """This module's map descriptors for ``other``'s tables, by name; CacheError
+        when one is not a map of this module, as this module made it."""
+        mine = {t["name"]: i for i, t in enumerate(self.entry.tables)}
+        fds = []
+        for spec in other.tables:
+            i = mine.get(spec["name"])
+            if i is None or self.entry.tables[i] != spec:
+                raise CacheError(f"its map {spec['name']} is not one of this module's")
+            fds.append(self.map_fds[i])
+        return fds
 
     def _function_names(self) -> list[bytes]:
         return list(self._insns)
@@ -323,6 +389,8 @@ class CachedBPF(BPF):  # type: ignore[misc]  # bcc has no type information
         name = func_name.encode() if isinstance(func_name, str) else func_name
         if name in self.funcs:
             return self.funcs[name]
+        if name not in self._insns and device is None:
+            self._adopt_more()
         if name not in self._insns or device is not None:
             raise Exception(f"Unknown program {name!r}" if name not in self._insns
                             else "offloaded programs are not loaded from the cache")
