@@ -8,13 +8,14 @@ renderer; the node route, the fleet call, the MCP tool and ``fleetd NAME`` follo
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from fleetd.analyze.distributed import arrivals
 from fleetd.errors import QueryError, UsageError
-from fleetd.questions.spec import Answer, Param, Params, Question, Reply
+from fleetd.questions.spec import Answer, Param, Params, Question
 from fleetd.wire import paths
 from fleetd.wire.answers import (
+    CpuStack,
     CpuStacksAnswer,
     GpuAnswer,
     GraphsAnswer,
@@ -31,7 +32,9 @@ from fleetd.wire.values import printable, valid_int
 if TYPE_CHECKING:
     from fleetd.analyze.facade import Analysis
     from fleetd.analyze.reading.profile import StackCount
-    from fleetd.analyze.reading.rows import KernelOpRow, OpRow, PodProcess, PodsAnswer
+    from fleetd.analyze.reading.rows import KernelOpRow, OpRow, PodGroup, PodProcess, PodsAnswer
+    from fleetd.wire.answers import RankStraggler
+    from fleetd.wire.gpu import CheckedGpuReply, CheckedRank
 
 MAX_TOP_N = 1000  # stacks per answer
 MAX_FRAMES = 128  # frames per stack
@@ -46,10 +49,46 @@ def _number(value: Any) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
-def _tagged(nodes: list[Reply], key: str) -> list[Reply]:
-    """Every node's ``key`` rows that are objects, each with its node."""
-    return [dict(r, node=n["node"]) for n in nodes for r in n.get(key) or []
+def _items(value: object) -> list[object]:
+    """A node's list, or none for anything else."""
+    return value if isinstance(value, list) else []
+
+
+def _tagged(nodes: list[dict[str, object]], key: str) -> list[dict[str, object]]:
+    """Every node's ``key`` rows that are objects, each with its node (the rows of a
+    question without a reader: their values are read with care where they are used)."""
+    return [dict(r, node=n["node"]) for n in nodes for r in _items(n.get(key))
             if isinstance(r, dict)]
+
+
+class MergedStacks(TypedDict):
+    """What the fleet's ``stacks`` answer gains: every node's, heaviest first."""
+
+    stacks: list[dict[str, object]]
+
+
+class NodeCpuStack(CpuStack):
+    node: str
+
+
+class MergedCpuStacks(TypedDict):
+    stacks: list[NodeCpuStack]
+    period_ns: int
+
+
+class MergedProcesses(TypedDict):
+    processes: list[dict[str, object]]  # each node's graph processes, with its node
+
+
+class MergedGpu(TypedDict):
+    ranks: list[CheckedRank]
+    kernels: list[dict[str, object]]
+    straggler: RankStraggler | None
+
+
+class MergedPods(TypedDict):
+    processes: list[PodProcess]
+    pods: list[PodGroup]
 
 
 # ---- stacks -------------------------------------------------------------------------
@@ -73,7 +112,7 @@ def _stacks(a: Analysis, node: str, p: Params) -> Answer:
     return {**out, "stacks": out["stacks"][:p.num("top_n")]}
 
 
-def _stacks_combine(nodes: list[Reply]) -> Reply:
+def _stacks_combine(nodes: list[dict[str, object]]) -> MergedStacks:
     found = _tagged(nodes, "stacks")
     found.sort(key=lambda s: -_number(s.get("total_ns")))
     return {"stacks": found}
@@ -122,20 +161,21 @@ def _cpu_stacks_local(a: Analysis, p: Params) -> Answer:
             "period_ns": period, "names": a.node_names()}
 
 
-def _cpu_stacks_combine(nodes: list[Reply]) -> Reply:
+def _cpu_stacks_combine(nodes: list[dict[str, object]]) -> MergedCpuStacks:
     """The rows a merged profile is made of, each with its node; values that are not
     what the route answers are left out."""
-    found = []
+    found: list[NodeCpuStack] = []
     for n in nodes:
-        for s in n.get("stacks") or []:
+        for s in _items(n.get("stacks")):
             frames = s.get("frames") if isinstance(s, dict) else None
-            if isinstance(frames, list) and all(isinstance(f, str) for f in frames) and all(
+            if isinstance(s, dict) and isinstance(frames, list) and all(
+                    isinstance(f, str) for f in frames) and all(
                     isinstance(s.get(k), int) and s[k] >= 0 for k in ("pid", "tid", "samples",
                                                                         "gc")):
                 found.append({"node": str(n["node"]), "pid": s["pid"], "tid": s["tid"],
                               "frames": [f[:1000] for f in frames[:128]],
                               "samples": s["samples"], "gc": s["gc"]})
-    period = max((int(n["period_ns"]) for n in nodes if isinstance(n.get("period_ns"), int)),
+    period = max((int(got) for n in nodes if isinstance(got := n.get("period_ns"), int)),
                  default=0)
     return {"stacks": found, "period_ns": period}
 
@@ -160,7 +200,8 @@ GRAPHS = Question(
     "graphs", "CUDA graph lifecycle per process",
     (PID, Param("buckets", "int", 20, MAX_BUCKETS, "timeline rows per process")),
     _graphs, "processes", path=paths.GRAPHS,
-    combine=lambda nodes: {"processes": _tagged(nodes, "processes")}, shape=GraphsAnswer)
+    combine=lambda nodes: MergedProcesses(processes=_tagged(nodes, "processes")),
+    shape=GraphsAnswer)
 
 
 # ---- GPU ranks ----------------------------------------------------------------------
@@ -180,20 +221,21 @@ def _gpu(a: Analysis, node: str, p: Params) -> Answer:
     return a.gpu(p.maybe_int("pid"), p.flag("steps"), p.get("thresholds") or _thresholds(""))
 
 
-def _gpu_combine(nodes: list[Reply]) -> Reply:
+def _gpu_combine(nodes: list[dict[str, object]]) -> MergedGpu:
     """The ranks side by side, the slowest flagged with the straggler scoring; kernel
     rows keep their node."""
     from fleetd.analyze.gpu.device import slowest_rank
 
-    for n in nodes:  # a rank is named by the node that answered, not by what it claims
-        for r in n["ranks"]:
-            r["node"] = n["node"]
-    ranks = [r for n in nodes for r in n["ranks"]]
+    read = [cast("CheckedGpuReply", n) for n in nodes]  # each read by GPU.check (_gpu_check)
+    for g in read:  # a rank is named by the node that answered, not by what it claims
+        for r in g["ranks"]:
+            r["node"] = g["node"]
+    ranks = [r for g in read for r in g["ranks"]]
     kernels = sorted(_tagged(nodes, "kernels"), key=lambda k: -_number(k.get("total_ns")))
     return {"ranks": ranks, "kernels": kernels, "straggler": slowest_rank(ranks)}
 
 
-def _gpu_check(reply: dict[str, Any]) -> Mapping[str, Any]:
+def _gpu_check(reply: dict[str, object]) -> CheckedGpuReply:
     from fleetd.wire.gpu import check_gpu_reply  # the GPU analyzer only when asked
 
     return check_gpu_reply(reply)
@@ -236,7 +278,7 @@ OVERVIEW = Question(
     (), lambda a, node, p: a.overview(node), "events", path=paths.OVERVIEW,
     local=_overview_local, tag_node=False, node_warnings=False, shape=OverviewAnswer)
 
-def _profile_check(reply: dict[str, Any]) -> NodeProfile | NoProfile:
+def _profile_check(reply: dict[str, object]) -> NodeProfile | NoProfile:
     from fleetd.wire.chains import check_profile_reply
 
     return check_profile_reply(reply)
@@ -261,15 +303,15 @@ def _pods(a: Analysis, node: str, p: Params) -> Answer:
     return out
 
 
-def _pods_combine(nodes: list[Reply]) -> Reply:
+def _pods_combine(nodes: list[dict[str, object]]) -> MergedPods:
     """Every node's processes, their names and placements read as untrusted text."""
     from fleetd.analyze.reading.pods import by_pod
 
     procs: list[PodProcess] = []
     for n in nodes:
-        for r in n.get("processes") or []:
+        for r in _items(n.get("processes")):
             pid = valid_int(r.get("pid"), 1) if isinstance(r, dict) else None
-            if pid is not None:
+            if isinstance(r, dict) and pid is not None:
                 procs.append({"node": str(n["node"]), "pid": pid,
                               "comm": printable(r.get("comm") or "", POD_CHARS),
                               **read_placement(r)})
@@ -366,7 +408,7 @@ def _chains(a: Analysis, node: str, p: Params) -> Answer:
             "processes": report["processes"], "warnings": report["warnings"]}
 
 
-def _chains_check(reply: dict[str, Any]) -> ChainsReply:
+def _chains_check(reply: dict[str, object]) -> ChainsReply:
     from fleetd.wire.chains import check_chains_reply
 
     return check_chains_reply(reply)

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 Kind = Literal["int", "str", "bool"]
 TRUE_WORDS = ("1", "true", "yes")
 Answer = Mapping[str, Any]  # an analyzer's answer (a TypedDict of fleetd.analyze.reading.answers)
-Reply = dict[str, Any]  # a node's answer as read back, or what a fleet answer gains
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +102,11 @@ class Params:
 
 NodeAnswer = Callable[["Analysis", str, Params], Answer]
 LocalAnswer = Callable[["Analysis", Params], Answer]
-Combine = Callable[[list[Reply]], Reply]
+# What a fleet answer gains from its nodes' answers (a TypedDict per question, beside its
+# combine in fleetd.questions.catalog). Each node's answer comes as the fleet client holds
+# it (fleet/fanout.NodeOutcome.replies): its reader's answer, or the parsed body whose
+# numbers were checked, tagged with the node's name and in this machine's clock.
+Combine = Callable[[list[dict[str, object]]], Mapping[str, object]]
 # A question's reader: a node's answer as parsed (untrusted: its values are ``object``
 # until read) to the checked answer, of the type the reader names (ChainsReply, ...).
 Check = Callable[[dict[str, object]], Mapping[str, object]]
@@ -192,6 +195,6 @@ class Question:
             return self.local(analysis, params)
         return self.answer(analysis, "", params)
 
-    def on_node(self, analysis: Analysis, node: str, params: Params) -> Reply:
+    def on_node(self, analysis: Analysis, node: str, params: Params) -> Answer:
         got = self.answer(analysis, node, params)
         return {"node": node, **got} if self.tag_node else dict(got)
