@@ -27,6 +27,7 @@ from fleetd.analyze.reading import pods
 from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem
 from fleetd.analyze.reading.cgroup_samples import place_of, sampled_pids, samples
 from fleetd.analyze.reading.data import args_object, in_list
+from fleetd.analyze.reading.rows import CgroupPlace
 from fleetd.store.catalog import op_code
 
 # The stall runs by op, and what each is called in a chain's words.
@@ -63,7 +64,7 @@ class Limit:
     psi_system_us: int | None = None
     sampled_ns: int = 0
     members: set[int] = field(default_factory=set)
-    place: dict[str, str] = field(default_factory=dict)  # cgroup_samples.place_of
+    place: CgroupPlace = field(default_factory=lambda: CgroupPlace())  # place_of
 
 
 def thread_stalls(ctx: Context, tid: int) -> Stalls:
@@ -96,12 +97,13 @@ def limits(ctx: Context) -> list[Limit]:
         q.usage = max(q.usage, int(usage or 0))
         q.sampled_ns += int(dur or 0)
         q.members.update(sampled_pids(pid, a))
-        for key in ("peak_bytes",):
-            if isinstance(a.get(key), int):
-                q.peak = max(q.peak, a[key])
-        q.limit_hits += int(a["limit_hits"]) if isinstance(a.get("limit_hits"), int) else 0
-        q.file = a["file_bytes"] if isinstance(a.get("file_bytes"), int) else q.file
-        q.anon = a["anon_bytes"] if isinstance(a.get("anon_bytes"), int) else q.anon
+        peak, hits = a.get("peak_bytes"), a.get("limit_hits")
+        if isinstance(peak, int):
+            q.peak = max(q.peak, peak)
+        q.limit_hits += int(hits) if isinstance(hits, int) else 0
+        file_bytes, anon_bytes = a.get("file_bytes"), a.get("anon_bytes")
+        q.file = file_bytes if isinstance(file_bytes, int) else q.file
+        q.anon = anon_bytes if isinstance(anon_bytes, int) else q.anon
         q.psi_some_us = _add(q.psi_some_us, a.get("psi_some_us"))
         q.psi_system_us = _add(q.psi_system_us, a.get("psi_system_some_us"))
         q.place = place_of(a)

@@ -27,7 +27,6 @@ import bisect
 import logging
 import sqlite3
 from collections import defaultdict
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +50,7 @@ from fleetd.analyze.reading.data import (
     in_list,
     name_of,
 )
-from fleetd.analyze.reading.rows import OpRow, ThreadRow
+from fleetd.analyze.reading.rows import CgroupPlace, OpRow, ThreadRow
 from fleetd.store.catalog import READBACKS
 from fleetd.store.timeparse import format_ns
 
@@ -133,7 +132,7 @@ def rule_chain(ctx: Context, root: str, pid: int, op: str | None, explained: flo
     return ch
 
 
-def with_place(detail: ChainDetail, place: Mapping[str, str]) -> None:
+def with_place(detail: ChainDetail, place: CgroupPlace) -> None:
     """Add where a cgroup runs (cgroup_samples.place_of: those of its PLACE_KEYS the
     samples gave, in that order) to a chain's detail."""
     if "container" in place:

@@ -16,11 +16,15 @@ from typing import Any
 
 from fleetd.analyze.reading.data import args_object
 from fleetd.analyze.reading.nodeview import NodeView
+from fleetd.analyze.reading.rows import CgroupPlace, CgroupPlaceKey
 
 # The args keys that say where a cgroup runs (fleetd.analyze.reading.pods.where shows them).
-PLACE_KEYS = ("container", "container_name", "runtime", "pod", "namespace", "pod_uid")
+PLACE_KEYS: tuple[CgroupPlaceKey, ...] = ("container", "container_name", "runtime", "pod",
+                                          "namespace", "pod_uid")
 
-Sample = tuple[tuple[Any, ...], dict[str, Any]]
+# A sample's event_data columns, and its args: JSON from the file (a merged or imported
+# one is untrusted), an object of unchecked values that its reader checks key by key.
+Sample = tuple[tuple[Any, ...], dict[str, object]]
 
 
 def samples(view: NodeView, op: int, columns: tuple[str, ...], *, by_time: bool = False,
@@ -41,11 +45,18 @@ def samples(view: NodeView, op: int, columns: tuple[str, ...], *, by_time: bool 
         yield tuple(row[:-1]), args_object(row[-1])
 
 
-def sampled_pids(pid: int, args: Mapping[str, Any]) -> list[int]:
+def sampled_pids(pid: int, args: Mapping[str, object]) -> list[int]:
     """The sampled process and every pid the sample lists as in its cgroup."""
-    return [int(pid), *(p for p in args.get("pids") or [] if isinstance(p, int))]
+    listed = args.get("pids")
+    return [int(pid), *(p for p in (listed if isinstance(listed, list) else [])
+                        if isinstance(p, int))]
 
 
-def place_of(args: Mapping[str, Any]) -> dict[str, Any]:
+def place_of(args: Mapping[str, object]) -> CgroupPlace:
     """Where the sampled cgroup runs (container, pod, namespace), as far as it says."""
-    return {k: args[k] for k in PLACE_KEYS if isinstance(args.get(k), str)}
+    out: CgroupPlace = {}
+    for k in PLACE_KEYS:
+        v = args.get(k)
+        if isinstance(v, str):
+            out[k] = v
+    return out

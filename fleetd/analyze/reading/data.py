@@ -395,10 +395,11 @@ def _same_boot_nodes(conn: sqlite3.Connection, node: Node) -> list[int]:
     return sorted(k for k, b in boots.items() if b == mine and k != node.key)
 
 
-def args_object(raw: object) -> dict[str, Any]:
+def args_object(raw: object) -> dict[str, object]:
     """An event's args as a dict: their JSON is untrusted (a merged or imported file),
     so anything that is not an object, or not JSON (orjson also bounds its nesting),
-    is ``{}``."""
+    is ``{}``; its values are unchecked (``object``): each reader checks the keys it
+    reads."""
     if not isinstance(raw, str | bytes) or not raw:
         return {}
     try:

@@ -88,7 +88,7 @@ def label(obj: Mapping[str, object]) -> str:
     return ""
 
 
-def where(place: Mapping[str, str]) -> str:
+def where(place: CgroupPlace) -> str:
     """`` (pod ns/name, container c)`` or `` (<runtime> <container id>)`` for a cgroup's
     placement (its samples' own fields), naming a limit's owner; ``""`` outside any."""
     if place.get("pod"):

@@ -33,6 +33,10 @@ PlacementKey = Literal["pod", "namespace", "pod_uid", "container"]
 PLACEMENT_KEYS: tuple[PlacementKey, ...] = ("pod", "namespace", "pod_uid", "container")
 
 
+CgroupPlaceKey = Literal["container", "container_name", "runtime", "pod", "namespace",
+                         "pod_uid"]
+
+
 class CgroupPlace(TypedDict):
     """What the tracer stored of where a process or a cgroup runs: process_data's
     placement columns, or a cgroup sample's args (only the ones known, as text)."""
