@@ -218,7 +218,7 @@ def test_a_quota_on_the_cgroup_above_is_the_cause(tmp_path: Path, hierarchy: str
     without one of its own: the parent's throttling holds it off the CPU all the same, so
     the chain is cpu_throttled, naming the parent, and nobody is the culprit."""
     go, db = tmp_path / "go", tmp_path / "t.db"
-    with cpu_cgroup(25_000, hierarchy) as parent:
+    with cpu_cgroup(10_000, hierarchy) as parent:  # binds on a busy CPU 0 too
         assert parent is not None
         if hierarchy == "v2":
             (parent / "cgroup.subtree_control").write_text("+cpu")
@@ -237,6 +237,6 @@ def test_a_quota_on_the_cgroup_above_is_the_cause(tmp_path: Path, hierarchy: str
     root = CPU_ROOT if hierarchy == "v1" else V2_ROOT
     assert root is not None
     assert ch["detail"]["cgroup"] == "/" + parent.relative_to(root).as_posix(), ch["detail"]
-    assert ch["detail"]["quota_us"] == 25_000 and ch["detail"]["throttled_periods"] > 0
+    assert ch["detail"]["quota_us"] == 10_000 and ch["detail"]["throttled_periods"] > 0
     assert wl.pid in ch["detail"]["members"], ch["detail"]
-    assert ch["severity"] in ("HIGH", "MEDIUM"), ch
+    assert ch["severity"] == "HIGH", ch
