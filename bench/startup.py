@@ -16,7 +16,8 @@ its ``tracing`` line) over the same measure in the same loaded conditions for as
 just before the start, untraced: what starting the agent takes from the job.
 
 Each start also reports the tracer's CPU seconds up to its ``tracing`` line: the wall
-times move with whatever else the machine runs, the CPU a start costs does not.
+times move with whatever else the machine runs, the CPU a start costs does not. The
+cold start's compile alone, and where its CPU goes: bench/compile_cost.py.
 
 Last line: ``BENCH startup first_event_warm_s=.. first_event_cold_s=..
 first_event_warm_loaded_s=.. first_event_cold_loaded_s=.. job_ratio_during_cold_start=..
