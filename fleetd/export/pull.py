@@ -51,6 +51,7 @@ from fleetd.store.chainrow import STORED_CHAIN_COLUMNS, STORED_CHAIN_WINDOW
 from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS
 from fleetd.wire import paths
 from fleetd.wire.failure import Failure, NodeFailed
+from fleetd.wire.shapes import QueryBody
 
 log = logging.getLogger("fleetd.export.pull")
 
@@ -168,7 +169,7 @@ async def pull_async(opts: FleetOptions, spec: PullSpec, spool: Path
 
     got: dict[Target, PullFacts] = {}
 
-    async def facts(client: FleetClient, t: Target, offset: int) -> list[dict[str, Any]]:
+    async def facts(client: FleetClient, t: Target, offset: int) -> list[dict[str, object]]:
         got[t] = facts = await _facts(client, t, spec, offset, node_limit)
         # The fan-out names a node from its replies: the names answer carries its name.
         return [facts["names"]]
@@ -190,7 +191,7 @@ async def pull_async(opts: FleetOptions, spec: PullSpec, spool: Path
 
 def _sql(sql: str, params: list[Any], timeout_s: float, max_rows: int | None = None,
          max_bytes: int | None = None) -> Request:
-    body: dict[str, Any] = {"sql": sql, "params": params, "timeout_s": timeout_s}
+    body: QueryBody = {"sql": sql, "params": params, "timeout_s": timeout_s}
     if max_rows is not None:
         body["max_rows"] = max_rows
     if max_bytes is not None:
