@@ -25,7 +25,7 @@ from array import array
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypedDict
 
 import orjson
 
@@ -126,13 +126,39 @@ def _nothing(answer: FleetAnswer) -> tuple[str, str]:
             hint or "check the agents and the --nodes addresses, then export again")
 
 
+class NodeSkewJson(TypedDict):
+    """A node's measured clock offset, as ``otherData.fleet.skew`` records it."""
+
+    skew_ns: int
+    error_ns: int
+    samples: int
+    corrected: bool
+
+
+class FleetStatusJson(TypedDict):
+    status: str  # complete | partial | none
+    answered: str  # "N of M node(s)"
+    skew: dict[str, NodeSkewJson]
+    node_warnings: list[str]
+
+
+class FleetMeta(TypedDict):
+    """What a fleet export adds to the trace's ``otherData`` (docs/export.md)."""
+
+    source: str  # fleet
+    window: dict[str, object]
+    fleet: FleetStatusJson
+    warnings: list[str]
+
+
 def _meta(answer: FleetAnswer, window: dict[str, object], warnings: list[str]
-          ) -> dict[str, Any]:
+          ) -> FleetMeta:
     # write_trace writes otherData after the events, so ``warnings`` is complete by then
     # (the spool readers add to it while the events are written).
-    skew = {o.name: {"skew_ns": o.skew.correction_ns, "error_ns": round(o.skew.error_ns),
-                     "samples": o.skew.used, "corrected": answer.correct}
-            for o in answer.outcomes if o.skew is not None}
+    skew: dict[str, NodeSkewJson] = {
+        o.name: {"skew_ns": o.skew.correction_ns, "error_ns": round(o.skew.error_ns),
+                 "samples": o.skew.used, "corrected": answer.correct}
+        for o in answer.outcomes if o.skew is not None}
     return {"source": "fleet", "window": window, "fleet": {
         "status": answer.status,
         "answered": f"{len(answer.answered)} of {len(answer.outcomes)} node(s)",
