@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the types of the local and fleet answers' functions
     from fleetd.analyze.facade import Analysis
+    from fleetd.analyze.reading.answers import WindowJson
+    from fleetd.fleet.collectives import CollectivesJson
     from fleetd.fleet.fanout import FleetOptions
     from fleetd.fleet.result import FleetResult
     from fleetd.store.bounds import Bounds
@@ -21,6 +23,7 @@ from fleetd.cli.questions import either
 from fleetd.cli.window_args import add_window
 from fleetd.errors import UsageError
 from fleetd.printable import printable_tree
+from fleetd.wire.answers import CollectivesAnswer
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,12 +47,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
+class CollectivesLocalJson(CollectivesAnswer):
+    """``fleetd collectives --db``: the arrival report and the file's window."""
+
+    window: WindowJson
+    warnings: list[str]
+
+
 def run(args: argparse.Namespace) -> int:
     from fleetd.analyze.distributed.collectives import LOCAL_ROWS, MAX_ROWS, ROW_COLUMNS, rows
 
     fmt = check_format(args.format)
 
-    def local(analysis: Analysis) -> dict[str, Any]:
+    def local(analysis: Analysis) -> CollectivesLocalJson:
         found = analysis.collectives(max_rows=args.max_rows or LOCAL_ROWS)
         win = analysis.window
         return {**found, "window": win.to_json(), "warnings": list(win.warnings)}
@@ -59,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--max-rows {args.max_rows} is above the agents' limit of "
                              f"{MAX_ROWS}", "narrow the window instead (--since/--from/--to)")
 
-    def fleet(opts: FleetOptions, bounds: Bounds) -> FleetResult:
+    def fleet(opts: FleetOptions, bounds: Bounds) -> FleetResult[CollectivesJson]:
         from fleetd.fleet.collectives import collectives
 
         return collectives(opts, bounds, args.max_rows)
@@ -73,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     return asked.done(args, fmt == "json")
 
 
-def _write(obj: dict[str, Any], columns: list[str], values: list[list[Any]], fmt: str) -> None:
+def _write(obj: CollectivesLocalJson | CollectivesJson, columns: list[str],
+           values: list[list[Any]], fmt: str) -> None:
     if fmt != "table":
         extra = {k: v for k, v in obj.items() if k not in ("columns", "rows")}
         write_rows(columns, values, fmt, sys.stdout, extra)

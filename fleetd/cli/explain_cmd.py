@@ -36,6 +36,7 @@ from fleetd.wire.answers import ChainJson, ExplainReport
 
 if TYPE_CHECKING:  # the command loads it only when it runs: `fleetd --version` stays quick
     from fleetd.analyze.facade import Analysis
+    from fleetd.fleet.queries import ExplainJson, ExplainPage
 
 EXPLAIN_FORMATS = ("table", "json", "html")
 FAIL_ON = ("HIGH", "MEDIUM", "LOW")  # worst first
@@ -226,8 +227,8 @@ def run_fleet(args: argparse.Namespace) -> int:
     return failed(args, found.get("chains") or [], result.exit_code)
 
 
-def fleet_ops(args: argparse.Namespace, bounds: Bounds,
-              found: dict[str, Any]) -> dict[str, Any]:
+def fleet_ops(args: argparse.Namespace, bounds: Bounds, found: ExplainJson
+              ) -> ExplainPage | ExplainJson:
     """``found`` with every node's op statistics (as ``fleetd ops --nodes`` asks them)
     as its ``ops`` rows, for the page's histograms. Nodes that do not answer them are
     warnings, never a failed report."""
@@ -242,7 +243,8 @@ def fleet_ops(args: argparse.Namespace, bounds: Bounds,
                      *fleet_selection(args))
     except FleetdError as exc:
         warnings.append({"node": "", "kind": "ops", "error": f"no op statistics: {exc}"})
-        return {**found, "warnings": warnings}
+        unchanged: ExplainJson = {**found, "warnings": warnings}  # no ops rows
+        return unchanged
     cols = list(result.columns)
     rows = [dict(zip(cols, r, strict=True)) for r in result.rows]
     seen = {(w.get("node"), w.get("kind")) for w in warnings if isinstance(w, dict)}

@@ -6,15 +6,24 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from fleetd.cli.argtypes import positive
 from fleetd.cli.fleet_args import add_fleet_args
 from fleetd.cli.output import dumps, human_ns, print_notes, table
-from fleetd.cli.questions import ask
+from fleetd.cli.questions import either
 from fleetd.cli.window_args import add_window
 from fleetd.printable import printable_tree
 from fleetd.questions.catalog import GPU
+
+if TYPE_CHECKING:
+    from fleetd.analyze.facade import Analysis
+    from fleetd.fleet.fanout import FleetOptions
+    from fleetd.fleet.queries import GpuFleetJson
+    from fleetd.fleet.result import FleetResult
+    from fleetd.store.bounds import Bounds
+    from fleetd.wire.answers import GpuAnswer, GpuRank
+    from fleetd.wire.gpu import CheckedRank
 
 FORMATS = ("table", "json")
 RANK_COLUMNS = ["node", "pid", "rank", "device", "window", "idle%", "compute%", "comm%",
@@ -55,12 +64,22 @@ def run(args: argparse.Namespace) -> int:
     if args.format not in FORMATS:
         raise UsageError(f"unknown format {args.format!r}", "use one of: table, json")
     limits = parse_thresholds(args.threshold)
-    asked = ask(args, GPU, pid=args.pid, steps=args.steps, thresholds=limits)
+    params = GPU.values({"pid": args.pid, "steps": args.steps, "thresholds": limits})
+
+    def local(analysis: Analysis) -> GpuAnswer:
+        return cast("GpuAnswer", GPU.answer_locally(analysis, params))  # GPU.shape
+
+    def fleet(opts: FleetOptions, bounds: Bounds) -> FleetResult[GpuFleetJson]:
+        from fleetd.fleet.queries import GpuFleetJson, ask
+
+        return ask(opts, GPU, bounds, params, GpuFleetJson)
+
+    asked = either(args, local, fleet)
     _write(asked.obj, args)
     return asked.done(args, args.format == "json")
 
 
-def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:
+def _write(obj: GpuAnswer | GpuFleetJson, args: argparse.Namespace) -> None:
     if args.format == "json":
         sys.stdout.write(dumps(obj).decode() + "\n")
         return
@@ -74,19 +93,19 @@ def _write(obj: dict[str, Any], args: argparse.Namespace) -> None:
     print(table(RANK_COLUMNS, rows))
     for r in ranks:
         _verdict(r)
-    if obj.get("straggler"):
-        s = obj["straggler"]
+    s = obj.get("straggler")
+    if s:
         print(f"SLOWEST RANK {s['node']} pid {s['pid']} (rank {s.get('rank')}): {s['reason']}\n")
     kernels = (obj.get("kernels") or [])[: args.top]
     if kernels:
         print(table(["kernel", "count", "total", "mean", "p50", "p99", "share%"],
-                    [[_short(k["name"]), k["count"], human_ns(k["total_ns"]),
+                    [[_short(str(k["name"])), k["count"], human_ns(k["total_ns"]),
                       human_ns(k["mean_ns"]), human_ns(k["p50_ns"]), human_ns(k["p99_ns"]),
                       f"{k['share_pct']:.1f}"] for k in kernels]))
     print_notes(obj, bool(ranks), "table")
 
 
-def _verdict(r: dict[str, Any]) -> None:
+def _verdict(r: GpuRank | CheckedRank) -> None:
     from fleetd.analyze.gpu.device import M_WORDS, TKLQT_WORDS, one_verdict
 
     v = r["verdict"]
@@ -98,8 +117,8 @@ def _verdict(r: dict[str, Any]) -> None:
     print(f"  host overhead {v['host_overhead']} by {M_WORDS}: {figures}")
     for line in v["evidence"] + v.get("phases", []) + v["caveats"]:
         print(f"  - {line}")
-    hf = r.get("host_frames")
-    if hf:
+    hf = r.get("host_frames")  # a local rank's only (the fleet's reader keeps none)
+    if isinstance(hf, dict) and hf:
         print(f"  - while the GPU idled: {hf['text']}")
     why = (r.get("m3") or {}).get("reason")
     if why:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from fleetd.cli.argtypes import positive
 from fleetd.cli.fleet_args import add_fleet_args
@@ -44,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     return asked.done(args, fmt == "json")
 
 
-def _write(obj: dict[str, Any], fmt: str) -> None:
+def _write(obj: dict[str, object], fmt: str) -> None:
     got = obj.get("processes")
     procs = [p for p in got if isinstance(p, dict)] if isinstance(got, list) else []
     rows = [_row(p) for p in procs]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from fleetd.cli.output import FORMATS, check_format, table_view, warn, write_rows
 from fleetd.cli.pod_args import fleet_selection, selected_pids
@@ -14,10 +14,21 @@ from fleetd.cli.window_args import add_common
 
 if TYPE_CHECKING:
     from fleetd.analyze.facade import Analysis
+    from fleetd.analyze.reading.answers import WindowJson
     from fleetd.analyze.reading.rows import KernelOpRow, OpRow
     from fleetd.fleet.fanout import FleetOptions
+    from fleetd.fleet.queries import OpsJson
     from fleetd.fleet.result import FleetResult
     from fleetd.store.bounds import Bounds
+
+
+class OpsLocalJson(TypedDict):
+    """``fleetd ops --db``: the rows' cells under ``columns``, and the window."""
+
+    columns: list[str]
+    rows: list[list[Any]]  # each row's values of ``columns`` (OpRow / KernelOpRow)
+    window: WindowJson
+    warnings: list[str]
 
 
 
@@ -44,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     fmt = check_format(args.format)
     every: list[str] = list(KERNEL_COLUMNS if args.by == "kernel" else COLUMNS)
 
-    def fleet(opts: FleetOptions, bounds: Bounds) -> FleetResult:
+    def fleet(opts: FleetOptions, bounds: Bounds) -> FleetResult[OpsJson]:
         from fleetd.fleet.queries import ops
 
         pod, ns = fleet_selection(args)
@@ -56,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         return ops(opts, bounds, args.pid, args.per_process or bool(pod or ns), cols, args.by,
                    pod, ns)
 
-    def local(analysis: Analysis) -> dict[str, Any]:
+    def local(analysis: Analysis) -> OpsLocalJson:
         pids = selected_pids(args, analysis.conn)
         # A pod's processes: per process (a total over all cannot be split afterwards).
         per_process = args.per_process or pids is not None

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from fleetd.cli.argtypes import positive
 from fleetd.cli.fleet_args import add_fleet_args, fleet_mode, fleet_options, report
@@ -24,19 +24,31 @@ from fleetd.questions.catalog import QUESTIONS
 if TYPE_CHECKING:
     from fleetd.analyze.facade import Analysis
     from fleetd.fleet.fanout import FleetOptions
+    from fleetd.fleet.queries import AskedJson
     from fleetd.fleet.result import FleetResult
-    from fleetd.questions.spec import Question
+    from fleetd.questions.spec import Answer, Question
     from fleetd.store.bounds import Bounds
 
 HANDWRITTEN = ("stacks", "cpu_stacks", "graphs", "gpu", "overview", "profile")
 
+L = TypeVar("L", bound=Mapping[str, object])  # the local file's answer
+F = TypeVar("F", bound=Mapping[str, object])  # the fleet's (FleetResult's)
+
 
 @dataclass(frozen=True, slots=True)
-class Asked:
-    """A question's answer: the local file's, or the fleet's with its ``result``."""
+class Asked(Generic[L, F]):
+    """A question's answer: the local file's (``local``), or the fleet's ``result``."""
 
-    obj: dict[str, Any]
-    result: FleetResult | None = None
+    local: L | None = None
+    result: FleetResult[F] | None = None
+
+    @property
+    def obj(self) -> L | F:
+        """The answer --format json prints."""
+        if self.result is not None:
+            return self.result.obj
+        assert self.local is not None  # either() sets one of the two
+        return self.local
 
     def done(self, args: argparse.Namespace, quiet: bool) -> int:
         """The exit code; a fleet answer's warnings on stderr first (unless ``quiet``,
@@ -47,27 +59,34 @@ class Asked:
             report(self.result.answer, args.show_skew)
         return self.result.exit_code
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, object]:
         """The answer without the fleet's per-node answers (its merged rows say it all)."""
         return {k: v for k, v in self.obj.items() if k != "nodes"}
 
 
-def ask(args: argparse.Namespace, question: Question, **given: Any) -> Asked:
+def ask(args: argparse.Namespace, question: Question, **given: Any
+        ) -> Asked[Answer, Answer]:
     """Ask ``question`` with ``given`` parameter values of the fleet (--nodes, --config,
-    a config found) or of the local file (--db, --lake) in the command's window."""
+    a config found) or of the local file (--db, --lake) in the command's window: on both
+    sides the question's answer as the registry types it (``Answer``: the Question is
+    not typed by its answer); the fleet's is a fleetd.fleet.queries.AskedJson."""
     params = question.values(given)
 
-    def fleet(opts: FleetOptions, bounds: Bounds) -> FleetResult:
+    def fleet(opts: FleetOptions, bounds: Bounds) -> FleetResult[AskedJson]:
+        from fleetd.fleet.queries import AskedJson
         from fleetd.fleet.queries import ask as ask_fleet
 
-        return ask_fleet(opts, question, bounds, params)
+        return ask_fleet(opts, question, bounds, params, AskedJson)
 
-    return either(args, lambda a: dict(question.answer_locally(a, params)), fleet)
+    def local(analysis: Analysis) -> Answer:
+        return dict(question.answer_locally(analysis, params))
+
+    return either(args, local, fleet)
 
 
-def either(args: argparse.Namespace, local: Callable[[Analysis], dict[str, Any]],
-           fleet: Callable[[FleetOptions, Bounds], FleetResult],
-           fleet_check: Callable[[], None] | None = None) -> Asked:
+def either(args: argparse.Namespace, local: Callable[[Analysis], L],
+           fleet: Callable[[FleetOptions, Bounds], FleetResult[F]],
+           fleet_check: Callable[[], None] | None = None) -> Asked[L, F]:
     """The one choice between the fleet and a local file: ``fleet(options, window)``
     with --nodes/--config (or a config found), else ``local(analysis)`` of --db/--lake
     in the command's window. ``fleet_check`` refuses values only the fleet refuses,
@@ -76,10 +95,9 @@ def either(args: argparse.Namespace, local: Callable[[Analysis], dict[str, Any]]
         if fleet_check is not None:
             fleet_check()
         bounds = window_of(args)  # before any certificate is read: a typo first
-        result = fleet(fleet_options(args), bounds)
-        return Asked(result.obj, result)
+        return Asked(result=fleet(fleet_options(args), bounds))
     with open_analysis(args) as (_, analysis):
-        return Asked(local(analysis))
+        return Asked(local=local(analysis))
 
 
 # ---- fleetd NAME for a question with a table --------------------------------------------
@@ -122,7 +140,8 @@ def _run(args: argparse.Namespace, q: Question) -> int:
     fmt = check_format(args.format)
     asked = ask(args, q, **{p.name: getattr(args, p.name) for p in q.params})
     body = asked.body()
-    found = [r for r in body.get(q.rows) or [] if isinstance(r, dict)]
+    got = body.get(q.rows)
+    found = [r for r in got if isinstance(r, dict)] if isinstance(got, list) else []
     rows = [[r.get(c) for c in q.columns] for r in found]
     write_rows(q.columns, rows, fmt, sys.stdout, {k: v for k, v in body.items()
                                                    if k != q.rows} | {q.rows: found})

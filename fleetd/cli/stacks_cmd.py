@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, TextIO
+from typing import TextIO
 
 from fleetd.analyze.reading.frames import folded, short_frame, top_python_frame
 from fleetd.cli.argtypes import positive
@@ -66,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
             n["events_without_stack"] for n in asked.obj["nodes"]
             if isinstance(n.get("events_without_stack"), int))
     with writing(path) as out:
-        _write(obj, obj["stacks"][: args.top], fmt, out)
+        got = obj.get("stacks")  # the stacks of the answer, heaviest first
+        stacks = [s for s in got if isinstance(s, dict)] if isinstance(got, list) else []
+        _write(obj, stacks[: args.top], fmt, out)
     return asked.done(args, fmt in ("json", FOLDED))
 
 
@@ -79,7 +81,7 @@ def _min_dur(text: str | None) -> int:
         raise UsageError(f"--min-dur: {exc.message}", exc.hint) from exc
 
 
-def _write(obj: dict[str, Any], found: list[dict[str, object]], fmt: str,
+def _write(obj: dict[str, object], found: list[dict[str, object]], fmt: str,
            out: TextIO) -> None:
     """``found``: the stacks to show. Over the fleet a node's answer to stacks has no
     wire reader (only its numbers are checked), so a stack's values stay ``object``,

@@ -35,7 +35,7 @@ from fleetd.fleet.fanout import (
     fail,
     send_all,
 )
-from fleetd.fleet.result import FleetResult, raise_if_user_error
+from fleetd.fleet.result import FleetResult, WindowLabel, raise_if_user_error
 from fleetd.fleet.targets import Target
 from fleetd.questions.catalog import COLLECTIVES
 from fleetd.questions.spec import Params
@@ -143,8 +143,18 @@ def from_answer(answer: FleetAnswer, index: int, max_rows: int = coll.DEFAULT_RO
     return coll.analyze(parts, coll.one_machine(clocks(answer), parts))
 
 
+class CollectivesJson(CollectivesAnswer):
+    """``fleetd collectives --nodes``: the arrival report, then the fleet's window,
+    nodes, warnings and skew (docs/json.md)."""
+
+    window: WindowLabel
+    nodes: list[str]
+    warnings: list[dict[str, str]]  # NodeWarning.to_json
+    skew: dict[str, dict[str, float]]
+
+
 def collectives(opts: FleetOptions, bounds: Bounds, max_rows: int | None = None
-                ) -> FleetResult:
+                ) -> FleetResult[CollectivesJson]:
     """``fleetd collectives --nodes``: every node's arrivals compared in one clock; a
     FleetResult whose ``obj`` is the report with the fleet's warnings and skew."""
     limit = max_rows or coll.DEFAULT_ROWS
@@ -152,7 +162,7 @@ def collectives(opts: FleetOptions, bounds: Bounds, max_rows: int | None = None
         opts, lambda off: [request(bounds, off, max_rows)], needs_offset=bounds.absolute))
     raise_if_user_error(answer)
     report = from_answer(answer, 0, limit, strict=True)
-    obj = {**report, "window": {"label": bounds.label()},
+    obj: CollectivesJson = {**report, "window": {"label": bounds.label()},
            "nodes": [o.name for o in answer.answered],
            "warnings": [w.to_json() for w in answer.warnings], "skew": answer.skew_json()}
     return FleetResult(answer, obj, list(coll.ROW_COLUMNS), coll.rows(report))

@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NotRequired, TypeVar, cast
 
 from fleetd.analyze.causes.chains import SEVERITY_RANK
 from fleetd.analyze.distributed import stragglers
-from fleetd.analyze.reading.answers import ChainJson, NodeProfile, NoProfile
+from fleetd.analyze.reading.answers import ChainJson, NodeProfile, NoProfile, StragglerEntry
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.combine import Merged, NodeRows, NodeWarning, merge, reduce
 from fleetd.fleet.dispatch import fan_out
@@ -28,7 +28,13 @@ from fleetd.fleet.fanout import (
     check_numbers,
     fan_out_work,
 )
-from fleetd.fleet.result import FleetResult, base_json, raise_if_user_error
+from fleetd.fleet.result import (
+    BaseJson,
+    FleetResult,
+    WindowLabel,
+    base_json,
+    raise_if_user_error,
+)
 from fleetd.fleet.skew import correct_obj, correct_rows
 from fleetd.questions.catalog import (
     CHAINS,
@@ -36,17 +42,91 @@ from fleetd.questions.catalog import (
     OVERVIEW,
     OVERVIEW_COLUMNS,
     PROFILE,
+    MergedCpuStacks,
+    MergedGpu,
+    MergedProcesses,
+    MergedStacks,
     overview_rows,
 )
 from fleetd.questions.spec import Check, Params, Question
 from fleetd.runner import run_loop
 from fleetd.store.bounds import Bounds
 from fleetd.wire import paths
+from fleetd.wire.answers import CollectivesAnswer
 from fleetd.wire.pods import PLACEMENT_FIELDS, label, params, read_placement
 from fleetd.wire.query import check_rows
 from fleetd.wire.shapes import ChainsReply, QueryBody, QueryReply
 
 log = logging.getLogger("fleetd.fleet.queries")
+
+
+# ---- the answers' JSON (docs/json.md) --------------------------------------------------
+
+
+class QueryJson(BaseJson):
+    """``fleetd query --nodes``: the merged (or reduced) rows, each led by its node."""
+
+    columns: list[str]
+    rows: list[list[Any]]  # SQL values, as the nodes sent them
+    truncated: bool
+
+
+class ExplainJson(BaseJson):
+    """``fleetd explain --nodes``: every node's chains, ranked stragglers and arrivals."""
+
+    stragglers: list[StragglerEntry]
+    chains: list[ChainJson]
+    nodes: list[str]  # the nodes that answered
+    window: WindowLabel
+    verdicts: dict[str, str]  # node -> its verdict
+    processes: list[dict[str, object]]  # each node's process rows, with its node
+    collectives: CollectivesAnswer
+    selected: NotRequired[dict[str, str]]  # the pod / namespace asked for
+
+
+class ExplainPage(ExplainJson):
+    """What ``explain --nodes --format html`` draws: the fleet's answer, and every
+    node's op statistics as rows (``fleetd ops --nodes``'s columns) for the histograms
+    (fleetd.cli.explain_cmd.fleet_ops)."""
+
+    ops: NotRequired[list[dict[str, object]]]  # none when no node answered them
+
+
+class OpsJson(BaseJson):
+    """``fleetd ops --nodes``: every node's op statistics, each row led by its node."""
+
+    columns: list[str]
+    rows: list[list[Any]]
+    windows: dict[str, object]  # each node's as it sent it (OPS has no reader yet)
+
+
+class AskedJson(BaseJson):
+    """Any question asked of every node (:func:`ask`): each node's answer, tagged with
+    its node, in our clock; the keys of the question's ``combine`` (its ``Merged*``
+    type in fleetd.questions.catalog) follow, which only the question's own callers
+    know: this type is what every question's fleet answer has."""
+
+    nodes: list[dict[str, object]]
+
+
+# Each question's fleet answer: AskedJson and what its combine adds.
+class StacksFleetJson(AskedJson, MergedStacks):
+    pass
+
+
+class CpuStacksFleetJson(AskedJson, MergedCpuStacks):
+    pass
+
+
+class GraphsFleetJson(AskedJson, MergedProcesses):
+    pass
+
+
+class GpuFleetJson(AskedJson, MergedGpu):
+    pass
+
+
+A = TypeVar("A", bound=AskedJson)  # a question's fleet answer, named by its caller
 
 # ---- query --------------------------------------------------------------------------
 
@@ -61,13 +141,13 @@ class QuerySpec:
     reduce_sql: str | None = None
 
 
-def query(opts: FleetOptions, spec: QuerySpec) -> FleetResult:
-    result: FleetResult = run_loop(query_async(opts, spec))
+def query(opts: FleetOptions, spec: QuerySpec) -> FleetResult[QueryJson]:
+    result: FleetResult[QueryJson] = run_loop(query_async(opts, spec))
     return result
 
 
 async def query_async(opts: FleetOptions, spec: QuerySpec,
-                      client: FleetClient | None = None) -> FleetResult:
+                      client: FleetClient | None = None) -> FleetResult[QueryJson]:
     """:func:`query` inside a running loop, optionally on a caller's open client."""
     answer = await fan_out(opts, lambda off: [_query_request(spec, off)],
                            needs_offset=bool(spec.time_params), client=client)
@@ -80,7 +160,8 @@ async def query_async(opts: FleetOptions, spec: QuerySpec,
     columns, rows = merged.columns, merged.rows
     if spec.reduce_sql is not None:
         columns, rows = reduce(merged, spec.reduce_sql)
-    obj = {"columns": columns, "rows": rows, "truncated": merged.truncated, **base_json(answer)}
+    obj: QueryJson = {"columns": columns, "rows": rows, "truncated": merged.truncated,
+                      **base_json(answer)}
     return FleetResult(answer, obj, columns, rows)
 
 
@@ -111,7 +192,8 @@ def _node_rows(answer: FleetAnswer, o: NodeOutcome) -> NodeRows:
 
 
 def explain(opts: FleetOptions, bounds: Bounds, pid: int | None = None,
-            pod: str | None = None, namespace: str | None = None) -> FleetResult:
+            pod: str | None = None, namespace: str | None = None
+            ) -> FleetResult[ExplainJson]:
     """Every node's chains and profile; with ``pod`` / ``namespace`` each node keeps
     the chains and processes of that pod's processes (none where it ran nowhere)."""
     from fleetd.analyze.distributed.collectives import straggler_entries
@@ -158,9 +240,12 @@ def explain(opts: FleetOptions, bounds: Bounds, pid: int | None = None,
     collectives = arrivals.from_answer(answer, 2, arrivals.EXPLAIN_ROWS)
     ranked = (straggler_entries(collectives, chains)
               + stragglers.rank(profiles, unreachable, chains))
-    obj = {"stragglers": ranked, "chains": chains, **base_json(answer),
-           "nodes": [o.name for o in answer.answered], "window": {"label": bounds.label()},
-           "verdicts": verdicts, "processes": processes, "collectives": collectives}
+    base = base_json(answer)
+    obj: ExplainJson = {
+        "stragglers": ranked, "chains": chains, "warnings": base["warnings"],
+        "skew": base["skew"], "nodes": [o.name for o in answer.answered],
+        "window": {"label": bounds.label()}, "verdicts": verdicts, "processes": processes,
+        "collectives": collectives}
     if selected:
         obj["selected"] = dict(selected)
     return FleetResult(answer, obj)
@@ -183,24 +268,26 @@ def _tagged(chain: ChainJson, node: str) -> ChainJson:
 
 def ops(opts: FleetOptions, bounds: Bounds, pid: int | None, per_process: bool,
         columns: Sequence[str], by: str = "op", pod: str | None = None,
-        namespace: str | None = None) -> FleetResult:
+        namespace: str | None = None) -> FleetResult[OpsJson]:
     """Every node's op statistics; with ``pod`` / ``namespace`` per process of that
     pod, a ``pod`` column (add it to ``columns``) naming each row's."""
     result = ask(opts, OPS, bounds, OPS.values({
         "pid": pid, "per_process": per_process, "by": by, paths.POD_PARAM: pod,
-        paths.NAMESPACE_PARAM: namespace}))
+        paths.NAMESPACE_PARAM: namespace}), AskedJson)
     answer = result.answer
     cols = [c for c in columns if c != "node"]
     parts = []
     windows: dict[str, object] = {}  # each node's as it sent it (OPS has no reader yet)
     for reply in result.obj["nodes"]:
+        got = reply.get("ops")
         rows = [[label(read_placement(r)) if c == "pod" else r.get(c) for c in cols]
-                for r in reply.get("ops") or [] if isinstance(r, dict)]
-        parts.append(NodeRows(reply["node"], list(cols), rows))
-        windows[reply["node"]] = reply.get("window")
+                for r in (got if isinstance(got, list) else []) if isinstance(r, dict)]
+        node = str(reply["node"])  # the node's name, as ask tagged it
+        parts.append(NodeRows(node, list(cols), rows))
+        windows[node] = reply.get("window")
     merged: Merged = merge(parts)
     answer.warnings += merged.warnings
-    obj = {"columns": merged.columns, "rows": merged.rows, "windows": windows,
+    obj: OpsJson = {"columns": merged.columns, "rows": merged.rows, "windows": windows,
            **base_json(answer)}
     return FleetResult(answer, obj, merged.columns, merged.rows)
 
@@ -208,9 +295,9 @@ def ops(opts: FleetOptions, bounds: Bounds, pid: int | None, per_process: bool,
 # ---- overview -----------------------------------------------------------------------
 
 
-def overview(opts: FleetOptions, bounds: Bounds) -> FleetResult:
+def overview(opts: FleetOptions, bounds: Bounds) -> FleetResult[AskedJson]:
     """Every node's overview, with the table's columns and rows."""
-    result = ask(opts, OVERVIEW, bounds, Params())
+    result = ask(opts, OVERVIEW, bounds, Params(), AskedJson)
     return FleetResult(result.answer, result.obj, list(OVERVIEW_COLUMNS),
                        overview_rows(result.obj["nodes"]))
 
@@ -224,12 +311,14 @@ def _reader(question: Question) -> Check | None:
     return None if read is None else (lambda r: read(check_numbers(r, "the answer")))
 
 
-def ask(opts: FleetOptions, question: Question, bounds: Bounds, params: Params
-        ) -> FleetResult:
+def ask(opts: FleetOptions, question: Question, bounds: Bounds, params: Params,
+        shape: type[A]) -> FleetResult[A]:
     """Ask every node ``question`` (one GET each, in the window when it takes one):
     ``{"nodes": [each answer with its node, in our clock], **question.combine(nodes),
-    status, warnings, skew}``. A node whose answer fails ``question.check`` (or holds a
-    number beyond 64 bits, when there is a check) counts as failed."""
+    status, warnings, skew}``, of the type ``shape`` the caller names for the question
+    (:class:`AskedJson` where any question's answer is handled alike). A node whose
+    answer fails ``question.check`` (or holds a number beyond 64 bits, when there is a
+    check) counts as failed."""
     check = _reader(question)
     answer: FleetAnswer = run_loop(fan_out(
         opts, lambda off: [Request("GET", question.route,
@@ -237,7 +326,7 @@ def ask(opts: FleetOptions, question: Question, bounds: Bounds, params: Params
                                    expect=(question.expect,), check=check)],
         needs_offset=question.windowed and bounds.absolute))
     raise_if_user_error(answer)
-    nodes = []
+    nodes: list[dict[str, object]] = []
     for o in answer.answered:
         assert o.replies is not None
         reply = correct_obj(dict(o.replies[0], node=o.name), answer.offset_ns(o))
@@ -245,7 +334,7 @@ def ask(opts: FleetOptions, question: Question, bounds: Bounds, params: Params
             answer.warnings += [NodeWarning(o.name, str(w), "window")
                                 for w in reply.get("warnings") or []]
         nodes.append(reply)
-    obj: dict[str, Any] = {"nodes": nodes, **base_json(answer)}
-    if question.combine is not None:
-        obj.update(question.combine(nodes))
+    merged = {} if question.combine is None else question.combine(nodes)
+    # The combine's keys after the nodes' (its Merged* type: AskedJson's docstring).
+    obj = cast(A, {"nodes": nodes, **base_json(answer), **merged})
     return FleetResult(answer, obj)

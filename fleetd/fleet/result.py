@@ -4,8 +4,9 @@ formats need; and the one rule that turns every node's refusal into a usage erro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any, Generic, TypedDict, TypeVar
 
 from fleetd.errors import QueryError
 from fleetd.fleet.combine import NodeWarning
@@ -15,11 +16,15 @@ from fleetd.fleet.fanout import FleetAnswer
 # user's mistake (exit 2 with the node's message), not an outage.
 USER_ERROR_CODES = frozenset({"bad_query", "bad_request", "forbidden", "too_large"})
 
+# The JSON type of an operation's answer: the TypedDict beside its producer
+# (fleetd.fleet.queries, fleetd.fleet.collectives).
+J = TypeVar("J", bound=Mapping[str, object], covariant=True)
+
 
 @dataclass(slots=True)
-class FleetResult:
+class FleetResult(Generic[J]):
     answer: FleetAnswer
-    obj: dict[str, Any]  # what --format json prints
+    obj: J  # what --format json prints
     columns: list[str] = field(default_factory=list)  # the row formats
     rows: list[list[Any]] = field(default_factory=list)
 
@@ -53,3 +58,9 @@ class BaseJson(TypedDict):
 
 def base_json(answer: FleetAnswer) -> BaseJson:
     return {"warnings": [w.to_json() for w in answer.warnings], "skew": answer.skew_json()}
+
+
+class WindowLabel(TypedDict):
+    """A fleet answer's window: how the user gave it (each node sends its own)."""
+
+    label: str

@@ -16,10 +16,11 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NotRequired, cast
 
 from fleetd.analyze.distributed.collectives import host_chains
 from fleetd.analyze.pernode.opstats import COLUMNS
+from fleetd.analyze.reading.answers import GraphProcess, KernelRow, StackGroup
 from fleetd.analyze.stacks import NOTE_NO_STACKS, op_code
 from fleetd.errors import FleetdError, UsageError
 from fleetd.fleet import queries
@@ -28,6 +29,7 @@ from fleetd.fleet.fanout import FleetAnswer, FleetOptions, Request, session
 from fleetd.fleet.queries import QuerySpec
 from fleetd.mcp.answers import (
     CompactChain,
+    FanOut,
     FanOutPart,
     FleetChains,
     FleetExport,
@@ -66,6 +68,10 @@ from fleetd.runner import run_loop
 from fleetd.store.bounds import WHOLE, Bounds
 from fleetd.wire import paths
 from fleetd.wire import pods as wire_pods
+
+if TYPE_CHECKING:
+    from fleetd.fleet.hang import HangJson
+    from fleetd.fleet.straggle import StragglerJson
 
 log = logging.getLogger("fleetd.mcp.fleet")
 
@@ -163,7 +169,7 @@ class FleetBackend:
         # One warnings list, the fan-out's first: a missing node matters most.
         return {**head, **answer, "warnings": head["warnings"] + answer["warnings"]}
 
-    def hang(self, hang_after_s: float) -> dict[str, Any]:
+    def hang(self, hang_after_s: float) -> FleetHang:
         """Every node's NCCL ranks polled once and judged as ``fleetd watch`` judges them
         (fleetd/fleet/hang.py): the rank a hung job waits for, or no hang."""
         from fleetd.fleet.hang import HangVerdict, poll
@@ -173,24 +179,25 @@ class FleetBackend:
                 return await poll(self.opts, client, hang_after_s)
 
         answer, verdict = run_loop(go())
-        # Jobs and keys are marked as data in place, which changes their type: from here
-        # the verdict is a plain JSON tree.
-        result: dict[str, Any] = {**verdict}
         head = fan_out_of(answer)  # no skew: only ages are compared, no offset is sampled
+        # Jobs and keys are marked as data (in copies), which changes their type.
         jobs: list[str] = []
-        for h in result["hangs"]:
-            for p in (*h["culprits"], *h["waiting"]):
-                if p.get("job"):
-                    jobs.append(p["job"])
-                    p["job"] = untrusted(p["job"])
-        for g in (*result["hangs"], *result["groups"]):
+        hangs = [_marked_hang(h, jobs) for h in verdict["hangs"]]
+        groups: list[dict[str, object]] = [dict(g) for g in verdict["groups"]]
+        for g in (*hangs, *groups):
             if g["matching"] == "torchrun":  # the key holds the job id
                 jobs.append(str(g["key"]).rpartition("/")[0])
                 g["key"] = untrusted(g["key"])
         # The verdict's sentences name jobs (traced environment values): quoted as data.
-        return {NAMES_KEY: jobs, **head, "hang_status": result["status"],
-                **{k: v for k, v in result.items() if k not in ("status", "warnings")},
-                "warnings": result["warnings"]}
+        out: FleetHang = {
+            NAMES_KEY: jobs, "status": head["status"], "answered": head["answered"],
+            "warnings": verdict["warnings"], "hang_status": verdict["status"],
+            "hang_after_s": verdict["hang_after_s"], "verdict": verdict["verdict"],
+            "hangs": hangs, "groups": groups, "ranks": verdict["ranks"],
+            "nodes": verdict["nodes"]}
+        if "stragglers" in verdict:
+            out["stragglers"] = verdict["stragglers"]
+        return out
 
     # ---- actions ----------------------------------------------------------------------
 
@@ -234,9 +241,12 @@ class FleetBackend:
             item: NodeOverview = {}
             for k in OVERVIEW_KEYS:
                 item[k] = n.get(k)
-            item["sessions"] = len(n.get("sessions") or [])
+            sessions, tops = n.get("sessions"), n.get("top_ops")  # as the node sent them
+            item["sessions"] = len(sessions) if isinstance(sessions, list | dict) else 0
             item["top_ops"] = []
-            for r in (n.get("top_ops") or [])[:5]:
+            for r in (tops if isinstance(tops, list) else [])[:5]:
+                if not isinstance(r, dict):
+                    continue
                 op: TopOp = {}
                 for t in TOP_OP_KEYS:
                     op[t] = r.get(t)
@@ -249,10 +259,13 @@ class FleetBackend:
         if op:
             op_code(op)  # refused here, once, rather than by every node
         result = queries.ask(self.opts, STACKS, window, STACKS.values(
-            {"op": op, "pid": pid, "top_n": top_n, "frames_n": STACK_FRAMES}))
-        found = result.obj["stacks"]
-        bare = sum(int(n.get("events_without_stack") or 0) for n in result.obj["nodes"]
-                   if isinstance(n.get("events_without_stack"), int))
+            {"op": op, "pid": pid, "top_n": top_n, "frames_n": STACK_FRAMES}),
+            queries.StacksFleetJson)
+        # The nodes' stacks as they sent them (STACKS has no wire reader yet: only their
+        # numbers were checked), handed on in the shape the tool declares.
+        found = cast(list[StackGroup], result.obj["stacks"])
+        bare = sum(got for n in result.obj["nodes"]
+                   if isinstance(got := n.get("events_without_stack"), int))
         out: FleetStacks = {**header(result.answer), "op": op, "pid": pid,
                             "stacks": found[:top_n], "stacks_total": len(found),
                             **cut("stacks", len(found), top_n), "events_without_stack": bare}
@@ -262,8 +275,10 @@ class FleetBackend:
 
     def _graphs(self, window: Bounds, pid: int | None) -> FleetGraphs:
         result = queries.ask(self.opts, GRAPHS, window,
-                             GRAPHS.values({"pid": pid, "buckets": GRAPH_BUCKETS}))
-        procs = result.obj["processes"]
+                             GRAPHS.values({"pid": pid, "buckets": GRAPH_BUCKETS}),
+                             queries.GraphsFleetJson)
+        # As the nodes sent them (GRAPHS has no wire reader yet: only numbers checked).
+        procs = cast(list[GraphProcess], result.obj["processes"])
         out: FleetGraphs = {**header(result.answer), "processes": procs}
         if not procs:
             out["note"] = "no CUDA graph call (capture, instantiate, launch) on any node"
@@ -275,9 +290,11 @@ class FleetBackend:
         from fleetd.analyze.gpu.device import NOTE_NO_GPU, THRESHOLDS
 
         result = queries.ask(self.opts, GPU, window,
-                             GPU.values({"pid": pid, "thresholds": dict(THRESHOLDS)}))
+                             GPU.values({"pid": pid, "thresholds": dict(THRESHOLDS)}),
+                             queries.GpuFleetJson)
         obj = result.obj
-        kernels = obj.get("kernels") or []
+        # The kernel rows as the nodes sent them (merged, numbers checked, not read).
+        kernels = cast(list[KernelRow], obj.get("kernels") or [])
         ranks = obj.get("ranks") or []
         out: FleetGpu = {**header(result.answer), "ranks": ranks,
                          "straggler": obj.get("straggler"),
@@ -291,11 +308,13 @@ class FleetBackend:
             ) -> Answer:
         """A question of the registry, of every node (``node``: its rows only), led by
         how the fan-out went."""
-        result = queries.ask(self.opts, question, win, params)
+        # Any question's answer: its own keys are handed on as they are.
+        result = queries.ask(self.opts, question, win, params, queries.AskedJson)
         body = {k: v for k, v in result.obj.items() if k not in BASE_KEYS}
         if node is not None and question.rows:
-            body[question.rows] = [r for r in body.get(question.rows) or []
-                                   if r.get("node") == node]
+            got = body.get(question.rows)  # the combine's rows, each tagged with its node
+            body[question.rows] = [r for r in got if isinstance(r, dict)
+                                   and r.get("node") == node] if isinstance(got, list) else []
         return {**header(result.answer), **body}
 
     def cpu_profile(self, win: Bounds, pid: int | None, tid: int | None, top_n: int,
@@ -306,7 +325,8 @@ class FleetBackend:
         from fleetd.analyze.reading.profile import StackCount, profile
 
         result = queries.ask(self.opts, CPU_STACKS, win, CPU_STACKS.values({"pid": pid,
-                                                                            "tid": tid}))
+                                                                            "tid": tid}),
+                             queries.CpuStacksFleetJson)
         counts = [StackCount(s["node"], s["pid"], s["tid"], tuple(s["frames"]),
                              s["samples"], s["gc"]) for s in result.obj["stacks"]
                   if node is None or s["node"] == node]
@@ -360,6 +380,39 @@ class FleetBackend:
                                   for c in mine[:STRAGGLER_CHAINS]]
         return {**header(result.answer), "stragglers": [compact_straggler(s) for s in ranked],
                 "flagged": list(why), "why": why, "verdicts": obj.get("verdicts") or {}}
+
+
+class FleetHang(FanOut):
+    """check_hang: the fan-out, then the poll's verdict (fleetd.fleet.hang.HangVerdict,
+    its ``status`` as ``hang_status``) with every job and torchrun key marked as data;
+    ``warnings``: the verdict's."""
+
+    _traced_names: list[str]  # safety.NAMES_KEY: the jobs the answer names
+    hang_status: str  # hang | ok
+    hang_after_s: float
+    verdict: str
+    hangs: list[dict[str, object]]  # HangJson, its parties' jobs marked (_marked_hang)
+    groups: list[dict[str, object]]  # GroupJson, a torchrun key marked
+    ranks: int
+    nodes: list[str]
+    stragglers: NotRequired[list[StragglerJson]]
+
+
+def _marked_hang(hang: HangJson, jobs: list[str]) -> dict[str, object]:
+    """``hang`` with each culprit's and waiting rank's job marked as data (and added
+    to ``jobs``, culprits first)."""
+    out: dict[str, object] = dict(hang)
+    for side in ("culprits", "waiting"):
+        parties: list[dict[str, object]] = []
+        for p in hang[side]:
+            party: dict[str, object] = dict(p)
+            job = p.get("job")
+            if job:
+                jobs.append(job)
+                party["job"] = untrusted(job)
+            parties.append(party)
+        out[side] = parties
+    return out
 
 
 def fan_out_of(answer: FleetAnswer) -> FanOutPart:
