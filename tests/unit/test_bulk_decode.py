@@ -251,3 +251,18 @@ def test_ring_reader_takes_every_record_of_a_real_ring_across_wraps() -> None:
         reader.close()
     finally:
         bpf.cleanup()
+
+
+def test_a_peer_first_seen_without_its_process_gets_it_from_a_later_wakeup() -> None:
+    """The task that ran before a switch comes without its pid; a later wakeup by the
+    same thread names it. Both orders must leave the thread under its process (the
+    native-mutex test lost its holder's process when the switch came first, so the
+    holder looked like another process and no lock chain was made)."""
+    holder, name = PID + 7, b"holder".ljust(16, b"\0")
+    comm = int.from_bytes(name, "little")
+    ran_before = rec("off_cpu", ts=1, a1=holder, x=(comm & (2**64 - 1), comm >> 64, 0, 0))
+    woke = rec("wakeup", ts=2, peer=holder, peer_pid=PID, comm=name)
+    for order in ([ran_before, woke], [woke, ran_before]):
+        tasks = Decoder(lambda mono: mono).decode(order).tasks
+        assert (holder, PID, "holder") in tasks, tasks
+        assert all(pid == PID for tid, pid, _ in tasks if tid == holder and pid is not None)

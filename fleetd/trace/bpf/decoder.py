@@ -186,7 +186,9 @@ class Decoder:
     def __init__(self, to_wall: Callable[[int], int]) -> None:
         self.to_wall = to_wall
         self._tids: set[int] = set()
-        self._peer_comm: dict[int, str] = {}
+        # A peer's (comm, pid) as last written: a peer first seen without its process (the
+        # task that ran before a switch) is written again once a wakeup names its pid.
+        self._peer_seen: dict[int, tuple[str, int | None]] = {}
         # (pid, communicator handle) -> (comm_hash, rank, nranks), from the traced init
         # that created the handle; collectives on it carry them.
         self.comms: dict[tuple[int, int], tuple[str, int, int]] = {}
@@ -386,9 +388,14 @@ class Decoder:
         if tid == 0:
             return
         comm = _comm(comm_b)
-        if comm and self._peer_comm.get(tid) != comm:
-            self._peer_comm[tid] = comm
-            out.tasks.append((tid, own_pid if own_pid is not None else pid, comm))
+        if not comm:
+            return
+        owner = own_pid if own_pid is not None else pid
+        seen = self._peer_seen.get(tid)
+        if seen is None or seen[0] != comm or (owner is not None and seen[1] is None):
+            self._peer_seen[tid] = (comm, owner if owner is not None else
+                                    (seen[1] if seen is not None else None))
+            out.tasks.append((tid, owner, comm))
 
 
 def _stack_ref(row: int, pid: int, native: int, blob: bytes, at: int) -> StackRef:
