@@ -222,3 +222,29 @@ def test_313_layout_choice_falls_back_to_the_file_and_refuses_unknown_tables() -
     pyframes._choose_layout(interp, lambda n: newer[:n], lambda n: newer[:n])
     assert interp.layout is None
     assert "laid out differently" in (interp.problem or ""), interp.problem
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads another process's memory: needs root")
+def test_a_torn_pointer_past_2_63_is_unreadable_not_a_crash() -> None:
+    """A frame the target rewrites mid-read can hand over any 64-bit value; pread's
+    offset is signed, and one past 2^63 raised OverflowError, which ended the tracer
+    (make bench: the data_starvation scenario's trace exited 1)."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        deadline, interp = time.monotonic() + 10, None
+        while time.monotonic() < deadline and (interp is None or interp.layout is None):
+            time.sleep(0.1)
+            interp = pyframes.find_interpreter(p.pid)
+        assert interp is not None and interp.layout is not None
+        mem = pyframes.Memory(p.pid)
+        try:
+            for addr in (1 << 63, (1 << 64) - 8, -8):
+                with pytest.raises(OSError):
+                    mem.read(addr, 8)
+            # A code object whose pointers are garbage is named as unreadable.
+            assert pyframes.frame_name(interp, mem, (1 << 64) - 64, 0) is None
+        finally:
+            mem.close()
+    finally:
+        p.kill()
+        p.wait()

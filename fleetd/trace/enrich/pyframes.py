@@ -276,6 +276,9 @@ def _symbol(image: Any, name: str) -> int | None:
     return None
 
 
+_USER_END = 1 << 63  # pread's offset is signed: higher addresses are no one's memory
+
+
 class Memory:
     """Reads of another process's memory through /proc/PID/mem."""
 
@@ -284,6 +287,10 @@ class Memory:
         self._fd: int | None = None
 
     def read(self, addr: int, n: int) -> bytes:
+        # A pointer read from a frame the target is rewriting can be any 64-bit value;
+        # pread takes a signed offset, so one past 2^63 is as unreadable as a hole.
+        if not 0 <= addr < _USER_END:
+            raise OSError(f"unreadable address {addr:#x}")
         if self._fd is None:
             self._fd = os.open(f"/proc/{self.pid}/mem", os.O_RDONLY)
         data = os.pread(self._fd, n, addr)
