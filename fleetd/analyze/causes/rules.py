@@ -39,6 +39,7 @@ from fleetd.analyze.causes.chains import (
     thread_share,
 )
 from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, RankedCulprit, Victim
+from fleetd.analyze.reading.cgroup_samples import PLACE_KEYS
 from fleetd.analyze.reading.data import (
     ALLOC_OPS,
     CAPTURE_OPS,
@@ -135,18 +136,9 @@ def rule_chain(ctx: Context, root: str, pid: int, op: str | None, explained: flo
 def with_place(detail: ChainDetail, place: CgroupPlace) -> None:
     """Add where a cgroup runs (cgroup_samples.place_of: those of its PLACE_KEYS the
     samples gave, in that order) to a chain's detail."""
-    if "container" in place:
-        detail["container"] = place["container"]
-    if "container_name" in place:
-        detail["container_name"] = place["container_name"]
-    if "runtime" in place:
-        detail["runtime"] = place["runtime"]
-    if "pod" in place:
-        detail["pod"] = place["pod"]
-    if "namespace" in place:
-        detail["namespace"] = place["namespace"]
-    if "pod_uid" in place:
-        detail["pod_uid"] = place["pod_uid"]
+    for k in PLACE_KEYS:
+        if k in place:
+            detail[k] = place[k]
 
 
 def _stat_item(r: OpRow, text: str) -> EvidenceItem:

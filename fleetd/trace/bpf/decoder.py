@@ -392,9 +392,9 @@ class Decoder:
             return
         owner = own_pid if own_pid is not None else pid
         seen = self._peer_seen.get(tid)
-        if seen is None or seen[0] != comm or (owner is not None and seen[1] is None):
-            self._peer_seen[tid] = (comm, owner if owner is not None else
-                                    (seen[1] if seen is not None else None))
+        known = owner if owner is not None else (seen[1] if seen is not None else None)
+        if seen != (comm, known):
+            self._peer_seen[tid] = (comm, known)
             out.tasks.append((tid, owner, comm))
 
 
