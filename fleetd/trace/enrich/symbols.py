@@ -8,6 +8,12 @@ interpreter lock) is named from that file's ELF symbol table as ``symbol+offset
 so this reads the symbol tables itself (pyelftools), once per file, while the process
 is alive (its mappings are gone when it exits).
 
+A process that has exited is still named from its executable mappings as the tracer
+last read them (:meth:`FunctionSymbols.remember`): each one's file, load address, device
+and inode. The file is then read by its path, only if that path still holds the very
+file the process mapped (same device and inode): a loaded tracer that drains a short
+job's launches after the job has gone names them like any other.
+
 Functions (:class:`FunctionSymbols`) come from the same tables, keyed by the file's GNU
 build id (the same library under two paths, or two processes, is read once), with C++
 names demangled by the C++ runtime's own ``__cxa_demangle``.
@@ -23,6 +29,7 @@ import functools
 import logging
 import os
 import struct
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +53,9 @@ class _Mapping:
     end: int
     offset: int
     path: str
+    executable: bool = False
+    dev: int = 0  # the file's device and inode, as the kernel reports them in maps
+    inode: int = 0
 
 
 @dataclass(slots=True)
@@ -110,7 +120,10 @@ def mappings(pid: int) -> list[_Mapping]:
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue
         lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        out.append(_Mapping(lo, hi, int(parts[2], 16), parts[5].removesuffix(" (deleted)")))
+        major, _, minor = parts[3].partition(":")
+        out.append(_Mapping(lo, hi, int(parts[2], 16), parts[5].removesuffix(" (deleted)"),
+                            "x" in parts[1], os.makedev(int(major, 16), int(minor, 16)),
+                            int(parts[4])))
     return out
 
 
@@ -211,32 +224,72 @@ class LockNames:
 # ---- functions -------------------------------------------------------------------------
 
 MAX_MAPS_AGE_S = 2.0  # a process's mappings are re-read on a miss at most this often
+# Processes whose executable mappings are kept, live and exited alike, the least recently
+# read dropped first: an agent lives for weeks and sees every short job on its node (a
+# large job maps a few hundred files; only their executable mappings are kept).
+MAX_PIDS = 1024
+MAX_FILE_IDS = 16 * MAX_FILES  # (device, inode, mtime) -> build id, remembered
+
+
+@dataclass(frozen=True, slots=True)
+class _Text:
+    """An executable mapping of a file as its process had it: enough to name the
+    addresses in it from the file alone once the process has gone."""
+
+    start: int
+    end: int
+    base: int  # where the file's first segment was loaded
+    path: str
+    dev: int
+    inode: int
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    """A process's executable mappings, sorted by address, and when they were read."""
+
+    read_at: float  # monotonic
+    texts: list[_Text]
+    starts: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, maps: list[_Mapping]) -> _Snapshot:
+        loaded_at = bases(maps)
+        texts = sorted((_Text(m.start, m.end, loaded_at[m.path], sys.intern(m.path), m.dev,
+                              m.inode)
+                        for m in maps if m.executable and m.path in loaded_at),
+                       key=lambda t: t.start)
+        return cls(time.monotonic(), texts, [t.start for t in texts])
+
+    def find(self, addr: int) -> _Text | None:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        return self.texts[i] if i >= 0 and addr < self.texts[i].end else None
 
 
 class FunctionSymbols:
-    """``name(pid, addr)``: the function an address of a live process is in, as
+    """``name(pid, addr)``: the function an address of a process is in, as
     ``(name or None, file base name or None)``, demangled; ``locate`` also gives the
-    address relative to the file (the same for every process that maps it)."""
+    address relative to the file (the same for every process that maps it). A process
+    that has exited is named from its mappings as last read (module docstring)."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, _Image | None] = {}  # build id (or path) -> functions
         self._ids: dict[tuple[int, int, int], str] = {}  # (dev, inode, mtime) -> build id
-        self._maps: dict[int, tuple[float, list[_Mapping], dict[str, int]]] = {}
+        self._maps: dict[int, _Snapshot] = {}  # in the order read: the oldest goes first
 
     def name(self, pid: int, addr: int) -> tuple[str | None, str | None]:
         sym, lib, _ = self.locate(pid, addr)
         return sym, lib
 
     def locate(self, pid: int, addr: int) -> tuple[str | None, str | None, int]:
-        found = self._mapping(pid, addr)
-        if found is None:
+        text = self._text(pid, addr)
+        if text is None:
             return None, None, addr
-        m, base = found
-        image = self._image(pid, m.path)
-        lib = os.path.basename(m.path)
+        image = self._image(pid, text)
+        lib = os.path.basename(text.path)
         if image is None:
-            return None, lib, addr - base
-        vaddr = addr - (base - (image.first_vaddr & ~0xFFF))
+            return None, lib, addr - text.base
+        vaddr = addr - (text.base - (image.first_vaddr & ~0xFFF))
         i = bisect.bisect_right(image.starts, vaddr) - 1
         if i < 0:
             return None, lib, vaddr
@@ -254,56 +307,65 @@ class FunctionSymbols:
         that falls behind names the addresses of a process that has exited since from
         its last mappings (the files stay on disk), instead of naming nothing."""
         with contextlib.suppress(OSError):
-            maps = mappings(pid)
-            self._maps[pid] = (time.monotonic(), maps, bases(maps))
+            self._keep(pid, _Snapshot.of(mappings(pid)))
 
-    def _mapping(self, pid: int, addr: int) -> tuple[_Mapping, int] | None:
-        for attempt in (0, 1):
-            got = self._maps.get(pid)
-            if got is None or (attempt and time.monotonic() - got[0] > MAX_MAPS_AGE_S):
-                try:
-                    maps = mappings(pid)
-                except OSError:  # gone: its last mappings, if any, still name it
-                    if got is None:
-                        return None
-                    maps = got[1]
-                got = (time.monotonic(), maps, bases(maps))
-                self._maps[pid] = got
-            _, maps, loaded_at = got
-            for m in maps:
-                if m.start <= addr < m.end and m.path in loaded_at:
-                    return m, loaded_at[m.path]
+    def _keep(self, pid: int, snap: _Snapshot) -> None:
+        self._maps.pop(pid, None)
+        while len(self._maps) >= MAX_PIDS:
+            del self._maps[next(iter(self._maps))]
+        self._maps[pid] = snap
+
+    def _text(self, pid: int, addr: int) -> _Text | None:
+        snap = self._maps.get(pid)
+        if snap is not None:
+            found = snap.find(addr)
+            if found is not None or time.monotonic() - snap.read_at <= MAX_MAPS_AGE_S:
+                return found
+        try:
+            snap = _Snapshot.of(mappings(pid))
+        except OSError:  # gone: what its last mappings did not name stays unnamed
+            if snap is not None:
+                snap.read_at = time.monotonic()  # (and /proc is not asked again at once)
+            return None
+        self._keep(pid, snap)
+        return snap.find(addr)
+
+    def _image(self, pid: int, text: _Text) -> _Image | None:
+        # Through /proc/PID/root: the file as the process sees it (containers). Once the
+        # process has exited (or while it exits), by the path from our own root, and only
+        # while that path holds the very file it mapped (one replaced since is another).
+        for owner in (pid, os.getpid()):
+            mine = owner != pid
+            try:
+                st = os.stat(text.path if mine else f"/proc/{pid}/root{text.path}")
+            except OSError:
+                continue
+            if mine and not _same_file(st, text):
+                return None
+            key = (st.st_dev, st.st_ino, int(st.st_mtime))
+            bid = self._ids.get(key)
+            if bid is not None and bid in self._by_id:
+                return self._by_id[bid]
+            # A file read for the first time: inside the root and a regular file only,
+            # never a FIFO or device put at the mapped path (fleetd.security.procfs);
+            # checked again on what was opened (the path may have changed since).
+            with regular_in_root(owner, text.path) as safe:
+                if safe is None or (mine and not _same_file(os.stat(safe), text)):
+                    continue
+                if bid is None:
+                    bid = build_id(safe) or text.path
+                    if len(self._ids) >= MAX_FILE_IDS:
+                        self._ids.clear()
+                    self._ids[key] = bid
+                if len(self._by_id) >= MAX_FILES:
+                    self._by_id.clear()
+                self._by_id[bid] = load_image(safe, ("STT_FUNC", "STT_GNU_IFUNC"))
+                return self._by_id[bid]
         return None
 
-    def _image(self, pid: int, path: str) -> _Image | None:
-        # Through /proc/PID/root: the file as the process sees it (containers); once the
-        # process has exited, the path itself (the same file unless it lived in a
-        # container of its own).
-        real = f"/proc/{pid}/root{path}"
-        try:
-            st = os.stat(real)
-        except OSError:
-            real = path
-            try:
-                st = os.stat(real)
-            except OSError:
-                return None
-        key = (st.st_dev, st.st_ino, int(st.st_mtime))
-        bid = self._ids.get(key)
-        if bid is not None and bid in self._by_id:
-            return self._by_id[bid]
-        # A file read for the first time: inside the process's root and a regular file
-        # only, never a FIFO or device put at the mapped path (fleetd.security.procfs).
-        with regular_in_root(pid, path) as safe:
-            if safe is None:
-                return None
-            if bid is None:
-                bid = build_id(safe) or path
-                self._ids[key] = bid
-            if len(self._by_id) >= MAX_FILES:
-                self._by_id.clear()
-            self._by_id[bid] = load_image(safe, ("STT_FUNC", "STT_GNU_IFUNC"))
-        return self._by_id[bid]
+
+def _same_file(st: os.stat_result, text: _Text) -> bool:
+    return (st.st_dev, st.st_ino) == (text.dev, text.inode)
 
 
 def build_id(path: str) -> str | None:
