@@ -203,3 +203,65 @@ def test_a_killed_tracer_leaves_no_process_stopped(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+# A Python process with the runtime loaded and initialised before any tracer starts, that
+# waits for GO, launches libc's abs N times and exits.
+LAUNCH_AND_EXIT = r"""
+import ctypes, os, sys, time
+lib, go, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+rt, libc = ctypes.CDLL(lib), ctypes.CDLL(None)
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+rt.cudaLaunchKernel.argtypes = [ctypes.c_void_p, Dim3, Dim3, ctypes.c_void_p,
+                                ctypes.c_size_t, ctypes.c_void_p]
+count = ctypes.c_int(0)
+rt.cudaGetDeviceCount(ctypes.byref(count))  # whatever the runtime maps, mapped now
+stub = ctypes.cast(libc.abs, ctypes.c_void_p)
+print("ready", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.002)
+for _ in range(n):
+    rt.cudaLaunchKernel(stub, Dim3(8, 1, 1), Dim3(32, 1, 1), None, 0, None)
+"""
+
+
+def test_launches_drained_after_the_process_exited_keep_their_kernel_names(
+        tmp_path: Path) -> None:
+    """A loaded tracer drains a short job's launches after the job has gone (the GPU
+    check's stand-in path, 2 runs in 5 under busy-node.sh): here the tracer is stopped
+    while the job launches and exits, and resumed only once /proc/PID is gone. Every
+    launch is recorded with its kernel's name, from the job's mappings as the tracer
+    read them at start and the library on disk."""
+    go, db, n = tmp_path / "go", tmp_path / "t.db", 200
+    job = subprocess.Popen([sys.executable, "-c", LAUNCH_AND_EXIT, str(CUDART), str(go),
+                            str(n)], stdout=subprocess.PIPE, text=True)
+    assert job.stdout is not None and job.stdout.readline().strip() == "ready"
+    tracer = subprocess.Popen(
+        [str(REPO / ".venv/bin/fleetd"), "trace", "--pid", str(job.pid), "--db", str(db),
+         "--sample", "1", "--node", "after-exit"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert tracer.stderr is not None
+        lines: list[str] = []
+        while not any("fleetd: tracing" in ln for ln in lines):
+            line = tracer.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        tracer.send_signal(19)  # SIGSTOP: nothing is drained until the job has gone
+        go.touch()
+        exited = job.wait(timeout=120)
+        gone = not Path(f"/proc/{job.pid}").exists()
+        tracer.send_signal(18)  # SIGCONT
+        _, err = tracer.communicate(timeout=180)  # its target exited: it stops itself
+    finally:
+        for p in (job, tracer):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert exited == 0 and gone
+    with sqlite3.connect(db) as c:
+        names = dict(c.execute(
+            "SELECT coalesce(json_extract(args, '$.kernel'), '(none)'), count(*) FROM events "
+            "WHERE pid = ? AND op = 'cudaLaunchKernel' GROUP BY 1", (job.pid,)).fetchall())
+    assert names == {"abs": n}, (names, ("".join(lines) + err)[-3000:])
