@@ -42,6 +42,7 @@ from fleetd.store.schema import (
     EventRow,
     ProcessFields,
 )
+from fleetd.store.sizecap import SizeCap, rows_per_txn, wal_pages
 
 log = logging.getLogger("fleetd.store.writer")
 PRUNE_PASSES = 4  # pruning passes per commit at most, until the file is under its cap
@@ -123,6 +124,7 @@ class WriterStats:
     last_error: str | None = None
     queue_rows: int = 0  # rows waiting right now
     used_bytes: int = 0  # of the main file, as of the last commit (read by other threads)
+    file_bytes: int = 0  # on disk: the main file and its -wal, as of the last commit
     commit_cpu_ns: int = 0  # the writer thread's CPU time in commits (per-stage costs)
     disk_full: bool = False  # writes fail for lack of space now
     disk_full_rows: int = 0  # of failed_rows, those lost to a full disk
@@ -142,9 +144,10 @@ class _Item:
 class BatchWriter:
     """One writer thread per database file.
 
-    ``max_bytes`` bounds the used size of the main database file; when a commit takes
-    it past the bound, the oldest events of this node are deleted (their space is
-    reused, so the file stops growing).
+    ``max_bytes`` bounds the database's files on disk (the main file and its -wal):
+    when a commit takes the data past the bound less a headroom (:mod:`sizecap`), the
+    oldest events of this node are deleted (their space is reused, so the file stops
+    growing).
     """
 
     def __init__(
@@ -170,12 +173,31 @@ class BatchWriter:
         # returns.
         self._reserve = Path(f"{path}{RESERVE_SUFFIX}")
         _hold_reserve(self._reserve)
-        self.batch_rows = batch_rows
+        # Under a cap a commit's rows are bounded too: its frames make the WAL's size.
+        self.batch_rows = batch_rows if max_bytes is None else min(
+            batch_rows, rows_per_txn(max_bytes))
         self.queue_limit = queue_rows
         self.put_timeout_s = put_timeout_s
         self.stats = WriterStats()
         self._conn = open_writer(path)
+        self._wal = Path(f"{path}-wal")
+        self._size = None if max_bytes is None else SizeCap(max_bytes)
+        if max_bytes is not None:
+            # Beside a small cap the WAL is checkpointed sooner and truncated back after
+            # a reset, instead of keeping the largest size it reached.
+            page = self._scalar("PRAGMA page_size")
+            pages = wal_pages(max_bytes, page)
+            self._conn.execute(f"PRAGMA wal_autocheckpoint={pages}")
+            self._conn.execute(f"PRAGMA journal_size_limit={pages * page}")
+            # This SQLite build zeroes every freed page (SECURE_DELETE), so pruning wrote
+            # each deleted page through the WAL again: the WAL grew by the share pruned
+            # and the writer fell behind a flood. FAST zeroes deleted rows inside pages
+            # it writes anyway; freed pages keep old events until reused, in a file only
+            # readers of its events can open.
+            self._conn.execute("PRAGMA secure_delete=FAST")
         self.node_key = ensure_node(self._conn, node, host)
+        # What the first commit adds is measured from the file as it is.
+        self.stats.used_bytes = self.used_bytes()
         self._lo = self.node_key << SEQ_BITS
         self._hi = self._lo + SEQ_MASK
         self._next_seq = self._max_seq("event_data", "id") + 1
@@ -359,11 +381,37 @@ class BatchWriter:
                 self._space.notify_all()
         if self.stats.disk_full:
             self._check_space_back()
-        cap = _lowest(self.max_bytes, self._full_cap)
+        cap = _lowest(self._data_cap(), self._full_cap)
         if cap is not None:
             self._prune_if_needed(cap)
         with contextlib.suppress(sqlite3.Error):
             self.stats.used_bytes = self.used_bytes()
+        self.stats.file_bytes = self.file_bytes()
+        if self._size is not None:  # the prune's own frames are in the WAL now
+            self._size.observe(0, self._wal_bytes())
+
+    def _data_cap(self) -> int | None:
+        """The used size to prune to under store.max_bytes: the cap less what the last
+        commit added and the WAL holds, at their largest so far (:class:`SizeCap`)."""
+        if self._size is None:
+            return None
+        with contextlib.suppress(sqlite3.Error):
+            self._size.observe(self.used_bytes() - self.stats.used_bytes, self._wal_bytes())
+        return self._size.target()
+
+    def _wal_bytes(self) -> int:
+        try:
+            return self._wal.stat().st_size
+        except OSError:
+            return 0
+
+    def file_bytes(self) -> int:
+        """The database's size on disk as an operator sees it: main file and -wal."""
+        try:
+            main = self.path.stat().st_size
+        except OSError:
+            main = 0
+        return main + self._wal_bytes()
 
     def _write(self, item: _Item) -> int:
         conn, node = self._conn, self.node_key
@@ -521,19 +569,41 @@ class BatchWriter:
         # Free a tenth more than the excess, so pruning does not run after every commit.
         share = min(1.0, (used - cap * 0.9) / used)
         n = max(1, int(total * share))
-        cutoff = self._conn.execute(
-            "SELECT id FROM event_data WHERE id BETWEEN ? AND ? ORDER BY id LIMIT 1 OFFSET ?",
-            (self._lo, self._hi, min(n, total - 1)),
-        ).fetchone()
+        cutoff = self._nth_id(min(n, total - 1))
         if cutoff is None:
             return False
+        # In steps of one commit's rows: each step is a transaction of its own, so the
+        # WAL is checkpointed and reset between them instead of holding the whole pass.
+        deleted = 0
+        while True:
+            step = self._nth_id(self.batch_rows)
+            end = cutoff if step is None else min(step, cutoff)
+            rows = self._delete_oldest(end)
+            if rows is None:
+                return False
+            deleted += rows
+            if end >= cutoff or rows == 0:
+                break
+        log.info("pruned %d oldest events from %s (used %d > %d bytes)",
+                 deleted, self.path, used, cap)
+        return deleted > 0
+
+    def _nth_id(self, n: int) -> int | None:
+        """The id of this node's ``n``-th oldest stored event (from 0), if there is one."""
+        row = self._conn.execute(
+            "SELECT id FROM event_data WHERE id BETWEEN ? AND ? ORDER BY id LIMIT 1 OFFSET ?",
+            (self._lo, self._hi, n),
+        ).fetchone()
+        return None if row is None else int(row[0])
+
+    def _delete_oldest(self, end: int) -> int | None:
+        """Delete this node's events below id ``end`` (and their args, and the aggregates
+        older than what is left) in one transaction: how many, or None if it failed."""
+        conn = self._conn
         try:
-            conn = self._conn
             conn.execute("BEGIN")
-            cur = conn.execute(
-                "DELETE FROM event_data WHERE id >= ? AND id < ?", (self._lo, cutoff[0])
-            )
-            conn.execute("DELETE FROM event_args WHERE id >= ? AND id < ?", (self._lo, cutoff[0]))
+            cur = conn.execute("DELETE FROM event_data WHERE id >= ? AND id < ?", (self._lo, end))
+            conn.execute("DELETE FROM event_args WHERE id >= ? AND id < ?", (self._lo, end))
             oldest = conn.execute(
                 "SELECT min(ts_ns) FROM event_data WHERE id BETWEEN ? AND ?", (self._lo, self._hi)
             ).fetchone()[0]
@@ -543,18 +613,16 @@ class BatchWriter:
                     (self.node_key, oldest),
                 )
             conn.execute("COMMIT")
-            self.stats.pruned_events += cur.rowcount
-            log.info("pruned %d oldest events from %s (used %d > %d bytes)",
-                     cur.rowcount, self.path, used, cap)
-            return cur.rowcount > 0
         except sqlite3.Error as exc:
-            if self._conn.in_transaction:
-                self._conn.execute("ROLLBACK")
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             self.stats.last_error = str(exc)
             # While the disk is full this is expected until the reserve gives room.
             log.log(logging.DEBUG if self.stats.disk_full else logging.ERROR,
                     "pruning %s failed: %s", self.path, exc)
-            return False
+            return None
+        self.stats.pruned_events += cur.rowcount
+        return int(cur.rowcount)
 
     def used_bytes(self) -> int:
         """Bytes of the main file holding data (free pages left by pruning excluded)."""

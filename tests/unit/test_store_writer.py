@@ -168,3 +168,32 @@ def test_a_session_whose_tracer_died_is_closed_as_crashed_on_the_next_open(
             "json_extract(drops, '$.crash') FROM session_data"))
     assert rows[dead] == ("crashed", 1, 1500, 1500)
     assert rows[live][0] is None and rows[unknown][0] is None
+
+
+def _on_disk(path: Path) -> int:
+    """What an operator sees: the main file and its write-ahead log."""
+    wal = Path(f"{path}-wal")
+    return path.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+
+
+def test_the_cap_holds_for_the_main_file_and_its_wal(tmp_path: Path) -> None:
+    """Pruning keeps db + -wal within the cap, as a reader queries between commits (the
+    agent's pool does; a reader's snapshot can keep the WAL from being reset)."""
+    path = tmp_path / "capped.db"
+    cap = 4 * 2**20
+    w = BatchWriter(path, "n1", max_bytes=cap)
+    reader = sqlite3.connect(path)
+    biggest = 0
+    for _ in range(120):
+        w.add_events(synthetic_events(2_000))
+        w.flush()
+        reader.execute("SELECT count(*) FROM event_data WHERE ts_ns > 0").fetchone()
+        biggest = max(biggest, _on_disk(path))
+    stats = w.close()
+    reader.close()
+    assert stats.pruned_events > 100_000  # the cap was reached early and held since
+    assert biggest <= cap, f"{biggest} bytes on disk under a cap of {cap}"
+    with sqlite3.connect(path) as c:
+        kept, first = c.execute(
+            "SELECT count(*), min(id & 1099511627775) FROM event_data").fetchone()
+    assert first == stats.pruned_events + 1 and kept + stats.pruned_events == 240_000
