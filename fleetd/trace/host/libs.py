@@ -22,13 +22,16 @@ import mmap
 import os
 import re
 import site
+import stat
 import struct
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+
+from fleetd.security import procfs
 
 log = logging.getLogger("fleetd.trace.host.libs")
 
@@ -105,25 +108,78 @@ def scan_mapped(pid: int) -> Mapped:
         if key in seen or path.endswith(" (deleted)"):
             continue
         seen.add(key)
-        # Through /proc/PID/root the path names the process's own file, even in a
-        # container; fall back to the plain path if that view is not readable.
-        real = next((c for c in (f"/proc/{pid}/root{path}", path)
-                     if _inode(c) == key[1]), None)
-        if real is None:
-            continue
-        kinds, hidden = _classify(key, real)
-        out.libs += [lib for kind in kinds
-                     if (lib := _library(real, kind, f"maps:{pid}")) is not None]
+        with _mapped_file(pid, parts[0], path, key) as opened:
+            if opened is None:
+                continue
+            fd_path, st = opened
+            kinds, hidden = _classify(key, fd_path)
+        # The path the probes attach to: through /proc/PID/root it names the process's
+        # own file, even in a container.
+        out.libs += [Library(kind, f"/proc/{pid}/root{path}", st.st_dev, st.st_ino,
+                             f"maps:{pid}") for kind in kinds]
         if hidden:
             out.hidden_runtimes.append(path)
     return out
 
 
-def _inode(path: str) -> int | None:
+@contextlib.contextmanager
+def _mapped_file(pid: int, span: str, path: str, key: tuple[str, int]
+                 ) -> Iterator[tuple[str, os.stat_result] | None]:
+    """The file of one maps line, open: (a /proc/self/fd path to read it through, its
+    stat), or None where no file that can be opened is the mapped one.
+
+    Opened first, checked after: the descriptor's own device and inode must be the maps
+    line's, so a container that swaps the file at the path between a check and an open
+    cannot make us read (or probe) another file. ``/proc/PID/map_files`` is the mapped
+    file itself, whatever its path names now; on an overlay filesystem, where the maps
+    line may give the overlay's inode and map_files the layer's, the path resolved
+    inside the process's root (fleetd.security.procfs) is tried too."""
+    start, _, end = span.partition("-")
+    spans = f"{int(start, 16):x}-{int(end, 16):x}"  # map_files names have no leading 0s
+    tries: list[Callable[[], contextlib.AbstractContextManager[str | None]]] = [
+        lambda: _opened(f"/proc/{pid}/map_files/{spans}"),
+        lambda: procfs.regular_in_root(pid, path)]
+    for attempt in tries:
+        with attempt() as fd_path:
+            st = _stat_if(fd_path)
+            if fd_path is not None and st is not None and _same_file(st, key):
+                yield fd_path, st
+                return
+    yield None
+
+
+@contextlib.contextmanager
+def _opened(path: str) -> Iterator[str | None]:
+    """``path`` open for reading (never blocking) for the block, as a /proc/self/fd
+    path; None where it cannot be opened."""
     try:
-        return os.stat(path).st_ino
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        yield None
+        return
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def _stat_if(fd_path: str | None) -> os.stat_result | None:
+    if fd_path is None:
+        return None
+    try:
+        return os.stat(fd_path)  # the open file's own (the magic link is followed)
     except OSError:
         return None
+
+
+def _same_file(st: os.stat_result, key: tuple[str, int]) -> bool:
+    """A regular file whose device and inode are a maps line's ("fd:01", inode)."""
+    major, _, minor = key[0].partition(":")
+    try:
+        dev = os.makedev(int(major, 16), int(minor, 16))
+    except ValueError:
+        return False
+    return stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == (dev, key[1])
 
 
 def _classify(key: tuple[str, int], path: str) -> tuple[tuple[str, ...], bool]:
