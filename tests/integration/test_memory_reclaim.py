@@ -15,6 +15,12 @@ with no disk I/O to blur the picture. The live set is one buffer (8 MiB), the ri
 The workload also runs in a cgroup of its own on the v2 hierarchy where one is mounted
 (beside the v1 controllers on these machines): the kernel keeps pressure stall
 information per v2 cgroup, so the chain cites the cgroup's own memory.pressure.
+
+The reclaim, and the kernel work it queues, come per step, so the test sees as many as
+the workload runs steps in its 4 s. On a busy node (a busy loop on every CPU, other
+sessions' tests) an unprotected workload ran a quarter of them. So it runs pinned to one
+CPU in a cpu cgroup of ten times the default weight: against whatever else runs there at
+normal priority it gets that CPU nearly to itself, as on a quiet machine.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ PY = sys.executable
 WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
 ROOT = Path("/sys/fs/cgroup")
 LIMIT = 64 << 20
+CPU_V1 = ROOT / "cpu"
+# Ten times the default weight (v1 cpu.shares 1024, v2 cpu.weight 100).
+WEIGHT = {"v1": {"cpu.shares": "10240"}, "v2": {"cpu.weight": "1000"}}
 STEP = ["--launches", "8", "--memcpy", "1", "--touch-mb", "8", "--gpu-ms", "2"]
 
 
@@ -57,19 +66,35 @@ def _unified() -> Path | None:
     return u if (u / "cgroup.procs").exists() and (u / "memory.pressure").exists() else None
 
 
+def _groups(stack: ExitStack, limited: bool) -> list[Path]:
+    """The workload's cgroups: the memory limit (when ``limited``), a v2 one for its
+    pressure stall information on a hybrid machine, and the CPU weight (module
+    docstring), in the v1 cpu hierarchy or, on a v2 machine, in its one cgroup."""
+    root, setup = ROOT, {}
+    if limited:
+        root, limit_file = _memory_hierarchy()
+        setup[limit_file] = str(LIMIT)
+    groups: list[Path] = []
+    if (CPU_V1 / "cpu.shares").exists():
+        groups.append(stack.enter_context(scratch_cgroup(CPU_V1, WEIGHT["v1"])))
+    elif "cpu" in (ROOT / "cgroup.controllers").read_text().split():
+        (ROOT / "cgroup.subtree_control").write_text("+cpu")
+        root, setup = ROOT, {**setup, **WEIGHT["v2"]}
+    if setup:
+        groups.append(stack.enter_context(scratch_cgroup(root, setup)))
+    unified = _unified()
+    if limited and unified is not None and root != ROOT:
+        groups.append(stack.enter_context(scratch_cgroup(unified, {})))
+    return groups
+
+
 def explain_live(tmp_path: Path, limited: bool) -> dict[str, object]:
     go, db = tmp_path / "go", tmp_path / "t.db"
+    cpu = max(os.sched_getaffinity(0))
     with ExitStack() as stack:
-        groups: list[Path] = []
-        if limited:
-            root, limit_file = _memory_hierarchy()
-            groups.append(stack.enter_context(scratch_cgroup(root, {limit_file: str(LIMIT)})))
-            unified = _unified()
-            if unified is not None and root != ROOT:
-                groups.append(stack.enter_context(scratch_cgroup(unified, {})))
-
+        groups = _groups(stack, limited)
         with running([PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go), *STEP],
-                     groups=groups) as wl:
+                     cpu=cpu, groups=groups) as wl:
             trace_for(wl.pid, db, go, "4s")
     r = subprocess.run([FLEETD, "explain", "--db", str(db), "--format", "json"],
                        capture_output=True, text=True, timeout=120)
