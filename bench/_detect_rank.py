@@ -6,7 +6,9 @@ its mtime first, so a step costs one stat) and, while it names a fault, does it 
 * ``gc``: a garbage-collection storm: builds cyclic garbage and collects it every step;
 * ``loader``: a starved data loader: the step waits for its batch from a loader process
   (a pipe, as a DataLoader worker's queue) that makes one in 150 ms instead of 1 ms;
-* ``disk``: slow disk I/O: writes 4 MiB and fsyncs it every step (``--io-dir``).
+* ``disk``: slow disk I/O: writes 4 MiB and fsyncs it every step (``--io-dir``), the
+  same bytes each time (made once: a fresh ``os.urandom`` per step was 4 MiB of CPU work,
+  a CPU fault on a host short of CPU, not an I/O one).
 
 Faults outside the process (a CPU hog beside it, a CPU quota, SIGSTOP) need no help here,
 but the step's compute is counted in CPU time, not wall time (:func:`_cpu_busy`), so that
@@ -35,6 +37,7 @@ class Faults:
         self.path, self.io_dir = path, io_dir
         self.mtime = 0.0
         self.now = ""
+        self.block = os.urandom(DISK_MB << 20)  # incompressible, made before the job runs
         self.batches, self.requests = _start_loader(path)
 
     def next_batch(self) -> None:
@@ -62,7 +65,7 @@ class Faults:
         elif self.now == "disk":
             f = self.io_dir / f"rank-{os.getpid()}.bin"
             with f.open("wb") as fh:
-                fh.write(os.urandom(DISK_MB << 20))
+                fh.write(self.block)
                 fh.flush()
                 os.fsync(fh.fileno())
         # Every step takes a batch; a healthy loader has it ready, a starved one makes the

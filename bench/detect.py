@@ -228,7 +228,8 @@ def run(tmp: Path) -> str:
                 time.sleep(rnd.uniform(*GAP_S))
                 hog = inject(bed, f, ranks, tmp)
                 f.onset = time.monotonic()
-                print(f"  {f.onset - start:6.1f} s: {f.kind} on host-{f.host}", flush=True)
+                print(f"  {f.onset - start:6.1f} s: {f.kind} on host-{f.host} (wall "
+                      f"{time.time():.1f})", flush=True)
                 time.sleep(FAULT_S)
                 f.end = time.monotonic()
                 clear(bed, f, ranks, tmp, hog)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the command loads it only when it runs: `fleetd --version` 
     from fleetd.fleet.client import FleetClient
     from fleetd.fleet.hang import HangJson, HangVerdict
     from fleetd.fleet.notify import Notifier
-    from fleetd.fleet.straggle import Changes
+    from fleetd.fleet.straggle import Changes, StragglerJson
 
 log = logging.getLogger("fleetd.watch")
 
@@ -69,8 +69,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "never arrived, where it is instead, its top causal chain, and the ranks waiting "
         "on it; then exit 6. A job that dies while watched is reported the same way. A "
         "rank that enters last at most of its group's collectives of the last 5 s, by a "
-        "margin, for 2 polls is a straggler: STRAGGLER, then CAUSE (its node's top causal "
-        "chain), and RECOVERED once it is on time for 3 polls; watch goes on. A "
+        "margin, for 2 polls is a straggler: STRAGGLER, then CAUSE (the causal chain of "
+        "the cause whose share of its time rose most over the same rank's before the onset "
+        "and its on-time peers' meanwhile), and RECOVERED once it is on time for 3 polls; "
+        "watch goes on. A "
         "node that does not answer within --timeout (here 3 s by default, or the interval "
         "when longer) is a warning, not a hang. Exit status: 0 no hang (--once, --for), "
         "3 no hang but some node did not answer (--once), 6 a hang, 4 no node ever "
@@ -336,11 +338,21 @@ def print_straggle(changes: Changes, fmt: str, out: TextIO, live: TextIO | bool)
             severity, cause, summary = ((chain["severity"], chain["root_cause"],
                                          chain["summary"]) if chain else (None, None, None))
             out.write(printable(f"CAUSE of rank {s['rank']} ({s['node']} pid {s['pid']}): "
-                                f"[{severity}] {cause}: {summary}") + "\n")
+                                f"[{severity}] {cause}: {summary}{_change(s)}") + "\n")
         else:
             out.write(printable(f"RECOVERED (straggler): {s['group']}: rank {s['rank']} "
                                 f"({s['node']} pid {s['pid']}) on time again") + "\n")
     out.flush()
+
+
+def _change(s: StragglerJson) -> str:
+    """How much the named cause rose: the reason it, not the costliest, is named."""
+    x = s.get("changed")
+    if x is None:
+        return ""
+    before = [f"{name} {v:.1%}" for name, v in (("before", x["baseline"]),
+                                                   ("peers", x["peers"])) if v is not None]
+    return f" (now {x['share']:.1%} of its time; {', '.join(before) or 'no reference'})"
 
 
 def print_verdict(result: HangVerdict, fmt: str, out: TextIO) -> None:

@@ -15,9 +15,10 @@
 * :mod:`~fleetd.fleet.stream`: a query answer read as NDJSON, line by line;
 * :mod:`~fleetd.fleet.collectives`: every node's collective arrivals in this clock;
 * ``fleetd watch``'s side: :mod:`~fleetd.fleet.hang` (hang verdicts over every node's
-  ranks), :mod:`~fleetd.fleet.straggle` (stragglers seen live), :mod:`~fleetd.fleet.chains`
-  (the top chain of a culprit, asked of its node) and :mod:`~fleetd.fleet.notify` (each
-  finding and its recovery to a webhook or a command);
+  ranks), :mod:`~fleetd.fleet.straggle` (stragglers seen live, their cause the one that
+  changed: :mod:`~fleetd.fleet.cause_change`), :mod:`~fleetd.fleet.chains` (a process's
+  chains over a window, asked of its node) and :mod:`~fleetd.fleet.notify` (each finding
+  and its recovery to a webhook or a command);
 * :mod:`~fleetd.fleet.checks`: ``fleetd check --only nodes``, each node's reachability.
 
 What the client and the agents agree on (paths, headers, limits, answer shapes and

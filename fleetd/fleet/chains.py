@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.fanout import FleetAnswer
 from fleetd.wire import paths
-from fleetd.wire.failure import NodeFailed
+from fleetd.wire.chains import check_chains_reply
+from fleetd.wire.failure import BadReply, NodeFailed
 from fleetd.wire.ranks import TopChain, top_chain
+from fleetd.wire.shapes import ChainsReply
 
 log = logging.getLogger("fleetd.fleet.chains")
 
@@ -24,22 +27,44 @@ async def chains_of(answer: FleetAnswer, client: FleetClient,
                     ) -> dict[tuple[str, int], TopChain | None]:
     """The top causal chain of each (node, pid) over ``since``, asked of its node at once
     (best effort: one that cannot say within CHAIN_TIMEOUT_S is left out). """
-    targets = {o.name: o.target for o in answer.answered}
-    found: dict[tuple[str, int], TopChain | None] = {}
+    asks = {(n, p): ChainsAsk(n, p, (("since", since),)) for n, p in wanted}
+    got = await chains_answers(answer, client, list(asks.values()), top_n=1)
+    return {k: top_chain(got[a]) for k, a in asks.items() if a in got}
 
-    async def one(node: str, pid: int) -> None:
-        target = targets.get(node)
+
+@dataclass(frozen=True, slots=True)
+class ChainsAsk:
+    """The chains of one process over one window: ``window`` the query's window
+    parameters (``since``, or ``from``/``to`` in ns by the node's clock)."""
+
+    node: str
+    pid: int
+    window: tuple[tuple[str, str], ...]
+
+
+async def chains_answers(answer: FleetAnswer, client: FleetClient,
+                         asks: Sequence[ChainsAsk], top_n: int | None = None
+                         ) -> dict[ChainsAsk, ChainsReply]:
+    """Each ask's ``/api/v1/chains`` answer, checked by its reader, asked of the nodes
+    at once; one that cannot say within CHAIN_TIMEOUT_S, or says it in a broken shape,
+    is left out (logged): a cause is named without it, or at the next ask."""
+    targets = {o.name: o.target for o in answer.answered}
+    found: dict[ChainsAsk, ChainsReply] = {}
+
+    async def one(ask: ChainsAsk) -> None:
+        target = targets.get(ask.node)
         if target is None:
             return
+        params = {**dict(ask.window), "pid": str(ask.pid)}
+        if top_n is not None:
+            params["top_n"] = str(top_n)
         try:
             async with asyncio.timeout(CHAIN_TIMEOUT_S):
-                reply = await client.get(target, paths.CHAINS,
-                                         {"since": since, "pid": str(pid), "top_n": "1"})
-        except (NodeFailed, TimeoutError) as exc:
-            log.info("no chain for %s pid %d: %s", node, pid, exc)
-            return
-        found[(node, pid)] = top_chain(reply)
+                found[ask] = check_chains_reply(await client.get(target, paths.CHAINS,
+                                                                 params))
+        except (NodeFailed, TimeoutError, BadReply) as exc:
+            log.info("no chains for %s pid %d: %s", ask.node, ask.pid, exc)
 
     client.restart_deadline()
-    await asyncio.gather(*(one(n, p) for n, p in wanted))
+    await asyncio.gather(*(one(a) for a in dict.fromkeys(asks)))
     return found

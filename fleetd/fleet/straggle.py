@@ -7,10 +7,15 @@ polls, and recovers once it has not for :data:`CALM_POLLS` (no flapping on a ran
 is late at half the polls). While a flagged rank has no named cause, its node is asked
 for the rank's top causal chain over the straggle's own seconds (``GET /api/v1/chains``,
 as a hang's culprit is: :mod:`fleetd.fleet.chains`), at most every :data:`CAUSE_EVERY_S`;
-the first chain with a root cause names it. The window starts :data:`CAUSE_LEAD_S` before
-the first poll that called the rank late (at least :data:`CAUSE_MIN_S`, at most
-:data:`CAUSE_SINCE_S` long): the rank's seconds before it turned late are the same for
-every rank of the job (a CPU they all share) and would outweigh what changed.
+the cause named is the one that CHANGED (:mod:`fleetd.fleet.cause_change`): the rank's
+chains over the straggle's own seconds, per cause, against the same rank's chains over
+:data:`BASELINE_S` before the onset (asked once) and its on-time peers' over the same
+window (up to :data:`PEERS_ASKED`, those on its own node first), ranked by the excess.
+A cause every rank of the job pays alike (a CPU they all share) is not the straggler's.
+The straggle window starts :data:`CAUSE_LEAD_S` before the first poll that called the
+rank late (at least :data:`CAUSE_MIN_S`, at most :data:`CAUSE_SINCE_S` long); the
+baseline ends a lateness window (:data:`~fleetd.analyze.distributed.lateness.WINDOW_NS`)
+and :data:`BASELINE_GAP_S` before that poll, where the fault cannot have begun yet.
 """
 
 from __future__ import annotations
@@ -18,16 +23,21 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from fleetd.analyze.distributed.hangs import RankView
-from fleetd.analyze.distributed.lateness import Lateness, lateness
-from fleetd.fleet.chains import chains_of
+from fleetd.analyze.distributed.lateness import WINDOW_NS, Lateness, lateness
+from fleetd.analyze.reading.answers import ChainJson
+from fleetd.fleet import cause_change
+from fleetd.fleet.cause_change import CauseChangeJson, Shares
+from fleetd.fleet.chains import ChainsAsk, chains_answers
 from fleetd.fleet.client import FleetClient
 from fleetd.fleet.fanout import FleetAnswer
-from fleetd.wire.ranks import TopChain
+from fleetd.store.bounds import ABSOLUTE, Bounds
+from fleetd.wire.ranks import TopChain, top_chain
+from fleetd.wire.shapes import ChainsReply
 
 log = logging.getLogger("fleetd.fleet.straggle")
 
@@ -37,6 +47,10 @@ CAUSE_EVERY_S = 2.0  # a flagged rank's node asked again for its chain, until it
 CAUSE_SINCE_S = 15  # the chain window at most: the straggle's own seconds, not the minutes before
 CAUSE_MIN_S = 5  # ...and at least (a sampled cgroup, a few steps)
 CAUSE_LEAD_S = 2  # ...from this long before the first poll that called the rank late
+BASELINE_S = 10  # the rank's own seconds before the onset, its per-cause reference
+BASELINE_MIN_S = 4  # ...at least (after its last straggle), else its peers' alone
+BASELINE_GAP_S = 1  # ...ending this long before the earliest the onset can be
+PEERS_ASKED = 3  # on-time ranks of its group whose same seconds are the other reference
 
 
 class StragglerJson(TypedDict):
@@ -56,6 +70,7 @@ class StragglerJson(TypedDict):
     collectives: int
     summary: str
     top_chain: TopChain | None
+    changed: NotRequired[CauseChangeJson]  # the named cause against its references
 
 
 @dataclass
@@ -64,6 +79,10 @@ class _Open:
     calm: int = 0
     asked: float = 0.0  # monotonic time its node was last asked for a chain
     began: float = 0.0  # monotonic time of the first poll that called it late
+    peers: list[tuple[str, int]] = field(default_factory=list)  # (node, pid), on time
+    baseline: Shares | None = None  # its per-cause shares before the onset
+    baseline_asked: bool = False
+    clean_since: float = -math.inf  # monotonic: when it last recovered (its baseline after)
 
 
 @dataclass
@@ -85,6 +104,7 @@ class StraggleWatch:
     streak: dict[str, int] = field(default_factory=dict)  # key -> consecutive late polls
     began: dict[str, float] = field(default_factory=dict)  # key -> the streak's first poll
     open: dict[str, _Open] = field(default_factory=dict)
+    recovered_at: dict[str, float] = field(default_factory=dict)  # key -> monotonic
     changes: Changes = field(default_factory=Changes)  # the last poll's
 
     async def poll(self, answer: FleetAnswer, client: FleetClient,
@@ -100,7 +120,7 @@ class StraggleWatch:
         err = None if age_error_s is None else int(age_error_s * 1e9)
         judged = lateness(views, age_error_ns=err)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("lateness: %s", "; ".join(
+            log.debug("lateness (age error %.1f ms): %s", (age_error_s or 0) * 1e3, "; ".join(
                 f"rank {x.rank} last {x.last}/{x.collectives} by {x.late_ns / 1e6:.1f} ms, "
                 f"step {x.step_ns / 1e6:.1f} ms" for x in judged))
         late = {_key(x): x for x in judged if x.late}
@@ -112,7 +132,9 @@ class StraggleWatch:
                 self.open[key].calm = 0
                 _refresh(self.open[key].found, x)
             elif self.streak[key] >= self.flag_polls:
-                self.open[key] = _Open(_json(key, x), began=self.began[key])
+                self.open[key] = _Open(_json(key, x), began=self.began[key],
+                                       peers=_peers(x, judged, late),
+                                       clean_since=self.recovered_at.get(key, -math.inf))
                 flagged.append(self.open[key].found)
         for key in [k for k in self.streak if k not in late]:
             del self.streak[key]
@@ -123,42 +145,100 @@ class StraggleWatch:
             o.calm += 1
             if o.calm >= self.calm_polls:
                 recovered.append(self.open.pop(key).found)
+                self.recovered_at[key] = time.monotonic()
         return flagged, recovered
 
     def current(self) -> list[StragglerJson]:
         return [o.found for o in self.open.values()]
 
     async def causes(self, answer: FleetAnswer, client: FleetClient) -> list[StragglerJson]:
-        """Ask the nodes of flagged ranks without a cause for their top chain; the ones
-        that got a root cause now."""
+        """Ask for the chains of the flagged ranks without a cause (the straggle window),
+        their baselines (once) and their peers'; the ones that got a cause now."""
         now = time.monotonic()
         due = [o for o in self.open.values() if not _named(o.found)
                and now - o.asked >= CAUSE_EVERY_S]
         if not due:
             return []
+        asks: dict[int, tuple[ChainsAsk, list[ChainsAsk], ChainsAsk | None]] = {}
         for o in due:
             o.asked = now
-        found = {}
-        for since, group in _by_window(due, now).items():
-            found.update(await chains_of(
-                answer, client, [(o.found["node"], o.found["pid"]) for o in group], since))
+            window = (("since", _since(o, now)),)
+            base = None if o.baseline_asked else _baseline_ask(o, now)
+            o.baseline_asked = o.baseline_asked or base is None  # none to ask: peers alone
+            asks[id(o)] = (ChainsAsk(o.found["node"], o.found["pid"], window),
+                           [ChainsAsk(n, p, window) for n, p in o.peers], base)
+        wanted = [a for late, peers, base in asks.values()
+                  for a in (late, *peers, *([base] if base else []))]
+        got = await chains_answers(answer, client, wanted)
         named = []
         for o in due:
-            chain = found.get((o.found["node"], o.found["pid"]))
-            if chain is not None and chain.get("root_cause"):
-                o.found["top_chain"] = chain
+            late, peers, base = asks[id(o)]
+            if base is not None and base in got:  # else asked again with the next
+                o.baseline, o.baseline_asked = cause_change.shares(got[base], base.pid), True
+            if _name(o, got.get(late), [cause_change.shares(got[p], p.pid) for p in peers
+                                            if p in got]):
                 named.append(o.found)
         return named
 
 
-def _by_window(due: list[_Open], now: float) -> dict[str, list[_Open]]:
-    """The flagged ranks by the chain window each is asked for (``"7s"``): from
-    CAUSE_LEAD_S before its streak began, within [CAUSE_MIN_S, CAUSE_SINCE_S]."""
-    out: dict[str, list[_Open]] = {}
-    for o in due:
-        s = min(CAUSE_SINCE_S, max(CAUSE_MIN_S, math.ceil(now - o.began + CAUSE_LEAD_S)))
-        out.setdefault(f"{s}s", []).append(o)
-    return out
+def _name(o: _Open, reply: ChainsReply | None, peers: list[Shares | None]) -> bool:
+    """Name the cause that rose most in the late rank's answer; where none rose by
+    MIN_EXCESS (a cause every rank pays that pressed harder on this one: a CPU hog
+    beside it on a host already short of CPU), its costliest chain, as said."""
+    if reply is None:
+        return False
+    pid = o.found["pid"]
+    mine = cause_change.shares(reply, pid)
+    if mine is None:
+        return False
+    found = cause_change.ranked(mine, o.baseline, [p for p in peers if p is not None])
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("rank %d causes: %s", o.found["rank"], "; ".join(
+            f"{x.cause} {x.now:.3f} (before {x.before}, peers {x.peers}, score "
+            f"{x.score:.3f})" for x in found) or f"none rose of {mine}")
+    for x in found:
+        if _take(o, cause_change.chain_of(reply, pid, x.cause)):
+            o.found["changed"] = x.to_json()
+            return True
+    return not found and _take(o, cause_change.chain_of(reply, pid, None))
+
+
+def _take(o: _Open, chain: ChainJson | None) -> bool:
+    top = top_chain({"chains": [chain]}) if chain is not None else None
+    if top is None or not top.get("root_cause"):
+        return False
+    o.found["top_chain"] = top
+    return True
+
+
+def _since(o: _Open, now: float) -> str:
+    """The straggle window (``"7s"``): from CAUSE_LEAD_S before its streak began, within
+    [CAUSE_MIN_S, CAUSE_SINCE_S]."""
+    return f"{min(CAUSE_SINCE_S, max(CAUSE_MIN_S, math.ceil(now - o.began + CAUSE_LEAD_S)))}s"
+
+
+def _baseline_ask(o: _Open, now: float) -> ChainsAsk | None:
+    """The rank's BASELINE_S before the earliest its straggle can have begun (a lateness
+    window before its first late poll) and after it last recovered, by our clock (nodes
+    whose clocks differ from ours by a second or two still answer for seconds before the
+    onset); None when that leaves less than BASELINE_MIN_S."""
+    last = o.began - WINDOW_NS / 1e9 - BASELINE_GAP_S
+    first = max(last - BASELINE_S, o.clean_since)
+    if last - first < BASELINE_MIN_S:
+        return None
+    wall_ns = time.time_ns() - int(now * 1e9)  # our clock at monotonic 0
+    window = Bounds(ABSOLUTE, wall_ns + int(first * 1e9), wall_ns + int(last * 1e9)).params()
+    return ChainsAsk(o.found["node"], o.found["pid"], tuple(sorted(window.items())))
+
+
+def _peers(x: Lateness, judged: Sequence[Lateness], late: Mapping[str, Lateness]
+           ) -> list[tuple[str, int]]:
+    """Up to PEERS_ASKED on-time members of x's group, those on x's node first (they
+    share its host: what they pay alike is the host's, not the straggler's)."""
+    on_time = [y for y in judged if y.key == x.key and y.rank != x.rank
+               and _key(y) not in late]
+    on_time.sort(key=lambda y: (y.view.node != x.view.node, y.rank))
+    return [(y.view.node, y.view.pid) for y in on_time[:PEERS_ASKED]]
 
 
 def _key(x: Lateness) -> str:

@@ -644,9 +644,10 @@ def test_only_the_cli_ends_the_process() -> None:
 
 def test_a_bad_answer_is_caught_where_the_doc_says() -> None:
     assert_said("one place turns a bad answer into a failed node")
-    assert_said("Two operations read a part of an answer themselves")
+    assert_said("Three operations read a part of an answer themselves")
     found = source_hits(r"except\s*\(?[\w., ]*\bBadReply\b", tree_modules())
-    assert found == {"fleetd.fleet.fanout", "fleetd.fleet.collectives", "fleetd.fleet.hang"}
+    assert found == {"fleetd.fleet.fanout", "fleetd.fleet.collectives", "fleetd.fleet.hang",
+                     "fleetd.fleet.chains"}
 
 
 def test_the_line_limit_is_the_one_the_doc_gives() -> None:

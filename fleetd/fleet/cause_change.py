@@ -1,0 +1,164 @@
+"""Which host cause CHANGED on a straggling rank: its per-cause time in the straggle's own
+seconds against a reference, the same rank's seconds before the onset (its baseline)
+and its on-time peers' seconds of the same window.
+
+The costliest chain is the wrong answer where every rank pays a cause alike: on a host
+short of CPU each rank of a job waits for it most of its time, straggling or not, and a
+garbage-collection storm or slow disk that makes one rank late costs it a few percent of
+its wall time beside that. What makes the rank late is the time that rose, so each cause
+is ranked by its excess over the reference.
+
+The per-cause time is what the node's analyzers already state, once: each chain's
+``impact`` (its lost share of wall time, docs/explain.md), summed per root cause over
+the chains whose victim is the process, from the node's ``GET /api/v1/chains`` answer for
+that window (no second root-cause path here). A chain below its rule's threshold counts
+as 0, so a reference is exact to within those thresholds (1-2 % of wall).
+
+The reference of a cause is the larger of the rank's own baseline and the peers' median:
+a cause the rank had before is not new, and one its peers have as much of is shared (the
+rank that enters last waits less in the collective and so is runnable more of its time
+than its peers: its own baseline keeps that from counting as contention). The excess is
+ranked by how unlikely it is as noise: a share measured over a few seconds varies by an
+amount that grows with the share (counts of stalls and samples: their spread grows as
+the square root of their mean), so the score is ``excess / sqrt(reference + NOISE_FLOOR)``;
+a few points more of a cause that takes 80 % of every rank's time is weaker evidence
+than the same points of a cause that was absent.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypedDict
+
+from fleetd.analyze.reading.answers import ChainJson
+from fleetd.wire.shapes import ChainsReply
+
+# Causes that say nothing about the host: the time was on the GPU side, or was paid once.
+NOT_HOST = frozenset({"unexplained", "startup"})
+MIN_EXCESS = 0.02  # of wall time: a cause that rose by less is not named (gc_pause's floor)
+# A reference asleep most of its window (its group stopped: a hang) says too little per
+# second awake to compare.
+MIN_AWAKE = 0.2
+NOISE_FLOOR = 0.05  # share added under the square root: a cause absent before still varies
+# A rule that fires on a ratio of the thread's own time, not on a share of wall: the
+# host is the bottleneck when the thread runs most of the time it is not queued. Any
+# CPU-bound rank that stops waiting for its peers (the late one) crosses it, its CPU time
+# unchanged; its reference is at least the breakdown's column the impact is counted from.
+COUNTED_FROM = {"host_cpu_bound": "running"}
+
+
+@dataclass(frozen=True, slots=True)
+class Shares:
+    """A process over one window, from its node's chains answer: each cause's summed
+    chain impact (share of wall), its share of wall on a CPU outside CUDA calls, and
+    asleep (S state: waiting for its peers in a collective, among others)."""
+
+    causes: dict[str, float]
+    running: float
+    asleep: float
+
+    def floor(self, cause: str) -> float:
+        """The cause's share, or the column its rule counts from where that is more."""
+        own = self.causes.get(cause, 0.0)
+        return max(own, self.running) if COUNTED_FROM.get(cause) == "running" else own
+
+
+class CauseChangeJson(TypedDict):
+    """The named cause's share of the rank's wall time in the straggle window, its own
+    before the onset, its on-time peers' (median) then, and the excess ranked
+    (``fleetd watch --format json``; docs/json.md). None where unknown."""
+
+    cause: str
+    share: float
+    baseline: float | None
+    peers: float | None
+    excess: float
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One cause of the late rank, against its reference."""
+
+    cause: str
+    now: float  # share of wall in the straggle window
+    before: float | None  # the rank's own, before the onset (None: no baseline)
+    peers: float | None  # the on-time peers' median (None: no peer answered)
+
+    @property
+    def reference(self) -> float:
+        known = [x for x in (self.before, self.peers) if x is not None]
+        return max(known) if known else 0.0
+
+    @property
+    def excess(self) -> float:
+        return self.now - self.reference
+
+    @property
+    def score(self) -> float:
+        return self.excess / math.sqrt(self.reference + NOISE_FLOOR)
+
+    def to_json(self) -> CauseChangeJson:
+        return {"cause": self.cause, "share": round(self.now, 4),
+                "baseline": None if self.before is None else round(self.before, 4),
+                "peers": None if self.peers is None else round(self.peers, 4),
+                "excess": round(self.excess, 4)}
+
+
+def shares(reply: ChainsReply, pid: int) -> Shares | None:
+    """The process's shares in a node's chains answer; None when the answer does not
+    list the process (no events of it in that window: nothing is known, which is not
+    the same as nothing having happened)."""
+    row = next((p for p in reply["processes"] if p.get("pid") == pid), None)
+    if row is None:
+        return None
+    wall = (row["running_ns"] + row["runq_ns"] + row["irq_ns"] + row["d_state_ns"]
+            + row["sleeping_ns"])  # the breakdown's columns that add up to wall time
+    if wall <= 0:
+        return None
+    causes: dict[str, float] = {}
+    for c in reply["chains"]:
+        if c["victim"]["pid"] == pid and c["root_cause"] not in NOT_HOST:
+            causes[c["root_cause"]] = causes.get(c["root_cause"], 0.0) + max(0.0, c["impact"])
+    return Shares(causes, max(0, row["running_ns"] - row["in_cuda_ns"]) / wall,
+                  row["sleeping_ns"] / wall)
+
+
+def ranked(now: Shares, before: Shares | None, peers: Sequence[Shares]) -> list[Change]:
+    """The causes of the late rank that rose by MIN_EXCESS or more over their reference,
+    the least likely as noise first. A reference's shares are of the seconds it was
+    awake, scaled to the late rank's: a rank on time sleeps in the collective while it
+    waits for the late one, which has no such seconds, so per second of wall it pays
+    less of every cause than the same host work costs the late rank."""
+    peers = [p for p in peers if _awake(p) >= MIN_AWAKE]
+    if before is not None and _awake(before) < MIN_AWAKE:
+        before = None
+    out = []
+    for cause in sorted(now.causes):
+        theirs = [_per_awake(p, cause, now) for p in peers]
+        x = Change(cause, now.causes[cause],
+                   None if before is None else _per_awake(before, cause, now),
+                   statistics.median(theirs) if theirs else None)
+        if x.excess >= MIN_EXCESS:
+            out.append(x)
+    return sorted(out, key=lambda x: (-x.score, x.cause))
+
+
+def _per_awake(ref: Shares, cause: str, now: Shares) -> float:
+    """The reference's share of ``cause``, per second awake, at the late rank's."""
+    return ref.floor(cause) * _awake(now) / _awake(ref)
+
+
+def _awake(s: Shares) -> float:
+    return max(0.05, 1.0 - s.asleep)  # never divide by a rank asleep throughout
+
+
+def chain_of(reply: ChainsReply, pid: int, cause: str | None) -> ChainJson | None:
+    """The process's costliest chain of ``cause`` (None: of any host cause) in the
+    answer: the one named, with its culprit as its node's analyzers found it (a task
+    that took the time)."""
+    mine = [c for c in reply["chains"] if c["victim"]["pid"] == pid
+            and c["root_cause"] not in NOT_HOST and cause in (None, c["root_cause"])]
+    return max(mine, key=lambda c: c["impact"], default=None)

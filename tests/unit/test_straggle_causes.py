@@ -1,0 +1,156 @@
+"""The live straggler's cause is the one that CHANGED (fleetd.fleet.cause_change), from
+real node answers: tests/data/straggle_causes holds GET /api/v1/chains answers of
+bench/detect.py's bed (four ranks of a lockstep job, each in a 25% CPU slice, all on one
+overloaded CPU), per fault: the late rank over its straggle window, the same rank over
+10 s before the onset, and its three on-time peers over the straggle window. Every rank
+waits for the CPU 55-88% of its wall time there, straggling or not, so the costliest
+chain is cpu_contention whatever the fault."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetd.fleet import cause_change
+from fleetd.fleet.cause_change import MIN_EXCESS, Shares, chain_of, ranked, shares
+from fleetd.fleet.straggle import _name, _Open
+from fleetd.wire.chains import check_chains_reply
+from fleetd.wire.shapes import ChainsReply
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "straggle_causes"
+
+
+def fault(kind: str) -> dict[str, Any]:
+    d: dict[str, Any] = json.loads((DATA / f"{kind}.json").read_text())
+    return d
+
+
+def read(reply: dict[str, Any]) -> ChainsReply:
+    return check_chains_reply(reply)  # as the watch reads a node's answer
+
+
+def parts(kind: str) -> tuple[Shares, Shares, list[Shares]]:
+    d = fault(kind)
+    now, before = shares(read(d["late"]), d["pid"]), shares(read(d["baseline"]), d["pid"])
+    peers = [shares(read(r), p) for r, p in zip(d["peers"], d["peer_pids"], strict=True)]
+    assert now is not None and before is not None and None not in peers
+    return now, before, [p for p in peers if p is not None]
+
+
+def named(kind: str, *, baseline: bool = True, peers: bool = True) -> str | None:
+    now, before, theirs = parts(kind)
+    found = ranked(now, before if baseline else None, theirs if peers else [])
+    return found[0].cause if found else None
+
+
+def test_the_costliest_chain_is_contention_whatever_the_fault() -> None:
+    """What the old rule named: the late rank's top chain by impact."""
+    for kind in ("gc", "disk", "hog"):
+        d = fault(kind)
+        top = chain_of(read(d["late"]), d["pid"], None)
+        assert top is not None and top["root_cause"] == "cpu_contention", kind
+
+
+@pytest.mark.parametrize("baseline,peers", [(True, True), (True, False), (False, True)])
+def test_a_gc_storm_is_named_gc_though_contention_costs_17_times_more(baseline: bool,
+                                                                       peers: bool) -> None:
+    now, _, theirs = parts("gc")
+    assert now.causes["cpu_contention"] > 15 * now.causes["gc_pause"]
+    # its peers pay as much contention per second awake (they sleep in the collective)
+    contention = ranked(now, None, theirs)
+    assert "cpu_contention" not in [x.cause for x in contention]
+    assert named("gc", baseline=baseline, peers=peers) == "gc_pause"
+
+
+@pytest.mark.parametrize("kind,cause", [("disk", "block_io"), ("loader", "data_starvation"),
+                                        ("quota", "cpu_throttled")])
+def test_each_fault_is_named_by_the_cause_that_rose(kind: str, cause: str) -> None:
+    assert named(kind) == cause
+    assert named(kind, baseline=False) == cause  # the peers alone
+    now, before, theirs = parts(kind)
+    top = ranked(now, before, theirs)[0]
+    assert top.excess >= MIN_EXCESS and top.before is not None and top.peers is not None
+
+
+def test_a_rank_whose_only_change_is_more_contention_is_named_contention() -> None:
+    """The gc storm's baseline, as the late rank: its contention raised by 0.15 of wall
+    and its sleep cut as much (the rank that enters last waits less), nothing else."""
+    d = fault("gc")
+    late = copy.deepcopy(d["baseline"])
+    for c in late["chains"]:
+        if c["root_cause"] == "cpu_contention":
+            c["impact"] += 0.15
+    proc = next(p for p in late["processes"] if p["pid"] == d["pid"])
+    moved = int(0.15 * (proc["runq_ns"] + proc["running_ns"] + proc["sleeping_ns"]
+                        + proc["irq_ns"] + proc["d_state_ns"]))
+    proc["runq_ns"] += moved
+    proc["sleeping_ns"] -= moved
+    now = shares(read(late), d["pid"])
+    before = shares(read(d["baseline"]), d["pid"])
+    assert now is not None and before is not None
+    [x] = ranked(now, before, [])
+    assert x.cause == "cpu_contention" and x.excess > MIN_EXCESS
+
+
+def test_the_hog_rank_waits_no_more_per_second_awake_and_falls_back_to_its_top_chain() -> None:
+    """On this bed a CPU hog in the rank's slice leaves its run-queue share per second
+    awake where it was (every rank is runnable whenever awake): no cause rose, so the
+    watch names the costliest chain, contention, without a ``changed`` record."""
+    now, before, theirs = parts("hog")
+    assert ranked(now, before, theirs) == []
+    assert named("hog", baseline=False) == "cpu_contention"  # the peers alone: it rose
+    d = fault("hog")
+    o = _open(d)
+    o.baseline = before
+    assert _name(o, read(d["late"]), list(theirs))
+    assert o.found["top_chain"] is not None
+    assert o.found["top_chain"]["root_cause"] == "cpu_contention"
+    assert "changed" not in o.found
+
+
+def test_the_watch_names_gc_with_its_chain_and_figures() -> None:
+    d = fault("gc")
+    o = _open(d)
+    o.baseline = shares(read(d["baseline"]), d["pid"])
+    peers = [shares(read(r), p) for r, p in zip(d["peers"], d["peer_pids"], strict=True)]
+    assert _name(o, read(d["late"]), peers)
+    top, changed = o.found["top_chain"], o.found["changed"]
+    assert top is not None and top["root_cause"] == "gc_pause" and top["summary"]
+    assert changed["cause"] == "gc_pause" and changed["baseline"] == 0.0
+    assert changed["share"] == pytest.approx(0.0439, abs=1e-4)
+
+
+def test_a_reference_asleep_most_of_its_window_says_nothing() -> None:
+    """A baseline taken while the job was stopped (a hang): per second awake it would
+    scale the rank's causes by noise."""
+    now, before, _ = parts("gc")
+    asleep = Shares(dict(before.causes), before.running, 0.95)
+    assert ranked(now, asleep, []) == ranked(now, None, [])
+
+
+def test_a_threshold_rule_crossed_by_not_waiting_is_not_a_change(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """host_cpu_bound fires once a thread runs most of the time it is not queued: the
+    hog's rank, no longer sleeping in the collective, crossed it with less CPU time per
+    second awake than before. Its reference is at least the rank's running share."""
+    now, before, _ = parts("hog")
+    assert now.causes["host_cpu_bound"] > MIN_EXCESS and "host_cpu_bound" not in before.causes
+    assert "host_cpu_bound" not in [x.cause for x in ranked(now, before, [])]
+    monkeypatch.setattr(cause_change, "COUNTED_FROM", {})  # without the floor: named
+    assert [x.cause for x in ranked(now, before, [])] == ["host_cpu_bound"]
+
+
+def test_an_answer_without_the_process_is_unknown_not_zero() -> None:
+    d = fault("gc")
+    assert shares(read(d["late"]), 999_999) is None
+
+
+def _open(d: dict[str, Any]) -> _Open:
+    return _Open({"kind": "straggler", "key": "k", "group": "job detect", "matching": "torchrun",
+                  "node": d["late"]["node"], "pid": d["pid"], "comm": "python", "rank": 3,
+                  "job": "detect", "ratio": 1.0, "late_ms": 40.0, "collectives": 30,
+                  "summary": "", "top_chain": None})
