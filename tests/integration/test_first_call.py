@@ -18,6 +18,7 @@ is still traced.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -28,6 +29,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from fleetd.trace.host.libs import exported_functions
 
 from conftest import REPO
 
@@ -96,6 +99,17 @@ def _counts(db: Path, pid: int) -> dict[str, int]:
     with sqlite3.connect(db) as c:
         return dict(c.execute("SELECT op, count(*) FROM events WHERE pid = ? AND "
                               "source = 'cuda' GROUP BY op", (pid,)).fetchall())
+
+
+def _until_tracing(tracer: subprocess.Popen[str]) -> list[str]:
+    """The tracer's stderr lines up to ``fleetd: tracing`` (it has ended if it never says)."""
+    assert tracer.stderr is not None
+    lines: list[str] = []
+    while not any("fleetd: tracing" in ln for ln in lines):
+        line = tracer.stderr.readline()
+        assert line, "".join(lines)
+        lines.append(line)
+    return lines
 
 
 def test_calls_counted_from_the_first_one(tmp_path: Path) -> None:
@@ -180,12 +194,7 @@ def test_a_killed_tracer_leaves_no_process_stopped(tmp_path: Path) -> None:
          str(tmp_path / "t.db"), "--node", "killed"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        assert tracer.stderr is not None
-        lines: list[str] = []
-        while not any("fleetd: tracing" in ln for ln in lines):
-            line = tracer.stderr.readline()
-            assert line, "".join(lines)
-            lines.append(line)
+        _until_tracing(tracer)
         tracer.send_signal(19)  # SIGSTOP: the tracer cannot resume anyone now
         go.touch()
         deadline = time.monotonic() + 30
@@ -242,12 +251,7 @@ def test_launches_drained_after_the_process_exited_keep_their_kernel_names(
          "--sample", "1", "--node", "after-exit"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        assert tracer.stderr is not None
-        lines: list[str] = []
-        while not any("fleetd: tracing" in ln for ln in lines):
-            line = tracer.stderr.readline()
-            assert line, "".join(lines)
-            lines.append(line)
+        lines = _until_tracing(tracer)
         tracer.send_signal(19)  # SIGSTOP: nothing is drained until the job has gone
         go.touch()
         exited = job.wait(timeout=120)
@@ -265,3 +269,64 @@ def test_launches_drained_after_the_process_exited_keep_their_kernel_names(
             "SELECT coalesce(json_extract(args, '$.kernel'), '(none)'), count(*) FROM events "
             "WHERE pid = ? AND op = 'cudaLaunchKernel' GROUP BY 1", (job.pid,)).fetchall())
     assert names == {"abs": n}, (names, ("".join(lines) + err)[-3000:])
+
+
+class _PerfAttr(ctypes.Structure):
+    # struct perf_event_attr up to config2 (PERF_ATTR_SIZE_VER1), the rest zero.
+    _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32),
+                ("config", ctypes.c_uint64), ("sample_period", ctypes.c_uint64),
+                ("sample_type", ctypes.c_uint64), ("read_format", ctypes.c_uint64),
+                ("flags", ctypes.c_uint64), ("wakeup_events", ctypes.c_uint32),
+                ("bp_type", ctypes.c_uint32), ("config1", ctypes.c_uint64),
+                ("config2", ctypes.c_uint64)]
+
+
+def _other_tracers_uprobe(path: Path, offset: int) -> int:
+    """A uprobe at ``path``:``offset`` opened the way any other tracer would (perf's
+    uprobe PMU, no reference counter), held until its descriptor is closed."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    name = ctypes.create_string_buffer(os.fsencode(path))
+    attr = _PerfAttr(type=int(Path("/sys/bus/event_source/devices/uprobe/type").read_text()),
+                     size=ctypes.sizeof(_PerfAttr), config1=ctypes.addressof(name),
+                     config2=offset, flags=1)  # disabled: it only has to exist
+    nr = {"x86_64": 298, "aarch64": 241}[os.uname().machine]
+    fd = int(libc.syscall(nr, ctypes.byref(attr), -1, 0, -1, 8))  # PERF_FLAG_FD_CLOEXEC
+    assert fd >= 0, os.strerror(ctypes.get_errno())
+    return fd
+
+
+def test_per_symbol_uprobes_on_the_runtime_count_every_call(tmp_path: Path) -> None:
+    """The ladder's lower rung (FLEETD_NO_UPROBE_MULTI=1: one uprobe per symbol) on the
+    wheel's libcudart while another tracer probes its cudaLaunchKernel. BCC's Python
+    binding left libbcc's reference-counter argument to chance, and the kernel refused
+    a probe whose counter differed from the other one's (EINVAL): no launch counted."""
+    go, db, n = tmp_path / "go", tmp_path / "t.db", 150
+    offset = exported_functions(str(CUDART), frozenset({"cudaLaunchKernel"})).offsets[
+        "cudaLaunchKernel"]
+    other = _other_tracers_uprobe(CUDART, offset)
+    job = subprocess.Popen([sys.executable, "-c", DLOPENER, str(CUDART), str(go), str(n)],
+                           stdout=subprocess.PIPE, text=True)
+    tracer = subprocess.Popen(
+        [str(REPO / ".venv/bin/fleetd"), "trace", "--pid", str(job.pid), "--db", str(db),
+         "--sample", "1", "--node", "per-symbol", "--layers", "cuda"],
+        env={**os.environ, "FLEETD_NO_UPROBE_MULTI": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = _until_tracing(tracer)
+        go.touch()
+        out, _ = job.communicate(timeout=120)
+        _, err = tracer.communicate(timeout=120)
+    finally:
+        os.close(other)
+        for p in (job, tracer):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    err = "".join(lines) + err
+    made = json.loads(out)
+    assert _counts(db, made["pid"]) == made["calls"], err[-3000:]
+    with sqlite3.connect(db) as c:
+        targets = json.loads(c.execute("SELECT targets FROM sessions").fetchone()[0])
+    runtimes = [lib for lib in targets["libraries"] if lib["path"].endswith(CUDART.name)]
+    assert runtimes and {lib["via"] for lib in runtimes} == {"perf"}, runtimes
+    assert "failed to attach" not in err, err[-3000:]

@@ -10,7 +10,8 @@ The ladder, per library: (1) one uprobe_multi link for all entry points and one 
 all returns (kernel 6.6+), with the op in each offset's cookie; detaching it costs
 one RCU grace period instead of one per probe (~0.1 s each here), so a trace of 56
 probes stops in a fraction of a second instead of six. (2) Per-symbol uprobes
-through BCC, by name, then by the file offset read from the library's own .dynsym.
+through libbcc, at the file offset read from the library's own symbol tables (the
+offsets uprobe_multi takes), with no reference counter (:func:`attach_uprobe_at`).
 Everything is counted: the caller fails loudly when nothing attached and warns when
 only part did.
 """
@@ -18,12 +19,13 @@ only part did.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import platform
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import Any
 
 from fleetd.store.catalog import BY_NAME, ENQUEUES, NCCL
 from fleetd.trace.host.libs import ElfExports, Library, exported_functions
@@ -406,7 +408,7 @@ def _attach_each(bpf: Any, lib: Library, plan: list[tuple[ProbeSpec, str]],
                  offsets: dict[str, int], report: AttachReport) -> None:
     report.mechanism[lib.path] = "perf"
     for spec, sym in plan:
-        err = _attach_pair(bpf, lib.path, sym, offsets[sym], spec)
+        err = _attach_pair(bpf, lib.path, offsets[sym], spec)
         if err is None:
             report.attached.setdefault(lib.path, []).append(f"{spec.op}:{sym}")
             report.uprobes += 2
@@ -421,7 +423,7 @@ def _attach_name_probes(bpf: Any, lib: Library, offsets: dict[str, int],
     for sym, entry in NAME_PROBES:
         if sym not in offsets:
             continue
-        err = _attach_pair(bpf, lib.path, sym, offsets[sym], entry_fn=entry,
+        err = _attach_pair(bpf, lib.path, offsets[sym], entry_fn=entry,
                            return_fn=NAME_RETURN_FN)
         if err is None:
             report.named.setdefault(lib.path, []).append(sym)
@@ -429,42 +431,67 @@ def _attach_name_probes(bpf: Any, lib: Library, offsets: dict[str, int],
             report.failed.setdefault(lib.path, []).append(f"{sym}: {err}")
 
 
-class _ProbeAt(TypedDict, total=False):
-    """Where BCC puts a uprobe in a library: by symbol name, or by file offset."""
-
-    sym: bytes
-    addr: int
-
-
-def _attach_pair(bpf: Any, path: str, sym: str, offset: int, spec: ProbeSpec | None = None,
-                 *, entry_fn: str = "", return_fn: str = "") -> str | None:
-    """Entry + return probe on one symbol; by name, then by file offset."""
-    errors = []
+def _attach_pair(bpf: Any, path: str, offset: int, spec: ProbeSpec | None = None, *,
+                 entry_fn: str = "", return_fn: str = "") -> str | None:
+    """Entry + return probe on one symbol at its file offset (from the library's own
+    symbol tables, as for uprobe_multi); None, or why not."""
     if spec is not None:
         entry_fn, return_fn = spec.entry_fn, spec.return_fn
-    name, entry, ret = os.fsencode(path), entry_fn.encode(), return_fn.encode()
-    for how in ("sym", "addr"):
-        kw: _ProbeAt = {"sym": sym.encode()} if how == "sym" else {"addr": offset}
-        try:
-            bpf.attach_uprobe(name=name, fn_name=entry, **kw)
-        except Exception as exc:  # bcc raises bare Exception
-            errors.append(f"{how}: {exc}")
-            continue
-        try:
-            bpf.attach_uretprobe(name=name, fn_name=ret, **kw)
-        except Exception as exc:
-            errors.append(f"{how} (return): {exc}")
-            _detach_quietly(bpf, name, kw, retprobe=False)
-            continue
-        return None
-    return "; ".join(errors)
-
-
-def _detach_quietly(bpf: Any, path: bytes, kw: _ProbeAt, *, retprobe: bool) -> None:
+    name = os.fsencode(path)
     try:
-        if retprobe:
-            bpf.detach_uretprobe(name=path, **kw)
-        else:
-            bpf.detach_uprobe(name=path, **kw)
-    except Exception as exc:
-        log.debug("detach of a half-attached probe on %r failed: %s", path, exc)
+        entry = attach_uprobe_at(bpf, name, offset, entry_fn.encode())
+    except OSError as exc:
+        return f"offset {offset:#x}: {exc.strerror or exc}"
+    try:
+        attach_uprobe_at(bpf, name, offset, return_fn.encode(), retprobe=True)
+    except OSError as exc:
+        _detach_quietly(bpf, entry)
+        return f"offset {offset:#x} (return): {exc.strerror or exc}"
+    return None
+
+
+# libbcc's bpf_attach_uprobe(prog_fd, attach_type, ev_name, path, offset, pid,
+# ref_ctr_offset). BCC's Python binding (python3-bpfcc 0.26) declares the first six only,
+# so bcc.BPF.attach_uprobe left the seventh, a USDT semaphore's file offset that x86-64
+# passes on the stack, to whatever was there (6 here). The kernel keeps one counter
+# offset per probed instruction: where another tracer (or fleetd's own uprobe_multi
+# links) had a probe with the right one, 0, it refused ours with EINVAL; where it took
+# ours, it would count that "semaphore" in the traced process's memory. Passing all seven
+# suits any libbcc: one whose function has six never reads the seventh.
+_ATTACH_ARGS = (ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
+                ctypes.c_uint64, ctypes.c_int, ctypes.c_uint32)
+_attach_fn: Any = None
+
+
+def _bpf_attach_uprobe() -> Any:
+    global _attach_fn
+    if _attach_fn is None:
+        from bcc.libbcc import lib
+
+        # A function object of our own: BCC's keeps its six-argument prototype.
+        address = ctypes.cast(lib.bpf_attach_uprobe, ctypes.c_void_p).value or 0
+        _attach_fn = ctypes.CFUNCTYPE(ctypes.c_int, *_ATTACH_ARGS, use_errno=True)(address)
+    return _attach_fn
+
+
+def attach_uprobe_at(bpf: Any, path: bytes, offset: int, fn_name: bytes, *,
+                     retprobe: bool = False, pid: int = -1) -> bytes:
+    """A uprobe (uretprobe) running ``fn_name`` at file ``offset`` of ``path``, through
+    libbcc with no reference counter, kept in BCC's own table so that its cleanup
+    detaches it; the event's name. Raises OSError where the kernel refuses it."""
+    fn = bpf.load_func(fn_name, _BPF_PROG_KPROBE)
+    ev_name = bytes(bpf._get_uprobe_evname(b"r" if retprobe else b"p", path, offset, pid))
+    ctypes.set_errno(0)
+    fd = _bpf_attach_uprobe()(fn.fd, int(retprobe), ev_name, path, offset, pid, 0)
+    if fd < 0:
+        err = ctypes.get_errno() or errno.EINVAL
+        raise OSError(err, os.strerror(err))
+    bpf._add_uprobe_fd(ev_name, fd)
+    return ev_name
+
+
+def _detach_quietly(bpf: Any, ev_name: bytes) -> None:
+    try:
+        bpf.detach_uprobe_event(ev_name)
+    except Exception as exc:  # bcc raises bare Exception
+        log.debug("detach of a half-attached probe %r failed: %s", ev_name, exc)

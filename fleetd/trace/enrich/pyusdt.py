@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetd.security.procfs import regular_in_root
+from fleetd.trace.bpf.probes import attach_uprobe_at
 
 log = logging.getLogger("fleetd.trace.enrich.pyusdt")
 
@@ -44,6 +45,7 @@ class Probe:
     pc: int  # virtual address of the probe's nop
     semaphore: int  # virtual address of its u16 semaphore, 0 = none
     args: str
+    offset: int = -1  # the nop's offset in the file (where its uprobe goes), -1 = none
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,8 @@ def probes(path: str) -> dict[str, Probe]:
                 return {}
             data = notes.data()
             actual_base = int(base_sec["sh_addr"]) if base_sec is not None else None
+            loads = [(int(s["p_vaddr"]), int(s["p_filesz"]), int(s["p_offset"]))
+                     for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
     except (OSError, ELFError) as exc:
         log.debug("no USDT notes read from %s: %s", path, exc)
         return {}
@@ -90,8 +94,10 @@ def probes(path: str) -> dict[str, Probe]:
         if provider != b"python":
             continue
         shift = actual_base - base if actual_base is not None and base else 0
-        out[probe.decode()] = Probe(probe.decode(), pc + shift, sem + shift if sem else 0,
-                                    args.decode(errors="replace"))
+        at_pc = pc + shift
+        offset = next((at_pc - v + off for v, size, off in loads if v <= at_pc < v + size), -1)
+        out[probe.decode()] = Probe(probe.decode(), at_pc, sem + shift if sem else 0,
+                                    args.decode(errors="replace"), offset)
     return out
 
 
@@ -185,14 +191,16 @@ class GcProbes:
         wanted: dict[str, Probe] = {k: found[k] for k in ("gc__start", "gc__done")
                                     if k in found}
         self._files[path] = None
-        if len(wanted) != 2:
+        if len(wanted) != 2 or min(p.offset for p in wanted.values()) < 0:
             return None
+        # With no reference counter (fleetd.trace.bpf.probes.attach_uprobe_at): the
+        # semaphores are raised here, in each process, and counted by no one else.
         try:
-            self.bpf.attach_uprobe(name=path.encode(), addr=wanted["gc__start"].pc,
-                                   fn_name=b"fl_gc_start")
-            self.bpf.attach_uprobe(name=path.encode(), addr=wanted["gc__done"].pc,
-                                   fn_name=b"fl_gc_done")
-        except Exception as exc:  # bcc raises bare Exception when an attach fails
+            attach_uprobe_at(self.bpf, path.encode(), wanted["gc__start"].offset,
+                             b"fl_gc_start")
+            attach_uprobe_at(self.bpf, path.encode(), wanted["gc__done"].offset,
+                             b"fl_gc_done")
+        except Exception as exc:  # the kernel's refusal, or bcc's bare Exception
             log.info("no USDT GC probes on %s: %s", path, exc)
             return None
         self._files[path] = wanted
