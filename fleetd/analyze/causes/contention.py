@@ -85,26 +85,42 @@ class Where:
 
 def sleeps(ctx: Context, tid: int) -> list[Sleep]:
     """The thread's sleeps (S state) in the span, each with its waker; read once per
-    explain (the wait and the pipe rules both ask)."""
+    explain (the wait and the pipe rules both ask), for every feeding thread at once."""
     key = ("sleeps", tid)
     if key not in ctx.memo:
-        ctx.memo[key] = _read_sleeps(ctx, tid)
+        tids = {tid} | {int(main["tid"]) for _, main in feeders(ctx)}
+        for t, found in _read_sleeps(ctx, sorted(tids)).items():
+            ctx.memo.setdefault(("sleeps", t), found)
     return list(ctx.memo[key])
 
 
-def _read_sleeps(ctx: Context, tid: int) -> list[Sleep]:
+def _read_sleeps(ctx: Context, tids: list[int]) -> dict[int, list[Sleep]]:
+    """Per thread of ``tids``: its sleeps. One pass over the span's rows for all of
+    them (three queries per thread scanned the span 3 x threads times)."""
     v, t0, t1 = ctx.view, ctx.span[0], ctx.span[1] + 1
-    args = (t0, t1, v.node.lo, v.node.hi, tid)
-    where = "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND tid = ?"
-    wakes = v.conn.execute(f"SELECT ts_ns, peer, stack FROM event_data WHERE {where} AND "
-                           "op = ? ORDER BY ts_ns", (*args, WAKEUP)).fetchall()
-    tails = v.conn.execute(f"SELECT ts_ns, dur_ns FROM event_data WHERE {where} AND op = ? "
-                           "ORDER BY ts_ns", (*args, RUNQ)).fetchall()
-    out = []
-    for ts, dur, ret, arg, key in v.conn.execute(
-        f"SELECT ts_ns, dur_ns, ret, bytes, id FROM event_data WHERE {where} AND op = ? AND "
-        "a0 & 255 != 0 AND a0 & 2 = 0 ORDER BY ts_ns", (*args, OFF_CPU),
+    wakes: dict[int, list[tuple[int, ...]]] = {t: [] for t in tids}
+    tails: dict[int, list[tuple[int, ...]]] = {t: [] for t in tids}
+    offs: dict[int, list[tuple[int, ...]]] = {t: [] for t in tids}
+    for op, tid, ts, dur, peer, stack, ret, arg, rowkey in v.conn.execute(
+        "SELECT op, tid, ts_ns, dur_ns, peer, stack, ret, bytes, id FROM event_data WHERE "
+        f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND tid IN {in_list(tids)} AND "
+        "(op IN (?, ?) OR (op = ? AND a0 & 255 != 0 AND a0 & 2 = 0)) ORDER BY ts_ns",
+        (t0, t1, v.node.lo, v.node.hi, WAKEUP, RUNQ, OFF_CPU),
     ):
+        if op == WAKEUP:
+            wakes[tid].append((ts, peer, stack))
+        elif op == RUNQ:
+            tails[tid].append((ts, dur))
+        else:
+            offs[tid].append((ts, dur, ret, arg, rowkey))
+    return {t: _matched(offs[t], wakes[t], tails[t]) for t in tids}
+
+
+def _matched(offs: list[tuple[int, ...]], wakes: list[tuple[int, ...]],
+             tails: list[tuple[int, ...]]) -> list[Sleep]:
+    """Each off-CPU sleep with the first wakeup and run-queue tail inside it."""
+    out = []
+    for ts, dur, ret, arg, key in offs:
         end = ts + dur
         wake = _first_row(wakes, ts, end)
         tail = _first_row(tails, ts, end + 1)

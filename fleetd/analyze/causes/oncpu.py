@@ -31,7 +31,7 @@ from fleetd.analyze.causes.rules import Context, rule_chain
 from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, GcTrigger, TopFrame
 from fleetd.analyze.reading.data import code
 from fleetd.analyze.reading.frames import short_frame, top_python_frame
-from fleetd.analyze.reading.profile import GC_FRAME, StackCount, flame_stacks, stack_counts
+from fleetd.analyze.reading.profile import GC_FRAME, StackCount, flame_stacks
 
 GC_PAUSE = code("gc_pause")
 MIN_GC_SHARE = 0.02  # of wall time in the collector: below, collections are noise
@@ -76,7 +76,7 @@ def _feeding_threads(ctx: Context) -> list[ThreadSamples]:
         if t is None:
             continue
         tid = int(t["tid"])
-        stacks, period = stack_counts(ctx.view.conn, ctx.view.node, ctx.view.win, pid, tid)
+        stacks, period = ctx.view.thread_stacks(pid, tid)  # one read for all threads
         if stacks and period > 0:
             out.append(ThreadSamples(pid, tid, stacks, period))
     return out

@@ -320,14 +320,11 @@ def _readbacks(ctx: Context, pid: int) -> Chain | None:
     never run ahead. The pattern is the cause even where the waits are short (a GPU
     that keeps up, or none at all): severity then follows the time it measurably cost.
     """
-    v = ctx.view
-    n, total, biggest = v.conn.execute(
-        "SELECT count(*), coalesce(sum(dur_ns), 0), coalesce(max(bytes), 0) FROM event_data "
-        "WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND pid = ? AND bytes BETWEEN "
-        "1 AND ? AND ((op = ? AND a0 = ?) OR op = ?)",
-        (ctx.span[0], ctx.span[1] + 1, v.node.lo, v.node.hi, pid, READBACK_MAX_BYTES,
-         code("cudaMemcpy"), MEMCPY_DEVICE_TO_HOST, code("cuMemcpyDtoH_v2")),
-    ).fetchone()
+    memcpy, dtoh = code("cudaMemcpy"), code("cuMemcpyDtoH_v2")
+    copies = [r for r in _span_calls(ctx, pid, (memcpy, dtoh)) if 1 <= r[6] <= READBACK_MAX_BYTES
+              and (r[4] == dtoh or r[5] == MEMCPY_DEVICE_TO_HOST)]
+    n, total = len(copies), sum(r[2] for r in copies)
+    biggest = max((r[6] for r in copies), default=0)
     launches = sum(int(r["count"]) for r in ctx.op_rows(pid, LAUNCH_OPS))
     rate = n / (ctx.span_ns / 1e9)
     if n < MIN_SYNCS or rate < 1.0 or launches / max(1, n) > MAX_LAUNCHES_PER_SYNC:
@@ -368,23 +365,22 @@ AllocRows = list[tuple[int, int, int, int, int]]  # id, ts_ns, dur_ns, tid, op
 def _first_launch(ctx: Context, pid: int) -> int | None:
     """When the process first launched work: its set-up ends there. None: no launch
     in the window (then the first call of each allocation op is the start-up)."""
-    v = ctx.view
-    row = v.conn.execute(
-        "SELECT min(ts_ns) FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? "
-        f"AND ? AND pid = ? AND op IN {in_list(code(o) for o in LAUNCH_OPS)}",
-        (ctx.span[0], ctx.span[1] + 1, v.node.lo, v.node.hi, pid)).fetchone()
-    return int(row[0]) if row and row[0] is not None else None
+    launches = tuple(sorted(code(o) for o in LAUNCH_OPS))
+    return ctx.view.first_of(launches, ctx.span[0], ctx.span[1] + 1).get(pid)
+
+
+def _span_calls(ctx: Context, pid: int, ops: tuple[int, ...]
+                ) -> list[tuple[int, int, int, int, int, int, int]]:
+    """The process's stored events of ``ops`` in the span, in time order (id, ts_ns,
+    dur_ns, tid, op, a0, bytes): read once for every process (NodeView.calls_by_pid)."""
+    return ctx.view.calls_by_pid(ops, ctx.span[0], ctx.span[1] + 1).get(pid, [])
 
 
 def _alloc_calls(ctx: Context, pid: int, t0: int, t1: int | None) -> AllocRows:
     """The process's allocation calls in [t0, t1) (all stored: they are always kept)."""
-    v = ctx.view
-    rows = v.conn.execute(
-        "SELECT id, ts_ns, dur_ns, tid, op FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
-        f"AND id BETWEEN ? AND ? AND pid = ? AND op IN {in_list(code(o) for o in ALLOC_OPS)} "
-        "ORDER BY ts_ns",
-        (t0, ctx.span[1] + 1 if t1 is None else t1, v.node.lo, v.node.hi, pid))
-    return [(int(k), int(ts), int(dur), int(tid), int(op)) for k, ts, dur, tid, op in rows]
+    end = ctx.span[1] + 1 if t1 is None else t1
+    return [(k, ts, dur, tid, op) for k, ts, dur, tid, op, _, _ in
+            _span_calls(ctx, pid, tuple(sorted(code(o) for o in ALLOC_OPS))) if t0 <= ts < end]
 
 
 STARTUP_MIN_NS = 10_000_000  # start-up allocation time below this is not worth a line
@@ -442,13 +438,9 @@ def _churn(ctx: Context, pid: int, begin: int) -> Chain | None:
 
 def graph_recapture_rule(ctx: Context) -> list[Chain]:
     out: list[Chain] = []
-    v = ctx.view
+    captures = tuple(sorted(code(o) for o in CAPTURE_OPS))
     for pid in ctx.gpu_pids():
-        caps = v.conn.execute(
-            "SELECT ts_ns, dur_ns, op FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id "
-            f"BETWEEN ? AND ? AND pid = ? AND op IN {in_list(code(o) for o in CAPTURE_OPS)} "
-            "ORDER BY ts_ns", (ctx.span[0], ctx.span[1] + 1, v.node.lo, v.node.hi, pid),
-        ).fetchall()
+        caps = [(ts, dur, op) for _, ts, dur, _, op, _, _ in _span_calls(ctx, pid, captures)]
         begins = sum(1 for _, _, op in caps if op in (code("cudaStreamBeginCapture"),
                                                       code("cudaGraphInstantiate")))
         if begins < MIN_CAPTURES:

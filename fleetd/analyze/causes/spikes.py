@@ -90,26 +90,16 @@ def find_spikes(view: NodeView, baselines: list[Baseline]) -> tuple[list[Spike],
     (all spike excess over the analyzed spikes' excess, for the capped groups)."""
     spikes: list[Spike] = []
     scale: dict[tuple[int, int], float] = {}
-    node, win = view.node, view.win
-    for b in baselines:
-        if b.count < MIN_CALLS or b.p50 <= 0:
+    kept = [b for b in baselines if b.count >= MIN_CALLS and b.p50 > 0]
+    slow = view.slow_calls({(b.pid, b.op): b.threshold for b in kept})
+    for b in kept:
+        calls = slow.get((b.pid, b.op))
+        if not calls:
             continue
-        thr = b.threshold
-        where = ("WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND op = ? AND pid = ? "
-                 "AND dur_ns >= ?")
-        params = (win.start_ns, win.end_ns, node.lo, node.hi, b.op, b.pid, thr)
-        n, total = view.conn.execute(
-            f"SELECT count(*), coalesce(sum(dur_ns), 0) FROM event_data {where}", params
-        ).fetchone()
-        if not n:
-            continue
-        rows = view.conn.execute(
-            f"SELECT id, ts_ns, dur_ns, pid, tid, op FROM event_data {where} "
-            f"ORDER BY dur_ns DESC LIMIT {MAX_SPIKES}", params,
-        ).fetchall()
-        group = [Spike(Ev(*r), "call", name_of(b.op), b.p50) for r in rows]
+        group = [Spike(ev, "call", name_of(b.op), b.p50) for ev in calls[:MAX_SPIKES]]
         analyzed = sum(s.excess_ns for s in group)
-        scale[(b.pid, b.op)] = max(1.0, (int(total) - int(n) * b.p50) / max(1, analyzed))
+        total = sum(ev.dur for ev in calls)
+        scale[(b.pid, b.op)] = max(1.0, (total - len(calls) * b.p50) / max(1, analyzed))
         spikes += group
     return spikes, scale
 

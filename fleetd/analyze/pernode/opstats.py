@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from array import array
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,56 +66,121 @@ LAUNCH_CODES: tuple[int, ...] = KERNEL_LAUNCHES.codes
 UNNAMED = "(unnamed)"
 
 
+QUANTILES = (0.5, 0.95, 0.99)
+
+
+def _rank(q: float, n: int) -> int:
+    """The nearest rank (1-based): the smallest value with at least q of the calls at or
+    below it. :func:`_ranks_sql` computes the same in SQL (the same double arithmetic)."""
+    return max(1, min(n, int(q * n + 0.999999)))
+
+
 @dataclass(slots=True)
 class _Group:
-    durs: array[int]
+    """The stored events of one (pid, op or syscall): how many, their sum, the largest,
+    how many failed, and, once read (only the rows that print them need them), the
+    values at the nearest ranks of :data:`QUANTILES` (rank -> value)."""
+
+    count: int = 0
+    total: int = 0
+    top: int = 0
     errors: int = 0
+    at_rank: dict[int, int] | None = None
+
+    @classmethod
+    def of(cls, durs: list[int], errors: int) -> _Group:
+        """A group from its durations, as read one by one."""
+        durs = sorted(durs)
+        n = len(durs)
+        return cls(n, sum(durs), durs[-1] if durs else 0, errors,
+                   {_rank(q, n): durs[_rank(q, n) - 1] for q in QUANTILES} if n else None)
+
+    def quantile(self, q: float) -> int:
+        assert self.at_rank is not None, "read the exact percentiles first (_fill_exact)"
+        return self.at_rank[_rank(q, self.count)]
+
+    def merge(self, other: _Group) -> None:
+        self.count += other.count
+        self.total += other.total
+        self.top = max(self.top, other.top)
+        self.errors += other.errors
 
 
-def _load_events(
-    conn: sqlite3.Connection, node: Node, win: Window, pid: int | None
-) -> dict[tuple[int, int], _Group]:
-    """(pid, op) -> stored durations. Bounded by the window; 8 bytes per event."""
+@dataclass(frozen=True, slots=True)
+class _Select:
+    """Which stored events a group is read from: the key column next to pid (``op``,
+    or ``a0`` for syscalls), the WHERE clause, and the SQL that says one failed."""
+
+    key: str
+    which: str
+    failed: str
+
+
+def _events_select() -> _Select:
     # block_io keeps the request's error in ret; CUDA calls their cudaError.
-    failed = {code for code in TIMED_CODES if BY_CODE[code].source != "sched"}
-    return _load(conn, node, win, pid, "op", f"op IN {in_list(TIMED_CODES)}",
-                 lambda key, ret: ret != 0 and key in failed)
+    failed = [code for code in TIMED_CODES if BY_CODE[code].source != "sched"]
+    return _Select("op", f"op IN {in_list(TIMED_CODES)}", f"ret != 0 AND op IN {in_list(failed)}")
 
 
-def _load_syscalls(
-    conn: sqlite3.Connection, node: Node, win: Window, pid: int | None
-) -> dict[tuple[int, int], _Group]:
-    """(pid, syscall number) -> stored durations of the slow syscalls."""
-    return _load(conn, node, win, pid, "a0", f"op = {SYSCALL}",
-                 lambda key, ret: ret < 0)  # a syscall fails with -errno
+# A syscall fails with -errno.
+SYSCALLS = _Select("a0", f"op = {SYSCALL}", "ret < 0")
 
 
-def _load(
-    conn: sqlite3.Connection, node: Node, win: Window, pid: int | None, key: str,
-    which: str, failed: Callable[[int, int], bool],
-) -> dict[tuple[int, int], _Group]:
-    """(pid, ``key`` column) -> durations of the stored events ``which`` selects."""
-    sql = (f"SELECT pid, {key}, dur_ns, ret FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
-           f"AND id BETWEEN ? AND ? AND {which}")
+def _where(node: Node, win: Window, pid: int | None, which: str) -> tuple[str, list[int]]:
+    sql = f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND {which}"
     params: list[int] = [win.start_ns, win.end_ns, node.lo, node.hi]
     if pid is not None:
         sql += " AND pid = ?"
         params.append(pid)
-    groups: dict[tuple[int, int], _Group] = {}
-    for p, k, dur, ret in conn.execute(sql, params):
-        g = groups.get((p, k))
-        if g is None:
-            g = groups[(p, k)] = _Group(array("q"))
-        g.durs.append(dur)
-        if failed(k, ret):
-            g.errors += 1
-    return groups
+    return sql, params
 
 
-def _exact_quantile(sorted_durs: array[int], q: float) -> int:
-    # Nearest rank: the smallest value with at least q of the calls at or below it.
-    idx = max(0, min(len(sorted_durs) - 1, int(q * len(sorted_durs) + 0.999999) - 1))
-    return int(sorted_durs[idx])
+def _load(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None, sel: _Select
+          ) -> dict[tuple[int, int], _Group]:
+    """(pid, key) -> the stored events' count, sum, largest and failures, summed in
+    SQL: the rows themselves stay in the file (percentiles are read apart, for the
+    groups that print them: :func:`_fill_exact`)."""
+    where, params = _where(node, win, pid, sel.which)
+    return {(int(p), int(k)): _Group(int(n), int(total), int(top), int(bad))
+            for p, k, n, total, top, bad in conn.execute(
+                f"SELECT pid, {sel.key}, count(*), sum(dur_ns), max(dur_ns), "
+                f"sum({sel.failed}) FROM event_data WHERE {where} GROUP BY 1, 2", params)}
+
+
+def _ranks_sql(q: float) -> str:
+    return f"max(1, min(n, CAST({q!r} * n + 0.999999 AS INTEGER)))"
+
+
+def _fill_exact(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None,
+                sel: _Select, groups: dict[tuple[int, int], _Group], per_process: bool) -> None:
+    """Read the exact percentiles of ``groups`` (per process, or summed over processes:
+    pid 0): SQL ranks each group's durations and returns only the values at the ranks
+    :data:`QUANTILES` need, three rows per group."""
+    todo = {k: g for k, g in groups.items() if g.at_rank is None and g.count}
+    if not todo:
+        return
+    where, params = _where(node, win, pid, sel.which)
+    who = "pid" if per_process else "0"
+    ranks = ", ".join(_ranks_sql(q) for q in QUANTILES)
+    for p, k, rn, dur in conn.execute(
+        f"SELECT p, k, rn, dur_ns FROM (SELECT {who} AS p, {sel.key} AS k, dur_ns, "
+        f"row_number() OVER w AS rn, count(*) OVER w AS n FROM event_data WHERE {where} AND "
+        f"{sel.key} IN {in_list(sorted({k for _, k in todo}))} "
+        f"WINDOW w AS (PARTITION BY {who}, {sel.key} ORDER BY dur_ns ROWS BETWEEN "
+        f"UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)) WHERE rn IN ({ranks})", params,
+    ):
+        g = todo.get((int(p), int(k)))
+        if g is not None:
+            if g.at_rank is None:
+                g.at_rank = {}
+            g.at_rank[int(rn)] = int(dur)
+
+
+def _needs_exact(g: _Group | None, h: Hist | None) -> bool:
+    """Whether :func:`_row` prints percentiles of the stored events themselves: every
+    call stored, or a histogram without buckets (totals only)."""
+    return g is not None and g.count > 0 and (
+        h is None or h.count <= g.count or h.quantile(0.5) is None)
 
 
 def _row(
@@ -124,19 +188,20 @@ def _row(
     comm: str | None, name: tuple[str, str] | None = None,
 ) -> OpRow:
     """One row; ``name`` is (op, source) where the op code alone does not say it."""
-    durs = array("q", sorted(g.durs)) if g else array("q")
-    sampled = h is not None and h.count > len(durs)
+    stored = g.count if g else 0
+    largest = g.top if g and stored else None
+    sampled = h is not None and h.count > stored
     total: int | None
     if sampled and h is not None:
         count, total = h.count, h.total
         top = h.top()
-        mx = max(int(durs[-1]) if durs else 0, h.bounds()[1] or 0) or None
+        mx = max(largest or 0, h.bounds()[1] or 0) or None
         # Scaled inside their buckets, clamped to what is known: never above ``mx``.
-        qs = [h.quantile(q, mx) for q in (0.5, 0.95, 0.99)]
+        qs = [h.quantile(q, mx) for q in QUANTILES]
         # Exact only when a stored call is the largest and outranks the top bucket.
-        exact = bool(durs) and top is not None and int(durs[-1]) >= 2 * top
-        if qs[0] is None and durs:  # totals without buckets: the best we have
-            qs = [_exact_quantile(durs, q) for q in (0.5, 0.95, 0.99)]
+        exact = largest is not None and top is not None and largest >= 2 * top
+        if qs[0] is None and g and stored:  # totals without buckets: the best we have
+            qs = [g.quantile(q) for q in QUANTILES]
         source = "histogram"
         if h.timed_sample:
             # Entry-only launches: the count is exact, the durations a sample of the
@@ -149,9 +214,9 @@ def _row(
             # are scaled from those parts (estimates).
             source = "duty_cycle"
     else:
-        count, total = len(durs), int(sum(durs))
-        qs = [_exact_quantile(durs, q) if durs else None for q in (0.5, 0.95, 0.99)]
-        mx = int(durs[-1]) if durs else None
+        count, total = stored, g.total if g else 0
+        qs = [g.quantile(q) if g and stored else None for q in QUANTILES]
+        mx = largest
         exact = True
         source = "events"
     return {
@@ -171,7 +236,7 @@ def _row(
         "max_exact": exact,
         "calls_per_s": round(count / span_s, 3) if span_s > 0 else None,
         "stats_from": source,
-        "events": len(durs),
+        "events": stored,
     }
 
 
@@ -184,13 +249,27 @@ class Loaded:
     hists: dict[tuple[int, int], Hist]
     calls: dict[tuple[int, int], _Group]
     span_s: float
+    # Where they were read from: the exact percentiles are read later, for the groups
+    # whose rows print them (per process or summed, whichever is asked).
+    conn: sqlite3.Connection
+    node: Node
+    win: Window
+    pid: int | None
+
+    def exact(self, sel: _Select, groups: dict[tuple[int, int], _Group],
+              hists: dict[tuple[int, int], Hist], per_process: bool) -> None:
+        """Read the percentiles of the stored events for the rows that print them."""
+        need = {k: g for k, g in groups.items() if _needs_exact(g, hists.get(k))}
+        _fill_exact(self.conn, self.node, self.win, self.pid, sel, need, per_process)
 
 
 def load_op_stats(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None
                   ) -> Loaded:
     start, end = effective_span(conn, node, win)
-    return Loaded(_load_events(conn, node, win, pid), histograms(conn, node, win, TIMED_CODES,
-                  pid), _load_syscalls(conn, node, win, pid), (end - start) / 1e9)
+    return Loaded(_load(conn, node, win, pid, _events_select()),
+                  histograms(conn, node, win, TIMED_CODES, pid),
+                  _load(conn, node, win, pid, SYSCALLS), (end - start) / 1e9,
+                  conn, node, win, pid)
 
 
 def node_op_stats(
@@ -204,14 +283,15 @@ def node_op_stats(
     groups, hists, calls, span_s = got.groups, got.hists, got.calls, got.span_s
     if not per_process:
         groups, hists = _merge_pids(groups), _merge_pid_hists(hists)
+        calls = _merge_pids(calls)
+    got.exact(_events_select(), groups, hists, per_process)
+    got.exact(SYSCALLS, calls, {}, per_process)
     names = comms or {}
     rows = [
         _row(node, p if per_process else None, op, groups.get((p, op)), hists.get((p, op)),
              span_s, names.get(p) if per_process else None)
         for p, op in sorted(set(groups) | set(hists))
     ]
-    if not per_process:
-        calls = _merge_pids(calls)
     for p, nr in sorted(calls):
         sc = syscall_name(nr)
         rows.append(_row(node, p if per_process else None, SYSCALL, calls[(p, nr)], None,
@@ -224,11 +304,9 @@ def node_op_stats(
 
 
 def _merge_pids(groups: dict[tuple[int, int], _Group]) -> dict[tuple[int, int], _Group]:
-    out: dict[tuple[int, int], _Group] = defaultdict(lambda: _Group(array("q")))
+    out: dict[tuple[int, int], _Group] = defaultdict(_Group)
     for (_, op), g in groups.items():
-        m = out[(0, op)]
-        m.durs.extend(g.durs)
-        m.errors += g.errors
+        out[(0, op)].merge(g)
     return dict(out)
 
 
@@ -292,17 +370,16 @@ def node_kernel_stats(
     if pid is not None:
         sql += " AND e.pid = ?"
         params.append(pid)
-    groups: dict[tuple[int, str, int], _Group] = {}
+    durs: dict[tuple[int, str, int], list[int]] = defaultdict(list)
+    errors: dict[tuple[int, str, int], int] = defaultdict(int)
     stored: dict[tuple[int, int], int] = defaultdict(int)
     for p, op, dur, ret, kernel in conn.execute(sql, params):
         p = p if per_process else 0
         name = kernel if isinstance(kernel, str) and kernel else UNNAMED
-        g = groups.get((p, name, op))
-        if g is None:
-            g = groups[(p, name, op)] = _Group(array("q"))
-        g.durs.append(dur)
-        g.errors += ret != 0
+        durs[(p, name, op)].append(dur)
+        errors[(p, name, op)] += ret != 0
         stored[(p, op)] += 1
+    groups = {k: _Group.of(v, errors[k]) for k, v in durs.items()}
     hists = histograms(conn, node, win, LAUNCH_CODES, pid)
     if not per_process:
         hists = _merge_pid_hists(hists)
@@ -315,7 +392,7 @@ def node_kernel_stats(
         scale = h.count / stored[(p, op)] if h is not None and h.count > stored[(p, op)] else 1.0
         base = _row(node, p if per_process else None, op, g, None, span_s,
                     names.get(p) if per_process else None)
-        est = round(len(g.durs) * scale)
+        est = round(g.count * scale)
         rows.append({
             "node": base["node"], "pid": base["pid"], "comm": base["comm"], "kernel": name,
             "op": base["op"], "count": base["count"], "est_calls": est,

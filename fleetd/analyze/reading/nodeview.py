@@ -18,6 +18,7 @@ import orjson
 
 from fleetd.analyze.reading.answers_chain import Task
 from fleetd.analyze.reading.data import CALL_CODES, Node, code, in_list
+from fleetd.analyze.reading.profile import StackCount, StackRow, counts_of, stack_rows
 from fleetd.analyze.reading.window import Window
 
 OFF_CPU, RUNQ, WAKEUP = code("off_cpu"), code("runq_wait"), code("wakeup")
@@ -99,6 +100,10 @@ class NodeView:
         self.blocks = self._load_blocks()
         self.block_starts = [b.ts for b in self.blocks]
         self.max_block = max((b.dur for b in self.blocks), default=0)
+        self._by_pid: dict[tuple[tuple[int, ...], int, int],
+                           dict[int, list[tuple[int, int, int, int, int, int, int]]]] = {}
+        self._firsts: dict[tuple[str, tuple[int, ...], int, int], dict[int, int]] = {}
+        self._stacks: list[StackRow] | None = None
 
     def _load_blocks(self) -> list[Ev]:
         # Block requests: of the traced processes, plus any slow one of the system (a
@@ -109,6 +114,68 @@ class NodeView:
             (self.win.start_ns - 10**10, self.win.end_ns, self.node.lo, self.node.hi, BLOCK_IO),
         )
         return [Ev(r[0], r[1], r[2], r[3], r[4], BLOCK_IO, nbytes=r[5]) for r in rows]
+
+    def slow_calls(self, thresholds: dict[tuple[int, int], int]
+                   ) -> dict[tuple[int, int], list[Ev]]:
+        """Per (pid, op) of ``thresholds``: its stored calls in the window at least its
+        threshold long, longest first. One read for every group: a query per group
+        scanned the whole window again each time (the window is one range of rows)."""
+        lowest: dict[int, int] = {}
+        for (_, op), thr in thresholds.items():
+            lowest[op] = min(thr, lowest.get(op, thr))
+        if not lowest:
+            return {}
+        # Per op its lowest threshold in SQL: what no group of that op can use stays there.
+        cond = " OR ".join(f"(op = {int(op)} AND dur_ns >= {int(thr)})"
+                           for op, thr in sorted(lowest.items()))
+        out: dict[tuple[int, int], list[Ev]] = defaultdict(list)
+        for r in self.conn.execute(
+            "SELECT id, ts_ns, dur_ns, pid, tid, op FROM event_data WHERE ts_ns >= ? AND "
+            f"ts_ns < ? AND id BETWEEN ? AND ? AND ({cond}) ORDER BY dur_ns DESC",
+            (self.win.start_ns, self.win.end_ns, self.node.lo, self.node.hi),
+        ):
+            key = (int(r[3]), int(r[5]))
+            least = thresholds.get(key)
+            if least is not None and r[2] >= least:
+                out[key].append(Ev(*r))
+        return dict(out)
+
+    def calls_by_pid(self, ops: tuple[int, ...], t0: int, t1: int
+                     ) -> dict[int, list[tuple[int, int, int, int, int, int, int]]]:
+        """Per process: its stored events of ``ops`` in [t0, t1) as (id, ts_ns, dur_ns,
+        tid, op, a0, bytes), in time order. Read once per (ops, span) for every process
+        the rules ask about (a query per process scanned the whole span each time)."""
+        key = (ops, t0, t1)
+        found = self._by_pid.get(key)
+        if found is None:
+            found = self._by_pid[key] = defaultdict(list)
+            for k, ts, dur, pid, tid, op, a0, nbytes in self.conn.execute(
+                "SELECT id, ts_ns, dur_ns, pid, tid, op, a0, bytes FROM event_data WHERE "
+                f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND op IN {in_list(ops)} "
+                "ORDER BY ts_ns", (t0, t1, self.node.lo, self.node.hi),
+            ):
+                found[int(pid)].append((int(k), int(ts), int(dur), int(tid), int(op),
+                                        int(a0), int(nbytes)))
+        return found
+
+    def first_of(self, ops: tuple[int, ...], t0: int, t1: int) -> dict[int, int]:
+        """Per process: when its first stored event of ``ops`` in [t0, t1) started."""
+        key = ("first", ops, t0, t1)
+        if key not in self._firsts:
+            self._firsts[key] = {int(pid): int(ts) for pid, ts in self.conn.execute(
+                "SELECT pid, min(ts_ns) FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND "
+                f"id BETWEEN ? AND ? AND op IN {in_list(ops)} GROUP BY pid",
+                (t0, t1, self.node.lo, self.node.hi))}
+        return self._firsts[key]
+
+    def thread_stacks(self, pid: int, tid: int) -> tuple[list[StackCount], int]:
+        """One thread's on-CPU samples per stack and their period
+        (:func:`~fleetd.analyze.reading.profile.stack_counts` of that thread), from one
+        read of the node's samples for every thread asked about."""
+        if self._stacks is None:
+            self._stacks = stack_rows(self.conn, self.node, self.win)
+        return counts_of(self.conn, self.node,
+                         [r for r in self._stacks if r[0] == pid and r[1] == tid])
 
     def blocks_overlapping(self, t0: int, t1: int) -> list[Ev]:
         i = bisect.bisect_left(self.block_starts, t0 - self.max_block)

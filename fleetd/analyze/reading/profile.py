@@ -69,10 +69,20 @@ class StackCount:
         return any(f.endswith(")") and any(lib in f for lib in CUDA_LIBS) for f in self.frames)
 
 
+StackRow = tuple[int, int, int, int, int, int]  # pid, tid, stack, samples, gc, period
+
+
 def stack_counts(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
                  tid: int | None = None) -> tuple[list[StackCount], int]:
     """One node's samples in the window per (thread, stack), and the sampling period
     (ns; 0 when nothing was sampled)."""
+    return counts_of(conn, node, stack_rows(conn, node, win, pid, tid))
+
+
+def stack_rows(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
+               tid: int | None = None) -> list[StackRow]:
+    """The samples summed per (pid, tid, stack), in that order, each with its largest
+    period: a part of them (one thread's) is that thread's :func:`counts_of`."""
     where = "op = ? AND ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
     params: list[int] = [CPU_SAMPLE, win.start_ns, win.end_ns, node.lo, node.hi]
     if pid is not None:
@@ -81,13 +91,19 @@ def stack_counts(conn: sqlite3.Connection, node: Node, win: Window, pid: int | N
     if tid is not None:
         where += " AND tid = ?"
         params.append(tid)
-    rows = conn.execute(
-        f"SELECT pid, tid, stack, sum(a0), sum(a1), max(bytes) FROM event_data WHERE {where} "
-        "GROUP BY pid, tid, stack", params).fetchall()
-    frames = _frames(conn, sorted({int(r[2]) for r in rows if r[2]}))
-    period = max((int(r[5] or 0) for r in rows), default=0)
-    out = [StackCount(node.name, int(p), int(t), frames.get(int(h), ("[unknown]",)),
-                      int(n or 0), int(g or 0)) for p, t, h, n, g, _ in rows]
+    return [(int(p), int(t), int(h or 0), int(n or 0), int(g or 0), int(b or 0))
+            for p, t, h, n, g, b in conn.execute(
+                f"SELECT pid, tid, stack, sum(a0), sum(a1), max(bytes) FROM event_data "
+                f"WHERE {where} GROUP BY pid, tid, stack", params)]
+
+
+def counts_of(conn: sqlite3.Connection, node: Node, rows: list[StackRow]
+              ) -> tuple[list[StackCount], int]:
+    """:func:`stack_rows`' rows as stacks with their frames, and their sampling period."""
+    frames = _frames(conn, sorted({r[2] for r in rows if r[2]}))
+    period = max((r[5] for r in rows), default=0)
+    out = [StackCount(node.name, p, t, frames.get(h, ("[unknown]",)), n, g)
+           for p, t, h, n, g, _ in rows]
     return [s for s in out if s.samples > 0], period
 
 
