@@ -6,9 +6,9 @@ its mtime first, so a step costs one stat) and, while it names a fault, does it 
 * ``gc``: a garbage-collection storm: builds cyclic garbage and collects it every step;
 * ``loader``: a starved data loader: the step waits for its batch from a loader process
   (a pipe, as a DataLoader worker's queue) that makes one in 150 ms instead of 1 ms;
-* ``disk``: slow disk I/O: writes 4 MiB and fsyncs it every step (``--io-dir``), the
-  same bytes each time (made once: a fresh ``os.urandom`` per step was 4 MiB of CPU work,
-  a CPU fault on a host short of CPU, not an I/O one).
+* ``disk``: slow disk I/O: writes 16 MiB and fsyncs it every step (``--io-dir``), the
+  same bytes each time (made once: a fresh ``os.urandom`` per step was megabytes of CPU
+  work, a CPU fault on a host short of CPU, not an I/O one).
 
 Faults outside the process (a CPU hog beside it, a CPU quota, SIGSTOP) need no help here,
 but the step's compute is counted in CPU time, not wall time (:func:`_cpu_busy`), so that
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "workload
 import nccl_ranks  # noqa: E402
 
 LOADER_MS = 150
-DISK_MB = 4
+DISK_MB = 16  # 4 MiB fsynced a step made its rank late by 10% of a step: barely one
 
 
 class Faults:

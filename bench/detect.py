@@ -13,7 +13,7 @@ each lasting FAULT_S:
 * ``quota``: the rank's slice capped at 3% of a CPU (cpu.max): cpu_throttled;
 * ``gc``: a garbage-collection storm inside the rank: gc_pause;
 * ``loader``: the rank's data loader starved (a batch every 150 ms): data_starvation;
-* ``disk``: 4 MiB written and fsynced each step: block_io (D-state waits on its I/O);
+* ``disk``: 16 MiB (one buffer) written and fsynced each step: block_io (D-state waits);
 * ``stop``: SIGSTOP (a hang, judged by ``--hang-after``; SIGCONT at its end).
 
 Figures: flag_s, from a fault's onset to the first STRAGGLER line naming the faulted

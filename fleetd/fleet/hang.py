@@ -333,11 +333,16 @@ def _hang_json(h: Hang) -> HangJson:
 # ---- asking the fleet ---------------------------------------------------------------------
 
 
+READ_AT = "_read_at_s"  # not the node's: when the watch read its answer (monotonic s)
+
+
 def _check(reply: dict[str, object]) -> dict[str, object]:
     """The ranks answer as it came, once every rank in it reads (:func:`checked` reads
-    it again into RankViews with the node's name)."""
+    it again into RankViews with the node's name), with the time it was read: a node
+    counts its ranks' ages from its own "now", somewhere in the poll, and the straggler
+    rule compares them across nodes (:meth:`StraggleWatch.update`)."""
     check_ranks_reply("?", reply)
-    return reply
+    return {**reply, READ_AT: time.monotonic()}
 
 
 async def poll(opts: FleetOptions, client: FleetClient, hang_after_s: float, *,
@@ -365,7 +370,9 @@ async def poll(opts: FleetOptions, client: FleetClient, hang_after_s: float, *,
     if chains and result["hangs"]:
         await add_chains(answer, client, result, hang_after_s)
     if straggle is not None:
-        await straggle.poll(answer, client, ranks.views, spread)
+        read_at = {o.name: o.replies[0].get(READ_AT) for o in answer.answered if o.replies}
+        await straggle.poll(answer, client, ranks.views, spread,
+                            {n: t for n, t in read_at.items() if isinstance(t, float)})
         result["stragglers"] = straggle.current()
     result["warnings"] = [f"node {w.node}: {w.error}" for w in answer.warnings] + \
         result["warnings"]

@@ -20,6 +20,7 @@ and :data:`BASELINE_GAP_S` before that poll, where the fault cannot have begun y
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -51,6 +52,9 @@ BASELINE_S = 10  # the rank's own seconds before the onset, its per-cause refere
 BASELINE_MIN_S = 4  # ...at least (after its last straggle), else its peers' alone
 BASELINE_GAP_S = 1  # ...ending this long before the earliest the onset can be
 PEERS_ASKED = 3  # on-time ranks of its group whose same seconds are the other reference
+# No cause rose: the costliest chain is named once the straggle window is this long (a
+# GC storm's chain needs a few samples in the window before its time shows).
+FALLBACK_S = 10
 
 
 class StragglerJson(TypedDict):
@@ -108,17 +112,20 @@ class StraggleWatch:
     changes: Changes = field(default_factory=Changes)  # the last poll's
 
     async def poll(self, answer: FleetAnswer, client: FleetClient,
-                   views: Sequence[RankView], age_error_s: float | None) -> Changes:
+                   views: Sequence[RankView], age_error_s: float | None,
+                   read_at: Mapping[str, float] | None = None) -> Changes:
         """One poll: judge the ranks, then ask for the causes still unnamed."""
-        flagged, recovered = self.update(views, age_error_s)
+        flagged, recovered = self.update(views, age_error_s, read_at)
         self.changes = Changes(flagged, await self.causes(answer, client), recovered)
         return self.changes
 
-    def update(self, views: Sequence[RankView], age_error_s: float | None
+    def update(self, views: Sequence[RankView], age_error_s: float | None,
+               read_at: Mapping[str, float] | None = None
                ) -> tuple[list[StragglerJson], list[StragglerJson]]:
-        """This poll's ranks in; (newly flagged, recovered) out."""
+        """This poll's ranks in; (newly flagged, recovered) out. ``read_at``: per node,
+        when its answer was read (monotonic s): its ages are moved to one "now" first."""
         err = None if age_error_s is None else int(age_error_s * 1e9)
-        judged = lateness(views, age_error_ns=err)
+        judged = lateness(in_one_now(views, read_at or {}), age_error_ns=err)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("lateness (age error %.1f ms): %s", (age_error_s or 0) * 1e3, "; ".join(
                 f"rank {x.rank} last {x.last}/{x.collectives} by {x.late_ns / 1e6:.1f} ms, "
@@ -176,15 +183,17 @@ class StraggleWatch:
             if base is not None and base in got:  # else asked again with the next
                 o.baseline, o.baseline_asked = cause_change.shares(got[base], base.pid), True
             if _name(o, got.get(late), [cause_change.shares(got[p], p.pid) for p in peers
-                                            if p in got]):
+                                            if p in got],
+                     fallback=now - o.began + CAUSE_LEAD_S >= FALLBACK_S):
                 named.append(o.found)
         return named
 
 
-def _name(o: _Open, reply: ChainsReply | None, peers: list[Shares | None]) -> bool:
+def _name(o: _Open, reply: ChainsReply | None, peers: list[Shares | None], *,
+          fallback: bool = True) -> bool:
     """Name the cause that rose most in the late rank's answer; where none rose by
     MIN_EXCESS (a cause every rank pays that pressed harder on this one: a CPU hog
-    beside it on a host already short of CPU), its costliest chain, as said."""
+    beside it on a host already short of CPU), its costliest chain with ``fallback``."""
     if reply is None:
         return False
     pid = o.found["pid"]
@@ -200,7 +209,7 @@ def _name(o: _Open, reply: ChainsReply | None, peers: list[Shares | None]) -> bo
         if _take(o, cause_change.chain_of(reply, pid, x.cause)):
             o.found["changed"] = x.to_json()
             return True
-    return not found and _take(o, cause_change.chain_of(reply, pid, None))
+    return fallback and not found and _take(o, cause_change.chain_of(reply, pid, None))
 
 
 def _take(o: _Open, chain: ChainJson | None) -> bool:
@@ -239,6 +248,27 @@ def _peers(x: Lateness, judged: Sequence[Lateness], late: Mapping[str, Lateness]
                and _key(y) not in late]
     on_time.sort(key=lambda y: (y.view.node != x.view.node, y.rank))
     return [(y.view.node, y.view.pid) for y in on_time[:PEERS_ASKED]]
+
+
+def in_one_now(views: Sequence[RankView], read_at: Mapping[str, float]) -> list[RankView]:
+    """The views with each node's collective ages counted from the moment the latest
+    node's answer was read: each node measured its ages at its own "now", somewhere in
+    the poll, and a node that answered first would seem late at every collective by the
+    time the others took (under load, tens of ms: a step's share). Its "now" is taken
+    as the time its answer was read, less a delivery the nodes share; what is left is
+    how much their deliveries differ. Nodes with no time are left as they are."""
+    if len(read_at) < 2:
+        return list(views)
+    latest = max(read_at.values())
+    out = []
+    for v in views:
+        at = read_at.get(v.node)
+        shift = 0 if at is None else int((latest - at) * 1e9)
+        out.append(v if not shift else dataclasses.replace(v, collectives=[
+            dataclasses.replace(c, age_ns=c.age_ns + shift, recent=tuple(
+                dataclasses.replace(x, age_ns=x.age_ns + shift) for x in c.recent))
+            for c in v.collectives]))
+    return out
 
 
 def _key(x: Lateness) -> str:

@@ -6,6 +6,7 @@ one rank entering each collective late (or none), and the messages a watch would
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from pathlib import Path
 
@@ -134,3 +135,27 @@ def test_a_straggler_is_sent_firing_then_with_its_cause_then_resolved(tmp_path: 
         ["resolved straggler: cpu_contention fleetd-hog pid 77"]]
     lines = out.read_text().splitlines()
     assert len(lines) == 3 and '"kind":"straggler"' in lines[0]
+
+
+def test_a_node_that_answered_first_is_not_late_once_its_ages_share_one_now() -> None:
+    """Rank 2's node measured its ages 20 ms before the others (it answered first, the
+    others were slower under load): read as they came, rank 2 entered every collective
+    20 ms after the rest, a straggler at 2/5 of a step. With each node's read time its
+    ages are counted from the same moment: nobody is late; and a rank truly 20 ms late
+    on a node read 20 ms late stays late."""
+    early = [_aged(v, -20_000_000) if v.node == "n2" else v for v in job(None, 0)]
+    w = StraggleWatch(flag_polls=1)
+    assert [s["rank"] for s in w.update(early, 0.03)[0]] == [2]
+    read = {"n0": 5.0, "n1": 5.0, "n2": 4.98, "n3": 5.0}
+    w = StraggleWatch(flag_polls=1)
+    assert w.update(early, 0.03, read) == ([], [])
+    late = [_aged(v, 20_000_000) if v.node == "n2" else v for v in job(2, 20_000_000)]
+    w = StraggleWatch(flag_polls=1)
+    assert [s["rank"] for s in w.update(late, 0.03, {**read, "n2": 5.02})[0]] == [2]
+
+
+def _aged(v: RankView, by_ns: int) -> RankView:
+    """v as its node would answer ``by_ns`` later (its ages larger by that)."""
+    return dataclasses.replace(v, collectives=[dataclasses.replace(
+        c, age_ns=c.age_ns + by_ns, recent=tuple(dataclasses.replace(x, age_ns=x.age_ns + by_ns)
+                                                 for x in c.recent)) for c in v.collectives])

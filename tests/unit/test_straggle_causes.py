@@ -106,6 +106,8 @@ def test_the_hog_rank_waits_no_more_per_second_awake_and_falls_back_to_its_top_c
     d = fault("hog")
     o = _open(d)
     o.baseline = before
+    assert not _name(o, read(d["late"]), list(theirs), fallback=False)  # window too short
+    assert o.found["top_chain"] is None
     assert _name(o, read(d["late"]), list(theirs))
     assert o.found["top_chain"] is not None
     assert o.found["top_chain"]["root_cause"] == "cpu_contention"
