@@ -53,8 +53,17 @@ HIERARCHIES = [h for h, ok in (("v1", (CPU_ROOT / "cpu.cfs_quota_us").exists()),
                                ("v2", V2_ROOT is not None)) if ok] or ["none"]
 
 
+# Ten times the default CPU weight (v1 cpu.shares 1024, v2 cpu.weight 100): the group
+# gets its quota's share of its CPU against whatever else runs there at normal priority
+# (on a busy node, a busy loop on every CPU), so it is the quota that holds it back.
+FIRST = {"v1": {"cpu.shares": "10240"}, "v2": {"cpu.weight": "1000"}}
+
+
 @contextmanager
-def cpu_cgroup(quota_us: int | None, hierarchy: str = "v1") -> Iterator[Path | None]:
+def cpu_cgroup(quota_us: int | None, hierarchy: str = "v1", *,
+               first: bool = False) -> Iterator[Path | None]:
+    """A scratch cgroup with a CPU quota (None: no cgroup); ``first``: with the weight
+    that gets it that quota on a busy CPU (:data:`FIRST`)."""
     if quota_us is None:
         yield None
         return
@@ -67,6 +76,8 @@ def cpu_cgroup(quota_us: int | None, hierarchy: str = "v1") -> Iterator[Path | N
         (root / "cgroup.subtree_control").write_text("+cpu")
     setup = {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": str(quota_us)} \
         if hierarchy == "v1" else {"cpu.max": f"{quota_us} 100000"}
+    if first:
+        setup = {**FIRST[hierarchy], **setup}
     with scratch_cgroup(root, setup) as d:
         yield d
 
@@ -77,9 +88,9 @@ def _start_in(group: Path | None, argv: list[str]) -> subprocess.Popen[str]:
 
 
 def explain_live(tmp_path: Path, quota_us: int | None, hog: bool,
-                 hierarchy: str = "v1") -> dict[str, object]:
+                 hierarchy: str = "v1", first: bool = False) -> dict[str, object]:
     go, db = tmp_path / "go", tmp_path / "t.db"
-    with cpu_cgroup(quota_us, hierarchy) as group:
+    with cpu_cgroup(quota_us, hierarchy, first=first) as group:
         wl = _start_in(group, [PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go),
                                *STEP])
         hogp = _start_in(group, [PY, str(NEIGHBOUR), "hog", "--seconds", "30"]) if hog \
@@ -138,8 +149,10 @@ def test_a_cpu_quota_is_the_cause_and_nobody_is_the_culprit(tmp_path: Path,
 def test_a_busy_neighbour_inside_the_quota_shows_beside_it(tmp_path: Path,
                                                            hierarchy: str) -> None:
     """Alone the workload fits the quota; the busy loop sharing it spends it: the loop
-    is the culprit and the chain names the quota it spends."""
-    report = explain_live(tmp_path, 50_000, hog=True, hierarchy=hierarchy)
+    is the culprit and the chain names the quota it spends. Half a CPU binds only where
+    the group can get half of CPU 0: on a busy node (a busy loop there at the same
+    weight) it would get less and never be throttled, so the group weighs more."""
+    report = explain_live(tmp_path, 50_000, hog=True, hierarchy=hierarchy, first=True)
     named = [c for c in report["chains"]  # type: ignore[union-attr]
              if (c.get("culprit") or {}).get("pid") == report["hog"]]
     assert named and named[0]["root_cause"] == "cpu_contention", report["chains"]
