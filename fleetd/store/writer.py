@@ -33,6 +33,7 @@ from fleetd.store.chainrow import CHAIN_FIELDS, ChainRow
 from fleetd.store.db import ensure_node, open_writer
 from fleetd.store.files import create_private
 from fleetd.store.losses import tracer_gone
+from fleetd.store.pruning import Pruner, used_bytes
 from fleetd.store.schema import (
     EVENT_FIELDS,
     PLACEMENT_COLUMNS,
@@ -45,7 +46,6 @@ from fleetd.store.schema import (
 from fleetd.store.sizecap import SizeCap, rows_per_txn, wal_pages
 
 log = logging.getLogger("fleetd.store.writer")
-PRUNE_PASSES = 4  # pruning passes per commit at most, until the file is under its cap
 
 _EVENT_SQL = (
     f"INSERT INTO event_data(id, {', '.join(EVENT_FIELDS)}) "
@@ -549,88 +549,23 @@ class BatchWriter:
                     self.stats.disk_full_rows)
 
     def _prune_if_needed(self, cap: int) -> None:
-        """Delete the oldest events until the file is under ``cap``: a pass frees fewer
-        whole pages than the rows it deletes (index pages stay partly full), so it may
-        take a few."""
-        for _ in range(PRUNE_PASSES):
-            if not self._prune_once(cap):
-                return
-
-    def _prune_once(self, cap: int) -> bool:
-        """One pruning pass; False when nothing (more) is to be pruned or it failed."""
-        used = self.used_bytes()
-        if used <= cap:
-            return False
-        total = self._scalar(
-            "SELECT count(*) FROM event_data WHERE id BETWEEN ? AND ?", self._lo, self._hi
-        )
-        if total == 0:
-            return False
-        # Free a tenth more than the excess, so pruning does not run after every commit.
-        share = min(1.0, (used - cap * 0.9) / used)
-        n = max(1, int(total * share))
-        cutoff = self._nth_id(min(n, total - 1))
-        if cutoff is None:
-            return False
-        # In steps of one commit's rows: each step is a transaction of its own, so the
-        # WAL is checkpointed and reset between them instead of holding the whole pass.
-        deleted = 0
-        while True:
-            step = self._nth_id(self.batch_rows)
-            end = cutoff if step is None else min(step, cutoff)
-            rows = self._delete_oldest(end)
-            if rows is None:
-                return False
-            deleted += rows
-            if end >= cutoff or rows == 0:
-                break
-        log.info("pruned %d oldest events from %s (used %d > %d bytes)",
-                 deleted, self.path, used, cap)
-        return deleted > 0
-
-    def _nth_id(self, n: int) -> int | None:
-        """The id of this node's ``n``-th oldest stored event (from 0), if there is one."""
-        row = self._conn.execute(
-            "SELECT id FROM event_data WHERE id BETWEEN ? AND ? ORDER BY id LIMIT 1 OFFSET ?",
-            (self._lo, self._hi, n),
-        ).fetchone()
-        return None if row is None else int(row[0])
-
-    def _delete_oldest(self, end: int) -> int | None:
-        """Delete this node's events below id ``end`` (and their args, and the aggregates
-        older than what is left) in one transaction: how many, or None if it failed."""
-        conn = self._conn
+        pruner = Pruner(self._conn, self._lo, self._hi, self.node_key, self.batch_rows)
         try:
-            conn.execute("BEGIN")
-            cur = conn.execute("DELETE FROM event_data WHERE id >= ? AND id < ?", (self._lo, end))
-            conn.execute("DELETE FROM event_args WHERE id >= ? AND id < ?", (self._lo, end))
-            oldest = conn.execute(
-                "SELECT min(ts_ns) FROM event_data WHERE id BETWEEN ? AND ?", (self._lo, self._hi)
-            ).fetchone()[0]
-            if oldest is not None:
-                conn.execute(
-                    "DELETE FROM aggregate_data WHERE node = ? AND ts_ns < ?",
-                    (self.node_key, oldest),
-                )
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            self.stats.last_error = str(exc)
-            # While the disk is full this is expected until the reserve gives room.
-            log.log(logging.DEBUG if self.stats.disk_full else logging.ERROR,
-                    "pruning %s failed: %s", self.path, exc)
-            return None
-        self.stats.pruned_events += cur.rowcount
-        return int(cur.rowcount)
+            pruner.prune_to(cap, used_bytes(self._conn))
+        finally:
+            self.stats.pruned_events += pruner.deleted
+            if pruner.error is not None:
+                self.stats.last_error = pruner.error
+                # While the disk is full this is expected until the reserve gives room.
+                log.log(logging.DEBUG if self.stats.disk_full else logging.ERROR,
+                        "pruning %s failed: %s", self.path, pruner.error)
+            elif pruner.deleted:
+                log.info("pruned %d oldest events from %s (its data over %d bytes)",
+                         pruner.deleted, self.path, cap)
 
     def used_bytes(self) -> int:
         """Bytes of the main file holding data (free pages left by pruning excluded)."""
-        c = self._conn
-        pages = c.execute("PRAGMA page_count").fetchone()[0]
-        free = c.execute("PRAGMA freelist_count").fetchone()[0]
-        size = c.execute("PRAGMA page_size").fetchone()[0]
-        return int((pages - free) * size)
+        return used_bytes(self._conn)
 
     def _max_seq(self, table: str, col: str) -> int:
         top = self._scalar(

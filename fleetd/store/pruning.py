@@ -1,0 +1,100 @@
+"""Deleting a node's oldest events to keep its database under a size (``store.max_bytes``,
+or the size the file had when the disk filled): the writer's thread calls it after a
+commit, on the writer's connection.
+
+The oldest go first, always: the stored ids stay one contiguous range. A pass frees a
+tenth more than the excess, so pruning does not run after every commit, in steps of at
+most ``step_rows`` rows, each a transaction of its own, so that the WAL is checkpointed
+and reset between them instead of holding the whole pass (its size counts against the
+cap: fleetd.store.sizecap).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+PRUNE_PASSES = 4  # pruning passes per commit at most, until the data is under its cap
+
+
+def used_bytes(conn: sqlite3.Connection) -> int:
+    """Bytes of the main file holding data (free pages left by pruning excluded)."""
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    free = conn.execute("PRAGMA freelist_count").fetchone()[0]
+    size = conn.execute("PRAGMA page_size").fetchone()[0]
+    return int((pages - free) * size)
+
+
+class Pruner:
+    """One commit's pruning of the events with ids in [lo, hi] (one node's)."""
+
+    def __init__(self, conn: sqlite3.Connection, lo: int, hi: int, node_key: int,
+                 step_rows: int) -> None:
+        self.conn, self.lo, self.hi, self.node_key = conn, lo, hi, node_key
+        self.step_rows = step_rows
+        self.deleted = 0
+        self.error: str | None = None
+
+    def prune_to(self, cap: int, used: int) -> None:
+        """Delete the oldest events until the data is under ``cap``: a pass frees fewer
+        whole pages than the rows it deletes (index pages stay partly full), so it may
+        take a few."""
+        for _ in range(PRUNE_PASSES):
+            if used <= cap or not self._pass(cap, used):
+                return
+            used = used_bytes(self.conn)
+
+    def _pass(self, cap: int, used: int) -> bool:
+        """One pass; False when nothing (more) is to be pruned or it failed."""
+        total = self._scalar("SELECT count(*) FROM event_data WHERE id BETWEEN ? AND ?")
+        if total == 0:
+            return False
+        # Free a tenth more than the excess, so pruning does not run after every commit.
+        share = min(1.0, (used - cap * 0.9) / used)
+        cutoff = self._nth_id(min(max(1, int(total * share)), total - 1))
+        if cutoff is None:
+            return False
+        deleted = 0
+        while True:
+            step = self._nth_id(self.step_rows)
+            end = cutoff if step is None else min(step, cutoff)
+            rows = self._delete_below(end)
+            if rows is None:
+                return False
+            deleted += rows
+            if end >= cutoff or rows == 0:
+                return deleted > 0
+
+    def _scalar(self, sql: str) -> int:
+        row = self.conn.execute(sql, (self.lo, self.hi)).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
+
+    def _nth_id(self, n: int) -> int | None:
+        """The id of the ``n``-th oldest stored event (from 0), if there is one."""
+        row = self.conn.execute(
+            "SELECT id FROM event_data WHERE id BETWEEN ? AND ? ORDER BY id LIMIT 1 OFFSET ?",
+            (self.lo, self.hi, n),
+        ).fetchone()
+        return None if row is None else int(row[0])
+
+    def _delete_below(self, end: int) -> int | None:
+        """Delete the events below id ``end`` (their args, and the aggregates older than
+        what is left) in one transaction: how many, or None if it failed."""
+        conn = self.conn
+        try:
+            conn.execute("BEGIN")
+            cur = conn.execute("DELETE FROM event_data WHERE id >= ? AND id < ?", (self.lo, end))
+            conn.execute("DELETE FROM event_args WHERE id >= ? AND id < ?", (self.lo, end))
+            oldest = conn.execute(
+                "SELECT min(ts_ns) FROM event_data WHERE id BETWEEN ? AND ?", (self.lo, self.hi)
+            ).fetchone()[0]
+            if oldest is not None:
+                conn.execute("DELETE FROM aggregate_data WHERE node = ? AND ts_ns < ?",
+                             (self.node_key, oldest))
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            self.error = str(exc)
+            return None
+        self.deleted += cur.rowcount
+        return int(cur.rowcount)
