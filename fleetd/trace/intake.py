@@ -8,7 +8,9 @@ where each event's time goes (the writer's commits are in ``WriterStats.commit_c
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 
 from fleetd.store.schema import PLACEMENT_COLUMNS, ProcessFields
 from fleetd.store.torchrun import job_of, ranks_of
@@ -23,6 +25,13 @@ from fleetd.trace.host.cgroups import process_placement
 from fleetd.trace.targets import Targets
 
 STAGES = ("poll", "decode", "enrich", "queue")
+FORGET_EVERY_S = 60.0  # how often the memos drop the tasks that have exited
+
+
+def task_gone(tid: int) -> bool:
+    """True when no process or thread has this id now (/proc/TID exists for threads too,
+    though /proc lists only processes)."""
+    return not os.path.exists(f"/proc/{tid}")
 
 
 class Intake:
@@ -37,6 +46,14 @@ class Intake:
         self._locks = LockNames()
         self._fds = FdNames()  # what reads and writes slept on, and its other end
         self._proc_comm: dict[int, str] = {}  # the name each process row was given
+
+    def forget_gone(self, gone: Callable[[int], bool]) -> int:
+        """Forget the processes and threads for which ``gone(id)`` (decoder's memos and
+        the process names given): see :meth:`Decoder.forget_gone`."""
+        dead = [pid for pid in self._proc_comm if gone(pid)]
+        for pid in dead:
+            del self._proc_comm[pid]
+        return len(dead) + self.decoder.forget_gone(gone)
 
     def drain(self, rings: Rings, writer: BatchWriter, max_bytes: int | None = DRAIN_BYTES
               ) -> int:

@@ -54,8 +54,8 @@ from fleetd.trace.host.headers import HeaderRoute
 from fleetd.trace.host.libs import Library
 from fleetd.trace.host.preflight import ensure_tracefs as ensure_tracefs
 from fleetd.trace.host.preflight import preflight
+from fleetd.trace.intake import FORGET_EVERY_S, Intake, task_gone
 from fleetd.trace.intake import STAGES as STAGES
-from fleetd.trace.intake import Intake
 from fleetd.trace.siderows import SideRows
 from fleetd.trace.targets import Targets, check_pids, prefetch_symbols
 
@@ -81,6 +81,7 @@ class Tracer:
         self.intake = Intake(self.decoder, self.scope)
         self.hist = accounting.Histograms()
         self._last_maint = 0.0
+        self._last_forget = time.monotonic()
         self._started_mono = 0
         self._stopped = False
         self._python: PythonTargets | None = None
@@ -303,6 +304,9 @@ class Tracer:
         if now - self.hist.window_start >= self.cfg.agg_interval_ns:
             self._write_aggregates(now)
             self._update_session(final=False)
+        if self._last_maint - self._last_forget >= FORGET_EVERY_S:
+            self._last_forget = self._last_maint
+            self.intake.forget_gone(task_gone)
 
     def _sample_cgroups(self) -> None:
         assert self.writer is not None

@@ -195,6 +195,20 @@ class Decoder:
         self.records = 0
         self._launch_text: dict[tuple[int, ...], str] = {}
 
+    def forget_gone(self, gone: Callable[[int], bool]) -> int:
+        """Drop what is remembered of threads and processes for which ``gone(id)``: the
+        memos then hold the live tasks seen, not every task a weeks-long trace ever met
+        (a peer is any task on the node that wakes a target), and a reused id is written
+        afresh. Returns how many entries went."""
+        dead_tids = {t for t in self._tids | self._peer_seen.keys() if gone(t)}
+        self._tids -= dead_tids
+        for t in dead_tids & self._peer_seen.keys():
+            del self._peer_seen[t]
+        dead_comms = [k for k in self.comms if gone(k[0])]
+        for k in dead_comms:
+            del self.comms[k]
+        return len(dead_tids) + len(dead_comms)
+
     def decode(self, blobs: Iterable[bytes]) -> Batch:
         """One record at a time: the reference the bulk decoder is tested against (and
         the path of BCC's per-record callback, where a ring cannot be mapped)."""
