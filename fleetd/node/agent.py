@@ -31,6 +31,7 @@ from aiohttp import web
 
 from fleetd.config import Config, parse_hostport
 from fleetd.errors import ConfigError
+from fleetd.node import memtrace
 from fleetd.node.analysis import ROUTES as ANALYSIS_ROUTES
 from fleetd.node.api import NodeState, make_app
 from fleetd.node.conns import ConnLimits, Gate, GuardedHandler
@@ -460,6 +461,7 @@ def notify(message: str) -> bool:
 
 def run(s: AgentSettings) -> int:
     """Run the agent to completion on uvloop."""
+    memtrace.start_from_env()
     return run_loop(serve(s))
 
 
