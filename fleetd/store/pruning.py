@@ -44,37 +44,25 @@ class Pruner:
             used = used_bytes(self.conn)
 
     def _pass(self, cap: int, used: int) -> bool:
-        """One pass; False when nothing (more) is to be pruned or it failed."""
-        total = self._scalar("SELECT count(*) FROM event_data WHERE id BETWEEN ? AND ?")
-        if total == 0:
+        """One pass; False when nothing (more) is to be pruned or it failed. Ids are
+        counted, not rows: this node's ids are one range with few gaps (a failed batch's),
+        so its oldest and newest ids say how many events it holds, in two index seeks
+        where a count(*) read every row at every pass while queries waited for the CPU."""
+        row = self.conn.execute("SELECT min(id), max(id) FROM event_data WHERE id BETWEEN ? "
+                                "AND ?", (self.lo, self.hi)).fetchone()
+        if row is None or row[0] is None:
             return False
+        first, last = int(row[0]), int(row[1])
         # Free a tenth more than the excess, so pruning does not run after every commit.
         share = min(1.0, (used - cap * 0.9) / used)
-        cutoff = self._nth_id(min(max(1, int(total * share)), total - 1))
-        if cutoff is None:
-            return False
+        cutoff = first + min(max(1, int((last - first + 1) * share)), last - first)
         deleted = 0
-        while True:
-            step = self._nth_id(self.step_rows)
-            end = cutoff if step is None else min(step, cutoff)
-            rows = self._delete_below(end)
+        for end in range(first + self.step_rows, cutoff + self.step_rows, self.step_rows):
+            rows = self._delete_below(min(end, cutoff))
             if rows is None:
                 return False
             deleted += rows
-            if end >= cutoff or rows == 0:
-                return deleted > 0
-
-    def _scalar(self, sql: str) -> int:
-        row = self.conn.execute(sql, (self.lo, self.hi)).fetchone()
-        return int(row[0]) if row and row[0] is not None else 0
-
-    def _nth_id(self, n: int) -> int | None:
-        """The id of the ``n``-th oldest stored event (from 0), if there is one."""
-        row = self.conn.execute(
-            "SELECT id FROM event_data WHERE id BETWEEN ? AND ? ORDER BY id LIMIT 1 OFFSET ?",
-            (self.lo, self.hi, n),
-        ).fetchone()
-        return None if row is None else int(row[0])
+        return deleted > 0
 
     def _delete_below(self, end: int) -> int | None:
         """Delete the events below id ``end`` (their args, and the aggregates older than
