@@ -43,6 +43,10 @@ MIN_EXCESS = 0.02  # of wall time: a cause that rose by less is not named (gc_pa
 # second awake to compare.
 MIN_AWAKE = 0.2
 NOISE_FLOOR = 0.05  # share added under the square root: a cause absent before still varies
+# ...and a rise must stand out of that noise: 2.2 points of wall for a cause that was
+# absent, 9 for one at 80% (a rank's run-queue share per second awake moved by +-4
+# points between healthy windows of the bench/detect.py bed).
+MIN_SCORE = 0.1
 # A rule that fires on a ratio of the thread's own time, not on a share of wall: the
 # host is the bottleneck when the thread runs most of the time it is not queued. Any
 # CPU-bound rank that stops waiting for its peers (the late one) crosses it, its CPU time
@@ -128,10 +132,11 @@ def shares(reply: ChainsReply, pid: int) -> Shares | None:
 
 def ranked(now: Shares, before: Shares | None, peers: Sequence[Shares]) -> list[Change]:
     """The causes of the late rank that rose by MIN_EXCESS or more over their reference,
-    the least likely as noise first. A reference's shares are of the seconds it was
-    awake, scaled to the late rank's: a rank on time sleeps in the collective while it
-    waits for the late one, which has no such seconds, so per second of wall it pays
-    less of every cause than the same host work costs the late rank."""
+    out of its noise (MIN_SCORE), the least likely as noise first. A reference's shares
+    are of the seconds it was awake, scaled to the late rank's: a rank on time sleeps in
+    the collective while it waits for the late one, which has no such seconds, so per
+    second of wall it pays less of every cause than the same host work costs the late
+    rank."""
     peers = [p for p in peers if _awake(p) >= MIN_AWAKE]
     if before is not None and _awake(before) < MIN_AWAKE:
         before = None
@@ -141,7 +146,7 @@ def ranked(now: Shares, before: Shares | None, peers: Sequence[Shares]) -> list[
         x = Change(cause, now.causes[cause],
                    None if before is None else _per_awake(before, cause, now),
                    statistics.median(theirs) if theirs else None)
-        if x.excess >= MIN_EXCESS:
+        if x.excess >= MIN_EXCESS and x.score >= MIN_SCORE:
             out.append(x)
     return sorted(out, key=lambda x: (-x.score, x.cause))
 

@@ -52,8 +52,9 @@ BASELINE_S = 10  # the rank's own seconds before the onset, its per-cause refere
 BASELINE_MIN_S = 4  # ...at least (after its last straggle), else its peers' alone
 BASELINE_GAP_S = 1  # ...ending this long before the earliest the onset can be
 PEERS_ASKED = 3  # on-time ranks of its group whose same seconds are the other reference
-# No cause rose: the costliest chain is named once the straggle window is this long (a
-# GC storm's chain needs a few samples in the window before its time shows).
+# No cause rose: the costliest chain is named once the straggle window is this long.
+# On-CPU samples (a GC storm's among them) reach the node's database once per 5 s
+# interval (fleetd.trace.enrich.oncpu.INTERVAL_NS): the first asks may not see them yet.
 FALLBACK_S = 10
 
 
