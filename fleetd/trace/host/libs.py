@@ -108,6 +108,8 @@ def scan_mapped(pid: int) -> Mapped:
         if key in seen or path.endswith(" (deleted)"):
             continue
         seen.add(key)
+        if _classified.get(key) == ((), False):
+            continue  # read before: no CUDA code in it, nothing to open
         with _mapped_file(pid, parts[0], path, key) as opened:
             if opened is None:
                 continue
