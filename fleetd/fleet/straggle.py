@@ -23,8 +23,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NotRequired, TypedDict
 
@@ -48,6 +50,10 @@ CAUSE_EVERY_S = 2.0  # a flagged rank's node asked again for its chain, until it
 CAUSE_SINCE_S = 15  # the chain window at most: the straggle's own seconds, not the minutes before
 CAUSE_MIN_S = 5  # ...and at least (a sampled cgroup, a few steps)
 CAUSE_LEAD_S = 2  # ...from this long before the first poll that called the rank late
+USUAL_S = 60  # a rank's own lateness remembered this long (OwnLateness)...
+USUAL_SKIP_S = 10  # ...less its last seconds
+USUAL_POLLS = 10  # ...once it has this many polls
+USUAL_LAST = 3  # a poll counts its gap when it was last this often, else 0
 BASELINE_S = 10  # the rank's own seconds before the onset, its per-cause reference
 BASELINE_MIN_S = 4  # ...at least (after its last straggle), else its peers' alone
 BASELINE_GAP_S = 1  # ...ending this long before the earliest the onset can be
@@ -55,7 +61,9 @@ PEERS_ASKED = 3  # on-time ranks of its group whose same seconds are the other r
 # No cause rose: the costliest chain is named once the straggle window is this long.
 # On-CPU samples (a GC storm's among them) reach the node's database once per 5 s
 # interval (fleetd.trace.enrich.oncpu.INTERVAL_NS): the first asks may not see them yet.
-FALLBACK_S = 10
+# The onset is 4-5 s before the first late poll (the lateness window), so a window of
+# 8 s (6 s after that poll) ends 10 s or more after the onset: one interval written.
+FALLBACK_S = 8
 
 
 class StragglerJson(TypedDict):
@@ -101,11 +109,42 @@ class Changes:
 
 
 @dataclass
+class OwnLateness:
+    """Each rank's own lateness at the polls it was not flagged at: a rank is late by
+    what it trails beyond its usual (a rank of a loaded host that enters last by 7 ms at
+    most steps for minutes has not just turned late). Its usual is the median of its
+    polls of the last USUAL_S less the last USUAL_SKIP_S (an onset under way is not its
+    usual), each poll its median gap behind the next rank when it was last at USUAL_LAST
+    or more of the window's collectives, else 0; none before USUAL_POLLS such polls."""
+
+    clock: Callable[[], float] = time.monotonic
+    seen: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
+
+    def record(self, key: str, late_ns: int) -> None:
+        now = self.clock()
+        polls = self.seen.setdefault(key, deque())
+        polls.append((now, late_ns))
+        while polls and polls[0][0] < now - USUAL_S:
+            polls.popleft()
+
+    def usual(self, key: str) -> int:
+        now = self.clock()
+        old = [v for t, v in self.seen.get(key, ()) if t <= now - USUAL_SKIP_S]
+        return int(statistics.median(old)) if len(old) >= USUAL_POLLS else 0
+
+    def beyond(self, x: Lateness) -> bool:
+        """The rule, on x's lateness beyond its usual."""
+        usual = self.usual(_key(x))
+        return x.late and (not usual or dataclasses.replace(x, late_ns=x.late_ns - usual).late)
+
+
+@dataclass
 class StraggleWatch:
     """The stragglers of a watch: per poll, which ranks turned late, and which recovered."""
 
     flag_polls: int = FLAG_POLLS
     calm_polls: int = CALM_POLLS
+    own: OwnLateness = field(default_factory=OwnLateness)
     streak: dict[str, int] = field(default_factory=dict)  # key -> consecutive late polls
     began: dict[str, float] = field(default_factory=dict)  # key -> the streak's first poll
     open: dict[str, _Open] = field(default_factory=dict)
@@ -131,7 +170,7 @@ class StraggleWatch:
             log.debug("lateness (age error %.1f ms): %s", (age_error_s or 0) * 1e3, "; ".join(
                 f"rank {x.rank} last {x.last}/{x.collectives} by {x.late_ns / 1e6:.1f} ms, "
                 f"step {x.step_ns / 1e6:.1f} ms" for x in judged))
-        late = {_key(x): x for x in judged if x.late}
+        late = {_key(x): x for x in judged if self.own.beyond(x)}
         flagged: list[StragglerJson] = []
         for key, x in late.items():
             self.streak[key] = self.streak.get(key, 0) + 1
@@ -154,6 +193,9 @@ class StraggleWatch:
             if o.calm >= self.calm_polls:
                 recovered.append(self.open.pop(key).found)
                 self.recovered_at[key] = time.monotonic()
+        for x in judged:  # a flagged rank's seconds are no part of its usual
+            if _key(x) not in self.open:
+                self.own.record(_key(x), x.late_ns if x.last >= USUAL_LAST else 0)
         return flagged, recovered
 
     def current(self) -> list[StragglerJson]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from fleetd.analyze.distributed.hangs import Collective, RankView, Recent
 from fleetd.analyze.distributed.lateness import LATE_MARGIN_NS, lateness, stragglers
 from fleetd.fleet.notify import Delivery, Notifier
-from fleetd.fleet.straggle import StraggleWatch
+from fleetd.fleet.straggle import OwnLateness, StraggleWatch
 
 STEP_NS = 50_000_000  # 20 collectives a second
 OPS = ("ncclAllReduce", "ncclBroadcast", "ncclReduce", "ncclAllGather", "ncclReduceScatter")
@@ -159,3 +159,28 @@ def _aged(v: RankView, by_ns: int) -> RankView:
     return dataclasses.replace(v, collectives=[dataclasses.replace(
         c, age_ns=c.age_ns + by_ns, recent=tuple(dataclasses.replace(x, age_ns=x.age_ns + by_ns)
                                                  for x in c.recent)) for c in v.collectives])
+
+
+def test_a_rank_late_by_no_more_than_its_usual_trail_is_not_flagged() -> None:
+    """A rank of a loaded host that entered last at 2 of 3 collectives by 6 ms for a
+    minute, then at 19 of 20 by 7 ms for a few polls (the rule alone: a steady trail,
+    flagged): beyond its usual trail it is 1 ms late, under the margin. The same rank
+    20 ms late afterwards is flagged; with no minute of its own behind it, the rule
+    alone judges (the 7 ms trail is flagged)."""
+    t = [1000.0]
+    usual = [_late_at(v, 1, 6_000_000, every=3) for v in job(None, 0, jitter_ns=100_000)]
+    trail = [_late_at(v, 1, 7_000_000, every=20) for v in job(None, 0, jitter_ns=100_000)]
+    assert [x.rank for x in stragglers(usual)] == [] and [x.rank for x in stragglers(trail)] == [1]
+    w = StraggleWatch(flag_polls=2, own=OwnLateness(clock=lambda: t[0]))
+    for _ in range(40):
+        assert w.update(usual, 0.01) == ([], [])
+        t[0] += 1.0
+    for _ in range(4):
+        assert w.update(trail, 0.01) == ([], [])
+        t[0] += 1.0
+    w.update(job(1, 20_000_000, jitter_ns=100_000), 0.01)
+    got, _ = w.update(job(1, 20_000_000, jitter_ns=100_000), 0.01)
+    assert [s["rank"] for s in got] == [1]
+    fresh = StraggleWatch(flag_polls=2, own=OwnLateness(clock=lambda: t[0]))
+    fresh.update(trail, 0.01)
+    assert [s["rank"] for s in fresh.update(trail, 0.01)[0]] == [1]
