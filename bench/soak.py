@@ -14,11 +14,18 @@ range (only the oldest end is ever deleted), the oldest stored time only moves f
 fleetd_events_pruned_total counts them and the agent's closing log line reports them.
 
 Each figure is taken per phase after its warm-up (the first ``WARMUP_SHARE`` of it) and
-the worse phase is printed: a least-squares RSS slope (MB/hour) and database slope
-(bytes/hour, of the file's size), the main file's largest size over its cap
-(``db_over_cap``, a ratio; <= 1 is within), the query p99 of the last quarter over the
-first (``p99_growth``), fd and thread counts at the end minus after warm-up, and CPU
-microseconds per traced record in the last quarter over the first.
+the worse phase is printed: a least-squares RSS slope (MB/hour; the phase line also
+gives RssAnon's, the heap without mapped files) and database slope (bytes/hour), the
+database's largest size on disk over its cap (``db_over_cap``, a ratio; <= 1 is
+within), the query p99 of the last quarter over the first (``p99_growth``), fd and
+thread counts at the end minus after warm-up, and CPU microseconds per traced record in
+the last quarter over the first. The database's size is what an operator sees: the main
+file and its -wal together, as the cap counts it.
+
+``SOAK_TRACE_SAMPLES=1`` prints every sample (RSS split into anon/file/shmem, the db and
+-wal sizes, fds, threads, the writer's queue) and what the agent's fds point at;
+``SOAK_LOG=PATH`` keeps the agent's log (with ``FLEETD_MEMTRACE=SECONDS`` in the
+environment the agent logs where its memory grows: fleetd/node/memtrace.py).
 
 ``SOAK_S`` is the whole run (default 70 s: the short form ``make bench`` runs, about
 90 s with start-up); ``SOAK_S=3600`` runs the hour. Last line:
@@ -69,6 +76,9 @@ class Sample:
     pruned: float  # fleetd_events_pruned_total
     db_file: int  # the main file's size on disk
     queue_rows: float  # fleetd_writer_queue_rows: a backlog holds memory
+    anon_mb: float = 0.0  # RssAnon: the heap, what a leak grows
+    file_mb: float = 0.0  # RssFile: mapped files (libraries, SQLite's mmap)
+    wal: int = 0  # the -wal file's size on disk
 
 
 @dataclass
@@ -77,6 +87,7 @@ class Run:
     queries: list[tuple[float, float]] = field(default_factory=list)  # (t, seconds)
     failed: int = 0
     oldest: list[tuple[float, int]] = field(default_factory=list)  # (t, min ts_ns)
+    fd_lists: list[tuple[float, list[str]]] = field(default_factory=list)
 
 
 def _say(msg: str) -> None:
@@ -88,11 +99,29 @@ def _cap_bytes(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
-def _proc(pid: int) -> tuple[float, int, int]:
-    rss = next(int(line.split()[1]) / 1024 for line in
-               Path(f"/proc/{pid}/status").read_text().splitlines()
-               if line.startswith("VmRSS:"))
-    return rss, len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))
+def _status_mb(pid: int) -> dict[str, float]:
+    """/proc/PID/status' sizes in MB (VmRSS, RssAnon, RssFile, RssShmem, ...)."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if rest.strip().endswith("kB"):
+            out[key] = int(rest.split()[0]) / 1024
+    return out
+
+
+def _proc(pid: int) -> tuple[dict[str, float], int, int]:
+    return (_status_mb(pid), len(os.listdir(f"/proc/{pid}/fd")),
+            len(os.listdir(f"/proc/{pid}/task")))
+
+
+def _fd_targets(pid: int) -> list[str]:
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            continue
+    return sorted(out)
 
 
 def _metric(text: str, name: str) -> float:
@@ -149,11 +178,20 @@ class Client:
     async def _sample(self, s: aiohttp.ClientSession, now: float) -> None:
         async with s.get(self.url + "/metrics") as r:
             text = await r.text()
-        rss, fds, threads = _proc(self.pid)
+        mem, fds, threads = _proc(self.pid)
+        wal = Path(f"{self.db}-wal")
         self.run.samples.append(Sample(
-            now, rss, cpu_s(self.pid), fds, threads, _metric(text, "fleetd_trace_records_total"),
+            now, mem["VmRSS"], cpu_s(self.pid), fds, threads,
+            _metric(text, "fleetd_trace_records_total"),
             _metric(text, "fleetd_events_pruned_total"), self.db.stat().st_size,
-            _metric(text, "fleetd_writer_queue_rows")))
+            _metric(text, "fleetd_writer_queue_rows"), mem.get("RssAnon", 0.0),
+            mem.get("RssFile", 0.0), wal.stat().st_size if wal.exists() else 0))
+        if os.environ.get("SOAK_TRACE_SAMPLES"):
+            _say(f"t={now:.0f} rss={mem['VmRSS']:.1f} anon={mem.get('RssAnon', 0):.1f} "
+                 f"file={mem.get('RssFile', 0):.1f} shmem={mem.get('RssShmem', 0):.1f} "
+                 f"db={self.run.samples[-1].db_file} wal={self.run.samples[-1].wal} "
+                 f"fds={fds} thr={threads} q={self.run.samples[-1].queue_rows:.0f}")
+            self.run.fd_lists.append((now, _fd_targets(self.pid)))
 
     def __enter__(self) -> Client:
         self._thread.start()
@@ -193,6 +231,12 @@ def _start_agent(d: Path, pids: list[int]) -> tuple[subprocess.Popen[bytes], str
     return agent, f"https://{m.group(1)}", log
 
 
+def _on_disk(db: Path) -> int:
+    """What an operator sees of the database: the main file and its -wal."""
+    wal = Path(f"{db}-wal")
+    return db.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
+
+
 def _slope_per_h(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of ys over xs (seconds), per hour."""
     if len(xs) < 3:
@@ -210,6 +254,7 @@ def _quarters(items: list[Any], key: Any) -> tuple[list[Any], list[Any]]:
 class Phase:
     name: str
     rss_slope: float
+    anon_slope: float  # of RssAnon alone: the heap, without mapped files
     db_slope: float
     p99_start_ms: float
     p99_end_ms: float
@@ -245,8 +290,8 @@ def _phase(name: str, run: Run, lo: float, hi: float) -> Phase:
     sfirst, slast = _quarters(ss, key=lambda s: s.t)
     ts = [s.t for s in ss]
     return Phase(
-        name, _slope_per_h(ts, [s.rss_mb for s in ss]),
-        _slope_per_h(ts, [float(s.db_file) for s in ss]),
+        name, _slope_per_h(ts, [s.rss_mb for s in ss]), _slope_per_h(ts, [s.anon_mb for s in ss]),
+        _slope_per_h(ts, [float(s.db_file + s.wal) for s in ss]),
         p99_ms([q[1] for q in first]), p99_ms([q[1] for q in last]),
         (ss[0].fds, ss[-1].fds), (ss[0].threads, ss[-1].threads),
         (_us_per_event(sfirst + [slast[0]] if len(sfirst) < 2 else sfirst),
@@ -295,8 +340,10 @@ def main() -> None:
                 wl.kill()
                 wl.wait()
         text = log.read_text()
+        if os.environ.get("SOAK_LOG"):
+            Path(os.environ["SOAK_LOG"]).write_text(text)
         stored, span = _store_order(d / "soak.db")
-        final_size = (d / "soak.db").stat().st_size
+        final_size = _on_disk(d / "soak.db")
     closed = re.search(r"writer closed: .*", text)
     if rc != 0 or closed is None:
         raise SystemExit(f"agent exited {rc} without its closing line:\n{text[-3000:]}")
@@ -304,13 +351,14 @@ def main() -> None:
     oldest = [ts for _, ts in sorted(run.oldest)]
     backwards = sum(1 for a, b in zip(oldest, oldest[1:], strict=False) if b < a)
     pruned = run.samples[-1].pruned if run.samples else 0
-    biggest = max([s.db_file for s in run.samples] + [final_size])
+    biggest = max([s.db_file + s.wal for s in run.samples] + [final_size])
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; run "
           f"{SOAK_S:g} s, cap {CAP} ({cap} bytes), {len(run.queries)} queries answered, "
           f"{run.failed} failed")
     for p in phases:
-        print(f"{p.name:9s}: {p.rate:8.0f} records/s; RSS slope {p.rss_slope:+.1f} MB/h; "
-              f"db file {p.db_slope:+.3g} B/h; query p99 {p.p99_start_ms:.1f} -> "
+        print(f"{p.name:9s}: {p.rate:8.0f} records/s; RSS slope {p.rss_slope:+.1f} MB/h "
+              f"(anon {p.anon_slope:+.1f}); "
+              f"db+wal {p.db_slope:+.3g} B/h; query p99 {p.p99_start_ms:.1f} -> "
               f"{p.p99_end_ms:.1f} ms; fds {p.fds[0]} -> {p.fds[1]}; threads "
               f"{p.threads[0]} -> {p.threads[1]}; CPU per record {p.us_per_event[0]:.2f} -> "
               f"{p.us_per_event[1]:.2f} us")
@@ -322,6 +370,13 @@ def main() -> None:
           f"id range of {span} (contiguous: {stored == span}); oldest stored time moved "
           f"backwards {backwards} times over {len(oldest)} looks; the agent said: "
           f"{closed.group(0)}")
+    if run.fd_lists:
+        from collections import Counter
+        a, b = Counter(run.fd_lists[0][1]), Counter(run.fd_lists[-1][1])
+        _say(f"fds added {sorted((b - a).items())} removed {sorted((a - b).items())}")
+        for t, fl in run.fd_lists:
+            kinds = Counter(x.split(":")[0] if ":" in x else x for x in fl)
+            _say(f"fds t={t:.0f} {len(fl)}: {sorted(kinds.items())}")
     worst = max(phases, key=lambda p: p.rss_slope)
     print(f"BENCH soak rss_slope_mb_per_h={worst.rss_slope:.1f} "
           f"db_bytes_per_h={max(p.db_slope for p in phases):.0f} "
