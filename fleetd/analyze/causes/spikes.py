@@ -114,19 +114,7 @@ def find_stalls(view: NodeView, feeding: dict[int, int]) -> list[Spike]:
     if not feeding:
         return []
     node, win = view.node, view.win
-    long_calls: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    span: dict[int, tuple[int, int]] = {}
-    for tid, ts, dur in view.conn.execute(
-        "SELECT tid, ts_ns, dur_ns FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND "
-        f"id BETWEEN ? AND ? AND op IN {in_list(CALL_CODES)} AND tid IN {in_list(feeding)}",
-        (win.start_ns, win.end_ns, node.lo, node.hi),
-    ):
-        lo, hi = span.get(tid, (ts, ts + dur))
-        span[tid] = (min(lo, ts), max(hi, ts + dur))
-        if dur >= STALL_MIN_NS:
-            long_calls[tid].append((ts, ts + dur))
-    for v in long_calls.values():
-        v.sort()
+    span, long_calls = view.call_spans(sorted(feeding), STALL_MIN_NS)
     # Off the CPU between calls: preempted or in D state; and, after a voluntary sleep
     # (the thread's own choice), the run-queue wait before it could run again.
     rows = view.conn.execute(

@@ -63,7 +63,7 @@ class NodeSlice:
     def _op_events(self) -> Loaded:
         """Every process's stored durations and histograms: read once for the rows per
         process and the rows summed over processes (explain shows both)."""
-        return load_op_stats(self.conn, self.node, self.window)
+        return load_op_stats(self.conn, self.node, self.window, span=self.span)
 
     @cached_property
     def ops(self) -> list[OpRow]:

@@ -34,7 +34,7 @@ import logging
 import sqlite3
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fleetd.analyze.reading.data import (
@@ -71,7 +71,7 @@ QUANTILES = (0.5, 0.95, 0.99)
 
 def _rank(q: float, n: int) -> int:
     """The nearest rank (1-based): the smallest value with at least q of the calls at or
-    below it. :func:`_ranks_sql` computes the same in SQL (the same double arithmetic)."""
+    below it."""
     return max(1, min(n, int(q * n + 0.999999)))
 
 
@@ -92,11 +92,10 @@ class _Group:
         """A group from its durations, as read one by one."""
         durs = sorted(durs)
         n = len(durs)
-        return cls(n, sum(durs), durs[-1] if durs else 0, errors,
-                   {_rank(q, n): durs[_rank(q, n) - 1] for q in QUANTILES} if n else None)
+        return cls(n, sum(durs), durs[-1] if durs else 0, errors, _at_ranks(durs) if n else None)
 
     def quantile(self, q: float) -> int:
-        assert self.at_rank is not None, "read the exact percentiles first (_fill_exact)"
+        assert self.at_rank is not None, "read the exact percentiles first (Loaded.exact)"
         return self.at_rank[_rank(q, self.count)]
 
     def merge(self, other: _Group) -> None:
@@ -139,7 +138,7 @@ def _load(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None, se
           ) -> dict[tuple[int, int], _Group]:
     """(pid, key) -> the stored events' count, sum, largest and failures, summed in
     SQL: the rows themselves stay in the file (percentiles are read apart, for the
-    groups that print them: :func:`_fill_exact`)."""
+    groups that print them: :meth:`Loaded.exact`)."""
     where, params = _where(node, win, pid, sel.which)
     return {(int(p), int(k)): _Group(int(n), int(total), int(top), int(bad))
             for p, k, n, total, top, bad in conn.execute(
@@ -147,33 +146,30 @@ def _load(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None, se
                 f"sum({sel.failed}) FROM event_data WHERE {where} GROUP BY 1, 2", params)}
 
 
-def _ranks_sql(q: float) -> str:
-    return f"max(1, min(n, CAST({q!r} * n + 0.999999 AS INTEGER)))"
-
-
-def _fill_exact(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None,
-                sel: _Select, groups: dict[tuple[int, int], _Group], per_process: bool) -> None:
-    """Read the exact percentiles of ``groups`` (per process, or summed over processes:
-    pid 0): SQL ranks each group's durations and returns only the values at the ranks
-    :data:`QUANTILES` need, three rows per group."""
-    todo = {k: g for k, g in groups.items() if g.at_rank is None and g.count}
-    if not todo:
-        return
+def _durations(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None,
+               sel: _Select, pairs: set[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
+    """The stored durations of the (pid, key) ``pairs``, each list sorted: only the
+    groups whose rows print exact percentiles are read (sorted here: Python sorts
+    integers faster than SQLite ranks them with a window function)."""
+    by_key: dict[int, list[int]] = defaultdict(list)
+    for p, k in pairs:
+        by_key[k].append(p)
+    which = " OR ".join(f"({sel.key} = {int(k)} AND pid IN {in_list(sorted(ps))})"
+                        for k, ps in sorted(by_key.items()))
     where, params = _where(node, win, pid, sel.which)
-    who = "pid" if per_process else "0"
-    ranks = ", ".join(_ranks_sql(q) for q in QUANTILES)
-    for p, k, rn, dur in conn.execute(
-        f"SELECT p, k, rn, dur_ns FROM (SELECT {who} AS p, {sel.key} AS k, dur_ns, "
-        f"row_number() OVER w AS rn, count(*) OVER w AS n FROM event_data WHERE {where} AND "
-        f"{sel.key} IN {in_list(sorted({k for _, k in todo}))} "
-        f"WINDOW w AS (PARTITION BY {who}, {sel.key} ORDER BY dur_ns ROWS BETWEEN "
-        f"UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)) WHERE rn IN ({ranks})", params,
-    ):
-        g = todo.get((int(p), int(k)))
-        if g is not None:
-            if g.at_rank is None:
-                g.at_rank = {}
-            g.at_rank[int(rn)] = int(dur)
+    out: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for p, k, dur in conn.execute(f"SELECT pid, {sel.key}, dur_ns FROM event_data WHERE "
+                                  f"{where} AND ({which})", params):
+        out[(p, k)].append(dur)
+    for durs in out.values():
+        durs.sort()
+    return out
+
+
+def _at_ranks(durs: list[int]) -> dict[int, int]:
+    """The sorted ``durs``' values at the nearest ranks of :data:`QUANTILES`."""
+    n = len(durs)
+    return {_rank(q, n): durs[_rank(q, n) - 1] for q in QUANTILES}
 
 
 def _needs_exact(g: _Group | None, h: Hist | None) -> bool:
@@ -256,16 +252,38 @@ class Loaded:
     win: Window
     pid: int | None
 
+    # (pid, key) -> sorted stored durations, per selection's key column, as read.
+    durs: dict[str, dict[tuple[int, int], list[int]]] = field(default_factory=dict)
+
     def exact(self, sel: _Select, groups: dict[tuple[int, int], _Group],
               hists: dict[tuple[int, int], Hist], per_process: bool) -> None:
-        """Read the percentiles of the stored events for the rows that print them."""
-        need = {k: g for k, g in groups.items() if _needs_exact(g, hists.get(k))}
-        _fill_exact(self.conn, self.node, self.win, self.pid, sel, need, per_process)
+        """Give the groups whose rows print percentiles of the stored events those
+        (``groups`` per process, or summed over processes: pid 0). The durations are
+        read once, per process, for both."""
+        need = [(k, g) for k, g in groups.items()
+                if g.at_rank is None and _needs_exact(g, hists.get(k))]
+        if not need:
+            return
+        base = self.calls if sel is SYSCALLS else self.groups
+        keys = {k for (_, k), _ in need}
+        pairs = {pk for pk, _ in need} if per_process else {pk for pk in base if pk[1] in keys}
+        have = self.durs.setdefault(sel.key, {})
+        missing = {pk for pk in pairs if pk not in have}
+        if missing:
+            have.update(_durations(self.conn, self.node, self.win, self.pid, sel, missing))
+        for (p, k), g in need:
+            if per_process:
+                g.at_rank = _at_ranks(have.get((p, k), []))
+            else:  # every process's calls of the op together
+                g.at_rank = _at_ranks(sorted(d for pk, ds in have.items() if pk[1] == k
+                                             for d in ds))
 
 
-def load_op_stats(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None
-                  ) -> Loaded:
-    start, end = effective_span(conn, node, win)
+def load_op_stats(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
+                  span: tuple[int, int] | None = None) -> Loaded:
+    """``span``: the node's :func:`effective_span` in ``win`` where the caller has it
+    (a whole pass over the window to find it again)."""
+    start, end = span if span is not None else effective_span(conn, node, win)
     return Loaded(_load(conn, node, win, pid, _events_select()),
                   histograms(conn, node, win, TIMED_CODES, pid),
                   _load(conn, node, win, pid, SYSCALLS), (end - start) / 1e9,

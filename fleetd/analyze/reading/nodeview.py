@@ -177,6 +177,26 @@ class NodeView:
         return counts_of(self.conn, self.node,
                          [r for r in self._stacks if r[0] == pid and r[1] == tid])
 
+    def call_spans(self, tids: list[int], long_ns: int
+                   ) -> tuple[dict[int, tuple[int, int]], dict[int, list[tuple[int, int]]]]:
+        """Per thread of ``tids``: from the start of its first stored CUDA call in the
+        window to the end of its last, and its calls of at least ``long_ns`` as sorted
+        (start, end) pairs. Summed in SQL: the calls themselves stay in the file."""
+        where = (f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND op IN "
+                 f"{in_list(CALL_CODES)} AND tid IN {in_list(tids)}")
+        params = (self.win.start_ns, self.win.end_ns, self.node.lo, self.node.hi)
+        spans = {int(tid): (int(lo), int(hi)) for tid, lo, hi in self.conn.execute(
+            f"SELECT tid, min(ts_ns), max(ts_ns + dur_ns) FROM event_data WHERE {where} "
+            "GROUP BY tid", params)}
+        long_calls: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for tid, ts, dur in self.conn.execute(
+                f"SELECT tid, ts_ns, dur_ns FROM event_data WHERE {where} AND dur_ns >= ?",
+                (*params, long_ns)):
+            long_calls[int(tid)].append((int(ts), int(ts) + int(dur)))
+        for v in long_calls.values():
+            v.sort()
+        return spans, long_calls
+
     def blocks_overlapping(self, t0: int, t1: int) -> list[Ev]:
         i = bisect.bisect_left(self.block_starts, t0 - self.max_block)
         j = bisect.bisect_left(self.block_starts, t1)
