@@ -52,6 +52,9 @@ MIN_SCORE = 0.1
 # CPU-bound rank that stops waiting for its peers (the late one) crosses it, its CPU time
 # unchanged; its reference is at least the breakdown's column the impact is counted from.
 COUNTED_FROM = {"host_cpu_bound": "running"}
+# A thread's own CPU work, and the waits for a CPU that more of it turns into (ranked).
+OWN_WORK = frozenset({"gc_pause", "host_cpu_bound"})
+CPU_WAITS = frozenset({"cpu_throttled", "cpu_contention"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,13 +133,21 @@ def shares(reply: ChainsReply, pid: int) -> Shares | None:
                   row["sleeping_ns"] / wall)
 
 
-def ranked(now: Shares, before: Shares | None, peers: Sequence[Shares]) -> list[Change]:
+def ranked(now: Shares, before: Shares | None, peers: Sequence[Shares], *,
+           settled: bool = True) -> list[Change]:
     """The causes of the late rank that rose by MIN_EXCESS or more over their reference,
     out of its noise (MIN_SCORE), the least likely as noise first. A reference's shares
     are of the seconds it was awake, scaled to the late rank's: a rank on time sleeps in
     the collective while it waits for the late one, which has no such seconds, so per
     second of wall it pays less of every cause than the same host work costs the late
-    rank."""
+    rank.
+
+    A wait for a CPU (CPU_WAITS) is how more CPU work of the thread's own costs time
+    under a quota or on a busy host: where a cause of its own work (OWN_WORK) rose too,
+    that is named first. Until ``settled`` (the window holds an on-CPU sample interval
+    written: own work is seen only from those samples), a CPU wait is named only where
+    the thread ran less than its reference per second awake (the CPU was taken from it,
+    not asked more of)."""
     peers = [p for p in peers if _awake(p) >= MIN_AWAKE]
     if before is not None and _awake(before) < MIN_AWAKE:
         before = None
@@ -148,7 +159,18 @@ def ranked(now: Shares, before: Shares | None, peers: Sequence[Shares]) -> list[
                    statistics.median(theirs) if theirs else None)
         if x.excess >= MIN_EXCESS and x.score >= MIN_SCORE:
             out.append(x)
-    return sorted(out, key=lambda x: (-x.score, x.cause))
+    own = any(x.cause in OWN_WORK for x in out)
+    if not settled and not _ran_less(now, before, peers):
+        out = [x for x in out if x.cause not in CPU_WAITS]
+    return sorted(out, key=lambda x: (own and x.cause in CPU_WAITS, -x.score, x.cause))
+
+
+def _ran_less(now: Shares, before: Shares | None, peers: Sequence[Shares]) -> bool:
+    """The thread ran less per second awake than its reference (both, where known)."""
+    refs = [r.running * _awake(now) / _awake(r) for r in ([before] if before else [])]
+    if peers:
+        refs.append(statistics.median(p.running * _awake(now) / _awake(p) for p in peers))
+    return bool(refs) and now.running < min(refs)
 
 
 def _per_awake(ref: Shares, cause: str, now: Shares) -> float:

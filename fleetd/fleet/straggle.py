@@ -243,7 +243,8 @@ def _name(o: _Open, reply: ChainsReply | None, peers: list[Shares | None], *,
     mine = cause_change.shares(reply, pid)
     if mine is None:
         return False
-    found = cause_change.ranked(mine, o.baseline, [p for p in peers if p is not None])
+    found = cause_change.ranked(mine, o.baseline, [p for p in peers if p is not None],
+                                settled=fallback)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("rank %d causes: %s", o.found["rank"], "; ".join(
             f"{x.cause} {x.now:.3f} (before {x.before}, peers {x.peers}, score "

@@ -164,3 +164,26 @@ def _open(d: dict[str, Any]) -> _Open:
                   "node": d["late"]["node"], "pid": d["pid"], "comm": "python", "rank": 3,
                   "job": "detect", "ratio": 1.0, "late_ms": 40.0, "collectives": 30,
                   "summary": "", "top_chain": None})
+
+
+def test_a_gc_storm_that_a_quota_turns_into_throttling_is_named_gc() -> None:
+    """Live, the gc storm's rank was throttled 26% of its wall time (its extra CPU work
+    past its slice's quota): the GC is the change, the throttling how it costs time.
+    Before the on-CPU samples of the window are written (not ``settled``) no CPU wait
+    is named where the rank ran no less than before; a quota that took its CPU is."""
+    d = fault("gc")
+    late = copy.deepcopy(d["late"])
+    for c in late["chains"]:
+        if c["root_cause"] == "cpu_throttled":
+            c["impact"] = 0.264
+    now = shares(read(late), d["pid"])
+    _, before, theirs = parts("gc")
+    assert now is not None
+    assert [x.cause for x in ranked(now, before, theirs)] == ["gc_pause", "cpu_throttled"]
+    unsampled = Shares({k: v for k, v in now.causes.items() if k != "gc_pause"},
+                       now.running, now.asleep)
+    assert ranked(unsampled, before, theirs, settled=False) == []
+    assert [x.cause for x in ranked(unsampled, before, theirs)] == ["cpu_throttled"]
+    q_now, q_before, q_peers = parts("quota")
+    assert [x.cause for x in ranked(q_now, q_before, q_peers, settled=False)] == [
+        "cpu_throttled"]
