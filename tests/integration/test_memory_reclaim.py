@@ -33,6 +33,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+from cpu_first import FIRST, cpu_hierarchy, first_on_cpu
 from recorder import running, scratch_cgroup, trace_for
 
 from conftest import FLEETD, REPO
@@ -44,9 +45,6 @@ PY = sys.executable
 WORKLOAD = REPO / "tests" / "workloads" / "train_loop.py"
 ROOT = Path("/sys/fs/cgroup")
 LIMIT = 64 << 20
-CPU_V1 = ROOT / "cpu"
-# Ten times the default weight (v1 cpu.shares 1024, v2 cpu.weight 100).
-WEIGHT = {"v1": {"cpu.shares": "10240"}, "v2": {"cpu.weight": "1000"}}
 STEP = ["--launches", "8", "--memcpy", "1", "--touch-mb", "8", "--gpu-ms", "2"]
 
 
@@ -75,15 +73,18 @@ def _groups(stack: ExitStack, limited: bool) -> list[Path]:
         root, limit_file = _memory_hierarchy()
         setup[limit_file] = str(LIMIT)
     groups: list[Path] = []
-    if (CPU_V1 / "cpu.shares").exists():
-        groups.append(stack.enter_context(scratch_cgroup(CPU_V1, WEIGHT["v1"])))
-    elif "cpu" in (ROOT / "cgroup.controllers").read_text().split():
-        (ROOT / "cgroup.subtree_control").write_text("+cpu")
-        root, setup = ROOT, {**setup, **WEIGHT["v2"]}
+    cpu = cpu_hierarchy()
+    v2_cpu = cpu is not None and cpu[0] == "v2"
+    if cpu is not None and cpu[1] == root:  # v2 only: one cgroup for limit and weight
+        (root / "cgroup.subtree_control").write_text("+cpu")
+        setup = {**setup, **FIRST["v2"]}
+    elif cpu is not None:
+        groups.append(stack.enter_context(first_on_cpu()))
     if setup:
         groups.append(stack.enter_context(scratch_cgroup(root, setup)))
     unified = _unified()
-    if limited and unified is not None and root != ROOT:
+    # A v2 cgroup of the weight's, where there is one, keeps the pressure too.
+    if limited and unified is not None and root != ROOT and not v2_cpu:
         groups.append(stack.enter_context(scratch_cgroup(unified, {})))
     return groups
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cpu_first import FIRST
 from recorder import scratch_cgroup, start_in, trace_for, wait_for_libcudart
 
 from fleetd.trace.host.cgroups import v2_root
@@ -53,17 +54,12 @@ HIERARCHIES = [h for h, ok in (("v1", (CPU_ROOT / "cpu.cfs_quota_us").exists()),
                                ("v2", V2_ROOT is not None)) if ok] or ["none"]
 
 
-# Ten times the default CPU weight (v1 cpu.shares 1024, v2 cpu.weight 100): the group
-# gets its quota's share of its CPU against whatever else runs there at normal priority
-# (on a busy node, a busy loop on every CPU), so it is the quota that holds it back.
-FIRST = {"v1": {"cpu.shares": "10240"}, "v2": {"cpu.weight": "1000"}}
-
-
 @contextmanager
 def cpu_cgroup(quota_us: int | None, hierarchy: str = "v1", *,
                first: bool = False) -> Iterator[Path | None]:
     """A scratch cgroup with a CPU quota (None: no cgroup); ``first``: with the weight
-    that gets it that quota on a busy CPU (:data:`FIRST`)."""
+    that gets it that quota on a busy CPU (tests/cpu_first.py), so that it is the quota
+    that holds it back."""
     if quota_us is None:
         yield None
         return
