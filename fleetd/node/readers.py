@@ -21,7 +21,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,6 +35,49 @@ LOCAL = "local"  # the caller of run() that names no client
 STREAM_DEPTH = 4  # chunks a streaming reader may be ahead of the connection
 # How often a reader blocked on a full stream queue looks whether its consumer is gone.
 STREAM_POLL_S = 0.25
+
+
+class _Threads(ThreadPoolExecutor):
+    """A thread pool that starts a thread only when every thread it has is busy. The
+    base class also starts one whenever the thread that just finished a task has not yet
+    marked itself idle, a race a busy node's scheduler wins often: one query after
+    another, each waiting for the last, took two threads, and a weeks-long agent gained a
+    reader (a thread, its connection's two fds and page cache) every so often, up to the
+    pool's limit, so its thread and fd counts never held flat."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        super().__init__(max_workers, thread_name_prefix=thread_name_prefix)
+        self._busy = 0  # tasks submitted and not finished
+        self._busy_lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        with self._busy_lock:
+            self._busy += 1
+
+        def counted() -> T:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._busy_lock:
+                    self._busy -= 1
+
+        try:
+            return super().submit(counted)
+        except BaseException:
+            with self._busy_lock:
+                self._busy -= 1
+            raise
+
+    def _adjust_thread_count(self) -> None:
+        if self._busy <= len(self._threads):
+            return  # a thread is free or about to be: the task waits for it
+        while self._idle_semaphore.acquire(timeout=0):
+            pass  # the base class's idle count is not to be trusted (above)
+        super()._adjust_thread_count()
+
+    @property
+    def threads(self) -> int:
+        return len(self._threads)
 
 
 def default_share(max_concurrent: int) -> int:
@@ -52,8 +95,8 @@ class ReaderPool:
         self.max_concurrent = max_concurrent
         self.per_client = min(max_concurrent, per_client or default_share(max_concurrent))
         self.wait_s = wait_s
-        self._executor = ThreadPoolExecutor(max_concurrent, thread_name_prefix="fleetd-reader")
-        self._light = ThreadPoolExecutor(1, thread_name_prefix="fleetd-light")
+        self._executor = _Threads(max_concurrent, thread_name_prefix="fleetd-reader")
+        self._light = _Threads(1, thread_name_prefix="fleetd-light")
         self._slots = asyncio.Semaphore(max_concurrent)
         # Per client: its own semaphore and how many requests use it, so that an idle
         # client's entry is dropped and the table cannot grow with every address seen.
@@ -62,6 +105,11 @@ class ReaderPool:
         self._all: list[SafeDB] = []
         self._lock = threading.Lock()
         self.busy_refusals = 0
+
+    @property
+    def threads(self) -> int:
+        """Reader threads started (each with its connection), the light lane's aside."""
+        return self._executor.threads
 
     def _db(self) -> SafeDB:
         db: SafeDB | None = getattr(self._local, "db", None)
