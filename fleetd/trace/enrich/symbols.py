@@ -30,6 +30,7 @@ import logging
 import os
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,6 +277,7 @@ class FunctionSymbols:
         self._by_id: dict[str, _Image | None] = {}  # build id (or path) -> functions
         self._ids: dict[tuple[int, int, int], str] = {}  # (dev, inode, mtime) -> build id
         self._maps: dict[int, _Snapshot] = {}  # in the order read: the oldest goes first
+        self._writing = threading.Lock()
 
     def name(self, pid: int, addr: int) -> tuple[str | None, str | None]:
         sym, lib, _ = self.locate(pid, addr)
@@ -299,7 +301,8 @@ class FunctionSymbols:
         return demangle(sym), lib, vaddr
 
     def forget(self, pid: int) -> None:
-        self._maps.pop(pid, None)
+        with self._writing:
+            self._maps.pop(pid, None)
 
     def remember(self, pid: int) -> None:
         """Read ``pid``'s mappings now (the tracer does whenever it reads them itself: at
@@ -310,10 +313,12 @@ class FunctionSymbols:
             self._keep(pid, _Snapshot.of(mappings(pid)))
 
     def _keep(self, pid: int, snap: _Snapshot) -> None:
-        self._maps.pop(pid, None)
-        while len(self._maps) >= MAX_PIDS:
-            del self._maps[next(iter(self._maps))]
-        self._maps[pid] = snap
+        # Two threads write: the tracer's (a miss) and the mapping watcher's (remember).
+        with self._writing:
+            self._maps.pop(pid, None)
+            while len(self._maps) >= MAX_PIDS:
+                del self._maps[next(iter(self._maps))]
+            self._maps[pid] = snap
 
     def _text(self, pid: int, addr: int) -> _Text | None:
         snap = self._maps.get(pid)
