@@ -54,6 +54,7 @@ class SizeCap:
     """The data size to prune to, so that the files stay within ``cap`` bytes."""
 
     cap: int
+    txn_rows: int  # the most event rows one commit (or pruning step) writes
     commit_bytes: int = 0  # the most one commit added to the used size
     wal_bytes: int = 0  # the largest the -wal file has been
     _floor_told: bool = False
@@ -61,7 +62,7 @@ class SizeCap:
     def __post_init__(self) -> None:
         # Before anything is measured: a WAL at its checkpoint point plus one
         # transaction of the largest size, and a commit of that many rows' data.
-        txn = rows_per_txn(self.cap) * WAL_BYTES_PER_ROW
+        txn = self.txn_rows * WAL_BYTES_PER_ROW
         self.observe(txn // 3, wal_limit_bytes(self.cap) + txn)
 
     def observe(self, added: int, wal_bytes: int) -> None:

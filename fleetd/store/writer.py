@@ -181,7 +181,7 @@ class BatchWriter:
         self.stats = WriterStats()
         self._conn = open_writer(path)
         self._wal = Path(f"{path}-wal")
-        self._size = None if max_bytes is None else SizeCap(max_bytes)
+        self._size = None if max_bytes is None else SizeCap(max_bytes, self.batch_rows)
         if max_bytes is not None:
             # Beside a small cap the WAL is checkpointed sooner and truncated back after
             # a reset, instead of keeping the largest size it reached.
