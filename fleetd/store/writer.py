@@ -145,7 +145,7 @@ class BatchWriter:
     """One writer thread per database file.
 
     ``max_bytes`` bounds the database's files on disk (the main file and its -wal):
-    when a commit takes the data past the bound less a headroom (:mod:`sizecap`), the
+    when a commit takes the data past the bound less a headroom (:mod:`fleetd.store.sizecap`), the
     oldest events of this node are deleted (their space is reused, so the file stops
     growing).
     """
