@@ -40,7 +40,7 @@ from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, Rank
 from fleetd.analyze.reading.data import code, in_list, job_peers
 from fleetd.analyze.reading.frames import top_python_frame
 from fleetd.analyze.reading.rows import ThreadRow
-from fleetd.analyze.reading.waits import reason
+from fleetd.analyze.reading.waits import OUTPUT_RETS, reason, rets_of
 from fleetd.store.timeparse import format_ns
 
 WAKEUP, RUNQ = code("wakeup"), code("runq_wait")
@@ -52,6 +52,9 @@ PRODUCER_BUSY = 0.8  # a producer wanting the CPU this much of the time is the b
 # on alternating words of its own (glibc's two signal groups), a mutex beside it.
 LOCK_OBJECT_BYTES = 64
 EXAMPLES = 3
+# The sleeps the wait and pipe rules read: for a lock, for input, in a write. The rest
+# (most are timers a loop sets) stay in the file.
+READ_RETS = rets_of("lock", "data") | OUTPUT_RETS
 PY_RUNTIME = "_PyRuntime+"  # CPython's runtime state, where the interpreter lock lives
 
 
@@ -84,8 +87,9 @@ class Where:
 
 
 def sleeps(ctx: Context, tid: int) -> list[Sleep]:
-    """The thread's sleeps (S state) in the span, each with its waker; read once per
-    explain (the wait and the pipe rules both ask), for every feeding thread at once."""
+    """The thread's sleeps (S state) in the span that the rules read (for a lock, for
+    input, in a write: :data:`READ_RETS`), each with its waker; read once per explain
+    (the wait and the pipe rules both ask), for every feeding thread at once."""
     key = ("sleeps", tid)
     if key not in ctx.memo:
         tids = {tid} | {int(main["tid"]) for _, main in feeders(ctx)}
@@ -104,7 +108,8 @@ def _read_sleeps(ctx: Context, tids: list[int]) -> dict[int, list[Sleep]]:
     for op, tid, ts, dur, peer, stack, ret, arg, rowkey in v.conn.execute(
         "SELECT op, tid, ts_ns, dur_ns, peer, stack, ret, bytes, id FROM event_data WHERE "
         f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND tid IN {in_list(tids)} AND "
-        "(op IN (?, ?) OR (op = ? AND a0 & 255 != 0 AND a0 & 2 = 0)) ORDER BY ts_ns",
+        "(op IN (?, ?) OR (op = ? AND a0 & 255 != 0 AND a0 & 2 = 0 AND ret IN "
+        f"{in_list(sorted(READ_RETS))})) ORDER BY ts_ns",
         (t0, t1, v.node.lo, v.node.hi, WAKEUP, RUNQ, OFF_CPU),
     ):
         if op == WAKEUP:

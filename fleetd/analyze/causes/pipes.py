@@ -18,7 +18,6 @@ Reads from an empty pipe or socket that other processes fill are ``data_starvati
 
 from __future__ import annotations
 
-import platform
 from collections import defaultdict
 from typing import cast
 
@@ -29,16 +28,12 @@ from fleetd.analyze.causes.contention import Sleep, feeders, sleeps
 from fleetd.analyze.causes.io_owner import io_worker
 from fleetd.analyze.causes.rules import Context, rule_chain
 from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, RankedCulprit
+from fleetd.analyze.reading.waits import OUTPUT_RETS  # writes: waits for room at the other end
 from fleetd.store.schema import FdInfo
-from fleetd.store.syscalls import NR
 from fleetd.store.timeparse import format_ns
 
 MIN_IMPACT = 0.01  # below 1 % of wall time a blocked write is noise
 EXAMPLES = 3
-# Syscalls that write to an fd: a sleep in one of them waits for room at the other end.
-OUTPUT_RETS = frozenset(NR[n] + 1 for n in (
-    "write", "writev", "pwrite64", "sendto", "sendmsg", "sendmmsg")
-    if n in NR and platform.machine() in ("x86_64", "AMD64"))
 
 
 def pipe_rule(ctx: Context) -> list[Chain]:

@@ -146,6 +146,24 @@ def _load(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None, se
                 f"sum({sel.failed}) FROM event_data WHERE {where} GROUP BY 1, 2", params)}
 
 
+def _load_syscalls(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None
+                   ) -> tuple[dict[tuple[int, int], _Group], dict[tuple[int, int], list[int]]]:
+    """(pid, syscall number) -> its stored calls, and their sorted durations. A syscall
+    has no histogram, so every row prints exact percentiles: one read gives both
+    (a sum in SQL first would scan the window twice)."""
+    where, params = _where(node, win, pid, SYSCALLS.which)
+    durs: dict[tuple[int, int], list[int]] = defaultdict(list)
+    failed: dict[tuple[int, int], int] = defaultdict(int)
+    for p, nr, dur, ret in conn.execute(
+            f"SELECT pid, a0, dur_ns, ret FROM event_data WHERE {where}", params):
+        durs[(p, nr)].append(dur)
+        if ret < 0:  # a syscall fails with -errno
+            failed[(p, nr)] += 1
+    for v in durs.values():
+        v.sort()
+    return {k: _Group.of(v, failed[k]) for k, v in durs.items()}, durs
+
+
 def _durations(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None,
                sel: _Select, pairs: set[tuple[int, int]]) -> dict[tuple[int, int], list[int]]:
     """The stored durations of the (pid, key) ``pairs``, each list sorted: only the
@@ -284,10 +302,10 @@ def load_op_stats(conn: sqlite3.Connection, node: Node, win: Window, pid: int | 
     """``span``: the node's :func:`effective_span` in ``win`` where the caller has it
     (a whole pass over the window to find it again)."""
     start, end = span if span is not None else effective_span(conn, node, win)
+    calls, durs = _load_syscalls(conn, node, win, pid)
     return Loaded(_load(conn, node, win, pid, _events_select()),
-                  histograms(conn, node, win, TIMED_CODES, pid),
-                  _load(conn, node, win, pid, SYSCALLS), (end - start) / 1e9,
-                  conn, node, win, pid)
+                  histograms(conn, node, win, TIMED_CODES, pid), calls, (end - start) / 1e9,
+                  conn, node, win, pid, {SYSCALLS.key: durs})
 
 
 def node_op_stats(

@@ -33,6 +33,17 @@ _BY_NR = ({NR[name]: why for name, why in _BY_NAME.items()}
           if platform.machine() in ("x86_64", "AMD64") else {})
 
 
+# Syscalls that write to an fd: a sleep in one of them waits for room at the other end.
+OUTPUT_RETS = frozenset(NR[n] + 1 for n in (
+    "write", "writev", "pwrite64", "sendto", "sendmsg", "sendmmsg")
+    if n in NR and platform.machine() in ("x86_64", "AMD64"))
+
+
+def rets_of(*reasons: str) -> frozenset[int]:
+    """The ``ret`` values (syscall nr + 1) whose sleeps have one of ``reasons``."""
+    return frozenset(nr + 1 for nr, why in _BY_NR.items() if why in reasons)
+
+
 def reason(ret: int | None) -> str:
     """The wait reason of an off-CPU (or run-queue) record's ``ret`` (syscall nr + 1)."""
     if not ret or ret <= 0:
