@@ -21,10 +21,10 @@ from fleetd.analyze.causes import contention
 from fleetd.analyze.causes.chains import Baseline
 from fleetd.analyze.causes.rules import Context
 from fleetd.analyze.pernode.model import NodeSlice
-from fleetd.analyze.pernode.opstats import SYSCALL, TIMED_CODES
 from fleetd.analyze.reading.data import CALL_CODES, CALL_SOURCES, code, in_list, name_of, nodes
 from fleetd.analyze.reading.nodeview import NodeView
 from fleetd.analyze.reading.profile import stack_counts
+from fleetd.analyze.reading.sums import SYSCALL, TIMED_CODES
 from fleetd.analyze.reading.waits import reason
 from fleetd.analyze.reading.window import resolve
 from fleetd.store.bounds import Bounds

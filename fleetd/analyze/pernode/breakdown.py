@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import sqlite3
 from collections import defaultdict
+from collections.abc import Callable
 
 from fleetd.analyze.causes.chains import task_state
 from fleetd.analyze.reading.data import CALL_CODES, SYNC_OPS, Node, code, histograms, in_list
@@ -29,6 +30,7 @@ from fleetd.analyze.reading.rows import (
     ThreadRow,
     WaitChannel,
 )
+from fleetd.analyze.reading.sums import Sum, event_sums
 from fleetd.analyze.reading.waits import REASONS, sql_reason
 from fleetd.analyze.reading.window import Window
 from fleetd.store.catalog import RECLAIM_RUNS
@@ -38,6 +40,7 @@ OFF_CPU, RUNQ, SYSCALL = code("off_cpu"), code("runq_wait"), code("syscall")
 # Stall runs of reclaim and compaction.
 STALL_RUNS = RECLAIM_RUNS.codes
 HARDIRQ, SOFTIRQ = code("hardirq"), code("softirq")
+SCHED = frozenset((OFF_CPU, RUNQ, HARDIRQ, SOFTIRQ))  # the breakdown's scheduler columns
 SYSCALL_OUTLIERS = 5
 WCHANS = 3  # D-state wait channels listed per thread
 
@@ -45,9 +48,10 @@ WCHANS = 3  # D-state wait channels listed per thread
 def thread_breakdown(
     conn: sqlite3.Connection, node: Node, win: Window, span: tuple[int, int],
     tasks: dict[int, tuple[int | None, str | None]], names: dict[int, str],
-    pid: int | None = None,
+    pid: int | None = None, sums: list[Sum] | None = None,
 ) -> list[ThreadRow]:
-    """One row per thread that has host or CUDA events in the window."""
+    """One row per thread that has host or CUDA events in the window (``sums``: the
+    node's :func:`event_sums` of ``pid`` where the caller has them)."""
     acc: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     pids: dict[int, int] = {}
     where = "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
@@ -55,29 +59,22 @@ def thread_breakdown(
     if pid is not None:
         where += " AND pid = ?"
         params.append(pid)
-    sched = in_list((OFF_CPU, RUNQ, HARDIRQ, SOFTIRQ))
-    for tid, p, op, a0, why, n, total in conn.execute(
-        f"SELECT tid, pid, op, a0 & 255, {sql_reason()}, count(*), sum(dur_ns) FROM "
-        f"event_data WHERE {where} AND op IN {sched} GROUP BY tid, pid, op, a0 & 255, 5",
-        params,
-    ):
-        pids[tid] = p
-        _add_sched(acc[tid], op, a0, n, total, why)
-    for tid, p, n, total in conn.execute(
-        f"SELECT tid, pid, count(*), sum(dur_ns) FROM event_data WHERE {where} "
-        f"AND op IN {in_list(CALL_CODES)} GROUP BY tid, pid", params,
-    ):
+    groups = sums if sums is not None else event_sums(conn, node, win, pid)
+    # In the order the separate sums were once read (sched, calls, reclaim), so that a
+    # thread's process and the order of threads with equal figures stay as they were.
+    for g in groups:
+        if g.op in SCHED:
+            pids[g.tid] = g.pid
+            _add_sched(acc[g.tid], g.op, g.state, g.count, g.total, g.why)
+    for tid, p, n, total in _per_thread(groups, CALL_CODES, lambda g: g.total):
         pids[tid] = p
         acc[tid]["cuda_calls"] += n
         acc[tid]["in_cuda_stored"] += total
     # Reclaim and compaction stalls (bytes: ns stalled in each run), overlapping the
     # columns above: work the thread does in the kernel for its own allocations.
-    for tid, p, total in conn.execute(
-        f"SELECT tid, pid, sum(bytes) FROM event_data WHERE {where} AND op IN "
-        f"{in_list(STALL_RUNS)} GROUP BY tid, pid", params,
-    ):
+    for tid, p, _, total in _per_thread(groups, STALL_RUNS, lambda g: g.nbytes):
         pids[tid] = p
-        acc[tid]["reclaim"] += int(total or 0)
+        acc[tid]["reclaim"] += total
     # Time spinning in the kernel for a lock another task holds, from the on-CPU
     # samples (the scheduler counts it as running): overlapping running, like reclaim.
     stacks, period = stack_counts(conn, node, win, pid)
@@ -94,6 +91,19 @@ def thread_breakdown(
             for tid, a in acc.items()]
     rows.sort(key=lambda r: (-int(r["in_cuda_ns"]), -int(r["off_cpu_ns"])))
     return rows
+
+
+def _per_thread(groups: list[Sum], ops: tuple[int, ...], value: Callable[[Sum], int]
+                ) -> list[tuple[int, int, int, int]]:
+    """(tid, pid, count, sum of ``value``) of the groups of ``ops``, in (tid, pid) order."""
+    out: dict[tuple[int, int], list[int]] = {}
+    wanted = set(ops)
+    for g in groups:
+        if g.op in wanted:
+            acc = out.setdefault((g.tid, g.pid), [0, 0])
+            acc[0] += g.count
+            acc[1] += value(g)
+    return [(t, p, n, v) for (t, p), (n, v) in sorted(out.items())]
 
 
 def _add_sched(a: dict[str, int], op: int, a0: int, n: int, total: int, why: str) -> None:

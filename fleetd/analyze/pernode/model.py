@@ -16,6 +16,7 @@ from fleetd.analyze.pernode.breakdown import process_rows, thread_breakdown
 from fleetd.analyze.pernode.opstats import Loaded, load_op_stats, node_kernel_stats, node_op_stats
 from fleetd.analyze.reading.data import Node, comms, effective_span, tasks
 from fleetd.analyze.reading.rows import KernelOpRow, OpRow, ProcessRow, ThreadRow
+from fleetd.analyze.reading.sums import Sum, event_sums
 from fleetd.analyze.reading.window import Window
 
 
@@ -60,10 +61,17 @@ class NodeSlice:
         return max(1, self.span[1] - self.span[0])
 
     @cached_property
+    def sums(self) -> list[Sum]:
+        """The window's timed events summed per thread, op and wait: op statistics, the
+        breakdown and the stall finder add up the same groups (one sort of the rows)."""
+        return event_sums(self.conn, self.node, self.window)
+
+    @cached_property
     def _op_events(self) -> Loaded:
         """Every process's stored durations and histograms: read once for the rows per
         process and the rows summed over processes (explain shows both)."""
-        return load_op_stats(self.conn, self.node, self.window, span=self.span)
+        return load_op_stats(self.conn, self.node, self.window, span=self.span,
+                             sums=self.sums)
 
     @cached_property
     def ops(self) -> list[OpRow]:
@@ -90,7 +98,7 @@ class NodeSlice:
     def threads(self) -> list[ThreadRow]:
         """Where every traced thread's wall time went (most CUDA time first)."""
         return thread_breakdown(self.conn, self.node, self.window, self.span, self.tasks,
-                                self.names)
+                                self.names, sums=self.sums)
 
     def threads_of(self, pid: int | None) -> list[ThreadRow]:
         """:attr:`threads`, or only one process's (read for that process alone)."""

@@ -49,16 +49,15 @@ from fleetd.analyze.reading.data import (
 from fleetd.analyze.reading.data import comms as load_comms
 from fleetd.analyze.reading.rows import KERNEL_COLUMNS as KERNEL_COLUMNS
 from fleetd.analyze.reading.rows import OP_COLUMNS, KernelOpRow, OpRow
+from fleetd.analyze.reading.sums import SYSCALL, TIMED_CODES, Sum, event_sums
 from fleetd.analyze.reading.window import Window
-from fleetd.store.catalog import BY_CODE, BY_NAME, KERNEL_LAUNCHES, TIMED
+from fleetd.store.catalog import BY_CODE, KERNEL_LAUNCHES
 from fleetd.store.syscalls import SLEEPS, syscall_name
 
 log = logging.getLogger("fleetd.analyze.pernode.opstats")
 
-SYSCALL = BY_NAME["syscall"].code
-# Ops with a duration worth a percentile: calls and host intervals. Syscalls are read
-# apart, by their number.
-TIMED_CODES: tuple[int, ...] = tuple(c for c in TIMED.codes if c != SYSCALL)
+# Ops with a duration worth a percentile: calls and host intervals (TIMED_CODES).
+# Syscalls are read apart, by their number (SYSCALL).
 # The columns of an op row and (KERNEL_COLUMNS, ``--by kernel``: one row per kernel name
 # and process, from the stored launches) of a kernel row, in order: the rows' own keys.
 COLUMNS = OP_COLUMNS
@@ -108,21 +107,14 @@ class _Group:
 @dataclass(frozen=True, slots=True)
 class _Select:
     """Which stored events a group is read from: the key column next to pid (``op``,
-    or ``a0`` for syscalls), the WHERE clause, and the SQL that says one failed."""
+    or ``a0`` for syscalls) and the WHERE clause."""
 
     key: str
     which: str
-    failed: str
 
 
-def _events_select() -> _Select:
-    # block_io keeps the request's error in ret; CUDA calls their cudaError.
-    failed = [code for code in TIMED_CODES if BY_CODE[code].source != "sched"]
-    return _Select("op", f"op IN {in_list(TIMED_CODES)}", f"ret != 0 AND op IN {in_list(failed)}")
-
-
-# A syscall fails with -errno.
-SYSCALLS = _Select("a0", f"op = {SYSCALL}", "ret < 0")
+EVENTS = _Select("op", f"op IN {in_list(TIMED_CODES)}")
+SYSCALLS = _Select("a0", f"op = {SYSCALL}")
 
 
 def _where(node: Node, win: Window, pid: int | None, which: str) -> tuple[str, list[int]]:
@@ -134,16 +126,15 @@ def _where(node: Node, win: Window, pid: int | None, which: str) -> tuple[str, l
     return sql, params
 
 
-def _load(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None, sel: _Select
-          ) -> dict[tuple[int, int], _Group]:
-    """(pid, key) -> the stored events' count, sum, largest and failures, summed in
-    SQL: the rows themselves stay in the file (percentiles are read apart, for the
-    groups that print them: :meth:`Loaded.exact`)."""
-    where, params = _where(node, win, pid, sel.which)
-    return {(int(p), int(k)): _Group(int(n), int(total), int(top), int(bad))
-            for p, k, n, total, top, bad in conn.execute(
-                f"SELECT pid, {sel.key}, count(*), sum(dur_ns), max(dur_ns), "
-                f"sum({sel.failed}) FROM event_data WHERE {where} GROUP BY 1, 2", params)}
+def _groups(sums: list[Sum]) -> dict[tuple[int, int], _Group]:
+    """(pid, op) -> the stored events' count, sum, largest and failures, added up from
+    the node's shared per-thread sums (:func:`event_sums`): the rows themselves stay in
+    the file (percentiles are read apart, for the groups that print them:
+    :meth:`Loaded.exact`)."""
+    out: dict[tuple[int, int], _Group] = defaultdict(_Group)
+    for s in sums:
+        out[(s.pid, s.op)].merge(_Group(s.count, s.total, s.top, s.failed))
+    return dict(out)
 
 
 def _load_syscalls(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None
@@ -298,12 +289,14 @@ class Loaded:
 
 
 def load_op_stats(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
-                  span: tuple[int, int] | None = None) -> Loaded:
-    """``span``: the node's :func:`effective_span` in ``win`` where the caller has it
-    (a whole pass over the window to find it again)."""
+                  span: tuple[int, int] | None = None, sums: list[Sum] | None = None
+                  ) -> Loaded:
+    """``span``: the node's :func:`effective_span` in ``win``, and ``sums`` its
+    :func:`event_sums` (of ``pid``), where the caller has them (each a whole pass over
+    the window to read again)."""
     start, end = span if span is not None else effective_span(conn, node, win)
     calls, durs = _load_syscalls(conn, node, win, pid)
-    return Loaded(_load(conn, node, win, pid, _events_select()),
+    return Loaded(_groups(sums if sums is not None else event_sums(conn, node, win, pid)),
                   histograms(conn, node, win, TIMED_CODES, pid), calls, (end - start) / 1e9,
                   conn, node, win, pid, {SYSCALLS.key: durs})
 
@@ -320,7 +313,7 @@ def node_op_stats(
     if not per_process:
         groups, hists = _merge_pids(groups), _merge_pid_hists(hists)
         calls = _merge_pids(calls)
-    got.exact(_events_select(), groups, hists, per_process)
+    got.exact(EVENTS, groups, hists, per_process)
     got.exact(SYSCALLS, calls, {}, per_process)
     names = comms or {}
     rows = [

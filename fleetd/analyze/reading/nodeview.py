@@ -19,6 +19,7 @@ import orjson
 from fleetd.analyze.reading.answers_chain import Task
 from fleetd.analyze.reading.data import CALL_CODES, Node, code, in_list
 from fleetd.analyze.reading.profile import StackCount, StackRow, counts_of, stack_rows
+from fleetd.analyze.reading.sums import Sum
 from fleetd.analyze.reading.window import Window
 
 OFF_CPU, RUNQ, WAKEUP = code("off_cpu"), code("runq_wait"), code("wakeup")
@@ -94,8 +95,12 @@ class NodeView:
     """Everything chains need from one node's window, read with bounded queries."""
 
     def __init__(self, conn: sqlite3.Connection, node: Node, win: Window,
-                 tasks: dict[int, tuple[int | None, str | None]], names: dict[int, str]) -> None:
+                 tasks: dict[int, tuple[int | None, str | None]], names: dict[int, str],
+                 sums: list[Sum] | None = None) -> None:
+        """``sums``: the window's :func:`~fleetd.analyze.reading.sums.event_sums`, where
+        the caller has them (each thread's first and last CUDA call are there)."""
         self.conn, self.node, self.win = conn, node, win
+        self.sums = sums
         self.tasks, self.names = tasks, names
         self.blocks = self._load_blocks()
         self.block_starts = [b.ts for b in self.blocks]
@@ -185,9 +190,7 @@ class NodeView:
         where = (f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND op IN "
                  f"{in_list(CALL_CODES)} AND tid IN {in_list(tids)}")
         params = (self.win.start_ns, self.win.end_ns, self.node.lo, self.node.hi)
-        spans = {int(tid): (int(lo), int(hi)) for tid, lo, hi in self.conn.execute(
-            f"SELECT tid, min(ts_ns), max(ts_ns + dur_ns) FROM event_data WHERE {where} "
-            "GROUP BY tid", params)}
+        spans = self._call_spans(tids)
         long_calls: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for tid, ts, dur in self.conn.execute(
                 f"SELECT tid, ts_ns, dur_ns FROM event_data WHERE {where} AND dur_ns >= ?",
@@ -196,6 +199,22 @@ class NodeView:
         for v in long_calls.values():
             v.sort()
         return spans, long_calls
+
+    def _call_spans(self, tids: list[int]) -> dict[int, tuple[int, int]]:
+        if self.sums is None:
+            where = (f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND op IN "
+                     f"{in_list(CALL_CODES)} AND tid IN {in_list(tids)}")
+            return {int(tid): (int(lo), int(hi)) for tid, lo, hi in self.conn.execute(
+                f"SELECT tid, min(ts_ns), max(ts_ns + dur_ns) FROM event_data WHERE {where} "
+                "GROUP BY tid", (self.win.start_ns, self.win.end_ns, self.node.lo,
+                                 self.node.hi))}
+        calls, wanted = set(CALL_CODES), set(tids)
+        out: dict[int, tuple[int, int]] = {}
+        for g in self.sums:
+            if g.op in calls and g.tid in wanted:
+                lo, hi = out.get(g.tid, (g.first, g.last_end))
+                out[g.tid] = (min(lo, g.first), max(hi, g.last_end))
+        return out
 
     def blocks_overlapping(self, t0: int, t1: int) -> list[Ev]:
         i = bisect.bisect_left(self.block_starts, t0 - self.max_block)
