@@ -20,7 +20,15 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from fleetd.analyze.causes.chains import task_state
-from fleetd.analyze.reading.data import CALL_CODES, SYNC_OPS, Node, code, histograms, in_list
+from fleetd.analyze.reading.data import (
+    CALL_CODES,
+    SYNC_OPS,
+    Node,
+    code,
+    histograms,
+    in_list,
+    in_window,
+)
 from fleetd.analyze.reading.profile import stack_counts
 from fleetd.analyze.reading.rows import (
     SUMMED_COLUMNS,
@@ -54,11 +62,7 @@ def thread_breakdown(
     node's :func:`event_sums` of ``pid`` where the caller has them)."""
     acc: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     pids: dict[int, int] = {}
-    where = "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
-    params: list[int] = [win.start_ns, win.end_ns, node.lo, node.hi]
-    if pid is not None:
-        where += " AND pid = ?"
-        params.append(pid)
+    where, params = in_window(node, win, pid)
     groups = sums if sums is not None else event_sums(conn, node, win, pid)
     # In the order the separate sums were once read (sched, calls, reclaim), so that a
     # thread's process and the order of threads with equal figures stay as they were.

@@ -43,6 +43,7 @@ from fleetd.analyze.reading.data import (
     effective_span,
     histograms,
     in_list,
+    in_window,
     name_of,
     nodes,
 )
@@ -118,12 +119,8 @@ SYSCALLS = _Select("a0", f"op = {SYSCALL}")
 
 
 def _where(node: Node, win: Window, pid: int | None, which: str) -> tuple[str, list[int]]:
-    sql = f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND {which}"
-    params: list[int] = [win.start_ns, win.end_ns, node.lo, node.hi]
-    if pid is not None:
-        sql += " AND pid = ?"
-        params.append(pid)
-    return sql, params
+    sql, params = in_window(node, win, pid)
+    return f"{sql} AND {which}", params
 
 
 def _groups(sums: list[Sum]) -> dict[tuple[int, int], _Group]:

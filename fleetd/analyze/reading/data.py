@@ -75,6 +75,17 @@ def in_list(values: Iterable[int]) -> str:
     return "(" + ",".join(str(int(v)) for v in values) + ")"
 
 
+def in_window(node: Node, win: Window, pid: int | None = None) -> tuple[str, list[int]]:
+    """The WHERE clause (and its parameters) of a node's events in the window, of one
+    process when ``pid`` is given."""
+    sql = "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
+    params: list[int] = [win.start_ns, win.end_ns, node.lo, node.hi]
+    if pid is not None:
+        sql += " AND pid = ?"
+        params.append(pid)
+    return sql, params
+
+
 def effective_span(conn: sqlite3.Connection, node: Node, win: Window) -> tuple[int, int]:
     """The part of the window this node has data for: rates divide by this, not by the
     window the user typed (``--since 1d`` over a 2-minute recording is 2 minutes)."""

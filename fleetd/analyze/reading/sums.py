@@ -14,7 +14,7 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass
 
-from fleetd.analyze.reading.data import Node, code, in_list
+from fleetd.analyze.reading.data import Node, code, in_list, in_window
 from fleetd.analyze.reading.waits import sql_reason
 from fleetd.analyze.reading.window import Window
 from fleetd.store.catalog import BY_CODE, TIMED
@@ -52,13 +52,10 @@ def event_sums(conn: sqlite3.Connection, node: Node, win: Window, pid: int | Non
                ) -> list[Sum]:
     """The groups in (tid, pid, op, state, why) order: one pass, one sort."""
     waits = f"op IN {in_list(_WAITS)}"
+    where, params = in_window(node, win, pid)
     sql = (f"SELECT tid, pid, op, CASE WHEN {waits} THEN a0 & 255 ELSE 0 END, "
            f"CASE WHEN {waits} THEN {sql_reason()} ELSE '' END, count(*), sum(dur_ns), "
            f"max(dur_ns), sum(ret != 0 AND op IN {in_list(_FAILS)}), sum(bytes), "
-           "min(ts_ns), max(ts_ns + dur_ns) FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
-           f"AND id BETWEEN ? AND ? AND op IN {in_list(TIMED_CODES)}")
-    params: list[int] = [win.start_ns, win.end_ns, node.lo, node.hi]
-    if pid is not None:
-        sql += " AND pid = ?"
-        params.append(pid)
-    return [Sum(*row) for row in conn.execute(sql + " GROUP BY 1, 2, 3, 4, 5", params)]
+           f"min(ts_ns), max(ts_ns + dur_ns) FROM event_data WHERE {where} AND op IN "
+           f"{in_list(TIMED_CODES)} GROUP BY 1, 2, 3, 4, 5")
+    return [Sum(*row) for row in conn.execute(sql, params)]
