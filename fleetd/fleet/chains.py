@@ -46,8 +46,10 @@ async def chains_answers(answer: FleetAnswer, client: FleetClient,
                          asks: Sequence[ChainsAsk], top_n: int | None = None
                          ) -> dict[ChainsAsk, ChainsReply]:
     """Each ask's ``/api/v1/chains`` answer, checked by its reader, asked of the nodes
-    at once; one that cannot say within CHAIN_TIMEOUT_S, or says it in a broken shape,
-    is left out (logged): a cause is named without it, or at the next ask."""
+    at once, one ask at a time per node in the order given (an agent holds one large
+    answer per client at a time: a second at once is refused, HTTP 429); one that cannot
+    say within CHAIN_TIMEOUT_S, or says it in a broken shape, is left out (logged): a
+    cause is named without it, or at the next ask."""
     targets = {o.name: o.target for o in answer.answered}
     found: dict[ChainsAsk, ChainsReply] = {}
 
@@ -65,6 +67,13 @@ async def chains_answers(answer: FleetAnswer, client: FleetClient,
         except (NodeFailed, TimeoutError, BadReply) as exc:
             log.info("no chains for %s pid %d: %s", ask.node, ask.pid, exc)
 
+    async def node(mine: list[ChainsAsk]) -> None:
+        for ask in mine:
+            await one(ask)
+
+    by_node: dict[str, list[ChainsAsk]] = {}
+    for a in dict.fromkeys(asks):
+        by_node.setdefault(a.node, []).append(a)
     client.restart_deadline()
-    await asyncio.gather(*(one(a) for a in dict.fromkeys(asks)))
+    await asyncio.gather(*(node(mine) for mine in by_node.values()))
     return found

@@ -217,8 +217,9 @@ class StraggleWatch:
             o.baseline_asked = o.baseline_asked or base is None  # none to ask: peers alone
             asks[id(o)] = (ChainsAsk(o.found["node"], o.found["pid"], window),
                            [ChainsAsk(n, p, window) for n, p in o.peers], base)
-        wanted = [a for late, peers, base in asks.values()
-                  for a in (late, *peers, *([base] if base else []))]
+        # the late ranks' own windows first: a node answers one ask at a time
+        wanted = [late for late, _, _ in asks.values()] + [
+            a for _, peers, base in asks.values() for a in (*peers, *([base] if base else []))]
         got = await chains_answers(answer, client, wanted)
         named = []
         for o in due:
