@@ -18,6 +18,7 @@ import bisect
 import sqlite3
 from collections import defaultdict
 from collections.abc import Callable
+from operator import itemgetter
 
 from fleetd.analyze.causes.chains import task_state
 from fleetd.analyze.reading.data import (
@@ -39,7 +40,7 @@ from fleetd.analyze.reading.rows import (
     WaitChannel,
 )
 from fleetd.analyze.reading.sums import Sum, event_sums
-from fleetd.analyze.reading.waits import REASONS, sql_reason
+from fleetd.analyze.reading.waits import REASONS, reason
 from fleetd.analyze.reading.window import Window
 from fleetd.store.catalog import RECLAIM_RUNS
 from fleetd.store.syscalls import X86_64
@@ -135,23 +136,31 @@ def _sync_sleeps(conn: sqlite3.Connection, node: Node, win: Window,
     tids = [t for t, a in acc.items() if a["cuda_calls"]]
     if not tids:
         return
+    sync_ops = tuple(sorted(code(o) for o in SYNC_OPS))
     syncs: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for tid, ts, dur in conn.execute(
-        "SELECT tid, ts_ns, dur_ns FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id "
-        f"BETWEEN ? AND ? AND tid IN {in_list(tids)} AND op IN "
-        f"{in_list(code(o) for o in SYNC_OPS)} ORDER BY ts_ns",
-        (win.start_ns, win.end_ns, node.lo, node.hi),
-    ):
-        syncs[tid].append((ts, ts + dur))
-    for tid, ts, dur, why in conn.execute(
-        f"SELECT tid, ts_ns, dur_ns, {sql_reason()} FROM event_data WHERE ts_ns >= ? AND "
-        f"ts_ns < ? AND id BETWEEN ? AND ? AND tid IN {in_list(list(syncs))} AND op = ? "
-        "AND a0 & 255 != 0 AND a0 & 2 = 0 ORDER BY ts_ns",
+    slept: list[tuple[int, int, int, int]] = []
+    # Both in one pass, sorted here: the rows come nearly in time order, which Python's
+    # sort (stable: equal times keep the file's order, as SQLite's ORDER BY did) takes
+    # in one run where SQLite sorted them again.
+    for op, tid, ts, dur, ret in conn.execute(
+        "SELECT op, tid, ts_ns, dur_ns, ret FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
+        f"AND id BETWEEN ? AND ? AND tid IN {in_list(tids)} AND (op IN {in_list(sync_ops)} "
+        "OR (op = ? AND a0 & 255 != 0 AND a0 & 2 = 0))",
         (win.start_ns, win.end_ns, node.lo, node.hi, OFF_CPU),
     ):
-        inside = _covered(syncs[tid], ts, ts + dur)
+        if op == OFF_CPU:
+            slept.append((ts, tid, dur, ret))
+        else:
+            syncs[tid].append((ts, ts + dur))
+    for calls in syncs.values():
+        calls.sort(key=itemgetter(0))
+    slept.sort(key=itemgetter(0))
+    for ts, tid, dur, ret in slept:
+        spans = syncs.get(tid)
+        inside = _covered(spans, ts, ts + dur) if spans else 0
         if inside:
             a = acc[tid]
+            why = reason(ret)
             moved = min(inside, max(0, a[f"slept_{why}"]))
             a[f"slept_{why}"] -= moved
             a["slept_gpu_sync"] += moved
