@@ -11,6 +11,7 @@ the feeding threads' sleeps with their wakers.
 from __future__ import annotations
 
 import bisect
+import sqlite3
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -182,3 +183,24 @@ def test_the_recordings_have_what_these_tests_compare() -> None:
         assert any(r["stats_from"] == "events" and r["count"] > 20 for r in sl.ops)
     finally:
         conn.close()
+
+
+def test_sums_of_addresses_do_not_overflow(tmp_path: Path) -> None:
+    """Off-CPU records keep the futex word's address in ``bytes``: the shared sums add
+    up only a reclaim run's bytes, so a long recording of lock waits (addresses near
+    2^47, tens of thousands of them) explains. Two rows near 2^62 overflowed SQLite's
+    64-bit sum when every op's bytes were summed."""
+    db = tmp_path / "high.db"
+    db.write_bytes((SCENARIOS / "gil_contention.db").read_bytes())
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE event_data SET bytes = ? WHERE op = ?", (1 << 62, code("off_cpu")))
+    conn.commit()
+    conn.close()
+    reader = open_reader(db)
+    try:
+        sl = NodeSlice(reader, nodes(reader)[0], resolve(reader, Bounds()))
+        assert sum(1 for g in sl.sums if g.op == code("off_cpu")) > 1
+        assert all(g.nbytes == 0 for g in sl.sums if g.op == code("off_cpu"))
+        assert sl.threads and sl.ops
+    finally:
+        reader.close()
