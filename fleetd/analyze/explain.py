@@ -156,7 +156,7 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
                  ) -> NodeExplain:
     """One node's chains, processes and op stats (the unit the fleet client reuses)."""
     ops, threads = sl.ops, sl.threads
-    view = NodeView(sl.conn, sl.node, sl.window, sl.tasks, sl.names, sl.sums)
+    view = NodeView(sl.conn, sl.node, sl.window, sl.tasks, sl.names, sl.sums, sl.stack_rows)
     ctx = rules.Context(view, sl.span, ops, threads, sl.parents, rules.page_hists(sl.conn, view))
     chains = _spike_chains(ctx, ops, threads)
     rules.refine_dataloader(ctx, chains)

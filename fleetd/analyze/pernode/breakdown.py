@@ -30,7 +30,7 @@ from fleetd.analyze.reading.data import (
     in_list,
     in_window,
 )
-from fleetd.analyze.reading.profile import stack_counts
+from fleetd.analyze.reading.profile import StackRow, counts_of, stack_counts
 from fleetd.analyze.reading.rows import (
     SUMMED_COLUMNS,
     HistTotal,
@@ -58,9 +58,11 @@ def thread_breakdown(
     conn: sqlite3.Connection, node: Node, win: Window, span: tuple[int, int],
     tasks: dict[int, tuple[int | None, str | None]], names: dict[int, str],
     pid: int | None = None, sums: list[Sum] | None = None,
+    samples: list[StackRow] | None = None,
 ) -> list[ThreadRow]:
     """One row per thread that has host or CUDA events in the window (``sums``: the
-    node's :func:`event_sums` of ``pid`` where the caller has them)."""
+    node's :func:`event_sums` of ``pid``, ``samples`` its on-CPU :func:`stack_rows`,
+    where the caller has them)."""
     acc: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     pids: dict[int, int] = {}
     where, params = in_window(node, win, pid)
@@ -82,7 +84,8 @@ def thread_breakdown(
         acc[tid]["reclaim"] += total
     # Time spinning in the kernel for a lock another task holds, from the on-CPU
     # samples (the scheduler counts it as running): overlapping running, like reclaim.
-    stacks, period = stack_counts(conn, node, win, pid)
+    stacks, period = (counts_of(conn, node, samples) if samples is not None
+                      else stack_counts(conn, node, win, pid))
     for s in stacks:
         if s.lock_spin and s.tid in acc:
             acc[s.tid]["lock_spin"] += s.samples * period

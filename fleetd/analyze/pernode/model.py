@@ -15,6 +15,7 @@ from functools import cached_property
 from fleetd.analyze.pernode.breakdown import process_rows, thread_breakdown
 from fleetd.analyze.pernode.opstats import Loaded, load_op_stats, node_kernel_stats, node_op_stats
 from fleetd.analyze.reading.data import Node, comms, effective_span, tasks
+from fleetd.analyze.reading.profile import StackRow, stack_rows
 from fleetd.analyze.reading.rows import KernelOpRow, OpRow, ProcessRow, ThreadRow
 from fleetd.analyze.reading.sums import Sum, event_sums
 from fleetd.analyze.reading.window import Window
@@ -98,7 +99,13 @@ class NodeSlice:
     def threads(self) -> list[ThreadRow]:
         """Where every traced thread's wall time went (most CUDA time first)."""
         return thread_breakdown(self.conn, self.node, self.window, self.span, self.tasks,
-                                self.names, sums=self.sums)
+                                self.names, sums=self.sums, samples=self.stack_rows)
+
+    @cached_property
+    def stack_rows(self) -> list[StackRow]:
+        """The on-CPU samples per thread and stack: the breakdown's lock spinning and
+        the on-CPU rules' threads read the same rows."""
+        return stack_rows(self.conn, self.node, self.window)
 
     def threads_of(self, pid: int | None) -> list[ThreadRow]:
         """:attr:`threads`, or only one process's (read for that process alone)."""

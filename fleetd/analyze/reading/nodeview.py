@@ -97,19 +97,20 @@ class NodeView:
 
     def __init__(self, conn: sqlite3.Connection, node: Node, win: Window,
                  tasks: dict[int, tuple[int | None, str | None]], names: dict[int, str],
-                 sums: list[Sum] | None = None) -> None:
-        """``sums``: the window's :func:`~fleetd.analyze.reading.sums.event_sums`, where
-        the caller has them (each thread's first and last CUDA call are there)."""
+                 sums: list[Sum] | None = None, stacks: list[StackRow] | None = None
+                 ) -> None:
+        """``sums``: the window's :func:`~fleetd.analyze.reading.sums.event_sums`, and
+        ``stacks`` its :func:`~fleetd.analyze.reading.profile.stack_rows`, where the
+        caller has them (each thread's first and last CUDA call, its on-CPU samples)."""
         self.conn, self.node, self.win = conn, node, win
         self.sums = sums
         self.tasks, self.names = tasks, names
-        self.blocks = self._load_blocks()
-        self.block_starts = [b.ts for b in self.blocks]
-        self.max_block = max((b.dur for b in self.blocks), default=0)
+        # Read when a spike first asks (many windows have no D-state spike to explain).
+        self._blocks: tuple[list[Ev], list[int], int] | None = None
         self._by_pid: dict[tuple[tuple[int, ...], int, int],
                            dict[int, list[tuple[int, int, int, int, int, int, int]]]] = {}
         self._firsts: dict[tuple[str, tuple[int, ...], int, int], dict[int, int]] = {}
-        self._stacks: list[StackRow] | None = None
+        self._stacks = stacks
 
     def _load_blocks(self) -> list[Ev]:
         # Block requests: of the traced processes, plus any slow one of the system (a
@@ -221,9 +222,14 @@ class NodeView:
         return out
 
     def blocks_overlapping(self, t0: int, t1: int) -> list[Ev]:
-        i = bisect.bisect_left(self.block_starts, t0 - self.max_block)
-        j = bisect.bisect_left(self.block_starts, t1)
-        return [b for b in self.blocks[i:j] if b.end > t0]
+        if self._blocks is None:
+            blocks = self._load_blocks()
+            self._blocks = (blocks, [b.ts for b in blocks], max((b.dur for b in blocks),
+                                                                default=0))
+        blocks, starts, longest = self._blocks
+        i = bisect.bisect_left(starts, t0 - longest)
+        j = bisect.bisect_left(starts, t1)
+        return [b for b in blocks[i:j] if b.end > t0]
 
     def host_events(self, tid: int, t0: int, t1: int) -> list[Ev]:
         """Off-CPU, wakeup and IRQ events of one thread starting in [t0, t1)."""
