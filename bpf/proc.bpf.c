@@ -107,6 +107,21 @@ struct fl_hold {
     u32 held;     /* 1: the process was sent SIGSTOP */
 };
 BPF_RINGBUF_OUTPUT(fl_rb_hold, 16);
+/* Every executable mapping of a file by a candidate, held or not (the file's name as
+ * opened, where it was mapped): the symbolizer keeps it, so a short process that exits
+ * before user space reads its maps still has its kernels named. Its own ring: a flood
+ * of these must never leave a hold record without room. */
+struct fl_mapped {
+    u64 ts;
+    u32 pid;
+    u32 tid;
+    u64 start;
+    u64 len;
+    u64 off;
+    char name[FL_NAME_MAX];
+};
+BPF_RINGBUF_OUTPUT(fl_rb_maps, 64);
+BPF_ARRAY(fl_maps_lost, u64, 1); /* fl_mapped records the ring had no room for */
 /* [0]: 1 while user space reads fl_rb_hold and may hold processes (the tracer's watcher
  * thread runs; FLEETD_NO_HOLD unset). Without it the events still come, unheld, and
  * their window is measured. */
@@ -115,11 +130,17 @@ BPF_ARRAY(fl_hold_ctl, u32, 1);
  * before it could resume them leaves behind, for its releaser (fleetd.trace.bpf.mapwatch). */
 BPF_HASH(fl_held, u32, u64, 4096);
 BPF_TABLE("lru_hash", u32, u64, fl_open_name, 4096);   /* tid -> name pointer (openat) */
-BPF_TABLE("lru_hash", u64, u64, fl_fd_name, 16384);    /* tgid << 32 | fd -> name pointer */
-BPF_TABLE("lru_hash", u32, u32, fl_mmap_fd, 4096);     /* tid -> fd of an exec mmap */
+/* An executable mmap in progress: its fd, length and file offset, until it returns. */
+struct fl_mmap_req { u32 fd; u32 pad; u64 len; u64 off; };
+BPF_TABLE("lru_hash", u32, struct fl_mmap_req, fl_mmap_fd, 4096); /* tid -> its request */
 BPF_TABLE("lru_hash", u64, u8, fl_known_files, 65536); /* name hash -> classified */
 struct fl_name_buf { char s[FL_NAME_MAX]; };
 BPF_PERCPU_ARRAY(fl_name_scratch, struct fl_name_buf, 1);
+/* tgid << 32 | fd -> the name it was opened by, copied when openat returns: the loader
+ * builds a library's name in a stack buffer that later calls overwrite before the mmap,
+ * so a pointer read at the mmap gave another name each time (a stop per process, not
+ * per file) and no name to report. */
+BPF_TABLE("lru_hash", u64, struct fl_name_buf, fl_fd_name, 8192);
 
 /* Whose mappings are hooked: the targets, or every process when tracing system-wide
  * (a process there becomes a target at its first CUDA call: its probes must be in
@@ -214,7 +235,25 @@ TRACEPOINT_PROBE(syscalls, sys_exit_openat)
     if (args->ret < 0)
         return 0;
     u64 key = (id & 0xffffffff00000000ull) | (u32)args->ret;
-    fl_fd_name.update(&key, &n);
+    int zero = 0;
+    struct fl_name_buf *b = fl_name_scratch.lookup(&zero);
+    if (!b)
+        return 0;
+    if (fl_read_user_str(b->s, sizeof(b->s), (void *)n) <= 0)
+        return 0;
+    fl_fd_name.update(&key, b);
+    return 0;
+}
+
+/* A closed fd's name goes with it: a later fd of that number (a memfd, a socket) is
+ * another file. */
+TRACEPOINT_PROBE(syscalls, sys_enter_close)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    if (!fl_hook_candidate(id >> 32))
+        return 0;
+    u64 key = (id & 0xffffffff00000000ull) | (u32)args->fd;
+    fl_fd_name.delete(&key);
     return 0;
 }
 
@@ -223,8 +262,9 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
     u64 id = bpf_get_current_pid_tgid();
     if (!(args->prot & FL_PROT_EXEC) || (s64)args->fd < 0 || !fl_hook_candidate(id >> 32))
         return 0;
-    u32 tid = (u32)id, fd = (u32)args->fd;
-    fl_mmap_fd.update(&tid, &fd);
+    u32 tid = (u32)id;
+    struct fl_mmap_req req = {.fd = (u32)args->fd, .len = args->len, .off = args->off};
+    fl_mmap_fd.update(&tid, &req);
     return 0;
 }
 
@@ -232,23 +272,35 @@ TRACEPOINT_PROBE(syscalls, sys_exit_mmap)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = (u32)id;
-    u32 *fd = fl_mmap_fd.lookup(&tid);
-    if (!fd)
+    struct fl_mmap_req *rq = fl_mmap_fd.lookup(&tid);
+    if (!rq)
         return 0;
-    u64 key = (id & 0xffffffff00000000ull) | *fd;
+    struct fl_mmap_req req = *rq;
+    u64 key = (id & 0xffffffff00000000ull) | req.fd;
     fl_mmap_fd.delete(&tid);
     if ((u64)args->ret >= (u64)-4095)
         return 0; /* the mapping failed: nothing to probe */
-    u64 hash = 0;
-    u64 *name = fl_fd_name.lookup(&key);
-    int zero = 0;
-    struct fl_name_buf *b = fl_name_scratch.lookup(&zero);
-    if (name && b) {
-        int len = fl_read_user_str(b->s, sizeof(b->s), (void *)*name);
-        if (len > 0)
-            hash = fl_name_hash(b, len);
-    }
+    struct fl_name_buf *name = fl_fd_name.lookup(&key);
+    u64 hash = name ? fl_name_hash(name, FL_NAME_MAX) : 0;
     fl_hold_now(hash, 0);
+    int zero = 0;
+    struct fl_mapped *m = fl_rb_maps.ringbuf_reserve(sizeof(struct fl_mapped));
+    if (!m) {
+        u64 *lost = fl_maps_lost.lookup(&zero);
+        if (lost)
+            __sync_fetch_and_add(lost, 1);
+        return 0;
+    }
+    m->ts = bpf_ktime_get_ns();
+    m->pid = id >> 32;
+    m->tid = tid;
+    m->start = (u64)args->ret;
+    m->len = req.len;
+    m->off = req.off;
+    m->name[0] = 0;
+    if (name)
+        bpf_probe_read_kernel(m->name, sizeof(m->name), name->s);
+    fl_rb_maps.ringbuf_submit(m, 0);
     return 0;
 }
 

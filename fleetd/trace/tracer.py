@@ -200,6 +200,9 @@ class Tracer:
         # Each target's mappings are kept from when they are first read: a launch
         # drained after its process exited is still named (a loaded tracer can lag).
         self.scope.on_mapped = symbols.remember
+        if self.scope.watch is not None:  # and every executable mapping, as it is made
+            symbols.catch_up = self.scope.watch.catch_up
+            self.scope.watch.on_mapping = symbols.note_mapped
         for pid in list(self.scope.pids):
             symbols.remember(pid)
         if self.cfg.stacks or self.cfg.cpu_sample_hz:

@@ -252,23 +252,39 @@ def test_launches_drained_after_the_process_exited_keep_their_kernel_names(
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         lines = _until_tracing(tracer)
-        tracer.send_signal(19)  # SIGSTOP: nothing is drained until the job has gone
-        go.touch()
-        exited = job.wait(timeout=120)
-        gone = not Path(f"/proc/{job.pid}").exists()
-        tracer.send_signal(18)  # SIGCONT
-        _, err = tracer.communicate(timeout=180)  # its target exited: it stops itself
+        exited, err = _go_while_stopped(tracer, go, job)
     finally:
-        for p in (job, tracer):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert exited == 0 and gone
-    with sqlite3.connect(db) as c:
-        names = dict(c.execute(
-            "SELECT coalesce(json_extract(args, '$.kernel'), '(none)'), count(*) FROM events "
-            "WHERE pid = ? AND op = 'cudaLaunchKernel' GROUP BY 1", (job.pid,)).fetchall())
+        _kill(job, tracer)
+    assert exited == 0 and not Path(f"/proc/{job.pid}").exists()
+    names = _kernel_names(db, job.pid)
     assert names == {"abs": n}, (names, ("".join(lines) + err)[-3000:])
+
+
+def _go_while_stopped(tracer: subprocess.Popen[str], go: Path, job: subprocess.Popen[str]
+                      ) -> tuple[int, str]:
+    """Stop the tracer (SIGSTOP: nothing read or drained), let the job go and wait for
+    it to end, then resume the tracer and wait for it to stop itself (its targets have
+    exited): the job's exit code and the tracer's stderr."""
+    tracer.send_signal(19)
+    go.touch()
+    exited = job.wait(timeout=120)
+    tracer.send_signal(18)
+    _, err = tracer.communicate(timeout=180)
+    return exited, err
+
+
+def _kill(*procs: subprocess.Popen[str]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _kernel_names(db: Path, pid: int) -> dict[str, int]:
+    with sqlite3.connect(db) as c:
+        return dict(c.execute(
+            "SELECT coalesce(json_extract(args, '$.kernel'), '(none)'), count(*) FROM events "
+            "WHERE pid = ? AND op = 'cudaLaunchKernel' GROUP BY 1", (pid,)).fetchall())
 
 
 class _PerfAttr(ctypes.Structure):
@@ -330,3 +346,56 @@ def test_per_symbol_uprobes_on_the_runtime_count_every_call(tmp_path: Path) -> N
     runtimes = [lib for lib in targets["libraries"] if lib["path"].endswith(CUDART.name)]
     assert runtimes and {lib["via"] for lib in runtimes} == {"perf"}, runtimes
     assert "failed to attach" not in err, err[-3000:]
+
+
+# A Python process that loads the runtime, launches libc's abs N times at once and exits,
+# printing its pid first (it is gone before anyone could read its maps).
+LAUNCH_AT_ONCE = r"""
+import ctypes, os, sys
+print(os.getpid(), flush=True)
+rt, libc = ctypes.CDLL(sys.argv[1]), ctypes.CDLL(None)
+class Dim3(ctypes.Structure):
+    _fields_ = [("x", ctypes.c_uint), ("y", ctypes.c_uint), ("z", ctypes.c_uint)]
+rt.cudaLaunchKernel.argtypes = [ctypes.c_void_p, Dim3, Dim3, ctypes.c_void_p,
+                                ctypes.c_size_t, ctypes.c_void_p]
+stub = ctypes.cast(libc.abs, ctypes.c_void_p)
+for _ in range(int(sys.argv[2])):
+    rt.cudaLaunchKernel(stub, Dim3(8, 1, 1), Dim3(32, 1, 1), None, 0, None)
+"""
+
+
+def test_a_process_started_after_the_tracer_that_exits_at_once_keeps_its_kernel_names(
+        tmp_path: Path) -> None:
+    """A job started after the tracer (a child of a named launcher: a target from its
+    fork) that maps only files the session has seen (a first job ran the same program),
+    launches and exits while the tracer is stopped: no one ever read its maps, no
+    mapping of it was held, and the maps scan never saw it. The kernel's report of each
+    executable mapping it made (fl_rb_maps) names every launch."""
+    warm, go, db, n = tmp_path / "warm", tmp_path / "go", tmp_path / "t.db", 200
+    py = sys.executable
+    script = (f"while [ ! -e {warm} ]; do sleep 0.01; done; "
+              f"{py} -c '{LAUNCH_AT_ONCE}' {CUDART} 3 > {tmp_path}/warm.out; "
+              f"touch {tmp_path}/warmed; "
+              f"while [ ! -e {go} ]; do sleep 0.01; done; "
+              f"{py} -c '{LAUNCH_AT_ONCE}' {CUDART} {n} > {tmp_path}/job.out")
+    launcher = subprocess.Popen(["sh", "-c", script], text=True)
+    tracer = subprocess.Popen(
+        [str(REPO / ".venv/bin/fleetd"), "trace", "--pid", str(launcher.pid), "--db",
+         str(db), "--sample", "1", "--node", "exits-at-once"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = _until_tracing(tracer)
+        warm.touch()  # the first job: its files become known (held once each)
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "warmed").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (tmp_path / "warmed").exists(), "the first job did not finish"
+        exited, err = _go_while_stopped(tracer, go, launcher)  # the launcher ends with the job
+    finally:
+        _kill(launcher, tracer)
+    job = int((tmp_path / "job.out").read_text().split()[0])
+    assert exited == 0 and not Path(f"/proc/{job}").exists()
+    first = int((tmp_path / "warm.out").read_text().split()[0])
+    log = ("".join(lines) + err)[-3000:]
+    assert _kernel_names(db, first) == {"abs": 3}, log
+    assert _kernel_names(db, job) == {"abs": n}, log

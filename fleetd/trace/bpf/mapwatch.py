@@ -8,6 +8,13 @@ has the process's mappings scanned (the CUDA code in the new file attached throu
 any process, passes without a stop) and resumes the process with SIGCONT. So a library
 mapped after the session started is probed before the process's first call into it.
 
+Every executable mapping of a file by a candidate, held or not, also comes through
+``fl_rb_maps`` (:class:`Mapped`: where, at which file offset, the name as opened) to
+``on_mapping`` (the symbolizer keeps it): a process that maps only files already known
+and exits before anyone reads its maps still has its addresses named. The tracer's
+thread catches up on that ring (:meth:`MapWatch.catch_up`) before it gives up naming an
+address of a process that has gone, so the order of the two threads does not matter.
+
 Every event is measured: how long the process was held, and, where it could not be
 held (``FLEETD_NO_HOLD``, or the kernel refused the signal), the window between the
 mapping and the probes (calls in it may be missed): :class:`Windows`, in the session's
@@ -45,6 +52,9 @@ log = logging.getLogger("fleetd.trace.bpf.mapwatch")
 HOLD = struct.Struct("<QIIQII")
 HOW = ("mmap", "exec")
 RING = b"fl_rb_hold"
+# struct fl_mapped: ts, pid, tid, start, len, off, then the name (NUL-terminated).
+MAPPED = struct.Struct("<QIIQQQ")
+MAPS_RING = b"fl_rb_maps"
 MAX_LATE = 50  # windows kept by name in the session row; all are counted
 
 # The releaser: a small process that outlives a tracer killed outright (SIGKILL, OOM)
@@ -139,6 +149,25 @@ class HoldEvent:
     held: bool
 
 
+@dataclass(frozen=True, slots=True)
+class Mapped:
+    """An executable mapping of a file, as the kernel saw it made."""
+
+    pid: int
+    start: int
+    end: int
+    offset: int  # in the file
+    name: str  # as the process opened it ("" when not seen)
+
+
+def parse_mapped(raw: bytes) -> Mapped | None:
+    if len(raw) < MAPPED.size:
+        return None
+    _ts, pid, _tid, start, length, off = MAPPED.unpack_from(raw)
+    name = raw[MAPPED.size:].split(b"\0", 1)[0].decode(errors="surrogateescape")
+    return Mapped(pid, start, start + length, off, name)
+
+
 def parse(raw: bytes) -> HoldEvent | None:
     if len(raw) < HOLD.size:
         return None
@@ -163,6 +192,10 @@ class MapWatch:
         self._held = bpf[b"fl_held"]
         self._lock = threading.Lock()  # windows: this thread writes, the tracer reads
         self._releaser: subprocess.Popen[bytes] | None = None
+        # Told of each executable mapping (fl_rb_maps); the ring waits until it is set.
+        self.on_mapping: Callable[[Mapped], None] | None = None
+        self._maps: RingReader | None = None
+        self._maps_lock = threading.Lock()  # this thread and the tracer's catch_up
 
     def start(self) -> None:
         """Open the ring, start the thread, then let the kernel hold processes."""
@@ -174,6 +207,9 @@ class MapWatch:
             self.warn(f"libraries mapped after the start are found by the maps scan only "
                       f"(up to 2 s late): {self.windows.hook}")
             return
+        with contextlib.suppress(OSError, ValueError, AttributeError, KeyError):
+            maps = self.bpf[MAPS_RING]
+            self._maps = RingReader(int(maps.map_fd), int(maps.max_entries))
         self._thread = threading.Thread(target=self._run, name="fleetd-mapwatch",
                                         daemon=True)
         self._thread.start()
@@ -197,9 +233,18 @@ class MapWatch:
         if self._thread is not None:
             self._thread.join(5)
         self._drain()
+        lost = self.lost_mappings()
+        if lost:
+            self.warn(f"{lost} executable mappings were not reported (fl_rb_maps was "
+                      "full): kernels of processes that exited before the tracer read "
+                      "their maps may be unnamed")
         if self._reader is not None:
             self._reader.close()
             self._reader = None
+        with self._maps_lock:
+            if self._maps is not None:
+                self._maps.close()
+                self._maps = None
         if self._releaser is not None:
             # Its stdin closes: it resumes whatever is still listed, then exits.
             with contextlib.suppress(OSError):
@@ -218,9 +263,12 @@ class MapWatch:
         ep = select.epoll()
         try:
             ep.register(self._reader.fd, select.EPOLLIN)
+            if self._maps is not None:
+                ep.register(self._maps.fd, select.EPOLLIN)
             while not self._stop.is_set():
                 ep.poll(0.1)
                 self._drain()
+                self.catch_up()
         except Exception as exc:  # the thread must not die silently: holds would hang
             log.error("mapping watcher failed: %s", exc)
             with contextlib.suppress(KeyError, OSError):
@@ -240,6 +288,31 @@ class MapWatch:
             ev = parse(chunk.raw) if chunk.count == 0 else None
             if ev is not None:
                 self._handle(ev)
+
+    def catch_up(self) -> None:
+        """Hand every executable mapping the kernel has reported so far to
+        ``on_mapping`` (either thread may call it; one at a time)."""
+        with self._maps_lock:
+            if self._maps is None or self.on_mapping is None:
+                return
+            chunks: list[Chunk] = []
+            self._maps.drain(chunks)
+            for chunk in chunks:
+                m = parse_mapped(chunk.raw) if chunk.count == 0 else None
+                if m is None:
+                    continue
+                try:
+                    self.on_mapping(m)
+                except Exception as exc:  # one bad record must not stop the rest
+                    log.warning("pid %d: mapping at %#x not kept: %s", m.pid, m.start, exc)
+
+    def lost_mappings(self) -> int:
+        """Mapping records the kernel had no room for (their processes' addresses are
+        named only while they live)."""
+        try:
+            return int(self.bpf[b"fl_maps_lost"][ctypes.c_int(0)].value)
+        except (KeyError, OSError):
+            return 0
 
     def _handle(self, ev: HoldEvent) -> None:
         try:

@@ -14,6 +14,15 @@ and inode. The file is then read by its path, only if that path still holds the 
 file the process mapped (same device and inode): a loaded tracer that drains a short
 job's launches after the job has gone names them like any other.
 
+Those mappings are kept from the moment each is made, not only when the tracer reads
+them: the kernel reports every executable mapping of a file by a candidate process
+(:meth:`FunctionSymbols.note_mapped`, from ``fl_rb_maps``). While the process lives a
+report has its maps read (once for all the reports that read covers); once it has
+gone, a report of a file whose layout is known (the same path at the same offset, read
+before in any process) is kept as it stands. A process that starts after the
+tracer, maps only files already seen and exits before the tracer gets to it (a loaded
+tracer, a job of a few milliseconds) is named all the same.
+
 Functions (:class:`FunctionSymbols`) come from the same tables, keyed by the file's GNU
 build id (the same library under two paths, or two processes, is read once), with C++
 names demangled by the C++ runtime's own ``__cxa_demangle``.
@@ -32,6 +41,7 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +50,7 @@ from fleetd.security.procfs import regular_in_root
 
 if TYPE_CHECKING:
     from fleetd.trace.bpf.decoder import Batch
+    from fleetd.trace.bpf.mapwatch import Mapped
 
 log = logging.getLogger("fleetd.trace.enrich.symbols")
 
@@ -243,6 +254,12 @@ class _Text:
     path: str
     dev: int
     inode: int
+    offset: int = 0  # of the mapping in the file
+
+
+# (path, offset in the file) -> (device, inode, start - base): where a mapping of that
+# file at that offset sits from its first segment (the same in every process).
+_Layout = tuple[int, int, int]
 
 
 @dataclass(slots=True)
@@ -257,10 +274,17 @@ class _Snapshot:
     def of(cls, maps: list[_Mapping]) -> _Snapshot:
         loaded_at = bases(maps)
         texts = sorted((_Text(m.start, m.end, loaded_at[m.path], sys.intern(m.path), m.dev,
-                              m.inode)
+                              m.inode, m.offset)
                         for m in maps if m.executable and m.path in loaded_at),
                        key=lambda t: t.start)
         return cls(time.monotonic(), texts, [t.start for t in texts])
+
+    def with_text(self, new: _Text) -> _Snapshot:
+        """A copy with ``new`` in place of whatever it overlaps (a MAP_FIXED mapping
+        replaces the pages under it); readers keep the old one until they look again."""
+        texts = sorted([t for t in self.texts if t.end <= new.start or t.start >= new.end]
+                       + [new], key=lambda t: t.start)
+        return _Snapshot(self.read_at, texts, [t.start for t in texts])
 
     def find(self, addr: int) -> _Text | None:
         i = bisect.bisect_right(self.starts, addr) - 1
@@ -277,7 +301,11 @@ class FunctionSymbols:
         self._by_id: dict[str, _Image | None] = {}  # build id (or path) -> functions
         self._ids: dict[tuple[int, int, int], str] = {}  # (dev, inode, mtime) -> build id
         self._maps: dict[int, _Snapshot] = {}  # in the order read: the oldest goes first
+        self._layouts: dict[tuple[str, int], _Layout] = {}  # learned from every read
         self._writing = threading.Lock()
+        # Hands over the mappings the kernel reported and no one has kept yet (set by
+        # the tracer: fleetd.trace.bpf.mapwatch.MapWatch.catch_up); called on a miss.
+        self.catch_up: Callable[[], None] | None = None
 
     def name(self, pid: int, addr: int) -> tuple[str | None, str | None]:
         sym, lib, _ = self.locate(pid, addr)
@@ -312,20 +340,69 @@ class FunctionSymbols:
         with contextlib.suppress(OSError):
             self._keep(pid, _Snapshot.of(mappings(pid)))
 
+    def note_mapped(self, m: Mapped) -> None:
+        """The kernel saw ``m.pid`` map ``m.name`` executable at ``m.start``: keep it.
+        While the process lives its maps are read (once: a read that already shows this
+        mapping serves every report it covers); once it has gone, the mapping is kept
+        from the layout learned for that file where another read showed it, and named
+        later only while the path still holds that very file (``_image``)."""
+        with self._writing:
+            snap = self._maps.get(m.pid)
+        if snap is not None and _shows(snap, m):
+            return
+        try:
+            self._keep(m.pid, _Snapshot.of(mappings(m.pid)))
+            return
+        except OSError:  # gone already: what the report says is all there is
+            pass
+        text = self._from_layout(m)
+        if text is None:
+            return
+        with self._writing:
+            snap = self._maps.get(m.pid)  # (the tracer's thread may have read it since)
+        self._keep(m.pid, snap.with_text(text) if snap is not None
+                   else _Snapshot(time.monotonic(), [text], [text.start]))
+
+    def _from_layout(self, m: Mapped) -> _Text | None:
+        if not m.name.startswith("/"):
+            return None
+        path = os.path.realpath(m.name)  # maps name the file by its resolved path
+        layout = self._layouts.get((path, m.offset))
+        if layout is None:
+            return None
+        dev, inode, from_base = layout
+        return _Text(m.start, m.end, m.start - from_base, sys.intern(path), dev, inode,
+                     m.offset)
+
     def _keep(self, pid: int, snap: _Snapshot) -> None:
-        # Two threads write: the tracer's (a miss) and the mapping watcher's (remember).
+        # Two threads write: the tracer's (a miss) and the mapping watcher's (remember,
+        # note_mapped).
         with self._writing:
             self._maps.pop(pid, None)
             while len(self._maps) >= MAX_PIDS:
                 del self._maps[next(iter(self._maps))]
             self._maps[pid] = snap
+            if len(self._layouts) >= MAX_FILE_IDS:
+                self._layouts.clear()
+            for t in snap.texts:
+                self._layouts[(t.path, t.offset)] = (t.dev, t.inode, t.start - t.base)
 
     def _text(self, pid: int, addr: int) -> _Text | None:
         snap = self._maps.get(pid)
         if snap is not None:
             found = snap.find(addr)
-            if found is not None or time.monotonic() - snap.read_at <= MAX_MAPS_AGE_S:
+            if found is not None:
                 return found
+        if self.catch_up is not None:
+            # Mappings the kernel reported that the watcher has not handed over yet (the
+            # two threads run in no set order once a stopped tracer resumes).
+            self.catch_up()
+            snap = self._maps.get(pid)
+            found = snap.find(addr) if snap is not None else None
+            if found is not None:
+                return found
+        if snap is not None and time.monotonic() - snap.read_at <= MAX_MAPS_AGE_S:
+            return None
         try:
             snap = _Snapshot.of(mappings(pid))
         except OSError:  # gone: what its last mappings did not name stays unnamed
@@ -367,6 +444,11 @@ class FunctionSymbols:
                 self._by_id[bid] = load_image(safe, ("STT_FUNC", "STT_GNU_IFUNC"))
                 return self._by_id[bid]
         return None
+
+
+def _shows(snap: _Snapshot, m: Mapped) -> bool:
+    t = snap.find(m.start)
+    return t is not None and (t.start, t.end, t.offset) == (m.start, m.end, m.offset)
 
 
 def _same_file(st: os.stat_result, text: _Text) -> bool:
