@@ -462,6 +462,7 @@ def notify(message: str) -> bool:
 def run(s: AgentSettings) -> int:
     """Run the agent to completion on uvloop."""
     memtrace.start_from_env()
+    memtrace.trim_forever()
     return run_loop(serve(s))
 
 

@@ -1,4 +1,5 @@
-"""Where an agent's memory grows: ``FLEETD_MEMTRACE=SECONDS`` in its environment.
+"""The agent's memory: where it grows (``FLEETD_MEMTRACE=SECONDS`` in its environment)
+and the C heap's free pages given back every minute (:func:`trim_forever`).
 
 For a soak (bench/soak.py) or a node whose ``process_resident_memory_bytes`` climbs:
 the agent then traces Python's allocations (tracemalloc, which slows it down, so only
@@ -85,3 +86,29 @@ def _watch(every: float) -> None:
                         s.count_diff, where)
         more = _types() - types0
         log.warning("memtrace: objects grown by type: %s", more.most_common(TOP))
+
+
+TRIM_EVERY_S = 60.0
+
+
+def trim_forever(every: float = TRIM_EVERY_S) -> threading.Thread | None:
+    """Every ``every`` seconds, give the C heap's free pages back to the kernel (glibc's
+    ``malloc_trim``). Batches are built on one thread and freed on another, and glibc
+    keeps what is freed below the top of each heap: without this the agent's resident
+    memory rose in steps of about a megabyte every few minutes (bench/soak.py) that no
+    Python or SQLite object held. None where the C library has no malloc_trim."""
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+
+    def loop() -> None:
+        pause = threading.Event()
+        while not pause.wait(every):
+            trim(0)
+
+    thread = threading.Thread(target=loop, name="fleetd-trim", daemon=True)
+    thread.start()
+    return thread
