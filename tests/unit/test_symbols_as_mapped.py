@@ -10,12 +10,13 @@ the process's own maps while it lived.
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
 from test_symbols_after_exit import Child
 
-from fleetd.trace.bpf.mapwatch import Mapped
+from fleetd.trace.bpf.mapwatch import MAPPED, Mapped, parse_mapped
 from fleetd.trace.enrich.stacks import OP_CUDA_LAUNCH, KernelNames
 from fleetd.trace.enrich.symbols import FunctionSymbols, mappings
 
@@ -85,3 +86,51 @@ def test_a_report_while_the_process_lives_keeps_all_its_maps() -> None:
     assert syms.name(child.pid, child.addr) == ("abs", "libc.so.6")
     exe = os.path.realpath(f"/proc/{os.getpid()}/exe")  # the child runs the same python
     assert any(t.path == exe for t in first.texts), [t.path for t in first.texts]
+
+
+def _without(syms: FunctionSymbols, pid: int, path: str) -> None:
+    """Forget ``pid``'s mappings of ``path``, as if the last read came before them."""
+    snap = syms._maps[pid]
+    kept = [t for t in snap.texts if t.path != path]
+    syms._maps[pid] = type(snap)(snap.read_at, kept, [t.start for t in kept])
+
+
+def test_a_report_of_a_known_file_while_the_process_lives_is_placed_without_a_read(
+        tmp_path: Path) -> None:
+    child = Child("-", "abs")
+    real = next(m.path for m in mappings(child.pid) if m.start <= child.addr < m.end)
+    report = _report(child.pid, child.addr, _libc_by_link(tmp_path, child.pid, child.addr))
+    syms = FunctionSymbols()
+    syms.remember(child.pid)  # libc's layout learned from this very read
+    _without(syms, child.pid, real)
+    read_at = syms._maps[child.pid].read_at
+    syms.note_mapped(report)
+    after = syms._maps[child.pid]
+    assert after.read_at == read_at  # placed from the layout: the maps were not read
+    child.exit()
+    assert syms.name(child.pid, child.addr) == ("abs", "libc.so.6")
+
+
+def test_a_report_of_another_file_at_a_known_path_reads_the_maps(tmp_path: Path) -> None:
+    """The layout learned for a path is not trusted for a mapping of another file there
+    (another root's file of that name): map_files says which file it is."""
+    child = Child("-", "abs")
+    real = next(m.path for m in mappings(child.pid) if m.start <= child.addr < m.end)
+    report = _report(child.pid, child.addr, real)
+    syms = FunctionSymbols()
+    syms.remember(child.pid)
+    layout = syms._layouts[(real, report.offset)]
+    syms._layouts[(real, report.offset)] = (layout[0], layout[1] + 1, layout[2])  # another
+    _without(syms, child.pid, real)
+    read_at = syms._maps[child.pid].read_at
+    syms.note_mapped(report)
+    assert syms._maps[child.pid].read_at > read_at  # read again: the maps are the truth
+    child.exit()
+    assert syms.name(child.pid, child.addr) == ("abs", "libc.so.6")
+
+
+def test_a_report_ends_where_its_last_page_does() -> None:
+    raw = MAPPED.pack(1, 42, 42, 0x7F0000001000, 4097, 0x1000) + b"/lib/libx.so\0junk"
+    m = parse_mapped(raw.ljust(MAPPED.size + 256, b"\0"))
+    assert m == Mapped(42, 0x7F0000001000, 0x7F0000001000 + 2 * mmap.PAGESIZE, 0x1000,
+                       "/lib/libx.so")

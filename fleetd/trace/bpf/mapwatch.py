@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import mmap
 import os
 import select
 import signal
@@ -165,7 +166,9 @@ def parse_mapped(raw: bytes) -> Mapped | None:
         return None
     _ts, pid, _tid, start, length, off = MAPPED.unpack_from(raw)
     name = raw[MAPPED.size:].split(b"\0", 1)[0].decode(errors="surrogateescape")
-    return Mapped(pid, start, start + length, off, name)
+    # The mapping ends where its last page does, as maps and map_files say.
+    end = start + (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+    return Mapped(pid, start, end, off, name)
 
 
 def parse(raw: bytes) -> HoldEvent | None:

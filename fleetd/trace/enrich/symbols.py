@@ -342,25 +342,32 @@ class FunctionSymbols:
 
     def note_mapped(self, m: Mapped) -> None:
         """The kernel saw ``m.pid`` map ``m.name`` executable at ``m.start``: keep it.
-        While the process lives its maps are read (once: a read that already shows this
-        mapping serves every report it covers); once it has gone, the mapping is kept
-        from the layout learned for that file where another read showed it, and named
-        later only while the path still holds that very file (``_image``)."""
+        A file whose layout is known (another read showed it at that offset) is placed
+        with no read of the maps: while the process lives, once the mapping is checked
+        to be that very file (one stat); once it has gone, as reported, and named later
+        only while the path still holds that file (``_image``). Otherwise, and at a
+        process's first report (the executable and the loader, mapped by exec, are
+        reported by nothing), the maps are read while the process lives."""
         with self._writing:
             snap = self._maps.get(m.pid)
         if snap is not None and _shows(snap, m):
+            return
+        text = self._from_layout(m)
+        if snap is not None and text is not None and _maps_file(m.pid, text):
+            self._add(m.pid, text)
             return
         try:
             self._keep(m.pid, _Snapshot.of(mappings(m.pid)))
             return
         except OSError:  # gone already: what the report says is all there is
             pass
-        text = self._from_layout(m)
-        if text is None:
-            return
+        if text is not None:
+            self._add(m.pid, text)
+
+    def _add(self, pid: int, text: _Text) -> None:
         with self._writing:
-            snap = self._maps.get(m.pid)  # (the tracer's thread may have read it since)
-        self._keep(m.pid, snap.with_text(text) if snap is not None
+            snap = self._maps.get(pid)  # (the tracer's thread may have read it since)
+        self._keep(pid, snap.with_text(text) if snap is not None
                    else _Snapshot(time.monotonic(), [text], [text.start]))
 
     def _from_layout(self, m: Mapped) -> _Text | None:
@@ -449,6 +456,15 @@ class FunctionSymbols:
 def _shows(snap: _Snapshot, m: Mapped) -> bool:
     t = snap.find(m.start)
     return t is not None and (t.start, t.end, t.offset) == (m.start, m.end, m.offset)
+
+
+def _maps_file(pid: int, text: _Text) -> bool:
+    """Whether ``pid``'s mapping at ``text`` is that very file (map_files names each
+    mapping; no leading zeros)."""
+    try:
+        return _same_file(os.stat(f"/proc/{pid}/map_files/{text.start:x}-{text.end:x}"), text)
+    except OSError:
+        return False
 
 
 def _same_file(st: os.stat_result, text: _Text) -> bool:
