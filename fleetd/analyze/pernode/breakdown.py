@@ -61,8 +61,8 @@ def thread_breakdown(
     samples: list[StackRow] | None = None,
 ) -> list[ThreadRow]:
     """One row per thread that has host or CUDA events in the window (``sums``: the
-    node's :func:`event_sums` of ``pid``, ``samples`` its on-CPU :func:`stack_rows`,
-    where the caller has them)."""
+    node's :func:`event_sums` of ``pid``, ``samples`` its on-CPU
+    :func:`~fleetd.analyze.reading.profile.stack_rows`, where the caller has them)."""
     acc: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     pids: dict[int, int] = {}
     where, params = in_window(node, win, pid)
