@@ -136,8 +136,8 @@ def _cuda_checks(overrides: list[str], attach: bool, host: list[Check],
 # The mapping hook's tracepoints (bpf/proc.bpf.c): a library mapped after a session
 # started is probed before its first call only where they exist.
 MAPPING_TRACEPOINTS = ("syscalls/sys_enter_openat", "syscalls/sys_exit_openat",
-                       "syscalls/sys_enter_mmap", "syscalls/sys_exit_mmap",
-                       "sched/sched_process_exec")
+                       "syscalls/sys_enter_close", "syscalls/sys_enter_mmap",
+                       "syscalls/sys_exit_mmap", "sched/sched_process_exec")
 
 
 def _mapping_check() -> Check:
