@@ -52,8 +52,7 @@ MIN_SCORE = 0.1
 # CPU-bound rank that stops waiting for its peers (the late one) crosses it, its CPU time
 # unchanged; its reference is at least the breakdown's column the impact is counted from.
 COUNTED_FROM = {"host_cpu_bound": "running"}
-# A thread's own CPU work, and the waits for a CPU that more of it turns into (ranked).
-OWN_WORK = frozenset({"gc_pause", "host_cpu_bound"})
+# The waits for a CPU that more work of the thread's own turns into (ranked).
 CPU_WAITS = frozenset({"cpu_throttled", "cpu_contention"})
 
 
@@ -143,11 +142,12 @@ def ranked(now: Shares, before: Shares | None, peers: Sequence[Shares], *,
     rank.
 
     A wait for a CPU (CPU_WAITS) is how more CPU work of the thread's own costs time
-    under a quota or on a busy host: where a cause of its own work (OWN_WORK) rose too,
-    that is named first. Until ``settled`` (the window holds an on-CPU sample interval
-    written: own work is seen only from those samples), a CPU wait is named only where
-    the thread ran less than its reference per second awake (the CPU was taken from it,
-    not asked more of)."""
+    under a quota or on a busy host: unless the thread ran less than its reference per
+    second awake (the CPU was taken from it, not asked more of), any other cause that
+    rose too is named first (a GC storm, or the copying of a disk fault's writes, past
+    the slice's quota: the GC or the I/O, throttled). Until ``settled`` (the window holds
+    an on-CPU sample interval written: own work such as a GC storm is seen only from
+    those samples), a CPU wait is named only where the thread ran less."""
     peers = [p for p in peers if _awake(p) >= MIN_AWAKE]
     if before is not None and _awake(before) < MIN_AWAKE:
         before = None
@@ -159,10 +159,11 @@ def ranked(now: Shares, before: Shares | None, peers: Sequence[Shares], *,
                    statistics.median(theirs) if theirs else None)
         if x.excess >= MIN_EXCESS and x.score >= MIN_SCORE:
             out.append(x)
-    own = any(x.cause in OWN_WORK for x in out)
-    if not settled and not _ran_less(now, before, peers):
+    asked_more = not _ran_less(now, before, peers)
+    if not settled and asked_more:
         out = [x for x in out if x.cause not in CPU_WAITS]
-    return sorted(out, key=lambda x: (own and x.cause in CPU_WAITS, -x.score, x.cause))
+    other = asked_more and any(x.cause not in CPU_WAITS for x in out)
+    return sorted(out, key=lambda x: (other and x.cause in CPU_WAITS, -x.score, x.cause))
 
 
 def _ran_less(now: Shares, before: Shares | None, peers: Sequence[Shares]) -> bool:

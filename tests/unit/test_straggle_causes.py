@@ -187,3 +187,20 @@ def test_a_gc_storm_that_a_quota_turns_into_throttling_is_named_gc() -> None:
     q_now, q_before, q_peers = parts("quota")
     assert [x.cause for x in ranked(q_now, q_before, q_peers, settled=False)] == [
         "cpu_throttled"]
+
+
+def test_a_disk_fault_whose_writes_a_quota_throttles_is_named_block_io() -> None:
+    """Live, a rank writing 16 MiB a step was throttled 17% of its wall time (the copy
+    into the page cache, past its slice's quota) beside 15% in D state: it asked more of
+    the CPU rather than had it taken, so the I/O is named."""
+    d = fault("disk")
+    late = copy.deepcopy(d["late"])
+    late["chains"].append({**next(c for c in late["chains"]
+                                  if c["root_cause"] == "cpu_contention"),
+                           "root_cause": "cpu_throttled", "impact": 0.174})
+    now = shares(read(late), d["pid"])
+    _, before, theirs = parts("disk")
+    assert now is not None
+    found = ranked(now, before, theirs)
+    assert found[0].cause == "block_io" and "cpu_throttled" in [x.cause for x in found]
+    assert found[0].score < max(x.score for x in found)  # the costlier rise comes second
