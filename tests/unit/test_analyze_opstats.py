@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from synth import MAIN, MS, T0, US, Timeline, quiet
 
-from fleetd.analyze.pernode.opstats import kernel_stats, op_stats
-from fleetd.analyze.reading.data import Hist
+from fleetd.analyze.pernode.opstats import kernel_stats, load_op_stats, node_op_stats, op_stats
+from fleetd.analyze.reading.data import Hist, nodes
 from fleetd.analyze.reading.window import resolve_window
 from fleetd.errors import UsageError
 from fleetd.store.db import open_reader
@@ -107,3 +107,34 @@ def test_kernel_stats_name_each_kernel_and_scale_the_sample(tmp_path: Path) -> N
     # 400 calls counted by the histogram over 200 stored: each stored launch stands for 2.
     assert gemm["est_calls"] == 2 * gemm["count"]
     assert gemm["total_ns"] > copy["total_ns"]
+
+
+@pytest.mark.parametrize("pruned", [40, 100])
+def test_rows_pruned_between_the_count_and_the_durations_still_give_percentiles(
+        tmp_path: Path, pruned: int) -> None:
+    """A live agent's database changes between explain's reads: the counts are read
+    first and the durations after, and the writer commits or prunes in between. The
+    percentiles come from the durations read; none left gives None, never an error (a
+    lookup by the count's rank raised KeyError: the live chains answer was HTTP 500)."""
+    tl = Timeline()
+    tl.process(MAIN, "python3")
+    for i in range(100):
+        tl.call("cudaLaunchKernel", T0 + i * MS, (i + 1) * US)
+    path = tl.write(tmp_path / "a.db")
+    conn = open_reader(path)
+    try:
+        node = nodes(conn, None)[0]
+        win = resolve_window(conn)
+        loaded = load_op_stats(conn, node, win)
+        with sqlite3.connect(path) as w:  # the pruner: the oldest calls go
+            w.execute(f"DELETE FROM event_data WHERE id IN (SELECT id FROM event_data "
+                      f"ORDER BY ts_ns LIMIT {pruned})")
+        rows = node_op_stats(conn, node, win, per_process=False, loaded=loaded)
+    finally:
+        conn.close()
+    k = next(r for r in rows if r["op"] == "cudaLaunchKernel")
+    assert k["count"] == 100  # as counted
+    if pruned == 100:
+        assert (k["p50_ns"], k["p99_ns"]) == (None, None)
+    else:  # the 60 left: 41..100 us
+        assert (k["p50_ns"], k["p99_ns"]) == (70 * US, 100 * US)

@@ -79,13 +79,13 @@ def _rank(q: float, n: int) -> int:
 class _Group:
     """The stored events of one (pid, op or syscall): how many, their sum, the largest,
     how many failed, and, once read (only the rows that print them need them), the
-    values at the nearest ranks of :data:`QUANTILES` (rank -> value)."""
+    values at the nearest ranks of :data:`QUANTILES` (quantile -> value)."""
 
     count: int = 0
     total: int = 0
     top: int = 0
     errors: int = 0
-    at_rank: dict[int, int] | None = None
+    at_q: dict[float, int] | None = None
 
     @classmethod
     def of(cls, durs: list[int], errors: int) -> _Group:
@@ -94,9 +94,10 @@ class _Group:
         n = len(durs)
         return cls(n, sum(durs), durs[-1] if durs else 0, errors, _at_ranks(durs) if n else None)
 
-    def quantile(self, q: float) -> int:
-        assert self.at_rank is not None, "read the exact percentiles first (Loaded.exact)"
-        return self.at_rank[_rank(q, self.count)]
+    def quantile(self, q: float) -> int | None:
+        """None where no duration was left to read (pruned since the count)."""
+        assert self.at_q is not None, "read the exact percentiles first (Loaded.exact)"
+        return self.at_q.get(q)
 
     def merge(self, other: _Group) -> None:
         self.count += other.count
@@ -172,10 +173,13 @@ def _durations(conn: sqlite3.Connection, node: Node, win: Window, pid: int | Non
     return out
 
 
-def _at_ranks(durs: list[int]) -> dict[int, int]:
-    """The sorted ``durs``' values at the nearest ranks of :data:`QUANTILES`."""
+def _at_ranks(durs: list[int]) -> dict[float, int]:
+    """The sorted ``durs``' values at the nearest ranks of :data:`QUANTILES`, by
+    quantile. Keyed by the quantile, not the rank: on a live database the durations are
+    read after the counts, and rows committed in between make the two disagree (a rank
+    of the count was then missing: HTTP 500 from a live agent's chains)."""
     n = len(durs)
-    return {_rank(q, n): durs[_rank(q, n) - 1] for q in QUANTILES}
+    return {q: durs[_rank(q, n) - 1] for q in QUANTILES} if n else {}
 
 
 def _needs_exact(g: _Group | None, h: Hist | None) -> bool:
@@ -267,7 +271,7 @@ class Loaded:
         (``groups`` per process, or summed over processes: pid 0). The durations are
         read once, per process, for both."""
         need = [(k, g) for k, g in groups.items()
-                if g.at_rank is None and _needs_exact(g, hists.get(k))]
+                if g.at_q is None and _needs_exact(g, hists.get(k))]
         if not need:
             return
         base = self.calls if sel is SYSCALLS else self.groups
@@ -279,9 +283,9 @@ class Loaded:
             have.update(_durations(self.conn, self.node, self.win, self.pid, sel, missing))
         for (p, k), g in need:
             if per_process:
-                g.at_rank = _at_ranks(have.get((p, k), []))
+                g.at_q = _at_ranks(have.get((p, k), []))
             else:  # every process's calls of the op together
-                g.at_rank = _at_ranks(sorted(d for pk, ds in have.items() if pk[1] == k
+                g.at_q = _at_ranks(sorted(d for pk, ds in have.items() if pk[1] == k
                                              for d in ds))
 
 
