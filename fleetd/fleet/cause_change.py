@@ -27,10 +27,11 @@ than the same points of a cause that was absent.
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypedDict
 
 from fleetd.analyze.reading.answers import ChainJson
@@ -54,6 +55,14 @@ MIN_SCORE = 0.1
 COUNTED_FROM = {"host_cpu_bound": "running"}
 # The waits for a CPU that more work of the thread's own turns into (ranked).
 CPU_WAITS = frozenset({"cpu_throttled", "cpu_contention"})
+# A task that ran while the rank waited for a CPU is new when it took this many times
+# more of the rank's wall time than in its reference (a task absent from a reference
+# chain's culprits, which list its top ones only, took at most the least listed one): a
+# hog beside the rank is a change even on a host where every rank already waits for a
+# CPU most of its time, so the wait's share did not rise.
+NEW_TAKER_RATIO = 3.0
+
+Taker = tuple[int, str]  # (pid, comm) of a task that ran while the process waited
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +74,16 @@ class Shares:
     causes: dict[str, float]
     running: float
     asleep: float
+    # per task that ran while the process waited for a CPU (its CPU_WAITS chains'
+    # culprits, not itself): the time it took, as a share of the process's wall
+    takers: dict[Taker, float] = field(default_factory=dict)
+    waits: dict[Taker, str] = field(default_factory=dict)  # ...the CPU wait it took most in
+    # the most a task not among those culprits can have taken (a chain lists its top
+    # culprits only: an unlisted task took no more than the least listed one)
+    unlisted: float = 0.0
+
+    def took(self, t: Taker) -> float:
+        return self.takers.get(t, self.unlisted)
 
     def floor(self, cause: str) -> float:
         """The cause's share, or the column its rule counts from where that is more."""
@@ -125,11 +144,63 @@ def shares(reply: ChainsReply, pid: int) -> Shares | None:
     if wall <= 0:
         return None
     causes: dict[str, float] = {}
+    takers: dict[Taker, float] = {}
+    waits: dict[Taker, tuple[int, str]] = {}
     for c in reply["chains"]:
         if c["victim"]["pid"] == pid and c["root_cause"] not in NOT_HOST:
             causes[c["root_cause"]] = causes.get(c["root_cause"], 0.0) + max(0.0, c["impact"])
+            for t, ns in _took(c):
+                takers[t] = takers.get(t, 0.0) + ns / wall
+                waits[t] = max(waits.get(t, (0, "")), (ns, c["root_cause"]))
+    least = [ns / wall for c in reply["chains"] if c["victim"]["pid"] == pid
+             for _, ns in _took(c)]
     return Shares(causes, max(0, row["running_ns"] - row["in_cuda_ns"]) / wall,
-                  row["sleeping_ns"] / wall)
+                  row["sleeping_ns"] / wall, takers, {t: w for t, (_, w) in waits.items()},
+                  min(least, default=0.0))
+
+
+def _took(chain: ChainJson) -> list[tuple[Taker, int]]:
+    """The tasks a CPU_WAITS chain names as having run while its victim waited, and for
+    how long (the analyzer's attribution: a task that really took the time)."""
+    if chain["root_cause"] not in CPU_WAITS:
+        return []
+    return [((u["pid"], u["comm"] or "?"), u["ns"]) for u in chain["culprits"]
+            if not u.get("self") and u.get("pid") and u.get("ns")]
+
+
+@dataclass(frozen=True, slots=True)
+class NewTaker:
+    """A task new among those that ran while the late rank waited for a CPU: ``change``
+    is its time (share of the rank's wall) against the same task's in the references,
+    filed under the CPU wait whose chains name it."""
+
+    taker: Taker
+    change: Change
+
+
+def new_taker(now: Shares, before: Shares | None, peers: Sequence[Shares],
+              ranks: frozenset[int] = frozenset()) -> NewTaker | None:
+    """The task that took the most of the late rank's wall while it waited for a CPU
+    and was absent, or NEW_TAKER_RATIO times smaller, in its references (per second
+    awake, as :func:`ranked` scales them), by MIN_EXCESS and MIN_SCORE; None if none.
+    The job's own ranks (``ranks``, pids) are left out: a peer that runs more while
+    this rank is late is waiting for it, not taking its CPU."""
+    peers = [p for p in peers if _awake(p) >= MIN_AWAKE]
+    if before is not None and _awake(before) < MIN_AWAKE:
+        before = None
+    best: NewTaker | None = None
+    for t, share in sorted(now.takers.items()):
+        if t[0] in ranks:
+            continue
+        theirs = [p.took(t) * _awake(now) / _awake(p) for p in peers]
+        x = Change(now.waits[t], share,
+                   None if before is None else before.took(t) * _awake(now) / _awake(before),
+                   statistics.median(theirs) if theirs else None)
+        if (x.excess >= MIN_EXCESS and x.score >= MIN_SCORE
+                and x.now >= NEW_TAKER_RATIO * x.reference
+                and (best is None or x.score > best.change.score)):
+            best = NewTaker(t, x)
+    return best
 
 
 def ranked(now: Shares, before: Shares | None, peers: Sequence[Shares], *,
@@ -183,10 +254,21 @@ def _awake(s: Shares) -> float:
     return max(0.05, 1.0 - s.asleep)  # never divide by a rank asleep throughout
 
 
-def chain_of(reply: ChainsReply, pid: int, cause: str | None) -> ChainJson | None:
+def chain_of(reply: ChainsReply, pid: int, cause: str | None,
+             taker: Taker | None = None) -> ChainJson | None:
     """The process's costliest chain of ``cause`` (None: of any host cause) in the
     answer: the one named, with its culprit as its node's analyzers found it (a task
-    that took the time)."""
+    that took the time). With ``taker``: the CPU wait chain in which that task took the
+    most time, with it as the chain's culprit (it is one of the chain's culprits)."""
+    if taker is not None:
+        took = [(ns, c) for c in reply["chains"] if c["victim"]["pid"] == pid
+                for t, ns in _took(c) if t == taker]
+        if not took:
+            return None
+        chain = copy.copy(max(took, key=lambda x: x[0])[1])
+        u = next(u for u in chain["culprits"] if (u["pid"], u["comm"] or "?") == taker)
+        chain["culprit"] = {"pid": u["pid"], "comm": u["comm"], "self": False}
+        return chain
     mine = [c for c in reply["chains"] if c["victim"]["pid"] == pid
             and c["root_cause"] not in NOT_HOST and cause in (None, c["root_cause"])]
     return max(mine, key=lambda c: c["impact"], default=None)

@@ -93,6 +93,7 @@ class _Open:
     asked: float = 0.0  # monotonic time its node was last asked for a chain
     began: float = 0.0  # monotonic time of the first poll that called it late
     peers: list[tuple[str, int]] = field(default_factory=list)  # (node, pid), on time
+    ranks: frozenset[int] = frozenset()  # pids of its group's ranks (not a new taker)
     baseline: Shares | None = None  # its per-cause shares before the onset
     baseline_asked: bool = False
     clean_since: float = -math.inf  # monotonic: when it last recovered (its baseline after)
@@ -181,6 +182,8 @@ class StraggleWatch:
             elif self.streak[key] >= self.flag_polls:
                 self.open[key] = _Open(_json(key, x), began=self.began[key],
                                        peers=_peers(x, judged, late),
+                                       ranks=frozenset(y.view.pid for y in judged
+                                                       if y.key == x.key),
                                        clean_since=self.recovered_at.get(key, -math.inf))
                 flagged.append(self.open[key].found)
         for key in [k for k in self.streak if k not in late]:
@@ -244,14 +247,20 @@ def _name(o: _Open, reply: ChainsReply | None, peers: list[Shares | None], *,
     mine = cause_change.shares(reply, pid)
     if mine is None:
         return False
-    found = cause_change.ranked(mine, o.baseline, [p for p in peers if p is not None],
-                                settled=fallback)
+    refs = [p for p in peers if p is not None]
+    found = cause_change.ranked(mine, o.baseline, refs, settled=fallback)
+    # a task new beside the rank (a hog) took the time it waited for a CPU: named after
+    # any other cause that rose, at once (its chains are written as it runs)
+    new = cause_change.new_taker(mine, o.baseline, refs, o.ranks)
+    if new is not None and new.change.cause not in {x.cause for x in found}:
+        found.append(new.change)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("rank %d causes: %s", o.found["rank"], "; ".join(
             f"{x.cause} {x.now:.3f} (before {x.before}, peers {x.peers}, score "
             f"{x.score:.3f})" for x in found) or f"none rose of {mine}")
     for x in found:
-        if _take(o, cause_change.chain_of(reply, pid, x.cause)):
+        taker = new.taker if new is not None and x.cause == new.change.cause else None
+        if _take(o, cause_change.chain_of(reply, pid, x.cause, taker)):
             o.found["changed"] = x.to_json()
             return True
     return fallback and not found and _take(o, cause_change.chain_of(reply, pid, None))
