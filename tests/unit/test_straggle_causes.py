@@ -290,3 +290,26 @@ def test_a_rank_of_the_job_is_never_a_new_taker() -> None:
     new = new_taker(now, before, theirs)
     assert new is not None and new.taker == (29180, "python")
     assert new_taker(now, before, theirs, _ranks(d)) is None
+
+
+def test_a_hog_is_named_at_the_first_ask_from_its_culprits() -> None:
+    """A quick run's hog (load 3-6) recorded with every culprit its chains list: no
+    cause's share rose per second awake (the rank waited for a CPU 54% of its baseline
+    wall, 88% now, all of it from sleeping less), but fleetd-hog took 22% of its wall
+    while it waited, against 4% before (unlisted there: at most its least listed
+    culprit) and 6% on its peers (one lists it: the bed's hosts share a CPU): named
+    cpu_contention with the hog as culprit, before the fallback."""
+    now, before, theirs = parts("hog_culprits")
+    d = fault("hog_culprits")
+    assert ranked(now, before, theirs) == []
+    new = new_taker(now, before, theirs, _ranks(d))
+    assert new is not None and new.taker[1] == "fleetd-hog"
+    assert new.change.now > 0.2 and new.change.before is not None and new.change.peers
+    assert new.change.now >= NEW_TAKER_RATIO * new.change.reference
+    o = _open(d)
+    o.baseline, o.ranks = before, _ranks(d)
+    assert _name(o, read(d["late"]), list(theirs), fallback=False)
+    top = o.found["top_chain"]
+    assert top is not None and top["root_cause"] == "cpu_contention"
+    assert top.get("culprit") == {"pid": new.taker[0], "comm": "fleetd-hog"}
+    assert o.found["changed"]["cause"] == "cpu_contention"
