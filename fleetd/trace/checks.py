@@ -402,7 +402,7 @@ def _vanished(lib: Library, what: str) -> Check | None:
 
 def _symbols_check(lib: Library) -> Check:
     try:
-        exports = library_symbols(lib.path)
+        exports = library_symbols(lib)
     except (OSError, ValueError) as exc:
         if (gone := _vanished(lib, "symbols")) is not None:
             return gone

@@ -64,7 +64,7 @@ def prefetch_symbols(libs: list[Library]) -> None:
     """Read each library's exports now (cached), so attaching later does not wait."""
     for lib in libs:
         with contextlib.suppress(OSError, ValueError):  # the attach reports it, by name
-            library_symbols(lib.path)
+            library_symbols(lib)
 
 
 class Targets:

@@ -14,6 +14,13 @@ through libbcc, at the file offset read from the library's own symbol tables (th
 offsets uprobe_multi takes), with no reference counter (:func:`attach_uprobe_at`).
 Everything is counted: the caller fails loudly when nothing attached and warns when
 only part did.
+
+Both read and attach through the library's very file, opened and checked once
+(:func:`fleetd.trace.host.libs.verified_file`): the symbols are read and every probe
+attached by that descriptor's ``/proc/self/fd/N`` path, which the kernel's lookup follows
+to the open file itself. A library is never attached by a path the kernel resolves again
+(``/proc/PID/root/...``: a container could swap another file in there, and an absolute
+link inside it would resolve against the host's root). ``Library.path`` only names it.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetd.store.catalog import BY_NAME, ENQUEUES, NCCL
-from fleetd.trace.host.libs import ElfExports, Library, exported_functions
+from fleetd.trace.host.libs import ElfExports, Library, exported_functions, verified_file
 
 log = logging.getLogger("fleetd.trace.bpf.probes")
 
@@ -137,8 +144,12 @@ PROBE_SYMBOLS: frozenset[str] = frozenset(
     | {sym for sym, _ in NAME_PROBES})
 
 
-def library_symbols(path: str) -> ElfExports:
-    """The probed entry points ``path`` defines (.dynsym and .symtab), with offsets."""
+def library_symbols(path: str | Library) -> ElfExports:
+    """The probed entry points a file defines (.dynsym and .symtab), with offsets; a
+    library's are read through its verified file (OSError where it is not there)."""
+    if isinstance(path, Library):
+        with verified_file(path) as opened:
+            return exported_functions(opened, PROBE_SYMBOLS)
     return exported_functions(path, PROBE_SYMBOLS)
 
 
@@ -201,25 +212,37 @@ class Attacher:
         self.launch_entry = launch_entry
         self._session: int | None = None
         self._session_error: str | None = None
-        # lib path -> [session link fd (-1: paused), offsets, cookies]: the entry-only
-        # launches' links, which the always-on mode closes and makes again (set_launches)
-        self._sessions: dict[str, tuple[int, list[int], list[int]]] = {}
+        # lib path -> [session link fd (-1: paused), offsets, cookies, file]: the
+        # entry-only launches' links, which the always-on mode closes and makes again
+        # (set_launches) on the verified file, kept open for that (never its path again)
+        self._sessions: dict[str, tuple[int, list[int], list[int], int]] = {}
         self.launches_on = True
         self._multi_error: str | None = None if allow_multi else "disabled"
         if allow_multi and os.environ.get("FLEETD_NO_UPROBE_MULTI"):
             self._multi_error = "disabled by FLEETD_NO_UPROBE_MULTI"
 
     def attach(self, lib: Library, layers: Iterable[str]) -> AttachReport:
-        """Attach every probe of ``lib``'s kind whose layer is enabled; never raises."""
+        """Attach every probe of ``lib``'s kind whose layer is enabled; never raises.
+        Read and attached through its verified file, which is closed after (a uprobe
+        holds its inode)."""
         report = AttachReport()
         specs = [s for s in SPECS_BY_KIND.get(lib.kind, ()) if s.layer in set(layers)]
         if not specs:
             return report
         try:
-            exports = library_symbols(lib.path)
+            with verified_file(lib) as opened:
+                self._attach_file(lib, _File(opened, lib.path), specs, report)
+        except OSError as exc:  # verified_file: not that file any more
+            report.failed[lib.path] = [f"*: not attached: {exc.strerror or exc}"]
+        return report
+
+    def _attach_file(self, lib: Library, file: _File, specs: list[ProbeSpec],
+                     report: AttachReport) -> None:
+        try:
+            exports = exported_functions(file.opened, PROBE_SYMBOLS)
         except (OSError, ValueError) as exc:
             report.failed[lib.path] = [f"*: cannot read symbols: {exc}"]
-            return report
+            return
         plan: list[tuple[ProbeSpec, str]] = []
         for spec in specs:
             syms = planned_symbols(spec, exports.offsets)
@@ -227,15 +250,14 @@ class Attacher:
                 report.missing.setdefault(lib.path, []).append(spec.op)
             plan += [(spec, sym) for sym in syms]
         if lib.kind == "cuda":
-            _attach_name_probes(self.bpf, lib, exports.offsets, report)
+            _attach_name_probes(self.bpf, file, exports.offsets, report)
         if not plan:
-            return report
-        if self._attach_multi(lib, plan, exports.offsets, report):
-            return report
-        _attach_each(self.bpf, lib, plan, exports.offsets, report)
-        return report
+            return
+        if self._attach_multi(file, plan, exports.offsets, report):
+            return
+        _attach_each(self.bpf, file, plan, exports.offsets, report)
 
-    def _attach_multi(self, lib: Library, plan: list[tuple[ProbeSpec, str]],
+    def _attach_multi(self, lib: _File, plan: list[tuple[ProbeSpec, str]],
                       offsets: dict[str, int], report: AttachReport) -> bool:
         progs = self._multi_programs()
         if progs is None:
@@ -244,7 +266,7 @@ class Attacher:
         entry_only = [p for p in plan if self.launch_entry and p[0].entry_only]
         session_fd = -1
         if entry_only:
-            session_fd = self._link_session(lib.path, entry_only, offsets)
+            session_fd = self._link_session(lib.opened, entry_only, offsets)
             if session_fd < 0:
                 entry_only = []  # they go with the pairs below, returns and all
             else:
@@ -255,7 +277,7 @@ class Attacher:
         for prog_fd, ret in zip(progs, (False, True), strict=True):
             if not pairs:
                 break
-            fd, err = link_uprobe_multi(prog_fd, lib.path, offs, cookies, retprobe=ret)
+            fd, err = link_uprobe_multi(prog_fd, lib.opened, offs, cookies, retprobe=ret)
             if fd < 0:
                 log.info("uprobe_multi on %s failed (%s); attaching per symbol", lib.path, err)
                 for f in fds:
@@ -265,7 +287,8 @@ class Attacher:
         self.links += [f for f in fds if f != session_fd]
         if entry_only:
             self._sessions[lib.path] = (session_fd, [offsets[s] for _, s in entry_only],
-                                        [spec.cookie for spec, _ in entry_only])
+                                        [spec.cookie for spec, _ in entry_only],
+                                        os.open(lib.opened, os.O_RDONLY | os.O_CLOEXEC))
             if not self.launches_on:
                 self._set_session(lib.path, False)
         report.attached[lib.path] = [f"{spec.op}:{sym}" for spec, sym in plan]
@@ -322,21 +345,23 @@ class Attacher:
         return bool(self._sessions)
 
     def _set_session(self, path: str, on: bool) -> None:
-        fd, offs, cookies = self._sessions[path]
+        fd, offs, cookies, file = self._sessions[path]
         if on and fd < 0 and self._session is not None:
-            fd, err = link_uprobe_multi(self._session, path, offs, cookies, retprobe=False,
+            fd, err = link_uprobe_multi(self._session, f"/proc/self/fd/{file}", offs,
+                                        cookies, retprobe=False,
                                         attach_type=_BPF_TRACE_UPROBE_SESSION)
             if fd < 0:
                 log.warning("launch probes on %s not attached again: %s", path, err)
         elif not on and fd >= 0:
             os.close(fd)
             fd = -1
-        self._sessions[path] = (fd, offs, cookies)
+        self._sessions[path] = (fd, offs, cookies, file)
 
     def close(self) -> None:
         """Detach the links (the per-symbol probes go with the BPF module's cleanup)."""
         for path in list(self._sessions):
             self._set_session(path, False)
+            os.close(self._sessions[path][3])
         self._sessions.clear()
         for fd in self.links:
             try:
@@ -399,16 +424,25 @@ def link_uprobe_multi(prog_fd: int, path: str, offsets: list[int], cookies: list
     return fd, ""
 
 
+@dataclass(frozen=True, slots=True)
+class _File:
+    """A library being attached: its verified file's ``/proc/self/fd/N`` path (read and
+    probed through) and the name it is shown and reported by."""
+
+    opened: str
+    path: str
+
+
 def attach_library(bpf: Any, lib: Library, layers: Iterable[str]) -> AttachReport:
     """Per-symbol attach only (no links to own); for one-off checks."""
     return Attacher(bpf, allow_multi=False).attach(lib, layers)
 
 
-def _attach_each(bpf: Any, lib: Library, plan: list[tuple[ProbeSpec, str]],
+def _attach_each(bpf: Any, lib: _File, plan: list[tuple[ProbeSpec, str]],
                  offsets: dict[str, int], report: AttachReport) -> None:
     report.mechanism[lib.path] = "perf"
     for spec, sym in plan:
-        err = _attach_pair(bpf, lib.path, offsets[sym], spec)
+        err = _attach_pair(bpf, lib, offsets[sym], spec)
         if err is None:
             report.attached.setdefault(lib.path, []).append(f"{spec.op}:{sym}")
             report.uprobes += 2
@@ -416,14 +450,14 @@ def _attach_each(bpf: Any, lib: Library, plan: list[tuple[ProbeSpec, str]],
             report.failed.setdefault(lib.path, []).append(f"{sym}: {err}")
 
 
-def _attach_name_probes(bpf: Any, lib: Library, offsets: dict[str, int],
+def _attach_name_probes(bpf: Any, lib: _File, offsets: dict[str, int],
                         report: AttachReport) -> None:
     """The kernel-naming probes of a driver library, per symbol (a handful, attached
     once): a failure costs only names, so it is reported and tracing goes on."""
     for sym, entry in NAME_PROBES:
         if sym not in offsets:
             continue
-        err = _attach_pair(bpf, lib.path, offsets[sym], entry_fn=entry,
+        err = _attach_pair(bpf, lib, offsets[sym], entry_fn=entry,
                            return_fn=NAME_RETURN_FN)
         if err is None:
             report.named.setdefault(lib.path, []).append(sym)
@@ -431,19 +465,22 @@ def _attach_name_probes(bpf: Any, lib: Library, offsets: dict[str, int],
             report.failed.setdefault(lib.path, []).append(f"{sym}: {err}")
 
 
-def _attach_pair(bpf: Any, path: str, offset: int, spec: ProbeSpec | None = None, *,
+def _attach_pair(bpf: Any, lib: _File, offset: int, spec: ProbeSpec | None = None, *,
                  entry_fn: str = "", return_fn: str = "") -> str | None:
     """Entry + return probe on one symbol at its file offset (from the library's own
     symbol tables, as for uprobe_multi); None, or why not."""
     if spec is not None:
         entry_fn, return_fn = spec.entry_fn, spec.return_fn
-    name = os.fsencode(path)
+    name = os.fsencode(lib.opened)
+    # Named by the library's shown path: descriptor numbers are reused, and two files
+    # probed at one offset through one number would share BCC's event name.
+    label = os.fsencode(lib.path)
     try:
-        entry = attach_uprobe_at(bpf, name, offset, entry_fn.encode())
+        entry = attach_uprobe_at(bpf, name, offset, entry_fn.encode(), label=label)
     except OSError as exc:
         return f"offset {offset:#x}: {exc.strerror or exc}"
     try:
-        attach_uprobe_at(bpf, name, offset, return_fn.encode(), retprobe=True)
+        attach_uprobe_at(bpf, name, offset, return_fn.encode(), retprobe=True, label=label)
     except OSError as exc:
         _detach_quietly(bpf, entry)
         return f"offset {offset:#x} (return): {exc.strerror or exc}"
@@ -475,12 +512,15 @@ def _bpf_attach_uprobe() -> Any:
 
 
 def attach_uprobe_at(bpf: Any, path: bytes, offset: int, fn_name: bytes, *,
-                     retprobe: bool = False, pid: int = -1) -> bytes:
+                     retprobe: bool = False, pid: int = -1, label: bytes | None = None
+                     ) -> bytes:
     """A uprobe (uretprobe) running ``fn_name`` at file ``offset`` of ``path``, through
     libbcc with no reference counter, kept in BCC's own table so that its cleanup
-    detaches it; the event's name. Raises OSError where the kernel refuses it."""
+    detaches it; the event's name (made from ``label``, default ``path``). Raises
+    OSError where the kernel refuses it."""
     fn = bpf.load_func(fn_name, _BPF_PROG_KPROBE)
-    ev_name = bytes(bpf._get_uprobe_evname(b"r" if retprobe else b"p", path, offset, pid))
+    ev_name = bytes(bpf._get_uprobe_evname(b"r" if retprobe else b"p", label or path,
+                                           offset, pid))
     ctypes.set_errno(0)
     fd = _bpf_attach_uprobe()(fn.fd, int(retprobe), ev_name, path, offset, pid, 0)
     if fd < 0:

@@ -1,8 +1,10 @@
 """Finding the CUDA code to probe, and the entry points it defines.
 
 Uprobes bind to a file's inode, so we attach to the exact file a target process has
-mapped (read from /proc/PID/maps, opened through /proc/PID/root so that a process in
-a container resolves to its own file), not to some other copy. A mapped file is told by
+mapped (read from /proc/PID/maps), not to some other copy: the file is opened through
+/proc/PID/map_files (or resolved inside the process's root), checked to be the maps
+line's device and inode, and read and probed only through that descriptor
+(:func:`verified_file`), never by a path the kernel would resolve again. A mapped file is told by
 the symbols it defines (.dynsym and .symtab), not by its name: a libcudart.so, a copy
 vendored under another name (libcudart-1a2b3c4d.so.12), an executable or a framework's
 .so linked with the static runtime, libnccl (which carries the runtime too) are all
@@ -16,6 +18,7 @@ them. ``--cuda-lib`` overrides.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import logging
 import mmap
@@ -28,8 +31,8 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
+from typing import BinaryIO
 
 from fleetd.security import procfs
 
@@ -49,12 +52,25 @@ MAX_CLASSIFIED = 65536  # mapped files whose kinds are remembered by (device, in
 
 
 @dataclass(frozen=True, slots=True)
+class MapsLine:
+    """Where a process maps a library: what opens that very file again."""
+
+    pid: int
+    span: str  # "7f12a000-7f12b000", as the maps line gives it
+    path: str  # as the process mapped it (inside its own root)
+    key: tuple[str, int]  # (device as the maps line writes it, inode)
+
+
+@dataclass(frozen=True, slots=True)
 class Library:
     kind: str  # cudart | cuda | nccl
-    path: str  # a path the tracer can open that names the mapped inode
+    # What users and reports see: /proc/PID/root/<mapped path> for a mapped library,
+    # else the host path. Never opened or probed by this path (verified_file).
+    path: str
     dev: int
     ino: int
     found_by: str  # "maps:PID", "override", "venv", "torch", "ldconfig", "cache"
+    mapped: MapsLine | None = field(default=None, compare=False)
 
     @property
     def key(self) -> tuple[int, int, str]:
@@ -115,10 +131,11 @@ def scan_mapped(pid: int) -> Mapped:
                 continue
             fd_path, st = opened
             kinds, hidden = _classify(key, fd_path)
-        # The path the probes attach to: through /proc/PID/root it names the process's
-        # own file, even in a container.
+        # Shown as the process's own file; opened again for the attach through the
+        # maps line (verified_file), never through this path.
+        where = MapsLine(pid, parts[0], path, key)
         out.libs += [Library(kind, f"/proc/{pid}/root{path}", st.st_dev, st.st_ino,
-                             f"maps:{pid}") for kind in kinds]
+                             f"maps:{pid}", where) for kind in kinds]
         if hidden:
             out.hidden_runtimes.append(path)
     return out
@@ -148,6 +165,31 @@ def _mapped_file(pid: int, span: str, path: str, key: tuple[str, int]
                 yield fd_path, st
                 return
     yield None
+
+
+@contextlib.contextmanager
+def verified_file(lib: Library) -> Iterator[str]:
+    """``lib``'s very file, open for the block, as a ``/proc/self/fd/N`` path: what its
+    symbols are read through and its probes attached to (the kernel's lookup of that
+    path follows the descriptor to its file, so a uprobe lands on this inode). A mapped
+    library is opened again through its maps line, a found one by its host path; either
+    must be the device and inode the library was found as. OSError (ESTALE) otherwise:
+    the process has unmapped it or exited, or another file is at the path now."""
+    if lib.mapped is not None:
+        m = lib.mapped
+        with _mapped_file(m.pid, m.span, m.path, m.key) as opened:
+            if opened is None:
+                raise OSError(errno.ESTALE, f"pid {m.pid} no longer maps {m.path} "
+                                            f"(inode {m.key[1]}) at {m.span}")
+            yield opened[0]
+        return
+    with _opened(lib.path) as fd_path:
+        st = _stat_if(fd_path)
+        if fd_path is None or st is None or not stat.S_ISREG(st.st_mode) or (
+                st.st_dev, st.st_ino) != (lib.dev, lib.ino):
+            raise OSError(errno.ESTALE, f"{lib.path} is no longer the file found there "
+                                        f"(inode {lib.ino})")
+        yield fd_path
 
 
 @contextlib.contextmanager
@@ -356,26 +398,39 @@ def exported_functions(path: str, wanted: frozenset[str] | None = None, *,
     """The function symbols of ``wanted`` (default: every kind marker) that ``path``
     defines in .dynsym or .symtab, with their file offsets.
 
-    Cheap on any file, a 1 GB framework library included: cached by (dev, inode,
-    mtime); only the section headers, the symbol tables and the matching bytes of the
-    string tables are touched (through a read-only mapping), each name found with a
-    byte search rather than by decoding every symbol. A stripped library keeps .dynsym
-    (what the dynamic linker resolves); a static executable's entry points are in
-    .symtab. Version suffixes (``@@libcudart.so.12``) are not part of the names.
+    Cheap on any file, a 1 GB framework library included: cached by the opened file's
+    (dev, inode, mtime, ctime); only the section headers, the symbol tables and the
+    matching bytes of the string tables are touched (through a read-only mapping), each
+    name found with a byte search rather than by decoding every symbol. A stripped
+    library keeps .dynsym (what the dynamic linker resolves); a static executable's
+    entry points are in .symtab. Version suffixes (``@@libcudart.so.12``) are not part of the names.
     """
-    st = os.stat(path)
-    return _exports_cached(path, st.st_dev, st.st_ino, st.st_mtime_ns,
-                           wanted if wanted is not None else _MARKERS, fingerprint)
-
-
-@lru_cache(maxsize=4096)
-def _exports_cached(path: str, _dev: int, _ino: int, _mtime: int, wanted: frozenset[str],
-                    fingerprint: bool) -> ElfExports:
+    # Opened once, then stat'ed and read through that descriptor: a path looked up twice
+    # (a stat, then an open) could name two files, one's exports cached as the other's.
     with open(path, "rb") as f:
-        try:
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError as exc:  # an empty file
-            raise ValueError(f"{path} is not an ELF file") from exc
+        st = os.fstat(f.fileno())
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns,
+               wanted if wanted is not None else _MARKERS, fingerprint)
+        got = _exports.get(key)
+        if got is None:
+            got = _exports_of(path, f, key[4], fingerprint)
+            if len(_exports) >= MAX_CLASSIFIED:
+                _exports.clear()
+            _exports[key] = got
+    return got
+
+
+# (dev, inode, mtime, ctime, wanted, fingerprint) -> exports: a file read once, whatever
+# path (a /proc/self/fd/N of the moment) it was read through.
+_exports: dict[tuple[int, int, int, int, frozenset[str], bool], ElfExports] = {}
+
+
+def _exports_of(path: str, f: BinaryIO, wanted: frozenset[str], fingerprint: bool
+                ) -> ElfExports:
+    try:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except ValueError as exc:  # an empty file
+        raise ValueError(f"{path} is not an ELF file") from exc
     with data:
         try:
             return _scan(path, data, wanted, fingerprint)
