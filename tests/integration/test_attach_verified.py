@@ -165,3 +165,23 @@ def test_a_library_whose_process_unmapped_it_is_refused_by_name(
     [why] = report.failed[lib.path]
     assert why.startswith("*: not attached: ") and "no longer maps" in why, why
     assert intruder.first_byte() != INT3
+
+
+def test_launch_probes_attached_again_land_on_the_mapped_file(
+        bpf: Any, swapped: tuple[libs.Library, Mapper, Mapper]) -> None:
+    """The always-on mode detaches the launch probes and attaches them again, later:
+    through the file kept open from the attach, not through the path."""
+    lib, mapping, intruder = swapped
+    attacher = probes.Attacher(bpf, launch_entry=True)
+    try:
+        report = attacher.attach(lib, ("cuda",))
+        if "+session" not in report.mechanism.get(lib.path, ""):
+            pytest.skip(f"no uprobe session link here ({report.mechanism}): Linux 6.13+")
+        assert attacher.set_launches(False)
+        off = mapping.first_byte() == INT3
+        assert attacher.set_launches(True)
+        got = [(m.first_byte() == INT3, m.launches(bpf)) for m in (mapping, intruder)]
+    finally:
+        attacher.close()
+    assert not off, "launch probes switched off, the breakpoint stayed"
+    assert got == [(True, CALLS), (False, 0)]
