@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # the command loads it only when it runs: `fleetd --version` 
     from fleetd.fleet.client import FleetClient
     from fleetd.fleet.hang import HangJson, HangVerdict
     from fleetd.fleet.notify import Notifier
-    from fleetd.fleet.straggle import Changes, StragglerJson
+    from fleetd.fleet.straggle import Changes, StragglerJson, StraggleWatch
 
 log = logging.getLogger("fleetd.watch")
 
@@ -157,12 +157,20 @@ async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
     """Poll until a hang, --once, --for, Ctrl-C or SIGTERM; returns the exit status."""
     from fleetd.fleet.client import FleetClient
     from fleetd.fleet.notify import Notifier
+    from fleetd.fleet.straggle import CAUSE_ASK_S, StraggleWatch
 
     notifier = Notifier(spec.delivery) if spec.delivery is not None else None
     stop = _Stop.install()
     try:
-        async with FleetClient(opts.client) as client:
-            return await _polls(opts, spec, out, err, client, notifier, stop)
+        # the causes' chains asks on connections of their own, with time to answer
+        asks = dataclasses.replace(opts.client, timeout_s=max(opts.client.timeout_s,
+                                                              CAUSE_ASK_S))
+        async with FleetClient(opts.client) as client, FleetClient(asks) as asker:
+            straggle = StraggleWatch(asker=asker)
+            try:
+                return await _polls(opts, spec, out, err, client, notifier, stop, straggle)
+            finally:
+                await straggle.aclose()
     except asyncio.CancelledError:
         if stop.requested:  # the second signal
             raise KeyboardInterrupt from None
@@ -172,9 +180,8 @@ async def watch(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO) -> int:
 
 
 async def _polls(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO, client: FleetClient,
-                 notifier: Notifier | None, stop: _Stop) -> int:
+                 notifier: Notifier | None, stop: _Stop, straggle: StraggleWatch) -> int:
     from fleetd.fleet.hang import DetailAsks, poll
-    from fleetd.fleet.straggle import StraggleWatch
 
     live = _tty(err)
     started = time.monotonic()
@@ -183,7 +190,6 @@ async def _polls(opts: Any, spec: WatchSpec, out: TextIO, err: TextIO, client: F
     hung_ever = False
     polls = 0
     detail = DetailAsks()
-    straggle = StraggleWatch()
     while True:
         t0 = time.monotonic()
         # A job that died while we watched is a finding; one that died before is not.

@@ -43,13 +43,14 @@ class ChainsAsk:
 
 
 async def chains_answers(answer: FleetAnswer, client: FleetClient,
-                         asks: Sequence[ChainsAsk], top_n: int | None = None
+                         asks: Sequence[ChainsAsk], top_n: int | None = None,
+                         timeout_s: float = CHAIN_TIMEOUT_S
                          ) -> dict[ChainsAsk, ChainsReply]:
     """Each ask's ``/api/v1/chains`` answer, checked by its reader, asked of the nodes
     at once, one ask at a time per node in the order given (an agent holds one large
     answer per client at a time: a second at once is refused, HTTP 429); one that cannot
-    say within CHAIN_TIMEOUT_S, or says it in a broken shape, is left out (logged): a
-    cause is named without it, or at the next ask."""
+    say within ``timeout_s`` (and the client's deadline), or says it in a broken shape,
+    is left out (logged): a cause is named without it, or at the next ask."""
     targets = {o.name: o.target for o in answer.answered}
     found: dict[ChainsAsk, ChainsReply] = {}
 
@@ -61,7 +62,7 @@ async def chains_answers(answer: FleetAnswer, client: FleetClient,
         if top_n is not None:
             params["top_n"] = str(top_n)
         try:
-            async with asyncio.timeout(CHAIN_TIMEOUT_S):
+            async with asyncio.timeout(timeout_s):
                 found[ask] = check_chains_reply(await client.get(target, paths.CHAINS,
                                                                  params))
         except (NodeFailed, TimeoutError, BadReply) as exc:

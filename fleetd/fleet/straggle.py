@@ -20,6 +20,7 @@ and :data:`BASELINE_GAP_S` before that poll, where the fault cannot have begun y
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -47,6 +48,11 @@ log = logging.getLogger("fleetd.fleet.straggle")
 FLAG_POLLS = 2  # consecutive polls late before a rank is flagged
 CALM_POLLS = 3  # consecutive polls not late before it recovers
 CAUSE_EVERY_S = 2.0  # a flagged rank's node asked again for its chain, until it names one
+# A node short of CPU or disk (the fault itself: a disk fault slows its agent's database
+# too) can take several seconds to answer for a window: each ask may take this long, and
+# a poll waits CAUSE_WAIT_S for a round before it goes on (the round goes on beside).
+CAUSE_ASK_S = 30.0
+CAUSE_WAIT_S = 2.0
 CAUSE_SINCE_S = 15  # the chain window at most: the straggle's own seconds, not the minutes before
 CAUSE_MIN_S = 5  # ...and at least (a sampled cgroup, a few steps)
 CAUSE_LEAD_S = 2  # ...from this long before the first poll that called the rank late
@@ -151,6 +157,8 @@ class StraggleWatch:
     open: dict[str, _Open] = field(default_factory=dict)
     recovered_at: dict[str, float] = field(default_factory=dict)  # key -> monotonic
     changes: Changes = field(default_factory=Changes)  # the last poll's
+    asker: FleetClient | None = None  # the chains asks' client (None: the poll's)
+    asking: _Round | None = None  # the round of chains asks under way
 
     async def poll(self, answer: FleetAnswer, client: FleetClient,
                    views: Sequence[RankView], age_error_s: float | None,
@@ -206,12 +214,32 @@ class StraggleWatch:
 
     async def causes(self, answer: FleetAnswer, client: FleetClient) -> list[StragglerJson]:
         """Ask for the chains of the flagged ranks without a cause (the straggle window),
-        their baselines (once) and their peers'; the ones that got a cause now."""
+        their baselines (once) and their peers'; the ones that got a cause now. A round
+        of asks runs beside the polls (on ``asker`` where set: a connection of its own,
+        so a node busy making a slow answer still answers the polls): a poll waits for it
+        CAUSE_WAIT_S, then goes on, and a later poll names what it found. A slow answer
+        delays the cause, it is not cut off and lost; one round at a time."""
+        named = self._collect()
+        if self.asking is None:
+            self.asking = self._start(answer, self.asker or client)
+            if self.asking is not None:
+                await asyncio.wait([self.asking.task], timeout=CAUSE_WAIT_S)
+                named += self._collect()
+        return named
+
+    async def aclose(self) -> None:
+        """Stop a round still asking (the watch ends)."""
+        if self.asking is not None:
+            self.asking.task.cancel()
+            await asyncio.gather(self.asking.task, return_exceptions=True)
+            self.asking = None
+
+    def _start(self, answer: FleetAnswer, client: FleetClient) -> _Round | None:
         now = time.monotonic()
         due = [o for o in self.open.values() if not _named(o.found)
                and now - o.asked >= CAUSE_EVERY_S]
         if not due:
-            return []
+            return None
         asks: dict[int, tuple[ChainsAsk, list[ChainsAsk], ChainsAsk | None]] = {}
         for o in due:
             o.asked = now
@@ -223,17 +251,39 @@ class StraggleWatch:
         # the late ranks' own windows first: a node answers one ask at a time
         wanted = [late for late, _, _ in asks.values()] + [
             a for _, peers, base in asks.values() for a in (*peers, *([base] if base else []))]
-        got = await chains_answers(answer, client, wanted)
+        task = asyncio.create_task(chains_answers(answer, client, wanted,
+                                                  timeout_s=CAUSE_ASK_S))
+        return _Round(task, due, asks, now)
+
+    def _collect(self) -> list[StragglerJson]:
+        """Name the causes a finished round found, for the ranks still flagged."""
+        r = self.asking
+        if r is None or not r.task.done():
+            return []
+        self.asking = None
+        got = r.task.result()
         named = []
-        for o in due:
-            late, peers, base = asks[id(o)]
+        for o in r.due:
+            if self.open.get(o.found["key"]) is not o or _named(o.found):
+                continue  # recovered meanwhile
+            late, peers, base = r.asks[id(o)]
             if base is not None and base in got:  # else asked again with the next
                 o.baseline, o.baseline_asked = cause_change.shares(got[base], base.pid), True
             if _name(o, got.get(late), [cause_change.shares(got[p], p.pid) for p in peers
-                                            if p in got],
-                     fallback=now - o.began + CAUSE_LEAD_S >= FALLBACK_S):
+                                        if p in got],
+                     fallback=r.at - o.began + CAUSE_LEAD_S >= FALLBACK_S):
                 named.append(o.found)
         return named
+
+
+@dataclass
+class _Round:
+    """One round of chains asks, running beside the polls."""
+
+    task: asyncio.Task[dict[ChainsAsk, ChainsReply]]
+    due: list[_Open]
+    asks: dict[int, tuple[ChainsAsk, list[ChainsAsk], ChainsAsk | None]]
+    at: float  # monotonic: when it was asked (its straggle window's end)
 
 
 def _name(o: _Open, reply: ChainsReply | None, peers: list[Shares | None], *,
