@@ -94,7 +94,9 @@ class Shares:
 class CauseChangeJson(TypedDict):
     """The named cause's share of the rank's wall time in the straggle window, its own
     before the onset, its on-time peers' (median) then, and the excess ranked
-    (``fleetd watch --format json``; docs/json.md). None where unknown."""
+    (``fleetd watch --format json``; docs/json.md). None where unknown. A CPU wait named
+    for a new task that ran while the rank waited (:func:`new_taker`): that task's time,
+    against its own in the references."""
 
     cause: str
     share: float
