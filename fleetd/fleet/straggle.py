@@ -60,6 +60,14 @@ USUAL_S = 60  # a rank's own lateness remembered this long (OwnLateness)...
 USUAL_SKIP_S = 10  # ...less its last seconds
 USUAL_POLLS = 10  # ...once it has this many polls
 USUAL_LAST = 3  # a poll counts its gap when it was last this often, else 0
+# A poll whose nodes answered further apart than this is not judged (streaks and calm
+# counts held): a rank's lateness is read from ages its node measured at its own "now",
+# and a delivery delayed on our side makes it late at every collective. On the
+# bench/detect.py bed the spread of a poll with a late rank was 13.5 ms at the median,
+# 27 ms at p90, over two full runs; 4 of its 450 polls spread 355-750 ms, all within 15 s
+# of a disk fault's end (its writeback), and made a rank 168-243 ms late at every
+# collective: two false alarms.
+UNSURE_S = 0.25
 BASELINE_S = 10  # the rank's own seconds before the onset, its per-cause reference
 BASELINE_MIN_S = 4  # ...at least (after its last straggle), else its peers' alone
 BASELINE_GAP_S = 1  # ...ending this long before the earliest the onset can be
@@ -173,6 +181,9 @@ class StraggleWatch:
                ) -> tuple[list[StragglerJson], list[StragglerJson]]:
         """This poll's ranks in; (newly flagged, recovered) out. ``read_at``: per node,
         when its answer was read (monotonic s): its ages are moved to one "now" first."""
+        if age_error_s is not None and age_error_s > UNSURE_S:
+            log.info("poll not judged: its nodes answered %.0f ms apart", age_error_s * 1e3)
+            return [], []  # streaks and calm counts held for the next poll
         err = None if age_error_s is None else int(age_error_s * 1e9)
         judged = lateness(in_one_now(views, read_at or {}), age_error_ns=err)
         if log.isEnabledFor(logging.DEBUG):

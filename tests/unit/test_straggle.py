@@ -112,6 +112,29 @@ def test_flag_needs_consecutive_polls_and_so_does_recovery() -> None:
     assert w.current() == []
 
 
+def test_a_poll_whose_nodes_answered_far_apart_is_not_judged() -> None:
+    """The detect bed's false alarms: after a disk fault, a poll whose answers came 415
+    and 750 ms apart had a rank late at every collective. Such a poll neither counts
+    towards a flag nor towards a recovery."""
+    w = StraggleWatch(flag_polls=2, calm_polls=2)
+    slow, healthy = job(3, 20_000_000), job(None, 0)
+    assert w.update(slow, 0.01) == ([], [])
+    assert w.update(job(1, 200_000_000), 0.415) == ([], [])  # not judged
+    assert [k.rsplit(":", 1)[1] for k in w.streak] == ["3"]  # rank 1's poll not counted
+    flagged, _ = w.update(slow, 0.01)  # rank 3's streak went on across it
+    assert [s["rank"] for s in flagged] == [3]
+    assert w.update(healthy, 0.01) == ([], [])
+    assert w.update(slow, 0.75) == ([], [])  # not judged: not late, not calm either
+    _, recovered = w.update(healthy, 0.01)
+    assert [s["rank"] for s in recovered] == [3]
+    fresh = StraggleWatch(flag_polls=2)
+    for _ in range(3):
+        assert fresh.update(job(1, 200_000_000), 0.5) == ([], [])
+    assert fresh.streak == {}
+    assert [s["rank"] for s in fresh.update(job(1, 200_000_000), 0.2)[0]] == []
+    assert [s["rank"] for s in fresh.update(job(1, 200_000_000), 0.2)[0]] == [1]
+
+
 def test_a_straggler_is_sent_firing_then_with_its_cause_then_resolved(tmp_path: Path) -> None:
     out = tmp_path / "got"
     n = Notifier(Delivery(command=["sh", "-c", f"cat >> {out}"]))
