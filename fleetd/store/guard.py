@@ -377,13 +377,9 @@ class SafeDB(QueryDB):
     def analyze(self, fn: Callable[[sqlite3.Connection], T], timeout_s: float) -> T:
         """Run the project's own read-only analysis under a deadline, on this connection.
 
-        The authorizer stays in place, so even analysis code cannot write. Every read of
-        one analysis sees one snapshot of the file (a read transaction): on a live
-        agent's database the writer commits and the pruner deletes between two reads,
-        and analyzers that join reads (counts, then the durations they count) must agree.
+        The authorizer stays in place, so even analysis code cannot write.
         """
         deadline = time.monotonic() + timeout_s
-        self._unguarded("BEGIN")
         self.conn.set_progress_handler(lambda: int(time.monotonic() > deadline), _PROGRESS_EVERY)
         try:
             return fn(self.conn)
@@ -400,16 +396,6 @@ class SafeDB(QueryDB):
             raise
         finally:
             self.conn.set_progress_handler(None, 0)
-            if self.conn.in_transaction:  # an interrupted statement may have ended it
-                self._unguarded("ROLLBACK")
-
-    def _unguarded(self, sql: str) -> None:
-        """A transaction statement of fleetd's own (the authorizer admits reads only)."""
-        self.conn.set_authorizer(None)
-        try:
-            self.conn.execute(sql)
-        finally:
-            self.conn.set_authorizer(self._auth)
 
     def _damaged(self, exc: BaseException) -> QueryError | None:
         """A damaged page met by a statement: the query's answer is an error that says

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -125,32 +124,3 @@ def test_stream_refuses_writes_before_its_columns(guarded: SafeDB) -> None:
         next(guarded.stream("DELETE FROM event_data"))
     assert err.value.code == "forbidden"
     assert guarded.query("SELECT 1").rows == [(1,)]  # the connection is usable after
-
-
-def test_an_analysis_reads_one_snapshot_while_the_writer_goes_on(small_db: Path) -> None:
-    """A live agent's file changes under an analysis: its reads all see the file as it was
-    when it began (one read transaction), and the transaction is gone afterwards."""
-    guarded = SafeDB(small_db, Limits(timeout_s=5))
-    writer = sqlite3.connect(small_db)
-    assert writer.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-
-    def count(conn: sqlite3.Connection) -> int:
-        return int(conn.execute("SELECT count(*) FROM event_data").fetchone()[0])
-
-    def two_reads(conn: sqlite3.Connection) -> tuple[int, int]:
-        first = count(conn)
-        with writer:  # the pruner, between two reads of one answer
-            writer.execute("DELETE FROM event_data WHERE id IN "
-                           "(SELECT id FROM event_data ORDER BY id LIMIT 10)")
-        return first, count(conn)
-
-    try:
-        first, second = guarded.analyze(two_reads, 5)
-        assert first == second > 0
-        assert not guarded.conn.in_transaction
-        assert guarded.analyze(count, 5) == first - 10  # the next answer sees the change
-        with pytest.raises(QueryError):  # and the guard still refuses writes
-            guarded.query("DELETE FROM event_data")
-    finally:
-        writer.close()
-        guarded.close()
