@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger("fleetd.store.sizecap")
 DEFAULT_WAL_BYTES = 4 * 2**20  # SQLite's default checkpoint point (1,000 pages of 4 KiB)
@@ -31,6 +32,23 @@ MIN_DATA_SHARE = 0.5
 # in frames (the table's and the time index's pages, their parents, the free list).
 WAL_BYTES_PER_ROW = 300
 MIN_ROWS_PER_TXN = 1_000
+
+
+def wal_bytes(db: Path) -> int:
+    """The size of ``db``'s -wal file (0 where there is none)."""
+    try:
+        return Path(f"{db}-wal").stat().st_size
+    except OSError:
+        return 0
+
+
+def on_disk(db: Path) -> int:
+    """The database's size on disk as an operator sees it: main file and -wal."""
+    try:
+        main = db.stat().st_size
+    except OSError:
+        main = 0
+    return main + wal_bytes(db)
 
 
 def wal_limit_bytes(cap: int) -> int:

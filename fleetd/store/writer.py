@@ -43,7 +43,7 @@ from fleetd.store.schema import (
     EventRow,
     ProcessFields,
 )
-from fleetd.store.sizecap import SizeCap, rows_per_txn, wal_pages
+from fleetd.store.sizecap import SizeCap, on_disk, rows_per_txn, wal_bytes, wal_pages
 
 log = logging.getLogger("fleetd.store.writer")
 
@@ -180,7 +180,6 @@ class BatchWriter:
         self.put_timeout_s = put_timeout_s
         self.stats = WriterStats()
         self._conn = open_writer(path)
-        self._wal = Path(f"{path}-wal")
         self._size = None if max_bytes is None else SizeCap(max_bytes, self.batch_rows)
         if max_bytes is not None:
             # Beside a small cap the WAL is checkpointed sooner and truncated back after
@@ -386,9 +385,19 @@ class BatchWriter:
             self._prune_if_needed(cap)
         with contextlib.suppress(sqlite3.Error):
             self.stats.used_bytes = self.used_bytes()
-        self.stats.file_bytes = self.file_bytes()
+        self.stats.file_bytes = on_disk(self.path)
         if self._size is not None:  # the prune's own frames are in the WAL now
-            self._size.observe(0, self._wal_bytes())
+            self._size.observe(0, wal_bytes(self.path))
+            if self.stats.file_bytes > self._size.cap:
+                self._truncate_wal()
+
+    def _truncate_wal(self) -> None:
+        """Over the cap: the WAL outgrew the headroom (a reader's snapshot kept it from
+        being reset) and the main file cannot shrink, so the WAL is emptied (a no-op
+        while a reader is still inside its snapshot: the next commit tries again)."""
+        with contextlib.suppress(sqlite3.Error):
+            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        self.stats.file_bytes = on_disk(self.path)
 
     def _data_cap(self) -> int | None:
         """The used size to prune to under store.max_bytes: the cap less what the last
@@ -396,22 +405,8 @@ class BatchWriter:
         if self._size is None:
             return None
         with contextlib.suppress(sqlite3.Error):
-            self._size.observe(self.used_bytes() - self.stats.used_bytes, self._wal_bytes())
+            self._size.observe(self.used_bytes() - self.stats.used_bytes, wal_bytes(self.path))
         return self._size.target()
-
-    def _wal_bytes(self) -> int:
-        try:
-            return self._wal.stat().st_size
-        except OSError:
-            return 0
-
-    def file_bytes(self) -> int:
-        """The database's size on disk as an operator sees it: main file and -wal."""
-        try:
-            main = self.path.stat().st_size
-        except OSError:
-            main = 0
-        return main + self._wal_bytes()
 
     def _write(self, item: _Item) -> int:
         conn, node = self._conn, self.node_key
