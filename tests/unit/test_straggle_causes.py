@@ -253,6 +253,19 @@ def _hog_parts(factor: float) -> tuple[Shares, Shares, list[Shares], frozenset[i
     return now, before, theirs, _ranks(d)
 
 
+def _hog_named_at_once(d: dict[str, Any], before: Shares, theirs: list[Shares],
+                       hog_pid: int) -> _Open:
+    """The watch's naming of ``d``'s late rank at its first ask (no fallback): a
+    cpu_contention chain with the hog as its culprit. The rank's open straggle."""
+    o = _open(d)
+    o.baseline, o.ranks = before, _ranks(d)
+    assert _name(o, read(d["late"]), list(theirs), fallback=False)
+    top = o.found["top_chain"]
+    assert top is not None and top["root_cause"] == "cpu_contention"
+    assert top.get("culprit") == {"pid": hog_pid, "comm": "fleetd-hog"}
+    return o
+
+
 def test_a_hog_past_its_references_bound_is_named_before_the_fallback() -> None:
     """The same answer with the hog's time five times (29% of the rank's wall; its
     peers' bound per second awake is 8%, as their lists are cut to 3 culprits here, and
@@ -267,12 +280,7 @@ def test_a_hog_past_its_references_bound_is_named_before_the_fallback() -> None:
     assert new is not None and new.taker[1] == "fleetd-hog"
     assert new.change.cause == "cpu_contention"
     assert new.change.now >= NEW_TAKER_RATIO * new.change.reference
-    o = _open(d)
-    o.baseline, o.ranks = before, _ranks(d)
-    assert _name(o, read(d["late"]), list(theirs), fallback=False)
-    top = o.found["top_chain"]
-    assert top is not None and top["root_cause"] == "cpu_contention"
-    assert top.get("culprit") == {"pid": new.taker[0], "comm": "fleetd-hog"}
+    o = _hog_named_at_once(d, before, theirs, new.taker[0])
     assert o.found["changed"]["share"] == pytest.approx(new.change.now, abs=1e-4)
 
 
@@ -306,10 +314,5 @@ def test_a_hog_is_named_at_the_first_ask_from_its_culprits() -> None:
     assert new is not None and new.taker[1] == "fleetd-hog"
     assert new.change.now > 0.2 and new.change.before is not None and new.change.peers
     assert new.change.now >= NEW_TAKER_RATIO * new.change.reference
-    o = _open(d)
-    o.baseline, o.ranks = before, _ranks(d)
-    assert _name(o, read(d["late"]), list(theirs), fallback=False)
-    top = o.found["top_chain"]
-    assert top is not None and top["root_cause"] == "cpu_contention"
-    assert top.get("culprit") == {"pid": new.taker[0], "comm": "fleetd-hog"}
+    o = _hog_named_at_once(d, before, theirs, new.taker[0])
     assert o.found["changed"]["cause"] == "cpu_contention"
