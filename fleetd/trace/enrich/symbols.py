@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fleetd.security.procfs import regular_in_root
+from fleetd.trace.host.libs import maps_device
 
 if TYPE_CHECKING:
     from fleetd.trace.bpf.decoder import Batch
@@ -132,10 +133,8 @@ def mappings(pid: int) -> list[_Mapping]:
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue
         lo, hi = (int(x, 16) for x in parts[0].split("-"))
-        major, _, minor = parts[3].partition(":")
         out.append(_Mapping(lo, hi, int(parts[2], 16), parts[5].removesuffix(" (deleted)"),
-                            "x" in parts[1], os.makedev(int(major, 16), int(minor, 16)),
-                            int(parts[4])))
+                            "x" in parts[1], maps_device(parts[3]), int(parts[4])))
     return out
 
 

@@ -216,11 +216,16 @@ def _stat_if(fd_path: str | None) -> os.stat_result | None:
         return None
 
 
+def maps_device(text: str) -> int:
+    """The device a maps line writes as "fd:01" (hex major:minor); ValueError if not."""
+    major, _, minor = text.partition(":")
+    return os.makedev(int(major, 16), int(minor, 16))
+
+
 def _same_file(st: os.stat_result, key: tuple[str, int]) -> bool:
     """A regular file whose device and inode are a maps line's ("fd:01", inode)."""
-    major, _, minor = key[0].partition(":")
     try:
-        dev = os.makedev(int(major, 16), int(minor, 16))
+        dev = maps_device(key[0])
     except ValueError:
         return False
     return stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) == (dev, key[1])
