@@ -131,10 +131,16 @@ def _v5_to_v6(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Lay
     return dict(layout)
 
 
+def _v6_to_v7(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Layout:
+    """Version 7 added task_seen, the writer's own bookkeeping for pruning, which a
+    merge does not copy: a version-6 file's tables read as they are."""
+    return dict(layout)
+
+
 # UPGRADES[v] presents a version-v file as version v + 1; the next migration in
 # schema.MIGRATIONS adds its step here.
 UPGRADES: dict[int, Upgrade] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5,
-                                5: _v5_to_v6}
+                                5: _v5_to_v6, 6: _v6_to_v7}
 
 
 # ---- what a merge reports --------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any, Literal, TypedDict
 from fleetd.store.catalog import OPS, SOURCES
 
 APPLICATION_ID = 0x666C7464  # "fltd": tells our files from any other SQLite file
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 SEQ_BITS = 40
 SEQ_MASK = (1 << SEQ_BITS) - 1
 
@@ -491,8 +491,28 @@ FROM process_data p JOIN nodes n ON n.id = p.node;
 # The version stays (files at 6 exist); it creates nothing.
 _V6 = ""
 
+# Version 7: task_seen, the newest event id naming each thread or process id when the
+# writer stored it (fleetd.store.taskrefs), so that pruning can delete the task_data and
+# process_data rows no stored event names any more (there is no index on event_data's
+# pid, tid or peer: see version 6). Rows already stored are given the newest event id of
+# their node: kept until every event stored before the migration is pruned.
+_SEEN_NEWEST = ("SELECT coalesce(max(e.id), 0) FROM event_data e WHERE e.id BETWEEN "
+                "{t}.node << 40 AND ({t}.node << 40) + 1099511627775")
+_V7 = f"""
+CREATE TABLE task_seen (
+    node    INTEGER NOT NULL,
+    id      INTEGER NOT NULL,                -- a tid or a pid (the kernel numbers them alike)
+    last_id INTEGER NOT NULL,                -- event_data.id: the newest naming it
+    PRIMARY KEY (node, id)
+) WITHOUT ROWID;
+INSERT OR IGNORE INTO task_seen(node, id, last_id)
+SELECT t.node, t.tid, ({_SEEN_NEWEST.format(t="t")}) FROM task_data t;
+INSERT OR IGNORE INTO task_seen(node, id, last_id)
+SELECT p.node, p.pid, ({_SEEN_NEWEST.format(t="p")}) FROM process_data p;
+"""
+
 # Index i holds the SQL that takes a database from version i to i + 1.
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6)
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7)
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 
