@@ -29,7 +29,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,24 +279,30 @@ def start_in(groups: Sequence[Path], argv: list[str], cpu: int | None = None,
     """``argv`` started inside every cgroup of ``groups`` (and pinned to ``cpu``; with
     ``env`` as its environment): the child joins them before exec, never the test's own
     process."""
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=_joining(groups, cpu))
+
+
+def _joining(groups: Sequence[Path], cpu: int | None = None) -> Callable[[], None]:
+    """A child's preexec: pin it to ``cpu`` and move it into every cgroup of ``groups``."""
     def enter() -> None:
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
         for g in groups:
             (g / "cgroup.procs").write_text(str(os.getpid()))
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=enter)
+    return enter
 
 
 def trace_for(pid: int, db: Path, go: Path, duration: str, *trace_args: str,
-              verbose: bool = False) -> str:
+              verbose: bool = False, groups: Sequence[Path] = ()) -> str:
     """``fleetd [-v] trace --pid PID --duration DURATION TRACE_ARGS``, ``go`` touched once
     it traces (the workload waits for it): for tests that start their workload their own
-    way. Returns all it wrote to stderr; a failure says all of it, from before and after
-    it started."""
+    way; the tracer in every cgroup of ``groups``. Returns all it wrote to stderr; a
+    failure says all of it, from before and after it started."""
     tr = subprocess.Popen([FLEETD, *(["-v"] if verbose else []), "trace", "--pid", str(pid),
                            "--db", str(db), "--duration", duration, *trace_args],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=_joining(groups))
     assert tr.stderr is not None
     said = []
     for line in tr.stderr:

@@ -6,7 +6,7 @@ Kineto or nsys timeline (``gpu_data``) says when the process's GPUs were idle. H
 two meet: the idle gaps (holes of at least ``MIN_GAP_NS`` between the union of the
 process's kernels, copies and sets, on any of its devices, inside the time the thread
 was sampled), the samples that fell in them, and their top frames by share of those
-samples. The sampler stores a count per interval (5 s), not each sample's time, so each
+samples. The sampler stores a count per interval (1 s), not each sample's time, so each
 interval's count is apportioned by the share of it the gaps cover: an interval that
 meets no gap gives none. The time stated is ``samples x period`` (the sampler's own
 accounting) over the idle time. ``host_cpu_bound`` and ``fleetd gpu``'s host-bound

@@ -5,8 +5,8 @@ second per CPU (a software CPU-clock perf event): the thread, its native user st
 Python frames and whether its interpreter was collecting garbage. Here the samples are
 drained from their own ring, symbolized while the process is alive (the same merge of
 native and Python frames as the CUDA records' stacks, :mod:`fleetd.trace.enrich.stacks`) and
-counted per (thread, stack): every ``interval_ns`` one ``cpu_sample`` event per distinct
-(thread, stack) is written, ``a0`` samples, ``a1`` of them in the collector, ``bytes``
+counted per (thread, stack): every ``interval_ns`` (a second) one ``cpu_sample`` event per
+distinct (thread, stack) is written, ``a0`` samples, ``a1`` of them in the collector, ``bytes``
 the sampling period. Storage grows with distinct stacks, not with samples.
 
 Garbage collection is read from the interpreter's own state: the ``collecting`` flag of
@@ -51,7 +51,13 @@ OP_GC_PAUSE = op_code("gc_pause")
 FL_CPU_GC = 1  # bpf/oncpu.bpf.c: the interpreter was collecting
 GC_FRAME = "[garbage collection]"
 DEFAULT_HZ = 49  # not a divisor of common timer rates: no lockstep with periodic work
-INTERVAL_NS = 5_000_000_000
+# The counts are written every second: a GC storm or a hot loop that makes a rank late is
+# seen by the watch's first cause ask (fleetd.fleet.straggle), a second or two after the
+# samples were taken, not up to 5 s later when a CPU wait it caused was already named.
+INTERVAL_NS = 1_000_000_000
+# ...while the kernel's stack map (and the names resolved from its ids) is started afresh
+# only every 5 s: each reset costs a delete per stored stack and a walk per stack seen again.
+RESET_NS = 5_000_000_000
 PY_DEEPER = 3  # FL_PY_DEEPER
 GC_EVENT_KIND = 0x6763  # FL_GC_EVENT
 # Consecutive GC samples of a thread belong to one pause while no more than this many
@@ -181,6 +187,7 @@ class CpuSampler:
                  to_wall: Callable[[int], int], interval_ns: int = INTERVAL_NS) -> None:
         self.bpf, self.python, self.symbols, self.hz = bpf, python, symbols, hz
         self.to_wall, self.interval_ns = to_wall, interval_ns
+        self._reset_at = 0  # monotonic ns: when the stack map was last started afresh
         self.stacks = bpf[b"fl_cpu_stacks"]
         self.gc_map = bpf[b"fl_cpu_gc"]
         self.counts = Counts(period_ns=1_000_000_000 // hz)
@@ -214,7 +221,7 @@ class CpuSampler:
                 return 0
 
             table.open_ring_buffer(callback)
-        self.counts.interval_start = now_mono
+        self.counts.interval_start = self._reset_at = now_mono
 
     def pause(self) -> None:
         """Stop sampling (the perf events closed); the ring and the counts stay."""
@@ -379,19 +386,24 @@ class CpuSampler:
 
     def flush(self, writer: BatchWriter, now_mono: int, final: bool = False) -> None:
         """Write the interval's counts and the pauses that ended; at the end, every
-        pause. Then start the native stack map afresh: ids resolved so far are in the
-        cache's hashes, and a full map would stop native stacks."""
+        pause. Every RESET_NS, start the native stack map afresh: ids resolved so far are
+        in the cache's hashes, and a full map would stop native stacks."""
         self.drain(writer)
         self.counts.close_stale(1 << 62 if final else now_mono)
         rows = self.counts.rows(now_mono, self.to_wall)
         if rows:
             writer.add_events(rows)
             self.rows_written += len(rows)
+        if final or now_mono - self._reset_at >= RESET_NS:
+            self._reset(now_mono)
+        if final:
+            self.usdt.close()  # the semaphores raised in the targets go back down
+
+    def _reset(self, now_mono: int) -> None:
+        self._reset_at = now_mono
         self.stacks.clear()
         self._hashes.clear()
         self._native_names.clear()  # the ids start again with the map
-        if final:
-            self.usdt.close()  # the semaphores raised in the targets go back down
 
 
 def collecting_address(interp: pyframes.Interpreter) -> int | None:
