@@ -72,12 +72,14 @@ BASELINE_S = 10  # the rank's own seconds before the onset, its per-cause refere
 BASELINE_MIN_S = 4  # ...at least (after its last straggle), else its peers' alone
 BASELINE_GAP_S = 1  # ...ending this long before the earliest the onset can be
 PEERS_ASKED = 3  # on-time ranks of its group whose same seconds are the other reference
-# No cause rose: the costliest chain is named once the straggle window is this long.
-# On-CPU samples (a GC storm's among them) reach the node's database once per 5 s
-# interval (fleetd.trace.enrich.oncpu.INTERVAL_NS): the first asks may not see them yet.
-# The onset is 4-5 s before the first late poll (the lateness window), so a window of
-# 8 s (6 s after that poll) ends 10 s or more after the onset: one interval written.
+# No cause rose: the costliest chain is named once the straggle window is this long
+# (the onset is 4-5 s before the first late poll, so it ends 10 s or more after it).
 FALLBACK_S = 8
+# On-CPU samples (a GC storm's among them) reach the node's database within 2 s of being
+# taken (fleetd.trace.enrich.oncpu.INTERVAL_NS, 1 s, and the agent's 1 s maintenance
+# tick): a straggle window this long holds a second or more of the straggle's own
+# samples, and a CPU wait the rank's own work caused can be told from one imposed on it.
+SETTLED_S = 3
 
 
 class StragglerJson(TypedDict):
@@ -282,7 +284,8 @@ class StraggleWatch:
                 o.baseline, o.baseline_asked = cause_change.shares(got[base], base.pid), True
             if _name(o, got.get(late), [cause_change.shares(got[p], p.pid) for p in peers
                                         if p in got],
-                     fallback=r.at - o.began + CAUSE_LEAD_S >= FALLBACK_S):
+                     fallback=r.at - o.began + CAUSE_LEAD_S >= FALLBACK_S,
+                     settled=r.at - o.began + CAUSE_LEAD_S >= SETTLED_S):
                 named.append(o.found)
         return named
 
@@ -298,10 +301,12 @@ class _Round:
 
 
 def _name(o: _Open, reply: ChainsReply | None, peers: list[Shares | None], *,
-          fallback: bool = True) -> bool:
+          fallback: bool = True, settled: bool = True) -> bool:
     """Name the cause that rose most in the late rank's answer; where none rose by
     MIN_EXCESS (a cause every rank pays that pressed harder on this one: a CPU hog
-    beside it on a host already short of CPU), its costliest chain with ``fallback``."""
+    beside it on a host already short of CPU), its costliest chain with ``fallback``.
+    Until ``settled`` (the window holds the straggle's own on-CPU samples), a CPU wait
+    is named only where the rank ran less (:func:`cause_change.ranked`)."""
     if reply is None:
         return False
     pid = o.found["pid"]
@@ -309,10 +314,13 @@ def _name(o: _Open, reply: ChainsReply | None, peers: list[Shares | None], *,
     if mine is None:
         return False
     refs = [p for p in peers if p is not None]
-    found = cause_change.ranked(mine, o.baseline, refs, settled=fallback)
+    found = cause_change.ranked(mine, o.baseline, refs, settled=settled)
     # a task new beside the rank (a hog) took the time it waited for a CPU: named after
     # any other cause that rose, at once (its chains are written as it runs)
     new = cause_change.new_taker(mine, o.baseline, refs, o.ranks)
+    if new is None and not found and cause_change.ran_less(mine, o.baseline, refs):
+        # nothing rose but the rank's CPU was taken: by a task no reference lists
+        new = cause_change.new_taker(mine, o.baseline, refs, o.ranks, unseen=True)
     if new is not None and new.change.cause not in {x.cause for x in found}:
         found.append(new.change)
     if log.isEnabledFor(logging.DEBUG):

@@ -316,3 +316,90 @@ def test_a_hog_is_named_at_the_first_ask_from_its_culprits() -> None:
     assert new.change.now >= NEW_TAKER_RATIO * new.change.reference
     o = _hog_named_at_once(d, before, theirs, new.taker[0])
     assert o.found["changed"]["cause"] == "cpu_contention"
+
+
+def test_a_gc_storm_at_its_quota_is_named_gc_though_throttling_rose_more() -> None:
+    """A full run's GC storm (load 7) whose rank was throttled 51% of its wall, against
+    none before, on a 25% slice: the storm's CPU work past the quota. Per second awake it
+    ran 0.97 of its reference, the quota's cap, not a CPU taken from it, so the GC is
+    named, at the watch's first ask (its window onset+1.5 .. +6.5 s; the answer read from
+    the kept database, samples included, as a node writing them every second has them
+    then). The old "ran less" (any less) named cpu_throttled there, at 6.7 s."""
+    now, before, theirs = parts("gc_quota")
+    assert now.causes["cpu_throttled"] > 5 * now.causes["gc_pause"]
+    assert not cause_change.ran_less(now, before, theirs)
+    assert [x.cause for x in ranked(now, before, theirs)] == ["gc_pause", "cpu_throttled"]
+    d = fault("gc_quota")
+    o = _open(d)
+    o.baseline = before
+    assert _name(o, read(d["late"]), list(theirs), fallback=False)
+    assert o.found["top_chain"] is not None
+    assert o.found["top_chain"]["root_cause"] == "gc_pause"
+    # before the straggle's samples are written, no CPU wait is named for it
+    unsampled = Shares({k: v for k, v in now.causes.items() if k != "gc_pause"},
+                       now.running, now.asleep)
+    assert ranked(unsampled, before, theirs, settled=False) == []
+
+
+def test_a_rank_that_ran_barely_less_at_its_quota_did_not_have_its_cpu_taken(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same answers with "less" meaning any less: the 3% a quota's cap hides made
+    the throttling a CPU taken from the rank, named first (the full run's wrong cause).
+    A quota cut (quota.json) or a hog (hog_unseen.json) takes far more."""
+    now, before, theirs = parts("gc_quota")
+    monkeypatch.setattr(cause_change, "RAN_LESS", 1.0)
+    assert cause_change.ran_less(now, before, theirs)
+    assert ranked(now, before, theirs)[0].cause == "cpu_throttled"
+    monkeypatch.undo()
+    for kind in ("quota", "hog_unseen"):
+        assert cause_change.ran_less(*parts(kind)), kind
+
+
+def test_a_hog_no_reference_lists_is_named_at_the_first_ask() -> None:
+    """A quick run's hog (load 8) that took 13% of the rank's wall while it waited for a
+    CPU: no cause rose, and 13% is not 3x the 7% its references can hide (their least
+    listed culprits, per second awake), so the 3x rule waited for the 8 s fallback
+    (14.4 s after onset). But no reference lists it at all, and the rank ran 0.65 of its
+    reference per second awake: its CPU was taken, by a task that was not there to take
+    it. Named cpu_contention with the hog as culprit, at the first ask."""
+    now, before, theirs = parts("hog_unseen")
+    d = fault("hog_unseen")
+    assert ranked(now, before, theirs) == []
+    assert new_taker(now, before, theirs, _ranks(d)) is None  # the 3x rule
+    assert cause_change.ran_less(now, before, theirs)
+    new = new_taker(now, before, theirs, _ranks(d), unseen=True)
+    assert new is not None and new.taker[1] == "fleetd-hog"
+    assert new.change.now < NEW_TAKER_RATIO * new.change.reference
+    o = _hog_named_at_once(d, before, theirs, new.taker[0])
+    assert o.found["changed"]["share"] == pytest.approx(new.change.now, abs=1e-4)
+
+
+def test_a_task_some_reference_lists_or_a_rank_that_kept_its_cpu_is_not_unseen() -> None:
+    """The hog_unseen answers changed one way each: the rank's own baseline lists the hog
+    (at 2% of its wall: a task that was there, for the 3x rule to judge), or the rank ran
+    as much as before per second awake (nothing was taken from it: the fallback names its
+    costliest chain in time). Either way the first ask names nothing."""
+    d = fault("hog_unseen")
+    now, _, theirs = parts("hog_unseen")
+    listed = copy.deepcopy(d)
+    hog = next(u for c in d["late"]["chains"] for u in c["culprits"]
+               if u["comm"] == "fleetd-hog")
+    chain = next(c for c in listed["baseline"]["chains"]
+                 if c["root_cause"] == "cpu_contention" and c["victim"]["pid"] == d["pid"])
+    proc = next(p for p in listed["baseline"]["processes"] if p["pid"] == d["pid"])
+    wall = sum(proc[k] for k in ("running_ns", "runq_ns", "irq_ns", "d_state_ns",
+                                 "sleeping_ns"))
+    chain["culprits"].append({**hog, "ns": int(0.02 * wall)})
+    before = shares(read(listed["baseline"]), d["pid"])
+    assert before is not None
+    assert new_taker(now, before, theirs, _ranks(d), unseen=True) is None
+    o = _open(listed)
+    o.baseline, o.ranks = before, _ranks(d)
+    assert not _name(o, read(d["late"]), list(theirs), fallback=False)
+    kept = copy.deepcopy(d)
+    row = next(p for p in kept["late"]["processes"] if p["pid"] == d["pid"])
+    row["runq_ns"] -= row["running_ns"]
+    row["running_ns"] *= 2
+    o = _open(kept)
+    o.baseline, o.ranks = parts("hog_unseen")[1], _ranks(d)
+    assert not _name(o, read(kept["late"]), list(theirs), fallback=False)
