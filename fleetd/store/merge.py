@@ -137,10 +137,16 @@ def _v6_to_v7(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Lay
     return dict(layout)
 
 
+def _v7_to_v8(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Layout:
+    """Version 8 added an index only (event_sparse): a version-7 file's tables read as
+    they are."""
+    return dict(layout)
+
+
 # UPGRADES[v] presents a version-v file as version v + 1; the next migration in
 # schema.MIGRATIONS adds its step here.
 UPGRADES: dict[int, Upgrade] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5,
-                                5: _v5_to_v6, 6: _v6_to_v7}
+                                5: _v5_to_v6, 6: _v6_to_v7, 7: _v7_to_v8}
 
 
 # ---- what a merge reports --------------------------------------------------------------

@@ -17,9 +17,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
 from fleetd.store.catalog import OPS, SOURCES
+from fleetd.store.sparse import SPARSE_INDEX_SQL
 
 APPLICATION_ID = 0x666C7464  # "fltd": tells our files from any other SQLite file
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 SEQ_BITS = 40
 SEQ_MASK = (1 << SEQ_BITS) - 1
 
@@ -511,8 +512,15 @@ INSERT OR IGNORE INTO task_seen(node, id, last_id)
 SELECT p.node, p.pid, ({_SEEN_NEWEST.format(t="p")}) FROM process_data p;
 """
 
+# Version 8: event_sparse, a partial index on (op, ts_ns) of the sparse sources' rows
+# only (NCCL, graphs, memory, block I/O, processes, cgroup and CPU samples), so that a
+# read of a rare op does not walk every event of the window; the dense ones (CUDA calls,
+# the scheduler, interrupts, syscalls) stay out of it and cost the writer one test of
+# the condition each (fleetd.store.sparse, docs/performance.md).
+_V8 = SPARSE_INDEX_SQL
+
 # Index i holds the SQL that takes a database from version i to i + 1.
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7)
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8)
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 

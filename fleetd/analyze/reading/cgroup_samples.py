@@ -17,6 +17,7 @@ from typing import Any
 from fleetd.analyze.reading.data import args_object
 from fleetd.analyze.reading.nodeview import NodeView
 from fleetd.analyze.reading.rows import CgroupPlace, CgroupPlaceKey
+from fleetd.store.sparse import sparse_only
 
 # The args keys that say where a cgroup runs (fleetd.analyze.reading.pods.where shows them).
 PLACE_KEYS: tuple[CgroupPlaceKey, ...] = ("container", "container_name", "runtime", "pod",
@@ -40,7 +41,8 @@ def samples(view: NodeView, op: int, columns: tuple[str, ...], *, by_time: bool 
     for row in view.conn.execute(
             f"SELECT {picked}, x.args FROM event_data e LEFT JOIN "
             "event_args x ON x.id = e.id WHERE e.op = ? AND e.ts_ns >= ? AND e.ts_ns < ? "
-            f"AND e.id BETWEEN ? AND ? AND (e.ts_ns >= ? OR e.ts_ns + e.dur_ns > ?){order}",
+            f"AND e.id BETWEEN ? AND ? AND (e.ts_ns >= ? OR e.ts_ns + e.dur_ns > ?)"
+            f"{sparse_only((op,))}{order}",
             (op, start - reach_ns, view.win.end_ns, view.node.lo, view.node.hi, start, start)):
         yield tuple(row[:-1]), args_object(row[-1])
 

@@ -29,6 +29,7 @@ from fleetd.store.catalog import (
 from fleetd.store.catalog import CALL_SOURCES as CALL_SOURCES
 from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS, SessionClock, node_boot, session_clock
 from fleetd.store.schema import SEQ_BITS
+from fleetd.store.sparse import sparse_only
 
 MAX_AGG_WINDOW_NS = 3600 * 10**9  # aggregate windows are flushed far more often than this
 # The op families the analyzers read by name (defined in fleetd.store.catalog).
@@ -356,7 +357,8 @@ def job_peers(conn: sqlite3.Connection, node: Node, win: Window) -> dict[int, fr
         for pid, args in conn.execute(
                 "SELECT e.pid, x.args FROM event_data e JOIN event_args x ON x.id = e.id "
                 "WHERE e.ts_ns >= ? AND e.ts_ns < ? AND e.id BETWEEN ? AND ? AND e.op IN "
-                f"{in_list(NCCL_CODES)} AND instr(x.args, 'comm_hash') > 0",
+                f"{in_list(NCCL_CODES)}{sparse_only(NCCL_CODES)} "
+                "AND instr(x.args, 'comm_hash') > 0",
                 (win.start_ns, win.end_ns, n.lo, n.hi)):
             comm = _comm_hash(args)
             if comm is not None and isinstance(pid, int):

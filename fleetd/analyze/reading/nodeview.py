@@ -22,6 +22,7 @@ from fleetd.analyze.reading.data import CALL_CODES, Node, code, in_list
 from fleetd.analyze.reading.profile import StackCount, StackRow, counts_of, stack_rows
 from fleetd.analyze.reading.sums import Sum
 from fleetd.analyze.reading.window import Window
+from fleetd.store.sparse import sparse_only
 
 OFF_CPU, RUNQ, WAKEUP = code("off_cpu"), code("runq_wait"), code("wakeup")
 HARDIRQ, SOFTIRQ, BLOCK_IO = code("hardirq"), code("softirq"), code("block_io")
@@ -117,7 +118,8 @@ class NodeView:
         # neighbour saturating the disk). Few by construction; kept in memory.
         rows = self.conn.execute(
             "SELECT id, ts_ns, dur_ns, pid, tid, bytes FROM event_data WHERE ts_ns >= ? "
-            "AND ts_ns < ? AND id BETWEEN ? AND ? AND op = ? ORDER BY ts_ns",
+            f"AND ts_ns < ? AND id BETWEEN ? AND ? AND op = ?{sparse_only((BLOCK_IO,))} "
+            "ORDER BY ts_ns",
             (self.win.start_ns - 10**10, self.win.end_ns, self.node.lo, self.node.hi, BLOCK_IO),
         )
         return [Ev(r[0], r[1], r[2], r[3], r[4], BLOCK_IO, nbytes=r[5]) for r in rows]

@@ -25,6 +25,7 @@ from fleetd.analyze.reading.answers import CpuProfile, CpuStack, FlameStack, Fla
 from fleetd.analyze.reading.data import Node, code, in_list, json_or_text
 from fleetd.analyze.reading.frames import folded, short_frame
 from fleetd.analyze.reading.window import Window
+from fleetd.store.sparse import sparse_only
 
 CPU_SAMPLE = code("cpu_sample")
 GC_FRAME = "[garbage collection]"  # fleetd.trace.enrich.oncpu.GC_FRAME
@@ -83,7 +84,8 @@ def stack_rows(conn: sqlite3.Connection, node: Node, win: Window, pid: int | Non
                tid: int | None = None) -> list[StackRow]:
     """The samples summed per (pid, tid, stack), in that order, each with its largest
     period: a part of them (one thread's) is that thread's :func:`counts_of`."""
-    where = "op = ? AND ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
+    where = ("op = ? AND ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
+             f"{sparse_only((CPU_SAMPLE,))}")
     params: list[int] = [CPU_SAMPLE, win.start_ns, win.end_ns, node.lo, node.hi]
     if pid is not None:
         where += " AND pid = ?"
@@ -132,7 +134,8 @@ def samples_in_spans(conn: sqlite3.Connection, node: Node, win: Window, pid: int
     only = "" if tid is None else f" AND tid = {int(tid)}"
     for t, ts, dur, h, n, g in conn.execute(
             "SELECT tid, ts_ns, dur_ns, stack, a0, a1 FROM event_data WHERE op = ? AND "
-            f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND pid = ?{only}",
+            f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND pid = ?{only}"
+            f"{sparse_only((CPU_SAMPLE,))}",
             (CPU_SAMPLE, win.start_ns, win.end_ns, node.lo, node.hi, pid)):
         lo, dur = int(ts), int(dur or 0)
         part = (upto(lo + dur) - upto(lo)) / dur if dur > 0 else 0.0
