@@ -1,7 +1,8 @@
 """The node database: the bottom stage every other one reads or writes.
 
-* the file: ``schema`` (tables, versions, migrations), ``db`` (open, create, refuse),
-  ``files`` (no symlinks, owner-only), ``writer`` (the one writer thread),
+* the file: ``schema`` (tables, versions, migrations), ``sparse`` (the rare ops' index),
+  ``db`` (open, create, refuse), ``files`` (no symlinks, owner-only), ``writer`` (the one
+  writer thread),
   ``pruning`` and ``sizecap`` (the oldest events deleted to keep the files under a cap),
   ``losses`` (what a crash or a full disk cost), ``health`` (the agent's
   report of its tracer and store), ``checks``;

@@ -28,6 +28,7 @@ from fleetd.store.clockinfo import (
     same_boot,
     session_clock,
 )
+from fleetd.store.sparse import sparse_only
 
 if TYPE_CHECKING:  # a type only: the registry reads this module's limits at start-up
     from fleetd.analyze.pernode.model import NodeSlice
@@ -134,7 +135,8 @@ def read_arrivals(sl: NodeSlice, max_rows: int | None = None, max_bytes: int | N
         "SELECT e.ts_ns, e.dur_ns, e.pid, e.tid, e.op, e.ret, e.bytes, x.args "
         "FROM event_data e LEFT JOIN event_args x ON x.id = e.id "
         "WHERE e.ts_ns >= ? AND e.ts_ns < ? AND e.id BETWEEN ? AND ? "
-        f"AND e.op IN {in_list(COLLECTIVE_CODES)} ORDER BY e.ts_ns DESC, e.id DESC LIMIT ?",
+        f"AND e.op IN {in_list(COLLECTIVE_CODES)}{sparse_only(COLLECTIVE_CODES)} "
+        "ORDER BY e.ts_ns DESC, e.id DESC LIMIT ?",
         (win.start_ns, win.end_ns, node.lo, node.hi,
          -1 if max_rows is None else max_rows + 1))
     out: list[Arrival] = []

@@ -16,6 +16,7 @@ from fleetd.analyze.distributed.arrivals import dur_text
 from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, NcclErrorCount
 from fleetd.analyze.reading.data import in_list, name_of
 from fleetd.store.catalog import NCCL, NCCL_COMM_CREATES
+from fleetd.store.sparse import sparse_only
 from fleetd.store.timeparse import format_ns
 
 NCCL_CODES: tuple[int, ...] = NCCL.codes
@@ -44,7 +45,7 @@ def failures(ctx: Context) -> tuple[list[Chain], list[str]]:
     v = ctx.view
     win = v.win
     where = ("WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? "
-             f"AND op IN {in_list(NCCL_CODES)}")
+             f"AND op IN {in_list(NCCL_CODES)}{sparse_only(NCCL_CODES)}")
     params = (win.start_ns, win.end_ns, v.node.lo, v.node.hi)
     calls: Counter[int] = Counter()
     errors: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
