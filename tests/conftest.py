@@ -31,10 +31,12 @@ def pytest_runtest_makereport(
 
 # ---- fixture databases built by code ------------------------------------------------
 
+import sqlite3  # noqa: E402
 import time as _time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+from fleetd.store import schema  # noqa: E402
 from fleetd.store.catalog import op_code  # noqa: E402
 from fleetd.store.writer import BatchWriter  # noqa: E402
 
@@ -66,6 +68,20 @@ def synthetic_events(n: int, t0: int | None = None, pid: int = 4242) -> list[tup
         rows.append((t0 + i * 1_000_000, 5_000 + (i % 50) * 100, pid, pid + i % 2, op,
                      100 if op != ops[3] else 0, 4096 if op == ops[1] else 0, 0, 0, 0, 0))
     return rows
+
+
+def old_schema_file(path: Path, version: int) -> sqlite3.Connection:
+    """A file as fleetd wrote it at schema ``version`` (its tables, catalog and identity,
+    node 1 named "old"), open in autocommit for a test to add the rows it needs."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    for sql in schema.MIGRATIONS[:version]:
+        for stmt in schema._statements(sql):
+            conn.execute(stmt)
+    schema.seed_catalog(conn)
+    conn.execute(f"PRAGMA application_id = {schema.APPLICATION_ID}")
+    conn.execute(f"PRAGMA user_version = {version}")
+    conn.execute("INSERT INTO nodes(id, name, uid, created_ns) VALUES (1, 'old', 'u-old', 1)")
+    return conn
 
 
 def build_db(path: Path, node: str = "node-a", n: int = 400) -> Path:

@@ -4,6 +4,7 @@
   ``db`` (open, create, refuse), ``files`` (no symlinks, owner-only), ``writer`` (the one
   writer thread),
   ``pruning`` and ``sizecap`` (the oldest events deleted to keep the files under a cap),
+  ``taskrefs`` (then the thread and process rows nothing kept names),
   ``losses`` (what a crash or a full disk cost), ``health`` (the agent's
   report of its tracer and store), ``checks``;
 * the rows: ``catalog`` (one code per traced op, and the op families), ``chainrow``

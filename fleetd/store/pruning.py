@@ -2,6 +2,9 @@
 or the size the file had when the disk filled): the writer's thread calls it after a
 commit, on the writer's connection.
 
+After a pass that deleted events, the thread and process rows that no kept event (nor
+anything else kept) names go too (:mod:`fleetd.store.taskrefs`).
+
 The oldest go first, always: the stored ids stay one contiguous range. A pass frees a
 tenth more than the excess, so pruning does not run after every commit, in steps of at
 most ``step_rows`` rows, each a transaction of its own, so that the WAL is checkpointed
@@ -12,6 +15,10 @@ cap: fleetd.store.sizecap).
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import dataclass
+from typing import Protocol
+
+from fleetd.store.taskrefs import TaskRefs
 
 PRUNE_PASSES = 4  # pruning passes per commit at most, until the data is under its cap
 
@@ -86,3 +93,43 @@ class Pruner:
             return None
         self.deleted += cur.rowcount
         return int(cur.rowcount)
+
+
+class PruneCounts(Protocol):
+    """The writer's running counts of what pruning deleted (its WriterStats)."""
+
+    pruned_events: int
+    pruned_threads: int
+    pruned_processes: int
+
+
+@dataclass
+class Pruned:
+    """What one commit's pruning deleted, and why it stopped short (None: it did not)."""
+
+    events: int = 0
+    threads: int = 0  # task_data rows no kept event named any more
+    processes: int = 0  # process_data rows, the same
+    error: str | None = None
+
+    def count_in(self, counts: PruneCounts) -> None:
+        counts.pruned_events += self.events
+        counts.pruned_threads += self.threads
+        counts.pruned_processes += self.processes
+
+
+def prune(pruner: Pruner, cap: int, refs: TaskRefs) -> Pruned:
+    """The oldest events down to ``cap``, then the rows of the tasks no kept row names.
+    A failure (a full disk, I/O) is reported in ``error``, never raised: the writer's
+    thread goes on and the next commit tries again."""
+    out = Pruned()
+    try:
+        pruner.prune_to(cap, used_bytes(pruner.conn))
+        if pruner.deleted and pruner.error is None:
+            tasks = refs.prune()
+            out.threads, out.processes = tasks.threads, tasks.processes
+    except sqlite3.Error as exc:
+        out.error = str(exc)
+    out.events = pruner.deleted
+    out.error = pruner.error or out.error
+    return out

@@ -33,7 +33,7 @@ from fleetd.store.chainrow import CHAIN_FIELDS, ChainRow
 from fleetd.store.db import ensure_node, open_writer
 from fleetd.store.files import create_private
 from fleetd.store.losses import tracer_gone
-from fleetd.store.pruning import Pruner, used_bytes
+from fleetd.store.pruning import Pruner, prune, used_bytes
 from fleetd.store.schema import (
     EVENT_FIELDS,
     PLACEMENT_COLUMNS,
@@ -44,6 +44,7 @@ from fleetd.store.schema import (
     ProcessFields,
 )
 from fleetd.store.sizecap import SizeCap, on_disk, rows_per_txn, wal_bytes, wal_pages
+from fleetd.store.taskrefs import TaskRefs
 
 log = logging.getLogger("fleetd.store.writer")
 
@@ -121,6 +122,8 @@ class WriterStats:
     queue_dropped: int = 0  # rows refused because the queue stayed full
     failed_rows: int = 0  # rows lost to a failed write (disk full, I/O error)
     pruned_events: int = 0
+    pruned_threads: int = 0  # thread and process rows no kept event named (taskrefs)
+    pruned_processes: int = 0
     last_error: str | None = None
     queue_rows: int = 0  # rows waiting right now
     used_bytes: int = 0  # of the main file, as of the last commit (read by other threads)
@@ -199,6 +202,7 @@ class BatchWriter:
         self.stats.used_bytes = self.used_bytes()
         self._lo = self.node_key << SEQ_BITS
         self._hi = self._lo + SEQ_MASK
+        self._refs = TaskRefs(self._conn, self.node_key, noting=max_bytes is not None)
         self._next_seq = self._max_seq("event_data", "id") + 1
         # (session seq, the kernel's emitted count, events accounted for before it began)
         self._tracking: tuple[int, Callable[[], int], int] | None = None
@@ -365,6 +369,8 @@ class BatchWriter:
             conn.execute("BEGIN")
             for item in batch:
                 events += self._write(item)
+                self._refs.note(item.kind, item.rows, item.args, self._lo + self._next_seq - 1)
+            self._refs.flush()
             if events and self._tracking is not None:
                 self._record_progress(self._tracking, events)
             conn.execute("COMMIT")
@@ -544,19 +550,19 @@ class BatchWriter:
                     self.stats.disk_full_rows)
 
     def _prune_if_needed(self, cap: int) -> None:
-        pruner = Pruner(self._conn, self._lo, self._hi, self.node_key, self.batch_rows)
-        try:
-            pruner.prune_to(cap, used_bytes(self._conn))
-        finally:
-            self.stats.pruned_events += pruner.deleted
-            if pruner.error is not None:
-                self.stats.last_error = pruner.error
-                # While the disk is full this is expected until the reserve gives room.
-                log.log(logging.DEBUG if self.stats.disk_full else logging.ERROR,
-                        "pruning %s failed: %s", self.path, pruner.error)
-            elif pruner.deleted:
-                log.info("pruned %d oldest events from %s (its data over %d bytes)",
-                         pruner.deleted, self.path, cap)
+        st = self.stats
+        done = prune(Pruner(self._conn, self._lo, self._hi, self.node_key, self.batch_rows),
+                     cap, self._refs)
+        done.count_in(st)
+        if done.error is not None:
+            st.last_error = done.error
+            # While the disk is full this is expected until the reserve gives room.
+            log.log(logging.DEBUG if st.disk_full else logging.ERROR,
+                    "pruning %s failed: %s", self.path, done.error)
+        elif done.events:
+            log.info("pruned %d oldest events from %s (its data over %d bytes), and %d "
+                     "thread and %d process rows no kept event named", done.events,
+                     self.path, cap, done.threads, done.processes)
 
     def used_bytes(self) -> int:
         """Bytes of the main file holding data (free pages left by pruning excluded)."""

@@ -13,6 +13,8 @@ from fleetd.store.catalog import OPS
 from fleetd.store.db import open_reader, open_writer
 from fleetd.store.writer import BatchWriter
 
+from conftest import old_schema_file
+
 
 def test_new_database_has_schema_identity_and_lookups(tmp_path: Path) -> None:
     conn = open_writer(tmp_path / "a.db")
@@ -94,14 +96,7 @@ def test_reader_never_creates_a_file(tmp_path: Path) -> None:
 
 def _version_2_file(path: Path) -> Path:
     """A file as fleetd wrote it before schema 3: its processes have no job."""
-    conn = sqlite3.connect(path, isolation_level=None)
-    for sql in schema.MIGRATIONS[:2]:
-        for stmt in schema._statements(sql):
-            conn.execute(stmt)
-    schema.seed_catalog(conn)
-    conn.execute(f"PRAGMA application_id = {schema.APPLICATION_ID}")
-    conn.execute("PRAGMA user_version = 2")
-    conn.execute("INSERT INTO nodes(id, name, uid, created_ns) VALUES (1, 'old', 'u-old', 1)")
+    conn = old_schema_file(path, 2)
     conn.execute("INSERT INTO process_data(node, pid, comm, rank, world_size) "
                  "VALUES (1, 42, 'train', 3, 8)")
     conn.close()
