@@ -304,9 +304,10 @@ def build_app(s: AgentSettings, state: NodeState) -> web.Application:
         yield
         stats = await asyncio.get_running_loop().run_in_executor(None, writer.close)
         log.info("writer closed: %d events written, %d lost (%d of them on a full disk), "
-                 "%d oldest pruned to keep the size cap", stats.events_written,
+                 "%d oldest pruned to keep the size cap, with %d thread and %d process "
+                 "rows no kept event named", stats.events_written,
                  stats.queue_dropped + stats.failed_rows, stats.disk_full_rows,
-                 stats.pruned_events)
+                 stats.pruned_events, stats.pruned_threads, stats.pruned_processes)
 
     async def tracer_ctx(app: web.Application) -> AsyncIterator[None]:
         if s.tracer is None:

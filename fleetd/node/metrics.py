@@ -224,6 +224,10 @@ class AgentCollector(Collector):
                      w.queue_rows)
         yield _counter("fleetd_events_pruned", "oldest events deleted to bound the size",
                        w.pruned_events)
+        yield _counter("fleetd_threads_pruned", "thread rows deleted once no kept event "
+                       "named them", w.pruned_threads)
+        yield _counter("fleetd_processes_pruned", "process rows deleted once nothing kept "
+                       "named them", w.pruned_processes)
         yield _gauge("fleetd_disk_full", "1 while writes fail because the database's disk "
                      "is full (the agent prunes and retries; writing resumes by itself)",
                      1 if w.disk_full else 0)

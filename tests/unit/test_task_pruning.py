@@ -12,6 +12,10 @@ import sqlite3
 import time
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetd.node.api import NodeState
+from fleetd.node.metrics import Sources, render
 from fleetd.store import schema
 from fleetd.store.db import open_writer
 from fleetd.store.schema import EventRow
@@ -99,6 +103,11 @@ def test_rows_of_tasks_whose_events_were_pruned_go_and_named_ones_stay(tmp_path:
     assert live in pids and live in tids  # alive: the tracer would not write it again
     assert (stats.pruned_threads, stats.pruned_processes) == (2, 1)
     assert tids == set(everyone) - {gone, parent} and pids == set(everyone) - {gone}
+    # /metrics reports the writer's counts.
+    text = render(NodeState(node="n1", tracing=True), Sources(writer=lambda: stats))
+    fams = {f.name: f.samples[0].value for f in text_string_to_metric_families(text)
+            if f.samples}
+    assert (fams["fleetd_threads_pruned"], fams["fleetd_processes_pruned"]) == (2, 1)
 
 
 def test_many_short_lived_tasks_keep_the_rows_bounded(tmp_path: Path) -> None:
