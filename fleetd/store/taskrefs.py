@@ -29,9 +29,11 @@ that did not note): a restart keeps them until the events stored before it are p
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -40,6 +42,7 @@ import orjson
 
 from fleetd.store.schema import SEQ_BITS, SEQ_MASK, EventRow
 
+log = logging.getLogger("fleetd.store.taskrefs")
 # Columns of an event row (EVENT_FIELDS order) that name a task.
 _PID, _TID, _PEER = itemgetter(2), itemgetter(3), itemgetter(7)
 _FD_PEERS = '"peers"'  # off-CPU args naming the other processes holding a pipe or socket
@@ -90,16 +93,22 @@ class TaskRefs:
         self._pending: dict[int, int] = {}
         self._seen = _Seen()
         if noting:
-            self._catch_up()
+            try:
+                self._catch_up()
+            except sqlite3.Error as exc:  # a full disk at start: prune no rows this run
+                self.noting = False
+                log.warning("thread and process rows will not be pruned this run: %s", exc)
 
     def _catch_up(self) -> None:
-        """Every stored thread and process id named as of the newest stored event."""
-        row = self._conn.execute("SELECT max(id) FROM event_data WHERE id BETWEEN ? AND ?",
-                                 (self._lo, self._hi)).fetchone()
+        """Every stored thread and process id named as of the newest stored event, in
+        one transaction: until it is done, notes would miss what was written before."""
+        conn = self._conn
+        row = conn.execute("SELECT max(id) FROM event_data WHERE id BETWEEN ? AND ?",
+                           (self._lo, self._hi)).fetchone()
         newest = 0 if row is None or row[0] is None else int(row[0])
-        with self._conn:
+        with _transaction(conn):
             for table, col in (("task_data", "tid"), ("process_data", "pid")):
-                self._conn.execute(
+                conn.execute(
                     f"INSERT INTO task_seen(node, id, last_id) SELECT node, {col}, ?1 FROM "
                     f"{table} WHERE node = ?2 ON CONFLICT(node, id) DO UPDATE SET "
                     "last_id = max(last_id, excluded.last_id)", (newest, self._node))
@@ -157,8 +166,7 @@ class TaskRefs:
         named = self._named_elsewhere()
         gone = [t for t in stale if t not in named and not alive(t)]
         out = PrunedTasks()
-        conn.execute("BEGIN")
-        try:
+        with _transaction(conn):
             out.threads = self._delete_threads(gone)
             out.processes = self._delete_processes(set(gone))
             # Ids with neither row left stop being tracked; the rest are looked at again.
@@ -166,11 +174,6 @@ class TaskRefs:
                 "DELETE FROM task_seen WHERE node = ?1 AND last_id < ?2 AND id NOT IN "
                 "(SELECT tid FROM task_data WHERE node = ?1) AND id NOT IN "
                 "(SELECT pid FROM process_data WHERE node = ?1)", (node, oldest))
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
         return out
 
     def _delete_threads(self, gone: Sequence[int]) -> int:
@@ -230,6 +233,20 @@ class TaskRefs:
                 (node,)):
             named.update(_ids_in([targets]))
         return named
+
+
+@contextlib.contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+    """BEGIN .. COMMIT on the writer's autocommit connection; rolled back and raised on
+    failure."""
+    conn.execute("BEGIN")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
 
 
 def _holders(text: str) -> Iterable[int]:
