@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 from fleetd.store.db import ensure_node, open_writer  # noqa: E402
 from fleetd.store.schema import SEQ_BITS  # noqa: E402
 
-GENERATOR = 3  # bump when the recording's shape changes: the cached file is rebuilt
+GENERATOR = 4  # bump when the recording's shape or schema changes: the cached file is rebuilt
 GOAL_S = 15.0
 SCENARIOS = ROOT / "tests" / "data" / "scenarios"
 # One minute by default, so `make bench` stays within its budget on two cores;

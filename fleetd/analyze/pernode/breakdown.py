@@ -141,10 +141,11 @@ def _sync_sleeps(conn: sqlite3.Connection, node: Node, win: Window,
         return
     sync_ops = tuple(sorted(code(o) for o in SYNC_OPS))
     syncs: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    slept: list[tuple[int, int, int, int]] = []
-    # Both in one pass, sorted here: the rows come nearly in time order, which Python's
-    # sort (stable: equal times keep the file's order, as SQLite's ORDER BY did) takes
-    # in one run where SQLite sorted them again.
+    slept: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    # Both in one pass, sorted here per thread: the rows come nearly in time order, which
+    # Python's sort (stable: equal times keep the file's order, as SQLite's ORDER BY did)
+    # takes in one run where SQLite sorted them again. Only a thread's own order matters:
+    # each sleep moves time between that thread's counters.
     for op, tid, ts, dur, ret in conn.execute(
         "SELECT op, tid, ts_ns, dur_ns, ret FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
         f"AND id BETWEEN ? AND ? AND tid IN {in_list(tids)} AND (op IN {in_list(sync_ops)} "
@@ -152,33 +153,45 @@ def _sync_sleeps(conn: sqlite3.Connection, node: Node, win: Window,
         (win.start_ns, win.end_ns, node.lo, node.hi, OFF_CPU),
     ):
         if op == OFF_CPU:
-            slept.append((ts, tid, dur, ret))
+            slept[tid].append((ts, dur, ret))
         else:
             syncs[tid].append((ts, ts + dur))
-    for calls in syncs.values():
-        calls.sort(key=itemgetter(0))
-    slept.sort(key=itemgetter(0))
-    for ts, tid, dur, ret in slept:
-        spans = syncs.get(tid)
-        inside = _covered(spans, ts, ts + dur) if spans else 0
+    for tid, calls in syncs.items():
+        sleeps = slept.get(tid)
+        if sleeps:
+            calls.sort(key=itemgetter(0))
+            sleeps.sort(key=itemgetter(0))
+            _move_to_sync(acc[tid], calls, sleeps)
+
+
+def _move_to_sync(a: dict[str, int], calls: list[tuple[int, int]],
+                  sleeps: list[tuple[int, int, int]]) -> None:
+    """Move each sleep's overlap with the thread's sorted sync ``calls`` (summed from
+    the last call that began at or before the sleep on) from its syscall's reason to
+    ``gpu_sync``, the sleeps in time order. One loop, inlined: a function call per sleep
+    was half the cost at a million sleeps."""
+    starts = [s for s, _ in calls]
+    n = len(calls)
+    for ts, dur, ret in sleeps:
+        end = ts + dur
+        j = bisect.bisect_right(starts, ts) - 1
+        if j < 0:
+            j = 0
+        inside = 0
+        while j < n:
+            s0, s1 = calls[j]
+            if s0 >= end:
+                break
+            hi = s1 if s1 < end else end
+            lo = s0 if s0 > ts else ts
+            if hi > lo:
+                inside += hi - lo
+            j += 1
         if inside:
-            a = acc[tid]
             why = reason(ret)
             moved = min(inside, max(0, a[f"slept_{why}"]))
             a[f"slept_{why}"] -= moved
             a["slept_gpu_sync"] += moved
-
-
-def _covered(spans: list[tuple[int, int]], t0: int, t1: int) -> int:
-    """How much of [t0, t1) the sorted, disjoint ``spans`` cover."""
-    total = 0
-    # Indexed, not sliced: a slice copied the rest of the thread's calls for every sleep.
-    for j in range(max(0, bisect.bisect_right(spans, (t0, 1 << 62)) - 1), len(spans)):
-        s0, s1 = spans[j]
-        if s0 >= t1:
-            break
-        total += max(0, min(s1, t1) - max(s0, t0))
-    return total
 
 
 def _scale_cuda(conn: sqlite3.Connection, node: Node, win: Window,

@@ -285,8 +285,17 @@ class Loaded:
             if per_process:
                 g.at_q = _at_ranks(have.get((p, k), []))
             else:  # every process's calls of the op together
-                g.at_q = _at_ranks(sorted(d for pk, ds in have.items() if pk[1] == k
-                                             for d in ds))
+                g.at_q = _at_ranks(_merged([ds for pk, ds in have.items() if pk[1] == k]))
+
+
+def _merged(runs: list[list[int]]) -> list[int]:
+    """Sorted lists as one sorted list: joined by list extension and sorted once (Python's
+    sort merges the sorted runs it finds), not fed through a generator value by value."""
+    out: list[int] = []
+    for run in runs:
+        out += run
+    out.sort()
+    return out
 
 
 def load_op_stats(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,

@@ -49,8 +49,11 @@ class Window:
 
 def data_extent(conn: sqlite3.Connection) -> tuple[int, int] | None:
     """[first, last] ns of the stored events and histogram windows; None if no events."""
-    row = conn.execute("SELECT min(ts_ns), max(ts_ns) FROM event_data").fetchone()
-    if row is None or row[0] is None:
+    # Two statements: SQLite reads a lone min() or max() from the end of the time index,
+    # but both in one statement walk all of it (0.5 s on a 7 M-event file).
+    row = (conn.execute("SELECT min(ts_ns) FROM event_data").fetchone()[0],
+           conn.execute("SELECT max(ts_ns) FROM event_data").fetchone()[0])
+    if row[0] is None:
         return None
     # The last event may run past its start; one bounded look at the newest rows is
     # enough to find how far (the index gives them in order).
