@@ -160,7 +160,8 @@ class NodeView:
             found = self._by_pid[key] = defaultdict(list)
             for k, ts, dur, pid, tid, op, a0, nbytes in self.conn.execute(
                 "SELECT id, ts_ns, dur_ns, pid, tid, op, a0, bytes FROM event_data WHERE "
-                f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND op IN {in_list(ops)}",
+                f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND op IN {in_list(ops)}"
+                f"{sparse_only(ops)}",
                 (t0, t1, self.node.lo, self.node.hi),
             ):
                 found[pid].append((k, ts, dur, tid, op, a0, nbytes))
@@ -176,7 +177,7 @@ class NodeView:
         if key not in self._firsts:
             self._firsts[key] = {int(pid): int(ts) for pid, ts in self.conn.execute(
                 "SELECT pid, min(ts_ns) FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND "
-                f"id BETWEEN ? AND ? AND op IN {in_list(ops)} GROUP BY pid",
+                f"id BETWEEN ? AND ? AND op IN {in_list(ops)}{sparse_only(ops)} GROUP BY pid",
                 (t0, t1, self.node.lo, self.node.hi))}
         return self._firsts[key]
 
