@@ -45,7 +45,9 @@ from fleetd.store.schema import SEQ_BITS, SEQ_MASK, EventRow
 log = logging.getLogger("fleetd.store.taskrefs")
 # Columns of an event row (EVENT_FIELDS order) that name a task.
 _PID, _TID, _PEER = itemgetter(2), itemgetter(3), itemgetter(7)
-_FD_PEERS = '"peers"'  # off-CPU args naming the other processes holding a pipe or socket
+# Args that name tasks hold this: an off-CPU record's fd peers ({"pid": ..}), a cgroup
+# sample's member list ("pids"). Launch args, the many, do not.
+_NAMES_TASKS = '"pid'
 _UPSERT = ("INSERT INTO task_seen(node, id, last_id) VALUES (?, ?, ?) ON CONFLICT(node, id) "
            "DO UPDATE SET last_id = max(last_id, excluded.last_id)")
 # Processes of the traced job: a rank and no exit recorded. Never pruned, nor their threads.
@@ -136,8 +138,8 @@ class TaskRefs:
         ids.update(map(_TID, rows))
         ids.update(map(_PEER, rows))
         for _, text in args:
-            if _FD_PEERS in text:
-                ids.update(_holders(text))
+            if _NAMES_TASKS in text:
+                ids.update(_ids_in([text]))
         ids.discard(0)
         self._pending.update(dict.fromkeys(ids, last_id))
 
@@ -249,18 +251,9 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
         raise
 
 
-def _holders(text: str) -> Iterable[int]:
-    """The pids of the processes an off-CPU record's args name as the fd's other end."""
-    try:
-        fd = orjson.loads(text).get("fd") or {}
-        return [int(h["pid"]) for h in fd.get("peers") or [] if isinstance(h.get("pid"), int)]
-    except (orjson.JSONDecodeError, AttributeError, TypeError, KeyError):
-        return []
-
-
 def _ids_in(values: Iterable[object]) -> set[int]:
     """Integers in columns, and under keys naming a pid or tid in JSON text (chain
-    evidence, session targets: ``pid``, ``culprit_pid``, ``tids``...)."""
+    evidence, session targets, event args: ``pid``, ``culprit_pid``, ``tids``...)."""
     out: set[int] = set()
     for v in values:
         if isinstance(v, int):

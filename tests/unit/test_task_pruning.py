@@ -70,8 +70,10 @@ def test_rows_of_tasks_whose_events_were_pruned_go_and_named_ones_stay(tmp_path:
     path = tmp_path / "n.db"
     gone, peer, victim, culprit, witness = (FAKE + k for k in (1, 2, 3, 4, 5))
     rank, parent, worker, holder, live = FAKE + 6, FAKE + 7, FAKE + 8, FAKE + 9, os.getpid()
+    member = FAKE + 10
     w = BatchWriter(path, "n1", max_bytes=CAP)
-    everyone = (gone, peer, victim, culprit, witness, rank, parent, worker, holder, live)
+    everyone = (gone, peer, victim, culprit, witness, rank, parent, worker, holder, live,
+                member)
     w.add_processes([{"pid": p, "comm": f"p{p}"} for p in everyone if p != rank])
     # The traced job's rank: never pruned, though its events are and it is not alive here.
     w.add_processes([{"pid": rank, "comm": "train", "rank": 0, "world_size": 1}])
@@ -83,12 +85,13 @@ def test_rows_of_tasks_whose_events_were_pruned_go_and_named_ones_stay(tmp_path:
     w.flush()
     first_last = w.next_seq - 1
     _fill(w, 25_000)
-    # Named by later events only: the peer of a switch, a worker that runs on, and the
-    # other end of a pipe an off-CPU record slept on.
+    # Named by later events only: the peer of a switch, a worker that runs on, the
+    # other end of a pipe an off-CPU record slept on, a member of a sampled cgroup.
     late = w.next_seq
     w.add_events(_events(1, FAKE + 999_999, peer=peer) + _events(5, worker),
                  args=[(0, {"fd": {"path": "pipe:[7]", "kind": "pipe",
-                                   "peers": [{"pid": holder, "comm": "h", "mode": "w"}]}})])
+                                   "peers": [{"pid": holder, "comm": "h", "mode": "w"}]}}),
+                       (1, {"cgroup": "/job", "pids": [worker, member]})])
     while _oldest_seq(path) <= first_last:  # until every event above is pruned
         _fill(w, 1_000, step=1_000)
     assert _oldest_seq(path) <= late  # and the later ones are kept
@@ -97,6 +100,7 @@ def test_rows_of_tasks_whose_events_were_pruned_go_and_named_ones_stay(tmp_path:
     tids, pids = _tids(path), _pids(path)
     assert gone not in tids and gone not in pids  # its events all pruned, nothing names it
     assert peer in tids and worker in tids and worker in pids and holder in pids
+    assert member in pids
     assert parent in pids and parent not in tids  # the kept worker's parent process stays
     assert {victim, culprit, witness} <= pids and victim in tids  # the chain names them
     assert rank in pids and rank in tids  # the traced job's process, and its thread
