@@ -280,10 +280,10 @@ def start_in(groups: Sequence[Path], argv: list[str], cpu: int | None = None,
     ``env`` as its environment): the child joins them before exec, never the test's own
     process."""
     return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=_joining(groups, cpu))
+                            preexec_fn=joining(groups, cpu))
 
 
-def _joining(groups: Sequence[Path], cpu: int | None = None) -> Callable[[], None]:
+def joining(groups: Sequence[Path], cpu: int | None = None) -> Callable[[], None]:
     """A child's preexec: pin it to ``cpu`` and move it into every cgroup of ``groups``."""
     def enter() -> None:
         if cpu is not None:
@@ -302,7 +302,7 @@ def trace_for(pid: int, db: Path, go: Path, duration: str, *trace_args: str,
     tr = subprocess.Popen([FLEETD, *(["-v"] if verbose else []), "trace", "--pid", str(pid),
                            "--db", str(db), "--duration", duration, *trace_args],
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          preexec_fn=_joining(groups))
+                          preexec_fn=joining(groups))
     assert tr.stderr is not None
     said = []
     for line in tr.stderr:
