@@ -115,7 +115,7 @@ def samples_in_spans(conn: sqlite3.Connection, node: Node, win: Window, pid: int
     """The thread's stacks (``tid`` None: each thread's of the process) with the part
     of their samples that fell inside ``spans`` (sorted, disjoint [start, end) ranges;
     the GPU's idle gaps). The sampler stores a
-    count per interval (5 s), not each sample's time, so each row's count is apportioned
+    count per interval (1 s), not each sample's time, so each row's count is apportioned
     by the share of its interval the spans cover: a row whose interval meets no span
     gives none. Stacks with nothing inside are left out."""
     starts = [a for a, _ in spans]
