@@ -40,11 +40,6 @@ from fleetd.store.catalog import op_code
 CPU_THROTTLE = op_code("cpu_throttle")
 MIN_THROTTLED_SHARE = 0.01  # of the window: below this a quota is not what slows it
 INSIDE_SHARE = 0.1  # of the contention's taker time: neighbours inside the quota that spend it
-# ...and their CPU time while the thread waited, against the time the quota held it off:
-# given to the thread, less than half of that would leave it throttled most of the time
-# (a quota far below what the thread itself needs: bench/detect.py's 3% cut of a rank
-# that runs 25% of a CPU, its data loader 0.31 s against the 4.6 s the quota held it).
-INSIDE_HELD = 0.5
 SAMPLE_REACH_NS = 5 * 10**9  # a sample that began this long before the window may end in it
 MAX_WAIT_NS = 10**9  # a run-queue wait that began this long before a span still counts in it
 
@@ -221,11 +216,8 @@ def _neighbour_spends_it(ctx: Context, chains: list[Chain], quota: Chain, q: Quo
                   and int(c.get("pid") or -1) != pid]
         # They spend the quota when they held the CPU for a good part of the thread's
         # wait (a tenth of the time others held it); a member that barely ran (a
-        # data loader's worker process, a sidecar) is no reason the quota binds, nor
-        # one whose time would not make up for what the quota held the thread off.
-        took = sum(int(c.get("ns") or 0) for c in inside)
-        if inside and sum(float(c.get("share") or 0.0) for c in inside) >= INSIDE_SHARE \
-                and took >= INSIDE_HELD * quota.impact * ctx.span_ns:
+        # data loader's worker process, a sidecar) is no reason the quota binds.
+        if inside and sum(float(c.get("share") or 0.0) for c in inside) >= INSIDE_SHARE:
             ch.culprits = inside
             ch.extra_evidence = [*quota.extra_evidence, *ch.extra_evidence]
             d = quota.detail
