@@ -106,10 +106,20 @@ def _same_verdict_from_the_file(tmp_path: Path, summary: list[str]) -> None:
             assert abs(e["score"] - scores[(e["node"], e["metric"])]) <= 0.05, (e, live)
 
 
+def _as_from_a_terminal() -> None:
+    """A child's preexec: Ctrl-C delivered as a shell in a terminal delivers it. A
+    background job of a script without job control (``cmd &``, as a CI runner may start
+    the suite) inherits SIGINT ignored, and a Python started so never raises
+    KeyboardInterrupt: the demo ran its whole minute and exited 0."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
     proc = subprocess.Popen([FLEETD, "demo", "--dir", str(tmp_path / "d"), "--out",
                              str(tmp_path), "--duration", "60s"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_from_a_terminal)
     deadline = time.monotonic() + 600  # the agents compile first: minutes on a busy machine
     seen = ""
     assert proc.stdout is not None
