@@ -111,8 +111,11 @@ def _v2_to_v3(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Lay
     return out
 
 
-def _v3_to_v4(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Layout:
-    """Version 4 changed a view only: a version-3 file's tables read as they are."""
+def _tables_unchanged(conn: sqlite3.Connection, schema_name: str, layout: Layout
+                      ) -> Layout:
+    """A step that changed no table a merge reads: the older file's tables read as they
+    are. Version 4 changed a view, 6 added two indexes, 7 task_seen (the writer's own
+    bookkeeping for pruning, which a merge does not copy), 8 an index (event_sparse)."""
     return dict(layout)
 
 
@@ -126,27 +129,11 @@ def _v4_to_v5(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Lay
     return {**layout, "process_data": f"temp.{view}"}
 
 
-def _v5_to_v6(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Layout:
-    """Version 6 added two indexes only: a version-5 file's tables read as they are."""
-    return dict(layout)
-
-
-def _v6_to_v7(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Layout:
-    """Version 7 added task_seen, the writer's own bookkeeping for pruning, which a
-    merge does not copy: a version-6 file's tables read as they are."""
-    return dict(layout)
-
-
-def _v7_to_v8(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Layout:
-    """Version 8 added an index only (event_sparse): a version-7 file's tables read as
-    they are."""
-    return dict(layout)
-
-
 # UPGRADES[v] presents a version-v file as version v + 1; the next migration in
 # schema.MIGRATIONS adds its step here.
-UPGRADES: dict[int, Upgrade] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4, 4: _v4_to_v5,
-                                5: _v5_to_v6, 6: _v6_to_v7, 7: _v7_to_v8}
+UPGRADES: dict[int, Upgrade] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _tables_unchanged,
+                                4: _v4_to_v5, 5: _tables_unchanged, 6: _tables_unchanged,
+                                7: _tables_unchanged}
 
 
 # ---- what a merge reports --------------------------------------------------------------
