@@ -201,9 +201,7 @@ def new_taker(now: Shares, before: Shares | None, peers: Sequence[Shares],
     bench/detect.py bed the tasks no reference listed took 1.23x that ceiling at most
     outside a quota cut, the hogs 1.7-3.3x. For where no cause rose and the rank ran
     less (:func:`ran_less`): its CPU was taken, and this task was not there to take it."""
-    peers = [p for p in peers if _awake(p) >= MIN_AWAKE]
-    if before is not None and _awake(before) < MIN_AWAKE:
-        before = None
+    before, peers = _awake_enough(before, peers)
     refs = [*peers, *([before] if before is not None else [])]
     best: NewTaker | None = None
     for t, share in sorted(now.takers.items()):
@@ -237,9 +235,7 @@ def ranked(now: Shares, before: Shares | None, peers: Sequence[Shares], *,
     the slice's quota: the GC or the I/O, throttled). Until ``settled`` (the window holds
     on-CPU samples of the straggle written: own work such as a GC storm is seen only
     from those samples), a CPU wait is named only where the thread ran less."""
-    peers = [p for p in peers if _awake(p) >= MIN_AWAKE]
-    if before is not None and _awake(before) < MIN_AWAKE:
-        before = None
+    before, peers = _awake_enough(before, peers)
     out = []
     for cause in sorted(now.causes):
         theirs = [_per_awake(p, cause, now) for p in peers]
@@ -258,13 +254,19 @@ def ranked(now: Shares, before: Shares | None, peers: Sequence[Shares], *,
 def ran_less(now: Shares, before: Shares | None, peers: Sequence[Shares]) -> bool:
     """The thread ran less per second awake than its references (both, where known), by
     more than a quota's cap hides (RAN_LESS)."""
-    peers = [p for p in peers if _awake(p) >= MIN_AWAKE]
-    if before is not None and _awake(before) < MIN_AWAKE:
-        before = None
+    before, peers = _awake_enough(before, peers)
     refs = [r.running * _awake(now) / _awake(r) for r in ([before] if before else [])]
     if peers:
         refs.append(statistics.median(p.running * _awake(now) / _awake(p) for p in peers))
     return bool(refs) and now.running < RAN_LESS * min(refs)
+
+
+def _awake_enough(before: Shares | None, peers: Sequence[Shares]
+                  ) -> tuple[Shares | None, list[Shares]]:
+    """The references awake for MIN_AWAKE of their window at least (the others say too
+    little per second awake to compare)."""
+    return (before if before is not None and _awake(before) >= MIN_AWAKE else None,
+            [p for p in peers if _awake(p) >= MIN_AWAKE])
 
 
 def _per_awake(ref: Shares, cause: str, now: Shares) -> float:
