@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -102,8 +102,9 @@ def explain_live(tmp_path: Path, quota_us: int | None, hog: bool,
     return dict(_explain(db), pid=wl.pid, hog=hogp.pid if hogp else None)
 
 
-def _explain(db: Path) -> dict[str, object]:
-    r = subprocess.run([FLEETD, "explain", "--db", str(db), "--format", "json"],
+def _explain(db: Path, window: list[str] | None = None) -> dict[str, object]:
+    r = subprocess.run([FLEETD, "explain", "--db", str(db), "--format", "json",
+                        *(window or [])],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return dict(json.loads(r.stdout))
@@ -170,6 +171,28 @@ def _set_quota(group: Path, quota_us: int, hierarchy: str) -> None:
         (group / "cpu.max").write_text(f"{quota_us} 100000")
 
 
+def _trace_then(wl: subprocess.Popen[str], other: subprocess.Popen[str], db: Path,
+                go: Path, change: Callable[[], None]) -> None:
+    """Trace the workload for 10 s, calling ``change`` 3 s into the trace; then both
+    processes are killed."""
+    def later() -> None:
+        deadline = time.monotonic() + 120
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(3)
+        change()
+    t = threading.Thread(target=later, daemon=True)
+    try:
+        wait_for_libcudart(wl.pid)
+        t.start()
+        trace_for(wl.pid, db, go, "10s")
+    finally:
+        t.join(10)
+        for p in (wl, other):
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.parametrize("hierarchy", HIERARCHIES)
 def test_crowded_then_throttled_each_cause_gets_its_own_time(tmp_path: Path,
                                                              hierarchy: str) -> None:
@@ -187,23 +210,10 @@ def test_crowded_then_throttled_each_cause_gets_its_own_time(tmp_path: Path,
         hog = start_in([], [PY, str(NEIGHBOUR), "hog", "--seconds", "30", "--nice", "-10"],
                        cpu=0)
 
-        def switch() -> None:  # 3 s into the trace: the loop goes, the limit drops
-            deadline = time.monotonic() + 120
-            while not go.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(3)
+        def switch() -> None:  # the loop goes, the limit drops
             hog.kill()
             _set_quota(group, 3_000, hierarchy)
-        t = threading.Thread(target=switch, daemon=True)
-        try:
-            wait_for_libcudart(wl.pid)
-            t.start()
-            trace_for(wl.pid, db, go, "10s")
-        finally:
-            t.join(10)
-            for p in (wl, hog):
-                p.kill()
-                p.wait()
+        _trace_then(wl, hog, db, go, switch)
     report: Any = _explain(db)
     [quota] = [c for c in _chains(report, "cpu_throttled") if c["victim"]["pid"] == wl.pid]
     assert quota["culprit"] is None and quota["culprits"] == [], quota
@@ -219,6 +229,38 @@ def test_crowded_then_throttled_each_cause_gets_its_own_time(tmp_path: Path,
     row = next(x for x in proc["threads"] if x["tid"] == quota["victim"]["tid"])
     runq = row["runq_ns"] / row["wall_ns"]
     assert crowd["impact"] + quota["impact"] == pytest.approx(runq, abs=2e-3), (crowd, runq)
+
+
+@pytest.mark.parametrize("hierarchy", HIERARCHIES)
+def test_a_limit_cut_below_the_workload_is_the_cause_beside_a_neighbour_inside(
+        tmp_path: Path, hierarchy: str) -> None:
+    """The workload and a busy loop share a cgroup whose limit (0.9 CPU, weighted to come
+    first on CPU 0) fits both; 3 s into the trace it is cut to 3%. The loop spends half of
+    what is left, as a neighbour inside a quota does, but the workload alone ran far more
+    than 3% before the cut (#43: bench/detect.py's quota cut was named cpu_contention
+    with the rank's own data loader as culprit): the quota is the cause, in the whole
+    recording and in a window after the cut alone (its lookback sees what ran before)."""
+    go, db = tmp_path / "go", tmp_path / "t.db"
+    cut: list[float] = []
+    with cpu_cgroup(90_000, hierarchy, first=True) as group:
+        assert group is not None
+        wl = _start_in(group, [PY, str(WORKLOAD), "--duration", "30", "--go-file", str(go),
+                               *STEP])
+        hog = _start_in(group, [PY, str(NEIGHBOUR), "hog", "--seconds", "30"])
+
+        def lower() -> None:
+            _set_quota(group, 3_000, hierarchy)
+            cut.append(time.time())
+        _trace_then(wl, hog, db, go, lower)
+    assert cut, "the limit was never lowered"
+    after = ["--from", f"{cut[0] + 1:.3f}"]
+    for report in (_explain(db), _explain(db, after)):
+        mine = [c for c in _chains(report, "cpu_throttled") if c["victim"]["pid"] == wl.pid]
+        assert len(mine) == 1, report["chains"]
+        assert mine[0]["culprit"] is None and mine[0]["detail"]["quota_us"] == 3_000
+        spent = [c for c in _chains(report, "cpu_contention")
+                 if "quota" in c["detail"]]  # type: ignore[operator]
+        assert spent == [], spent
 
 
 @pytest.mark.parametrize("hierarchy", HIERARCHIES)

@@ -40,6 +40,15 @@ from fleetd.store.catalog import op_code
 CPU_THROTTLE = op_code("cpu_throttle")
 MIN_THROTTLED_SHARE = 0.01  # of the window: below this a quota is not what slows it
 INSIDE_SHARE = 0.1  # of the contention's taker time: neighbours inside the quota that spend it
+# A thread that ran more CPU per second than the quota allows (by this much, in at least
+# RAN_PAST_SLICES one-second slices of the window or the half minute before it) did so
+# under a higher limit or none: the quota was lowered below what the thread needs alone,
+# so it is the cause whoever else spends it. Under an unchanged quota the kernel never
+# lets a slice reach it (CFS enforces the quota every period, 10 in a slice).
+RAN_PAST = 1.5
+RAN_PAST_SLICES = 2
+RAN_PAST_LOOKBACK_NS = 30 * 10**9
+SLICE_NS = 10**9
 SAMPLE_REACH_NS = 5 * 10**9  # a sample that began this long before the window may end in it
 MAX_WAIT_NS = 10**9  # a run-queue wait that began this long before a span still counts in it
 
@@ -216,8 +225,10 @@ def _neighbour_spends_it(ctx: Context, chains: list[Chain], quota: Chain, q: Quo
                   and int(c.get("pid") or -1) != pid]
         # They spend the quota when they held the CPU for a good part of the thread's
         # wait (a tenth of the time others held it); a member that barely ran (a
-        # data loader's worker process, a sidecar) is no reason the quota binds.
-        if inside and sum(float(c.get("share") or 0.0) for c in inside) >= INSIDE_SHARE:
+        # data loader's worker process, a sidecar) is no reason the quota binds. Nor is
+        # any member when the thread alone ran past the quota before it was lowered.
+        if inside and sum(float(c.get("share") or 0.0) for c in inside) >= INSIDE_SHARE \
+                and not ran_past_quota(ctx, tid, q):
             ch.culprits = inside
             ch.extra_evidence = [*quota.extra_evidence, *ch.extra_evidence]
             d = quota.detail
@@ -238,6 +249,42 @@ def _neighbour_spends_it(ctx: Context, chains: list[Chain], quota: Chain, q: Quo
         ch.severity = severity(ch.explained, ch.impact)
         _culprits_outside(ctx, ch, tid, held_spans(ctx, tid, q))
     return False
+
+
+def ran_past_quota(ctx: Context, tid: int, q: Quota) -> bool:
+    """True when thread ``tid`` alone ran more than RAN_PAST times the quota's CPUs in at
+    least RAN_PAST_SLICES one-second slices of the window or the half minute before it:
+    the quota was set or lowered below what the thread itself runs (a limit cut on a
+    live job), so it would not fit alone whatever its neighbours inside spend. Its CPU
+    time in a slice is the slice less its off-CPU records there, counted only between
+    its first and last record (before or after them the tracer did not see it)."""
+    key = (f"ran_past {q.cgroup} {q.quota_us}/{q.period_us}", tid)
+    if key not in ctx.memo:
+        ctx.memo[key] = _slices_past(ctx, tid, RAN_PAST * q.cpus) >= RAN_PAST_SLICES
+    return bool(ctx.memo[key])
+
+
+def _slices_past(ctx: Context, tid: int, cpus: float) -> int:
+    """How many whole one-second slices, between the thread's first and last off-CPU
+    record in the window and the lookback before it, it ran more than ``cpus`` of."""
+    v = ctx.view
+    lo, hi = v.win.start_ns - RAN_PAST_LOOKBACK_NS, v.win.end_ns
+    off: list[tuple[int, int]] = [(int(ts), int(ts) + int(dur or 0)) for ts, dur in v.conn.execute(
+        "SELECT ts_ns, dur_ns FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
+        "AND id BETWEEN ? AND ? AND tid = ? AND op = ? ORDER BY ts_ns",
+        (lo - MAX_WAIT_NS, hi, v.node.lo, v.node.hi, tid, OFF_CPU))]
+    if not off:
+        return 0
+    first, last = max(lo, off[0][0]), min(hi, max(b for _, b in off))
+    slices = max(0, (last - first) // SLICE_NS)
+    away = [0] * slices
+    for a, b in off:
+        i = max(0, (a - first) // SLICE_NS)
+        while i < slices and first + i * SLICE_NS < b:
+            s0 = first + i * SLICE_NS
+            away[i] += max(0, min(b, s0 + SLICE_NS) - max(a, s0))
+            i += 1
+    return sum(1 for ns in away if SLICE_NS - ns > cpus * SLICE_NS)
 
 
 def _culprits_outside(ctx: Context, ch: Chain, tid: int,
