@@ -15,6 +15,7 @@ attach, by the path ``/proc/PID/root/...``, probed the swapped-in file instead.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -185,3 +186,32 @@ def test_launch_probes_attached_again_land_on_the_mapped_file(
         attacher.close()
     assert not off, "launch probes switched off, the breakpoint stayed"
     assert got == [(True, CALLS), (False, 0)]
+
+
+def test_a_library_mapped_again_at_a_shown_path_keeps_both_files_launch_probes(
+        bpf: Any, swapped: tuple[libs.Library, Mapper, Mapper]) -> None:
+    """A library shown at a path attached before, now another file (replaced on disk
+    and loaded again): its launch links go beside the first file's, not over them. The
+    old attacher kept one entry per path: the first file's session link and kept file
+    stayed open, out of the always-on switch (its breakpoint stayed when launches were
+    off) and never closed."""
+    lib, mapping, intruder = swapped
+    [again] = [x for x in libs.scan_mapped(intruder.proc.pid).libs if x.kind == "cudart"]
+    again = dataclasses.replace(again, path=lib.path)  # shown as the first one was
+    assert again.ino != lib.ino
+    fds = len(os.listdir("/proc/self/fd"))
+    attacher = probes.Attacher(bpf, launch_entry=True)
+    try:
+        reports = [attacher.attach(x, ("cuda",)) for x in (lib, again)]
+        if any("+session" not in r.mechanism.get(lib.path, "") for r in reports):
+            pytest.skip(f"no uprobe session link here ({reports[0].mechanism}): Linux 6.13+")
+        assert attacher.session_count == 2
+        assert attacher.set_launches(False)
+        off = [m.first_byte() == INT3 for m in (mapping, intruder)]
+        assert attacher.set_launches(True)
+        on = [(m.first_byte() == INT3, m.launches(bpf)) for m in (mapping, intruder)]
+    finally:
+        attacher.close()
+    assert off == [False, False], "launches switched off, a breakpoint stayed"
+    assert on == [(True, CALLS), (True, CALLS)]
+    assert len(os.listdir("/proc/self/fd")) == fds, "links or kept files left open"

@@ -198,6 +198,9 @@ class AttachReport:
             self.named.setdefault(k, []).extend(v)
 
 
+SessionKey = tuple[str, int, int]  # a library's shown path, device and inode
+
+
 class Attacher:
     """Attaches libraries to one loaded BPF module and owns the links it made."""
 
@@ -212,10 +215,13 @@ class Attacher:
         self.launch_entry = launch_entry
         self._session: int | None = None
         self._session_error: str | None = None
-        # lib path -> [session link fd (-1: paused), offsets, cookies, file]: the
-        # entry-only launches' links, which the always-on mode closes and makes again
-        # (set_launches) on the verified file, kept open for that (never its path again)
-        self._sessions: dict[str, tuple[int, list[int], list[int], int]] = {}
+        # (lib path, dev, inode) -> [session link fd (-1: paused), offsets, cookies,
+        # file]: the entry-only launches' links, which the always-on mode closes and makes
+        # again (set_launches) on the verified file, kept open for that (never its path
+        # again). By inode too: a library mapped again at a path shown before (replaced
+        # on disk, then loaded again) is another file whose links are kept beside the
+        # first's, not over them (the first's stayed open and attached, uncounted).
+        self._sessions: dict[SessionKey, tuple[int, list[int], list[int], int]] = {}
         self.launches_on = True
         self._multi_error: str | None = None if allow_multi else "disabled"
         if allow_multi and os.environ.get("FLEETD_NO_UPROBE_MULTI"):
@@ -231,7 +237,7 @@ class Attacher:
             return report
         try:
             with verified_file(lib) as opened:
-                self._attach_file(lib, _File(opened, lib.path), specs, report)
+                self._attach_file(lib, _File(opened, lib.path, lib.dev, lib.ino), specs, report)
         except OSError as exc:  # verified_file: not that file any more
             report.failed[lib.path] = [f"*: not attached: {exc.strerror or exc}"]
         return report
@@ -286,11 +292,13 @@ class Attacher:
             fds.append(fd)
         self.links += [f for f in fds if f != session_fd]
         if entry_only:
-            self._sessions[lib.path] = (session_fd, [offsets[s] for _, s in entry_only],
-                                        [spec.cookie for spec, _ in entry_only],
-                                        os.open(lib.opened, os.O_RDONLY | os.O_CLOEXEC))
+            key = (lib.path, lib.dev, lib.ino)
+            self._forget_session(key)  # the same file attached twice: the new link only
+            self._sessions[key] = (session_fd, [offsets[s] for _, s in entry_only],
+                                   [spec.cookie for spec, _ in entry_only],
+                                   os.open(lib.opened, os.O_RDONLY | os.O_CLOEXEC))
             if not self.launches_on:
-                self._set_session(lib.path, False)
+                self._set_session(key, False)
         report.attached[lib.path] = [f"{spec.op}:{sym}" for spec, sym in plan]
         report.uprobes += 2 * len(pairs) + len(entry_only)
         report.mechanism[lib.path] = "uprobe_multi" + ("+session" if entry_only else "")
@@ -344,8 +352,9 @@ class Attacher:
             self._set_session(path, on)
         return bool(self._sessions)
 
-    def _set_session(self, path: str, on: bool) -> None:
-        fd, offs, cookies, file = self._sessions[path]
+    def _set_session(self, key: SessionKey, on: bool) -> None:
+        path = key[0]
+        fd, offs, cookies, file = self._sessions[key]
         if on and fd < 0 and self._session is not None:
             fd, err = link_uprobe_multi(self._session, f"/proc/self/fd/{file}", offs,
                                         cookies, retprobe=False,
@@ -355,14 +364,23 @@ class Attacher:
         elif not on and fd >= 0:
             os.close(fd)
             fd = -1
-        self._sessions[path] = (fd, offs, cookies, file)
+        self._sessions[key] = (fd, offs, cookies, file)
+
+    def _forget_session(self, key: SessionKey) -> None:
+        """Close a library's session link and kept file, if it has them."""
+        if key in self._sessions:
+            self._set_session(key, False)
+            os.close(self._sessions.pop(key)[3])
+
+    @property
+    def session_count(self) -> int:
+        """Libraries whose launches have a session link (open or paused)."""
+        return len(self._sessions)
 
     def close(self) -> None:
         """Detach the links (the per-symbol probes go with the BPF module's cleanup)."""
-        for path in list(self._sessions):
-            self._set_session(path, False)
-            os.close(self._sessions[path][3])
-        self._sessions.clear()
+        for key in list(self._sessions):
+            self._forget_session(key)
         for fd in self.links:
             try:
                 os.close(fd)
@@ -427,10 +445,12 @@ def link_uprobe_multi(prog_fd: int, path: str, offsets: list[int], cookies: list
 @dataclass(frozen=True, slots=True)
 class _File:
     """A library being attached: its verified file's ``/proc/self/fd/N`` path (read and
-    probed through) and the name it is shown and reported by."""
+    probed through), the name it is shown and reported by, and the file's identity."""
 
     opened: str
     path: str
+    dev: int = 0
+    ino: int = 0
 
 
 def attach_library(bpf: Any, lib: Library, layers: Iterable[str]) -> AttachReport:
