@@ -299,7 +299,7 @@ def _trace(case: Case, tmp: Path, out: Run) -> str:
                               {names[0]: case.quota} if case.quota else {})
         if case.quota and not slices:
             raise RuntimeError("no writable cgroup cpu controller for the CPU slice")
-        nodes = [(n, mine if slices or n == FLEET_SLOW else other) for n in names]
+        nodes = [(n, mine if slices or n == hogged else other) for n in names]
         procs: list[subprocess.Popen[Any]] = []
         stack.callback(_stop_all, procs)
         stack.callback(_unlink, [places["shared"], places["own"]])
