@@ -283,3 +283,22 @@ def test_absolute_windows_move_into_the_node_clock_and_since_does_not() -> None:
     assert Bounds().params(7) == {} and Bounds().label() == "whole recording"
     with pytest.raises(UsageError):
         Bounds.parse(None, "yesterday-ish")
+
+
+def test_a_latency_outlier_that_costs_no_time_is_not_a_straggler() -> None:
+    """The demo once flagged node-1 on sync p50 (8.7 us against a median of 4.0 us, at
+    about 100 calls a second: 0.05% of its time) because two ranks shared its CPU; the
+    same excess of milliseconds at that rate is a straggler."""
+    fleet = {n: features(106, 0.01, sync_p50_ns=p) for n, p in
+             (("a", 3500), ("b", 4000), ("c", 4100))}
+    cheap = stragglers.rank({**fleet, "d": features(106, 0.01, sync_p50_ns=8700)}, {})
+    assert not any(s["flagged"] for s in cheap), cheap
+    assert {s["node"]: s["metrics"]["sync_p50_ns"]["z"] for s in cheap}["d"] >= 3.5
+    costly = stragglers.rank({**fleet, "d": features(106, 0.01, sync_p50_ns=3_000_000)}, {})
+    assert [(s["node"], s["flagged"], s["metric"]) for s in costly][0] == \
+        ("d", True, "sync_p50_ns")
+    launches = {n: features(106, 0.01, launches_per_s=20_000, launch_p50_ns=p) for n, p in
+                (("a", 5000), ("b", 5200), ("c", 5100), ("d", 13000))}
+    # 8 us more per launch at 20,000 launches a second: 16% of its time.
+    assert [(s["node"], s["flagged"], s["metric"])
+            for s in stragglers.rank(launches, {})][0] == ("d", True, "launch_p50_ns")

@@ -24,10 +24,14 @@ For each metric, a node gets
 A metric flags the node when both hold: z >= :data:`Z_THRESHOLD` (an outlier, not the
 fleet's normal spread) and the score is below the metric's own threshold (slow enough
 to matter: 0.8 for rates and shares, lower for latency percentiles, which come from
-log2 histograms and jump by 2x between buckets). With fewer than three nodes there is
-no odd one out (of two that differ, either may be it, and each may be worse on another
-metric): none is flagged, and the reason says two cannot be ranked; collective arrival
-(fleetd.analyze.distributed.collectives) still names a late rank from the job's own signal.
+log2 histograms and jump by 2x between buckets). A latency must also cost time: its
+excess over the fleet median, at the node's rate of such calls, at least
+:data:`MIN_LATENCY_COST` of the node's time (microseconds more per call at a hundred
+calls a second is two processes sharing a CPU, not a straggler). With fewer than three
+nodes there is no odd one out (of two that differ, either may be it, and each may be
+worse on another metric): none is flagged, and the reason says two cannot be ranked;
+collective arrival (fleetd.analyze.distributed.collectives) still names a late rank from
+the job's own signal.
 
 The node's ``metric`` is its flagged metric with the highest z (for an unflagged node:
 its worst-scoring rate or share metric) and ``score`` is its relative score on it.
@@ -72,6 +76,13 @@ SIGMA_FLOOR = 0.01
 LATENCY_FLOOR_NS = 1_000
 # With two nodes there is no majority to compare against: a median of two is halfway.
 MIN_RANKED = 3
+# A latency outlier is a straggler only when its excess over the fleet's median, at the
+# node's own rate of such calls, costs at least this share of its time: 5 us more per
+# sync at 100 syncs/s (0.05%) is two ranks sharing a CPU, 3 ms more is 30% of the step.
+MIN_LATENCY_COST = 0.01
+# The node's rate of the calls a latency metric times (syncs are not counted apart: all
+# its CUDA calls, an upper bound on its syncs, so a costly sync is never let off).
+RATE_OF = {"launch": "launches_per_s", "sync": "cuda_calls_per_s"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,12 +121,15 @@ class Score:
     best: float  # the best node's value
     score: float  # speed / best speed
     z: float | None  # None with fewer than three nodes
+    # A latency's excess over the median at the node's call rate, as a share of its
+    # time (None: not a latency, or no rate to weigh it by)
+    cost: float | None = None
 
     @property
     def flagged(self) -> bool:
         # Without a z (fewer than three nodes with the metric) nobody is the outlier.
         return self.score < self.metric.max_score and self.z is not None \
-            and self.z >= Z_THRESHOLD
+            and self.z >= Z_THRESHOLD and (self.cost is None or self.cost >= MIN_LATENCY_COST)
 
 
 def rank(profiles: Mapping[str, Mapping[str, Any]], unreachable: Mapping[str, str],
@@ -177,8 +191,18 @@ def _score_all(features: Mapping[str, Mapping[str, Any]]) -> dict[str, list[Scor
         if len(values) < 2:
             continue  # nothing to compare with
         for node, s in score_metric(m, values).items():
+            if m.kind == "latency":
+                s.cost = _cost(s, features[node].get(RATE_OF[m.name.split("_", 1)[0]]))
             out[node].append(s)
     return out
+
+
+def _cost(s: Score, rate: object) -> float | None:
+    """What a latency's excess over the fleet median costs the node per second of its
+    time, at ``rate`` such calls per second; None without a usable rate."""
+    if not isinstance(rate, int | float) or isinstance(rate, bool) or rate < 0:
+        return None
+    return max(0.0, s.value - s.median) * float(rate) / 1e9
 
 
 def score_metric(m: Metric, values: Mapping[str, float]) -> dict[str, Score]:
