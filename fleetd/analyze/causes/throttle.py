@@ -32,7 +32,7 @@ from fleetd.analyze.reading.answers_chain import (
     RankedCulprit,
 )
 from fleetd.analyze.reading.cgroup_samples import place_of, sampled_pids, samples
-from fleetd.analyze.reading.nodeview import OFF_CPU, RUNQ, NodeView, task_state
+from fleetd.analyze.reading.nodeview import OFF_CPU, RUNQ, NodeView, overlap, task_state
 from fleetd.analyze.reading.rows import CgroupPlace
 from fleetd.analyze.reading.window import Window
 from fleetd.store.catalog import op_code
@@ -269,10 +269,7 @@ def _slices_past(ctx: Context, tid: int, cpus: float) -> int:
     record in the window and the lookback before it, it ran more than ``cpus`` of."""
     v = ctx.view
     lo, hi = v.win.start_ns - RAN_PAST_LOOKBACK_NS, v.win.end_ns
-    off: list[tuple[int, int]] = [(int(ts), int(ts) + int(dur or 0)) for ts, dur in v.conn.execute(
-        "SELECT ts_ns, dur_ns FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
-        "AND id BETWEEN ? AND ? AND tid = ? AND op = ? ORDER BY ts_ns",
-        (lo - MAX_WAIT_NS, hi, v.node.lo, v.node.hi, tid, OFF_CPU))]
+    off = [(e.ts, e.end) for e in v.host_events(tid, lo - MAX_WAIT_NS, hi) if e.op == OFF_CPU]
     if not off:
         return 0
     first, last = max(lo, off[0][0]), min(hi, max(b for _, b in off))
@@ -282,7 +279,7 @@ def _slices_past(ctx: Context, tid: int, cpus: float) -> int:
         i = max(0, (a - first) // SLICE_NS)
         while i < slices and first + i * SLICE_NS < b:
             s0 = first + i * SLICE_NS
-            away[i] += max(0, min(b, s0 + SLICE_NS) - max(a, s0))
+            away[i] += overlap(a, b, s0, s0 + SLICE_NS)
             i += 1
     return sum(1 for ns in away if SLICE_NS - ns > cpus * SLICE_NS)
 

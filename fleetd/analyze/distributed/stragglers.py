@@ -80,9 +80,6 @@ MIN_RANKED = 3
 # node's own rate of such calls, costs at least this share of its time: 5 us more per
 # sync at 100 syncs/s (0.05%) is two ranks sharing a CPU, 3 ms more is 30% of the step.
 MIN_LATENCY_COST = 0.01
-# The node's rate of the calls a latency metric times (syncs are not counted apart: all
-# its CUDA calls, an upper bound on its syncs, so a costly sync is never let off).
-RATE_OF = {"launch": "launches_per_s", "sync": "cuda_calls_per_s"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +88,9 @@ class Metric:
     kind: str  # rate | share | latency
     max_score: float  # flag only below this relative score
     primary: bool = False  # describes an unflagged node
+    # A latency's feature holding the node's rate of the calls it times (syncs are not
+    # counted apart: all its CUDA calls, an upper bound, so a costly sync is never let off)
+    rate: str | None = None
 
     def speed(self, value: float) -> float:
         if self.kind == "rate":
@@ -106,10 +106,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("d_state_share", "share", 0.8, primary=True),
     Metric("lock_share", "share", 0.8, primary=True),
     Metric("data_wait_share", "share", 0.8, primary=True),
-    Metric("launch_p50_ns", "latency", 0.5),
-    Metric("sync_p50_ns", "latency", 0.5),
-    Metric("launch_p99_ns", "latency", 0.25),
-    Metric("sync_p99_ns", "latency", 0.25),
+    Metric("launch_p50_ns", "latency", 0.5, rate="launches_per_s"),
+    Metric("sync_p50_ns", "latency", 0.5, rate="cuda_calls_per_s"),
+    Metric("launch_p99_ns", "latency", 0.25, rate="launches_per_s"),
+    Metric("sync_p99_ns", "latency", 0.25, rate="cuda_calls_per_s"),
 )
 
 
@@ -191,8 +191,8 @@ def _score_all(features: Mapping[str, Mapping[str, Any]]) -> dict[str, list[Scor
         if len(values) < 2:
             continue  # nothing to compare with
         for node, s in score_metric(m, values).items():
-            if m.kind == "latency":
-                s.cost = _cost(s, features[node].get(RATE_OF[m.name.split("_", 1)[0]]))
+            if m.rate is not None:
+                s.cost = _cost(s, features[node].get(m.rate))
             out[node].append(s)
     return out
 

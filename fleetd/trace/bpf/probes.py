@@ -449,8 +449,8 @@ class _File:
 
     opened: str
     path: str
-    dev: int = 0
-    ino: int = 0
+    dev: int
+    ino: int
 
 
 def attach_library(bpf: Any, lib: Library, layers: Iterable[str]) -> AttachReport:
