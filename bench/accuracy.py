@@ -58,8 +58,9 @@ tests (tests/integration/test_hang_watch.py) and bench/nccl.py.
 
 Sized for a 2-core machine (under 4 minutes): scenarios of 4 s, one after the other,
 about 8 s each with the tracer's start and the explain. ``BENCH_ACCURACY_S`` changes the
-seconds per scenario; names on the command line run only those scenarios. Needs root
-(BPF).
+seconds per scenario; names on the command line run only those scenarios;
+``BENCH_ACCURACY_KEEP=DIR`` keeps each scenario's recordings in DIR/<scenario>/ to look
+into an answer. Needs root (BPF).
 
 Last line: BENCH accuracy right=N total=M wrong_culprit=K missed=J false_high=F
 """
@@ -68,6 +69,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -584,7 +586,22 @@ def _one(case: Case) -> tuple[str, str, Run]:
         except (RuntimeError, OSError, subprocess.SubprocessError, ValueError,
                 KeyError) as e:
             run, outcome, seen = Run(), "missed", f"did not run: {e}"
+        _keep(case, run)
     return outcome, seen, run
+
+
+def _keep(case: Case, run: Run) -> None:
+    """With BENCH_ACCURACY_KEEP=DIR, each recording of the case copied to DIR/CASE/ (the
+    scenario's directory goes when it ends), to look into a wrong answer."""
+    keep = os.environ.get("BENCH_ACCURACY_KEEP")
+    if not keep:
+        return
+    into = Path(keep) / case.name
+    into.mkdir(parents=True, exist_ok=True)
+    for db in run.dbs.values():
+        for part in (db, db.with_name(db.name + "-wal")):
+            if part.exists():
+                shutil.copy2(part, into / part.name)
 
 
 if __name__ == "__main__":

@@ -79,3 +79,32 @@ def test_a_task_that_took_the_cpu_once_is_not_credited(tmp_path: Path) -> None:
     culprits = _culprits(db)
     assert culprits[0]["pid"] == BYSTANDER, culprits[:3]
     assert not any(c["pid"] in (100, 101, 102) and c["share"] > 0.05 for c in culprits)
+
+
+def test_a_prev_that_woke_the_thread_held_the_cpu_all_along() -> None:
+    assert tail_takers(10, 21, 8_000_000, 15, 1_000_000, waker=15) == [(15, 1_000_000)]
+    assert tail_takers(10, 21, 8_000_000, 15, 1_000_001, waker=33) == \
+        [(21, 500_001), (15, 500_000)]
+
+
+def test_the_waker_that_handed_the_cpu_over_is_the_culprit_not_who_took_it_at_the_sleep(
+        tmp_path: Path) -> None:
+    # gil_light under busy-node.sh: an idle-priority loop takes the CPU whenever the
+    # feeding thread sleeps for the interpreter lock, and is preempted at once when the
+    # lock holder (a thread of the same process, on the same CPU) wakes to release it;
+    # the holder wakes the feeder and runs until it hands the CPU over. Half of each
+    # tail went to the loop, which had not run since. Here the recorded tails are
+    # rewritten so that one task both woke the thread and ran until it got the CPU.
+    holder = 777
+    db = tmp_path / "holder.db"
+    shutil.copy(RECORDED, db)
+    with sqlite3.connect(db) as c:
+        tails = c.execute("UPDATE event_data SET a1 = ?, peer = ? WHERE op = ? AND a1 = ?",
+                          (holder, holder, op_code("runq_wait"), HOG)).rowcount
+        c.execute("INSERT INTO task_data (node, tid, pid, comm) VALUES (1, ?, NULL, "
+                  "'py-busy')", (holder,))
+    assert tails > 100
+    # The holder gets the tails' time; the hog keeps only the preemptions it made itself
+    # (1%), not half of every tail (it still took over at the switches: its presence).
+    share = {c["pid"]: c["share"] for c in _culprits(db)}
+    assert share[holder] > 0.9 and share[HOG] < 0.05, share

@@ -41,14 +41,21 @@ CPU_THROTTLE = op_code("cpu_throttle")
 MIN_THROTTLED_SHARE = 0.01  # of the window: below this a quota is not what slows it
 INSIDE_SHARE = 0.1  # of the contention's taker time: neighbours inside the quota that spend it
 # A thread that ran more CPU per second than the quota allows (by this much, in at least
-# RAN_PAST_SLICES one-second slices of the window or the half minute before it) did so
-# under a higher limit or none: the quota was lowered below what the thread needs alone,
-# so it is the cause whoever else spends it. Under an unchanged quota the kernel never
-# lets a slice reach it (CFS enforces the quota every period, 10 in a slice).
+# RAN_PAST_SLICES one-second slices of the window or the half minute before it) while
+# the cgroup's samples show a higher limit or none: the quota was lowered below what the
+# thread needs alone, so it is the cause whoever else spends it. The thread's CPU time is
+# inferred (the slice less its recorded off-CPU time: sleeps under the tracer's 50 us
+# threshold and records lost on a loaded node count as CPU), so a slice counts only
+# where the cgroup's own samples say the limit was higher: under an unchanged quota no
+# slice can, however the inference errs.
 RAN_PAST = 1.5
 RAN_PAST_SLICES = 2
 RAN_PAST_LOOKBACK_NS = 30 * 10**9
 SLICE_NS = 10**9
+# A cgroup the sampler (about once a second) first saw limited this long after the
+# thread's first record had no limit before: the slices before its first sample count
+# as unlimited. Nearer the start of the trace the sampler may not have looked yet.
+UNSAMPLED_GRACE_NS = 3 * 10**9
 SAMPLE_REACH_NS = 5 * 10**9  # a sample that began this long before the window may end in it
 MAX_WAIT_NS = 10**9  # a run-queue wait that began this long before a span still counts in it
 
@@ -253,20 +260,22 @@ def _neighbour_spends_it(ctx: Context, chains: list[Chain], quota: Chain, q: Quo
 
 def ran_past_quota(ctx: Context, tid: int, q: Quota) -> bool:
     """True when thread ``tid`` alone ran more than RAN_PAST times the quota's CPUs in at
-    least RAN_PAST_SLICES one-second slices of the window or the half minute before it:
-    the quota was set or lowered below what the thread itself runs (a limit cut on a
-    live job), so it would not fit alone whatever its neighbours inside spend. Its CPU
-    time in a slice is the slice less its off-CPU records there, counted only between
-    its first and last record (before or after them the tracer did not see it)."""
+    least RAN_PAST_SLICES one-second slices of the window or the half minute before it,
+    in slices where the cgroup had a higher limit or none: the quota was lowered (or set)
+    below what the thread itself runs (a limit cut on a live job), so it would not fit
+    alone whatever its neighbours inside spend. Its CPU time in a slice is the slice less
+    its off-CPU records there, counted only between its first and last record (before or
+    after them the tracer did not see it)."""
     key = (f"ran_past {q.cgroup} {q.quota_us}/{q.period_us}", tid)
     if key not in ctx.memo:
-        ctx.memo[key] = _slices_past(ctx, tid, RAN_PAST * q.cpus) >= RAN_PAST_SLICES
+        ctx.memo[key] = _slices_past(ctx, tid, q) >= RAN_PAST_SLICES
     return bool(ctx.memo[key])
 
 
-def _slices_past(ctx: Context, tid: int, cpus: float) -> int:
+def _slices_past(ctx: Context, tid: int, q: Quota) -> int:
     """How many whole one-second slices, between the thread's first and last off-CPU
-    record in the window and the lookback before it, it ran more than ``cpus`` of."""
+    record in the window and the lookback before it, it ran more than RAN_PAST times
+    the quota's CPUs of under a higher limit (:func:`_limit_then`)."""
     v = ctx.view
     lo, hi = v.win.start_ns - RAN_PAST_LOOKBACK_NS, v.win.end_ns
     off = [(e.ts, e.end) for e in v.host_events(tid, lo - MAX_WAIT_NS, hi) if e.op == OFF_CPU]
@@ -281,7 +290,38 @@ def _slices_past(ctx: Context, tid: int, cpus: float) -> int:
             s0 = first + i * SLICE_NS
             away[i] += overlap(a, b, s0, s0 + SLICE_NS)
             i += 1
-    return sum(1 for ns in away if SLICE_NS - ns > cpus * SLICE_NS)
+    limits = _limits(ctx, q, first, last)
+    past = RAN_PAST * q.cpus * SLICE_NS
+    return sum(1 for i, ns in enumerate(away) if SLICE_NS - ns > past and _limit_then(
+        limits, first + i * SLICE_NS, first + (i + 1) * SLICE_NS, first) > q.cpus)
+
+
+def _limits(ctx: Context, q: Quota, t0: int, t1: int) -> list[tuple[int, int, float]]:
+    """(start, end, CPUs) of each sample of ``q``'s cgroup over [t0, t1), oldest first:
+    the limit each sample read at its end."""
+    v = ctx.view
+    view = NodeView(v.conn, v.node, Window(t0, t1, v.win.label), v.tasks, v.names)
+    out: list[tuple[int, int, float]] = []
+    for (ts, dur), a in samples(view, CPU_THROTTLE, ("ts_ns", "dur_ns"), by_time=True,
+                                reach_ns=SAMPLE_REACH_NS):
+        quota, period = a.get("quota_us"), a.get("period_us")
+        if a.get("cgroup") == q.cgroup and isinstance(quota, int) and \
+                isinstance(period, int) and quota > 0 and period > 0:
+            out.append((int(ts), int(ts) + max(0, int(dur or 0)), quota / period))
+    return out
+
+
+def _limit_then(limits: list[tuple[int, int, float]], s0: int, s1: int, first: int
+                ) -> float:
+    """The highest limit (CPUs) the samples overlapping [s0, s1) read; infinite (no
+    limit) for a slice wholly before the cgroup's first sample that began
+    UNSAMPLED_GRACE_NS after the thread's first record ``first``; 0 when unknown."""
+    seen = [cpus for a, b, cpus in limits if a < s1 and b > s0]
+    if seen:
+        return max(seen)
+    if s0 >= first + UNSAMPLED_GRACE_NS and (not limits or s1 <= limits[0][0]):
+        return float("inf")
+    return 0.0
 
 
 def _culprits_outside(ctx: Context, ch: Chain, tid: int,

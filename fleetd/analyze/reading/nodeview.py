@@ -78,8 +78,8 @@ def preempt_takers(tid: int, first: int, last: int, ns: int) -> list[tuple[int, 
 MAX_SLEEP_BEFORE_TAIL_NS = 50_000_000
 
 
-def tail_takers(tid: int, left_to: int, slept_ns: int, last: int, ns: int
-                ) -> list[tuple[int, int]]:
+def tail_takers(tid: int, left_to: int, slept_ns: int, last: int, ns: int,
+                waker: int = 0) -> list[tuple[int, int]]:
     """Who held the CPU while ``tid``, just woken, waited ``ns`` for it: the task that
     ran until it got the CPU (``last``, the switch's prev) and, after a short sleep,
     the one that took the CPU when it went to sleep (``left_to``). The prev alone is
@@ -87,7 +87,15 @@ def tail_takers(tid: int, left_to: int, slept_ns: int, last: int, ns: int
     preempts a busy loop for microseconds, and the scheduler then picks the woken
     thread, so the loop that held the CPU for the whole wait was never the prev and a
     hog inside the thread's own CPU share was never named. A sleep of more than
-    :data:`MAX_SLEEP_BEFORE_TAIL_NS` says nothing about who runs at its end."""
+    :data:`MAX_SLEEP_BEFORE_TAIL_NS` says nothing about who runs at its end.
+
+    A prev that is also the ``waker`` held the CPU the whole wait: it was running when
+    it woke the thread onto its own CPU and ran until it handed that CPU over, so the
+    task that took the CPU at the sleep had already lost it (a thread woken by the
+    interpreter-lock holder it shares a CPU with, beside an idle-priority loop that
+    runs only while both sleep)."""
+    if waker and waker == last:
+        return [(last, ns)]
     if 0 <= slept_ns <= MAX_SLEEP_BEFORE_TAIL_NS and left_to:
         return preempt_takers(tid, left_to, last, ns)
     return [(last, ns)]
@@ -281,17 +289,17 @@ class NodeView:
                     for taker, ns in preempt_takers(tid, int(peer), int(a1 or 0), int(dur)):
                         out[taker] += ns
             elif state != "R" and a1 and ts >= self.win.start_ns:
-                tails.append((int(ts) + int(dur), int(a1), int(dur)))
+                tails.append((int(ts) + int(dur), int(a1), int(dur), int(peer or 0)))
         # Only the task that takes over at most of the thread's switches (a busy loop
         # beside it) is still on the CPU when the thread wakes; another one that took
         # the CPU at one sleep (a peer's short step) has long gone back to sleep.
         peers = Counter(peer for peer, _ in left_to.values() if peer)
         top = peers.most_common(1)
         busy = top[0][0] if top and top[0][1] * 2 >= sum(peers.values()) else 0
-        for end, last, ns in tails:
+        for end, last, ns, waker in tails:
             first, off = left_to.get(end, (0, 0))
             for taker, part in tail_takers(tid, first if first == busy else 0, off - ns,
-                                           last, ns):
+                                           last, ns, waker):
                 out[taker] += part
         return out
 
