@@ -187,10 +187,12 @@ GC_STACK = ["[garbage collection]", "GcWorkload.step (/w/gc_loop.py:43)"]
 
 def _recording(tmp_path: Path, samples: list[tuple[list[str], int, int]],
                pauses: list[tuple[int, int]] = (), sync_every: int = 10,
-               gpu_ns: int = 2_000_000) -> dict[str, Any]:
+               gpu_ns: int = 2_000_000, sleep_ns: int = 0) -> dict[str, Any]:
     """synth's 6 s training loop, plus on-CPU sample rows of its feeding thread (stack,
-    samples, of them in the collector) and gc_pause events (offset, length); explained."""
-    from synth import MAIN, MAIN_TID, T0, Timeline, base, training_loop
+    samples, of them in the collector) and gc_pause events (offset, length); explained.
+    ``sleep_ns``: the thread also sleeps that long in each 10 ms step (its scheduler
+    records say so)."""
+    from synth import MAIN, MAIN_TID, STRESS, T0, Timeline, base, training_loop
 
     from fleetd.analyze.explain import explain
     from fleetd.store.writer import BatchWriter
@@ -198,7 +200,11 @@ def _recording(tmp_path: Path, samples: list[tuple[list[str], int, int]],
 
     tl = Timeline()
     base(tl)
-    training_loop(tl, sync_every=sync_every, gpu_ns=gpu_ns)
+    def sleep(tl: Timeline, step: int, t: int) -> int:
+        tl.off_cpu(t, sleep_ns, 1, STRESS)
+        return t + sleep_ns
+
+    training_loop(tl, sync_every=sync_every, gpu_ns=gpu_ns, hook=sleep if sleep_ns else None)
     db = tl.write(tmp_path / "r.db")
     rows = [(T0, 6 * 10**9, MAIN, MAIN_TID, OP_CPU_SAMPLE, 0, PERIOD_49, 0, n, gc,
              stack_hash(frames)) for frames, n, gc in samples]
@@ -242,6 +248,19 @@ def test_a_busy_thread_that_waits_for_the_gpu_is_not_cpu_bound(tmp_path: Path) -
     assert "host_cpu_bound" not in _roots(report), report["chains"]
     t = next(t for p in report["processes"] for t in p["threads"] if t["tid"] == 1000)
     assert int(t["in_cuda_ns"]) > 0.5 * int(t["wall_ns"])  # it did wait
+
+
+def test_samples_never_make_more_cpu_time_than_the_scheduler_records(tmp_path: Path
+                                                                      ) -> None:
+    """The samples of the first test, but the thread sleeps 7 ms of every 10 ms step:
+    its scheduler records say it ran under 30% of the time, so 250 samples at 49 Hz
+    (85%) overstate it (a count read 2.6 times the recorded time under busy-node.sh).
+    The samples say where it ran; the records, how long."""
+    report = _recording(tmp_path, [(HOT_STACK, 250, 0), (SYNC_STACK, 10, 0)],
+                        sleep_ns=7_000_000)
+    t = next(t for p in report["processes"] for t in p["threads"] if t["tid"] == 1000)
+    assert int(t["running_ns"]) < 0.3 * int(t["wall_ns"])
+    assert "host_cpu_bound" not in _roots(report), report["chains"]
 
 
 def test_a_quiet_thread_has_no_verdict_from_its_samples(tmp_path: Path) -> None:
