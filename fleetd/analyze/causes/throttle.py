@@ -32,9 +32,8 @@ from fleetd.analyze.reading.answers_chain import (
     RankedCulprit,
 )
 from fleetd.analyze.reading.cgroup_samples import place_of, sampled_pids, samples
-from fleetd.analyze.reading.nodeview import OFF_CPU, RUNQ, NodeView, overlap, task_state
+from fleetd.analyze.reading.nodeview import OFF_CPU, RUNQ, overlap, task_state
 from fleetd.analyze.reading.rows import CgroupPlace
-from fleetd.analyze.reading.window import Window
 from fleetd.store.catalog import op_code
 
 CPU_THROTTLE = op_code("cpu_throttle")
@@ -92,10 +91,10 @@ def quotas(ctx: Context) -> list[Quota]:
     for (pid, throttled, t_periods, periods, ts, dur), a in samples(
             ctx.view, CPU_THROTTLE, ("pid", "bytes", "a0", "a1", "ts_ns", "dur_ns"),
             by_time=True, reach_ns=SAMPLE_REACH_NS):
-        path, quota, period = a.get("cgroup"), a.get("quota_us"), a.get("period_us")
-        if not isinstance(path, str) or not isinstance(quota, int) or \
-                not isinstance(period, int) or quota <= 0 or period <= 0:
+        limit = _limit_of(a)
+        if limit is None:
             continue
+        path, quota, period = limit
         q = found.setdefault(path, Quota(path, quota, period))
         t0, t1 = int(ts), int(ts) + max(0, int(dur or 0))
         s0, s1 = max(t0, w0), min(t1, w1)
@@ -112,6 +111,16 @@ def quotas(ctx: Context) -> list[Quota]:
         # Most throttled time first; a tie goes to the later limit (dicts keep order).
         q.quota_us, q.period_us = max(reversed(q.by_limit.items()), key=lambda kv: kv[1])[0]
     return list(found.values())
+
+
+def _limit_of(args: dict[str, object]) -> tuple[str, int, int] | None:
+    """A ``cpu_throttle`` sample's (cgroup, quota_us, period_us); None when its args (a
+    merged or imported file's, untrusted) do not hold a usable limit."""
+    path, quota, period = args.get("cgroup"), args.get("quota_us"), args.get("period_us")
+    if not isinstance(path, str) or not isinstance(quota, int) or \
+            not isinstance(period, int) or quota <= 0 or period <= 0:
+        return None
+    return path, quota, period
 
 
 def throttle_rule(ctx: Context, chains: list[Chain]) -> list[Chain]:
@@ -299,15 +308,12 @@ def _slices_past(ctx: Context, tid: int, q: Quota) -> int:
 def _limits(ctx: Context, q: Quota, t0: int, t1: int) -> list[tuple[int, int, float]]:
     """(start, end, CPUs) of each sample of ``q``'s cgroup over [t0, t1), oldest first:
     the limit each sample read at its end."""
-    v = ctx.view
-    view = NodeView(v.conn, v.node, Window(t0, t1, v.win.label), v.tasks, v.names)
     out: list[tuple[int, int, float]] = []
-    for (ts, dur), a in samples(view, CPU_THROTTLE, ("ts_ns", "dur_ns"), by_time=True,
-                                reach_ns=SAMPLE_REACH_NS):
-        quota, period = a.get("quota_us"), a.get("period_us")
-        if a.get("cgroup") == q.cgroup and isinstance(quota, int) and \
-                isinstance(period, int) and quota > 0 and period > 0:
-            out.append((int(ts), int(ts) + max(0, int(dur or 0)), quota / period))
+    for (ts, dur), a in samples(ctx.view.over(t0, t1), CPU_THROTTLE, ("ts_ns", "dur_ns"),
+                                by_time=True, reach_ns=SAMPLE_REACH_NS):
+        limit = _limit_of(a)
+        if limit is not None and limit[0] == q.cgroup:
+            out.append((int(ts), int(ts) + max(0, int(dur or 0)), limit[1] / limit[2]))
     return out
 
 
@@ -334,8 +340,7 @@ def _culprits_outside(ctx: Context, ch: Chain, tid: int,
     takers: Counter[int] = Counter()
     v = ctx.view
     for a, b in _unthrottled(v.win.start_ns, v.win.end_ns, spans):
-        takers.update(NodeView(v.conn, v.node, Window(a, b, v.win.label), v.tasks,
-                               v.names).cpu_takers(tid))
+        takers.update(v.over(a, b).cpu_takers(tid))
     if not takers:
         return
     kept: list[RankedCulprit] = []

@@ -121,6 +121,12 @@ class NodeView:
         self._firsts: dict[tuple[str, tuple[int, ...], int, int], dict[int, int]] = {}
         self._stacks = stacks
 
+    def over(self, t0: int, t1: int) -> NodeView:
+        """The same node over [t0, t1) instead of the window (a part of it, or a
+        lookback before it): its own reads, none of this view's shared ones."""
+        return NodeView(self.conn, self.node, Window(t0, t1, self.win.label), self.tasks,
+                        self.names)
+
     def _load_blocks(self) -> list[Ev]:
         # Block requests: of the traced processes, plus any slow one of the system (a
         # neighbour saturating the disk). Few by construction; kept in memory.
