@@ -40,6 +40,7 @@ from fleetd.analyze.causes.rules import Context, rule_chain
 from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, RankedCulprit
 from fleetd.analyze.reading.data import code, in_list, job_peers
 from fleetd.analyze.reading.frames import top_python_frame
+from fleetd.analyze.reading.nodeview import op_range
 from fleetd.analyze.reading.rows import ThreadRow
 from fleetd.analyze.reading.waits import OUTPUT_RETS, reason, rets_of
 from fleetd.store.timeparse import format_ns
@@ -103,22 +104,21 @@ def _read_sleeps(ctx: Context, tids: list[int]) -> dict[int, list[Sleep]]:
     """Per thread of ``tids``: its sleeps. One pass over the span's rows for all of
     them (three queries per thread scanned the span 3 x threads times)."""
     v, t0, t1 = ctx.view, ctx.span[0], ctx.span[1] + 1
-    wakes: dict[int, list[tuple[int, ...]]] = {t: [] for t in tids}
-    tails: dict[int, list[tuple[int, ...]]] = {t: [] for t in tids}
-    offs: dict[int, list[tuple[int, ...]]] = {t: [] for t in tids}
-    for op, tid, ts, dur, peer, stack, ret, arg, rowkey in v.conn.execute(
-        "SELECT op, tid, ts_ns, dur_ns, peer, stack, ret, bytes, id FROM event_data WHERE "
-        f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND tid IN {in_list(tids)} AND "
+    wakes: dict[int, list[SleepRow]] = {t: [] for t in tids}
+    tails: dict[int, list[SleepRow]] = {t: [] for t in tids}
+    offs: dict[int, list[SleepRow]] = {t: [] for t in tids}
+    kinds = {WAKEUP: wakes, RUNQ: tails, OFF_CPU: offs}
+    # Each row kept as SQLite gives it, time first (no tuple of its own per row: there
+    # are hundreds of thousands, most of them wakeups).
+    for row in v.conn.execute(
+        "SELECT ts_ns, tid, op, dur_ns, peer, stack, ret, bytes, id FROM event_data WHERE "
+        f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND "
+        f"{op_range((WAKEUP, RUNQ, OFF_CPU))} AND tid IN {in_list(tids)} AND "
         "(op IN (?, ?) OR (op = ? AND a0 & 255 != 0 AND a0 & 2 = 0 AND ret IN "
         f"{in_list(sorted(READ_RETS))}))",
         (t0, t1, v.node.lo, v.node.hi, WAKEUP, RUNQ, OFF_CPU),
     ):
-        if op == WAKEUP:
-            wakes[tid].append((ts, peer, stack))
-        elif op == RUNQ:
-            tails[tid].append((ts, dur))
-        else:
-            offs[tid].append((ts, dur, ret, arg, rowkey))
+        kinds[row[2]][row[1]].append(row)
     # Sorted here, stable (equal times keep the file's order, as ORDER BY did): the rows
     # come nearly in time order, which Python sorts in one run.
     for rows in (*wakes.values(), *tails.values(), *offs.values()):
@@ -126,24 +126,31 @@ def _read_sleeps(ctx: Context, tids: list[int]) -> dict[int, list[Sleep]]:
     return {t: _matched(offs[t], wakes[t], tails[t]) for t in tids}
 
 
-def _matched(offs: list[tuple[int, ...]], wakes: list[tuple[int, ...]],
-             tails: list[tuple[int, ...]]) -> list[Sleep]:
-    """Each off-CPU sleep with the first wakeup and run-queue tail inside it."""
+# A row of _read_sleeps: ts_ns, tid, op, dur_ns, peer, stack, ret, bytes, id.
+SleepRow = tuple[int, int, int, int, int, int, int, int, int]
+
+
+def _matched(offs: list[SleepRow], wakes: list[SleepRow], tails: list[SleepRow]
+             ) -> list[Sleep]:
+    """Each off-CPU sleep with the first wakeup and run-queue tail inside it (all three
+    in time order: one pass over each)."""
     out = []
-    for ts, dur, ret, arg, key in offs:
+    w = q = 0
+    nw, nq = len(wakes), len(tails)
+    for ts, _, _, dur, _, _, ret, arg, key in offs:
         end = ts + dur
-        wake = _first_row(wakes, ts, end)
-        tail = _first_row(tails, ts, end + 1)
-        out.append(Sleep(ts, max(0, dur - (int(tail[1]) if tail else 0)), reason(ret),
-                         int(arg or 0), int(wake[1]) if wake else 0,
-                         int(wake[2] or 0) if wake else 0, int(ret or 0), int(key)))
+        # The first wakeup at or after the sleep's start (the sleeps come in time
+        # order, so the one of the last sleep is where to look on from).
+        while w < nw and wakes[w][0] < ts:
+            w += 1
+        while q < nq and tails[q][0] < ts:
+            q += 1
+        wake = wakes[w] if w < nw and wakes[w][0] <= end else None
+        tail = tails[q] if q < nq and tails[q][0] <= end + 1 else None
+        out.append(Sleep(ts, max(0, dur - (int(tail[3]) if tail else 0)), reason(ret),
+                         int(arg or 0), int(wake[4]) if wake else 0,
+                         int(wake[5] or 0) if wake else 0, int(ret or 0), int(key)))
     return out
-
-
-def _first_row(rows: list[tuple[int, ...]], t0: int, t1: int) -> tuple[int, ...] | None:
-    """The first (ts, ...) row with t0 <= ts <= t1, else None."""
-    i = bisect.bisect_left(rows, (t0,))
-    return rows[i] if i < len(rows) and rows[i][0] <= t1 else None
 
 
 def waker_where(ctx: Context, hashes: list[int]) -> Where | None:

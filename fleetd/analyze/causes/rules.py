@@ -24,10 +24,12 @@ their summaries and fixes come from the registry in causes.py.
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
 import sqlite3
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from fleetd.analyze.causes.chains import (
@@ -51,6 +53,7 @@ from fleetd.analyze.reading.data import (
     in_list,
     name_of,
 )
+from fleetd.analyze.reading.nodeview import CallRow, op_range
 from fleetd.analyze.reading.rows import CgroupPlace, OpRow, ThreadRow
 from fleetd.store.catalog import READBACKS
 from fleetd.store.timeparse import format_ns
@@ -150,10 +153,11 @@ def _stat_item(r: OpRow, text: str) -> EvidenceItem:
 def _examples(ctx: Context, pid: int, ops: frozenset[str], n: int = 3) -> list[EvidenceItem]:
     """The slowest stored calls of these ops: concrete, clickable evidence."""
     v = ctx.view
+    codes = [code(o) for o in ops]
     rows = v.conn.execute(
         "SELECT id, ts_ns, dur_ns, tid, op FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
-        f"AND id BETWEEN ? AND ? AND pid = ? AND op IN {in_list(code(o) for o in ops)} "
-        f"ORDER BY dur_ns DESC LIMIT {n}",
+        f"AND id BETWEEN ? AND ? AND {op_range(codes)} AND pid = ? AND op IN "
+        f"{in_list(codes)} ORDER BY dur_ns DESC LIMIT {n}",
         (ctx.span[0], ctx.span[1] + 1, v.node.lo, v.node.hi, pid),
     ).fetchall()
     return _call_items(ctx, rows)
@@ -320,8 +324,8 @@ def _readbacks(ctx: Context, pid: int) -> Chain | None:
     never run ahead. The pattern is the cause even where the waits are short (a GPU
     that keeps up, or none at all): severity then follows the time it measurably cost.
     """
-    memcpy, dtoh = code("cudaMemcpy"), code("cuMemcpyDtoH_v2")
-    copies = [r for r in _span_calls(ctx, pid, (memcpy, dtoh)) if 1 <= r[6] <= READBACK_MAX_BYTES
+    dtoh = code("cuMemcpyDtoH_v2")
+    copies = [r for r in _span_calls(ctx, pid, READBACK_CODES) if 1 <= r[6] <= READBACK_MAX_BYTES
               and (r[4] == dtoh or r[5] == MEMCPY_DEVICE_TO_HOST)]
     n, total = len(copies), sum(r[2] for r in copies)
     biggest = max((r[6] for r in copies), default=0)
@@ -359,7 +363,11 @@ def alloc_churn_rule(ctx: Context) -> list[Chain]:
     return out
 
 
-AllocRows = list[tuple[int, int, int, int, int]]  # id, ts_ns, dur_ns, tid, op
+AllocRows = list[CallRow]  # id, ts_ns, dur_ns, tid, op, a0, bytes; in time order
+# The dense ops the rules read per process, read together (one walk of the span).
+READBACK_CODES = (code("cudaMemcpy"), code("cuMemcpyDtoH_v2"))
+ALLOC_CODES = tuple(sorted(code(o) for o in ALLOC_OPS))
+_DENSE_READS = (ALLOC_CODES, READBACK_CODES)
 
 
 def _first_launch(ctx: Context, pid: int) -> int | None:
@@ -369,18 +377,20 @@ def _first_launch(ctx: Context, pid: int) -> int | None:
     return ctx.view.first_of(launches, ctx.span[0], ctx.span[1] + 1).get(pid)
 
 
-def _span_calls(ctx: Context, pid: int, ops: tuple[int, ...]
-                ) -> list[tuple[int, int, int, int, int, int, int]]:
+def _span_calls(ctx: Context, pid: int, ops: tuple[int, ...]) -> list[CallRow]:
     """The process's stored events of ``ops`` in the span, in time order (id, ts_ns,
-    dur_ns, tid, op, a0, bytes): read once for every process (NodeView.calls_by_pid)."""
-    return ctx.view.calls_by_pid(ops, ctx.span[0], ctx.span[1] + 1).get(pid, [])
+    dur_ns, tid, op, a0, bytes): read once for every process (NodeView.calls_by_pid),
+    the dense op sets of the rules together."""
+    together = _DENSE_READS if ops in _DENSE_READS else ()
+    return ctx.view.calls_by_pid(ops, ctx.span[0], ctx.span[1] + 1, together).get(pid, [])
 
 
 def _alloc_calls(ctx: Context, pid: int, t0: int, t1: int | None) -> AllocRows:
     """The process's allocation calls in [t0, t1) (all stored: they are always kept)."""
+    rows = _span_calls(ctx, pid, ALLOC_CODES)
     end = ctx.span[1] + 1 if t1 is None else t1
-    return [(k, ts, dur, tid, op) for k, ts, dur, tid, op, _, _ in
-            _span_calls(ctx, pid, tuple(sorted(code(o) for o in ALLOC_OPS))) if t0 <= ts < end]
+    start = itemgetter(1)
+    return rows[bisect.bisect_left(rows, t0, key=start):bisect.bisect_left(rows, end, key=start)]
 
 
 STARTUP_MIN_NS = 10_000_000  # start-up allocation time below this is not worth a line
@@ -391,7 +401,7 @@ def _startup_chain(ctx: Context, pid: int, started: int, early: AllocRows) -> Ch
     also creates the CUDA context), LOW whatever it cost: it does not recur."""
     total = sum(r[2] for r in early)
     first = early[0]
-    ev = _call_items(ctx, sorted(early, key=lambda r: -r[2])[:3],
+    ev = _call_items(ctx, _longest(early),
                      {first[0]: " (its first allocation: a process's first CUDA call also "
                                 "creates its context)"})
     ch = rule_chain(ctx, "startup", pid, name_of(first[4]), 1.0, total / ctx.span_ns,
@@ -407,18 +417,23 @@ def _churn(ctx: Context, pid: int, begin: int) -> Chain | None:
     out as start-up."""
     calls = _alloc_calls(ctx, pid, begin, None)
     if begin == ctx.span[0]:
-        firsts = {op: k for k, _, _, _, op in reversed(calls)}
+        firsts = {op: k for k, _, _, _, op, _, _ in reversed(calls)}
         calls = [r for r in calls if firsts[r[4]] != r[0]]
-    frees_ops = {code(o) for o in ALLOC_OPS if "Free" in o}
-    allocs = sum(1 for r in calls if r[4] not in frees_ops)
-    frees = len(calls) - allocs
+    per_op = Counter(map(itemgetter(4), calls))  # op -> calls, in time order of first call
+    frees = sum(n for op, n in per_op.items() if op in _FREE_CODES)
+    allocs = len(calls) - frees
     if allocs < MIN_ALLOCS or frees < MIN_ALLOCS // 2:
         return None
     mid = (begin + ctx.span[1]) // 2
-    late_share = sum(1 for r in calls if r[1] >= mid) / max(1, len(calls))
+    # In time order: the calls from mid on are the tail.
+    late = len(calls) - bisect.bisect_left(calls, mid, key=itemgetter(1))
+    late_share = late / max(1, len(calls))
     if late_share < MIN_LATE_ALLOC_SHARE:
         return None
-    share = sum(r[2] for r in calls) / ctx.span_ns
+    by_op: dict[int, int] = dict.fromkeys(per_op, 0)
+    for _, _, dur, _, op, _, _ in calls:
+        by_op[op] += dur
+    share = sum(by_op.values()) / ctx.span_ns
     rate = allocs / (ctx.span_ns / 1e9)
     rows = ctx.op_rows(pid, ALLOC_OPS)
     ev = [_stat_item(r, f"{r['op']}: {r['count']} calls ({r['calls_per_s']}/s), "
@@ -426,14 +441,20 @@ def _churn(ctx: Context, pid: int, begin: int) -> Chain | None:
     ev.append({"kind": "ratio", "late_share": round(late_share, 3),
                "text": f"{late_share:.0%} of the allocation calls after start-up came in the "
                        "second half of the rest of the window: allocation continues"})
-    ev += _call_items(ctx, sorted(calls, key=lambda r: -r[2])[:3])
-    by_op: dict[int, int] = defaultdict(int)
-    for r in calls:
-        by_op[r[4]] += r[2]
+    ev += _call_items(ctx, _longest(calls))
     top = max(by_op.items(), key=lambda kv: kv[1])[0]
     return rule_chain(ctx, "alloc_churn", pid, name_of(top), 2 * late_share, share, ev,
                       {"allocs": allocs, "frees": frees, "allocs_per_s": round(rate, 2),
                        "alloc_share": round(share, 4)})
+
+
+_FREE_CODES = frozenset(code(o) for o in ALLOC_OPS if "Free" in o)
+
+
+def _longest(calls: AllocRows, n: int = 3) -> list[tuple[int, int, int, int, int]]:
+    """The ``n`` longest calls (the first in time order among equal ones), as
+    :func:`_call_items` takes them."""
+    return [r[:5] for r in heapq.nsmallest(n, calls, key=lambda r: -r[2])]
 
 
 def graph_recapture_rule(ctx: Context) -> list[Chain]:

@@ -26,6 +26,7 @@ from fleetd.analyze.reading.nodeview import (
     OFF_CPU,
     RUNQ,
     SOFTIRQ,
+    STALL_MIN_NS,
     WAKEUP,
     Ev,
     NodeView,
@@ -41,7 +42,6 @@ K_MEDIAN = 2.0  # "k x p50": a call this much slower than usual is a spike even 
 MIN_CALLS = 20  # fewer calls than this and a p99 says nothing
 MIN_EXCESS_NS = 50_000  # the tracer's own off-CPU threshold: less cannot be explained
 MAX_SPIKES = 500  # per (process, op): the slowest are analyzed, the impact is scaled
-STALL_MIN_NS = 2_000_000  # a between-call wait shorter than this is ordinary scheduling
 MAX_STALLS = 500
 
 
@@ -113,19 +113,12 @@ def find_stalls(view: NodeView, feeding: dict[int, int]) -> list[Spike]:
     """
     if not feeding:
         return []
-    node, win = view.node, view.win
-    span, long_calls = view.call_spans(sorted(feeding), STALL_MIN_NS)
     # Off the CPU between calls: preempted or in D state; and, after a voluntary sleep
     # (the thread's own choice), the run-queue wait before it could run again.
-    rows = view.conn.execute(
-        "SELECT id, ts_ns, dur_ns, pid, tid, op, peer, a0, a1, 0, ret FROM event_data WHERE "
-        f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND op IN ({OFF_CPU}, {RUNQ}) "
-        f"AND tid IN {in_list(feeding)} AND dur_ns >= ? ORDER BY dur_ns DESC "
-        f"LIMIT {MAX_STALLS * 4}",
-        (win.start_ns, win.end_ns, node.lo, node.hi, STALL_MIN_NS),
-    ).fetchall()
+    reads = view.stall_reads(sorted(feeding), STALL_MIN_NS, MAX_STALLS * 4)
+    span, long_calls = reads.spans, reads.long_calls
     stalls: list[Spike] = []
-    for r in rows:
+    for r in reads.waits:
         ev = Ev(*r)
         lo_hi = span.get(ev.tid)
         state = task_state(ev.a0)

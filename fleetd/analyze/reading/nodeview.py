@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import sqlite3
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from operator import itemgetter
 
@@ -20,7 +21,7 @@ import orjson
 from fleetd.analyze.reading.answers_chain import Task
 from fleetd.analyze.reading.data import CALL_CODES, Node, code, in_list
 from fleetd.analyze.reading.profile import StackCount, StackRow, counts_of, stack_rows
-from fleetd.analyze.reading.sums import Sum
+from fleetd.analyze.reading.sums import TIMED_CODES, Sum
 from fleetd.analyze.reading.window import Window
 from fleetd.store.sparse import sparse_only
 
@@ -28,6 +29,10 @@ OFF_CPU, RUNQ, WAKEUP = code("off_cpu"), code("runq_wait"), code("wakeup")
 HARDIRQ, SOFTIRQ, BLOCK_IO = code("hardirq"), code("softirq"), code("block_io")
 HOST_CODES = (OFF_CPU, WAKEUP, HARDIRQ, SOFTIRQ)
 _STATE_MASK = 0xFF  # above it the kernel reports TASK_REPORT_MAX for a preempted task
+_SUMMED = frozenset(TIMED_CODES)  # the ops the window's sums (reading/sums.py) hold
+_CALL_SET = frozenset(CALL_CODES)
+# How far before the window a block request may have started and still be in service.
+BLOCK_LOOKBACK_NS = 10**10
 
 
 def task_state(prev_state: int) -> str:
@@ -73,6 +78,47 @@ def preempt_takers(tid: int, first: int, last: int, ns: int) -> list[tuple[int, 
     return [(first, ns)]
 
 
+# A wait or call of a thread that calls CUDA at least this long is read with the slow
+# calls (spikes.find_stalls' stalls: a shorter between-call wait is ordinary scheduling).
+STALL_MIN_NS = 2_000_000
+_WAIT_OPS = (OFF_CPU, RUNQ)
+EvRow = tuple[int, int, int, int, int, int, int, int, int, int, int]  # Ev's fields
+CallRow = tuple[int, int, int, int, int, int, int]  # id, ts_ns, dur_ns, tid, op, a0, bytes
+
+
+def op_range(codes: Iterable[int]) -> str:
+    """``op >= lo AND op <= hi`` around ``codes``: true of every row a read of them
+    wants, and put first it turns most other rows away at one comparison each (an
+    ``IN`` list or a chain of ``OR`` terms costs a walk of the window up to 70% more).
+    Never written ``BETWEEN``: ``op BETWEEN 200 AND 299`` is a term of the sparse
+    index's condition, and SQLite would then read by that index, in another order."""
+    wanted = [int(c) for c in codes]
+    return f"op >= {min(wanted)} AND op <= {max(wanted)}"
+
+
+def _has_sparse_index(conn: sqlite3.Connection) -> bool:
+    """Whether the file has the sparse ops' index (fleetd.store.sparse; a file written
+    before schema version 8 and read read-only has none)."""
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'index' AND "
+                        "name = 'event_sparse'").fetchone() is not None
+
+
+def _long_calls_sql(tids: Iterable[int]) -> str:
+    return f"op IN {in_list(CALL_CODES)} AND tid IN {in_list(sorted(tids))}"
+
+
+@dataclass(frozen=True, slots=True)
+class StallReads:
+    """What :func:`~fleetd.analyze.causes.spikes.find_stalls` reads of its threads: per
+    thread its first call's start and last call's end (``spans``), its calls of at least
+    the threshold as sorted (start, end) pairs (``long_calls``), and its off-CPU and
+    run-queue records of at least the threshold, longest first (``waits``)."""
+
+    spans: dict[int, tuple[int, int]]
+    long_calls: dict[int, list[tuple[int, int]]]
+    waits: list[EvRow]
+
+
 # A sleep this short before a run-queue wait: the task that took the CPU when the thread
 # went to sleep is most likely still on it when the thread wakes (a busy loop is).
 MAX_SLEEP_BEFORE_TAIL_NS = 50_000_000
@@ -114,12 +160,15 @@ class NodeView:
         self.conn, self.node, self.win = conn, node, win
         self.sums = sums
         self.tasks, self.names = tasks, names
-        # Read when a spike first asks (many windows have no D-state spike to explain).
-        self._blocks: tuple[list[Ev], list[int], int] | None = None
-        self._by_pid: dict[tuple[tuple[int, ...], int, int],
-                           dict[int, list[tuple[int, int, int, int, int, int, int]]]] = {}
+        # Read when a spike first asks (many windows have no D-state spike to explain):
+        # every request and their starts, or None and [] (read per call), and the longest.
+        self._blocks: tuple[list[Ev] | None, list[int], int] | None = None
+        self._by_pid: dict[tuple[tuple[int, ...], int, int], dict[int, list[CallRow]]] = {}
         self._firsts: dict[tuple[str, tuple[int, ...], int, int], dict[int, int]] = {}
         self._stacks = stacks
+        self._switched: dict[int, tuple[dict[int, int], dict[int, int]]] = {}
+        # slow_calls' long calls of the CUDA-calling threads: (those threads, (tid, ts, dur)).
+        self._long: tuple[frozenset[int], list[tuple[int, int, int]]] | None = None
 
     def over(self, t0: int, t1: int) -> NodeView:
         """The same node over [t0, t1) instead of the window (a part of it, or a
@@ -127,22 +176,22 @@ class NodeView:
         return NodeView(self.conn, self.node, Window(t0, t1, self.win.label), self.tasks,
                         self.names)
 
-    def _load_blocks(self) -> list[Ev]:
-        # Block requests: of the traced processes, plus any slow one of the system (a
-        # neighbour saturating the disk). Few by construction; kept in memory.
+    def _load_blocks(self, t0: int, t1: int) -> list[Ev]:
+        """Block requests starting in [t0, t1): of the traced processes, plus any slow
+        one of the system (a neighbour saturating the disk), in time order."""
         rows = self.conn.execute(
             "SELECT id, ts_ns, dur_ns, pid, tid, bytes FROM event_data WHERE ts_ns >= ? "
             f"AND ts_ns < ? AND id BETWEEN ? AND ? AND op = ?{sparse_only((BLOCK_IO,))} "
-            "ORDER BY ts_ns",
-            (self.win.start_ns - 10**10, self.win.end_ns, self.node.lo, self.node.hi, BLOCK_IO),
-        )
+            "ORDER BY ts_ns", (t0, t1, self.node.lo, self.node.hi, BLOCK_IO))
         return [Ev(r[0], r[1], r[2], r[3], r[4], BLOCK_IO, nbytes=r[5]) for r in rows]
 
     def slow_calls(self, thresholds: dict[tuple[int, int], int]
                    ) -> dict[tuple[int, int], list[Ev]]:
         """Per (pid, op) of ``thresholds``: its stored calls in the window at least its
         threshold long, longest first. One read for every group: a query per group
-        scanned the whole window again each time (the window is one range of rows)."""
+        scanned the whole window again each time (the window is one range of rows).
+        Where the window's sums name the threads that call CUDA, the same read keeps
+        their calls of at least :data:`STALL_MIN_NS` for :meth:`stall_reads`."""
         lowest: dict[int, int] = {}
         for (_, op), thr in thresholds.items():
             lowest[op] = min(thr, lowest.get(op, thr))
@@ -151,49 +200,130 @@ class NodeView:
         # Per op its lowest threshold in SQL: what no group of that op can use stays there.
         cond = " OR ".join(f"(op = {int(op)} AND dur_ns >= {int(thr)})"
                            for op, thr in sorted(lowest.items()))
+        callers = self._callers()
+        ops, shortest = set(lowest), min(lowest.values())
+        if callers:
+            cond += f" OR ({_long_calls_sql(callers)} AND dur_ns >= {STALL_MIN_NS})"
+            ops.update(CALL_CODES)
+            shortest = min(shortest, STALL_MIN_NS)
         out: dict[tuple[int, int], list[Ev]] = defaultdict(list)
+        long_calls: list[tuple[int, int, int]] = []
         for r in self.conn.execute(
             "SELECT id, ts_ns, dur_ns, pid, tid, op FROM event_data WHERE ts_ns >= ? AND "
-            f"ts_ns < ? AND id BETWEEN ? AND ? AND ({cond}) ORDER BY dur_ns DESC",
+            f"ts_ns < ? AND id BETWEEN ? AND ? AND {op_range(ops)} AND dur_ns >= "
+            f"{int(shortest)} AND ({cond}) ORDER BY dur_ns DESC",
             (self.win.start_ns, self.win.end_ns, self.node.lo, self.node.hi),
         ):
             key = (int(r[3]), int(r[5]))
             least = thresholds.get(key)
+            # A row of a group at or above its threshold is one its op's condition took.
             if least is not None and r[2] >= least:
                 out[key].append(Ev(*r))
+            if r[2] >= STALL_MIN_NS and r[5] in _CALL_SET and r[4] in callers:
+                long_calls.append((r[4], r[1], r[2]))
+        if callers:
+            self._long = (callers, long_calls)
         return dict(out)
 
-    def calls_by_pid(self, ops: tuple[int, ...], t0: int, t1: int
-                     ) -> dict[int, list[tuple[int, int, int, int, int, int, int]]]:
+    def _callers(self) -> frozenset[int]:
+        """The threads with stored CUDA calls in the window, from its sums (empty
+        without them): the breakdown's threads with ``cuda_calls_stored``."""
+        if self.sums is None:
+            return frozenset()
+        return frozenset(g.tid for g in self.sums if g.op in _CALL_SET and g.count)
+
+    def stall_reads(self, tids: list[int], long_ns: int, limit: int) -> StallReads:
+        """The calls and waits of ``tids`` at least ``long_ns`` long (see
+        :class:`StallReads`; the ``limit`` longest waits): the calls from
+        :meth:`slow_calls`' read where it kept them."""
+        wanted = frozenset(tids)
+        params = (self.win.start_ns, self.win.end_ns, self.node.lo, self.node.hi, long_ns)
+        window = "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
+        if self._long is not None and long_ns == STALL_MIN_NS and wanted <= self._long[0]:
+            calls = [r for r in self._long[1] if r[0] in wanted]
+        else:
+            calls = self.conn.execute(
+                f"SELECT tid, ts_ns, dur_ns FROM event_data WHERE {window} AND "
+                f"{_long_calls_sql(wanted)} AND dur_ns >= ?", params).fetchall()
+        long_calls: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for tid, ts, dur in calls:
+            long_calls[int(tid)].append((int(ts), int(ts) + int(dur)))
+        for v in long_calls.values():
+            v.sort()
+        # Its own read: the waits of at least long_ns are many (a loop's timer sleeps),
+        # and only the longest are wanted.
+        waits = self.conn.execute(
+            f"SELECT id, ts_ns, dur_ns, pid, tid, op, peer, a0, a1, 0, ret FROM event_data "
+            f"WHERE {window} AND {op_range(_WAIT_OPS)} AND dur_ns >= ? AND op IN "
+            f"{in_list(_WAIT_OPS)} AND tid IN {in_list(tids)} ORDER BY dur_ns DESC "
+            f"LIMIT {int(limit)}", params).fetchall()
+        return StallReads(self._call_spans(tids), dict(long_calls), waits)
+
+    def calls_by_pid(self, ops: tuple[int, ...], t0: int, t1: int,
+                     together: tuple[tuple[int, ...], ...] = ()) -> dict[int, list[CallRow]]:
         """Per process: its stored events of ``ops`` in [t0, t1) as (id, ts_ns, dur_ns,
         tid, op, a0, bytes), in time order. Read once per (ops, span) for every process
-        the rules ask about (a query per process scanned the whole span each time)."""
+        the rules ask about (a query per process scanned the whole span each time), and
+        in the same read the other op sets of ``together`` not read yet (each kept for
+        its own call: one walk of the span for them all)."""
         key = (ops, t0, t1)
-        found = self._by_pid.get(key)
-        if found is None:
-            found = self._by_pid[key] = defaultdict(list)
-            for k, ts, dur, pid, tid, op, a0, nbytes in self.conn.execute(
-                "SELECT id, ts_ns, dur_ns, pid, tid, op, a0, bytes FROM event_data WHERE "
-                f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND op IN {in_list(ops)}"
-                f"{sparse_only(ops)}",
-                (t0, t1, self.node.lo, self.node.hi),
-            ):
+        if key not in self._by_pid:
+            sets = [ops, *(o for o in together if o != ops and (o, t0, t1) not in self._by_pid)]
+            self._read_calls(sets, t0, t1)
+        return self._by_pid[key]
+
+    def _read_calls(self, sets: list[tuple[int, ...]], t0: int, t1: int) -> None:
+        into: dict[int, list[dict[int, list[CallRow]]]] = defaultdict(list)
+        for ops in sets:
+            found: dict[int, list[CallRow]] = defaultdict(list)
+            self._by_pid[(ops, t0, t1)] = found
+            for op in ops:
+                into[op].append(found)
+        codes = sorted(into)
+        for k, ts, dur, pid, tid, op, a0, nbytes in self.conn.execute(
+            "SELECT id, ts_ns, dur_ns, pid, tid, op, a0, bytes FROM event_data WHERE "
+            f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND {op_range(codes)} AND op "
+            f"IN {in_list(codes)}{sparse_only(codes)}",
+            (t0, t1, self.node.lo, self.node.hi),
+        ):
+            for found in into[op]:
                 found[pid].append((k, ts, dur, tid, op, a0, nbytes))
-            # Sorted here, stable (equal times keep the file's order, as ORDER BY did):
-            # the rows come nearly in time order, which Python sorts in one run.
-            for rows in found.values():
+        # Sorted here, stable (equal times keep the file's order, as ORDER BY did): the
+        # rows come nearly in time order, which Python sorts in one run.
+        for ops in sets:
+            for rows in self._by_pid[(ops, t0, t1)].values():
                 rows.sort(key=itemgetter(1))
-        return found
 
     def first_of(self, ops: tuple[int, ...], t0: int, t1: int) -> dict[int, int]:
         """Per process: when its first stored event of ``ops`` in [t0, t1) started."""
         key = ("first", ops, t0, t1)
         if key not in self._firsts:
-            self._firsts[key] = {int(pid): int(ts) for pid, ts in self.conn.execute(
-                "SELECT pid, min(ts_ns) FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND "
-                f"id BETWEEN ? AND ? AND op IN {in_list(ops)}{sparse_only(ops)} GROUP BY pid",
-                (t0, t1, self.node.lo, self.node.hi))}
+            found = self._first_from_sums(ops, t0, t1)
+            self._firsts[key] = found if found is not None else {
+                int(pid): int(ts) for pid, ts in self.conn.execute(
+                    "SELECT pid, min(ts_ns) FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
+                    f"AND id BETWEEN ? AND ? AND op IN {in_list(ops)}{sparse_only(ops)} "
+                    "GROUP BY pid", (t0, t1, self.node.lo, self.node.hi))}
         return self._firsts[key]
+
+    def _first_from_sums(self, ops: tuple[int, ...], t0: int, t1: int
+                         ) -> dict[int, int] | None:
+        """:meth:`first_of` from the window's sums (each group's first start), without a
+        walk of the window; None where they cannot say: no sums, an op they leave out, a
+        span reaching outside the window, or a process whose first event lies before
+        ``t0`` (its first one inside the span is then another event)."""
+        if self.sums is None or not set(ops) <= _SUMMED or not (
+                self.win.start_ns <= t0 and t1 <= self.win.end_ns):
+            return None
+        wanted = set(ops)
+        first: dict[int, int] = {}
+        for g in self.sums:
+            if g.op in wanted and g.count:
+                first[g.pid] = min(g.first, first.get(g.pid, g.first))
+        if any(ts < t0 for ts in first.values()):
+            return None
+        # A process whose first event is at or after t1 has none in [t0, t1).
+        return {pid: ts for pid, ts in sorted(first.items()) if ts < t1}
 
     def thread_stacks(self, pid: int, tid: int) -> tuple[list[StackCount], int]:
         """One thread's on-CPU samples per stack and their period
@@ -203,24 +333,6 @@ class NodeView:
             self._stacks = stack_rows(self.conn, self.node, self.win)
         return counts_of(self.conn, self.node,
                          [r for r in self._stacks if r[0] == pid and r[1] == tid])
-
-    def call_spans(self, tids: list[int], long_ns: int
-                   ) -> tuple[dict[int, tuple[int, int]], dict[int, list[tuple[int, int]]]]:
-        """Per thread of ``tids``: from the start of its first stored CUDA call in the
-        window to the end of its last, and its calls of at least ``long_ns`` as sorted
-        (start, end) pairs. Summed in SQL: the calls themselves stay in the file."""
-        where = (f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND op IN "
-                 f"{in_list(CALL_CODES)} AND tid IN {in_list(tids)}")
-        params = (self.win.start_ns, self.win.end_ns, self.node.lo, self.node.hi)
-        spans = self._call_spans(tids)
-        long_calls: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        for tid, ts, dur in self.conn.execute(
-                f"SELECT tid, ts_ns, dur_ns FROM event_data WHERE {where} AND dur_ns >= ?",
-                (*params, long_ns)):
-            long_calls[int(tid)].append((int(ts), int(ts) + int(dur)))
-        for v in long_calls.values():
-            v.sort()
-        return spans, long_calls
 
     def _call_spans(self, tids: list[int]) -> dict[int, tuple[int, int]]:
         if self.sums is None:
@@ -239,14 +351,37 @@ class NodeView:
         return out
 
     def blocks_overlapping(self, t0: int, t1: int) -> list[Ev]:
+        """The block requests of the window (and the :data:`BLOCK_LOOKBACK_NS` before
+        it) in service at some time in [t0, t1), in time order. Read per call by the
+        sparse index where the file has it (a spike asks about a few; a long recording
+        holds hundreds of thousands), else all of them once, kept in memory."""
+        since = self.win.start_ns - BLOCK_LOOKBACK_NS
         if self._blocks is None:
-            blocks = self._load_blocks()
-            self._blocks = (blocks, [b.ts for b in blocks], max((b.dur for b in blocks),
-                                                                default=0))
+            if _has_sparse_index(self.conn):
+                self._blocks = (None, [], self._longest_block(since))
+            else:
+                every = self._load_blocks(since, self.win.end_ns)
+                self._blocks = (every, [b.ts for b in every],
+                                max((b.dur for b in every), default=0))
         blocks, starts, longest = self._blocks
+        if blocks is None:  # read by the index, those that can reach into [t0, t1)
+            found = self._load_blocks(max(since, t0 - longest), min(t1, self.win.end_ns))
+            return [b for b in found if b.end > t0]
         i = bisect.bisect_left(starts, t0 - longest)
         j = bisect.bisect_left(starts, t1)
         return [b for b in blocks[i:j] if b.end > t0]
+
+    def _longest_block(self, since: int) -> int:
+        """The longest block request starting in [since, window end): the window's
+        from its sums, where they are there, the rest read (by the sparse index)."""
+        upto = self.win.end_ns if self.sums is None else self.win.start_ns
+        row = self.conn.execute(
+            "SELECT max(dur_ns) FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id "
+            f"BETWEEN ? AND ? AND op = ?{sparse_only((BLOCK_IO,))}",
+            (since, upto, self.node.lo, self.node.hi, BLOCK_IO)).fetchone()
+        durs = [int(row[0])] if row and row[0] is not None else []
+        durs += [g.top for g in self.sums or [] if g.op == BLOCK_IO and g.count]
+        return max(durs, default=0)
 
     def host_events(self, tid: int, t0: int, t1: int) -> list[Ev]:
         """Off-CPU, wakeup and IRQ events of one thread starting in [t0, t1)."""
@@ -265,12 +400,7 @@ class NodeView:
         its CPU-quota slice) takes over at nearly every switch, voluntary ones included;
         the task that happens to run first after a throttled or long wait does not.
         """
-        rows = self.conn.execute(
-            "SELECT peer, count(*) FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
-            "AND id BETWEEN ? AND ? AND tid = ? AND op = ? AND peer != 0 GROUP BY peer",
-            (self.win.start_ns, self.win.end_ns, self.node.lo, self.node.hi, tid, OFF_CPU),
-        )
-        return {int(peer): int(n) for peer, n in rows}
+        return self._switches(tid)[1]
 
     def cpu_takers(self, tid: int) -> dict[int, int]:
         """Who held the CPU while ``tid`` was runnable, over all its recorded run-queue
@@ -279,22 +409,35 @@ class NodeView:
         took the CPU when the thread went to sleep, when that is the task that takes
         over at most of its switches, and the one that ran until it got the CPU back
         (:func:`tail_takers`). The same ends as a spike's, for the whole window."""
+        return self._switches(tid)[0]
+
+    def _switches(self, tid: int) -> tuple[dict[int, int], dict[int, int]]:
+        """:meth:`cpu_takers` and :meth:`switch_peers` of ``tid``, from one read of its
+        off-CPU and run-queue records (a chain of CPU contention asks for both)."""
+        found = self._switched.get(tid)
+        if found is not None:
+            return found
+        start = self.win.start_ns
         out: dict[int, int] = defaultdict(int)
+        switched: Counter[int] = Counter()  # switch_peers: off-CPU records in the window
         left_to: dict[int, tuple[int, int]] = {}  # end of an off-CPU wait -> (next, dur)
         tails = []
         for op, ts, a0, peer, a1, dur in self.conn.execute(
             "SELECT op, ts_ns, a0, peer, a1, dur_ns FROM event_data WHERE ts_ns >= ? AND "
-            "ts_ns < ? AND id BETWEEN ? AND ? AND tid = ? AND op IN (?, ?)",
-            (self.win.start_ns - MAX_SLEEP_BEFORE_TAIL_NS, self.win.end_ns, self.node.lo,
+            f"ts_ns < ? AND id BETWEEN ? AND ? AND {op_range(_WAIT_OPS)} AND tid = ? AND "
+            "op IN (?, ?)",
+            (start - MAX_SLEEP_BEFORE_TAIL_NS, self.win.end_ns, self.node.lo,
              self.node.hi, tid, OFF_CPU, RUNQ),
         ):
             state = task_state(int(a0 or 0))
             if op == OFF_CPU:
                 left_to[int(ts) + int(dur)] = (int(peer or 0), int(dur))
-                if state == "R" and peer and ts >= self.win.start_ns:
+                if peer and ts >= start:
+                    switched[int(peer)] += 1
+                if state == "R" and peer and ts >= start:
                     for taker, ns in preempt_takers(tid, int(peer), int(a1 or 0), int(dur)):
                         out[taker] += ns
-            elif state != "R" and a1 and ts >= self.win.start_ns:
+            elif state != "R" and a1 and ts >= start:
                 tails.append((int(ts) + int(dur), int(a1), int(dur), int(peer or 0)))
         # Only the task that takes over at most of the thread's switches (a busy loop
         # beside it) is still on the CPU when the thread wakes; another one that took
@@ -307,7 +450,8 @@ class NodeView:
             for taker, part in tail_takers(tid, first if first == busy else 0, off - ns,
                                            last, ns, waker):
                 out[taker] += part
-        return out
+        found = self._switched[tid] = (out, dict(sorted(switched.items())))
+        return found
 
     def wait_channel(self, ev: Ev) -> str | None:
         """The kernel function a D-state wait slept in, when the tracer recorded it."""
