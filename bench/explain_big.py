@@ -10,8 +10,9 @@ pids shifted by 1,000,000 so it is another set of processes) and repeated every
 ``PERIOD_S`` for 10 minutes: ~20 processes, ~40 threads, one node, one session.
 
 Rows are copied inside SQLite (one INSERT ... SELECT per repetition, in time order, so
-ids grow with time as a writer's do). The file is cached under $FLEETD_CACHE_DIR (else
-build/) keyed by :data:`GENERATOR` so a second run reuses it.
+ids grow with time as a writer's do), then summed per second as an agent's writer does
+in its idle time (fleetd.store.summaries; its CPU time is printed). The file is cached
+under $FLEETD_CACHE_DIR (else build/) keyed by :data:`GENERATOR` so a second run reuses it.
 
 Last line: BENCH explain_big events=N explain_s=S explain_cpu_s=C build_s=B
 ratio_to_goal=S/15 (wall seconds; C is explain's user + system CPU, which other work on
@@ -35,8 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from fleetd.store.db import ensure_node, open_writer  # noqa: E402
 from fleetd.store.schema import SEQ_BITS  # noqa: E402
+from fleetd.store.summaries import summarize_all  # noqa: E402
 
-GENERATOR = 4  # bump when the recording's shape or schema changes: the cached file is rebuilt
+GENERATOR = 5  # bump when the recording's shape or schema changes: the cached file is rebuilt
 GOAL_S = 15.0
 SCENARIOS = ROOT / "tests" / "data" / "scenarios"
 # One minute by default, so `make bench` stays within its budget on two cores;
@@ -91,6 +93,12 @@ def build(path: Path) -> int:
     conn.execute("COMMIT")
     for _, sql in indexes:
         conn.execute(sql)
+    # The per-second summaries an agent's writer makes in its idle time, step by step
+    # as it would (fleetd.store.summaries): explain reads them for the whole seconds.
+    cpu0 = time.process_time()
+    summarize_all(conn, key)
+    print(f"summarized {SPAN_S} s of events in {time.process_time() - cpu0:.1f} CPU s "
+          "(the writer's idle-time work for this file)", flush=True)
     events = int(conn.execute("SELECT count(*) FROM event_data").fetchone()[0])
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     conn.close()

@@ -1,6 +1,7 @@
 """The node database: the bottom stage every other one reads or writes.
 
 * the file: ``schema`` (tables, versions, migrations), ``sparse`` (the rare ops' index),
+  ``summaries`` (per-second sums made while the writer is idle),
   ``db`` (open, create, refuse), ``files`` (no symlinks, owner-only), ``writer`` (the one
   writer thread),
   ``pruning`` and ``sizecap`` (the oldest events deleted to keep the files under a cap),

@@ -115,7 +115,8 @@ def _tables_unchanged(conn: sqlite3.Connection, schema_name: str, layout: Layout
                       ) -> Layout:
     """A step that changed no table a merge reads: the older file's tables read as they
     are. Version 4 changed a view, 6 added two indexes, 7 task_seen (the writer's own
-    bookkeeping for pruning, which a merge does not copy), 8 an index (event_sparse)."""
+    bookkeeping for pruning, which a merge does not copy), 8 an index (event_sparse), 9
+    the per-second summaries (not copied: the merged file's seconds are read raw)."""
     return dict(layout)
 
 
@@ -133,7 +134,7 @@ def _v4_to_v5(conn: sqlite3.Connection, schema_name: str, layout: Layout) -> Lay
 # schema.MIGRATIONS adds its step here.
 UPGRADES: dict[int, Upgrade] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _tables_unchanged,
                                 4: _v4_to_v5, 5: _tables_unchanged, 6: _tables_unchanged,
-                                7: _tables_unchanged}
+                                7: _tables_unchanged, 8: _tables_unchanged}
 
 
 # ---- what a merge reports --------------------------------------------------------------

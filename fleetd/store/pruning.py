@@ -18,6 +18,7 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Protocol
 
+from fleetd.store.summaries import edge_ts, forget_before
 from fleetd.store.taskrefs import TaskRefs
 
 PRUNE_PASSES = 4  # pruning passes per commit at most, until the data is under its cap
@@ -79,12 +80,11 @@ class Pruner:
             conn.execute("BEGIN")
             cur = conn.execute("DELETE FROM event_data WHERE id >= ? AND id < ?", (self.lo, end))
             conn.execute("DELETE FROM event_args WHERE id >= ? AND id < ?", (self.lo, end))
-            oldest = conn.execute(
-                "SELECT min(ts_ns) FROM event_data WHERE id BETWEEN ? AND ?", (self.lo, self.hi)
-            ).fetchone()[0]
+            oldest = edge_ts(conn, self.node_key, "ASC")
             if oldest is not None:
                 conn.execute("DELETE FROM aggregate_data WHERE node = ? AND ts_ns < ?",
                              (self.node_key, oldest))
+                forget_before(conn, self.node_key, oldest)
             conn.execute("COMMIT")
         except sqlite3.Error as exc:
             if conn.in_transaction:

@@ -18,9 +18,10 @@ from typing import Any, Literal, TypedDict
 
 from fleetd.store.catalog import OPS, SOURCES
 from fleetd.store.sparse import SPARSE_INDEX_SQL
+from fleetd.store.summaries import SUMMARY_SQL
 
 APPLICATION_ID = 0x666C7464  # "fltd": tells our files from any other SQLite file
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 SEQ_BITS = 40
 SEQ_MASK = (1 << SEQ_BITS) - 1
 
@@ -519,8 +520,13 @@ SELECT p.node, p.pid, ({_SEEN_NEWEST.format(t="p")}) FROM process_data p;
 # the condition each (fleetd.store.sparse, docs/performance.md).
 _V8 = SPARSE_INDEX_SQL
 
+# Version 9: second_sums and second_cover, per-second sums of each node's timed events
+# that the writer makes in its idle time and explain's grouped read uses for the whole
+# seconds still true of the file (fleetd.store.summaries, docs/performance.md).
+_V9 = SUMMARY_SQL
+
 # Index i holds the SQL that takes a database from version i to i + 1.
-MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8)
+MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9)
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 

@@ -16,9 +16,13 @@ The WAL itself is kept small beside a small cap: SQLite checkpoints it after
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from fleetd.store.files import create_private
 
 log = logging.getLogger("fleetd.store.sizecap")
 DEFAULT_WAL_BYTES = 4 * 2**20  # SQLite's default checkpoint point (1,000 pages of 4 KiB)
@@ -105,3 +109,28 @@ class SizeCap:
                         "store.max_bytes (--max-db-bytes)", self.cap, self.commit_bytes,
                         self.wal_bytes, floor - target)
         return floor
+
+
+# Held beside the database (NAME.db-reserve) and given up when the disk fills.
+RESERVE_SUFFIX = "-reserve"
+RESERVE_BYTES = 2**20
+
+
+def hold_reserve(path: Path) -> None:
+    """Keep RESERVE_BYTES allocated in ``path`` (created 0600, never through a link);
+    best effort: without it pruning on a full disk may fail, and is retried."""
+    try:
+        fd = create_private(path)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        log.debug("no space reserve at %s: %s", path, exc)
+        return
+    try:
+        os.posix_fallocate(fd, 0, RESERVE_BYTES)
+    except OSError as exc:
+        log.debug("no space reserve at %s: %s", path, exc)
+        with contextlib.suppress(OSError):
+            path.unlink()
+    finally:
+        os.close(fd)

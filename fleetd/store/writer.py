@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import shutil
 import sqlite3
@@ -31,7 +30,6 @@ import orjson
 from fleetd.store.caps import cap, capped
 from fleetd.store.chainrow import CHAIN_FIELDS, ChainRow
 from fleetd.store.db import ensure_node, open_writer
-from fleetd.store.files import create_private
 from fleetd.store.losses import tracer_gone
 from fleetd.store.pruning import Pruner, prune, used_bytes
 from fleetd.store.schema import (
@@ -43,7 +41,17 @@ from fleetd.store.schema import (
     EventRow,
     ProcessFields,
 )
-from fleetd.store.sizecap import SizeCap, on_disk, rows_per_txn, wal_bytes, wal_pages
+from fleetd.store.sizecap import (
+    RESERVE_BYTES,
+    RESERVE_SUFFIX,
+    SizeCap,
+    hold_reserve,
+    on_disk,
+    rows_per_txn,
+    wal_bytes,
+    wal_pages,
+)
+from fleetd.store.summaries import Summarizer
 from fleetd.store.taskrefs import TaskRefs
 
 log = logging.getLogger("fleetd.store.writer")
@@ -98,9 +106,6 @@ UPDATE session_data SET
                      max(0, coalesce(emitted_events - accounted_events, 0)))
 WHERE node = ? AND seq = ? AND ended_ns IS NULL
 """
-# Held beside the database (NAME.db-reserve) and given up when the disk fills.
-RESERVE_SUFFIX = "-reserve"
-RESERVE_BYTES = 2**20
 # Free space that ends a disk-full episode: room for a few batches and their WAL frames.
 SPACE_BACK_BYTES = RESERVE_BYTES + 2 * 2**20
 _PROGRESS_SQL = ("UPDATE session_data SET updated_ns = ?, emitted_events = ?, "
@@ -129,6 +134,7 @@ class WriterStats:
     used_bytes: int = 0  # of the main file, as of the last commit (read by other threads)
     file_bytes: int = 0  # on disk: the main file and its -wal, as of the last commit
     commit_cpu_ns: int = 0  # the writer thread's CPU time in commits (per-stage costs)
+    summary_cpu_ns: int = 0  # and in summing seconds while idle (fleetd.store.summaries)
     disk_full: bool = False  # writes fail for lack of space now
     disk_full_rows: int = 0  # of failed_rows, those lost to a full disk
     disk_full_episodes: int = 0  # times the disk filled up (each ends when space returns)
@@ -175,7 +181,7 @@ class BatchWriter:
         # own writes (the WAL frames of its DELETE) have room; kept again when space
         # returns.
         self._reserve = Path(f"{path}{RESERVE_SUFFIX}")
-        _hold_reserve(self._reserve)
+        hold_reserve(self._reserve)
         # Under a cap a commit's rows are bounded too: its frames make the WAL's size.
         self.batch_rows = batch_rows if max_bytes is None else min(
             batch_rows, rows_per_txn(max_bytes))
@@ -213,6 +219,7 @@ class BatchWriter:
         self._next_chain = self._scalar(
             "SELECT coalesce(max(seq), 0) FROM chain_data WHERE node = ?", self.node_key
         ) + 1
+        self._sums = Summarizer(self._conn, self.node_key, self.stats)  # runs while idle
         self._queue: queue.Queue[_Item | None] = queue.Queue()
         self._space = threading.Condition()
         self._lock = threading.Lock()
@@ -331,7 +338,7 @@ class BatchWriter:
     def _run(self) -> None:
         stop = False
         while not stop:
-            item = self._queue.get()
+            item = self._next_item()
             batch: list[_Item] = []
             waiters: list[threading.Event] = []
             rows = 0
@@ -354,6 +361,16 @@ class BatchWriter:
                 self._commit(batch, rows)
             for w in waiters:
                 w.set()
+        self._sums.idle(finish=True)
+
+    def _next_item(self) -> _Item | None:
+        """The next queued item; while there is none, a step of summing seconds (the
+        writer's idle time: never between a batch and its commit)."""
+        while True:
+            with contextlib.suppress(queue.Empty):
+                return self._queue.get_nowait()
+            if not self._sums.idle():
+                return self._queue.get()
 
     def _commit(self, batch: list[_Item], rows: int) -> None:
         cpu0 = time.thread_time_ns()
@@ -428,6 +445,8 @@ class BatchWriter:
             if item.args:
                 _insert_blocks(conn, _ARGS_HEAD, 2,
                                [(base + i, a) for i, a in item.args])
+            if item.rows:
+                self._sums.saw(item.rows[0][0], item.rows[-1][0])
             return len(item.rows)
         if item.kind == "processes":
             conn.executemany(PROCESS_SQL, ((node, *r) for r in item.rows))
@@ -544,7 +563,7 @@ class BatchWriter:
             return
         self._full_cap = None
         self.stats.disk_full = False
-        _hold_reserve(self._reserve)
+        hold_reserve(self._reserve)
         log.warning("the disk holding %s has space again (%d bytes free): writing as "
                     "before; %d rows were dropped while it was full", self.path, free,
                     self.stats.disk_full_rows)
@@ -581,26 +600,6 @@ class BatchWriter:
     @property
     def next_seq(self) -> int:
         return self._next_seq
-
-
-def _hold_reserve(path: Path) -> None:
-    """Keep RESERVE_BYTES allocated in ``path`` (created 0600, never through a link);
-    best effort: without it pruning on a full disk may fail, and is retried."""
-    try:
-        fd = create_private(path)
-    except FileExistsError:
-        return
-    except OSError as exc:
-        log.debug("no space reserve at %s: %s", path, exc)
-        return
-    try:
-        os.posix_fallocate(fd, 0, RESERVE_BYTES)
-    except OSError as exc:
-        log.debug("no space reserve at %s: %s", path, exc)
-        with contextlib.suppress(OSError):
-            path.unlink()
-    finally:
-        os.close(fd)
 
 
 def _lowest(*caps: int | None) -> int | None:

@@ -116,7 +116,7 @@ def test_version_2_files_stay_readable_and_gain_the_job_column(tmp_path: Path) -
         assert c.execute("SELECT pid, rank, world_size, job FROM processes").fetchall() == [
             (42, 3, 8, None)]
     conn = open_writer(old)  # a writer migrates it forward, keeping the rows
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == schema.SCHEMA_VERSION == 8
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == schema.SCHEMA_VERSION == 9
     # Version 6 creates nothing: its per-process/per-thread indexes were withdrawn.
     assert not {"event_pid_op", "event_tid_op"} & {n for (n,) in conn.execute(
         "SELECT name FROM sqlite_master WHERE type = 'index'")}

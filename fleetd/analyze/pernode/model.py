@@ -19,6 +19,7 @@ from fleetd.analyze.reading.profile import StackRow, stack_rows
 from fleetd.analyze.reading.rows import KernelOpRow, OpRow, ProcessRow, ThreadRow
 from fleetd.analyze.reading.sums import Sum, event_sums
 from fleetd.analyze.reading.window import Window
+from fleetd.store.summaries import SecRun, summed_runs
 
 
 class NodeSlice:
@@ -53,9 +54,16 @@ class NodeSlice:
         return tasks(self.conn, self.node)
 
     @cached_property
+    def summed(self) -> list[SecRun]:
+        """The window's whole seconds the writer summed and that still hold: the span
+        and the grouped read add them up from their summaries (one check shared)."""
+        return summed_runs(self.conn, self.node.key, self.window.start_ns,
+                           self.window.end_ns)
+
+    @cached_property
     def span(self) -> tuple[int, int]:
         """The part of the window this node has data for: rates divide by this."""
-        return effective_span(self.conn, self.node, self.window)
+        return effective_span(self.conn, self.node, self.window, self.summed)
 
     @property
     def span_ns(self) -> int:
@@ -65,7 +73,7 @@ class NodeSlice:
     def sums(self) -> list[Sum]:
         """The window's timed events summed per thread, op and wait: op statistics, the
         breakdown and the stall finder add up the same groups (one sort of the rows)."""
-        return event_sums(self.conn, self.node, self.window)
+        return event_sums(self.conn, self.node, self.window, runs=self.summed)
 
     @cached_property
     def _op_events(self) -> Loaded:

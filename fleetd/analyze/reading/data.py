@@ -30,6 +30,7 @@ from fleetd.store.catalog import CALL_SOURCES as CALL_SOURCES
 from fleetd.store.clockinfo import SESSION_CLOCK_COLUMNS, SessionClock, node_boot, session_clock
 from fleetd.store.schema import SEQ_BITS
 from fleetd.store.sparse import sparse_only
+from fleetd.store.summaries import SPAN_WHERE, SecRun, raw_spans, summed_runs
 
 MAX_AGG_WINDOW_NS = 3600 * 10**9  # aggregate windows are flushed far more often than this
 # The op families the analyzers read by name (defined in fleetd.store.catalog).
@@ -87,17 +88,27 @@ def in_window(node: Node, win: Window, pid: int | None = None) -> tuple[str, lis
     return sql, params
 
 
-def effective_span(conn: sqlite3.Connection, node: Node, win: Window) -> tuple[int, int]:
+def effective_span(conn: sqlite3.Connection, node: Node, win: Window,
+                   runs: list[SecRun] | None = None) -> tuple[int, int]:
     """The part of the window this node has data for: rates divide by this, not by the
-    window the user typed (``--since 1d`` over a 2-minute recording is 2 minutes)."""
-    row = conn.execute(
-        "SELECT min(ts_ns), max(ts_ns + dur_ns) FROM event_data "
-        "WHERE ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?",
-        (win.start_ns, win.end_ns, node.lo, node.hi),
-    ).fetchone()
-    if row is None or row[0] is None:
+    window the user typed (``--since 1d`` over a 2-minute recording is 2 minutes).
+    Seconds the writer summed (``runs``, :func:`summed_runs`) are read from their
+    summaries, the rest from the events."""
+    if runs is None:
+        runs = summed_runs(conn, node.key, win.start_ns, win.end_ns)
+    found: list[tuple[Any, Any]] = [conn.execute(
+        "SELECT min(first_ns), max(end_ns) FROM second_cover WHERE node = ? AND sec "
+        "BETWEEN ? AND ?", (node.key, first, last)).fetchone() for first, last in runs]
+    where = SPAN_WHERE if runs else "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
+    found += [conn.execute(
+        f"SELECT min(ts_ns), max(ts_ns + dur_ns) FROM event_data WHERE {where}",
+        (lo, hi, node.lo, node.hi),
+    ).fetchone() for lo, hi in raw_spans(win.start_ns, win.end_ns, runs)]
+    starts = [int(r[0]) for r in found if r is not None and r[0] is not None]
+    ends = [int(r[1]) for r in found if r is not None and r[1] is not None]
+    if not starts:
         return win.start_ns, win.start_ns
-    return max(win.start_ns, int(row[0])), min(win.end_ns, int(row[1]))
+    return max(win.start_ns, min(starts)), min(win.end_ns, max(ends))
 
 
 def json_or_text(text: str | None) -> Any:

@@ -13,21 +13,28 @@ from __future__ import annotations
 
 import sqlite3
 from dataclasses import dataclass
+from typing import Any
 
-from fleetd.analyze.reading.data import Node, code, in_list, in_window
+from fleetd.analyze.reading.data import Node, code, in_window
 from fleetd.analyze.reading.waits import sql_reason
 from fleetd.analyze.reading.window import Window
-from fleetd.store.catalog import BY_CODE, RECLAIM_RUNS, TIMED
+from fleetd.store.summaries import (
+    SPAN_WHERE,
+    STATE_SQL,
+    SUMMED_TOTALS_SQL,
+    TIMED_CODES,
+    TIMED_SQL,
+    TOTALS_SQL,
+    WAIT_CODES,
+    SecRun,
+    codes_sql,
+    raw_spans,
+    summed_runs,
+)
 
 SYSCALL = code("syscall")
-# Ops with a duration: calls and host intervals (syscalls are read apart, by number).
-TIMED_CODES: tuple[int, ...] = tuple(c for c in TIMED.codes if c != SYSCALL)
-# Records whose scheduler state and wait reason the breakdown splits by.
-_WAITS = (code("off_cpu"), code("runq_wait"))
-# An event that failed: block_io keeps the request's error in ret, CUDA calls their
-# cudaError; a scheduler record's ret is the syscall it slept in. Only a reclaim run's
-# bytes are summed: other ops keep an address or a count there (a sum would overflow).
-_FAILS = tuple(c for c in TIMED_CODES if BY_CODE[c].source != "sched")
+__all__ = ["SYSCALL", "TIMED_CODES", "Sum", "event_sums"]
+_WAITS = f"op IN {codes_sql(WAIT_CODES)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,15 +56,48 @@ class Sum:
     last_end: int  # the latest end
 
 
-def event_sums(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None
-               ) -> list[Sum]:
-    """The groups in (tid, pid, op, state, why) order: one pass, one sort."""
-    waits = f"op IN {in_list(_WAITS)}"
-    where, params = in_window(node, win, pid)
-    sql = (f"SELECT tid, pid, op, CASE WHEN {waits} THEN a0 & 255 ELSE 0 END, "
-           f"CASE WHEN {waits} THEN {sql_reason()} ELSE '' END, count(*), sum(dur_ns), "
-           f"max(dur_ns), sum(ret != 0 AND op IN {in_list(_FAILS)}), "
-           f"sum(CASE WHEN op IN {in_list(RECLAIM_RUNS.codes)} THEN bytes ELSE 0 END), "
-           f"min(ts_ns), max(ts_ns + dur_ns) FROM event_data WHERE {where} AND op IN "
-           f"{in_list(TIMED_CODES)} GROUP BY 1, 2, 3, 4, 5")
-    return [Sum(*row) for row in conn.execute(sql, params)]
+def event_sums(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None = None,
+               runs: list[SecRun] | None = None) -> list[Sum]:
+    """The groups in (tid, pid, op, state, why) order. The whole seconds the writer
+    summed (``runs``, :func:`~fleetd.store.summaries.summed_runs`, found here when not
+    given) are added up from their summaries, the rest of the window from its events:
+    one sort of the rows where there are none."""
+    if runs is None:
+        runs = summed_runs(conn, node.key, win.start_ns, win.end_ns)
+    pid_sql, pid_params = ("", []) if pid is None else (" AND pid = ?", [pid])
+    rows: list[tuple[Any, ...]] = []
+    parts = 0
+    for first, last in runs:
+        rows += conn.execute(
+            f"SELECT tid, pid, op, state, CASE WHEN {_WAITS} THEN {sql_reason('wret')} ELSE "
+            f"'' END, {SUMMED_TOTALS_SQL} FROM second_sums WHERE node = ? AND sec BETWEEN ? "
+            f"AND ?{pid_sql} GROUP BY 1, 2, 3, 4, 5", [node.key, first, last, *pid_params])
+        parts += 1
+    # The whole window as every reader walks it; pieces of it through the time index.
+    where = (SPAN_WHERE if runs else in_window(node, win)[0]) + pid_sql
+    for lo, hi in raw_spans(win.start_ns, win.end_ns, runs):
+        rows += conn.execute(
+            f"SELECT tid, pid, op, {STATE_SQL}, CASE WHEN {_WAITS} THEN {sql_reason()} ELSE "
+            f"'' END, {TOTALS_SQL} FROM event_data WHERE {where} AND {TIMED_SQL} "
+            "GROUP BY 1, 2, 3, 4, 5", [lo, hi, node.lo, node.hi, *pid_params])
+        parts += 1
+    return [Sum(*row) for row in (rows if parts == 1 else _merged(rows))]
+
+
+def _merged(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Groups of several reads added up per key, in key order (as one GROUP BY gives)."""
+    out: dict[tuple[Any, ...], list[Any]] = {}
+    for row in rows:
+        key = row[:5]
+        have = out.get(key)
+        if have is None:
+            out[key] = list(row)
+            continue
+        have[5] += row[5]
+        have[6] += row[6]
+        have[7] = max(have[7], row[7])
+        have[8] += row[8]
+        have[9] += row[9]
+        have[10] = min(have[10], row[10])
+        have[11] = max(have[11], row[11])
+    return [tuple(out[k]) for k in sorted(out)]
