@@ -263,9 +263,17 @@ def summed_runs(conn: sqlite3.Connection, node: int, start_ns: int, end_ns: int
         return []
     rows = conn.execute("SELECT sec, n, top_id FROM second_cover WHERE node = ? AND sec "
                         "BETWEEN ? AND ? ORDER BY sec", (node, first, last)).fetchall()
+    # The node's own events only; in a file of this node alone, without testing each
+    # id (a third of the check's cost).
+    ids = (node << 40, ((node + 1) << 40) - 1)
+    lo = conn.execute("SELECT min(id) FROM event_data").fetchone()[0]  # a seek each (both
+    hi = conn.execute("SELECT max(id) FROM event_data").fetchone()[0]  # in one: a walk)
+    alone = lo is not None and ids[0] <= lo and hi <= ids[1]
+    where = "ts_ns >= ? AND ts_ns < ?" + ("" if alone else f" AND +id BETWEEN {ids[0]} AND "
+                                          f"{ids[1]}")
     good: list[int] = []
     for block in _blocks(rows):
-        good.extend(_checked(conn, node, block))
+        good.extend(_checked(conn, where, block))
     return _runs(good)
 
 
@@ -280,23 +288,23 @@ def _blocks(rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]
     return out
 
 
-def _checked(conn: sqlite3.Connection, node: int, block: list[tuple[int, int, int]]
+def _checked(conn: sqlite3.Connection, where: str, block: list[tuple[int, int, int]]
              ) -> list[int]:
-    """The seconds of ``block`` whose events are still those summed: the whole block in
-    one count when it holds, else second by second."""
-    if _holds(conn, node, block[0][0], block[-1][0], sum(r[1] for r in block),
+    """The seconds of ``block`` whose events (``where``) are still those summed: the
+    whole block in one count when it holds, else second by second."""
+    if _holds(conn, where, block[0][0], block[-1][0], sum(r[1] for r in block),
               max(r[2] for r in block)):
         return [r[0] for r in block]
     if len(block) == 1:
         return []
-    return [r[0] for r in block if _holds(conn, node, r[0], r[0], r[1], r[2])]
+    return [r[0] for r in block if _holds(conn, where, r[0], r[0], r[1], r[2])]
 
 
-def _holds(conn: sqlite3.Connection, node: int, first: int, last: int, n: int, top: int
+def _holds(conn: sqlite3.Connection, where: str, first: int, last: int, n: int, top: int
            ) -> bool:
     count, newest = conn.execute(
-        f"SELECT count(*), coalesce(max(id), 0) FROM event_data WHERE {SPAN_WHERE}",
-        (first * SEC_NS, (last + 1) * SEC_NS, node << 40, ((node + 1) << 40) - 1)).fetchone()
+        f"SELECT count(*), coalesce(max(id), 0) FROM event_data WHERE {where}",
+        (first * SEC_NS, (last + 1) * SEC_NS)).fetchone()
     return bool(count == n and newest == top)
 
 
