@@ -6,7 +6,9 @@ replaced gave, over timelines written through the store's writer (tests/synth.py
 - a thread's CPU takers and switch peers from one read of its switches;
 - the rules' allocation and read-back calls of every process in one read;
 - block requests read per spike by the sparse index instead of all of them at once;
-- the allocation rule's figures and its three longest calls from those rows.
+- the allocation rule's figures and its three longest calls from those rows;
+- the longest calls of a process from rows already read, where they hold them;
+- a wait's file found from the args' side (a wait never named walked every event).
 
 Each compares with the plain query the old code ran (its SQL here), and counts the
 statements the shared read runs (sqlite3's trace callback).
@@ -243,5 +245,80 @@ def test_alloc_churn_from_the_shared_rows(tmp_path: Path) -> None:
         shown = [e["id"] for e in chain.extra_evidence if e["kind"] == "call"]
         assert shown == [sl.node.event_id(c[0]) for c in calls[:3]]
         assert chain.op == "cudaMalloc"  # equal totals: the op called first
+    finally:
+        sl.conn.close()
+
+
+@pytest.mark.parametrize("kind", ["host_sync", "graph_storm", "dataloader"])
+def test_longest_calls_are_those_of_the_plain_query(kind: str, tmp_path: Path) -> None:
+    """From the rows the rules read (no statement), the slow calls (their thresholds
+    hold the longest) or a read of their own: the rows ORDER BY dur_ns DESC gives."""
+    sl = _slice(build(kind, tmp_path))
+    try:
+        t0, t1 = sl.span[0], sl.span[1] + 1
+        sets = [tuple(sorted(code(o) for o in ops)) for ops in
+                (rules.SYNC_OPS, rules.READBACKS.name_set, rules.CAPTURE_OPS, LAUNCH_OPS)]
+        pids = [int(p) for (p,) in _rows(sl, "DISTINCT pid WHERE op < 500", t0, t1)]
+        for ops in sets:
+            for n in (3, 40):
+                read, slow, plain = _view(sl), _view(sl), _view(sl, sums=False)
+                read.calls_by_pid(ops, t0, t1)
+                slow.slow_calls(_thresholds(sl))
+                for pid in pids:
+                    want = _rows(sl, f"id, ts_ns, dur_ns, tid, op WHERE pid = ? AND op IN "
+                                     f"{in_list(ops)} ORDER BY dur_ns DESC LIMIT {n}",
+                                 t0, t1, pid)
+                    count = Statements(sl.conn)
+                    assert read.longest_calls(pid, ops, t0, t1, n) == want
+                    assert count.take() == 0
+                    assert slow.longest_calls(pid, ops, t0, t1, n) == want
+                    assert plain.longest_calls(pid, ops, t0, t1, n) == want
+    finally:
+        sl.conn.close()
+
+
+def test_longest_of_equal_calls_come_in_the_files_order(tmp_path: Path) -> None:
+    sl = _slice(_churn_recording(tmp_path / "churn.db"))
+    try:
+        t0, t1 = sl.span[0], sl.span[1] + 1
+        want = _rows(sl, f"id, ts_ns, dur_ns, tid, op WHERE pid = ? AND op IN "
+                         f"{in_list(rules.ALLOC_CODES)} ORDER BY dur_ns DESC LIMIT 5",
+                     t0, t1, MAIN)
+        view = _view(sl)
+        view.calls_by_pid(rules.ALLOC_CODES, t0, t1)
+        assert view.longest_calls(MAIN, rules.ALLOC_CODES, t0, t1, 5) == want
+        assert [r[0] for r in want] == sorted(r[0] for r in want)  # all equal: by id
+    finally:
+        sl.conn.close()
+
+
+def test_a_waits_file_is_the_first_named_by_id(tmp_path: Path) -> None:
+    """Queues.file_of: the path the tracer named on the first wait (by id) of the same
+    thread, syscall and fd, found from the args' side; None for an fd never named."""
+    from fleetd.analyze.causes.io_owner import Queues
+    from fleetd.store.writer import BatchWriter
+
+    off = code("off_cpu")
+    rows, args = [], []
+    for i in range(40):
+        fd = 3 + i % 2  # fd 3 named on some waits, fd 4 never
+        rows.append((T0 + i * MS, MS // 2, MAIN, MAIN, off, 75, fd, 7, 2, 0, 0))
+        if fd == 3 and i % 6 == 0:
+            args.append((len(rows) - 1, {"fd": {"path": f"/data/shard-{i}"}}))
+        rows.append((T0 + i * MS + MS // 2, 10 * US, MAIN, MAIN, code("cudaLaunchKernel"),
+                     0, 0, 0, 0, 0, 0))
+    path = tmp_path / "files.db"
+    with BatchWriter(path, "gpu-01") as w:
+        w.add_processes([{"pid": MAIN, "comm": "python3", "ppid": 1}])
+        w.add_events(rows, args)  # type: ignore[arg-type]
+    sl = _slice(path)
+    try:
+        view = _view(sl)
+        waits = [int(k) for (k,) in _rows(sl, "id WHERE op = ? ORDER BY id", sl.window.start_ns,
+                                          sl.window.end_ns, off)]
+        for key in waits[:4]:
+            got = Queues(view).file_of(nodeview.Ev(key, 0, 0, MAIN, MAIN, off, ret=75))
+            [(fd,)] = sl.conn.execute("SELECT bytes FROM event_data WHERE id = ?", (key,))
+            assert got == ("/data/shard-0" if fd == 3 else None)
     finally:
         sl.conn.close()

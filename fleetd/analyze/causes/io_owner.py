@@ -75,11 +75,15 @@ class Queues:
                             ).fetchone()  # the syscall's first argument: the fd
         key = (e.tid, e.ret, int(fd[0] or 0) if fd else -1)
         if key not in self._files:
+            # The first such wait by id, found from the args' side: only events with args
+            # can have the path, and a wait never named (as a fsync's fd may be) was a
+            # walk of every event of the node. CROSS JOIN keeps that order of the loops.
             row = v.conn.execute(
-                "SELECT json_extract(a.args, '$.fd.path') FROM event_data d JOIN event_args a "
-                "ON a.id = d.id WHERE d.id BETWEEN ? AND ? AND d.tid = ? AND d.op = ? AND "
-                "d.ret = ? AND d.bytes = ? AND json_extract(a.args, '$.fd.path') IS NOT NULL "
-                "LIMIT 1", (v.node.lo, v.node.hi, *key[:1], OFF_CPU, *key[1:])).fetchone()
+                "SELECT json_extract(a.args, '$.fd.path') FROM event_args a CROSS JOIN "
+                "event_data d ON d.id = a.id WHERE a.id BETWEEN ? AND ? AND d.tid = ? AND "
+                "d.op = ? AND d.ret = ? AND d.bytes = ? AND json_extract(a.args, '$.fd.path') "
+                "IS NOT NULL LIMIT 1",
+                (v.node.lo, v.node.hi, *key[:1], OFF_CPU, *key[1:])).fetchone()
             self._files[key] = str(row[0]) if row and row[0] else None
         return self._files[key]
 

@@ -53,7 +53,7 @@ from fleetd.analyze.reading.data import (
     in_list,
     name_of,
 )
-from fleetd.analyze.reading.nodeview import CallRow, op_range
+from fleetd.analyze.reading.nodeview import CallRow
 from fleetd.analyze.reading.rows import CgroupPlace, OpRow, ThreadRow
 from fleetd.store.catalog import READBACKS
 from fleetd.store.timeparse import format_ns
@@ -152,15 +152,8 @@ def _stat_item(r: OpRow, text: str) -> EvidenceItem:
 
 def _examples(ctx: Context, pid: int, ops: frozenset[str], n: int = 3) -> list[EvidenceItem]:
     """The slowest stored calls of these ops: concrete, clickable evidence."""
-    v = ctx.view
-    codes = [code(o) for o in ops]
-    rows = v.conn.execute(
-        "SELECT id, ts_ns, dur_ns, tid, op FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
-        f"AND id BETWEEN ? AND ? AND {op_range(codes)} AND pid = ? AND op IN "
-        f"{in_list(codes)} ORDER BY dur_ns DESC LIMIT {n}",
-        (ctx.span[0], ctx.span[1] + 1, v.node.lo, v.node.hi, pid),
-    ).fetchall()
-    return _call_items(ctx, rows)
+    return _call_items(ctx, ctx.view.longest_calls(pid, (code(o) for o in ops), ctx.span[0],
+                                                   ctx.span[1] + 1, n))
 
 
 def _call_items(ctx: Context, rows: list[Any], notes: dict[int, str] | None = None

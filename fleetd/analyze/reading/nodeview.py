@@ -10,6 +10,7 @@ an off-CPU record's scheduler state. The spikes (fleetd.analyze.causes.spikes) a
 from __future__ import annotations
 
 import bisect
+import heapq
 import sqlite3
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -169,6 +170,8 @@ class NodeView:
         self._switched: dict[int, tuple[dict[int, int], dict[int, int]]] = {}
         # slow_calls' long calls of the CUDA-calling threads: (those threads, (tid, ts, dur)).
         self._long: tuple[frozenset[int], list[tuple[int, int, int]]] | None = None
+        # slow_calls' thresholds and calls, for longest_calls.
+        self._slow: tuple[dict[tuple[int, int], int], dict[tuple[int, int], list[Ev]]] | None = None
 
     def over(self, t0: int, t1: int) -> NodeView:
         """The same node over [t0, t1) instead of the window (a part of it, or a
@@ -223,7 +226,61 @@ class NodeView:
                 long_calls.append((r[4], r[1], r[2]))
         if callers:
             self._long = (callers, long_calls)
+        self._slow = (dict(thresholds), dict(out))
         return dict(out)
+
+    def longest_calls(self, pid: int, ops: Iterable[int], t0: int, t1: int, n: int
+                      ) -> list[tuple[int, int, int, int, int]]:
+        """The ``n`` longest stored calls of ``pid`` of ``ops`` in [t0, t1) as (id, ts_ns,
+        dur_ns, tid, op), longest first (equal ones in the file's order, as ORDER BY gave
+        them): from :meth:`slow_calls`' rows where they surely hold them, else read."""
+        codes = sorted({int(op) for op in ops})
+        found = self._longest_read(pid, codes, t0, t1, n)
+        if found is None:
+            found = self._longest_slow(pid, codes, t0, t1, n)
+        if found is not None:
+            return found
+        return [(int(k), int(ts), int(dur), int(tid), int(op)) for k, ts, dur, tid, op in
+                self.conn.execute(
+                    "SELECT id, ts_ns, dur_ns, tid, op FROM event_data WHERE ts_ns >= ? AND "
+                    f"ts_ns < ? AND id BETWEEN ? AND ? AND {op_range(codes)} AND pid = ? AND "
+                    f"op IN {in_list(codes)} ORDER BY dur_ns DESC LIMIT {int(n)}",
+                    (t0, t1, self.node.lo, self.node.hi, pid))]
+
+    def _longest_read(self, pid: int, codes: list[int], t0: int, t1: int, n: int
+                      ) -> list[tuple[int, int, int, int, int]] | None:
+        """:meth:`longest_calls` from :meth:`calls_by_pid`'s rows of the same span that
+        hold these ops (every call of them), where it read them; None otherwise."""
+        wanted = set(codes)
+        for (ops, a, b), by_pid in self._by_pid.items():
+            if (a, b) == (t0, t1) and wanted <= set(ops):
+                rows = [r for r in by_pid.get(pid, []) if r[4] in wanted]
+                # Equal ones in the order of the walk (by id), as in _longest_slow.
+                top = heapq.nsmallest(n, rows, key=lambda r: (-r[2], r[0]))
+                return [(r[0], r[1], r[2], r[3], r[4]) for r in top]
+        return None
+
+    def _longest_slow(self, pid: int, codes: list[int], t0: int, t1: int, n: int
+                      ) -> list[tuple[int, int, int, int, int]] | None:
+        """:meth:`longest_calls` from the slow calls, when they hold every call of the
+        process's ops at least as long as the n-th longest among them: each op with calls
+        in the window (its sums) read at a threshold at most that long. None otherwise."""
+        if self._slow is None or self.sums is None or not set(codes) <= _SUMMED or not (
+                self.win.start_ns <= t0 and t1 <= self.win.end_ns):
+            return None
+        thresholds, slow = self._slow
+        called = {g.op for g in self.sums if g.pid == pid and g.count}
+        limits = [thresholds.get((pid, op)) for op in codes if op in called]
+        if not limits or None in limits:
+            return None  # an op of the process read at no threshold
+        found = [e for op in codes for e in slow.get((pid, op), []) if t0 <= e.ts < t1]
+        # Equal ones in the order of the read's walk (by id: the window's reads walk the
+        # node's rows by id, and SQLite's sort keeps the order rows come in).
+        found.sort(key=lambda e: (-e.dur, e.rowkey))
+        top = found[:n]
+        if len(top) < n or top[-1].dur < max(t for t in limits if t is not None):
+            return None
+        return [(e.rowkey, e.ts, e.dur, e.tid, e.op) for e in top]
 
     def _callers(self) -> frozenset[int]:
         """The threads with stored CUDA calls in the window, from its sums (empty
