@@ -93,7 +93,7 @@ def thread_breakdown(
     _scale_cuda(conn, node, win, acc, pids, pid)
     _sync_sleeps(conn, node, win, acc)
     outliers = _syscall_outliers(conn, node, where, params)
-    wchans = _wait_channels(conn, where, params)
+    wchans = _wait_channels(conn, node, win, pid, sum(g.count for g in groups))
     rows = [_row(tid, pids[tid], a, wall, tasks, names, outliers.get(tid, []),
                  wchans.get(tid, []))
             for tid, a in acc.items()]
@@ -136,48 +136,60 @@ def _sync_sleeps(conn: sqlite3.Connection, node: Node, win: Window,
     """Sleeps inside a CUDA sync call are waits for the device, whatever syscall the
     driver slept in: move their overlap with the thread's sync calls (always stored)
     from their syscall's reason to ``gpu_sync``."""
-    tids = [t for t, a in acc.items() if a["cuda_calls"]]
+    # Only threads with sleep time left to move: a move never takes a reason below 0.
+    tids = [t for t, a in acc.items() if a["cuda_calls"] and _has_sleep_time(a)]
     if not tids:
         return
     sync_ops = tuple(sorted(code(o) for o in SYNC_OPS))
     syncs: dict[int, list[tuple[int, int]]] = defaultdict(list)
     slept: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-    # Both in one pass, sorted here per thread: the rows come nearly in time order, which
-    # Python's sort (stable: equal times keep the file's order, as SQLite's ORDER BY did)
-    # takes in one run where SQLite sorted them again. Only a thread's own order matters:
-    # each sleep moves time between that thread's counters.
-    for op, tid, ts, dur, ret in conn.execute(
-        "SELECT op, tid, ts_ns, dur_ns, ret FROM event_data WHERE ts_ns >= ? AND ts_ns < ? "
-        f"AND id BETWEEN ? AND ? AND tid IN {in_list(tids)} AND (op IN {in_list(sync_ops)} "
-        "OR (op = ? AND a0 & 255 != 0 AND a0 & 2 = 0))",
-        (win.start_ns, win.end_ns, node.lo, node.hi, OFF_CPU),
+    # Both in one pass. Only a thread's own order matters: each sleep moves time between
+    # that thread's counters. The calls are sorted here (the rows come nearly in time
+    # order, which Python's sort takes in one run; stable: equal starts keep the file's
+    # order, as SQLite's ORDER BY did); the sleeps need no order (_move_to_sync).
+    for tid, asleep, ts, end, ret in conn.execute(
+        "SELECT tid, op = ?, ts_ns, ts_ns + dur_ns, ret FROM event_data WHERE ts_ns >= ? "
+        "AND ts_ns < ? AND id BETWEEN ? AND ? AND (op = ? AND a0 & 255 != 0 AND a0 & 2 = 0 "
+        f"OR op IN {in_list(sync_ops)}) AND tid IN {in_list(tids)}",
+        (OFF_CPU, win.start_ns, win.end_ns, node.lo, node.hi, OFF_CPU),
     ):
-        if op == OFF_CPU:
-            slept[tid].append((ts, dur, ret))
+        if asleep:
+            slept[tid].append((ts, end, ret))
         else:
-            syncs[tid].append((ts, ts + dur))
+            syncs[tid].append((ts, end))
     for tid, calls in syncs.items():
         sleeps = slept.get(tid)
         if sleeps:
             calls.sort(key=itemgetter(0))
-            sleeps.sort(key=itemgetter(0))
             _move_to_sync(acc[tid], calls, sleeps)
+
+
+def _has_sleep_time(a: dict[str, int]) -> bool:
+    return any(a.get(f"slept_{r}", 0) > 0 for r in REASONS if r != "gpu_sync")
 
 
 def _move_to_sync(a: dict[str, int], calls: list[tuple[int, int]],
                   sleeps: list[tuple[int, int, int]]) -> None:
-    """Move each sleep's overlap with the thread's sorted sync ``calls`` (summed from
-    the last call that began at or before the sleep on) from its syscall's reason to
-    ``gpu_sync``, the sleeps in time order. One loop, inlined: a function call per sleep
-    was half the cost at a million sleeps."""
+    """Move the overlap of each of the thread's ``sleeps`` (start, end, ret) with its
+    ``calls`` (start, end; sorted by start), summed from the last call that began at or
+    before the sleep on, from the sleep's reason to ``gpu_sync``.
+
+    Each reason gives up at most what it holds, and nothing else changes it meanwhile,
+    so the sum of its sleeps' overlaps moved once, clamped once, moves what moving them
+    one by one did, in any order. One loop, inlined (a function call per sleep was half
+    the cost at a million sleeps); a sleep that neither begins inside a call nor holds
+    the start of one has no overlap and is passed by two comparisons."""
     starts = [s for s, _ in calls]
+    ends = [e for _, e in calls]
     n = len(calls)
-    for ts, dur, ret in sleeps:
-        end = ts + dur
-        j = bisect.bisect_right(starts, ts) - 1
-        if j < 0:
-            j = 0
-        inside = 0
+    inside: dict[str, int] = defaultdict(int)
+    first_after = bisect.bisect_right
+    for ts, end, ret in sleeps:
+        j = first_after(starts, ts)  # the first call that begins after the sleep
+        if not ((j and ends[j - 1] > ts) or (j < n and starts[j] < end)):
+            continue
+        j = j - 1 if j else 0
+        found = 0
         while j < n:
             s0, s1 = calls[j]
             if s0 >= end:
@@ -185,13 +197,14 @@ def _move_to_sync(a: dict[str, int], calls: list[tuple[int, int]],
             hi = s1 if s1 < end else end
             lo = s0 if s0 > ts else ts
             if hi > lo:
-                inside += hi - lo
+                found += hi - lo
             j += 1
-        if inside:
-            why = reason(ret)
-            moved = min(inside, max(0, a[f"slept_{why}"]))
-            a[f"slept_{why}"] -= moved
-            a["slept_gpu_sync"] += moved
+        if found:
+            inside[reason(ret)] += found
+    for why, total in inside.items():
+        moved = min(total, max(0, a[f"slept_{why}"]))
+        a[f"slept_{why}"] -= moved
+        a["slept_gpu_sync"] += moved
 
 
 def _scale_cuda(conn: sqlite3.Connection, node: Node, win: Window,
@@ -226,16 +239,32 @@ def _syscall_outliers(conn: sqlite3.Connection, node: Node, where: str, params: 
     return out
 
 
-def _wait_channels(conn: sqlite3.Connection, where: str, params: list[int]
-                   ) -> dict[int, list[WaitChannel]]:
+def _wait_channels(conn: sqlite3.Connection, node: Node, win: Window, pid: int | None,
+                   timed: int) -> dict[int, list[WaitChannel]]:
     """Per thread, where its D-state time went: the kernel wait channels the tracer
-    recorded (the first frame past the scheduler), most time first."""
+    recorded (the first frame past the scheduler), most time first.
+
+    The D-state sleeps with args are found from the smaller side: the node's events (a
+    walk of the window, ``timed`` rows at least) or its args rows (a walk of those, each
+    looked up in the events by id: about 8 times a walked row's cost). Both give the
+    same rows, grouped and then ordered the same way."""
     out: dict[int, list[WaitChannel]] = defaultdict(list)
+    args = conn.execute("SELECT count(*) FROM event_args WHERE id BETWEEN ? AND ?",
+                        (node.lo, node.hi)).fetchone()[0]
+    if args * 8 < timed:  # a CROSS JOIN keeps the args the outer loop
+        src = ("event_args x CROSS JOIN event_data e ON e.id = x.id WHERE x.id BETWEEN ? "
+               "AND ? AND e.ts_ns >= ? AND e.ts_ns < ? AND e.op = ? AND e.a0 & 2 != 0 AND "
+               "e.a0 & 255 != 0" + ("" if pid is None else " AND e.pid = ?"))
+        params = [node.lo, node.hi, win.start_ns, win.end_ns, OFF_CPU]
+        params += [] if pid is None else [pid]
+    else:
+        where, params = in_window(node, win, pid)
+        src = (f"(SELECT id, tid, dur_ns FROM event_data WHERE {where} AND op = ? AND "
+               "a0 & 2 != 0 AND a0 & 255 != 0) e JOIN event_args x ON x.id = e.id")
+        params.append(OFF_CPU)
     for tid, wchan, n, total in conn.execute(
-        "SELECT e.tid, json_extract(x.args, '$.wchan'), count(*), sum(e.dur_ns) FROM "
-        f"(SELECT id, tid, dur_ns FROM event_data WHERE {where} AND op = ? AND a0 & 2 != 0 "
-        "AND a0 & 255 != 0) e JOIN event_args x ON x.id = e.id GROUP BY 1, 2 "
-        "ORDER BY 4 DESC", [*params, OFF_CPU],
+        f"SELECT e.tid, json_extract(x.args, '$.wchan'), count(*), sum(e.dur_ns) FROM {src} "
+        "GROUP BY 1, 2 ORDER BY 4 DESC", params,
     ):
         if wchan and len(out[tid]) < WCHANS:
             out[tid].append({"wchan": str(wchan), "waits": n, "ns": total})
