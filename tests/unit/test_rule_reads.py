@@ -322,3 +322,21 @@ def test_a_waits_file_is_the_first_named_by_id(tmp_path: Path) -> None:
             assert got == ("/data/shard-0" if fd == 3 else None)
     finally:
         sl.conn.close()
+
+
+def test_feeders_sleeps_come_with_the_rules_calls(node_slice: NodeSlice) -> None:
+    """The rules' first read of allocation calls also reads the feeding threads' sleeps:
+    the wait rules then read nothing, and find the sleeps a read of their own gives."""
+    from fleetd.analyze.causes import contention
+
+    sl = node_slice
+    shared = Context(_view(sl), sl.span, sl.ops, sl.threads, sl.parents)
+    alone = Context(_view(sl), sl.span, sl.ops, sl.threads, sl.parents)
+    fed = [int(main["tid"]) for _, main in shared.feeders()]
+    count = Statements(sl.conn)
+    rules.alloc_churn_rule(shared)
+    reads = count.take()
+    assert reads == (1 if shared.gpu_pids() else 0)  # the first launches: from the sums
+    for tid in fed:
+        assert contention.sleeps(shared, tid) == contention.sleeps(alone, tid)
+    assert count.take() == (1 if fed else 0)  # alone's one read; shared's none

@@ -31,7 +31,6 @@ import bisect
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from operator import itemgetter
 
 import orjson
 
@@ -40,9 +39,9 @@ from fleetd.analyze.causes.rules import Context, rule_chain
 from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, RankedCulprit
 from fleetd.analyze.reading.data import code, in_list, job_peers
 from fleetd.analyze.reading.frames import top_python_frame
-from fleetd.analyze.reading.nodeview import op_range
+from fleetd.analyze.reading.nodeview import SLEEP_RETS, SpanRow
 from fleetd.analyze.reading.rows import ThreadRow
-from fleetd.analyze.reading.waits import OUTPUT_RETS, reason, rets_of
+from fleetd.analyze.reading.waits import reason
 from fleetd.store.timeparse import format_ns
 
 WAKEUP, RUNQ = code("wakeup"), code("runq_wait")
@@ -54,9 +53,7 @@ PRODUCER_BUSY = 0.8  # a producer wanting the CPU this much of the time is the b
 # on alternating words of its own (glibc's two signal groups), a mutex beside it.
 LOCK_OBJECT_BYTES = 64
 EXAMPLES = 3
-# The sleeps the wait and pipe rules read: for a lock, for input, in a write. The rest
-# (most are timers a loop sets) stay in the file.
-READ_RETS = rets_of("lock", "data") | OUTPUT_RETS
+READ_RETS = SLEEP_RETS  # the sleeps the wait and pipe rules read (NodeView.sleep_rows)
 PY_RUNTIME = "_PyRuntime+"  # CPython's runtime state, where the interpreter lock lives
 
 
@@ -102,54 +99,32 @@ def sleeps(ctx: Context, tid: int) -> list[Sleep]:
 
 def _read_sleeps(ctx: Context, tids: list[int]) -> dict[int, list[Sleep]]:
     """Per thread of ``tids``: its sleeps. One pass over the span's rows for all of
-    them (three queries per thread scanned the span 3 x threads times)."""
-    v, t0, t1 = ctx.view, ctx.span[0], ctx.span[1] + 1
-    wakes: dict[int, list[SleepRow]] = {t: [] for t in tids}
-    tails: dict[int, list[SleepRow]] = {t: [] for t in tids}
-    offs: dict[int, list[SleepRow]] = {t: [] for t in tids}
-    kinds = {WAKEUP: wakes, RUNQ: tails, OFF_CPU: offs}
-    # Each row kept as SQLite gives it, time first (no tuple of its own per row: there
-    # are hundreds of thousands, most of them wakeups).
-    for row in v.conn.execute(
-        "SELECT ts_ns, tid, op, dur_ns, peer, stack, ret, bytes, id FROM event_data WHERE "
-        f"ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ? AND "
-        f"{op_range((WAKEUP, RUNQ, OFF_CPU))} AND tid IN {in_list(tids)} AND "
-        "(op IN (?, ?) OR (op = ? AND a0 & 255 != 0 AND a0 & 2 = 0 AND ret IN "
-        f"{in_list(sorted(READ_RETS))}))",
-        (t0, t1, v.node.lo, v.node.hi, WAKEUP, RUNQ, OFF_CPU),
-    ):
-        kinds[row[2]][row[1]].append(row)
-    # Sorted here, stable (equal times keep the file's order, as ORDER BY did): the rows
-    # come nearly in time order, which Python sorts in one run.
-    for rows in (*wakes.values(), *tails.values(), *offs.values()):
-        rows.sort(key=itemgetter(0))
-    return {t: _matched(offs[t], wakes[t], tails[t]) for t in tids}
+    them (three queries per thread scanned the span 3 x threads times), made with the
+    rules' calls where they read them (NodeView.sleep_rows)."""
+    rows = ctx.view.sleep_rows(tids, ctx.span[0], ctx.span[1] + 1)
+    return {t: _matched(*rows[t]) for t in tids}
 
 
-# A row of _read_sleeps: ts_ns, tid, op, dur_ns, peer, stack, ret, bytes, id.
-SleepRow = tuple[int, int, int, int, int, int, int, int, int]
-
-
-def _matched(offs: list[SleepRow], wakes: list[SleepRow], tails: list[SleepRow]
-             ) -> list[Sleep]:
+def _matched(offs: list[SpanRow], wakes: list[SpanRow], tails: list[SpanRow]) -> list[Sleep]:
     """Each off-CPU sleep with the first wakeup and run-queue tail inside it (all three
-    in time order: one pass over each)."""
+    in time order: one pass over each). Rows of nodeview.SPAN_COLS: id, ts_ns, dur_ns,
+    pid, tid, op, a0, bytes, peer, stack, ret."""
     out = []
     w = q = 0
     nw, nq = len(wakes), len(tails)
-    for ts, _, _, dur, _, _, ret, arg, key in offs:
+    for key, ts, dur, _, _, _, _, arg, _, _, ret in offs:
         end = ts + dur
         # The first wakeup at or after the sleep's start (the sleeps come in time
         # order, so the one of the last sleep is where to look on from).
-        while w < nw and wakes[w][0] < ts:
+        while w < nw and wakes[w][1] < ts:
             w += 1
-        while q < nq and tails[q][0] < ts:
+        while q < nq and tails[q][1] < ts:
             q += 1
-        wake = wakes[w] if w < nw and wakes[w][0] <= end else None
-        tail = tails[q] if q < nq and tails[q][0] <= end + 1 else None
-        out.append(Sleep(ts, max(0, dur - (int(tail[3]) if tail else 0)), reason(ret),
-                         int(arg or 0), int(wake[4]) if wake else 0,
-                         int(wake[5] or 0) if wake else 0, int(ret or 0), int(key)))
+        wake = wakes[w] if w < nw and wakes[w][1] <= end else None
+        tail = tails[q] if q < nq and tails[q][1] <= end + 1 else None
+        out.append(Sleep(ts, max(0, dur - (int(tail[2]) if tail else 0)), reason(ret),
+                         int(arg or 0), int(wake[8]) if wake else 0,
+                         int(wake[9] or 0) if wake else 0, int(ret or 0), int(key)))
     return out
 
 
@@ -184,12 +159,7 @@ def waker_where(ctx: Context, hashes: list[int]) -> Where | None:
 
 def feeders(ctx: Context) -> list[tuple[int, ThreadRow]]:
     """(pid, feeding thread) of every process with CUDA calls."""
-    out = []
-    for pid in ctx.gpu_pids():
-        main = ctx.main_thread(pid)
-        if main is not None:
-            out.append((pid, main))
-    return out
+    return ctx.feeders()
 
 
 def _thread_row(ctx: Context, tid: int) -> ThreadRow | None:

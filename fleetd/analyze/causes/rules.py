@@ -102,6 +102,15 @@ class Context:
                 seen[int(r["pid"])] += int(r["total_ns"] or 0)  # None: none timed
         return sorted(seen, key=lambda p: -seen[p])
 
+    def feeders(self) -> list[tuple[int, ThreadRow]]:
+        """(pid, feeding thread) of every process with CUDA calls."""
+        out = []
+        for pid in self.gpu_pids():
+            main = self.main_thread(pid)
+            if main is not None:
+                out.append((pid, main))
+        return out
+
     def op_rows(self, pid: int, names: frozenset[str]) -> list[OpRow]:
         return [r for r in self.ops if r["pid"] == pid and r["op"] in names]
 
@@ -373,9 +382,13 @@ def _first_launch(ctx: Context, pid: int) -> int | None:
 def _span_calls(ctx: Context, pid: int, ops: tuple[int, ...]) -> list[CallRow]:
     """The process's stored events of ``ops`` in the span, in time order (id, ts_ns,
     dur_ns, tid, op, a0, bytes): read once for every process (NodeView.calls_by_pid),
-    the dense op sets of the rules together."""
-    together = _DENSE_READS if ops in _DENSE_READS else ()
-    return ctx.view.calls_by_pid(ops, ctx.span[0], ctx.span[1] + 1, together).get(pid, [])
+    the dense op sets of the rules together, and with them the feeding threads' sleeps
+    (the wait and pipe rules': one walk of the span)."""
+    if ops not in _DENSE_READS:
+        return ctx.view.calls_by_pid(ops, ctx.span[0], ctx.span[1] + 1).get(pid, [])
+    sleepers = sorted({int(main["tid"]) for _, main in ctx.feeders()})
+    return ctx.view.calls_by_pid(ops, ctx.span[0], ctx.span[1] + 1, _DENSE_READS,
+                                 sleepers).get(pid, [])
 
 
 def _alloc_calls(ctx: Context, pid: int, t0: int, t1: int | None) -> AllocRows:
