@@ -179,8 +179,8 @@ def _move_to_sync(a: dict[str, int], calls: list[tuple[int, int]],
     one by one did, in any order. One loop, inlined (a function call per sleep was half
     the cost at a million sleeps); a sleep that neither begins inside a call nor holds
     the start of one has no overlap and is passed by two comparisons."""
-    starts = [s for s, _ in calls]
-    ends = [e for _, e in calls]
+    starts = list(map(itemgetter(0), calls))
+    ends = list(map(itemgetter(1), calls))
     n = len(calls)
     inside: dict[str, int] = defaultdict(int)
     first_after = bisect.bisect_right

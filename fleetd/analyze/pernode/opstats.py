@@ -120,6 +120,8 @@ class _Select:
 
 _SYSCALL_ROWS = f"op = {SYSCALL}"
 EVENTS = _Select("op", None)
+_PID_LIMIT = 1 << 50  # pid << 12 stays inside SQLite's 64-bit integers
+assert max(BY_CODE) < 4096, "op codes are packed into 12 bits (_durations)"
 SYSCALLS = _Select("a0", _SYSCALL_ROWS)
 
 
@@ -147,10 +149,10 @@ def _load_syscalls(conn: sqlite3.Connection, node: Node, win: Window, pid: int |
     where, params = _where(node, win, pid, _SYSCALL_ROWS)
     durs: dict[tuple[int, int], list[int]] = defaultdict(list)
     failed: dict[tuple[int, int], int] = defaultdict(int)
-    for p, nr, dur, ret in conn.execute(
-            f"SELECT pid, a0, dur_ns, ret FROM event_data WHERE {where}", params):
+    for p, nr, dur, fails in conn.execute(  # a syscall fails with -errno
+            f"SELECT pid, a0, dur_ns, ret < 0 FROM event_data WHERE {where}", params):
         durs[(p, nr)].append(dur)
-        if ret < 0:  # a syscall fails with -errno
+        if fails:
             failed[(p, nr)] += 1
     for v in durs.values():
         v.sort()
@@ -170,9 +172,19 @@ def _durations(conn: sqlite3.Connection, node: Node, win: Window, pid: int | Non
     where, params = _where(node, win, pid, f"({which})" if sel.which is None
                            else f"{sel.which} AND ({which})")
     out: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for p, k, dur in conn.execute(f"SELECT pid, {sel.key}, dur_ns FROM event_data WHERE "
-                                  f"{where}", params):
-        out[(p, k)].append(dur)
+    if sel.key == "op" and all(0 <= p < _PID_LIMIT for p, _ in pairs):
+        # One integer per row, pid << 12 | op, where that is exact (every op code is
+        # below 4096; the only pids read are these): a (pid, op) tuple per row cost
+        # 0.2 of 2.9 CPU s at 2.7M rows.
+        packed: dict[int, list[int]] = defaultdict(list)
+        for key, dur in conn.execute(f"SELECT pid << 12 | op, dur_ns FROM event_data "
+                                     f"WHERE {where}", params):
+            packed[key].append(dur)
+        out.update(((key >> 12, key & 4095), durs) for key, durs in packed.items())
+    else:
+        for p, k, dur in conn.execute(f"SELECT pid, {sel.key}, dur_ns FROM event_data "
+                                      f"WHERE {where}", params):
+            out[(p, k)].append(dur)
     for durs in out.values():
         durs.sort()
     return out
