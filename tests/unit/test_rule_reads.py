@@ -167,10 +167,9 @@ def test_rules_dense_calls_read_together(node_slice: NodeSlice) -> None:
     for ops in (rules.ALLOC_CODES, rules.READBACK_CODES):
         got = view.calls_by_pid(ops, t0, t1, (rules.ALLOC_CODES, rules.READBACK_CODES))
         want: dict[int, list[tuple[int, ...]]] = {}
-        for k, ts, dur, pid, tid, op, a0, nbytes in _rows(
-                sl, f"id, ts_ns, dur_ns, pid, tid, op, a0, bytes WHERE op IN {in_list(ops)} "
-                    "ORDER BY ts_ns", t0, t1):
-            want.setdefault(pid, []).append((k, ts, dur, tid, op, a0, nbytes))
+        for row in _rows(sl, f"{', '.join(nodeview.SPAN_COLS)} WHERE op IN {in_list(ops)} "
+                             "ORDER BY ts_ns", t0, t1):
+            want.setdefault(row[3], []).append(row)
         assert got == want
     assert count.take() == 1 + 2  # the shared read, and the two plain ones above
 

@@ -327,10 +327,10 @@ def _readbacks(ctx: Context, pid: int) -> Chain | None:
     that keeps up, or none at all): severity then follows the time it measurably cost.
     """
     dtoh = code("cuMemcpyDtoH_v2")
-    copies = [r for r in _span_calls(ctx, pid, READBACK_CODES) if 1 <= r[6] <= READBACK_MAX_BYTES
-              and (r[4] == dtoh or r[5] == MEMCPY_DEVICE_TO_HOST)]
+    copies = [r for r in _span_calls(ctx, pid, READBACK_CODES) if 1 <= r[7] <= READBACK_MAX_BYTES
+              and (r[5] == dtoh or r[6] == MEMCPY_DEVICE_TO_HOST)]
     n, total = len(copies), sum(r[2] for r in copies)
-    biggest = max((r[6] for r in copies), default=0)
+    biggest = max((r[7] for r in copies), default=0)
     launches = sum(int(r["count"]) for r in ctx.op_rows(pid, LAUNCH_OPS))
     rate = n / (ctx.span_ns / 1e9)
     if n < MIN_SYNCS or rate < 1.0 or launches / max(1, n) > MAX_LAUNCHES_PER_SYNC:
@@ -365,7 +365,7 @@ def alloc_churn_rule(ctx: Context) -> list[Chain]:
     return out
 
 
-AllocRows = list[CallRow]  # id, ts_ns, dur_ns, tid, op, a0, bytes; in time order
+AllocRows = list[CallRow]  # nodeview.SPAN_COLS (id, ts_ns, dur_ns, pid, tid, op...), by time
 # The dense ops the rules read per process, read together (one walk of the span).
 READBACK_CODES = (code("cudaMemcpy"), code("cuMemcpyDtoH_v2"))
 ALLOC_CODES = tuple(sorted(code(o) for o in ALLOC_OPS))
@@ -380,10 +380,11 @@ def _first_launch(ctx: Context, pid: int) -> int | None:
 
 
 def _span_calls(ctx: Context, pid: int, ops: tuple[int, ...]) -> list[CallRow]:
-    """The process's stored events of ``ops`` in the span, in time order (id, ts_ns,
-    dur_ns, tid, op, a0, bytes): read once for every process (NodeView.calls_by_pid),
-    the dense op sets of the rules together, and with them the feeding threads' sleeps
-    (the wait and pipe rules': one walk of the span)."""
+    """The process's stored events of ``ops`` in the span, in time order (rows of
+    nodeview.SPAN_COLS: id, ts_ns, dur_ns, pid, tid, op, a0, bytes...): read once for
+    every process (NodeView.calls_by_pid), the dense op sets of the rules together, and
+    with them the feeding threads' sleeps (the wait and pipe rules': one walk of the
+    span)."""
     if ops not in _DENSE_READS:
         return ctx.view.calls_by_pid(ops, ctx.span[0], ctx.span[1] + 1).get(pid, [])
     sleepers = sorted({int(main["tid"]) for _, main in ctx.feeders()})
@@ -410,9 +411,9 @@ def _startup_chain(ctx: Context, pid: int, started: int, early: AllocRows) -> Ch
     ev = _call_items(ctx, _longest(early),
                      {first[0]: " (its first allocation: a process's first CUDA call also "
                                 "creates its context)"})
-    ch = rule_chain(ctx, "startup", pid, name_of(first[4]), 1.0, total / ctx.span_ns,
+    ch = rule_chain(ctx, "startup", pid, name_of(first[5]), 1.0, total / ctx.span_ns,
                     ev, {"calls": len(early), "startup_ns": total, "first_ns": first[2],
-                         "first_op": name_of(first[4]), "first_launch_ns": started})
+                         "first_op": name_of(first[5]), "first_launch_ns": started})
     ch.severity = "LOW"  # paid once per process: no fix in the loop makes it go away
     return ch
 
@@ -423,9 +424,9 @@ def _churn(ctx: Context, pid: int, begin: int) -> Chain | None:
     out as start-up."""
     calls = _alloc_calls(ctx, pid, begin, None)
     if begin == ctx.span[0]:
-        firsts = {op: k for k, _, _, _, op, _, _ in reversed(calls)}
-        calls = [r for r in calls if firsts[r[4]] != r[0]]
-    per_op = Counter(map(itemgetter(4), calls))  # op -> calls, in time order of first call
+        firsts = {r[5]: r[0] for r in reversed(calls)}
+        calls = [r for r in calls if firsts[r[5]] != r[0]]
+    per_op = Counter(map(itemgetter(5), calls))  # op -> calls, in time order of first call
     frees = sum(n for op, n in per_op.items() if op in _FREE_CODES)
     allocs = len(calls) - frees
     if allocs < MIN_ALLOCS or frees < MIN_ALLOCS // 2:
@@ -437,8 +438,8 @@ def _churn(ctx: Context, pid: int, begin: int) -> Chain | None:
     if late_share < MIN_LATE_ALLOC_SHARE:
         return None
     by_op: dict[int, int] = dict.fromkeys(per_op, 0)
-    for _, _, dur, _, op, _, _ in calls:
-        by_op[op] += dur
+    for r in calls:
+        by_op[r[5]] += r[2]
     share = sum(by_op.values()) / ctx.span_ns
     rate = allocs / (ctx.span_ns / 1e9)
     rows = ctx.op_rows(pid, ALLOC_OPS)
@@ -460,14 +461,14 @@ _FREE_CODES = frozenset(code(o) for o in ALLOC_OPS if "Free" in o)
 def _longest(calls: AllocRows, n: int = 3) -> list[tuple[int, int, int, int, int]]:
     """The ``n`` longest calls (the first in time order among equal ones), as
     :func:`_call_items` takes them."""
-    return [r[:5] for r in heapq.nsmallest(n, calls, key=lambda r: -r[2])]
+    return [(r[0], r[1], r[2], r[4], r[5]) for r in heapq.nsmallest(n, calls, key=lambda r: -r[2])]
 
 
 def graph_recapture_rule(ctx: Context) -> list[Chain]:
     out: list[Chain] = []
     captures = tuple(sorted(code(o) for o in CAPTURE_OPS))
     for pid in ctx.gpu_pids():
-        caps = [(ts, dur, op) for _, ts, dur, _, op, _, _ in _span_calls(ctx, pid, captures)]
+        caps = [(r[1], r[2], r[5]) for r in _span_calls(ctx, pid, captures)]
         begins = sum(1 for _, _, op in caps if op in (code("cudaStreamBeginCapture"),
                                                       code("cudaGraphInstantiate")))
         if begins < MIN_CAPTURES:

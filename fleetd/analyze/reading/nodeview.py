@@ -85,7 +85,6 @@ def preempt_takers(tid: int, first: int, last: int, ns: int) -> list[tuple[int, 
 STALL_MIN_NS = 2_000_000
 _WAIT_OPS = (OFF_CPU, RUNQ)
 EvRow = tuple[int, int, int, int, int, int, int, int, int, int, int]  # Ev's fields
-CallRow = tuple[int, int, int, int, int, int, int]  # id, ts_ns, dur_ns, tid, op, a0, bytes
 
 
 def op_range(codes: Iterable[int]) -> str:
@@ -107,6 +106,7 @@ SPAN_COLS = ("id", "ts_ns", "dur_ns", "pid", "tid", "op", "a0", "bytes", "peer",
              "ret")
 _SPAN_COLS = ", ".join(SPAN_COLS)
 SpanRow = tuple[int, int, int, int, int, int, int, int, int, int, int]
+CallRow = SpanRow  # a call of NodeView.calls_by_pid: as read, no tuple of its own per row
 
 
 def _sleeps_sql(tids: Iterable[int]) -> str:
@@ -295,10 +295,10 @@ class NodeView:
         wanted = set(codes)
         for (ops, a, b), by_pid in self._by_pid.items():
             if (a, b) == (t0, t1) and wanted <= set(ops):
-                rows = [r for r in by_pid.get(pid, []) if r[4] in wanted]
+                rows = [r for r in by_pid.get(pid, []) if r[5] in wanted]
                 # Equal ones in the order of the walk (by id), as in _longest_slow.
                 top = heapq.nsmallest(n, rows, key=lambda r: (-r[2], r[0]))
-                return [(r[0], r[1], r[2], r[3], r[4]) for r in top]
+                return [(r[0], r[1], r[2], r[4], r[5]) for r in top]
         return None
 
     def _longest_slow(self, pid: int, codes: list[int], t0: int, t1: int, n: int
@@ -360,8 +360,8 @@ class NodeView:
     def calls_by_pid(self, ops: tuple[int, ...], t0: int, t1: int,
                      together: tuple[tuple[int, ...], ...] = (),
                      sleepers: Collection[int] = ()) -> dict[int, list[CallRow]]:
-        """Per process: its stored events of ``ops`` in [t0, t1) as (id, ts_ns, dur_ns,
-        tid, op, a0, bytes), in time order. Read once per (ops, span) for every process
+        """Per process: its stored events of ``ops`` in [t0, t1) as rows of
+        :data:`SPAN_COLS`, in time order. Read once per (ops, span) for every process
         the rules ask about (a query per process scanned the whole span each time), and
         in the same read the other op sets of ``together`` not read yet (each kept for
         its own call) and the sleeps of ``sleepers`` (:meth:`sleep_rows`): one walk of
@@ -387,16 +387,17 @@ class NodeView:
         if sleepers:
             cond = f"({cond}) OR ({_sleeps_sql(sleepers)})"
         slept = _SleepRows(sleepers)
+        by_op = slept.rows
+        # Each row kept as SQLite gives it (no tuple of its own: there are millions).
         for row in self.conn.execute(
                 f"SELECT {_SPAN_COLS} FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id "
                 f"BETWEEN ? AND ? AND ({cond})", (t0, t1, self.node.lo, self.node.hi)):
             calls = into.get(row[5])
             if calls is None:
-                slept.add(row)
+                by_op[row[5]][row[4]].append(row)  # a sleep
                 continue
-            k, ts, dur, _, tid, op, a0, nbytes = row[:8]
             for found in calls:
-                found[row[3]].append((k, ts, dur, tid, op, a0, nbytes))
+                found[row[3]].append(row)
         # Sorted here, stable (equal times keep the file's order, as ORDER BY did): the
         # rows come nearly in time order, which Python sorts in one run.
         for ops in sets:
