@@ -170,3 +170,38 @@ def test_wait_channels_are_the_same_from_either_side(tmp_path: Path) -> None:
         {"wchan": "bit_wait_io", "waits": 4, "ns": 8 * MS},
         {"wchan": "folio_wait_bit", "waits": 2, "ns": 2 * MS}]
     assert walked[WORKER] == [{"wchan": "bit_wait_io", "waits": 1, "ns": 3 * MS}]
+
+
+def _statements(path: Path, pid: int | None = None) -> tuple[list[str], dict[int, object]]:
+    """The SQL the breakdown ran, and each thread's sleeping time, locks included."""
+    conn = open_reader(path)
+    ran: list[str] = []
+    try:
+        sl = NodeSlice(conn, nodes(conn)[0], resolve_window(conn))
+        _ = sl.sums, sl.stack_rows  # read before the trace: only the breakdown's own reads count
+        conn.set_trace_callback(ran.append)
+        threads = sl.threads if pid is None else sl.threads_of(pid)
+        return ran, {int(t["tid"]): t["lock_ns"] for t in threads}
+    finally:
+        conn.close()
+
+
+def test_reads_the_sums_show_empty_are_skipped(tmp_path: Path) -> None:
+    # Launches and futex sleeps, no sync call and no D state: neither the sync calls'
+    # walk nor the wait channels' reads are needed (with a pid the sync walk still runs:
+    # a thread's tid may have synced in another process).
+    quiet = _write(tmp_path / "q.db", [
+        _event(T0 + 10 * MS, 3 * MS, "cudaLaunchKernel"),
+        _event(T0 + 10 * MS + 100 * US, 2 * MS, "off_cpu", ret=FUTEX, a0=SLEEP_S)])
+    ran, lock = _statements(quiet)
+    assert lock == {MAIN_TID: 2 * MS}
+    assert not [q for q in ran if "a0 & 2 = 0" in q or "event_args" in q]
+    ran, _ = _statements(quiet, MAIN)
+    assert [q for q in ran if "a0 & 2 = 0" in q] and not [q for q in ran if "event_args" in q]
+    syncing = _write(tmp_path / "s.db", [
+        _event(T0 + 10 * MS, 3 * MS, "cudaStreamSynchronize"),
+        _event(T0 + 10 * MS + 100 * US, 2 * MS, "off_cpu", ret=FUTEX, a0=SLEEP_S),
+        _event(T0 + 20 * MS, 1 * MS, "off_cpu", a0=SLEEP_D)])
+    ran, lock = _statements(syncing)
+    assert lock == {MAIN_TID: 0}
+    assert [q for q in ran if "a0 & 2 = 0" in q] and [q for q in ran if "event_args" in q]

@@ -52,6 +52,7 @@ HARDIRQ, SOFTIRQ = code("hardirq"), code("softirq")
 SCHED = frozenset((OFF_CPU, RUNQ, HARDIRQ, SOFTIRQ))  # the breakdown's scheduler columns
 SYSCALL_OUTLIERS = 5
 WCHANS = 3  # D-state wait channels listed per thread
+SYNC_CODES = tuple(sorted(code(o) for o in SYNC_OPS))
 
 
 def thread_breakdown(
@@ -91,9 +92,15 @@ def thread_breakdown(
             acc[s.tid]["lock_spin"] += s.samples * period
     wall = max(0, span[1] - span[0])
     _scale_cuda(conn, node, win, acc, pids, pid)
-    _sync_sleeps(conn, node, win, acc)
+    # Reads that the sums show would find nothing are skipped: sync calls in the window
+    # (with ``pid``, a thread's calls in another process sharing its tid count too, so
+    # the walk decides), D-state sleeps (the same rows as the sums, ``pid`` or not).
+    syncing = None if pid is not None else {g.tid for g in groups if g.op in SYNC_CODES}
+    _sync_sleeps(conn, node, win, acc, syncing)
     outliers = _syscall_outliers(conn, node, where, params)
-    wchans = _wait_channels(conn, node, win, pid, sum(g.count for g in groups))
+    d_state = any(g.op == OFF_CPU and g.state & 2 for g in groups)
+    wchans = (_wait_channels(conn, node, win, pid, sum(g.count for g in groups)) if d_state
+              else {})
     rows = [_row(tid, pids[tid], a, wall, tasks, names, outliers.get(tid, []),
                  wchans.get(tid, []))
             for tid, a in acc.items()]
@@ -132,15 +139,16 @@ def _add_sched(a: dict[str, int], op: int, a0: int, n: int, total: int, why: str
 
 
 def _sync_sleeps(conn: sqlite3.Connection, node: Node, win: Window,
-                 acc: dict[int, dict[str, int]]) -> None:
+                 acc: dict[int, dict[str, int]], syncing: set[int] | None = None) -> None:
     """Sleeps inside a CUDA sync call are waits for the device, whatever syscall the
     driver slept in: move their overlap with the thread's sync calls (always stored)
-    from their syscall's reason to ``gpu_sync``."""
+    from their syscall's reason to ``gpu_sync``. ``syncing``: the threads with sync
+    calls in the window, where the caller knows them."""
     # Only threads with sleep time left to move: a move never takes a reason below 0.
-    tids = [t for t, a in acc.items() if a["cuda_calls"] and _has_sleep_time(a)]
+    tids = [t for t, a in acc.items() if a["cuda_calls"] and _has_sleep_time(a)
+            and (syncing is None or t in syncing)]
     if not tids:
         return
-    sync_ops = tuple(sorted(code(o) for o in SYNC_OPS))
     syncs: dict[int, list[tuple[int, int]]] = defaultdict(list)
     slept: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     # Both in one pass. Only a thread's own order matters: each sleep moves time between
@@ -150,7 +158,7 @@ def _sync_sleeps(conn: sqlite3.Connection, node: Node, win: Window,
     for tid, asleep, ts, end, ret in conn.execute(
         "SELECT tid, op = ?, ts_ns, ts_ns + dur_ns, ret FROM event_data WHERE ts_ns >= ? "
         "AND ts_ns < ? AND id BETWEEN ? AND ? AND (op = ? AND a0 & 255 != 0 AND a0 & 2 = 0 "
-        f"OR op IN {in_list(sync_ops)}) AND tid IN {in_list(tids)}",
+        f"OR op IN {in_list(SYNC_CODES)}) AND tid IN {in_list(tids)}",
         (OFF_CPU, win.start_ns, win.end_ns, node.lo, node.hi, OFF_CPU),
     ):
         if asleep:
