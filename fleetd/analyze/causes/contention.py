@@ -112,6 +112,7 @@ def _matched(offs: list[SpanRow], wakes: list[SpanRow], tails: list[SpanRow]) ->
     out = []
     w = q = 0
     nw, nq = len(wakes), len(tails)
+    whys: dict[int, str] = {}  # reason() of each syscall seen: a few, for many sleeps
     for key, ts, dur, _, _, _, _, arg, _, _, ret in offs:
         end = ts + dur
         # The first wakeup at or after the sleep's start (the sleeps come in time
@@ -122,7 +123,10 @@ def _matched(offs: list[SpanRow], wakes: list[SpanRow], tails: list[SpanRow]) ->
             q += 1
         wake = wakes[w] if w < nw and wakes[w][1] <= end else None
         tail = tails[q] if q < nq and tails[q][1] <= end + 1 else None
-        out.append(Sleep(ts, max(0, dur - (int(tail[2]) if tail else 0)), reason(ret),
+        why = whys.get(ret)
+        if why is None:
+            why = whys[ret] = reason(ret)
+        out.append(Sleep(ts, max(0, dur - (int(tail[2]) if tail else 0)), why,
                          int(arg or 0), int(wake[8]) if wake else 0,
                          int(wake[9] or 0) if wake else 0, int(ret or 0), int(key)))
     return out

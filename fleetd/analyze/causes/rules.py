@@ -461,7 +461,8 @@ _FREE_CODES = frozenset(code(o) for o in ALLOC_OPS if "Free" in o)
 def _longest(calls: AllocRows, n: int = 3) -> list[tuple[int, int, int, int, int]]:
     """The ``n`` longest calls (the first in time order among equal ones), as
     :func:`_call_items` takes them."""
-    return [(r[0], r[1], r[2], r[4], r[5]) for r in heapq.nsmallest(n, calls, key=lambda r: -r[2])]
+    # nlargest keeps equal ones in their order, as a stable sort by -dur_ns did.
+    return [(r[0], r[1], r[2], r[4], r[5]) for r in heapq.nlargest(n, calls, key=itemgetter(2))]
 
 
 def graph_recapture_rule(ctx: Context) -> list[Chain]:

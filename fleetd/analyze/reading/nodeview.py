@@ -559,15 +559,15 @@ class NodeView:
             (start - MAX_SLEEP_BEFORE_TAIL_NS, self.win.end_ns, self.node.lo,
              self.node.hi, tid, OFF_CPU, RUNQ),
         ):
-            state = task_state(int(a0 or 0))
+            preempted = not int(a0 or 0) & _STATE_MASK  # task_state "R", without the call
             if op == OFF_CPU:
                 left_to[int(ts) + int(dur)] = (int(peer or 0), int(dur))
                 if peer and ts >= start:
                     switched[int(peer)] += 1
-                if state == "R" and peer and ts >= start:
+                if preempted and peer and ts >= start:
                     for taker, ns in preempt_takers(tid, int(peer), int(a1 or 0), int(dur)):
                         out[taker] += ns
-            elif state != "R" and a1 and ts >= start:
+            elif not preempted and a1 and ts >= start:
                 tails.append((int(ts) + int(dur), int(a1), int(dur), int(peer or 0)))
         # Only the task that takes over at most of the thread's switches (a busy loop
         # beside it) is still on the CPU when the thread wakes; another one that took
