@@ -80,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     where = args.lake if getattr(args, "lake", None) is not None else args.db
     with task(f"explaining {where or 'the database'}") as shown:
         with open_analysis(args) as (path, analysis):
-            found = _analyse(args, analysis, shown)
+            # A --db file can be read again by a forked child (a lake's copy is not kept).
+            lake = getattr(args, "lake", None) is not None
+            found = _analyse(args, analysis, shown, None if lake else path)
         if args.store and found["chains"]:
             shown.step("storing the chains")
             found["stored"] = store_chains(path, found)
@@ -95,13 +97,17 @@ def run(args: argparse.Namespace) -> int:
     return failed(args, found["chains"], 0)
 
 
-def _analyse(args: argparse.Namespace, analysis: Analysis, shown: Progress) -> ExplainReport:
+def _analyse(args: argparse.Namespace, analysis: Analysis, shown: Progress,
+             path: Path | None) -> ExplainReport:
     """The local report, step by step on the progress line: the events read once
-    (names, op statistics, the per-thread breakdown), the chains, then the GPU verdict,
-    collectives and the straggler ranking."""
+    (names, op statistics, the per-thread breakdown; the last two at once on two CPUs,
+    ``path`` opened again by a child), the chains, then the GPU verdict, collectives and
+    the straggler ranking."""
+    from fleetd.analyze.pernode.preload import preload
+    from fleetd.store.db import open_reader
+
     shown.step("reading")
-    for sl in analysis.slices:
-        sl.preload()
+    preload(analysis.slices, None if path is None else lambda: open_reader(path))
     pids = selected_pids(args, analysis.conn)
     shown.step("chains")
     found = analysis.explain(args.pid, args.per_process, pids)

@@ -29,6 +29,7 @@ class NodeSlice:
         self.conn = conn
         self.node = node
         self.window = window
+        self._summed_ops: list[OpRow] | None = None  # op_stats(None, False), read elsewhere
 
     @property
     def name(self) -> str:
@@ -92,6 +93,8 @@ class NodeSlice:
         """Op statistics for one process or all, per process or summed over processes."""
         if pid is None and per_process:
             return self.ops
+        if pid is None and self._summed_ops is not None:
+            return self._summed_ops
         if pid is None:
             return node_op_stats(self.conn, self.node, self.window, None, False, self.names,
                                  self._op_events)
@@ -126,6 +129,13 @@ class NodeSlice:
         """Read what every explain reads first (names, tasks, span, op statistics, the
         breakdown), so that a progress line can tell the reading from the analysis."""
         _ = (self.names, self.tasks, self.span, self.ops, self.threads)
+
+    def take_ops(self, ops: list[OpRow], summed: list[OpRow]) -> None:
+        """The op statistics per process and summed over processes, read by a forked
+        child (:mod:`fleetd.analyze.pernode.preload`): as :attr:`ops` and
+        :meth:`op_stats` would have read them here."""
+        self.__dict__["ops"] = ops
+        self._summed_ops = summed
 
     def processes(self, threads: list[ThreadRow]) -> list[ProcessRow]:
         """``threads`` summed per process, with the exact histogram totals beside them."""

@@ -1,0 +1,89 @@
+"""explain's first reads on two CPUs (fleetd.analyze.pernode.preload): the op statistics
+read by a forked child on its own connection are those the process reads itself, and a
+child that fails costs only the time. The size bar is lowered so the shipped scenarios
+(real ``fleetd trace`` output) take the forked path."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fleetd.analyze.pernode.preload as preload_mod
+from fleetd.analyze.facade import Analysis
+from fleetd.analyze.pernode.preload import preload
+from fleetd.store.db import open_reader
+
+REPO = Path(__file__).resolve().parents[2]
+SCENARIO = REPO / "tests" / "data" / "scenarios" / "host_sync.db"
+
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                                reason="the forked path needs two CPUs; CI has two")
+
+
+def _analysis(path: Path) -> tuple[sqlite3.Connection, Analysis]:
+    conn = open_reader(path)
+    return conn, Analysis.of(conn)
+
+
+def test_forked_op_statistics_are_those_read_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(preload_mod, "FORK_FROM_EVENTS", 1)
+    conn, forked = _analysis(SCENARIO)
+    conn2, here = _analysis(SCENARIO)
+    try:
+        preload(forked.slices, lambda: open_reader(SCENARIO))
+        preload(here.slices)
+        for a, b in zip(forked.slices, here.slices, strict=True):
+            # The child's answer was taken: this process never read the durations.
+            assert "_op_events" not in a.__dict__ and "_op_events" in b.__dict__
+            assert a.ops == b.ops and a.ops
+            assert a.op_stats(None, False) == b.op_stats(None, False)
+            assert a.threads == b.threads
+    finally:
+        conn.close()
+        conn2.close()
+
+
+def test_a_child_that_fails_leaves_the_reading_here(monkeypatch: pytest.MonkeyPatch,
+                                                    tmp_path: Path) -> None:
+    monkeypatch.setattr(preload_mod, "FORK_FROM_EVENTS", 1)
+    conn, forked = _analysis(SCENARIO)
+    conn2, here = _analysis(SCENARIO)
+    try:
+        # The file cannot be opened again (gone): the child exits 1, nothing is taken.
+        preload(forked.slices, lambda: open_reader(tmp_path / "gone.db"))
+        preload(here.slices)
+        sl = forked.slices[0]
+        assert "_op_events" in sl.__dict__  # read here after all
+        assert sl.ops == here.slices[0].ops
+        assert sl.op_stats(None, False) == here.slices[0].op_stats(None, False)
+    finally:
+        conn.close()
+        conn2.close()
+
+
+def test_a_small_window_is_not_forked() -> None:
+    conn, analysis = _analysis(SCENARIO)
+    try:
+        preload(analysis.slices, lambda: (_ for _ in ()).throw(AssertionError("forked")))
+        assert "_op_events" in analysis.slices[0].__dict__
+    finally:
+        conn.close()
+
+
+def test_explain_forked_prints_what_it_prints_alone(tmp_path: Path) -> None:
+    """Through the command: the size bar lowered in the process itself, the JSON of
+    ``fleetd explain --db`` the same as without the fork."""
+    code = ("import sys, fleetd.analyze.pernode.preload as p; p.FORK_FROM_EVENTS = {bar}; "
+            "from fleetd.cli.main import main; sys.argv = ['fleetd', 'explain', '--db', "
+            f"{str(SCENARIO)!r}, '--format', 'json', '--quiet']; sys.exit(main())")
+
+    def explain(bar: int) -> str:
+        return subprocess.run([sys.executable, "-c", code.format(bar=bar)], check=True,
+                              capture_output=True, text=True, timeout=300).stdout
+
+    assert explain(1) == explain(10**12)
