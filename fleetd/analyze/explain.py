@@ -48,6 +48,7 @@ from fleetd.analyze.causes.chains import (
 from fleetd.analyze.distributed import collectives
 from fleetd.analyze.distributed.stragglers import node_profile as node_profile  # facade, agents
 from fleetd.analyze.pernode.model import NodeSlice
+from fleetd.analyze.pernode.preload import pays
 from fleetd.analyze.reading import pods
 from fleetd.analyze.reading.answers import (
     ChainJson,
@@ -158,6 +159,10 @@ def explain_node(sl: NodeSlice, pid: int | None = None, per_process: bool = Fals
     ops, threads = sl.ops, sl.threads
     view = NodeView(sl.conn, sl.node, sl.window, sl.tasks, sl.names, sl.sums, sl.stack_rows)
     ctx = rules.Context(view, sl.span, ops, threads, sl.parents, rules.page_hists(sl.conn, view))
+    if sl.calls_ahead is not None:  # the rules' walk of the span, read by preload's child
+        view.await_calls(sl.calls_ahead)
+    elif sl.reopen is not None and pays(sl):
+        rules.prefetch(ctx, sl.reopen)  # that walk beside the spikes, in a thread
     chains = _spike_chains(ctx, ops, threads)
     rules.refine_dataloader(ctx, chains)
     chains += rules.dataloader_rule(ctx, chains)

@@ -1,6 +1,7 @@
 """explain's first reads on two CPUs (fleetd.analyze.pernode.preload): the op statistics
-read by a forked child on its own connection are those the process reads itself, and a
-child that fails costs only the time. The size bar is lowered so the shipped scenarios
+and the rules' walk of the span read by a forked child on its own connection (or the
+walk by a thread) are those the process reads itself, and a child that fails costs
+only the time. The size bar is lowered so the shipped scenarios
 (real ``fleetd trace`` output) take the forked path."""
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from pathlib import Path
 import pytest
 
 import fleetd.analyze.pernode.preload as preload_mod
+from fleetd.analyze.causes.rules import dense_plan
 from fleetd.analyze.facade import Analysis
 from fleetd.analyze.pernode.preload import preload
+from fleetd.analyze.reading.nodeview import NodeView
+from fleetd.analyze.reading.spanreads import SpanRow
 from fleetd.store.db import open_reader
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,3 +91,77 @@ def test_explain_forked_prints_what_it_prints_alone(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=300).stdout
 
     assert explain(1) == explain(10**12)
+
+
+def _view(analysis: Analysis) -> tuple[NodeView, tuple[list[tuple[int, ...]], int, int,
+                                                        list[int]]]:
+    sl = analysis.slices[0]
+    return (NodeView(sl.conn, sl.node, sl.window, sl.tasks, sl.names, sl.sums,
+                     sl.stack_rows), dense_plan(sl.span, sl.sums))
+
+
+def _dense(view: NodeView, plan: tuple[list[tuple[int, ...]], int, int, list[int]]
+           ) -> tuple[list[dict[int, list[SpanRow]]], object]:
+    """The rules' walk as the rules ask for it: each op set's calls per process, and
+    the sleepers' sleep rows."""
+    sets, t0, t1, tids = plan
+    calls = [dict(view.calls_by_pid(ops, t0, t1, tuple(sets), tids)) for ops in sets]
+    return calls, view.sleep_rows(tids, t0, t1)
+
+
+def test_the_rules_walk_read_by_the_child_is_the_one_read_here(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(preload_mod, "FORK_FROM_EVENTS", 1)
+    conn, forked = _analysis(SCENARIO)
+    conn2, here = _analysis(SCENARIO)
+    try:
+        preload(forked.slices, lambda: open_reader(SCENARIO))
+        sl = forked.slices[0]
+        assert sl.calls_ahead is not None  # host_sync's process calls CUDA
+        view, plan = _view(forked)
+        view.await_calls(sl.calls_ahead)
+        statements: list[str] = []
+        conn.set_trace_callback(statements.append)
+        got = _dense(view, plan)
+        conn.set_trace_callback(None)
+        assert not [s for s in statements if "event_data" in s]  # nothing read again
+        want = _dense(*_view(here))
+        assert got == want and any(got[0])
+    finally:
+        conn.close()
+        conn2.close()
+
+
+def test_a_child_that_fails_after_the_op_statistics_leaves_the_walk_here(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(preload_mod, "FORK_FROM_EVENTS", 1)
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("the child fails in its second part")
+
+    monkeypatch.setattr(preload_mod, "dense_plan", broken)  # inherited by the child
+    conn, forked = _analysis(SCENARIO)
+    conn2, here = _analysis(SCENARIO)
+    try:
+        preload(forked.slices, lambda: open_reader(SCENARIO))
+        sl = forked.slices[0]
+        assert "_op_events" not in sl.__dict__  # the first part was taken
+        assert sl.calls_ahead is not None
+        view, plan = _view(forked)
+        view.await_calls(sl.calls_ahead)
+        assert _dense(view, plan) == _dense(*_view(here))
+    finally:
+        conn.close()
+        conn2.close()
+
+
+def test_the_rules_walk_read_in_a_thread_is_the_one_read_here() -> None:
+    conn, analysis = _analysis(SCENARIO)
+    try:
+        view, plan = _view(analysis)
+        sets, t0, t1, tids = plan
+        view.prefetch_calls(lambda: open_reader(SCENARIO), sets[0], t0, t1, tuple(sets),
+                            tids)
+        assert _dense(view, plan) == _dense(*_view(analysis))
+    finally:
+        conn.close()

@@ -39,8 +39,8 @@ from fleetd.analyze.causes.rules import Context, rule_chain
 from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, RankedCulprit
 from fleetd.analyze.reading.data import code, in_list, job_peers
 from fleetd.analyze.reading.frames import top_python_frame
-from fleetd.analyze.reading.nodeview import SLEEP_RETS, SpanRow
 from fleetd.analyze.reading.rows import ThreadRow
+from fleetd.analyze.reading.spanreads import SLEEP_RETS, SpanRow
 from fleetd.analyze.reading.waits import reason
 from fleetd.store.timeparse import format_ns
 
@@ -107,7 +107,7 @@ def _read_sleeps(ctx: Context, tids: list[int]) -> dict[int, list[Sleep]]:
 
 def _matched(offs: list[SpanRow], wakes: list[SpanRow], tails: list[SpanRow]) -> list[Sleep]:
     """Each off-CPU sleep with the first wakeup and run-queue tail inside it (all three
-    in time order: one pass over each). Rows of nodeview.SPAN_COLS: id, ts_ns, dur_ns,
+    in time order: one pass over each). Rows of spanreads.SPAN_COLS: id, ts_ns, dur_ns,
     pid, tid, op, a0, bytes, peer, stack, ret."""
     out = []
     w = q = 0

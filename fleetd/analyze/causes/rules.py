@@ -28,6 +28,7 @@ import heapq
 import logging
 import sqlite3
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -44,6 +45,7 @@ from fleetd.analyze.reading.answers_chain import ChainDetail, EvidenceItem, Rank
 from fleetd.analyze.reading.cgroup_samples import PLACE_KEYS
 from fleetd.analyze.reading.data import (
     ALLOC_OPS,
+    CALL_CODES,
     CAPTURE_OPS,
     LAUNCH_OPS,
     SYNC_OPS,
@@ -53,8 +55,9 @@ from fleetd.analyze.reading.data import (
     in_list,
     name_of,
 )
-from fleetd.analyze.reading.nodeview import CallRow
 from fleetd.analyze.reading.rows import CgroupPlace, OpRow, ThreadRow
+from fleetd.analyze.reading.spanreads import CallRow
+from fleetd.analyze.reading.sums import Sum
 from fleetd.store.catalog import READBACKS
 from fleetd.store.timeparse import format_ns
 
@@ -365,7 +368,7 @@ def alloc_churn_rule(ctx: Context) -> list[Chain]:
     return out
 
 
-AllocRows = list[CallRow]  # nodeview.SPAN_COLS (id, ts_ns, dur_ns, pid, tid, op...), by time
+AllocRows = list[CallRow]  # spanreads.SPAN_COLS (id, ts_ns, dur_ns, pid, tid, op...), by time
 # The dense ops the rules read per process, read together (one walk of the span).
 READBACK_CODES = (code("cudaMemcpy"), code("cuMemcpyDtoH_v2"))
 ALLOC_CODES = tuple(sorted(code(o) for o in ALLOC_OPS))
@@ -381,15 +384,37 @@ def _first_launch(ctx: Context, pid: int) -> int | None:
 
 def _span_calls(ctx: Context, pid: int, ops: tuple[int, ...]) -> list[CallRow]:
     """The process's stored events of ``ops`` in the span, in time order (rows of
-    nodeview.SPAN_COLS: id, ts_ns, dur_ns, pid, tid, op, a0, bytes...): read once for
+    spanreads.SPAN_COLS: id, ts_ns, dur_ns, pid, tid, op, a0, bytes...): read once for
     every process (NodeView.calls_by_pid), the dense op sets of the rules together, and
     with them the feeding threads' sleeps (the wait and pipe rules': one walk of the
     span)."""
     if ops not in _DENSE_READS:
         return ctx.view.calls_by_pid(ops, ctx.span[0], ctx.span[1] + 1).get(pid, [])
-    sleepers = sorted({int(main["tid"]) for _, main in ctx.feeders()})
     return ctx.view.calls_by_pid(ops, ctx.span[0], ctx.span[1] + 1, _DENSE_READS,
-                                 sleepers).get(pid, [])
+                                 _sleepers(ctx)).get(pid, [])
+
+
+def _sleepers(ctx: Context) -> list[int]:
+    return sorted({int(main["tid"]) for _, main in ctx.feeders()})
+
+
+def dense_plan(span: tuple[int, int], sums: list[Sum]
+               ) -> tuple[list[tuple[int, ...]], int, int, list[int]]:
+    """The rules' one walk of the span (:func:`_span_calls`) as another process can
+    make it before the breakdown exists: the dense op sets, the span, and the sleeps of
+    every thread with a stored CUDA call (the feeders, the threads with the most CUDA
+    time, are among them; NodeView.sleep_rows takes a read of more threads)."""
+    tids = sorted({s.tid for s in sums if s.op in CALL_CODES})
+    return list(_DENSE_READS), span[0], span[1] + 1, tids
+
+
+def prefetch(ctx: Context, reopen: Callable[[], sqlite3.Connection]) -> None:
+    """Start the rules' one walk of the span (:func:`_span_calls`' dense calls and the
+    feeders' sleeps) in a thread on another connection (``reopen``), while the spike
+    chains are found: the allocation rule reads it for every process that calls CUDA."""
+    if ctx.gpu_pids():
+        ctx.view.prefetch_calls(reopen, _DENSE_READS[0], ctx.span[0], ctx.span[1] + 1,
+                                _DENSE_READS, _sleepers(ctx))
 
 
 def _alloc_calls(ctx: Context, pid: int, t0: int, t1: int | None) -> AllocRows:

@@ -10,6 +10,7 @@ profile, overview, graphs and stacks over the same slice read each of them once.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from functools import cached_property
 
 from fleetd.analyze.pernode.breakdown import process_rows, thread_breakdown
@@ -17,6 +18,7 @@ from fleetd.analyze.pernode.opstats import Loaded, load_op_stats, node_kernel_st
 from fleetd.analyze.reading.data import Node, comms, effective_span, tasks
 from fleetd.analyze.reading.profile import StackRow, stack_rows
 from fleetd.analyze.reading.rows import KernelOpRow, OpRow, ProcessRow, ThreadRow
+from fleetd.analyze.reading.spanreads import CallsRead
 from fleetd.analyze.reading.sums import Sum, event_sums
 from fleetd.analyze.reading.window import Window
 from fleetd.store.summaries import SecRun, summed_runs
@@ -30,6 +32,11 @@ class NodeSlice:
         self.node = node
         self.window = window
         self._summed_ops: list[OpRow] | None = None  # op_stats(None, False), read elsewhere
+        # Opens the same file again (fleetd.analyze.pernode.preload): where set, reads
+        # that pay for it run beside others on a connection of their own.
+        self.reopen: Callable[[], sqlite3.Connection] | None = None
+        # The rules' walk of the span, read by that child (NodeView.await_calls).
+        self.calls_ahead: Callable[[], CallsRead | None] | None = None
 
     @property
     def name(self) -> str:

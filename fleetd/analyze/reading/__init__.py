@@ -1,5 +1,6 @@
 """What every analyzer reads: the window (``window``), one node's slice of a
-database (``data``, ``nodeview``; its timed events summed per thread, op and wait in
+database (``data``, ``nodeview``, the rules' walks of a span in ``spanreads``; its timed
+events summed per thread, op and wait in
 ``sums``), per-cgroup samples (``cgroup_samples``), where each
 process ran (``pods``), why a thread slept (``waits``), on-CPU samples folded into stacks
 (``profile``), stack frames as text (``frames``) and the answers' shapes (``answers``,

@@ -13,17 +13,24 @@ import bisect
 import heapq
 import sqlite3
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
-from operator import itemgetter
 
 import orjson
 
 from fleetd.analyze.reading.answers_chain import Task
 from fleetd.analyze.reading.data import CALL_CODES, Node, code, in_list
 from fleetd.analyze.reading.profile import StackCount, StackRow, counts_of, stack_rows
+from fleetd.analyze.reading.spanreads import SLEEP_RETS as SLEEP_RETS
+from fleetd.analyze.reading.spanreads import SPAN_COLS as SPAN_COLS
+from fleetd.analyze.reading.spanreads import (
+    CallRow,
+    CallsRead,
+    SpanReads,
+    SpanRow,
+    op_range,
+)
 from fleetd.analyze.reading.sums import TIMED_CODES, Sum
-from fleetd.analyze.reading.waits import OUTPUT_RETS, rets_of
 from fleetd.analyze.reading.window import Window
 from fleetd.store.sparse import sparse_only
 
@@ -87,54 +94,6 @@ _WAIT_OPS = (OFF_CPU, RUNQ)
 EvRow = tuple[int, int, int, int, int, int, int, int, int, int, int]  # Ev's fields
 
 
-def op_range(codes: Iterable[int]) -> str:
-    """``op >= lo AND op <= hi`` around ``codes``: true of every row a read of them
-    wants, and put first it turns most other rows away at one comparison each (an
-    ``IN`` list or a chain of ``OR`` terms costs a walk of the window up to 70% more).
-    Never written ``BETWEEN``: ``op BETWEEN 200 AND 299`` is a term of the sparse
-    index's condition, and SQLite would then read by that index, in another order."""
-    wanted = [int(c) for c in codes]
-    return f"op >= {min(wanted)} AND op <= {max(wanted)}"
-
-
-# The sleeps the wait and pipe rules read: for a lock, for input, in a write. The rest
-# (most are timers a loop sets) stay in the file.
-SLEEP_RETS = rets_of("lock", "data") | OUTPUT_RETS
-_SLEEP_OPS = (OFF_CPU, RUNQ, WAKEUP)
-# The columns of the span's reads, calls and sleeps alike (a SpanRow).
-SPAN_COLS = ("id", "ts_ns", "dur_ns", "pid", "tid", "op", "a0", "bytes", "peer", "stack",
-             "ret")
-_SPAN_COLS = ", ".join(SPAN_COLS)
-SpanRow = tuple[int, int, int, int, int, int, int, int, int, int, int]
-CallRow = SpanRow  # a call of NodeView.calls_by_pid: as read, no tuple of its own per row
-
-
-def _sleeps_sql(tids: Iterable[int]) -> str:
-    """The rows of :meth:`NodeView.sleep_rows` of ``tids``."""
-    return (f"{op_range(_SLEEP_OPS)} AND tid IN {in_list(sorted(tids))} AND (op IN "
-            f"({WAKEUP}, {RUNQ}) OR (op = {OFF_CPU} AND a0 & 255 != 0 AND a0 & 2 = 0 AND "
-            f"ret IN {in_list(sorted(SLEEP_RETS))}))")
-
-
-@dataclass(slots=True)
-class _SleepRows:
-    """Sleep, wakeup and run-queue rows of some threads (``tids``), per op and thread."""
-
-    tids: frozenset[int]
-    rows: dict[int, dict[int, list[SpanRow]]]
-
-    def __init__(self, tids: Iterable[int]) -> None:
-        self.tids = frozenset(tids)
-        self.rows = {op: defaultdict(list) for op in _SLEEP_OPS}
-
-    def add(self, row: SpanRow) -> None:
-        self.rows[row[5]][row[4]].append(row)
-
-    def sorted(self) -> _SleepRows:
-        for by_tid in self.rows.values():
-            for rows in by_tid.values():
-                rows.sort(key=itemgetter(1))  # stable: equal times in the file's order
-        return self
 
 
 def _has_sparse_index(conn: sqlite3.Connection) -> bool:
@@ -204,8 +163,7 @@ class NodeView:
         # Read when a spike first asks (many windows have no D-state spike to explain):
         # every request and their starts, or None and [] (read per call), and the longest.
         self._blocks: tuple[list[Ev] | None, list[int], int] | None = None
-        self._by_pid: dict[tuple[tuple[int, ...], int, int], dict[int, list[CallRow]]] = {}
-        self._sleeps: dict[tuple[int, int], _SleepRows] = {}  # per span: calls_by_pid's
+        self._spans = SpanReads(conn, node)  # the rules' walks of a span
         self._firsts: dict[tuple[str, tuple[int, ...], int, int], dict[int, int]] = {}
         self._stacks = stacks
         self._switched: dict[int, tuple[dict[int, int], dict[int, int]]] = {}
@@ -293,7 +251,8 @@ class NodeView:
         """:meth:`longest_calls` from :meth:`calls_by_pid`'s rows of the same span that
         hold these ops (every call of them), where it read them; None otherwise."""
         wanted = set(codes)
-        for (ops, a, b), by_pid in self._by_pid.items():
+        # A snapshot: a walk read ahead in a thread may be adding its sets meanwhile.
+        for (ops, a, b), by_pid in list(self._spans.by_pid.items()):
             if (a, b) == (t0, t1) and wanted <= set(ops):
                 rows = [r for r in by_pid.get(pid, []) if r[5] in wanted]
                 # Equal ones in the order of the walk (by id), as in _longest_slow.
@@ -360,69 +319,30 @@ class NodeView:
     def calls_by_pid(self, ops: tuple[int, ...], t0: int, t1: int,
                      together: tuple[tuple[int, ...], ...] = (),
                      sleepers: Collection[int] = ()) -> dict[int, list[CallRow]]:
-        """Per process: its stored events of ``ops`` in [t0, t1) as rows of
-        :data:`SPAN_COLS`, in time order. Read once per (ops, span) for every process
-        the rules ask about (a query per process scanned the whole span each time), and
-        in the same read the other op sets of ``together`` not read yet (each kept for
-        its own call) and the sleeps of ``sleepers`` (:meth:`sleep_rows`): one walk of
-        the span for them all."""
-        key = (ops, t0, t1)
-        if key not in self._by_pid:
-            sets = [ops, *(o for o in together if o != ops and (o, t0, t1) not in self._by_pid)]
-            # A scheduler op among the calls would be both: those are read apart.
-            apart = (t0, t1) in self._sleeps or any(set(o) & set(_SLEEP_OPS) for o in sets)
-            self._read_calls(sets, t0, t1, () if apart else sleepers)
-        return self._by_pid[key]
-
-    def _read_calls(self, sets: list[tuple[int, ...]], t0: int, t1: int,
-                    sleepers: Collection[int]) -> None:
-        into: dict[int, list[dict[int, list[CallRow]]]] = defaultdict(list)
-        for ops in sets:
-            found: dict[int, list[CallRow]] = defaultdict(list)
-            self._by_pid[(ops, t0, t1)] = found
-            for op in ops:
-                into[op].append(found)
-        codes = sorted(into)
-        cond = f"{op_range(codes)} AND op IN {in_list(codes)}{sparse_only(codes)}"
-        if sleepers:
-            cond = f"({cond}) OR ({_sleeps_sql(sleepers)})"
-        slept = _SleepRows(sleepers)
-        by_op = slept.rows
-        # Each row kept as SQLite gives it (no tuple of its own: there are millions).
-        for row in self.conn.execute(
-                f"SELECT {_SPAN_COLS} FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND id "
-                f"BETWEEN ? AND ? AND ({cond})", (t0, t1, self.node.lo, self.node.hi)):
-            calls = into.get(row[5])
-            if calls is None:
-                by_op[row[5]][row[4]].append(row)  # a sleep
-                continue
-            for found in calls:
-                found[row[3]].append(row)
-        # Sorted here, stable (equal times keep the file's order, as ORDER BY did): the
-        # rows come nearly in time order, which Python sorts in one run.
-        for ops in sets:
-            for rows in self._by_pid[(ops, t0, t1)].values():
-                rows.sort(key=itemgetter(1))
-        if sleepers:
-            self._sleeps[(t0, t1)] = slept.sorted()
+        """Per process: its stored events of ``ops`` in [t0, t1), read once with the op
+        sets of ``together`` and the sleeps of ``sleepers`` (SpanReads.calls_by_pid)."""
+        return self._spans.calls_by_pid(ops, t0, t1, together, sleepers)
 
     def sleep_rows(self, tids: Collection[int], t0: int, t1: int
                    ) -> dict[int, tuple[list[SpanRow], list[SpanRow], list[SpanRow]]]:
-        """Per thread of ``tids``: its sleeps the rules read (S state, in a syscall of
-        :data:`SLEEP_RETS`), its wakeups and its run-queue records in [t0, t1), each in
-        time order, rows of :data:`SPAN_COLS`. From :meth:`calls_by_pid`'s read where it
-        read them for these threads, else one read for all of them."""
-        found = self._sleeps.get((t0, t1))
-        if found is None or not set(tids) <= found.tids:
-            found = _SleepRows(tids)
-            for row in self.conn.execute(
-                    f"SELECT {_SPAN_COLS} FROM event_data WHERE ts_ns >= ? AND ts_ns < ? AND "
-                    f"id BETWEEN ? AND ? AND {_sleeps_sql(tids)}",
-                    (t0, t1, self.node.lo, self.node.hi)):
-                found.add(row)
-            found = found.sorted()
-        return {t: (found.rows[OFF_CPU].get(t, []), found.rows[WAKEUP].get(t, []),
-                    found.rows[RUNQ].get(t, [])) for t in tids}
+        """Per thread: its sleeps, wakeups and run-queue records the rules read
+        (SpanReads.sleep_rows)."""
+        return self._spans.sleep_rows(tids, t0, t1)
+
+    def prefetch_calls(self, reopen: Callable[[], sqlite3.Connection], ops: tuple[int, ...],
+                       t0: int, t1: int, together: tuple[tuple[int, ...], ...] = (),
+                       sleepers: Collection[int] = ()) -> None:
+        """:meth:`calls_by_pid`'s walk started in a thread (SpanReads.prefetch_calls)."""
+        self._spans.prefetch_calls(reopen, ops, t0, t1, together, sleepers)
+
+    def calls_read(self, sets: list[tuple[int, ...]], t0: int, t1: int,
+                   sleepers: Collection[int]) -> CallsRead:
+        """That walk as plain values, for another process (SpanReads.calls_read)."""
+        return self._spans.calls_read(sets, t0, t1, sleepers)
+
+    def await_calls(self, fetch: Callable[[], CallsRead | None]) -> None:
+        """That walk read elsewhere, taken when first asked for (SpanReads.await_calls)."""
+        self._spans.await_calls(fetch)
 
     def first_of(self, ops: tuple[int, ...], t0: int, t1: int) -> dict[int, int]:
         """Per process: when its first stored event of ``ops`` in [t0, t1) started."""
