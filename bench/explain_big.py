@@ -15,8 +15,10 @@ in its idle time (fleetd.store.summaries; its CPU time is printed). The file is 
 under $FLEETD_CACHE_DIR (else build/) keyed by :data:`GENERATOR` so a second run reuses it.
 
 Last line: BENCH explain_big events=N explain_s=S explain_cpu_s=C build_s=B
-ratio_to_goal=S/15 (wall seconds; C is explain's user + system CPU, which other work on
-the machine does not inflate; build_s is 0.0 when the cached file was used,
+ratio_to_goal=S/15 baseline_s=B0 speedup=B0/S (wall seconds; B0 is the same explain of
+the file without its summaries on one CPU, measured in the same run; C is explain's user
++ system CPU, which other work on the machine does not inflate; build_s is 0.0 when the
+cached file was used,
 BENCH_REBUILD=1 builds it again; the default is a one-minute file, BENCH_SPAN_S=600 the
 ten-minute one).
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -160,10 +163,13 @@ def _session(conn: sqlite3.Connection, key: int, copies: int) -> None:
         (key, T0, end, offset, f"[[{10**13}, {offset}, 500000]]"))
 
 
-def time_explain(path: Path) -> tuple[float, float, str]:
+def time_explain(path: Path, pin: bool = False) -> tuple[float, float, str]:
     """Seconds ``fleetd explain --db`` takes (its own process), wall and CPU (user +
-    system: what a loaded machine does not inflate), and its verdict line."""
+    system: what a loaded machine does not inflate), and its verdict line; ``pin``:
+    on one CPU (taskset)."""
     cmd = [str(ROOT / ".venv" / "bin" / "fleetd"), "-q", "explain", "--db", str(path)]
+    if pin:
+        cmd = ["taskset", "-c", str(min(os.sched_getaffinity(0))), *cmd]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=False)
@@ -187,9 +193,30 @@ def main() -> None:
         events = int(conn.execute("SELECT count(*) FROM event_data").fetchone()[0])
     explain_s, cpu_s, verdict = time_explain(path)
     print(f"file {path} ({path.stat().st_size / 1e6:.0f} MB); explain says: {verdict}")
+    base_s, base_cpu, base_verdict = baseline(path)
+    print(f"baseline (no summaries, one CPU): {base_s:.1f} s, {base_cpu:.1f} CPU s")
+    if base_verdict != verdict:
+        sys.exit(f"the baseline's answer differs: {base_verdict!r}")
     print(f"BENCH explain_big events={events} explain_s={explain_s:.1f} "
           f"explain_cpu_s={cpu_s:.1f} build_s={build_s:.1f} "
-          f"ratio_to_goal={explain_s / GOAL_S:.2f}")
+          f"ratio_to_goal={explain_s / GOAL_S:.2f} baseline_s={base_s:.1f} "
+          f"speedup={base_s / explain_s:.2f}")
+
+
+def baseline(path: Path) -> tuple[float, float, str]:
+    """The same explain as a file without per-second summaries gets (one written before
+    schema 9, a merge, an import) on one CPU: a copy with its summaries deleted, run
+    under taskset. Measured in the same run, so the speedup is not a load's artefact."""
+    copy = path.with_name(path.stem + ".nosums.db")
+    try:
+        shutil.copyfile(path, copy)
+        with sqlite3.connect(copy) as conn:
+            conn.execute("DELETE FROM second_sums")
+            conn.execute("DELETE FROM second_cover")
+        return time_explain(copy, pin=True)
+    finally:
+        for leftover in (copy, Path(f"{copy}-wal"), Path(f"{copy}-shm")):
+            leftover.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
