@@ -33,7 +33,9 @@ log = logging.getLogger("fleetd.store.summaries")
 
 SEC_NS = 1_000_000_000
 LAG_S = 30  # seconds behind the newest stored event before a second is summed
-STEP_S = 5  # seconds summed per idle step: one short transaction between batches
+STEP_S = 5  # seconds summed per idle step at most: one short transaction between batches
+STEP_ROWS = 50_000  # and events (but one second whole): a step under a flood (125,000
+# events/s: five seconds took over 1 s) holds the writer back while its queue fills
 CHECK_S = 60  # seconds whose count a reader checks in one statement (a changed block
 # is checked again second by second)
 
@@ -175,8 +177,9 @@ class Summarizer:
         self.newest_sec = top if self.newest_sec is None else max(self.newest_sec, top)
 
     def step(self, lag_s: int = LAG_S) -> bool:
-        """Sum the next seconds due (at most :data:`STEP_S`, from the next one holding an
-        event: an idle stretch costs one seek) in one transaction; whether it did."""
+        """Sum the next seconds due (at most :data:`STEP_S` and :data:`STEP_ROWS`, from
+        the next one holding an event: an idle stretch costs one seek) in one
+        transaction; whether it did."""
         if self.next_sec is None or self.newest_sec is None:
             return False
         at = _first_from(self.conn, self.node, self.next_sec * SEC_NS)
@@ -187,6 +190,7 @@ class Summarizer:
         self.next_sec = first
         if last < first:
             return False
+        last = self._within_rows(first, last)
         conn = self.conn
         conn.execute("BEGIN")
         try:
@@ -198,6 +202,19 @@ class Summarizer:
             raise
         self.next_sec = last + 1
         return True
+
+    def _within_rows(self, first: int, last: int) -> int:
+        """The last of seconds [first, last] to sum in one step: while they hold at
+        most :data:`STEP_ROWS` events (counted in the time index), the first always."""
+        total = 0
+        for sec in range(first, last + 1):
+            total += self.conn.execute(
+                f"SELECT count(*) FROM event_data WHERE {SPAN_WHERE}",
+                (sec * SEC_NS, (sec + 1) * SEC_NS, self.node << 40,
+                 ((self.node + 1) << 40) - 1)).fetchone()[0]
+            if total > STEP_ROWS and sec > first:
+                return sec - 1
+        return last
 
     def finish(self) -> None:
         """Sum every second stored so far (the writer is closing)."""

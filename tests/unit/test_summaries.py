@@ -226,3 +226,32 @@ def test_explain_of_a_summed_recording_is_that_of_its_events(tmp_path: Path) -> 
         return done.stdout
 
     assert explain(db) == explain(src)
+
+
+def test_a_step_holds_at_most_its_rows_but_one_second_whole(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """Under a flood five seconds were over a million events: a step that long held the
+    writer back while its queue filled. A step stops at STEP_ROWS events, yet always
+    sums its first second whole."""
+    import fleetd.store.summaries as summaries
+
+    db = _record(tmp_path / "w.db", seconds=6)  # 250 events a second
+    conn = open_writer(db)
+    try:
+        conn.execute("DELETE FROM second_sums")
+        conn.execute("DELETE FROM second_cover")
+        monkeypatch.setattr(summaries, "STEP_ROWS", 600)
+        s = summaries.Summarizer(conn, 1, backfill=True)
+        first = s.next_sec
+        assert s.step(lag_s=0)
+        assert [r[0] for r in conn.execute("SELECT sec FROM second_cover ORDER BY sec")] == [
+            first, first + 1]  # 2 x 250 fit in 600, a third would not
+        monkeypatch.setattr(summaries, "STEP_ROWS", 10)
+        assert s.step(lag_s=0)
+        assert conn.execute("SELECT max(sec) FROM second_cover").fetchone()[0] == first + 2
+        s.finish()
+        win = _windows()[0]
+        assert _both(conn, win)[0] == _both(conn, win)[1]
+    finally:
+        conn.close()
