@@ -18,7 +18,6 @@ from typing import Any, Literal, TypedDict
 
 from fleetd.store.catalog import OPS, SOURCES
 from fleetd.store.sparse import SPARSE_INDEX_SQL
-from fleetd.store.summaries import SUMMARY_SQL
 
 APPLICATION_ID = 0x666C7464  # "fltd": tells our files from any other SQLite file
 SCHEMA_VERSION = 9
@@ -523,7 +522,34 @@ _V8 = SPARSE_INDEX_SQL
 # Version 9: second_sums and second_cover, per-second sums of each node's timed events
 # that the writer makes in its idle time and explain's grouped read uses for the whole
 # seconds still true of the file (fleetd.store.summaries, docs/performance.md).
-_V9 = SUMMARY_SQL
+_V9 = """
+CREATE TABLE second_cover (
+    node     INTEGER NOT NULL,
+    sec      INTEGER NOT NULL,               -- ts_ns // 1e9
+    n        INTEGER NOT NULL,               -- the node's events starting in it, when summed
+    top_id   INTEGER NOT NULL,               -- the largest of their ids
+    first_ns INTEGER NOT NULL,               -- the earliest start
+    end_ns   INTEGER NOT NULL,               -- the latest ts_ns + dur_ns
+    PRIMARY KEY (node, sec)
+) WITHOUT ROWID;
+CREATE TABLE second_sums (
+    node     INTEGER NOT NULL,
+    sec      INTEGER NOT NULL,
+    tid      INTEGER NOT NULL,
+    pid      INTEGER NOT NULL,
+    op       INTEGER NOT NULL,
+    state    INTEGER NOT NULL,               -- a0 & 255 of off_cpu and runq_wait, else 0
+    wret     INTEGER NOT NULL,               -- ret of off_cpu and runq_wait, else 0
+    n        INTEGER NOT NULL,
+    total    INTEGER NOT NULL,               -- sum of dur_ns
+    top      INTEGER NOT NULL,               -- the largest dur_ns
+    failed   INTEGER NOT NULL,               -- of them with an error
+    nbytes   INTEGER NOT NULL,               -- a reclaim run's bytes, summed
+    first_ns INTEGER NOT NULL,
+    end_ns   INTEGER NOT NULL,
+    PRIMARY KEY (node, sec, tid, pid, op, state, wret)
+) WITHOUT ROWID;
+"""
 
 # Index i holds the SQL that takes a database from version i to i + 1.
 MIGRATIONS: tuple[str, ...] = (_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9)

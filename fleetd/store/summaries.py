@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from fleetd.store.catalog import BY_CODE, RECLAIM_RUNS, TIMED, op_code
+from fleetd.store.schema import SEQ_BITS
 
 log = logging.getLogger("fleetd.store.summaries")
 
@@ -67,37 +68,12 @@ SUMMED_TOTALS_SQL = ("sum(n), sum(total), max(top), sum(failed), sum(nbytes), mi
                      "max(end_ns)")
 TIMED_SQL = f"op IN {codes_sql(TIMED_CODES)}"
 
-# Schema version 9 (fleetd.store.schema).
-SUMMARY_SQL = """
-CREATE TABLE second_cover (
-    node     INTEGER NOT NULL,
-    sec      INTEGER NOT NULL,               -- ts_ns // 1e9
-    n        INTEGER NOT NULL,               -- the node's events starting in it, when summed
-    top_id   INTEGER NOT NULL,               -- the largest of their ids
-    first_ns INTEGER NOT NULL,               -- the earliest start
-    end_ns   INTEGER NOT NULL,               -- the latest ts_ns + dur_ns
-    PRIMARY KEY (node, sec)
-) WITHOUT ROWID;
-CREATE TABLE second_sums (
-    node     INTEGER NOT NULL,
-    sec      INTEGER NOT NULL,
-    tid      INTEGER NOT NULL,
-    pid      INTEGER NOT NULL,
-    op       INTEGER NOT NULL,
-    state    INTEGER NOT NULL,               -- a0 & 255 of off_cpu and runq_wait, else 0
-    wret     INTEGER NOT NULL,               -- ret of off_cpu and runq_wait, else 0
-    n        INTEGER NOT NULL,
-    total    INTEGER NOT NULL,               -- sum of dur_ns
-    top      INTEGER NOT NULL,               -- the largest dur_ns
-    failed   INTEGER NOT NULL,               -- of them with an error
-    nbytes   INTEGER NOT NULL,               -- a reclaim run's bytes, summed
-    first_ns INTEGER NOT NULL,
-    end_ns   INTEGER NOT NULL,
-    PRIMARY KEY (node, sec, tid, pid, op, state, wret)
-) WITHOUT ROWID;
-"""
-
 SecRun = tuple[int, int]  # whole seconds [first, last], both summed and still true
+
+
+def node_ids(node: int) -> tuple[int, int]:
+    """The event ids node key ``node`` can hold, [lo, hi]."""
+    return node << SEQ_BITS, ((node + 1) << SEQ_BITS) - 1
 
 
 def has_summaries(conn: sqlite3.Connection, schema: str = "main") -> bool:
@@ -114,22 +90,20 @@ SPAN_WHERE = "ts_ns >= ? AND ts_ns < ? AND +id BETWEEN ? AND ?"
 def summarize(conn: sqlite3.Connection, node: int, first: int, last: int) -> None:
     """Sum seconds [first, last] of node key ``node`` as the file holds them now, in the
     caller's transaction (replacing what was summed of them before)."""
-    lo_id, hi_id = node << 40, ((node + 1) << 40) - 1
-    where = SPAN_WHERE
-    params = (node, first * SEC_NS, (last + 1) * SEC_NS, lo_id, hi_id)
+    params = (node, first * SEC_NS, (last + 1) * SEC_NS, *node_ids(node))
     for table in ("second_sums", "second_cover"):
         conn.execute(f"DELETE FROM {table} WHERE node = ? AND sec BETWEEN ? AND ?",
                      (node, first, last))
     conn.execute(
         "INSERT INTO second_sums(node, sec, tid, pid, op, state, wret, n, total, top, "
         "failed, nbytes, first_ns, end_ns) "
-        f"SELECT ?1, ts_ns / {SEC_NS}, tid, pid, op, {STATE_SQL}, CASE WHEN {_WAITS} THEN "
-        f"ret ELSE 0 END, {TOTALS_SQL} FROM event_data WHERE ts_ns >= ?2 AND ts_ns < ?3 AND "
-        f"+id BETWEEN ?4 AND ?5 AND {TIMED_SQL} GROUP BY 2, 3, 4, 5, 6, 7", params)
+        f"SELECT ?, ts_ns / {SEC_NS}, tid, pid, op, {STATE_SQL}, CASE WHEN {_WAITS} THEN "
+        f"ret ELSE 0 END, {TOTALS_SQL} FROM event_data WHERE {SPAN_WHERE} AND {TIMED_SQL} "
+        "GROUP BY 2, 3, 4, 5, 6, 7", params)
     conn.execute(
         "INSERT INTO second_cover(node, sec, n, top_id, first_ns, end_ns) "
         f"SELECT ?, ts_ns / {SEC_NS}, count(*), max(id), min(ts_ns), max(ts_ns + dur_ns) "
-        f"FROM event_data WHERE {where} GROUP BY 2", params)
+        f"FROM event_data WHERE {SPAN_WHERE} GROUP BY 2", params)
 
 
 def forget_before(conn: sqlite3.Connection, node: int, oldest_ns: int) -> None:
@@ -210,8 +184,7 @@ class Summarizer:
         for sec in range(first, last + 1):
             total += self.conn.execute(
                 f"SELECT count(*) FROM event_data WHERE {SPAN_WHERE}",
-                (sec * SEC_NS, (sec + 1) * SEC_NS, self.node << 40,
-                 ((self.node + 1) << 40) - 1)).fetchone()[0]
+                (sec * SEC_NS, (sec + 1) * SEC_NS, *node_ids(self.node))).fetchone()[0]
             if total > STEP_ROWS and sec > first:
                 return sec - 1
         return last
@@ -247,8 +220,7 @@ class Summarizer:
 def _first_from(conn: sqlite3.Connection, node: int, ts_ns: int) -> int | None:
     """The start of the node's first event at or after ``ts_ns``: one seek."""
     row = conn.execute(f"SELECT ts_ns FROM event_data WHERE {SPAN_WHERE} ORDER BY ts_ns "
-                       "LIMIT 1", (ts_ns, 1 << 62, node << 40, ((node + 1) << 40) - 1)
-                       ).fetchone()
+                       "LIMIT 1", (ts_ns, 1 << 62, *node_ids(node))).fetchone()
     return None if row is None else int(row[0])
 
 
@@ -257,8 +229,7 @@ def edge_ts(conn: sqlite3.Connection, node: int, order: str) -> int | None:
     (with ``id BETWEEN`` SQLite walks the node's every event; both ends in one statement
     walk the index whole)."""
     row = conn.execute(f"SELECT ts_ns FROM event_data WHERE +id BETWEEN ? AND ? ORDER BY "
-                       f"ts_ns {order} LIMIT 1", (node << 40, ((node + 1) << 40) - 1)
-                       ).fetchone()
+                       f"ts_ns {order} LIMIT 1", node_ids(node)).fetchone()
     return None if row is None else int(row[0])
 
 
@@ -282,7 +253,7 @@ def summed_runs(conn: sqlite3.Connection, node: int, start_ns: int, end_ns: int
                         "BETWEEN ? AND ? ORDER BY sec", (node, first, last)).fetchall()
     # The node's own events only; in a file of this node alone, without testing each
     # id (a third of the check's cost).
-    ids = (node << 40, ((node + 1) << 40) - 1)
+    ids = node_ids(node)
     lo = conn.execute("SELECT min(id) FROM event_data").fetchone()[0]  # a seek each (both
     hi = conn.execute("SELECT max(id) FROM event_data").fetchone()[0]  # in one: a walk)
     alone = lo is not None and ids[0] <= lo and hi <= ids[1]
