@@ -99,11 +99,7 @@ class Context:
         return max(ts, key=lambda t: int(t["in_cuda_ns"]), default=None)
 
     def gpu_pids(self) -> list[int]:
-        seen: dict[int, int] = defaultdict(int)
-        for r in self.ops:
-            if r["source"] in ("cuda", "graph", "driver", "nccl") and r["pid"] is not None:
-                seen[int(r["pid"])] += int(r["total_ns"] or 0)  # None: none timed
-        return sorted(seen, key=lambda p: -seen[p])
+        return gpu_pids(self.ops)
 
     def feeders(self) -> list[tuple[int, ThreadRow]]:
         """(pid, feeding thread) of every process with CUDA calls."""
@@ -121,6 +117,15 @@ class Context:
         """The share of its wall time thread ``tid`` spent in breakdown ``column``
         (``lock``, ``data``, ``runq``...): what a chain of that reason states."""
         return thread_share(self.threads, tid, column) or 0.0
+
+
+def gpu_pids(ops: list[OpRow]) -> list[int]:
+    """The processes with CUDA or NCCL calls in ``ops``, most time in them first."""
+    seen: dict[int, int] = defaultdict(int)
+    for r in ops:
+        if r["source"] in ("cuda", "graph", "driver", "nccl") and r["pid"] is not None:
+            seen[int(r["pid"])] += int(r["total_ns"] or 0)  # None: none timed
+    return sorted(seen, key=lambda p: -seen[p])
 
 
 def _victim(ctx: Context, pid: int) -> Victim:

@@ -23,9 +23,8 @@ import sqlite3
 from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
-from fleetd.analyze.causes.rules import dense_plan
+from fleetd.analyze.causes.rules import dense_plan, gpu_pids
 from fleetd.analyze.pernode.model import NodeSlice
-from fleetd.analyze.reading.data import CALL_SOURCES
 from fleetd.analyze.reading.nodeview import NodeView
 from fleetd.analyze.reading.spanreads import CallRow, CallsRead
 
@@ -106,7 +105,7 @@ def _child(sl: NodeSlice, reopen: Reopen, out: int) -> None:
         sl.conn = reopen()
         with os.fdopen(out, "wb") as f:
             _send(f, pickle.dumps((sl.ops, sl.op_stats(None, False))))
-            if any(r["source"] in CALL_SOURCES and r["pid"] is not None for r in sl.ops):
+            if gpu_pids(sl.ops):  # the rules read the walk for each of them
                 view = NodeView(sl.conn, sl.node, sl.window, sl.tasks, sl.names, sl.sums,
                                 sl.stack_rows)
                 _send_calls(f, view.calls_read(*dense_plan(sl.span, sl.sums)))

@@ -99,7 +99,8 @@ def effective_span(conn: sqlite3.Connection, node: Node, win: Window,
     found: list[tuple[Any, Any]] = [conn.execute(
         "SELECT min(first_ns), max(end_ns) FROM second_cover WHERE node = ? AND sec "
         "BETWEEN ? AND ?", (node.key, first, last)).fetchone() for first, last in runs]
-    where = SPAN_WHERE if runs else "ts_ns >= ? AND ts_ns < ? AND id BETWEEN ? AND ?"
+    # The whole window as every reader walks it; pieces of it through the time index.
+    where = SPAN_WHERE if runs else in_window(node, win)[0]
     found += [conn.execute(
         f"SELECT min(ts_ns), max(ts_ns + dur_ns) FROM event_data WHERE {where}",
         (lo, hi, node.lo, node.hi),
