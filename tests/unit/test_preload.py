@@ -7,9 +7,9 @@ only the time. The size bar is lowered so the shipped scenarios
 from __future__ import annotations
 
 import os
-import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,54 +29,51 @@ pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
                                 reason="the forked path needs two CPUs; CI has two")
 
 
-def _analysis(path: Path) -> tuple[sqlite3.Connection, Analysis]:
-    conn = open_reader(path)
-    return conn, Analysis.of(conn)
+def _analysis() -> Iterator[Analysis]:
+    conn = open_reader(SCENARIO)
+    try:
+        yield Analysis.of(conn)
+    finally:
+        conn.close()
 
 
-def test_forked_op_statistics_are_those_read_here(monkeypatch: pytest.MonkeyPatch) -> None:
+# Two analyses of the scenario, each on its own connection: one forked, one read here.
+forked = pytest.fixture(_analysis, name="forked")
+here = pytest.fixture(_analysis, name="here")
+
+
+@pytest.fixture
+def low_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scenario's window takes the forked path."""
     monkeypatch.setattr(preload_mod, "FORK_FROM_EVENTS", 1)
-    conn, forked = _analysis(SCENARIO)
-    conn2, here = _analysis(SCENARIO)
-    try:
-        preload(forked.slices, lambda: open_reader(SCENARIO))
-        preload(here.slices)
-        for a, b in zip(forked.slices, here.slices, strict=True):
-            # The child's answer was taken: this process never read the durations.
-            assert "_op_events" not in a.__dict__ and "_op_events" in b.__dict__
-            assert a.ops == b.ops and a.ops
-            assert a.op_stats(None, False) == b.op_stats(None, False)
-            assert a.threads == b.threads
-    finally:
-        conn.close()
-        conn2.close()
 
 
-def test_a_child_that_fails_leaves_the_reading_here(monkeypatch: pytest.MonkeyPatch,
-                                                    tmp_path: Path) -> None:
-    monkeypatch.setattr(preload_mod, "FORK_FROM_EVENTS", 1)
-    conn, forked = _analysis(SCENARIO)
-    conn2, here = _analysis(SCENARIO)
-    try:
-        # The file cannot be opened again (gone): the child exits 1, nothing is taken.
-        preload(forked.slices, lambda: open_reader(tmp_path / "gone.db"))
-        preload(here.slices)
-        sl = forked.slices[0]
-        assert "_op_events" in sl.__dict__  # read here after all
-        assert sl.ops == here.slices[0].ops
-        assert sl.op_stats(None, False) == here.slices[0].op_stats(None, False)
-    finally:
-        conn.close()
-        conn2.close()
+def test_forked_op_statistics_are_those_read_here(low_bar: None, forked: Analysis,
+                                                  here: Analysis) -> None:
+    preload(forked.slices, lambda: open_reader(SCENARIO))
+    preload(here.slices)
+    for a, b in zip(forked.slices, here.slices, strict=True):
+        # The child's answer was taken: this process never read the durations.
+        assert "_op_events" not in a.__dict__ and "_op_events" in b.__dict__
+        assert a.ops == b.ops and a.ops
+        assert a.op_stats(None, False) == b.op_stats(None, False)
+        assert a.threads == b.threads
 
 
-def test_a_small_window_is_not_forked() -> None:
-    conn, analysis = _analysis(SCENARIO)
-    try:
-        preload(analysis.slices, lambda: (_ for _ in ()).throw(AssertionError("forked")))
-        assert "_op_events" in analysis.slices[0].__dict__
-    finally:
-        conn.close()
+def test_a_child_that_fails_leaves_the_reading_here(low_bar: None, forked: Analysis,
+                                                    here: Analysis, tmp_path: Path) -> None:
+    # The file cannot be opened again (gone): the child exits 1, nothing is taken.
+    preload(forked.slices, lambda: open_reader(tmp_path / "gone.db"))
+    preload(here.slices)
+    sl = forked.slices[0]
+    assert "_op_events" in sl.__dict__  # read here after all
+    assert sl.ops == here.slices[0].ops
+    assert sl.op_stats(None, False) == here.slices[0].op_stats(None, False)
+
+
+def test_a_small_window_is_not_forked(forked: Analysis) -> None:
+    preload(forked.slices, lambda: (_ for _ in ()).throw(AssertionError("forked")))
+    assert "_op_events" in forked.slices[0].__dict__
 
 
 def test_explain_forked_prints_what_it_prints_alone(tmp_path: Path) -> None:
@@ -110,58 +107,42 @@ def _dense(view: NodeView, plan: tuple[list[tuple[int, ...]], int, int, list[int
 
 
 def test_the_rules_walk_read_by_the_child_is_the_one_read_here(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(preload_mod, "FORK_FROM_EVENTS", 1)
-    conn, forked = _analysis(SCENARIO)
-    conn2, here = _analysis(SCENARIO)
-    try:
-        preload(forked.slices, lambda: open_reader(SCENARIO))
-        sl = forked.slices[0]
-        assert sl.calls_ahead is not None  # host_sync's process calls CUDA
-        view, plan = _view(forked)
-        view.await_calls(sl.calls_ahead)
-        statements: list[str] = []
-        conn.set_trace_callback(statements.append)
-        got = _dense(view, plan)
-        conn.set_trace_callback(None)
-        assert not [s for s in statements if "event_data" in s]  # nothing read again
-        want = _dense(*_view(here))
-        assert got == want and any(got[0])
-    finally:
-        conn.close()
-        conn2.close()
+        low_bar: None, forked: Analysis, here: Analysis) -> None:
+    preload(forked.slices, lambda: open_reader(SCENARIO))
+    sl = forked.slices[0]
+    assert sl.calls_ahead is not None  # host_sync's process calls CUDA
+    view, plan = _view(forked)
+    view.await_calls(sl.calls_ahead)
+    statements: list[str] = []
+    forked.conn.set_trace_callback(statements.append)
+    got = _dense(view, plan)
+    forked.conn.set_trace_callback(None)
+    assert not [s for s in statements if "event_data" in s]  # nothing read again
+    want = _dense(*_view(here))
+    assert got == want and any(got[0])
 
 
 def test_a_child_that_fails_after_the_op_statistics_leaves_the_walk_here(
+        low_bar: None, forked: Analysis, here: Analysis,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(preload_mod, "FORK_FROM_EVENTS", 1)
 
     def broken(*_: object) -> None:
         raise RuntimeError("the child fails in its second part")
 
     monkeypatch.setattr(preload_mod, "dense_plan", broken)  # inherited by the child
-    conn, forked = _analysis(SCENARIO)
-    conn2, here = _analysis(SCENARIO)
-    try:
-        preload(forked.slices, lambda: open_reader(SCENARIO))
-        sl = forked.slices[0]
-        assert "_op_events" not in sl.__dict__  # the first part was taken
-        assert sl.calls_ahead is not None
-        view, plan = _view(forked)
-        view.await_calls(sl.calls_ahead)
-        assert _dense(view, plan) == _dense(*_view(here))
-    finally:
-        conn.close()
-        conn2.close()
+    preload(forked.slices, lambda: open_reader(SCENARIO))
+    sl = forked.slices[0]
+    assert "_op_events" not in sl.__dict__  # the first part was taken
+    assert sl.calls_ahead is not None
+    view, plan = _view(forked)
+    view.await_calls(sl.calls_ahead)
+    assert _dense(view, plan) == _dense(*_view(here))
 
 
-def test_the_rules_walk_read_in_a_thread_is_the_one_read_here() -> None:
-    conn, analysis = _analysis(SCENARIO)
-    try:
-        view, plan = _view(analysis)
-        sets, t0, t1, tids = plan
-        view.prefetch_calls(lambda: open_reader(SCENARIO), sets[0], t0, t1, tuple(sets),
-                            tids)
-        assert _dense(view, plan) == _dense(*_view(analysis))
-    finally:
-        conn.close()
+def test_the_rules_walk_read_in_a_thread_is_the_one_read_here(forked: Analysis,
+                                                              here: Analysis) -> None:
+    view, plan = _view(forked)
+    sets, t0, t1, tids = plan
+    view.prefetch_calls(lambda: open_reader(SCENARIO), sets[0], t0, t1, tuple(sets),
+                        tids)
+    assert _dense(view, plan) == _dense(*_view(here))
